@@ -1,0 +1,3 @@
+from kdbench.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,147 @@
+"""Where a cell runs: cpu, cuda or rocm; and the choices that follow from it.
+
+ROCm builds of PyTorch have no ``torch.backends.roc``: they are recognised by
+``torch.version.hip`` and use the ``cuda`` device type (HIP is exposed through the
+CUDA API), so one code path serves both GPUs.  Autocast and GradScaler use the
+device-generic ``torch.amp`` API.  Every choice here reads torch at call time, so
+unit tests can simulate a ROCm, CUDA or CPU-only build by monkeypatching torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import Callable, ContextManager
+
+import torch
+
+from kdbench.errors import KdbenchError
+from kdbench.timing import Clock, EventClock, HostClock
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Detected:
+    """What this torch build and machine offer."""
+
+    build: str  # "rocm", "cuda" or "cpu": what torch was built for
+    gpu_count: int  # usable GPUs (0 when none, or a GPU build on a machine without one)
+
+    @property
+    def best(self) -> str:
+        return self.build if self.gpu_count > 0 else "cpu"
+
+    def describe(self) -> str:
+        if self.gpu_count:
+            return f"{self.build} with {self.gpu_count} GPU{'s' if self.gpu_count > 1 else ''}"
+        gpu = f" (a {self.build} build of torch, but no usable GPU)" if self.build != "cpu" else ""
+        return f"cpu only{gpu}"
+
+
+def detect() -> Detected:
+    if getattr(torch.version, "hip", None):
+        build = "rocm"
+    elif getattr(torch.version, "cuda", None):
+        build = "cuda"
+    else:
+        build = "cpu"
+    count = torch.cuda.device_count() if build != "cpu" and torch.cuda.is_available() else 0
+    return Detected(build=build, gpu_count=count)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The resolved backend: its name and the one torch.device that flows through the code."""
+
+    name: str  # "cpu", "cuda" or "rocm"
+    device: torch.device
+
+    @property
+    def device_type(self) -> str:
+        """The torch device type: 'cuda' for both CUDA and ROCm."""
+        return self.device.type
+
+    def clock(self) -> Clock:
+        """Device events on GPUs (asynchronous work), the host's perf_counter_ns on the CPU."""
+        return EventClock(self.device) if self.device_type == "cuda" else HostClock()
+
+    def synchronize(self) -> None:
+        if self.device_type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def resolve(requested: str, detected: Detected | None = None) -> Backend:
+    """Turn `auto|cpu|cuda|rocm` into a Backend, or explain in one line why it can't run here."""
+    d = detected or detect()
+    name = d.best if requested == "auto" else requested
+    if name not in ("cpu", "cuda", "rocm"):
+        raise KdbenchError(f"unknown backend '{requested}'; use auto, cpu, cuda or rocm")
+    if name != "cpu" and d.best != name:
+        raise KdbenchError(
+            f"backend '{name}' is not available on this machine ({d.describe()}); "
+            "run with --device cpu (or --device auto) to measure on what is here"
+        )
+    device = torch.device("cpu") if name == "cpu" else torch.device("cuda", torch.cuda.current_device())
+    return Backend(name=name, device=device)
+
+
+# --------------------------------------------------------------------------- precision
+
+
+@dataclass(frozen=True)
+class AutocastChoice:
+    """How a precision is realised on a backend."""
+
+    precision: str
+    applied: bool  # autocast is on (False for fp32, and where the dtype is unsupported)
+    dtype: torch.dtype | None
+    note: str = ""  # why autocast was not applied, when precision asked for it
+
+    def context(self, device_type: str) -> ContextManager:
+        if not self.applied:
+            return contextlib.nullcontext()
+        return torch.amp.autocast(device_type=device_type, dtype=self.dtype)
+
+    def context_factory(self, device_type: str) -> Callable[[], ContextManager]:
+        return lambda: self.context(device_type)
+
+
+def _autocast_works(device_type: str, dtype: torch.dtype) -> str:
+    """'' if autocast(device_type, dtype) really enables, else the reason torch gives."""
+    if not torch.amp.is_autocast_available(device_type):
+        return f"autocast is not available for device type {device_type}"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with torch.amp.autocast(device_type=device_type, dtype=dtype):
+                enabled = torch.is_autocast_enabled(device_type)
+        except (RuntimeError, TypeError) as exc:
+            return str(exc).splitlines()[0]
+    if not enabled:
+        reason = next((str(w.message) for w in caught), "autocast disabled itself")
+        return reason.splitlines()[0]
+    return ""
+
+
+def choose_autocast(backend: Backend, precision: str) -> AutocastChoice:
+    """fp32 runs plainly; fp16/bf16 run under torch.amp.autocast where the backend supports it."""
+    if precision == "fp32":
+        return AutocastChoice(precision, applied=False, dtype=None)
+    dtype = DTYPES[precision]
+    if backend.device_type == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
+        return AutocastChoice(precision, False, dtype, "this GPU does not support bf16; ran in fp32")
+    problem = _autocast_works(backend.device_type, dtype)
+    if problem:
+        return AutocastChoice(precision, False, dtype, f"{problem}; ran in fp32")
+    return AutocastChoice(precision, True, dtype)
+
+
+def needs_grad_scaler(choice: AutocastChoice) -> bool:
+    """fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none."""
+    return choice.applied and choice.dtype == torch.float16
+
+
+def grad_scaler(backend: Backend, choice: AutocastChoice) -> "torch.amp.GradScaler | None":
+    return torch.amp.GradScaler(backend.device_type) if needs_grad_scaler(choice) else None

@@ -1,0 +1,157 @@
+"""Command line: run, report, env, list.
+
+User mistakes (KdbenchError) print one line, `kdbench: error: ...`, and exit 2.
+`run` exits 0 when every runnable cell succeeded and 1 when any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kdbench.errors import KdbenchError
+
+EPILOG = """examples:
+  kdbench run suites/cpu.yaml                 measure, store in results/, report in reports/
+  kdbench run suites/amd.yaml --dry-run       validate and list the cells, run nothing
+  kdbench run suites/cuda.yaml --device cpu   run a GPU suite on the CPU
+  kdbench report results/ --out reports/      one report over every result file in results/
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kdbench",
+        description="Benchmark and profile knowledge distillation in PyTorch on CPU, CUDA and ROCm.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run a suite: measure every cell, store parquet, render the report")
+    run.add_argument("suite", type=Path, help="suite YAML file, e.g. suites/cpu.yaml")
+    run.add_argument("--out", type=Path, default=Path("results"), help="folder for the run's parquet file (default: results/)")
+    run.add_argument("--report-dir", type=Path, default=Path("reports"), help="folder for the HTML/PNG report (default: reports/)")
+    run.add_argument("--no-report", action="store_true", help="store results only, render no report")
+    run.add_argument("--device", choices=["auto", "cpu", "cuda", "rocm"], default=None,
+                     help="where to run, overriding the suite's `backend` (auto picks the GPU when there is one)")
+    run.add_argument("--threads", type=int, default=None,
+                     help="torch CPU threads (default: the suite's `threads`, else torch's default for this machine)")
+    run.add_argument("--allow-imports", action="store_true",
+                     help="allow `module:callable` user models, as `allow_imports: true` in the suite does")
+    run.add_argument("--dry-run", action="store_true", help="validate the suite and print the plan; run nothing")
+
+    rep = sub.add_parser("report", help="render an HTML/PNG report from result files")
+    rep.add_argument("results", nargs="+", type=Path, help="parquet files, or folders searched for them")
+    rep.add_argument("--out", type=Path, default=Path("reports"), help="report folder (default: reports/)")
+
+    sub.add_parser("env", help="show the backend, devices and software kdbench detects")
+
+    lst = sub.add_parser("list", help="list models or distillation methods")
+    lst.add_argument("what", choices=["models", "methods"])
+    return p
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kdbench.backends import detect, resolve
+    from kdbench.plan import expand, planned_measurements
+    from kdbench.runner import run_plan
+    from kdbench.suite import load_suite
+
+    suite = load_suite(args.suite)
+    if args.allow_imports and not suite.allow_imports:
+        from dataclasses import replace
+
+        suite = replace(suite, allow_imports=True)
+    cells = expand(suite)
+    requested = args.device or suite.backend
+    if args.dry_run:
+        n_rows = 0
+        for cell in cells:
+            rows = planned_measurements(cell.config)
+            n_rows += len(rows)
+            inf = ",".join(str(b) for b in cell.config.inference.batch_sizes) or "-"
+            print(f"{cell.index + 1:4d}  {cell.cell_id}  {cell.label}  (inference bs {inf})")
+        d = detect()
+        here = "available here" if requested in ("auto", "cpu") or d.best == requested else f"NOT available here: {d.describe()}"
+        print(f"{len(cells)} cells, {n_rows} measurements; suite '{suite.name}', backend {requested} ({here})")
+        return 0
+    try:
+        backend = resolve(requested)
+    except KdbenchError as exc:
+        raise KdbenchError(f"{suite.path}: backend {requested}: {exc}") from None
+    threads = args.threads or suite.threads or torch.get_num_threads()
+    if threads < 1:
+        raise KdbenchError(f"--threads must be >= 1, got {threads}")
+    outcome = run_plan(suite, cells, backend, args.out, threads)
+    if outcome.interrupted:
+        print(f"interrupted after {outcome.cells} of {len(cells)} cells; their results are in {outcome.path}",
+              file=sys.stderr)
+        return 130
+    print(f"{outcome.cells} cells, {outcome.rows} rows -> {outcome.path}")
+    if not args.no_report and outcome.rows:
+        from kdbench.report import render_report
+        from kdbench.store import read_results
+
+        index = render_report(read_results([outcome.path]), args.report_dir)
+        print(f"report -> {index}")
+    if outcome.failed:
+        print(f"{len(outcome.failed)} cell(s) had failures:", file=sys.stderr)
+        for label in outcome.failed:
+            print(f"  {label}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from kdbench.report import render_report
+    from kdbench.store import read_results
+
+    index = render_report(read_results(args.results), args.out)
+    print(f"report -> {index}")
+    return 0
+
+
+def _cmd_env(_args: argparse.Namespace) -> int:
+    from kdbench.environment import describe_lines
+
+    print("\n".join(describe_lines()))
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    if args.what == "models":
+        from kdbench.models import available_models
+
+        models = available_models()
+        for family in sorted(set(models.values())):
+            names = [n for n, f in models.items() if f == family]
+            print(f"{family} ({len(names)}): {', '.join(names)}")
+        print("module:callable: a user's own model factory (needs `allow_imports: true` or --allow-imports)")
+        return 0
+    from kdbench.distill.losses import METHODS
+    from kdbench.suite import CellConfig
+
+    for m in METHODS.values():
+        defaults = CellConfig.model_fields[m.params].default.model_dump()
+        params = ", ".join(f"{k}={v}" for k, v in defaults.items())
+        print(f"{m.name}: {m.doc}\n    suite key `{m.params}`: {params}")
+    return 0
+
+
+COMMANDS = {"run": _cmd_run, "report": _cmd_report, "env": _cmd_env, "list": _cmd_list}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except KdbenchError as exc:
+        print(f"kdbench: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("kdbench: interrupted", file=sys.stderr)
+        return 130

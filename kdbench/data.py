@@ -1,0 +1,23 @@
+"""Input batches: synthetic, deterministic, the same shapes every iteration."""
+
+from __future__ import annotations
+
+import torch
+
+from kdbench.suite import CellConfig
+
+
+def memory_format_of(name: str) -> torch.memory_format:
+    return torch.channels_last if name == "channels_last" else torch.contiguous_format
+
+
+def synthetic_batch(config: CellConfig, batch_size: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed batch of standard-normal inputs and uniform labels, generated on the CPU from
+    `seed` (identical on every backend) and moved to `device` in the cell's memory format."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((batch_size, *config.data.shape), generator=g)
+    y = torch.randint(0, config.data.num_classes, (batch_size,), generator=g)
+    x = x.to(device)
+    if x.dim() == 4:
+        x = x.contiguous(memory_format=memory_format_of(config.memory_format))
+    return x, y.to(device)

@@ -1,0 +1,1 @@
+"""Distillation losses and the distillation step."""

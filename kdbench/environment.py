@@ -1,0 +1,149 @@
+"""The environment every result row carries, and what `kdbench env` prints."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+import kdbench
+from kdbench.backends import Backend, detect
+
+# Environment variables that change speed; recorded with every row.
+KNOB_PREFIXES = ("MIOPEN_", "PYTORCH_TUNABLEOP_", "HIP_", "ROCM_", "CUDA_", "CUBLAS", "NCCL_", "RCCL_")
+KNOB_NAMES = (
+    "TORCH_BLAS_PREFER_HIPBLASLT",
+    "PYTORCH_MIOPEN_SUGGEST_NHWC",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_HIP_ALLOC_CONF",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "KMP_AFFINITY",
+    "OMP_PROC_BIND",
+    "HSA_OVERRIDE_GFX_VERSION",
+)
+
+
+def env_knobs(environ: dict[str, str] | None = None) -> dict[str, str]:
+    environ = dict(os.environ if environ is None else environ)
+    return {k: v for k, v in sorted(environ.items()) if k in KNOB_NAMES or k.startswith(KNOB_PREFIXES)}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str | None:
+    root = Path(kdbench.__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def driver_version(build: str) -> str | None:
+    """The GPU kernel driver's version, read from the driver's own files where present."""
+    candidates = {
+        "cuda": ["/proc/driver/nvidia/version"],
+        "rocm": ["/sys/module/amdgpu/version"],
+    }.get(build, [])
+    for path in candidates:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if build == "cuda":  # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  ..."
+            words = text.splitlines()[0].split()
+            nums = [w for w in words if w[:1].isdigit() and "." in w]
+            return nums[0] if nums else text.splitlines()[0]
+        return text
+    return None
+
+
+def _device_facts(backend: Backend) -> dict[str, Any]:
+    if backend.device_type == "cuda":
+        props = torch.cuda.get_device_properties(backend.device)
+        arch = getattr(props, "gcnArchName", "") if backend.name == "rocm" else f"sm_{props.major}{props.minor}"
+        return {
+            "device_name": props.name,
+            "device_arch": arch or None,
+            "device_memory_bytes": int(props.total_memory),
+        }
+    return {
+        "device_name": cpu_model(),
+        "device_arch": platform.machine(),
+        "device_memory_bytes": int(psutil.virtual_memory().total),
+    }
+
+
+def capture(backend: Backend) -> dict[str, Any]:
+    """Environment columns of the results schema, for rows measured on `backend`."""
+    import torchvision
+
+    d = detect()
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    blas = None
+    if backend.device_type == "cuda":
+        try:
+            blas = str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1]
+        except (AttributeError, RuntimeError):
+            blas = None
+    return {
+        **_device_facts(backend),
+        "device_count": d.gpu_count,
+        "driver_version": driver_version(d.build),
+        "torch_version": torch.__version__,
+        "torchvision_version": torchvision.__version__,
+        "cuda_version": getattr(torch.version, "cuda", None) if d.build == "cuda" else None,
+        "hip_version": getattr(torch.version, "hip", None),
+        "cudnn_version": str(cudnn) if cudnn is not None else None,
+        "cpu_model": cpu_model(),
+        "cpu_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "hostname": socket.gethostname(),
+        "os": platform.platform(),
+        "python_version": platform.python_version(),
+        "kdbench_version": kdbench.__version__,
+        "git_commit": git_commit(),
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "blas_library": blas,
+        "env_knobs": json.dumps(env_knobs(), sort_keys=True),
+    }
+
+
+def describe_lines() -> list[str]:
+    """Human-readable lines for `kdbench env`."""
+    from kdbench.backends import resolve
+
+    d = detect()
+    lines = [f"backend: {d.best} ({d.describe()})", f"torch build: {d.build}"]
+    for i in range(d.gpu_count):
+        props = torch.cuda.get_device_properties(i)
+        arch = getattr(props, "gcnArchName", "") if d.build == "rocm" else f"sm_{props.major}{props.minor}"
+        lines.append(f"device {i}: {props.name}, arch {arch}, {props.total_memory / 2**30:.1f} GiB")
+    env = capture(resolve("auto", d))
+    for key in (
+        "torch_version", "torchvision_version", "cuda_version", "hip_version", "cudnn_version", "driver_version",
+        "cpu_model", "cpu_threads", "cpu_count", "device_memory_bytes", "hostname", "os", "python_version",
+        "kdbench_version", "git_commit", "cudnn_benchmark", "blas_library", "env_knobs",
+    ):
+        lines.append(f"{key}: {env[key]}")
+    return lines

@@ -1,0 +1,19 @@
+"""Model zoo: CIFAR models of the distillation literature, torchvision classifiers,
+seed models and user models given as ``"module:callable"``."""
+
+from kdbench.models import cifar  # noqa: F401  (registers the CIFAR family)
+from kdbench.models.registry import (
+    available_models,
+    build_model,
+    check_model_name,
+    count_params,
+    register_model,
+)
+
+__all__ = [
+    "available_models",
+    "build_model",
+    "check_model_name",
+    "count_params",
+    "register_model",
+]

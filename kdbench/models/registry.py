@@ -1,0 +1,167 @@
+"""Model registry: names to builders, and :func:`build_model`.
+
+A model name is one of
+
+* a registered name (``cifar`` and ``seed`` families, see :func:`register_model`),
+* a torchvision classification model (``torchvision`` family, listed lazily),
+* ``"module:callable"``: user code, imported only when ``allow_imports`` is set.
+
+Every builder is called as ``builder(num_classes=..., in_shape=...)`` where
+``in_shape`` is one sample's shape without the batch dimension.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib
+import inspect
+import math
+from collections.abc import Callable
+
+from torch import nn
+
+from kdbench.errors import KdbenchError
+
+Builder = Callable[..., nn.Module]
+
+FAMILIES = ("cifar", "torchvision", "seed")
+
+_REGISTRY: dict[str, tuple[str, Builder]] = {}
+
+_TORCHVISION_EXTRA_KWARGS = {
+    # Without these, train-mode forward returns a namedtuple with aux logits.
+    "googlenet": {"aux_logits": False, "init_weights": False},
+    "inception_v3": {"aux_logits": False, "init_weights": False},
+}
+
+
+def register_model(name: str, family: str) -> Callable[[Builder], Builder]:
+    """Decorator registering ``fn(num_classes, in_shape) -> nn.Module`` as ``name``."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
+
+    def decorate(fn: Builder) -> Builder:
+        if name in _REGISTRY:
+            raise ValueError(f"model {name!r} is already registered")
+        _REGISTRY[name] = (family, fn)
+        return fn
+
+    return decorate
+
+
+@functools.cache
+def _torchvision_names() -> frozenset[str]:
+    """Names of torchvision's classification models (imports torchvision once)."""
+    import torchvision
+
+    return frozenset(torchvision.models.list_models(module=torchvision.models))
+
+
+def available_models() -> dict[str, str]:
+    """Map every known model name to its family, sorted by name."""
+    models = {name: "torchvision" for name in _torchvision_names()}
+    models.update({name: family for name, (family, _) in _REGISTRY.items()})
+    return dict(sorted(models.items()))
+
+
+def check_model_name(name: str, allow_imports: bool = False) -> None:
+    """Raise :class:`KdbenchError` unless ``name`` can be built; imports no user code."""
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        if not module or not attr:
+            raise KdbenchError(f"model {name!r} must look like 'package.module:callable'")
+        if not allow_imports:
+            raise KdbenchError(
+                f"model {name!r} imports user code; "
+                "set `allow_imports: true` in the suite or pass --allow-imports"
+            )
+        return
+    if name in _REGISTRY or name in _torchvision_names():
+        return
+    close = difflib.get_close_matches(name, available_models(), n=3)
+    if close:
+        hint = f"did you mean {', '.join(close)}? (`kdbench list models` shows all)"
+    else:
+        hint = "pick one from `kdbench list models`"
+    raise KdbenchError(f"unknown model {name!r}; {hint}")
+
+
+def build_model(
+    name: str,
+    num_classes: int,
+    in_shape: tuple[int, ...],
+    allow_imports: bool = False,
+) -> nn.Module:
+    """Build model ``name`` with fresh weights (seed ``torch`` beforehand for determinism)."""
+    check_model_name(name, allow_imports)
+    if num_classes < 1:
+        raise KdbenchError(
+            f"num_classes must be at least 1 for model {name!r} (got {num_classes})"
+        )
+    in_shape = tuple(in_shape)
+    if ":" in name:
+        return _build_imported(name, num_classes, in_shape)
+    if name in _REGISTRY:
+        return _REGISTRY[name][1](num_classes=num_classes, in_shape=in_shape)
+    return _build_torchvision(name, num_classes, in_shape)
+
+
+def count_params(model: nn.Module) -> int:
+    """Number of parameters (trainable or not) of ``model``."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def _build_torchvision(name: str, num_classes: int, in_shape: tuple[int, ...]) -> nn.Module:
+    """Build a torchvision classifier without pretrained weights."""
+    import torchvision
+
+    if len(in_shape) != 3 or in_shape[0] != 3:
+        raise KdbenchError(
+            f"model {name!r} needs 3-channel images; set data.shape to [3, H, W] "
+            f"(got {list(in_shape)})"
+        )
+    extra = _TORCHVISION_EXTRA_KWARGS.get(name, {})
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **extra)
+
+
+def _build_imported(name: str, num_classes: int, in_shape: tuple[int, ...]) -> nn.Module:
+    """Import ``module:callable`` and call it with the arguments it accepts."""
+    module_name, _, attr = name.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as err:
+        reason = " ".join(str(err).split())
+        raise KdbenchError(
+            f"model {name!r}: cannot import {module_name!r} ({reason}); "
+            "check the module name and that its folder is on PYTHONPATH"
+        ) from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise KdbenchError(
+                f"model {name!r}: {module_name!r} has no attribute {attr!r}; fix the name after ':'"
+            )
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise KdbenchError(
+            f"model {name!r}: {attr!r} is not callable; point to a function or class"
+        )
+    offered = {"num_classes": num_classes, "in_shape": in_shape}
+    try:
+        params = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        params = {}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    model = obj(**{k: v for k, v in offered.items() if takes_any or k in params})
+    if not isinstance(model, nn.Module):
+        raise KdbenchError(
+            f"model {name!r} returned {type(model).__name__}, not a torch.nn.Module; "
+            "make the callable return the model"
+        )
+    return model
+
+
+@register_model("linear", "seed")
+def linear(num_classes: int, in_shape: tuple[int, ...]) -> nn.Module:
+    """A single linear layer on the flattened input (e.g. 784 -> 10 for MNIST)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(in_shape), num_classes))

@@ -1,0 +1,149 @@
+"""Suite -> Plan: the matrix expanded into Cells.
+
+A cell is ``defaults`` overlaid with one combination of the matrix values (the
+cartesian product, first axis slowest), minus the combinations an ``exclude``
+entry matches.  An exclude entry matches a cell when every key it gives equals
+the cell's value; a mapping value matches partially (``{pair: {student: x}}``
+matches every pair whose student is x).
+
+``cell_id`` is a hash of the resolved CellConfig, not of where it runs: the same
+cell measured on a ROCm box and on a CUDA box has the same id, which is what lets
+runs be compared cell by cell and resumed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from kdbench.suite import CellConfig, Suite, axis_path, deep_merge, nest, overlay, validate_cell
+
+MEASUREMENTS = ("distill_step", "student_inference", "teacher_inference")
+
+
+@dataclass(frozen=True)
+class Cell:
+    index: int
+    cell_id: str
+    config: CellConfig = field(compare=False)
+
+    @property
+    def label(self) -> str:
+        c = self.config
+        assert c.pair is not None
+        parts = [f"{c.pair.teacher}->{c.pair.student}", c.method, c.precision]
+        if c.teacher_precision != "fp32":
+            parts.append(f"teacher-{c.teacher_precision}")
+        parts.append(f"bs{c.batch_size}")
+        if c.memory_format != "contiguous":
+            parts.append(c.memory_format)
+        if c.alignment != 64:
+            parts.append(f"align{c.alignment}")
+        if c.world_size != 1:
+            parts.append(f"ws{c.world_size}")
+        return " ".join(parts)
+
+
+def config_dict(config: CellConfig) -> dict[str, Any]:
+    return config.model_dump(mode="json")
+
+
+def cell_id_of(config: CellConfig) -> str:
+    canonical = json.dumps(config_dict(config), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _matches(entry: Any, value: Any) -> bool:
+    if isinstance(entry, dict) and isinstance(value, dict):
+        return all(k in value and _matches(v, value[k]) for k, v in entry.items())
+    return entry == value
+
+
+def _excluded(config: dict[str, Any], excludes: list[dict[str, Any]]) -> bool:
+    for entry in excludes:
+        if all(_matches(nest(axis_path(k), v), config) for k, v in entry.items()):
+            return True
+    return False
+
+
+def expand(suite: Suite) -> list[Cell]:
+    """The suite's cells, in matrix order, each validated; raises KdbenchError on an empty plan."""
+    from kdbench.distill.losses import check_method
+    from kdbench.models import check_model_name
+
+    axes = list(suite.matrix)
+    cells: list[Cell] = []
+    seen: dict[str, str] = {}
+    for combo in itertools.product(*(suite.matrix[a] for a in axes)):
+        raw = dict(suite.defaults)
+        for axis, value in zip(axes, combo):
+            raw = deep_merge(raw, overlay(axis, value))
+        config = validate_cell(suite, raw, ("defaults",))
+        if config.pair is None:
+            raise suite.error(("defaults",), "no teacher/student pair; set defaults.pair or a matrix.pair axis")
+        if _excluded(config_dict(config), suite.exclude):
+            continue
+        cid = cell_id_of(config)
+        cell = Cell(index=len(cells), cell_id=cid, config=config)
+        if cid in seen:
+            raise suite.error(("matrix",), f"two combinations give the same cell ({cell.label}); remove the repeated value")
+        seen[cid] = cell.label
+        cells.append(cell)
+    if not cells:
+        raise suite.error(("exclude",), "excludes every cell, so there is nothing to run; loosen the exclude entries")
+    # Names are checked once per distinct value, where the user wrote them.
+    for cell in cells:
+        pair = cell.config.pair
+        for role in ("teacher", "student"):
+            name = getattr(pair, role)
+            try:
+                check_model_name(name, allow_imports=suite.allow_imports)
+            except Exception as exc:
+                loc = ("matrix", "pair") if "pair" in suite.matrix else ("defaults", "pair")
+                raise suite.error(loc + (role,), str(exc)) from None
+        try:
+            check_method(cell.config.method)
+        except Exception as exc:
+            loc = ("matrix", "method") if "method" in suite.matrix else ("defaults", "method")
+            raise suite.error(loc, str(exc)) from None
+    return cells
+
+
+def config_columns(config: CellConfig) -> dict[str, Any]:
+    """The result columns that come from a cell's config."""
+    assert config.pair is not None
+    return {
+        "teacher": config.pair.teacher,
+        "student": config.pair.student,
+        "method": config.method,
+        "precision": config.precision,
+        "teacher_precision": config.teacher_precision,
+        "memory_format": config.memory_format,
+        "alignment": config.alignment,
+        "world_size": config.world_size,
+        "data_kind": config.data.kind,
+        "data_shape": "x".join(map(str, config.data.shape)),
+        "num_classes": config.data.num_classes,
+        "kd_temperature": config.kd.temperature,
+        "kd_alpha": config.kd.alpha,
+        "optimizer": config.optimizer.name,
+        "lr": config.optimizer.lr,
+        "seed": config.seed,
+        "warmup": config.timing.warmup,
+        "min_iters": config.timing.min_iters,
+        "min_time_s": config.timing.min_time_s,
+        "config_json": json.dumps(config_dict(config), sort_keys=True),
+    }
+
+
+def planned_measurements(config: CellConfig) -> list[tuple[str, int]]:
+    """(measurement, batch_size) of every row a cell produces, in order."""
+    out = [("distill_step", config.batch_size)]
+    for bs in config.inference.batch_sizes:
+        out.append(("student_inference", bs))
+        if config.inference.teacher:
+            out.append(("teacher_inference", bs))
+    return out

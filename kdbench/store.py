@@ -1,0 +1,197 @@
+"""Parquet storage of measurements: the schema, per-cell atomic appends, reading.
+
+One parquet file per run.  ``ResultWriter.append`` rewrites the whole file under a
+temporary name and renames it over the old one (``os.replace`` is atomic on POSIX),
+so a reader, or a run killed at any moment, sees either the previous complete file
+or the new complete file — never half of one.
+
+``SCHEMA`` is the single source of the column list: the writer casts every row to
+it, the README documents it (a test checks that the two agree), and the report reads
+it back.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kdbench.errors import KdbenchError
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: pa.DataType
+    unit: str
+    doc: str
+
+
+_S, _I, _F, _B = pa.string(), pa.int64(), pa.float64(), pa.bool_()
+
+COLUMNS: tuple[Column, ...] = (
+    # --- identity ---------------------------------------------------------------
+    Column("schema_version", pa.int32(), "", "version of this column layout (1)"),
+    Column("run_id", _S, "", "unique id of the run; also the parquet file's name"),
+    Column("suite", _S, "", "the suite's `name`"),
+    Column("suite_file", _S, "", "path of the suite YAML as given to `run`"),
+    Column("cell_id", _S, "", "stable hash of the resolved cell config (same cell, same id, in any rerun)"),
+    Column("cell_label", _S, "", "short human label of the cell"),
+    Column("measurement", _S, "", "`distill_step`, `student_inference` or `teacher_inference`"),
+    Column("status", _S, "", "`ok`, `failed`, `oom` or `skipped`"),
+    Column("error", _S, "", "why the measurement failed or was skipped (null when ok)"),
+    Column("notes", _S, "", "caveats of an ok row, e.g. why autocast was not applied at the asked precision"),
+    Column("timestamp", pa.timestamp("us", tz="UTC"), "UTC", "when the measurement finished"),
+    # --- config -----------------------------------------------------------------
+    Column("teacher", _S, "", "teacher model name"),
+    Column("student", _S, "", "student model name"),
+    Column("method", _S, "", "distillation method (`kd`, ...)"),
+    Column("precision", _S, "", "student precision: `fp32`, `fp16` or `bf16`"),
+    Column("teacher_precision", _S, "", "teacher forward precision in the distillation step"),
+    Column("batch_size", _I, "samples", "batch size of this measurement (per rank)"),
+    Column("backend", _S, "", "backend the cell ran on: `cpu`, `cuda` or `rocm`"),
+    Column("device", _S, "", "torch device, e.g. `cpu` or `cuda:0`"),
+    Column("memory_format", _S, "", "`contiguous` or `channels_last`"),
+    Column("alignment", _I, "bytes", "requested byte alignment of the step's input buffers"),
+    Column("world_size", _I, "ranks", "data-parallel ranks"),
+    Column("data_kind", _S, "", "`synthetic`"),
+    Column("data_shape", _S, "", "shape of one input sample, e.g. `3x32x32`"),
+    Column("num_classes", _I, "", "classifier width"),
+    Column("kd_temperature", _F, "", "KD softmax temperature T"),
+    Column("kd_alpha", _F, "", "KD weight α of the soft-target term"),
+    Column("optimizer", _S, "", "student optimizer name"),
+    Column("lr", _F, "", "student learning rate"),
+    Column("seed", _I, "", "random seed of weights and data"),
+    Column("warmup", _I, "iterations", "untimed iterations after the first (cold) one"),
+    Column("min_iters", _I, "iterations", "minimum timed iterations"),
+    Column("min_time_s", _F, "s", "minimum timed duration"),
+    Column("autocast", _B, "", "whether torch.amp.autocast was applied to the measured forward"),
+    Column("teacher_autocast", _B, "", "whether autocast was applied to the teacher forward of the step"),
+    Column("grad_scaler", _B, "", "whether a GradScaler scaled the loss (fp16 steps)"),
+    Column("config_json", _S, "", "the whole resolved cell config as JSON"),
+    # --- statistics -------------------------------------------------------------
+    Column("n", _I, "samples", "number of timed iterations"),
+    Column("median_ms", _F, "ms", "median iteration time"),
+    Column("mean_ms", _F, "ms", "mean iteration time"),
+    Column("std_ms", _F, "ms", "standard deviation (ddof=1)"),
+    Column("iqr_ms", _F, "ms", "interquartile range p75 − p25"),
+    Column("p05_ms", _F, "ms", "5th percentile"),
+    Column("p95_ms", _F, "ms", "95th percentile"),
+    Column("min_ms", _F, "ms", "fastest iteration"),
+    Column("max_ms", _F, "ms", "slowest iteration"),
+    Column("first_ms", _F, "ms", "the first (cold) iteration, not among the samples"),
+    Column("samples_ms", pa.list_(_F), "ms", "every timed iteration, in order"),
+    Column("rel_iqr", _F, "ratio", "iqr_ms / median_ms"),
+    Column("noisy", _B, "", "rel_iqr > 0.10: treat the median with care"),
+    Column("timer", _S, "", "`perf_counter_ns` (host clock) or `device_event` (CUDA/HIP events)"),
+    # --- derived ----------------------------------------------------------------
+    Column("throughput", _F, "samples/s", "world_size × batch_size / median time"),
+    Column("speedup_vs_teacher", _F, "×", "teacher median / student median at this batch size (student_inference rows)"),
+    Column("final_loss", _F, "", "distillation loss of the last timed step (distill_step rows)"),
+    Column("student_params", _I, "parameters", "student parameter count"),
+    Column("teacher_params", _I, "parameters", "teacher parameter count"),
+    Column("data_ptr_mod64", _I, "bytes", "input batch's data_ptr() % 64"),
+    # --- environment ------------------------------------------------------------
+    Column("device_name", _S, "", "GPU name, or the CPU model for cpu cells"),
+    Column("device_arch", _S, "", "GPU architecture (`gfx942`, `sm_90`, ...); CPU machine type for cpu"),
+    Column("device_count", _I, "", "visible GPUs (0 on a CPU-only machine)"),
+    Column("device_memory_bytes", _I, "bytes", "total memory of the device (host RAM for cpu)"),
+    Column("driver_version", _S, "", "GPU driver version where readable"),
+    Column("torch_version", _S, "", "torch.__version__"),
+    Column("torchvision_version", _S, "", "torchvision.__version__"),
+    Column("cuda_version", _S, "", "torch.version.cuda (null on ROCm and CPU builds)"),
+    Column("hip_version", _S, "", "torch.version.hip (null on CUDA and CPU builds)"),
+    Column("cudnn_version", _S, "", "cuDNN version (MIOpen on ROCm) as torch reports it"),
+    Column("cpu_model", _S, "", "CPU model name"),
+    Column("cpu_threads", _I, "threads", "torch.get_num_threads() during the run (set explicitly)"),
+    Column("cpu_count", _I, "", "logical CPUs of the host"),
+    Column("hostname", _S, "", "host name"),
+    Column("os", _S, "", "platform.platform()"),
+    Column("python_version", _S, "", "Python version"),
+    Column("kdbench_version", _S, "", "kdbench version"),
+    Column("git_commit", _S, "", "kdbench git commit, when run from a checkout"),
+    Column("cudnn_benchmark", _B, "", "torch.backends.cudnn.benchmark"),
+    Column("blas_library", _S, "", "torch.backends.cuda.preferred_blas_library() on GPUs"),
+    Column("env_knobs", _S, "", "JSON of speed-changing environment variables (MIOPEN_*, PYTORCH_TUNABLEOP_*, ...)"),
+)
+
+SCHEMA = pa.schema([pa.field(c.name, c.type) for c in COLUMNS]).with_metadata(
+    {"kdbench_schema_version": str(SCHEMA_VERSION)}
+)
+COLUMN_NAMES = tuple(c.name for c in COLUMNS)
+
+
+def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """Rows (dicts) to a table in SCHEMA; unknown keys are a bug, missing ones null."""
+    for row in rows:
+        extra = set(row) - set(COLUMN_NAMES)
+        if extra:
+            raise ValueError(f"row has columns not in the schema: {sorted(extra)}")
+    data = {c.name: [row.get(c.name) for row in rows] for c in COLUMNS}
+    return pa.Table.from_pydict(data, schema=SCHEMA)
+
+
+class ResultWriter:
+    """Appends rows to one parquet file; every append is an atomic replace."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._rows: list[dict[str, Any]] = []
+        if self.path.exists():
+            self._rows = pq.read_table(self.path).to_pylist()
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return list(self._rows)
+
+    def append(self, rows: Iterable[dict[str, Any]]) -> None:
+        rows = list(rows)
+        table = rows_to_table(self._rows + rows)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        os.close(fd)
+        try:
+            pq.write_table(table, tmp)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self._rows.extend(rows)
+
+
+def result_files(paths: Iterable[str | Path]) -> list[Path]:
+    """Expand parquet files and folders (searched recursively) into a sorted file list."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files.extend(sorted(q for q in p.rglob("*.parquet") if not q.name.startswith(".")))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise KdbenchError(f"{p}: no such file or folder; give parquet files or folders that hold them")
+    return files
+
+
+def read_results(paths: Iterable[str | Path]):
+    """Read result files (or folders of them) into one pandas DataFrame."""
+    import pandas as pd
+
+    files = result_files(paths)
+    if not files:
+        raise KdbenchError(
+            f"no .parquet result files in {', '.join(map(str, paths))}; run `kdbench run SUITE` first"
+        )
+    frames = []
+    for f in files:
+        try:
+            frames.append(pq.read_table(f).to_pandas())
+        except Exception as exc:  # not a kdbench file, or a foreign/corrupt one
+            raise KdbenchError(f"{f}: not a readable parquet file ({exc}); remove it or pass other files") from None
+    return pd.concat(frames, ignore_index=True)

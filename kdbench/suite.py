@@ -1,0 +1,399 @@
+"""Suite YAML -> validated, typed configuration.
+
+A suite file has the top-level keys ``name, description, backend, threads,
+allow_imports, defaults, matrix, exclude``.  ``defaults`` holds one cell's
+configuration (``CellConfig``); every key it may hold may also be a ``matrix``
+axis (a list of values), and nested keys may be swept with a dotted axis name
+(``kd.temperature: [2, 4]``).  The plan (``kdbench.plan``) overlays each
+combination of matrix values on ``defaults``.
+
+Every error a user can make here is raised as ``KdbenchError`` with one line that
+names the file, the line (where known), the key path and what to change.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kdbench.errors import KdbenchError
+
+Precision = Literal["fp32", "fp16", "bf16"]
+BackendName = Literal["auto", "cpu", "cuda", "rocm"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Pair(_Strict):
+    teacher: str = Field(min_length=1)
+    student: str = Field(min_length=1)
+
+
+class KDParams(_Strict):
+    """Hinton KD: alpha * T^2 * KL(teacher || student) + (1 - alpha) * CE."""
+
+    temperature: float = Field(4.0, gt=0, le=1000)
+    alpha: float = Field(0.9, ge=0, le=1)
+
+
+class DataConfig(_Strict):
+    kind: Literal["synthetic"] = "synthetic"
+    shape: list[int] = Field(default_factory=lambda: [3, 32, 32], min_length=1, max_length=4)
+    num_classes: int = Field(100, ge=2, le=1_000_000)
+
+    @field_validator("shape")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if any(d < 1 or d > 65536 for d in v):
+            raise ValueError("every dimension must be between 1 and 65536")
+        return v
+
+
+class OptimizerConfig(_Strict):
+    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    lr: float = Field(1e-4, gt=0, le=10)
+    weight_decay: float | None = Field(None, ge=0, le=1)
+    momentum: float = Field(0.9, ge=0, lt=1)
+
+
+class TimingConfig(_Strict):
+    warmup: int = Field(3, ge=0, le=100_000)
+    min_iters: int = Field(10, ge=1, le=1_000_000)
+    min_time_s: float = Field(1.0, ge=0, le=86_400)
+    max_iters: int = Field(10_000, ge=1, le=10_000_000)
+
+    @model_validator(mode="after")
+    def _order(self) -> "TimingConfig":
+        if self.max_iters < self.min_iters:
+            raise ValueError(f"max_iters ({self.max_iters}) must be >= min_iters ({self.min_iters})")
+        return self
+
+
+class InferenceConfig(_Strict):
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 32], max_length=64)
+    teacher: bool = True
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if any(b < 1 or b > 1 << 20 for b in v):
+            raise ValueError("every batch size must be between 1 and 1048576")
+        if len(set(v)) != len(v):
+            raise ValueError("batch sizes must not repeat")
+        return v
+
+
+class CellConfig(_Strict):
+    """Everything one cell measures; `defaults` and each matrix combination build one."""
+
+    pair: Pair | None = None
+    method: str = "kd"
+    kd: KDParams = KDParams()
+    precision: Precision = "fp32"
+    teacher_precision: Precision = "fp32"
+    batch_size: int = Field(32, ge=1, le=1 << 20)
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    timing: TimingConfig = TimingConfig()
+    inference: InferenceConfig = InferenceConfig()
+    alignment: int = Field(64, ge=1, le=4096)
+    memory_format: Literal["contiguous", "channels_last"] = "contiguous"
+    world_size: int = Field(1, ge=1, le=1024)
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+
+    @field_validator("alignment")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"alignment must be a power of two in bytes (1, 2, 4, ... 4096), got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "CellConfig":
+        if self.memory_format == "channels_last" and len(self.data.shape) != 3:
+            raise ValueError("memory_format channels_last needs image data: data.shape must be [C, H, W]")
+        return self
+
+
+class SuiteModel(_Strict):
+    name: str = Field(min_length=1, max_length=200)
+    description: str = ""
+    backend: BackendName = "auto"
+    threads: int | None = Field(None, ge=1, le=4096)
+    allow_imports: bool = False
+    defaults: dict[str, Any] = Field(default_factory=dict)
+    matrix: dict[str, list[Any]] = Field(default_factory=dict)
+    exclude: list[dict[str, Any]] = Field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A validated suite: top-level settings plus the raw sweep (expanded by kdbench.plan)."""
+
+    path: Path
+    name: str
+    description: str
+    backend: str
+    threads: int | None
+    allow_imports: bool
+    defaults: dict[str, Any]
+    matrix: dict[str, list[Any]]
+    exclude: list[dict[str, Any]]
+    lines: dict[tuple, int] = field(default_factory=dict, repr=False, compare=False)
+
+    def error(self, loc: tuple, message: str) -> KdbenchError:
+        """A KdbenchError located at a key path of this suite's file."""
+        return KdbenchError(f"{_where(self.path, self.lines, loc)}: {message}")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that refuses documents whose aliases would expand without bound."""
+
+
+_MAX_ALIASES = 100
+
+
+def _read_text(path: Path) -> str:
+    if not path.exists():
+        raise KdbenchError(f"{path}: no such suite file; give the path of a suite YAML (see suites/)")
+    if path.is_dir():
+        raise KdbenchError(f"{path}: is a folder, not a suite file; give a .yaml file such as {path}/cpu.yaml")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise KdbenchError(f"{path}: is not UTF-8 text (byte {exc.start}); save the suite as UTF-8") from None
+
+
+def _line_map(path: Path, text: str) -> tuple[Any, dict[tuple, int]]:
+    """Compose the YAML node tree: check it, and map each key path to its 1-based line."""
+    try:
+        node = yaml.compose(text, Loader=_Loader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        hint = "; indent with spaces, not tabs" if "\t" in text and "tab" in str(exc).lower() else ""
+        raise KdbenchError(f"{path}{line}: invalid YAML: {problem}{hint}") from None
+    lines: dict[tuple, int] = {}
+    aliases = 0
+
+    def walk(n: Any, loc: tuple) -> None:
+        nonlocal aliases
+        if n is None:
+            return
+        lines.setdefault(loc, n.start_mark.line + 1)
+        if n.tag and n.tag.startswith("!") and not n.tag.startswith("!!"):
+            raise KdbenchError(f"{path}:{n.start_mark.line + 1}: YAML tag {n.tag} is not allowed; remove it")
+        if isinstance(n, yaml.MappingNode):
+            seen: set[Any] = set()
+            for k, v in n.value:
+                key = k.value if isinstance(k, yaml.ScalarNode) else str(k.value)
+                if key in seen:
+                    raise KdbenchError(
+                        f"{path}:{k.start_mark.line + 1}: {_dotted(loc + (key,))}: duplicate key; keep one of them"
+                    )
+                seen.add(key)
+                lines[loc + (key,)] = k.start_mark.line + 1
+                walk(v, loc + (key,))
+        elif isinstance(n, yaml.SequenceNode):
+            for i, v in enumerate(n.value):
+                walk(v, loc + (i,))
+
+    # Count alias references: each one would be a copy when loaded ("billion laughs").
+    for event in yaml.parse(text, Loader=_Loader):
+        if isinstance(event, yaml.AliasEvent):
+            aliases += 1
+            if aliases > _MAX_ALIASES:
+                raise KdbenchError(
+                    f"{path}:{event.start_mark.line + 1}: more than {_MAX_ALIASES} YAML aliases; "
+                    "write the values out instead of referencing anchors"
+                )
+    walk(node, ())
+    return node, lines
+
+
+def _dotted(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _where(path: Path, lines: dict[tuple, int], loc: tuple) -> str:
+    for n in range(len(loc), -1, -1):
+        if loc[:n] in lines:
+            return f"{path}:{lines[loc[:n]]}: {_dotted(loc)}"
+    return f"{path}: {_dotted(loc)}"
+
+
+def _fields(model: type[BaseModel]) -> list[str]:
+    return list(model.model_fields)
+
+
+def _model_at(loc: tuple, root: type[BaseModel]) -> type[BaseModel] | None:
+    """The pydantic model that holds the key at `loc` (for 'did you mean')."""
+    model: Any = root
+    for part in loc[:-1]:
+        if isinstance(part, int) or model is None:
+            continue
+        f = model.model_fields.get(part)
+        if f is None:
+            return None
+        ann = f.annotation
+        args = getattr(ann, "__args__", ())
+        candidates = [a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)]
+        model = candidates[0] if candidates else None
+    return model
+
+
+def _describe(err: dict, root: type[BaseModel]) -> str:
+    """One pydantic error as a short instruction."""
+    loc = tuple(err["loc"])
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        model = _model_at(loc, root)
+        names = _fields(model) if model else []
+        close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
+        hint = f"did you mean '{close[0]}'?" if close else f"allowed keys: {', '.join(names)}"
+        return f"unknown key '{loc[-1]}'; {hint}"
+    if kind == "missing":
+        return "is required; add it"
+    got = err.get("input")
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+    return f"{msg[0].lower()}{msg[1:]} (got {shown})"
+
+
+def validation_error(path: Path, lines: dict[tuple, int], exc: ValidationError, prefix: tuple, root) -> KdbenchError:
+    errors = exc.errors()
+    first = errors[0]
+    loc = prefix + tuple(first["loc"])
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    return KdbenchError(f"{_where(path, lines, loc)}: {_describe(first, root)}{more}")
+
+
+def axis_path(axis: str) -> tuple[str, ...]:
+    return tuple(axis.split("."))
+
+
+def nest(path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    for key in reversed(path):
+        value = {key: value}
+    return value  # type: ignore[return-value]
+
+
+CASES = "cases"  # the matrix axis whose values are whole partial cells (several keys at once)
+
+
+def overlay(axis: str, value: Any) -> dict[str, Any]:
+    """What one matrix value lays over the defaults."""
+    return value if axis == CASES else nest(axis_path(axis), value)
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` laid on `base`; nested mappings merge key by key, anything else replaces."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "pair":
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def check_axis_name(suite_path: Path, lines: dict[tuple, int], loc: tuple, key: str) -> tuple[str, ...]:
+    """A matrix axis or exclude key (at `loc`) must name a CellConfig key, dotted for nested ones."""
+    path = axis_path(key)
+    model: Any = CellConfig
+    for i, part in enumerate(path):
+        names = _fields(model) if model else []
+        if part not in names:
+            close = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
+            hint = f"did you mean '{'.'.join(path[:i] + (close[0],))}'?" if close else f"allowed: {', '.join(names)}"
+            raise KdbenchError(f"{_where(suite_path, lines, loc)}: unknown key '{key}'; {hint}")
+        ann = model.model_fields[part].annotation
+        args = (ann, *getattr(ann, "__args__", ()))
+        sub = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+        model = sub[0] if sub else None
+        if model is None and i < len(path) - 1:
+            raise KdbenchError(f"{_where(suite_path, lines, loc)}: '{part}' has no sub-keys; sweep '{'.'.join(path[: i + 1])}' itself")
+    return path
+
+
+def load_suite(path: str | Path) -> Suite:
+    """Read, parse and validate a suite file (the sweep itself is expanded by kdbench.plan)."""
+    path = Path(path)
+    text = _read_text(path)
+    _node, lines = _line_map(path, text)
+    try:
+        raw = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as exc:  # composed fine above, so this is rare
+        raise KdbenchError(f"{path}: invalid YAML: {str(exc).splitlines()[0]}") from None
+    if raw is None:
+        raise KdbenchError(f"{path}: the suite is empty; it needs at least `name` and `defaults` (see suites/cpu.yaml)")
+    if not isinstance(raw, dict):
+        raise KdbenchError(f"{path}:1: a suite must be a mapping of keys (name, defaults, matrix, ...), not a {type(raw).__name__}")
+    if "name" not in raw:
+        raw = {**raw, "name": path.stem}
+    try:
+        top = SuiteModel.model_validate(raw)
+    except ValidationError as exc:
+        raise validation_error(path, lines, exc, (), SuiteModel) from None
+    suite = Suite(
+        path=path,
+        name=top.name,
+        description=top.description,
+        backend=top.backend,
+        threads=top.threads,
+        allow_imports=top.allow_imports,
+        defaults=top.defaults,
+        matrix=top.matrix,
+        exclude=top.exclude,
+        lines=lines,
+    )
+    _validate_sweep(suite)
+    return suite
+
+
+def validate_cell(suite: Suite, raw: dict[str, Any], prefix: tuple) -> CellConfig:
+    try:
+        return CellConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise validation_error(suite.path, suite.lines, exc, prefix, CellConfig) from None
+
+
+def _validate_sweep(suite: Suite) -> None:
+    """Check defaults, each matrix value and each exclude entry where the user wrote it."""
+    validate_cell(suite, suite.defaults, ("defaults",))
+    for axis, values in suite.matrix.items():
+        if not values:
+            raise suite.error(("matrix", axis), "has no values; list at least one or remove the axis")
+        path = () if axis == CASES else check_axis_name(suite.path, suite.lines, ("matrix", axis), axis)
+        for i, value in enumerate(values):
+            if axis == CASES and not isinstance(value, dict):
+                raise suite.error(("matrix", axis, i), f"each case is a mapping of cell keys, not {type(value).__name__}")
+            try:
+                CellConfig.model_validate(deep_merge(suite.defaults, overlay(axis, value)))
+            except ValidationError as exc:
+                for err in exc.errors():
+                    loc = tuple(err["loc"])
+                    if loc[: len(path)] == path:
+                        where = ("matrix", axis, i) + loc[len(path) :]
+                        raise KdbenchError(f"{_where(suite.path, suite.lines, where)}: {_describe(err, CellConfig)}") from None
+    for i, entry in enumerate(suite.exclude):
+        if not entry:
+            raise suite.error(("exclude", i), "is empty and would exclude every cell; give the keys to match")
+        for key in entry:
+            check_axis_name(suite.path, suite.lines, ("exclude", i, key), key)

@@ -1,0 +1,100 @@
+"""Timers and the timed loop.
+
+A ``Clock`` hands out stamps and turns pairs of them into milliseconds *after* the
+loop: on the host a stamp is ``time.perf_counter_ns()``; on a GPU it is a
+recorded ``torch.cuda.Event`` (a HIP event on ROCm), whose elapsed time is read
+only once the loop is over and the device synchronised, so timing never adds a
+host-device sync inside the loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+
+
+class Clock(Protocol):
+    name: str
+
+    def stamp(self) -> Any: ...
+
+    def elapsed_ms(self, start: Any, end: Any) -> float: ...
+
+    def sync(self) -> None: ...
+
+
+class HostClock:
+    """The host's monotonic clock: right for the CPU, where work is synchronous."""
+
+    name = "perf_counter_ns"
+
+    def stamp(self) -> int:
+        return time.perf_counter_ns()
+
+    def elapsed_ms(self, start: int, end: int) -> float:
+        return (end - start) / 1e6
+
+    def sync(self) -> None:
+        pass
+
+
+class EventClock:
+    """Device events recorded on the current stream; read after synchronising."""
+
+    name = "device_event"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def stamp(self) -> "torch.cuda.Event":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed_ms(self, start: "torch.cuda.Event", end: "torch.cuda.Event") -> float:
+        return float(start.elapsed_time(end))
+
+    def sync(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+@dataclass(frozen=True)
+class RawTiming:
+    first_ms: float  # the cold first call, kept out of the samples
+    samples_ms: list[float]
+    clock: str
+
+
+def timed_loop(
+    fn: Callable[[], Any],
+    clock: Clock,
+    *,
+    warmup: int,
+    min_iters: int,
+    min_time_s: float,
+    max_iters: int,
+) -> RawTiming:
+    """Time `fn`: one cold call, `warmup` untimed calls, then timed calls until both
+    `min_iters` and `min_time_s` are reached (or `max_iters`)."""
+    start = clock.stamp()
+    fn()
+    end = clock.stamp()
+    clock.sync()
+    first = clock.elapsed_ms(start, end)
+    for _ in range(warmup):
+        fn()
+    clock.sync()
+    marks: list[tuple[Any, Any]] = []
+    deadline = time.perf_counter() + min_time_s
+    while True:
+        start = clock.stamp()
+        fn()
+        marks.append((start, clock.stamp()))
+        n = len(marks)
+        if n >= max_iters or (n >= min_iters and time.perf_counter() >= deadline):
+            break
+    clock.sync()
+    return RawTiming(first, [clock.elapsed_ms(a, b) for a, b in marks], clock.name)

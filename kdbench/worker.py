@@ -1,0 +1,183 @@
+"""Measure one Cell: the only module that touches models, devices and timers.
+
+``measure_cell`` returns one row (a dict of result columns) per planned
+measurement: the distillation step, then student and teacher inference at each
+inference batch size.  A measurement that raises becomes a ``failed`` row (``oom``
+when the device ran out of memory) and the cell's other measurements still run.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from kdbench.backends import Backend, choose_autocast
+from kdbench.data import memory_format_of, synthetic_batch
+from kdbench.distill.step import DistillStep
+from kdbench.models import build_model, count_params
+from kdbench.plan import Cell, planned_measurements
+from kdbench.stats import summarize
+from kdbench.suite import CellConfig
+from kdbench.timing import RawTiming, timed_loop
+
+
+class ModelCache:
+    """Builds each model once per worker and hands out fresh copies of its initial weights.
+
+    Building (random init of every layer) costs far more than copying, and a copy
+    per cell keeps cells independent: no optimizer state, trained weights or
+    batch-norm statistics leak from one cell into the next.
+    """
+
+    def __init__(self, allow_imports: bool = False, capacity: int = 6):
+        self.allow_imports = allow_imports
+        self.capacity = capacity
+        self._models: OrderedDict[tuple, nn.Module] = OrderedDict()
+        self.builds = 0
+
+    def get(self, name: str, config: CellConfig) -> nn.Module:
+        key = (name, config.data.num_classes, tuple(config.data.shape), config.seed)
+        if key not in self._models:
+            torch.manual_seed(config.seed)
+            self._models[key] = build_model(
+                name, config.data.num_classes, tuple(config.data.shape), allow_imports=self.allow_imports
+            )
+            self.builds += 1
+            while len(self._models) > self.capacity:
+                self._models.popitem(last=False)
+        self._models.move_to_end(key)
+        return copy.deepcopy(self._models[key])
+
+
+def _status_of(exc: BaseException) -> str:
+    return "oom" if isinstance(exc, torch.OutOfMemoryError) else "failed"
+
+
+def _error_text(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:2000]
+
+
+def failure_row(measurement: str, batch_size: int, exc: BaseException | None, status: str | None = None,
+                error: str | None = None) -> dict[str, Any]:
+    return {
+        "measurement": measurement,
+        "batch_size": batch_size,
+        "status": status or _status_of(exc),  # type: ignore[arg-type]
+        "error": error or _error_text(exc),  # type: ignore[arg-type]
+    }
+
+
+def _timing_row(raw: RawTiming, world_size: int, batch_size: int) -> dict[str, Any]:
+    summary = summarize(raw.samples_ms)
+    return {
+        **summary.as_row(),
+        "first_ms": raw.first_ms,
+        "samples_ms": raw.samples_ms,
+        "timer": raw.clock,
+        "throughput": world_size * batch_size / (summary.median_ms / 1e3) if summary.median_ms > 0 else None,
+    }
+
+
+def _time(fn: Callable[[], Any], config: CellConfig, backend: Backend) -> RawTiming:
+    t = config.timing
+    return timed_loop(fn, backend.clock(), warmup=t.warmup, min_iters=t.min_iters, min_time_s=t.min_time_s,
+                      max_iters=t.max_iters)
+
+
+def _notes(*choices) -> str | None:
+    notes = [f"{c.precision}: {c.note}" for c in choices if c.note]
+    return "; ".join(dict.fromkeys(notes)) or None
+
+
+def _on_device(model: nn.Module, config: CellConfig, backend: Backend) -> nn.Module:
+    fmt = memory_format_of(config.memory_format) if len(config.data.shape) == 3 else torch.contiguous_format
+    return model.to(device=backend.device, memory_format=fmt)
+
+
+def measure_distill_step(teacher: nn.Module, student: nn.Module, config: CellConfig, backend: Backend) -> dict[str, Any]:
+    x, y = synthetic_batch(config, config.batch_size, backend.device, config.seed)
+    step = DistillStep(teacher, student, x, y, config, backend)
+    raw = _time(step, config, backend)
+    loss = float(step.last_loss) if step.last_loss is not None else math.nan
+    row = {
+        "measurement": "distill_step",
+        "batch_size": config.batch_size,
+        "status": "ok",
+        **_timing_row(raw, config.world_size, config.batch_size),
+        "final_loss": loss,
+        "autocast": step.student_ac.applied,
+        "teacher_autocast": step.teacher_ac.applied,
+        "grad_scaler": step.scaler is not None,
+        "data_ptr_mod64": x.data_ptr() % 64,
+        "notes": _notes(step.student_ac, step.teacher_ac),
+    }
+    if not math.isfinite(loss):
+        row.update(status="failed", error=f"the distillation loss is not finite ({loss}); lower lr or use bf16/fp32")
+    return row
+
+
+def measure_inference(model: nn.Module, role: str, batch_size: int, config: CellConfig, backend: Backend) -> dict[str, Any]:
+    """Forward latency in eval() under inference_mode, at the cell's precision."""
+    x, _ = synthetic_batch(config, batch_size, backend.device, config.seed + 1)
+    choice = choose_autocast(backend, config.precision)
+    model.eval()
+
+    def forward() -> None:
+        with torch.inference_mode(), choice.context(backend.device_type):
+            model(x)
+
+    raw = _time(forward, config, backend)
+    return {
+        "measurement": f"{role}_inference",
+        "batch_size": batch_size,
+        "status": "ok",
+        **_timing_row(raw, 1, batch_size),
+        "autocast": choice.applied,
+        "data_ptr_mod64": x.data_ptr() % 64,
+        "notes": _notes(choice),
+    }
+
+
+def _guarded(measurement: str, batch_size: int, backend: Backend, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    try:
+        return fn()
+    except Exception as exc:  # a failing measurement is a result, not a crash
+        if backend.device_type == "cuda":
+            torch.cuda.empty_cache()
+        return failure_row(measurement, batch_size, exc)
+
+
+def measure_cell(cell: Cell, backend: Backend, cache: ModelCache) -> list[dict[str, Any]]:
+    config = cell.config
+    planned = planned_measurements(config)
+    if config.world_size > 1:
+        reason = "world_size > 1 runs under torchrun, which this version of kdbench does not launch yet"
+        return [failure_row(m, bs, None, status="skipped", error=reason) for m, bs in planned]
+    assert config.pair is not None
+    try:
+        teacher = _on_device(cache.get(config.pair.teacher, config), config, backend)
+        student = _on_device(cache.get(config.pair.student, config), config, backend)
+    except Exception as exc:
+        return [failure_row(m, bs, exc) for m, bs in planned]
+    params = {"student_params": count_params(student), "teacher_params": count_params(teacher)}
+
+    rows = [_guarded("distill_step", config.batch_size, backend,
+                     lambda: measure_distill_step(teacher, student, config, backend))]
+    for bs in config.inference.batch_sizes:
+        srow = _guarded("student_inference", bs, backend, lambda: measure_inference(student, "student", bs, config, backend))
+        rows.append(srow)
+        if config.inference.teacher:
+            trow = _guarded("teacher_inference", bs, backend,
+                            lambda: measure_inference(teacher, "teacher", bs, config, backend))
+            rows.append(trow)
+            if srow["status"] == trow["status"] == "ok":
+                srow["speedup_vs_teacher"] = trow["median_ms"] / srow["median_ms"]
+    for row in rows:
+        row.update(params)
+    return rows
