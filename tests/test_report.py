@@ -1,0 +1,148 @@
+"""Tests of the HTML report on a small synthetic result frame."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone
+
+import pytest
+
+from kdbench.errors import KdbenchError
+from kdbench.report import render_report
+from kdbench.report.html import format_ms
+from kdbench.store import rows_to_table
+
+SCRIPT = "<script>alert(1)</script>"
+RUNS = {
+    "run-a": {"device_name": "NVIDIA H200", "backend": "cuda", "hostname": "gpu-a", "cuda_version": "12.4"},
+    "run-b": {"device_name": "AMD Instinct MI300X", "backend": "rocm", "hostname": "gpu-b", "hip_version": "6.2"},
+}
+CELLS = {  # cell_label: (run_id, teacher, student, precision)
+    "resnet50→resnet18 fp16": ("run-a", "resnet50", "resnet18", "fp16"),
+    "resnet50→mobilenet_v3_small bf16": ("run-b", "resnet50", "mobilenet_v3_small", "bf16"),
+}
+STUDENT_MEDIAN = 1.23456  # student_inference, batch 1, first cell
+NULL_STATS = dict.fromkeys(("n", "median_ms", "iqr_ms", "p05_ms", "p95_ms", "samples_ms", "noisy", "throughput"))
+
+
+def _row(label: str, measurement: str, batch_size: int, median_ms: float, **extra) -> dict:
+    run_id, teacher, student, precision = CELLS[label]
+    row = {
+        "schema_version": 1, "run_id": run_id, "suite": "smoke", "cell_id": f"id-{label}", "cell_label": label,
+        "measurement": measurement, "status": "ok", "batch_size": batch_size, "precision": precision,
+        "teacher": teacher, "student": student, "method": "kd", "world_size": 1,
+        "timestamp": datetime(2025, 1, 2, 3, 4, 5, tzinfo=timezone.utc), "torch_version": "2.5.1",
+        "n": 50, "median_ms": median_ms, "iqr_ms": median_ms * 0.04, "p05_ms": median_ms * 0.95,
+        "p95_ms": median_ms * 1.1, "samples_ms": [median_ms] * 3, "noisy": False,
+        "throughput": batch_size / median_ms * 1000, **RUNS[run_id],
+    }
+    row.update(extra)
+    return row
+
+
+def _rows() -> list[dict]:
+    """Per cell: a distill step and student/teacher inference at batch 1 and 64.
+
+    The first cell's distill step is noisy; the second cell's teacher failed at batch 64
+    (null statistics, an error holding a script tag, so no speed-up for that batch).
+    """
+    rows = []
+    for i, label in enumerate(CELLS):
+        rows.append(_row(label, "distill_step", 64, 40.0 + 10 * i, noisy=i == 0, iqr_ms=8.0 if i == 0 else 1.0))
+        for bs in (1, 64):
+            student = STUDENT_MEDIAN if (i, bs) == (0, 1) else 0.5 * bs**0.5 + i
+            if (i, bs) == (1, 64):
+                teacher = _row(label, "teacher_inference", bs, 1.0)
+                teacher.update(NULL_STATS, status="failed", error=f"RuntimeError: {SCRIPT} boom")
+                speedup = None
+            else:
+                teacher = _row(label, "teacher_inference", bs, 3 * student)
+                speedup = 3.0
+            rows += [_row(label, "student_inference", bs, student, speedup_vs_teacher=speedup), teacher]
+    return rows
+
+
+def _frame(rows):
+    return rows_to_table(rows).to_pandas()
+
+
+def _table_rows(page: str, *needles: str) -> list[str]:
+    """The measurement-table rows (``<tr>...</tr>``) that contain every needle."""
+    return [tr for tr in re.findall(r"<tr class=\"(?:ok|not-ok)\">.*?</tr>", page, re.S)
+            if all(n in tr for n in needles)]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    index = render_report(_frame(_rows()), out / "nested")
+    return index, index.read_text(encoding="utf-8")
+
+
+def test_page_lists_every_cell_and_links_valid_pngs(report):
+    index, page = report
+    assert index.name == "index.html" and index.exists()
+    for label in CELLS:
+        assert label in page
+    images = re.findall(r'<img src="([^"]+)"', page)
+    assert sorted(images) == ["distill_step.png", "inference_latency.png", "speedup.png"]
+    for name in images:
+        assert "/" not in name
+        assert (index.parent / name).read_bytes().startswith(b"\x89PNG")
+
+
+def test_result_strings_are_escaped(report):
+    _, page = report
+    assert SCRIPT not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+
+
+def test_failed_row_is_marked(report):
+    _, page = report
+    (row,) = _table_rows(page, "teacher_inference", "run-b", ">64<")
+    assert 'class="not-ok"' in row and ">failed<" in row
+    assert "failed: 1" in page and "ok: 9" in page
+
+
+def test_noisy_row_is_marked(report):
+    _, page = report
+    (row,) = _table_rows(page, "run-a", "distill_step")
+    assert "⚠ noisy" in row
+    assert all("⚠ noisy" not in r for r in _table_rows(page, "run-b"))
+
+
+def test_environment_shows_both_runs(report):
+    _, page = report
+    env = page.split("<h2>Environment</h2>")[1]
+    for run_id, info in RUNS.items():
+        assert f"run {run_id}" in env and info["device_name"] in env
+    assert "12.4" in env and "6.2" in env
+    assert "driver_version" not in env  # null everywhere: left out
+
+
+def test_median_is_formatted_to_three_significant_digits(report):
+    _, page = report
+    (row,) = _table_rows(page, "student_inference", "run-a", ">1<")
+    assert re.search(r'class="num median">([^<]*)<', row).group(1) == format_ms(STUDENT_MEDIAN) == "1.23"
+
+
+@pytest.mark.parametrize(
+    "value, text",
+    [(1234.5, "1230"), (12.345, "12.3"), (1.0, "1.00"), (0.012345, "0.0123"), (999.7, "1000"), (None, "—")],
+)
+def test_format_ms(value, text):
+    assert format_ms(value) == text
+
+
+def test_empty_frame_is_an_error(tmp_path):
+    with pytest.raises(KdbenchError):
+        render_report(_frame([]), tmp_path)
+
+
+def test_only_failed_rows_render_without_charts(tmp_path):
+    rows = [dict(r, status="failed", median_ms=None, speedup_vs_teacher=None, error="OOM") for r in _rows()]
+    page = render_report(_frame(rows), tmp_path, title="All <failed>").read_text(encoding="utf-8")
+    assert "<img" not in page and not list(tmp_path.glob("*.png"))
+    assert page.count('class="skipped"') == 3 and "Not drawn: no successful distill_step" in page
+    assert "All &lt;failed&gt;" in page
+    assert len(_table_rows(page, 'class="not-ok"')) == len(rows)

@@ -1,0 +1,95 @@
+"""The distillation step is the one DESIGN.md specifies: a frozen teacher, a training student."""
+
+import torch
+
+from kdbench.data import synthetic_batch
+from kdbench.distill.step import DistillStep
+from kdbench.models import build_model
+from tests.conftest import make_config
+
+
+def _models(config):
+    torch.manual_seed(0)
+    shape = tuple(config.data.shape)
+    teacher = build_model(config.pair.teacher, config.data.num_classes, shape)
+    student = build_model(config.pair.student, config.data.num_classes, shape)
+    return teacher, student
+
+
+def _step(config, cpu):
+    teacher, student = _models(config)
+    x, y = synthetic_batch(config, config.batch_size, cpu.device, 0)
+    return DistillStep(teacher, student, x, y, config, cpu)
+
+
+def test_teacher_weights_and_bn_statistics_never_change(cpu):
+    step = _step(make_config(), cpu)
+    before = {k: v.clone() for k, v in step.teacher.state_dict().items()}
+    assert any("running_mean" in k for k in before)  # the teacher has batch norm
+    s_before = {k: v.clone() for k, v in step.student.state_dict().items()}
+    for _ in range(3):
+        step()
+    after = step.teacher.state_dict()
+    for k, v in before.items():
+        assert torch.equal(v, after[k]), k
+    assert not step.teacher.training
+    assert all(p.grad is None and not p.requires_grad for p in step.teacher.parameters())
+    # ... while the student trains: weights and its batch-norm statistics move.
+    s_after = step.student.state_dict()
+    changed = [k for k in s_before if not torch.equal(s_before[k], s_after[k])]
+    assert any("running_mean" in k for k in changed)
+    assert any(k.endswith("weight") for k in changed)
+    assert step.student.training
+
+
+def test_optimizer_holds_only_student_parameters(cpu):
+    step = _step(make_config(), cpu)
+    opt_params = {id(p) for g in step.optimizer.param_groups for p in g["params"]}
+    assert opt_params == {id(p) for p in step.student.parameters()}
+    assert isinstance(step.optimizer, torch.optim.AdamW)
+
+
+def test_gradients_are_zeroed_every_step(cpu):
+    # With a negligible learning rate the weights stay put, so each step's gradient is the same;
+    # accumulated gradients would double on the second step.
+    config = make_config(optimizer={"name": "sgd", "lr": 1e-12, "momentum": 0.0})
+    step = _step(config, cpu)
+    step()
+    g1 = [p.grad.clone() for p in step.student.parameters()]
+    step()
+    g2 = [p.grad.clone() for p in step.student.parameters()]
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_loss_value_is_the_kd_loss_of_the_batch(cpu):
+    from kdbench.distill.losses import kd_loss
+
+    config = make_config(kd={"temperature": 3.0, "alpha": 0.6})
+    step = _step(config, cpu)
+    with torch.no_grad():
+        step.student.train()
+        expected = kd_loss(step.student(step.x), step.teacher(step.x), step.y, 3.0, 0.6)
+    step()
+    torch.testing.assert_close(step.last_loss, expected)
+    assert step.last_loss.dtype == torch.float32
+
+
+def test_bf16_student_under_autocast_loss_in_fp32(cpu):
+    step = _step(make_config(precision="bf16"), cpu)
+    step()
+    assert step.student_ac.applied and step.student_ac.dtype == torch.bfloat16
+    assert not step.teacher_ac.applied  # teacher_precision defaults to fp32
+    assert step.scaler is None  # bf16 needs no loss scaling
+    assert step.last_loss.dtype == torch.float32 and torch.isfinite(step.last_loss)
+
+
+def test_fp16_student_uses_a_grad_scaler(cpu):
+    step = _step(make_config(precision="fp16", teacher_precision="bf16"), cpu)
+    for _ in range(2):
+        step()
+    assert step.student_ac.applied and step.student_ac.dtype == torch.float16
+    assert step.teacher_ac.applied and step.teacher_ac.dtype == torch.bfloat16
+    assert isinstance(step.scaler, torch.amp.GradScaler)
+    assert step.scaler.get_scale() > 0
+    assert torch.isfinite(step.last_loss)
