@@ -195,3 +195,12 @@ def read_results(paths: Iterable[str | Path]):
         except Exception as exc:  # not a kdbench file, or a foreign/corrupt one
             raise KdbenchError(f"{f}: not a readable parquet file ({exc}); remove it or pass other files") from None
     return pd.concat(frames, ignore_index=True)
+
+
+def schema_markdown() -> str:
+    """The results schema as the Markdown table the README carries (a test keeps them equal)."""
+    lines = ["| column | type | unit | meaning |", "|---|---|---|---|"]
+    for c in COLUMNS:
+        doc = c.doc.replace("|", "\\|")
+        lines.append(f"| `{c.name}` | {c.type} | {c.unit} | {doc} |")
+    return "\n".join(lines)

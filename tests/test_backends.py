@@ -1,0 +1,341 @@
+"""Tests of backend detection, resolution and the precision choices.
+
+Other torch builds (ROCm, CUDA, CPU-only) are simulated by monkeypatching torch,
+which kdbench.backends reads at call time; nothing here touches a real GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from kdbench import backends
+from kdbench.backends import (
+    AutocastChoice,
+    Backend,
+    Detected,
+    choose_autocast,
+    detect,
+    grad_scaler,
+    needs_grad_scaler,
+    resolve,
+)
+from kdbench.errors import KdbenchError
+from kdbench.timing import EventClock, HostClock
+
+
+def _simulate(monkeypatch, *, hip, cuda, available, count):
+    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
+    monkeypatch.setattr(torch.version, "cuda", cuda, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+@pytest.fixture
+def rocm2(monkeypatch):
+    _simulate(monkeypatch, hip="6.2.41133", cuda=None, available=True, count=2)
+
+
+@pytest.fixture
+def cuda1(monkeypatch):
+    _simulate(monkeypatch, hip=None, cuda="12.4", available=True, count=1)
+
+
+@pytest.fixture
+def cpu_only(monkeypatch):
+    _simulate(monkeypatch, hip=None, cuda=None, available=False, count=0)
+
+
+@pytest.fixture
+def cuda_build_no_gpu(monkeypatch):
+    # device_count would say 1 (e.g. a driver that enumerates but can't initialise):
+    # without is_available() there is no usable GPU, so it must not be counted.
+    _simulate(monkeypatch, hip=None, cuda="12.8", available=False, count=1)
+
+
+def _assert_one_line_error(excinfo, *fragments):
+    msg = str(excinfo.value)
+    assert msg
+    assert "\n" not in msg
+    for fragment in fragments:
+        assert fragment in msg, (fragment, msg)
+    return msg
+
+
+# --------------------------------------------------------------------------- ROCm
+
+
+def test_rocm_detect(rocm2):
+    d = detect()
+    assert d == Detected(build="rocm", gpu_count=2)
+    assert d.build == "rocm"
+    assert d.gpu_count == 2
+    assert d.best == "rocm"
+    assert d.describe() == "rocm with 2 GPUs"
+
+
+@pytest.mark.parametrize("requested", ["auto", "rocm"])
+def test_rocm_resolve_uses_cuda_device_type(rocm2, requested):
+    b = resolve(requested)
+    assert b.name == "rocm"
+    assert b.device == torch.device("cuda", 0)
+    assert b.device.type == "cuda"
+    assert b.device_type == "cuda"
+    clock = b.clock()
+    assert isinstance(clock, EventClock)
+    assert clock.device == torch.device("cuda", 0)
+    assert clock.name == "device_event"
+
+
+def test_rocm_resolve_uses_current_device(rocm2, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve("rocm").device == torch.device("cuda", 1)
+
+
+def test_rocm_build_rejects_cuda(rocm2):
+    with pytest.raises(KdbenchError) as excinfo:
+        resolve("cuda")
+    msg = _assert_one_line_error(excinfo, "--device cpu", "'cuda'", "rocm with 2 GPUs")
+    assert excinfo.value.exit_code == 2
+    assert msg.startswith("backend 'cuda' is not available on this machine")
+
+
+def test_rocm_build_cpu_still_works(rocm2):
+    b = resolve("cpu")
+    assert b == Backend(name="cpu", device=torch.device("cpu"))
+    assert b.device_type == "cpu"
+    assert isinstance(b.clock(), HostClock)
+    assert b.clock().name == "perf_counter_ns"
+
+
+def test_rocm_backend_synchronize_calls_torch(rocm2, monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    resolve("rocm").synchronize()
+    resolve("cpu").synchronize()  # a no-op on the CPU
+    assert calls == [torch.device("cuda", 0)]
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+def test_cuda_detect_and_resolve(cuda1):
+    d = detect()
+    assert d == Detected(build="cuda", gpu_count=1)
+    assert d.best == "cuda"
+    assert d.describe() == "cuda with 1 GPU"
+    auto = resolve("auto")
+    assert auto.name == "cuda"
+    assert auto.device == torch.device("cuda", 0)
+    assert resolve("cuda") == auto
+    assert isinstance(auto.clock(), EventClock)
+    assert resolve("cpu").name == "cpu"
+
+
+def test_cuda_build_rejects_rocm(cuda1):
+    with pytest.raises(KdbenchError) as excinfo:
+        resolve("rocm")
+    _assert_one_line_error(excinfo, "'rocm'", "--device cpu", "cuda with 1 GPU")
+
+
+# --------------------------------------------------------------------------- CPU only
+
+
+def test_cpu_only_build(cpu_only):
+    d = detect()
+    assert d == Detected(build="cpu", gpu_count=0)
+    assert d.best == "cpu"
+    assert d.describe() == "cpu only"
+    b = resolve("auto")
+    assert b.name == "cpu"
+    assert b.device == torch.device("cpu")
+    assert isinstance(b.clock(), HostClock)
+
+
+@pytest.mark.parametrize("requested", ["cuda", "rocm"])
+def test_cpu_only_build_rejects_gpus(cpu_only, requested):
+    with pytest.raises(KdbenchError) as excinfo:
+        resolve(requested)
+    _assert_one_line_error(excinfo, f"'{requested}'", "--device cpu", "cpu only")
+
+
+def test_cuda_build_without_gpu(cuda_build_no_gpu):
+    d = detect()
+    assert d.build == "cuda"
+    assert d.gpu_count == 0
+    assert d.best == "cpu"
+    desc = d.describe()
+    assert desc == "cpu only (a cuda build of torch, but no usable GPU)"
+    assert "no usable GPU" in desc
+    assert resolve("auto") == Backend(name="cpu", device=torch.device("cpu"))
+    with pytest.raises(KdbenchError) as excinfo:
+        resolve("cuda")
+    _assert_one_line_error(excinfo, "no usable GPU", "--device cpu")
+
+
+def test_resolve_uses_given_detected_without_probing(monkeypatch):
+    def boom():
+        raise AssertionError("detect() must not run when `detected` is given")
+
+    monkeypatch.setattr(backends, "detect", boom)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert resolve("auto", Detected("rocm", 4)).name == "rocm"
+    assert resolve("auto", Detected("rocm", 0)).name == "cpu"
+    with pytest.raises(KdbenchError):
+        resolve("cuda", Detected("rocm", 4))
+
+
+@pytest.mark.parametrize("requested", ["tpu", "mps", "", "CUDA", "gpu"])
+def test_unknown_backend(cpu_only, requested):
+    with pytest.raises(KdbenchError) as excinfo:
+        resolve(requested)
+    _assert_one_line_error(excinfo, f"unknown backend '{requested}'", "auto, cpu, cuda or rocm")
+
+
+# --------------------------------------------------------------------------- autocast
+
+CPU = Backend(name="cpu", device=torch.device("cpu"))
+FAKE_GPU = Backend(name="cuda", device=torch.device("cuda", 0))
+
+
+def _linear_out_dtype(choice: AutocastChoice) -> torch.dtype:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    with torch.no_grad(), choice.context("cpu"):
+        return model(torch.randn(3, 8)).dtype
+
+
+def test_fp32_is_plain():
+    choice = choose_autocast(CPU, "fp32")
+    assert choice == AutocastChoice("fp32", applied=False, dtype=None, note="")
+    assert isinstance(choice.context("cpu"), contextlib.nullcontext)
+    assert _linear_out_dtype(choice) == torch.float32
+    assert not needs_grad_scaler(choice)
+    assert grad_scaler(CPU, choice) is None
+
+
+def test_bf16_on_cpu():
+    choice = choose_autocast(CPU, "bf16")
+    assert choice.applied is True
+    assert choice.dtype == torch.bfloat16
+    assert choice.note == ""
+    assert _linear_out_dtype(choice) == torch.bfloat16
+    # the factory yields a fresh, working context each time
+    factory = choice.context_factory("cpu")
+    with factory():
+        assert torch.is_autocast_enabled("cpu")
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with factory():
+        assert torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_fp16_on_cpu():
+    # This torch (2.14) supports float16 autocast on the CPU.
+    choice = choose_autocast(CPU, "fp16")
+    assert choice.applied is True
+    assert choice.dtype == torch.float16
+    assert choice.note == ""
+    assert _linear_out_dtype(choice) == torch.float16
+
+
+def test_bf16_on_gpu_without_bf16(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    choice = choose_autocast(FAKE_GPU, "bf16")
+    assert choice.applied is False
+    assert choice.dtype == torch.bfloat16
+    assert "bf16" in choice.note
+    assert "fp32" in choice.note
+    assert isinstance(choice.context("cuda"), contextlib.nullcontext)
+    assert not needs_grad_scaler(choice)
+
+
+@pytest.mark.parametrize("backend", [CPU, FAKE_GPU], ids=["cpu", "cuda"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_autocast_unavailable_for_device_type(monkeypatch, backend, precision):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    seen = []
+
+    def unavailable(device_type):
+        seen.append(device_type)
+        return False
+
+    monkeypatch.setattr(torch.amp, "is_autocast_available", unavailable)
+    choice = choose_autocast(backend, precision)
+    assert seen == [backend.device_type]
+    assert choice.applied is False
+    assert choice.dtype == backends.DTYPES[precision]
+    assert choice.note == f"autocast is not available for device type {backend.device_type}; ran in fp32"
+    assert "\n" not in choice.note
+    assert not needs_grad_scaler(choice)
+    assert grad_scaler(backend, choice) is None
+
+
+def test_autocast_that_disables_itself(monkeypatch):
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a, **k: False)
+    choice = choose_autocast(CPU, "fp16")
+    assert choice.applied is False
+    # torch warns nothing in this case, so the fallback reason is used
+    assert choice.note == "autocast disabled itself; ran in fp32"
+    assert isinstance(choice.context("cpu"), contextlib.nullcontext)
+
+
+def test_autocast_disabled_with_warning_uses_first_warning_line(monkeypatch):
+    import warnings
+
+    class WarningAutocast:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            warnings.warn("device cannot autocast to this dtype\nmore detail")
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.amp, "autocast", WarningAutocast)
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a, **k: False)
+    choice = choose_autocast(CPU, "bf16")
+    assert choice.applied is False
+    assert choice.note == "device cannot autocast to this dtype; ran in fp32"
+
+
+def test_autocast_that_raises(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("dtype not supported here\nsecond line of detail")
+
+    monkeypatch.setattr(torch.amp, "autocast", broken)
+    choice = choose_autocast(CPU, "bf16")
+    assert choice.applied is False
+    assert choice.note == "dtype not supported here; ran in fp32"
+
+
+# --------------------------------------------------------------------------- GradScaler
+
+
+def test_needs_grad_scaler():
+    assert needs_grad_scaler(AutocastChoice("fp16", True, torch.float16)) is True
+    assert needs_grad_scaler(AutocastChoice("fp16", False, torch.float16, "n/a")) is False
+    assert needs_grad_scaler(AutocastChoice("bf16", True, torch.bfloat16)) is False
+    assert needs_grad_scaler(AutocastChoice("bf16", False, torch.bfloat16, "n/a")) is False
+    assert needs_grad_scaler(AutocastChoice("fp32", False, None)) is False
+
+
+def test_grad_scaler_on_cpu():
+    fp16 = choose_autocast(CPU, "fp16")
+    assert needs_grad_scaler(fp16)
+    scaler = grad_scaler(CPU, fp16)
+    assert isinstance(scaler, torch.amp.GradScaler)
+    assert scaler.is_enabled()
+    # the scaler actually scales a CPU loss
+    loss = torch.tensor(2.0)
+    assert scaler.scale(loss).item() == pytest.approx(2.0 * scaler.get_scale())
+    assert scaler.get_scale() > 1.0
+
+    bf16 = choose_autocast(CPU, "bf16")
+    assert grad_scaler(CPU, bf16) is None
+    assert grad_scaler(CPU, AutocastChoice("fp16", False, torch.float16, "off")) is None

@@ -1,0 +1,186 @@
+"""Suite loading, plan expansion, exclude, cell ids; and the shipped suites."""
+
+from pathlib import Path
+
+import pytest
+
+from kdbench.errors import KdbenchError
+from kdbench.plan import cell_id_of, expand, planned_measurements
+from kdbench.suite import load_suite
+
+SUITES = Path(__file__).resolve().parent.parent / "suites"
+
+
+def write(tmp_path, text, name="s.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+BASE = """
+name: t
+defaults:
+  batch_size: 8
+  data: {kind: synthetic, shape: [3, 16, 16], num_classes: 10}
+matrix:
+  pair:
+    - {teacher: resnet56, student: resnet20}
+    - {teacher: resnet32x4, student: resnet8x4}
+  precision: [fp32, bf16, fp16]
+"""
+
+
+def test_cartesian_product_in_matrix_order(tmp_path):
+    cells = expand(load_suite(write(tmp_path, BASE)))
+    got = [(c.config.pair.teacher, c.config.precision) for c in cells]
+    assert got == [
+        ("resnet56", "fp32"), ("resnet56", "bf16"), ("resnet56", "fp16"),
+        ("resnet32x4", "fp32"), ("resnet32x4", "bf16"), ("resnet32x4", "fp16"),
+    ]
+    assert [c.index for c in cells] == list(range(6))
+    # defaults flow into every cell, nested defaults keep their siblings
+    assert all(c.config.batch_size == 8 and c.config.data.num_classes == 10 for c in cells)
+    assert all(c.config.kd.temperature == 4.0 and c.config.kd.alpha == 0.9 for c in cells)
+
+
+def test_exclude_by_partial_match(tmp_path):
+    text = BASE + """
+exclude:
+  - {pair: {student: resnet8x4}, precision: fp16}
+  - {precision: bf16, pair: {teacher: resnet56}}
+"""
+    cells = expand(load_suite(write(tmp_path, text)))
+    got = {(c.config.pair.student, c.config.precision) for c in cells}
+    assert got == {("resnet20", "fp32"), ("resnet20", "fp16"), ("resnet8x4", "fp32"), ("resnet8x4", "bf16")}
+
+
+def test_dotted_axis_and_cases(tmp_path):
+    text = """
+name: t
+defaults:
+  pair: {teacher: resnet20, student: resnet8}
+  kd: {alpha: 0.5}
+matrix:
+  kd.temperature: [1.0, 8.0]
+  cases:
+    - {batch_size: 4, precision: bf16}
+    - {batch_size: 16, data: {num_classes: 10}}
+"""
+    cells = expand(load_suite(write(tmp_path, text)))
+    got = [(c.config.kd.temperature, c.config.kd.alpha, c.config.batch_size, c.config.precision,
+            c.config.data.num_classes) for c in cells]
+    assert got == [(1.0, 0.5, 4, "bf16", 100), (1.0, 0.5, 16, "fp32", 10),
+                   (8.0, 0.5, 4, "bf16", 100), (8.0, 0.5, 16, "fp32", 10)]
+
+
+def test_cell_id_is_stable_and_depends_on_config_only(tmp_path):
+    a = expand(load_suite(write(tmp_path, BASE, "a.yaml")))
+    # same cells written differently: other key order, other suite name, default values spelled out
+    reordered = """
+name: other-name
+matrix:
+  pair:
+    - {student: resnet20, teacher: resnet56}
+    - {student: resnet8x4, teacher: resnet32x4}
+  precision: [fp32, bf16, fp16]
+defaults:
+  data: {num_classes: 10, shape: [3, 16, 16]}
+  method: kd
+  batch_size: 8
+"""
+    b = expand(load_suite(write(tmp_path, reordered, "b.yaml")))
+    assert [c.cell_id for c in a] == [c.cell_id for c in b]
+    assert len({c.cell_id for c in a}) == 6
+    assert all(len(c.cell_id) == 16 for c in a)
+    changed = a[0].config.model_copy(update={"batch_size": 9})
+    assert cell_id_of(changed) != a[0].cell_id
+
+
+def test_planned_measurements():
+    from tests.conftest import make_config
+
+    cfg = make_config(inference={"batch_sizes": [1, 8]})
+    assert planned_measurements(cfg) == [("distill_step", 4), ("student_inference", 1), ("teacher_inference", 1),
+                                         ("student_inference", 8), ("teacher_inference", 8)]
+    cfg = make_config(inference={"batch_sizes": [2], "teacher": False})
+    assert planned_measurements(cfg) == [("distill_step", 4), ("student_inference", 2)]
+
+
+@pytest.mark.parametrize("name,cells", [("cpu", 4), ("amd", 18), ("cuda", 18), ("seeds", 2)])
+def test_shipped_suites_plan(name, cells):
+    plan = expand(load_suite(SUITES / f"{name}.yaml"))
+    assert len(plan) == cells
+
+
+def test_amd_and_cuda_suites_compare_cell_by_cell():
+    amd = expand(load_suite(SUITES / "amd.yaml"))
+    cuda = expand(load_suite(SUITES / "cuda.yaml"))
+    assert [c.cell_id for c in amd] == [c.cell_id for c in cuda]
+    assert load_suite(SUITES / "amd.yaml").backend == "rocm"
+    assert load_suite(SUITES / "cuda.yaml").backend == "cuda"
+    pairs = {(c.config.pair.teacher, c.config.pair.student) for c in amd}
+    assert pairs == {("resnet50", "resnet18"), ("resnet34", "resnet18"), ("resnet50", "mobilenet_v3_large")}
+    assert {c.config.precision for c in amd} == {"fp32", "fp16", "bf16"}
+    assert all(c.config.data.shape == [3, 224, 224] for c in amd)
+
+
+def test_seed_suite_setups():
+    cells = expand(load_suite(SUITES / "seeds.yaml"))
+    linear, resnet = (c.config for c in cells)
+    assert (linear.pair.teacher, linear.pair.student, linear.kd.temperature) == ("linear", "linear", 2.0)
+    assert linear.data.shape == [1, 28, 28] and linear.data.num_classes == 10
+    assert (resnet.teacher_precision, resnet.precision) == ("fp32", "fp16")
+    assert (resnet.optimizer.name, resnet.optimizer.lr) == ("adamw", 1e-4)
+
+
+# ---- user mistakes: one line naming file, line, key and what to do
+
+
+@pytest.mark.parametrize(
+    "text,expect",
+    [
+        (BASE.replace("batch_size: 8", "batchsize: 8"), [":4:", "defaults.batchsize", "did you mean 'batch_size'"]),
+        (BASE.replace("batch_size: 8", "batch_size: eight"), [":4:", "defaults.batch_size", "integer"]),
+        (BASE.replace("batch_size: 8", "batch_size: 0"), ["defaults.batch_size", "greater than or equal to 1"]),
+        (BASE.replace("[fp32, bf16, fp16]", "[fp32, fp8]"), [":10:", "matrix.precision[1]", "'fp32', 'fp16' or 'bf16'"]),
+        (BASE.replace("resnet20", "resnt20"), ["matrix.pair.student", "unknown model 'resnt20'", "resnet20"]),
+        (BASE.replace("precision:", "precison:"), ["matrix.precison", "did you mean 'precision'"]),
+        (BASE + "exclude:\n  - {pair: {student: resnet20}}\n  - {pair: {student: resnet8x4}}\n", ["excludes every cell"]),
+        (BASE.replace("batch_size: 8", "batch_size: 8\n  batch_size: 9"), [":5:", "duplicate key"]),
+        (BASE.replace("defaults:", "defaults:\n  alignment: 48"), ["defaults.alignment", "power of two"]),
+        (BASE.replace("defaults:", "defaults:\n  method: kdd"), ["defaults.method", "unknown method 'kdd'"]),
+        ("name: t\nmatrix: {precision: [fp32]}\n", ["no teacher/student pair"]),
+        ("- just\n- a list\n", ["must be a mapping"]),
+        ("name: t\ndefaults: {batch_size: [1\n", ["invalid YAML"]),
+    ],
+)
+def test_mistakes_are_one_line_errors(tmp_path, text, expect):
+    path = write(tmp_path, text)
+    with pytest.raises(KdbenchError) as info:
+        expand(load_suite(path))
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert msg.startswith(str(path)), msg
+    for part in expect:
+        assert part in msg, (part, msg)
+
+
+def test_missing_file_folder_and_non_utf8(tmp_path):
+    with pytest.raises(KdbenchError, match="no such suite file"):
+        load_suite(tmp_path / "nope.yaml")
+    with pytest.raises(KdbenchError, match="is a folder"):
+        load_suite(tmp_path)
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(KdbenchError, match="not UTF-8"):
+        load_suite(bad)
+
+
+def test_object_constructing_tags_and_alias_bombs_are_refused(tmp_path):
+    with pytest.raises(KdbenchError, match="invalid YAML|not allowed"):
+        load_suite(write(tmp_path, "name: !!python/object/apply:os.system ['true']\n"))
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(8)
+    )
+    with pytest.raises(KdbenchError, match="aliases expand"):
+        load_suite(write(tmp_path, bomb))

@@ -1,0 +1,269 @@
+"""Tests of the clocks and the timed loop, on fake time (no real timing thresholds)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kdbench import timing
+from kdbench.timing import EventClock, HostClock, RawTiming, timed_loop
+
+
+class FakeTime:
+    """A fake time line in integer milliseconds, advanced only by the scripted fn."""
+
+    def __init__(self, durations_ms):
+        self.now_ms = 0
+        self.durations = list(durations_ms)
+        self.calls = 0
+        self.log: list[tuple[str, int]] = []  # (event, call count at that moment)
+
+    def fn(self):
+        self.now_ms += self.durations[self.calls]
+        self.calls += 1
+        self.log.append(("call", self.calls))
+
+    def perf_counter(self) -> float:
+        return self.now_ms / 1000.0
+
+
+class FakeClock:
+    name = "fake"
+
+    def __init__(self, t: FakeTime):
+        self.t = t
+        self.syncs = 0
+
+    def stamp(self):
+        self.t.log.append(("stamp", self.t.calls))
+        return self.t.now_ms
+
+    def elapsed_ms(self, a, b):
+        return float(b - a)
+
+    def sync(self):
+        self.syncs += 1
+        self.t.log.append(("sync", self.t.calls))
+
+
+def scripted(warmup, n_timed=100):
+    """first call 50 ms, `warmup` calls of 7 ms each, then timed calls of 10, 11, 12, ... ms"""
+    return [50] + [7] * warmup + [10 + i for i in range(n_timed)]
+
+
+def test_cold_call_warmup_and_min_iters():
+    warmup, min_iters = 3, 5
+    t = FakeTime([50, 7, 7, 7] + [10 + i for i in range(50)])
+    clock = FakeClock(t)
+    r = timed_loop(t.fn, clock, warmup=warmup, min_iters=min_iters, min_time_s=0, max_iters=100)
+    assert isinstance(r, RawTiming)
+    assert r.clock == "fake"
+    assert r.first_ms == 50.0
+    assert r.samples_ms == [10.0, 11.0, 12.0, 13.0, 14.0]
+    assert 50.0 not in r.samples_ms
+    assert 7.0 not in r.samples_ms  # warm-up calls are untimed
+    assert t.calls == 1 + warmup + min_iters
+    assert clock.syncs == 3
+
+
+def test_call_order_stamps_and_syncs():
+    t = FakeTime(scripted(2))
+    clock = FakeClock(t)
+    timed_loop(t.fn, clock, warmup=2, min_iters=3, min_time_s=0, max_iters=10)
+    assert t.log == [
+        # cold call, stamped on both sides, then a sync before reading it
+        ("stamp", 0), ("call", 1), ("stamp", 1), ("sync", 1),
+        # exactly `warmup` untimed calls, then a sync
+        ("call", 2), ("call", 3), ("sync", 3),
+        # timed calls, each stamped, with no sync in between
+        ("stamp", 3), ("call", 4), ("stamp", 4),
+        ("stamp", 4), ("call", 5), ("stamp", 5),
+        ("stamp", 5), ("call", 6), ("stamp", 6),
+        ("sync", 6),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 4])
+def test_warmup_count(warmup):
+    t = FakeTime(scripted(warmup))
+    clock = FakeClock(t)
+    r = timed_loop(t.fn, clock, warmup=warmup, min_iters=2, min_time_s=0, max_iters=10)
+    assert t.calls == 1 + warmup + 2
+    # the calls between the cold call's closing stamp and the first timed stamp
+    log = t.log
+    cold_end = log.index(("stamp", 1))
+    first_timed = next(i for i, e in enumerate(log) if e[0] == "stamp" and i > cold_end)
+    between = [e for e in log[cold_end:first_timed] if e[0] == "call"]
+    assert len(between) == warmup
+    assert r.first_ms == 50.0
+    assert r.samples_ms == [10.0, 11.0]
+
+
+@pytest.mark.parametrize("min_iters", [1, 2, 9])
+def test_min_time_zero_gives_exactly_min_iters(min_iters):
+    t = FakeTime(scripted(1))
+    r = timed_loop(t.fn, FakeClock(t), warmup=1, min_iters=min_iters, min_time_s=0, max_iters=1000)
+    assert r.samples_ms == [float(10 + i) for i in range(min_iters)]
+
+
+def test_max_iters_caps_samples():
+    t = FakeTime(scripted(1))
+    r = timed_loop(t.fn, FakeClock(t), warmup=1, min_iters=20, min_time_s=0, max_iters=4)
+    assert r.samples_ms == [10.0, 11.0, 12.0, 13.0]
+    assert t.calls == 1 + 1 + 4
+
+
+def test_max_iters_caps_min_time(monkeypatch):
+    t = FakeTime(scripted(0))
+    monkeypatch.setattr(timing.time, "perf_counter", t.perf_counter)
+    r = timed_loop(t.fn, FakeClock(t), warmup=0, min_iters=1, min_time_s=3600, max_iters=6)
+    assert r.samples_ms == [10.0, 11.0, 12.0, 13.0, 14.0, 15.0]
+
+
+def test_min_time_keeps_going_past_min_iters(monkeypatch):
+    # timed calls of 10 ms each; 0.095 s of fake time needs 10 of them (9 give 90 ms)
+    t = FakeTime([50, 7, 7] + [10] * 100)
+    monkeypatch.setattr(timing.time, "perf_counter", t.perf_counter)
+    r = timed_loop(t.fn, FakeClock(t), warmup=2, min_iters=3, min_time_s=0.095, max_iters=1000)
+    assert len(r.samples_ms) == 10
+    assert r.samples_ms == [10.0] * 10
+    assert sum(r.samples_ms) >= 95
+    assert t.calls == 1 + 2 + 10
+
+
+def test_min_time_counts_from_after_warmup(monkeypatch):
+    # a long cold call and warm-up must not count towards min_time_s
+    t = FakeTime([5000, 5000, 5000] + [10 + i for i in range(100)])
+    monkeypatch.setattr(timing.time, "perf_counter", t.perf_counter)
+    r = timed_loop(t.fn, FakeClock(t), warmup=2, min_iters=1, min_time_s=0.05, max_iters=1000)
+    # 10 + 11 + 12 = 33 < 50; + 13 = 46 < 50; + 14 = 60 >= 50
+    assert r.samples_ms == [10.0, 11.0, 12.0, 13.0, 14.0]
+    assert r.first_ms == 5000.0
+
+
+def test_min_iters_dominates_short_min_time(monkeypatch):
+    t = FakeTime(scripted(1))
+    monkeypatch.setattr(timing.time, "perf_counter", t.perf_counter)
+    r = timed_loop(t.fn, FakeClock(t), warmup=1, min_iters=7, min_time_s=0.001, max_iters=1000)
+    assert len(r.samples_ms) == 7
+
+
+def test_time_module_is_the_stdlib_one():
+    # the monkeypatch target used above is the real module kdbench.timing calls
+    assert timing.time is time
+
+
+# --------------------------------------------------------------------------- HostClock
+
+
+def test_host_clock():
+    clock = HostClock()
+    assert clock.name == "perf_counter_ns"
+    a = clock.stamp()
+    time.sleep(0.01)
+    b = clock.stamp()
+    assert isinstance(a, int) and isinstance(b, int)
+    assert clock.elapsed_ms(a, b) >= 10.0
+    assert clock.elapsed_ms(0, 2_500_000) == 2.5
+    clock.sync()  # a no-op, must not raise
+
+
+def test_host_clock_in_timed_loop():
+    calls = []
+    r = timed_loop(lambda: calls.append(1), HostClock(), warmup=2, min_iters=4, min_time_s=0, max_iters=10)
+    assert r.clock == "perf_counter_ns"
+    assert len(calls) == 1 + 2 + 4
+    assert len(r.samples_ms) == 4
+    assert all(s >= 0 for s in r.samples_ms)
+    assert r.first_ms >= 0
+
+
+# --------------------------------------------------------------------------- EventClock
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda.Event and torch.cuda.synchronize on a fake device time line."""
+    state = {"now_ms": 0.0, "log": [], "sync_devices": []}
+
+    class FakeEvent:
+        created = 0
+
+        def __init__(self, enable_timing=False, **kwargs):
+            assert enable_timing is True
+            FakeEvent.created += 1
+            self.id = FakeEvent.created
+            self.t = None
+
+        def record(self, stream=None):
+            self.t = state["now_ms"]
+            state["log"].append(("record", self.id))
+
+        def elapsed_time(self, other):
+            assert self.t is not None and other.t is not None
+            state["log"].append(("elapsed", self.id, other.id))
+            return other.t - self.t
+
+    def synchronize(device=None):
+        state["sync_devices"].append(device)
+        state["log"].append(("sync",))
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    return state
+
+
+def test_event_clock_timed_loop(fake_cuda):
+    durations = [40.0, 5.0, 5.0] + [1.5, 2.25, 3.0, 4.75]
+    it = iter(durations)
+
+    def fn():
+        fake_cuda["now_ms"] += next(it)
+        fake_cuda["log"].append(("call",))
+
+    device = torch.device("cuda", 0)
+    clock = EventClock(device)
+    assert clock.name == "device_event"
+    r = timed_loop(fn, clock, warmup=2, min_iters=4, min_time_s=0, max_iters=10)
+
+    assert r.clock == "device_event"
+    assert r.first_ms == 40.0
+    assert r.samples_ms == [1.5, 2.25, 3.0, 4.75]
+
+    log = fake_cuda["log"]
+    syncs = [i for i, e in enumerate(log) if e == ("sync",)]
+    # one sync after the cold call, one after warm-up, one after the timed loop
+    assert len(syncs) == 3
+    assert fake_cuda["sync_devices"] == [device] * 3
+
+    calls = [i for i, e in enumerate(log) if e == ("call",)]
+    assert len(calls) == 1 + 2 + 4
+    cold, warm, timed = calls[0], calls[1:3], calls[3:]
+    assert cold < syncs[0] < warm[0]
+    assert warm[-1] < syncs[1] < timed[0]
+    assert timed[-1] < syncs[2]
+    # no sync between the iterations of the timed loop
+    assert not [s for s in syncs if timed[0] < s < timed[-1]]
+
+    elapsed = [i for i, e in enumerate(log) if e[0] == "elapsed"]
+    assert len(elapsed) == 1 + 4
+    # every event is read only after a sync that follows its recording:
+    # the cold call's pair after the first sync, the timed pairs after the last one
+    assert syncs[0] < elapsed[0] < warm[0]
+    assert all(i > syncs[2] for i in elapsed[1:])
+    timed_records = [i for i, e in enumerate(log) if e[0] == "record" and i > syncs[1]]
+    assert len(timed_records) == 2 * 4
+    assert max(timed_records) < syncs[2] < min(elapsed[1:])
+
+
+def test_event_clock_reads_after_recording(fake_cuda):
+    clock = EventClock(torch.device("cuda", 1))
+    a = clock.stamp()
+    fake_cuda["now_ms"] += 12.5
+    b = clock.stamp()
+    clock.sync()
+    assert fake_cuda["sync_devices"] == [torch.device("cuda", 1)]
+    assert clock.elapsed_ms(a, b) == 12.5
+    assert isinstance(clock.elapsed_ms(a, b), float)
