@@ -1,0 +1,141 @@
+"""The command line end to end: a tiny suite in, parquet rows and a report out; errors as one line."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from kdbench.cli import main
+from kdbench.store import COLUMN_NAMES
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TINY = """
+name: tiny
+backend: cpu
+threads: 1
+defaults:
+  batch_size: 8
+  data: {kind: synthetic, shape: [1, 8, 8], num_classes: 10}
+  timing: {warmup: 1, min_iters: 3, min_time_s: 0.0}
+  inference: {batch_sizes: [1, 4]}
+matrix:
+  pair:
+    - {teacher: resnet8, student: linear}
+  precision: [fp32, bf16]
+  world_size: [1, 2]
+exclude:
+  - {precision: bf16, world_size: 2}
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    p = tmp_path / "tiny.yaml"
+    p.write_text(TINY)
+    return p
+
+
+def test_run_stores_every_measurement_and_renders_the_report(tiny, tmp_path, capsys):
+    out, rep = tmp_path / "res", tmp_path / "rep"
+    assert main(["run", str(tiny), "--out", str(out), "--report-dir", str(rep)]) == 0
+    files = list(out.glob("*.parquet"))
+    assert len(files) == 1 and files[0].name.startswith("tiny-")
+    table = pq.read_table(files[0])
+    assert table.column_names == list(COLUMN_NAMES)
+    rows = table.to_pylist()
+    assert len(rows) == 3 * 5  # 3 cells x (step + 2 x student/teacher inference)
+    by = {(r["precision"], r["world_size"], r["measurement"], r["batch_size"]): r for r in rows}
+    step = by[("fp32", 1, "distill_step", 8)]
+    assert step["status"] == "ok" and step["error"] is None
+    assert step["n"] == len(step["samples_ms"]) >= 3
+    assert step["median_ms"] > 0 and step["first_ms"] > 0
+    assert step["throughput"] == pytest.approx(8 / (step["median_ms"] / 1e3))
+    assert step["timer"] == "perf_counter_ns" and step["cpu_threads"] == 1
+    assert step["teacher"] == "resnet8" and step["student"] == "linear" and step["backend"] == "cpu"
+    assert step["student_params"] == 64 * 10 + 10
+    assert step["autocast"] is False
+    bf16 = by[("bf16", 1, "distill_step", 8)]
+    assert bf16["autocast"] is True and bf16["grad_scaler"] is False
+    s1, t1 = by[("fp32", 1, "student_inference", 1)], by[("fp32", 1, "teacher_inference", 1)]
+    assert s1["speedup_vs_teacher"] == pytest.approx(t1["median_ms"] / s1["median_ms"])
+    assert t1["speedup_vs_teacher"] is None
+    skipped = [r for r in rows if r["world_size"] == 2]
+    assert len(skipped) == 5 and all(r["status"] == "skipped" and "torchrun" in r["error"] for r in skipped)
+    assert len({r["cell_id"] for r in rows}) == 3 and len({r["run_id"] for r in rows}) == 1
+    html = (rep / "index.html").read_text()
+    assert "linear" in html and (rep / "distill_step.png").exists()
+    printed = capsys.readouterr().out
+    assert "[3/3]" in printed and "left" in printed and "report ->" in printed
+
+
+def test_dry_run_lists_cells_and_runs_nothing(tiny, tmp_path, capsys):
+    assert main(["run", str(tiny), "--dry-run", "--out", str(tmp_path / "res")]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 4 and out[-1].startswith("3 cells, 15 measurements")
+    assert "resnet8->linear kd fp32 bs8 ws2" in out[1] and "resnet8->linear kd bf16 bs8" in out[2]
+    assert not (tmp_path / "res").exists()
+
+
+def test_failing_cell_is_recorded_and_exit_code_is_1(tmp_path, capsys):
+    suite = tmp_path / "bad.yaml"
+    # vit_b_16 needs 224x224 input: it builds, then fails at forward time on 32x32
+    suite.write_text(TINY.replace("{teacher: resnet8, student: linear}", "{teacher: vit_b_16, student: resnet8}")
+                     .replace("[1, 8, 8]", "[3, 32, 32]"))
+    assert main(["run", str(suite), "--out", str(tmp_path), "--no-report"]) == 1
+    rows = pq.read_table(next(tmp_path.glob("*.parquet"))).to_pylist()
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert failed and all(r["error"] for r in failed)
+    # the student's own inference does not need the teacher and still ran
+    assert any(r["status"] == "ok" and r["measurement"] == "student_inference" for r in rows)
+    assert "had failures" in capsys.readouterr().err
+
+
+def _cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "kdbench", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+def test_user_errors_exit_2_with_one_line_and_no_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(TINY.replace("student: linear", "student: linaer"))
+    for args in (["run", str(bad)], ["run", str(tmp_path / "missing.yaml")], ["report", str(tmp_path)],
+                 ["run", str(ROOT / "suites" / "amd.yaml")]):
+        r = _cli(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert "Traceback" not in r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kdbench: error: "), r.stderr
+    assert "did you mean linear" in _cli("run", str(bad)).stderr
+    amd = _cli("run", str(ROOT / "suites" / "amd.yaml")).stderr
+    assert "rocm" in amd and "--device cpu" in amd and "amd.yaml" in amd
+    assert not list(tmp_path.glob("*.parquet"))
+
+
+def test_every_shipped_suite_dry_runs():
+    for suite in sorted((ROOT / "suites").glob("*.yaml")):
+        r = _cli("run", str(suite), "--dry-run")
+        assert r.returncode == 0, r.stderr
+        assert " cells, " in r.stdout.splitlines()[-1]
+
+
+def test_list_and_env(capsys):
+    assert main(["list", "models"]) == 0
+    out = capsys.readouterr().out
+    assert "resnet32x4" in out and "mobilenet_v3_large" in out and "linear" in out
+    assert main(["list", "methods"]) == 0
+    assert "temperature=4.0, alpha=0.9" in capsys.readouterr().out
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("backend: cpu") and "torch_version:" in out and "cpu_threads:" in out
+
+
+def test_readme_quick_start_is_what_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    blocks = readme.split("## Quick start", 1)[1].split("## ", 1)[0].split("```bash")[1:]
+    commands = [b.split("```")[0].strip().splitlines()[-1] for b in blocks]
+    assert len(commands) == 2
+    assert "kdbench run suites/cpu.yaml" in commands[0]
+    assert commands[1] in (ROOT / ".ci" / "run").read_text()
