@@ -1,3 +1,4 @@
 from kdbench.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # guarded: spawned worker processes import this module too
+    raise SystemExit(main())

@@ -7,6 +7,7 @@ User mistakes (KdbenchError) print one line, `kdbench: error: ...`, and exit 2.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -41,6 +42,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--allow-imports", action="store_true",
                      help="allow `module:callable` user models, as `allow_imports: true` in the suite does")
     run.add_argument("--dry-run", action="store_true", help="validate the suite and print the plan; run nothing")
+    run.add_argument("--resume", action="store_true",
+                     help="continue the newest run of this suite in --out: measure only the cells not stored yet")
+    run.add_argument("--cell-timeout", type=float, default=None, metavar="SECONDS",
+                     help="stop a cell that runs longer and record it as `timeout` (default: the suite's "
+                          "`cell_timeout_s`, 3600)")
+    run.add_argument("--inline", action="store_true",
+                     help="measure in this process instead of a worker process (no crash isolation; for debugging)")
 
     rep = sub.add_parser("report", help="render an HTML/PNG report from result files")
     rep.add_argument("results", nargs="+", type=Path, help="parquet files, or folders searched for them")
@@ -86,13 +94,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     threads = args.threads or suite.threads or torch.get_num_threads()
     if threads < 1:
         raise KdbenchError(f"--threads must be >= 1, got {threads}")
-    outcome = run_plan(suite, cells, backend, args.out, threads)
+    if args.cell_timeout is not None and args.cell_timeout <= 0:
+        raise KdbenchError(f"--cell-timeout must be > 0 seconds, got {args.cell_timeout}")
+    outcome = run_plan(suite, cells, backend, args.out, threads, resume=args.resume, inline=args.inline,
+                       cell_timeout_s=args.cell_timeout)
     if outcome.interrupted:
-        print(f"interrupted after {outcome.cells} of {len(cells)} cells; their results are in {outcome.path}",
+        again = " ".join(shlex.quote(a) for a in ["kdbench", "run", str(args.suite), "--out", str(args.out), "--resume",
+                                                  *(["--device", args.device] if args.device else [])])
+        print(f"interrupted: {outcome.cells} cells stored in {outcome.path}; resume with:\n  {again}",
               file=sys.stderr)
         return 130
     print(f"{outcome.cells} cells, {outcome.rows} rows -> {outcome.path}")
-    if not args.no_report and outcome.rows:
+    if not args.no_report and outcome.path.exists():
         from kdbench.report import render_report
         from kdbench.store import read_results
 

@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kdbench.errors import KdbenchError
 from kdbench.suite import CellConfig, Suite, axis_path, deep_merge, nest, overlay, validate_cell
 
 MEASUREMENTS = ("distill_step", "student_inference", "teacher_inference")
@@ -72,7 +73,7 @@ def _excluded(config: dict[str, Any], excludes: list[dict[str, Any]]) -> bool:
 def expand(suite: Suite) -> list[Cell]:
     """The suite's cells, in matrix order, each validated; raises KdbenchError on an empty plan."""
     from kdbench.distill.losses import check_method
-    from kdbench.models import check_model_name
+    from kdbench.models import check_model_input, check_model_name
 
     axes = list(suite.matrix)
     cells: list[Cell] = []
@@ -94,19 +95,20 @@ def expand(suite: Suite) -> list[Cell]:
         cells.append(cell)
     if not cells:
         raise suite.error(("exclude",), "excludes every cell, so there is nothing to run; loosen the exclude entries")
-    # Names are checked once per distinct value, where the user wrote them.
+    # Model names and the input shapes they accept, where the user wrote them.
     for cell in cells:
         pair = cell.config.pair
         for role in ("teacher", "student"):
             name = getattr(pair, role)
             try:
                 check_model_name(name, allow_imports=suite.allow_imports)
-            except Exception as exc:
+                check_model_input(name, cell.config.data.shape)
+            except KdbenchError as exc:
                 loc = ("matrix", "pair") if "pair" in suite.matrix else ("defaults", "pair")
                 raise suite.error(loc + (role,), str(exc)) from None
         try:
             check_method(cell.config.method)
-        except Exception as exc:
+        except KdbenchError as exc:
             loc = ("matrix", "method") if "method" in suite.matrix else ("defaults", "method")
             raise suite.error(loc, str(exc)) from None
     return cells

@@ -1,7 +1,7 @@
 """Walk a plan: hand each cell to the worker, stamp and store its rows at once, show progress.
 
-The runner never measures.  It owns the run id, the thread count, the result file
-and the progress lines.
+The runner never measures (workers do: kdbench.launch).  It owns the run id, the
+thread count, the result file, resuming, and the progress lines.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from kdbench.environment import capture
 from kdbench.plan import Cell, config_columns
 from kdbench.store import SCHEMA_VERSION, ResultWriter
 from kdbench.suite import Suite
-from kdbench.worker import ModelCache, measure_cell
+from kdbench.launch import InlineWorker, ProcessWorker
+
+FAILURES = ("failed", "oom", "timeout")  # statuses that make `run` exit with 1
 
 
 @dataclass
@@ -30,7 +32,7 @@ class RunOutcome:
     path: Path
     cells: int = 0
     rows: int = 0
-    failed: list[str] = field(default_factory=list)  # labels of cells with a failed/oom row
+    failed: list[str] = field(default_factory=list)  # labels of cells with a failed/oom/timeout row
     interrupted: bool = False
 
 
@@ -49,10 +51,13 @@ def _fmt_s(seconds: float) -> str:
 def summary_line(rows: list[dict[str, Any]]) -> str:
     """The main figures of a finished cell, for its progress line."""
     parts = []
+    bad = [r for r in rows if r["status"] != "ok"]
+    if bad and len({(r["status"], r.get("error")) for r in bad}) == 1 and len(bad) == len(rows):
+        return f"{bad[0]['status'].upper()}: {(bad[0].get('error') or '')[:200]}"
     for row in rows:
         m = row["measurement"]
         if row["status"] != "ok":
-            parts.append(f"{m}@{row['batch_size']} {row['status'].upper()}: {row.get('error', '')[:120]}")
+            parts.append(f"{m}@{row['batch_size']} {row['status'].upper()}: {(row.get('error') or '')[:120]}")
         elif m == "distill_step":
             noisy = " NOISY" if row["noisy"] else ""
             parts.append(f"step {row['median_ms']:.3g} ms ±{row['rel_iqr']:.0%}{noisy} ({row['throughput']:.0f} samples/s)")
@@ -61,27 +66,67 @@ def summary_line(rows: list[dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
+def find_resumable(out_dir: Path, suite_name: str) -> tuple[Path | None, set[str]]:
+    """The newest result file of this suite in `out_dir`, and the cell ids stored in any of them."""
+    import pyarrow.parquet as pq
+
+    newest: Path | None = None
+    done: set[str] = set()
+    for path in sorted(Path(out_dir).glob("*.parquet"), key=lambda p: p.stat().st_mtime):
+        try:
+            table = pq.read_table(path, columns=["suite", "cell_id"])
+        except Exception:  # not a kdbench file: not ours to resume
+            continue
+        ids = {cid for s, cid in zip(table.column("suite").to_pylist(), table.column("cell_id").to_pylist())
+               if s == suite_name}
+        if ids:
+            done |= ids
+            newest = path
+    return newest, done
+
+
 def run_plan(
     suite: Suite,
     cells: list[Cell],
     backend: Backend,
     out_dir: Path,
     threads: int,
+    *,
+    resume: bool = False,
+    inline: bool = False,
+    cell_timeout_s: float | None = None,
     log: Callable[[str], None] = print,
 ) -> RunOutcome:
-    """Measure every cell and append its rows to `out_dir/<run_id>.parquet` as soon as it finishes."""
+    """Measure every cell (with `resume`, every cell not yet stored in `out_dir`) and append each
+    cell's rows to the run's parquet file as soon as it finishes."""
     torch.set_num_threads(threads)
-    run_id = new_run_id(suite.name)
-    outcome = RunOutcome(run_id=run_id, path=Path(out_dir) / f"{run_id}.parquet")
-    writer = ResultWriter(outcome.path)
+    previous, done = find_resumable(out_dir, suite.name) if resume else (None, set())
+    if previous is not None:
+        run_id = previous.stem
+        path = previous
+    else:
+        if resume:
+            log(f"nothing of suite '{suite.name}' in {out_dir} to resume; starting a new run")
+        run_id = new_run_id(suite.name)
+        path = Path(out_dir) / f"{run_id}.parquet"
+    todo = [c for c in cells if c.cell_id not in done]
+    outcome = RunOutcome(run_id=run_id, path=path)
     env = capture(backend)
-    cache = ModelCache(allow_imports=suite.allow_imports)
-    log(f"run {run_id}: {len(cells)} cells of suite '{suite.name}' on {backend.name} "
-        f"({env['device_name']}), {threads} CPU threads -> {outcome.path}")
+    if previous is not None:
+        log(f"resuming run {run_id}: {len(cells) - len(todo)} of {len(cells)} cells already stored, "
+            f"{len(todo)} to go")
+    log(f"run {run_id}: {len(todo)} cells of suite '{suite.name}' on {backend.name} "
+        f"({env['device_name']}), {threads} CPU threads -> {path}")
+    if not todo:
+        return outcome
+    writer = ResultWriter(path)
+    worker_cls = InlineWorker if inline else ProcessWorker
+    worker = worker_cls(backend, suite.allow_imports, threads)
+    timeout = cell_timeout_s if cell_timeout_s is not None else suite.cell_timeout_s
     started = time.monotonic()
     try:
-        for i, cell in enumerate(cells, 1):
-            rows = measure_cell(cell, backend, cache)
+        for i, cell in enumerate(todo, 1):
+            rows = worker.measure(cell, timeout)
             identity = {
                 "schema_version": SCHEMA_VERSION,
                 "run_id": run_id,
@@ -98,11 +143,13 @@ def run_plan(
             writer.append([{**identity, "timestamp": now, **row} for row in rows])
             outcome.cells += 1
             outcome.rows += len(rows)
-            if any(r["status"] in ("failed", "oom") for r in rows):
+            if any(r["status"] in FAILURES for r in rows):
                 outcome.failed.append(cell.label)
             elapsed = time.monotonic() - started
-            left = elapsed / i * (len(cells) - i)
-            log(f"[{i}/{len(cells)}] {cell.label}: {summary_line(rows)}  | {_fmt_s(elapsed)} elapsed, ~{_fmt_s(left)} left")
+            left = elapsed / i * (len(todo) - i)
+            log(f"[{i}/{len(todo)}] {cell.label}: {summary_line(rows)}  | {_fmt_s(elapsed)} elapsed, ~{_fmt_s(left)} left")
     except KeyboardInterrupt:
         outcome.interrupted = True
+    finally:
+        worker.close()
     return outcome

@@ -45,7 +45,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("cell_id", _S, "", "stable hash of the resolved cell config (same cell, same id, in any rerun)"),
     Column("cell_label", _S, "", "short human label of the cell"),
     Column("measurement", _S, "", "`distill_step`, `student_inference` or `teacher_inference`"),
-    Column("status", _S, "", "`ok`, `failed`, `oom` or `skipped`"),
+    Column("status", _S, "", "`ok`, `failed`, `oom`, `timeout` or `skipped`"),
     Column("error", _S, "", "why the measurement failed or was skipped (null when ok)"),
     Column("notes", _S, "", "caveats of an ok row, e.g. why autocast was not applied at the asked precision"),
     Column("timestamp", pa.timestamp("us", tz="UTC"), "UTC", "when the measurement finished"),

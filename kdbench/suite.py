@@ -1,7 +1,7 @@
 """Suite YAML -> validated, typed configuration.
 
 A suite file has the top-level keys ``name, description, backend, threads,
-allow_imports, defaults, matrix, exclude``.  ``defaults`` holds one cell's
+allow_imports, cell_timeout_s, defaults, matrix, exclude``.  ``defaults`` holds one cell's
 configuration (``CellConfig``); every key it may hold may also be a ``matrix``
 axis (a list of values), and nested keys may be swept with a dotted axis name
 (``kd.temperature: [2, 4]``).  The plan (``kdbench.plan``) overlays each
@@ -128,6 +128,7 @@ class SuiteModel(_Strict):
     backend: BackendName = "auto"
     threads: int | None = Field(None, ge=1, le=4096)
     allow_imports: bool = False
+    cell_timeout_s: float = Field(3600.0, gt=0, le=7 * 86_400)
     defaults: dict[str, Any] = Field(default_factory=dict)
     matrix: dict[str, list[Any]] = Field(default_factory=dict)
     exclude: list[dict[str, Any]] = Field(default_factory=list)
@@ -143,6 +144,7 @@ class Suite:
     backend: str
     threads: int | None
     allow_imports: bool
+    cell_timeout_s: float
     defaults: dict[str, Any]
     matrix: dict[str, list[Any]]
     exclude: list[dict[str, Any]]
@@ -204,16 +206,23 @@ def _read_text(path: Path) -> str:
         raise KdbenchError(f"{path}: is not UTF-8 text (byte {exc.start}); save the suite as UTF-8") from None
 
 
+def _yaml_error(path: Path, text: str, exc: yaml.YAMLError) -> KdbenchError:
+    mark = getattr(exc, "problem_mark", None)
+    line = f":{mark.line + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    bad_line = text.splitlines()[mark.line] if mark is not None and mark.line < len(text.splitlines()) else ""
+    hint = "; indent with spaces, not tabs" if "\t" in bad_line else ""
+    if "constructor" in problem:
+        hint = "; tags that build Python objects are not allowed, remove it"
+    return KdbenchError(f"{path}{line}: invalid YAML: {problem}{hint}")
+
+
 def _line_map(path: Path, text: str) -> tuple[Any, dict[tuple, int]]:
     """Compose the YAML node tree: check it, and map each key path to its 1-based line."""
     try:
         node = yaml.compose(text, Loader=_Loader)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        hint = "; indent with spaces, not tabs" if "\t" in text and "tab" in str(exc).lower() else ""
-        raise KdbenchError(f"{path}{line}: invalid YAML: {problem}{hint}") from None
+        raise _yaml_error(path, text, exc) from None
     lines: dict[tuple, int] = {}
     _check_expansion(path, node)
 
@@ -292,8 +301,8 @@ def _describe(err: dict, root: type[BaseModel]) -> str:
     msg = err["msg"]
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
-    shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
-    return f"{msg[0].lower()}{msg[1:]} (got {shown})"
+    got_text = "" if isinstance(got, (dict, list)) or "got " in msg else f" (got {got!r})"
+    return f"{msg[0].lower()}{msg[1:]}{got_text}"
 
 
 def validation_error(path: Path, lines: dict[tuple, int], exc: ValidationError, prefix: tuple, root) -> KdbenchError:
@@ -359,8 +368,8 @@ def load_suite(path: str | Path) -> Suite:
     _node, lines = _line_map(path, text)
     try:
         raw = yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError as exc:  # composed fine above, so this is rare
-        raise KdbenchError(f"{path}: invalid YAML: {str(exc).splitlines()[0]}") from None
+    except yaml.YAMLError as exc:  # composed fine, but a tag names no safe constructor
+        raise _yaml_error(path, text, exc) from None
     if raw is None:
         raise KdbenchError(f"{path}: the suite is empty; it needs at least `name` and `defaults` (see suites/cpu.yaml)")
     if not isinstance(raw, dict):
@@ -378,6 +387,7 @@ def load_suite(path: str | Path) -> Suite:
         backend=top.backend,
         threads=top.threads,
         allow_imports=top.allow_imports,
+        cell_timeout_s=top.cell_timeout_s,
         defaults=top.defaults,
         matrix=top.matrix,
         exclude=top.exclude,

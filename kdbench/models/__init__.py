@@ -5,6 +5,7 @@ from kdbench.models import cifar  # noqa: F401  (registers the CIFAR family)
 from kdbench.models.registry import (
     available_models,
     build_model,
+    check_model_input,
     check_model_name,
     count_params,
     register_model,
@@ -13,6 +14,7 @@ from kdbench.models.registry import (
 __all__ = [
     "available_models",
     "build_model",
+    "check_model_input",
     "check_model_name",
     "count_params",
     "register_model",

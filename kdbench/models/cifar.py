@@ -14,10 +14,8 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
-from kdbench.errors import KdbenchError
 from kdbench.models.registry import register_model
 
-MIN_IMAGE_SIZE = 8
 
 
 def _init_weights(model: nn.Module) -> None:
@@ -199,14 +197,9 @@ _MODELS: dict[str, tuple] = {
 
 
 def _builder(name: str, cls: type[nn.Module], *args) -> Callable[..., nn.Module]:
-    """Registry builder for ``cls(*args, num_classes, in_channels)`` checking the image shape."""
+    """Registry builder for ``cls(*args, num_classes, in_channels)`` (shapes: registry.check_model_input)."""
 
     def build(num_classes: int, in_shape: tuple[int, ...]) -> nn.Module:
-        if len(in_shape) != 3 or min(in_shape[1:]) < MIN_IMAGE_SIZE:
-            raise KdbenchError(
-                f"model {name!r} needs images of at least {MIN_IMAGE_SIZE}x{MIN_IMAGE_SIZE}; "
-                f"set data.shape to [C, H, W] with H, W >= {MIN_IMAGE_SIZE} (got {list(in_shape)})"
-            )
         return cls(*args, num_classes=num_classes, in_channels=in_shape[0])
 
     return build

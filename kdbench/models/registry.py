@@ -29,6 +29,8 @@ FAMILIES = ("cifar", "torchvision", "seed")
 
 _REGISTRY: dict[str, tuple[str, Builder]] = {}
 
+MIN_IMAGE_SIZE = 8  # CIFAR models: three stride-2 stages need at least 8x8
+
 _TORCHVISION_EXTRA_KWARGS = {
     # Without these, train-mode forward returns a namedtuple with aux logits.
     "googlenet": {"aux_logits": False, "init_weights": False},
@@ -95,6 +97,7 @@ def build_model(
 ) -> nn.Module:
     """Build model ``name`` with fresh weights (seed ``torch`` beforehand for determinism)."""
     check_model_name(name, allow_imports)
+    check_model_input(name, in_shape)
     if num_classes < 1:
         raise KdbenchError(
             f"num_classes must be at least 1 for model {name!r} (got {num_classes})"
@@ -107,6 +110,27 @@ def build_model(
     return _build_torchvision(name, num_classes, in_shape)
 
 
+def check_model_input(name: str, in_shape: tuple[int, ...] | list[int]) -> None:
+    """The input shapes a model family accepts, checked without building anything."""
+    family = available_models().get(name)
+    shape = list(in_shape)
+    if family == "torchvision":
+        if len(shape) != 3 or shape[0] != 3:
+            raise KdbenchError(f"model {name!r} needs 3-channel images; set data.shape to [3, H, W] (got {shape})")
+        if name.startswith("vit_"):
+            patch = int(name.rsplit("_", 1)[-1])
+            if shape[1] != shape[2] or shape[1] % patch:
+                raise KdbenchError(
+                    f"model {name!r} needs square images whose side is a multiple of its patch size {patch}; "
+                    f"set data.shape to e.g. [3, 224, 224] (got {shape})"
+                )
+    elif family == "cifar" and (len(shape) != 3 or min(shape[1:]) < MIN_IMAGE_SIZE):
+        raise KdbenchError(
+            f"model {name!r} needs images of at least {MIN_IMAGE_SIZE}x{MIN_IMAGE_SIZE}; "
+            f"set data.shape to [C, H, W] with H, W >= {MIN_IMAGE_SIZE} (got {shape})"
+        )
+
+
 def count_params(model: nn.Module) -> int:
     """Number of parameters (trainable or not) of ``model``."""
     return sum(p.numel() for p in model.parameters())
@@ -116,12 +140,9 @@ def _build_torchvision(name: str, num_classes: int, in_shape: tuple[int, ...]) -
     """Build a torchvision classifier without pretrained weights."""
     import torchvision
 
-    if len(in_shape) != 3 or in_shape[0] != 3:
-        raise KdbenchError(
-            f"model {name!r} needs 3-channel images; set data.shape to [3, H, W] "
-            f"(got {list(in_shape)})"
-        )
-    extra = _TORCHVISION_EXTRA_KWARGS.get(name, {})
+    extra = dict(_TORCHVISION_EXTRA_KWARGS.get(name, {}))
+    if name.startswith("vit_"):
+        extra["image_size"] = in_shape[1]  # position embeddings sized for the data, not only 224
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **extra)
 
 

@@ -1,0 +1,40 @@
+"""Models that misbehave on purpose, loaded as `module:callable` user models to inject
+failures into a plan: raise, NaN, out of memory, segfault, killed, hang."""
+
+import os
+import signal
+import time
+
+import torch
+from torch import nn
+
+
+class Faulty(nn.Module):
+    def __init__(self, num_classes, in_shape, fault):
+        super().__init__()
+        self.fault = fault
+        self.fc = nn.Linear(int(torch.tensor(in_shape).prod()), num_classes)
+
+    def forward(self, x):
+        if self.fault == "raise":
+            raise RuntimeError("injected failure")
+        if self.fault == "oom":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
+        if self.fault == "segfault":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if self.fault == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.fault == "hang":
+            time.sleep(3600)
+        out = self.fc(x.flatten(1))
+        return out * float("nan") if self.fault == "nan" else out
+
+
+def _factory(fault):
+    def make(num_classes, in_shape):
+        return Faulty(num_classes, in_shape, fault)
+
+    return make
+
+
+raising, nan, oom, segfault, killed, hang = map(_factory, ["raise", "nan", "oom", "segfault", "killed", "hang"])

@@ -1,0 +1,56 @@
+"""The malformed-suite corpus: every user mistake ends in one line naming the file, exit code 2,
+no traceback, and nothing written.  Each file's first line says what its message must contain."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kdbench.cli import main
+
+CORPUS = Path(__file__).resolve().parent / "malformed"
+FILES = sorted(CORPUS.glob("*.yaml"))
+
+
+def _expected(path: Path) -> str:
+    first = path.read_bytes().splitlines()[0].decode("ascii")
+    assert first.startswith("# expect: ")
+    return first[len("# expect: "):]
+
+
+def test_corpus_is_large_enough():
+    assert len(FILES) >= 25
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_malformed_suite(path, tmp_path, capsys):
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "earlier.parquet").write_bytes(b"an earlier run's results")
+    rc = main(["run", str(path), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"kdbench: error: {path}"), err
+    assert _expected(path) in lines[0], err
+    # no results lost, none started
+    assert [p.name for p in out.iterdir()] == ["earlier.parquet"]
+    assert (out / "earlier.parquet").read_bytes() == b"an earlier run's results"
+
+
+@pytest.mark.parametrize("stem", ["unknown_model", "yaml_syntax", "billion_laughs"])
+def test_no_traceback_from_the_real_command(stem):
+    path = CORPUS / f"{stem}.yaml"
+    r = subprocess.run([sys.executable, "-m", "kdbench", "run", str(path), "--dry-run"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_missing_file_and_folder(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "nope.yaml")]) == 2
+    assert main(["run", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "no such suite file" in err[0] and "is a folder" in err[1]

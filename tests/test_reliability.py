@@ -1,0 +1,152 @@
+"""A failing cell is a result, not a crash; a killed run resumes; Ctrl-C keeps what is done."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from kdbench.cli import main
+from kdbench.store import read_results
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+HEAD = """
+name: faults
+backend: cpu
+threads: 1
+allow_imports: true
+cell_timeout_s: 20
+defaults:
+  batch_size: 4
+  data: {kind: synthetic, shape: [1, 8, 8], num_classes: 10}
+  timing: {warmup: 0, min_iters: 2, min_time_s: 0.0}
+  inference: {batch_sizes: [2]}
+matrix:
+  pair:
+"""
+
+
+def test_injected_failures_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(TESTS))  # the spawned worker inherits sys.path
+    students = ["linear", "faulty_models:raising", "faulty_models:nan", "faulty_models:oom",
+                "faulty_models:segfault", "linear", "faulty_models:killed", "faulty_models:hang", "linear"]
+    # `cases` gives each cell its own seed, so the three good `linear` cells are distinct cells
+    cases = "".join(f"    - {{pair: {{teacher: linear, student: '{s}'}}, seed: {i}}}\n" for i, s in enumerate(students))
+    suite = tmp_path / "faults.yaml"
+    suite.write_text(HEAD.replace("  pair:\n", "  cases:\n") + cases)
+    rc = main(["run", str(suite), "--out", str(tmp_path / "res"), "--no-report"])
+    assert rc == 1
+    df = read_results([tmp_path / "res"])
+    step = df[df.measurement == "distill_step"].sort_values("seed")
+    assert list(step["student"]) == students  # every cell ran, in plan order
+    got = dict(zip(step["seed"], zip(step["status"], step["error"].fillna(""))))
+    assert got[0] == ("ok", "") and got[5] == ("ok", "") and got[8] == ("ok", "")
+    assert got[1][0] == "failed" and "injected failure" in got[1][1]
+    assert got[2][0] == "failed" and "not finite" in got[2][1]
+    assert got[3][0] == "oom" and "out of memory" in got[3][1]
+    assert got[4][0] == "failed" and "SIGSEGV" in got[4][1]
+    assert got[6][0] == "failed" and "SIGKILL" in got[6][1]
+    assert got[7][0] == "timeout" and "20 s" in got[7][1]
+    # the cells after each failure ran in a working worker and measured their inference too
+    ok_inf = df[(df.measurement == "student_inference") & df.seed.isin([5, 8])]
+    assert list(ok_inf["status"]) == ["ok", "ok"]
+    err = capsys.readouterr().err
+    assert "6 cell(s) had failures" in err
+
+
+def test_failure_cells_after_good_ones_keep_order(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+    pairs = "".join(f"    - {{teacher: linear, student: '{s}'}}\n" for s in
+                    ["faulty_models:segfault", "linear", "faulty_models:raising"])
+    suite = tmp_path / "s.yaml"
+    suite.write_text(HEAD + pairs)
+    assert main(["run", str(suite), "--out", str(tmp_path), "--no-report"]) == 1
+    rows = pq.read_table(next(tmp_path.glob("*.parquet"))).to_pylist()
+    steps = [(r["student"], r["status"]) for r in rows if r["measurement"] == "distill_step"]
+    assert steps == [("faulty_models:segfault", "failed"), ("linear", "ok"), ("faulty_models:raising", "failed")]
+    # a cell whose worker died has all its planned rows, each marked
+    seg = [r for r in rows if r["student"] == "faulty_models:segfault"]
+    assert len(seg) == 3 and all(r["status"] == "failed" for r in seg)
+
+
+SLOW = """
+name: killme
+backend: cpu
+threads: 1
+defaults:
+  batch_size: 8
+  data: {kind: synthetic, shape: [3, 16, 16], num_classes: 10}
+  pair: {teacher: resnet8, student: resnet8}
+  timing: {warmup: 0, min_iters: 3, min_time_s: 1.0}
+  inference: {batch_sizes: [1]}
+matrix:
+  seed: [0, 1, 2, 3]
+"""
+
+
+def _stored_cells(out: Path) -> list[str]:
+    ids = []
+    for f in out.glob("*.parquet"):
+        ids += pq.read_table(f, columns=["cell_id"]).column("cell_id").to_pylist()
+    return ids
+
+
+def test_sigkill_then_resume_stores_every_cell_exactly_once(tmp_path):
+    suite, out = tmp_path / "slow.yaml", tmp_path / "res"
+    suite.write_text(SLOW)
+    cmd = [sys.executable, "-m", "kdbench", "run", str(suite), "--out", str(out), "--no-report"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if len(set(_stored_cells(out))) >= 1:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        os.killpg(proc.pid, signal.SIGKILL)  # the CLI and its worker, at once
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.stdout.close()
+    before = set(_stored_cells(out))
+    assert 1 <= len(before) < 4
+    r = subprocess.run(cmd + ["--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "already stored" in r.stdout
+    ids = _stored_cells(out)
+    assert len(set(ids)) == 4
+    assert len(ids) == 4 * 3  # each cell's 3 rows once: nothing lost, nothing duplicated
+    assert len(list(out.glob("*.parquet"))) == 1
+    assert not [p for p in out.iterdir() if p.suffix == ".tmp" and not p.name.startswith(".")]
+    # resuming a complete run measures nothing
+    again = subprocess.run(cmd + ["--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "0 cells" in again.stdout
+    assert len(_stored_cells(out)) == 12
+
+
+def test_ctrl_c_keeps_stored_cells_and_prints_the_resume_command(tmp_path):
+    suite, out = tmp_path / "slow.yaml", tmp_path / "res"
+    suite.write_text(SLOW)
+    cmd = [sys.executable, "-m", "kdbench", "run", str(suite), "--out", str(out), "--no-report"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None and not _stored_cells(out):
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole foreground group
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "--resume" in err and "Traceback" not in err
+    stored = set(_stored_cells(out))
+    assert 1 <= len(stored) <= 4
