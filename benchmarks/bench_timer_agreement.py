@@ -40,7 +40,7 @@ def _step():
     return DistillStep(teacher, student, x, y, config, backend), backend
 
 
-def test_step_median_agrees_with_torch_benchmark_timer(benchmark):
+def test_step_median_agrees_with_torch_benchmark_timer(benchmark, report_line):
     step, backend = _step()
     threads = torch.get_num_threads()
     for _ in range(5):  # warm up both paths once
@@ -56,10 +56,11 @@ def test_step_median_agrees_with_torch_benchmark_timer(benchmark):
     ratio = statistics.median(r["ratio"] for r in rounds)
     result = {"threads": threads, "rounds": rounds, "median_ratio": ratio, "tolerance": TOLERANCE,
               "step": "resnet20->resnet8 kd fp32 bs16 3x32x32 cpu"}
-    print("\nkdbench vs torch.utils.benchmark.Timer (ms per step):")
+    report_line(f"kdbench vs torch.utils.benchmark.Timer, {result['step']}, {threads} threads (ms per step):")
     for i, r in enumerate(rounds):
-        print(f"  round {i}: kdbench {r['kdbench_ms']:.3f}  Timer {r['torch_timer_ms']:.3f}  ratio {r['ratio']:.4f}")
-    print(f"  median ratio {ratio:.4f} (must be within 1 ± {TOLERANCE})")
+        report_line(f"  round {i}: kdbench {r['kdbench_ms']:.3f}  Timer {r['torch_timer_ms']:.3f}  "
+                    f"ratio {r['ratio']:.4f}")
+    report_line(f"  median ratio {ratio:.4f} (must be within 1 ± {TOLERANCE}); saved to {OUT}")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2))
     benchmark.extra_info.update(result)

@@ -19,7 +19,7 @@ import torch
 from kdbench.backends import Backend
 from kdbench.environment import capture
 from kdbench.plan import Cell, config_columns
-from kdbench.store import SCHEMA_VERSION, ResultWriter
+from kdbench.store import SCHEMA_VERSION, ResultWriter, read_table
 from kdbench.suite import Suite
 from kdbench.launch import InlineWorker, ProcessWorker
 
@@ -68,13 +68,11 @@ def summary_line(rows: list[dict[str, Any]]) -> str:
 
 def find_resumable(out_dir: Path, suite_name: str) -> tuple[Path | None, set[str]]:
     """The newest result file of this suite in `out_dir`, and the cell ids stored in any of them."""
-    import pyarrow.parquet as pq
-
     newest: Path | None = None
     done: set[str] = set()
     for path in sorted(Path(out_dir).glob("*.parquet"), key=lambda p: p.stat().st_mtime):
         try:
-            table = pq.read_table(path, columns=["suite", "cell_id"])
+            table = read_table(path, columns=["suite", "cell_id"])
         except Exception:  # not a kdbench file: not ours to resume
             continue
         ids = {cid for s, cid in zip(table.column("suite").to_pylist(), table.column("cell_id").to_pylist())

@@ -146,7 +146,7 @@ class ResultWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._rows: list[dict[str, Any]] = []
         if self.path.exists():
-            self._rows = pq.read_table(self.path).to_pylist()
+            self._rows = read_table(self.path).to_pylist()
 
     @property
     def rows(self) -> list[dict[str, Any]]:
@@ -164,6 +164,17 @@ class ResultWriter:
             Path(tmp).unlink(missing_ok=True)
             raise
         self._rows.extend(rows)
+
+
+def read_table(path: Path, columns: list[str] | None = None) -> pa.Table:
+    """Read one result file through a single open file descriptor.
+
+    A writer replaces the file by renaming a new one over it; reading by path can
+    open it more than once (footer, then pages) and mix the old file with the new.
+    One descriptor pins one inode: always a complete file.
+    """
+    with open(path, "rb") as fh:
+        return pq.read_table(pa.BufferReader(fh.read()), columns=columns)
 
 
 def result_files(paths: Iterable[str | Path]) -> list[Path]:
@@ -191,7 +202,7 @@ def read_results(paths: Iterable[str | Path]):
     frames = []
     for f in files:
         try:
-            frames.append(pq.read_table(f).to_pandas())
+            frames.append(read_table(f).to_pandas())
         except Exception as exc:  # not a kdbench file, or a foreign/corrupt one
             raise KdbenchError(f"{f}: not a readable parquet file ({exc}); remove it or pass other files") from None
     return pd.concat(frames, ignore_index=True)

@@ -99,3 +99,36 @@ def test_read_errors_are_user_errors(tmp_path):
     (tmp_path / "x.parquet").write_text("not parquet")
     with pytest.raises(KdbenchError, match="not a readable parquet"):
         read_results([tmp_path])
+
+
+def test_reader_never_sees_a_half_written_file(tmp_path):
+    import threading
+
+    writer = ResultWriter(tmp_path / "run.parquet")
+    writer.append([_row(0)])
+    stop = threading.Event()
+
+    def write():
+        for i in range(1, 60):
+            writer.append([_row(i, samples_ms=[float(j) for j in range(500)])])
+        stop.set()
+
+    t = threading.Thread(target=write)
+    t.start()
+    reads = []
+    while not stop.is_set():
+        reads.append(len(read_results([tmp_path])))  # raises on a torn or temporary file
+    t.join()
+    assert reads and all(1 <= n <= 60 for n in reads)
+    assert reads == sorted(reads)  # each read sees a complete, later-or-equal file
+    assert len(read_results([tmp_path])) == 60
+
+
+def test_two_runs_started_together_get_distinct_files():
+    from kdbench.runner import new_run_id
+
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    ids = {new_run_id("my suite/../x", now) for _ in range(50)}
+    assert len(ids) == 50
+    # a suite name cannot steer the file out of the results folder
+    assert all(i.startswith("my-suite-..-x-20260101T000000Z-") and "/" not in i for i in ids)
