@@ -97,7 +97,16 @@ def run_plan(
 ) -> RunOutcome:
     """Measure every cell (with `resume`, every cell not yet stored in `out_dir`) and append each
     cell's rows to the run's parquet file as soon as it finishes."""
-    torch.set_num_threads(threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # recorded by capture() below; the worker sets its own
+    try:
+        return _run(suite, cells, backend, out_dir, threads, resume, inline, cell_timeout_s, log)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(suite: Suite, cells: list[Cell], backend: Backend, out_dir: Path, threads: int, resume: bool,
+         inline: bool, cell_timeout_s: float | None, log: Callable[[str], None]) -> RunOutcome:
     previous, done = find_resumable(out_dir, suite.name) if resume else (None, set())
     if previous is not None:
         run_id = previous.stem

@@ -31,6 +31,10 @@ _REGISTRY: dict[str, tuple[str, Builder]] = {}
 
 MIN_IMAGE_SIZE = 8  # CIFAR models: three stride-2 stages need at least 8x8
 
+# torchvision classifiers whose layers cannot take smaller images (checked by a forward pass here).
+_TORCHVISION_MIN_SIDE = {"alexnet": 63, "inception_v3": 75}
+_MAXVIT_SIDE = 224  # maxvit partitions every stage into 7x7 windows: sides must be multiples of 224
+
 _TORCHVISION_EXTRA_KWARGS = {
     # Without these, train-mode forward returns a namedtuple with aux logits.
     "googlenet": {"aux_logits": False, "init_weights": False},
@@ -117,6 +121,14 @@ def check_model_input(name: str, in_shape: tuple[int, ...] | list[int]) -> None:
     if family == "torchvision":
         if len(shape) != 3 or shape[0] != 3:
             raise KdbenchError(f"model {name!r} needs 3-channel images; set data.shape to [3, H, W] (got {shape})")
+        side = _TORCHVISION_MIN_SIDE.get(name, 1)
+        if min(shape[1:]) < side:
+            raise KdbenchError(f"model {name!r} needs images of at least {side}x{side}; enlarge data.shape (got {shape})")
+        if name.startswith("maxvit_") and (shape[1] % _MAXVIT_SIDE or shape[2] % _MAXVIT_SIDE):
+            raise KdbenchError(
+                f"model {name!r} needs image sides that are multiples of {_MAXVIT_SIDE}; set data.shape to "
+                f"[3, 224, 224] (got {shape})"
+            )
         if name.startswith("vit_"):
             patch = int(name.rsplit("_", 1)[-1])
             if shape[1] != shape[2] or shape[1] % patch:
@@ -143,6 +155,8 @@ def _build_torchvision(name: str, num_classes: int, in_shape: tuple[int, ...]) -
     extra = dict(_TORCHVISION_EXTRA_KWARGS.get(name, {}))
     if name.startswith("vit_"):
         extra["image_size"] = in_shape[1]  # position embeddings sized for the data, not only 224
+    if name.startswith("maxvit_"):
+        extra["input_size"] = tuple(in_shape[1:])
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **extra)
 
 
