@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--cell-timeout", type=float, default=None, metavar="SECONDS",
                      help="stop a cell that runs longer and record it as `timeout` (default: the suite's "
                           "`cell_timeout_s`, 3600)")
+    run.add_argument("--shard", default=None, metavar="I/N",
+                     help="run only share I of N of the plan (every N-th cell from the I-th), e.g. one task of a "
+                          "Slurm job array; `report` merges the shares' files")
     run.add_argument("--inline", action="store_true",
                      help="measure in this process instead of a worker process (no crash isolation; for debugging)")
 
@@ -65,7 +68,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import torch
 
     from kdbench.backends import detect, resolve
-    from kdbench.plan import expand, planned_measurements
+    from kdbench.plan import expand, parse_shard, planned_measurements, shard
     from kdbench.runner import run_plan
     from kdbench.suite import load_suite
 
@@ -75,6 +78,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         suite = replace(suite, allow_imports=True)
     cells = expand(suite)
+    if args.shard:
+        i, n = parse_shard(args.shard)
+        cells = shard(cells, i, n)
+        if not cells:
+            print(f"shard {i}/{n} of suite '{suite.name}' holds no cells; nothing to run")
+            return 0
     requested = args.device or suite.backend
     if args.dry_run:
         n_rows = 0

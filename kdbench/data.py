@@ -1,9 +1,11 @@
-"""Input batches: synthetic, deterministic, the same shapes every iteration."""
+"""Input batches: synthetic, deterministic, the same shapes every iteration, placed at the
+cell's byte alignment (kdbench.layout.place_aligned)."""
 
 from __future__ import annotations
 
 import torch
 
+from kdbench.layout import place_aligned
 from kdbench.suite import CellConfig
 
 
@@ -20,4 +22,4 @@ def synthetic_batch(config: CellConfig, batch_size: int, device: torch.device, s
     x = x.to(device)
     if x.dim() == 4:
         x = x.contiguous(memory_format=memory_format_of(config.memory_format))
-    return x, y.to(device)
+    return place_aligned(x, config.alignment), place_aligned(y.to(device), config.alignment)

@@ -1,4 +1,4 @@
-"""Where cells are measured: in a worker process (default) or inline.
+"""Where cells are measured: in a worker process (default), inline, or under torchrun.
 
 ``ProcessWorker`` keeps one child process (started with ``spawn``, safe with CUDA)
 that measures cell after cell and keeps its model cache between them.  A cell
@@ -6,14 +6,21 @@ that kills its worker — a segfault, the OS out-of-memory killer, ``os._exit`` 
 or outlives its time-out is recorded as a failure and the next cell gets a fresh
 worker, so one bad cell never takes the sweep down.  ``InlineWorker`` measures in
 the calling process: no isolation, but a debugger and profiler see everything.
+``TorchrunWorker`` runs a ``world_size > 1`` cell as ``torchrun --standalone``
+over ``kdbench.ddp``, in its own process group so a hung rank can be killed whole.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import signal
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +33,7 @@ STARTUP_TIMEOUT_S = 600.0  # importing torch on a cold, busy machine can take mi
 _POLL_S = 0.2
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: have the kernel SIGKILL this process when its parent dies (even by kill -9)."""
     try:
         import ctypes
@@ -39,7 +46,7 @@ def _die_with_parent() -> None:
 
 def _serve(conn: Any, backend: Backend, allow_imports: bool, threads: int) -> None:
     """The worker process: measure each cell it is sent, until told to stop or orphaned."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     torch.set_num_threads(threads)
     cache = ModelCache(allow_imports=allow_imports)
@@ -152,3 +159,75 @@ class ProcessWorker:
             except (OSError, BrokenPipeError):
                 pass
         self._kill()
+
+
+def _error_lines(output: str, keep: int = 4) -> str:
+    """The informative last lines of torchrun's output: errors, exit codes, signals."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    marks = ("Error", "Exception", "exitcode", "Signal", "error:", "Traceback")
+    hits = [ln for ln in lines[-80:] if any(m in ln for m in marks) and not ln.startswith("warnings.warn")]
+    return " | ".join((hits or lines)[-keep:])[:2000]
+
+
+def _kill_tree(proc: subprocess.Popen, marker: str) -> None:
+    """Kill torchrun and every rank: torchrun starts each rank in a session of its own, so its
+    process group alone would leave them running; they are found by the job file in their command line."""
+    import psutil
+
+    victims = [proc.pid]
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if marker in " ".join(p.info["cmdline"] or []):
+            victims.append(p.info["pid"])
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
+
+
+class TorchrunWorker:
+    """Run data-parallel cells under `torchrun --standalone` on this machine."""
+
+    def __init__(self, backend: Backend, allow_imports: bool, threads: int, gpu_count: int = 0):
+        self.backend = backend
+        self.allow_imports = allow_imports
+        self.threads = threads
+        self.gpu_count = gpu_count
+
+    def measure(self, cell: Cell, timeout_s: float | None = None) -> list[dict[str, Any]]:
+        ws = cell.config.world_size
+        if self.backend.device_type == "cuda" and ws > self.gpu_count:
+            return _rows_for(cell, "skipped", f"world_size {ws} needs {ws} GPUs; this machine has {self.gpu_count}")
+        timeout = timeout_s or 3600.0
+        rank_threads = max(1, self.threads // ws)
+        with tempfile.TemporaryDirectory(prefix="kdbench-ddp-") as tmp:
+            job, rows_file, log = Path(tmp) / "cell.pkl", Path(tmp) / "rows.pkl", Path(tmp) / "output.log"
+            job.write_bytes(pickle.dumps({
+                "cell": cell, "backend": self.backend.name, "allow_imports": self.allow_imports,
+                "threads": rank_threads, "timeout_s": timeout,
+            }))
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+                   f"--nproc-per-node={ws}", "--max-restarts=0", "-m", "kdbench.ddp", str(job), str(rows_file)]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+                   "OMP_NUM_THREADS": str(rank_threads)}
+            # Output goes to a file, not a pipe: a rank that outlived torchrun would hold a pipe open.
+            with open(log, "w") as out:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                try:
+                    proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    _kill_tree(proc, str(job))
+                    return _rows_for(cell, "timeout", f"the cell exceeded its time-out of {timeout:g} s and its "
+                                                      f"{ws} ranks were stopped; last output: {_error_lines(log.read_text())}")
+                except BaseException:  # Ctrl-C: leave nothing behind
+                    _kill_tree(proc, str(job))
+                    raise
+                _kill_tree(proc, str(job))  # ranks that outlived a failed torchrun
+            if proc.returncode != 0 or not rows_file.exists():
+                return _rows_for(cell, "failed", f"torchrun exited with code {proc.returncode}: "
+                                                 f"{_error_lines(log.read_text())}")
+            return pickle.loads(rows_file.read_bytes())
+
+    def close(self) -> None:
+        pass

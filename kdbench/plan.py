@@ -43,8 +43,12 @@ class Cell:
             parts.append(c.memory_format)
         if c.alignment != 64:
             parts.append(f"align{c.alignment}")
+        if c.pad_to != 1:
+            parts.append(f"pad{c.pad_to}")
         if c.world_size != 1:
             parts.append(f"ws{c.world_size}")
+        if c.seed != 0:
+            parts.append(f"seed{c.seed}")
         return " ".join(parts)
 
 
@@ -114,7 +118,29 @@ def expand(suite: Suite) -> list[Cell]:
     return cells
 
 
-def config_columns(config: CellConfig) -> dict[str, Any]:
+def parse_shard(text: str) -> tuple[int, int]:
+    """'I/N' (1 <= I <= N) -> (I, N)."""
+    try:
+        i, n = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise KdbenchError(f"--shard {text!r}: write I/N, e.g. 2/4 for the second of four shares") from None
+    if not 1 <= i <= n:
+        raise KdbenchError(f"--shard {text!r}: I must be between 1 and N")
+    return i, n
+
+
+def shard(cells: list[Cell], i: int, n: int) -> list[Cell]:
+    """Share I of N: every N-th cell of the plan, starting at the I-th. The N shares partition the
+    plan exactly, and depend only on the plan, so N machines given the same suite split it."""
+    return [c for c in cells if c.index % n == i - 1]
+
+
+def dist_backend_for(backend_name: str) -> str:
+    """gloo on the CPU; nccl on GPUs (RCCL on ROCm, under the same name)."""
+    return "gloo" if backend_name == "cpu" else "nccl"
+
+
+def config_columns(config: CellConfig, backend_name: str) -> dict[str, Any]:
     """The result columns that come from a cell's config."""
     assert config.pair is not None
     return {
@@ -125,7 +151,12 @@ def config_columns(config: CellConfig) -> dict[str, Any]:
         "teacher_precision": config.teacher_precision,
         "memory_format": config.memory_format,
         "alignment": config.alignment,
+        "pad_to": config.pad_to,
         "world_size": config.world_size,
+        "dist_backend": None if config.world_size == 1 else dist_backend_for(backend_name),
+        "ddp_bucket_cap_mb": config.ddp.bucket_cap_mb if config.world_size > 1 else None,
+        "ddp_gradient_as_bucket_view": config.ddp.gradient_as_bucket_view if config.world_size > 1 else None,
+        "ddp_static_graph": config.ddp.static_graph if config.world_size > 1 else None,
         "data_kind": config.data.kind,
         "data_shape": "x".join(map(str, config.data.shape)),
         "num_classes": config.data.num_classes,

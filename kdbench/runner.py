@@ -6,6 +6,7 @@ thread count, the result file, resuming, and the progress lines.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -21,7 +22,8 @@ from kdbench.environment import capture
 from kdbench.plan import Cell, config_columns
 from kdbench.store import SCHEMA_VERSION, ResultWriter, read_table
 from kdbench.suite import Suite
-from kdbench.launch import InlineWorker, ProcessWorker
+from kdbench.backends import detect
+from kdbench.launch import InlineWorker, ProcessWorker, TorchrunWorker
 
 FAILURES = ("failed", "oom", "timeout")  # statuses that make `run` exit with 1
 
@@ -64,6 +66,27 @@ def summary_line(rows: list[dict[str, Any]]) -> str:
         elif m == "student_inference" and row.get("speedup_vs_teacher"):
             parts.append(f"student@{row['batch_size']} {row['median_ms']:.3g} ms ({row['speedup_vs_teacher']:.1f}x teacher)")
     return "; ".join(parts)
+
+
+def scaling_efficiency(rows: list[dict[str, Any]]) -> bool:
+    """Fill `scaling_efficiency` of world_size > 1 distill_step rows whose world_size 1 twin
+    (the same config but for world_size) is in the run; True if any value changed."""
+
+    def key(row: dict[str, Any]) -> str:
+        config = json.loads(row["config_json"])
+        config.pop("world_size")
+        return json.dumps(config, sort_keys=True)
+
+    steps = [r for r in rows if r["measurement"] == "distill_step" and r["status"] == "ok" and r.get("config_json")]
+    single = {key(r): r["throughput"] for r in steps if r["world_size"] == 1}
+    changed = False
+    for r in steps:
+        base = single.get(key(r)) if r["world_size"] > 1 else None
+        value = r["throughput"] / (r["world_size"] * base) if base else None
+        if value != r.get("scaling_efficiency"):
+            r["scaling_efficiency"] = value
+            changed = True
+    return changed
 
 
 def find_resumable(out_dir: Path, suite_name: str) -> tuple[Path | None, set[str]]:
@@ -129,11 +152,12 @@ def _run(suite: Suite, cells: list[Cell], backend: Backend, out_dir: Path, threa
     writer = ResultWriter(path)
     worker_cls = InlineWorker if inline else ProcessWorker
     worker = worker_cls(backend, suite.allow_imports, threads)
+    ddp_worker = TorchrunWorker(backend, suite.allow_imports, threads, gpu_count=detect().gpu_count)
     timeout = cell_timeout_s if cell_timeout_s is not None else suite.cell_timeout_s
     started = time.monotonic()
     try:
         for i, cell in enumerate(todo, 1):
-            rows = worker.measure(cell, timeout)
+            rows = (ddp_worker if cell.config.world_size > 1 else worker).measure(cell, timeout)
             identity = {
                 "schema_version": SCHEMA_VERSION,
                 "run_id": run_id,
@@ -143,11 +167,12 @@ def _run(suite: Suite, cells: list[Cell], backend: Backend, out_dir: Path, threa
                 "cell_label": cell.label,
                 "backend": backend.name,
                 "device": str(backend.device),
-                **config_columns(cell.config),
+                **config_columns(cell.config, backend.name),
                 **env,
             }
             now = datetime.now(timezone.utc)
             writer.append([{**identity, "timestamp": now, **row} for row in rows])
+            writer.update(scaling_efficiency)
             outcome.cells += 1
             outcome.rows += len(rows)
             if any(r["status"] in FAILURES for r in rows):

@@ -16,7 +16,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -60,7 +60,13 @@ COLUMNS: tuple[Column, ...] = (
     Column("device", _S, "", "torch device, e.g. `cpu` or `cuda:0`"),
     Column("memory_format", _S, "", "`contiguous` or `channels_last`"),
     Column("alignment", _I, "bytes", "requested byte alignment of the step's input buffers"),
+    Column("pad_to", _I, "", "classifier width padded to a multiple of this (1: no padding)"),
+    Column("padded_classes", _I, "", "classifier width after padding (the pad is sliced out of loss and accuracy)"),
     Column("world_size", _I, "ranks", "data-parallel ranks"),
+    Column("dist_backend", _S, "", "torch.distributed backend of world_size > 1 cells: `gloo` (CPU) or `nccl` (CUDA, RCCL on ROCm)"),
+    Column("ddp_bucket_cap_mb", _F, "MiB", "DDP gradient bucket size"),
+    Column("ddp_gradient_as_bucket_view", _B, "", "DDP gradient_as_bucket_view"),
+    Column("ddp_static_graph", _B, "", "DDP static_graph"),
     Column("data_kind", _S, "", "`synthetic`"),
     Column("data_shape", _S, "", "shape of one input sample, e.g. `3x32x32`"),
     Column("num_classes", _I, "", "classifier width"),
@@ -92,12 +98,14 @@ COLUMNS: tuple[Column, ...] = (
     Column("noisy", _B, "", "rel_iqr > 0.10: treat the median with care"),
     Column("timer", _S, "", "`perf_counter_ns` (host clock) or `device_event` (CUDA/HIP events)"),
     # --- derived ----------------------------------------------------------------
-    Column("throughput", _F, "samples/s", "world_size × batch_size / median time"),
+    Column("throughput", _F, "samples/s", "world_size × batch_size / median time (for world_size > 1, each iteration's slowest rank)"),
+    Column("scaling_efficiency", _F, "ratio", "throughput / (world_size × throughput of the same cell at world_size 1), when that cell is in the run"),
     Column("speedup_vs_teacher", _F, "×", "teacher median / student median at this batch size (student_inference rows)"),
     Column("final_loss", _F, "", "distillation loss of the last timed step (distill_step rows)"),
     Column("student_params", _I, "parameters", "student parameter count"),
     Column("teacher_params", _I, "parameters", "teacher parameter count"),
-    Column("data_ptr_mod64", _I, "bytes", "input batch's data_ptr() % 64"),
+    Column("data_ptr_mod64", _I, "bytes", "input batch's realised data_ptr() % 64 (labels are placed alike)"),
+    Column("memory_format_verified", _B, "", "the input and every 4-D weight are contiguous in `memory_format`"),
     # --- environment ------------------------------------------------------------
     Column("device_name", _S, "", "GPU name, or the CPU model for cpu cells"),
     Column("device_arch", _S, "", "GPU architecture (`gfx942`, `sm_90`, ...); CPU machine type for cpu"),
@@ -154,7 +162,18 @@ class ResultWriter:
 
     def append(self, rows: Iterable[dict[str, Any]]) -> None:
         rows = list(rows)
-        table = rows_to_table(self._rows + rows)
+        self._write(self._rows + rows)
+        self._rows.extend(rows)
+
+    def update(self, fill: Callable[[list[dict[str, Any]]], bool]) -> None:
+        """Let `fill` change stored rows in place (derived columns); rewrite the file if it did."""
+        rows = [dict(r) for r in self._rows]
+        if fill(rows):
+            self._write(rows)
+            self._rows = rows
+
+    def _write(self, rows: list[dict[str, Any]]) -> None:
+        table = rows_to_table(rows)
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         os.close(fd)
         try:
@@ -163,7 +182,6 @@ class ResultWriter:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        self._rows.extend(rows)
 
 
 def read_table(path: Path, columns: list[str] | None = None) -> pa.Table:

@@ -90,6 +90,14 @@ class InferenceConfig(_Strict):
         return v
 
 
+class DDPConfig(_Strict):
+    """DistributedDataParallel options of the student, for cells with world_size > 1."""
+
+    bucket_cap_mb: float = Field(25.0, gt=0, le=10_000)
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+
 class CellConfig(_Strict):
     """Everything one cell measures; `defaults` and each matrix combination build one."""
 
@@ -104,8 +112,10 @@ class CellConfig(_Strict):
     timing: TimingConfig = TimingConfig()
     inference: InferenceConfig = InferenceConfig()
     alignment: int = Field(64, ge=1, le=4096)
+    pad_to: int = Field(1, ge=1, le=4096)
     memory_format: Literal["contiguous", "channels_last"] = "contiguous"
     world_size: int = Field(1, ge=1, le=1024)
+    ddp: DDPConfig = DDPConfig()
     seed: int = Field(0, ge=0, le=2**63 - 1)
 
     @field_validator("alignment")

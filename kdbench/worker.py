@@ -19,6 +19,7 @@ from torch import nn
 from kdbench.backends import Backend, choose_autocast
 from kdbench.data import memory_format_of, synthetic_batch
 from kdbench.distill.step import DistillStep
+from kdbench.layout import pad_classifier, padded_width, verify_memory_format
 from kdbench.models import build_model, count_params
 from kdbench.plan import Cell, planned_measurements
 from kdbench.stats import summarize
@@ -90,9 +91,26 @@ def _time(fn: Callable[[], Any], config: CellConfig, backend: Backend) -> RawTim
                       max_iters=t.max_iters)
 
 
-def _notes(*choices) -> str | None:
-    notes = [f"{c.precision}: {c.note}" for c in choices if c.note]
+def _notes(*choices, alignment: str | None = None) -> str | None:
+    notes = [f"{c.precision}: {c.note}" for c in choices if c.note] + ([alignment] if alignment else [])
     return "; ".join(dict.fromkeys(notes)) or None
+
+
+def _alignment_note(x: torch.Tensor, config: CellConfig) -> str | None:
+    if config.alignment < x.element_size():
+        return (f"alignment {config.alignment} is below the {x.element_size()}-byte element size of the input; "
+                f"placed at {x.element_size()}")
+    return None
+
+
+def _layout(model: nn.Module, x: torch.Tensor, config: CellConfig) -> dict[str, Any]:
+    """What the cell's layout settings realised, checked on the real tensors."""
+    out = model.module if hasattr(model, "module") else model  # DDP wraps the student
+    return {
+        "data_ptr_mod64": x.data_ptr() % 64,
+        "memory_format_verified": verify_memory_format(out, x, config.memory_format),
+        "padded_classes": padded_width(config.data.num_classes, config.pad_to),
+    }
 
 
 def _on_device(model: nn.Module, config: CellConfig, backend: Backend) -> nn.Module:
@@ -100,11 +118,27 @@ def _on_device(model: nn.Module, config: CellConfig, backend: Backend) -> nn.Mod
     return model.to(device=backend.device, memory_format=fmt)
 
 
+def model_pair(config: CellConfig, backend: Backend, cache: ModelCache) -> tuple[nn.Module, nn.Module]:
+    """Fresh copies of the cell's teacher and student, on the device in the cell's memory format."""
+    assert config.pair is not None
+    models = []
+    for name in (config.pair.teacher, config.pair.student):
+        model = cache.get(name, config)
+        pad_classifier(model, config.data.num_classes, config.pad_to)  # before the memory format: new weights
+        models.append(_on_device(model, config, backend))
+    return models[0], models[1]
+
+
 def measure_distill_step(teacher: nn.Module, student: nn.Module, config: CellConfig, backend: Backend) -> dict[str, Any]:
     x, y = synthetic_batch(config, config.batch_size, backend.device, config.seed)
     step = DistillStep(teacher, student, x, y, config, backend)
     raw = _time(step, config, backend)
     loss = float(step.last_loss) if step.last_loss is not None else math.nan
+    return distill_row(step, raw, config, x, loss)
+
+
+def distill_row(step: DistillStep, raw: RawTiming, config: CellConfig, x: torch.Tensor, loss: float) -> dict[str, Any]:
+    """The distill_step row of a timed step; failed when the loss is not finite."""
     row = {
         "measurement": "distill_step",
         "batch_size": config.batch_size,
@@ -114,8 +148,8 @@ def measure_distill_step(teacher: nn.Module, student: nn.Module, config: CellCon
         "autocast": step.student_ac.applied,
         "teacher_autocast": step.teacher_ac.applied,
         "grad_scaler": step.scaler is not None,
-        "data_ptr_mod64": x.data_ptr() % 64,
-        "notes": _notes(step.student_ac, step.teacher_ac),
+        **_layout(step.student, x, config),
+        "notes": _notes(step.student_ac, step.teacher_ac, alignment=_alignment_note(x, config)),
     }
     if not math.isfinite(loss):
         row.update(status="failed", error=f"the distillation loss is not finite ({loss}); lower lr or use bf16/fp32")
@@ -139,8 +173,8 @@ def measure_inference(model: nn.Module, role: str, batch_size: int, config: Cell
         "status": "ok",
         **_timing_row(raw, 1, batch_size),
         "autocast": choice.applied,
-        "data_ptr_mod64": x.data_ptr() % 64,
-        "notes": _notes(choice),
+        **_layout(model, x, config),
+        "notes": _notes(choice, alignment=_alignment_note(x, config)),
     }
 
 
@@ -156,13 +190,8 @@ def _guarded(measurement: str, batch_size: int, backend: Backend, fn: Callable[[
 def measure_cell(cell: Cell, backend: Backend, cache: ModelCache) -> list[dict[str, Any]]:
     config = cell.config
     planned = planned_measurements(config)
-    if config.world_size > 1:
-        reason = "world_size > 1 runs under torchrun, which this version of kdbench does not launch yet"
-        return [failure_row(m, bs, None, status="skipped", error=reason) for m, bs in planned]
-    assert config.pair is not None
     try:
-        teacher = _on_device(cache.get(config.pair.teacher, config), config, backend)
-        student = _on_device(cache.get(config.pair.student, config), config, backend)
+        teacher, student = model_pair(config, backend, cache)
     except Exception as exc:
         return [failure_row(m, bs, exc) for m, bs in planned]
     params = {"student_params": count_params(student), "teacher_params": count_params(teacher)}

@@ -38,3 +38,26 @@ def _factory(fault):
 
 
 raising, nan, oom, segfault, killed, hang = map(_factory, ["raise", "nan", "oom", "segfault", "killed", "hang"])
+
+
+class OnRank(nn.Module):
+    """Well-behaved except on one data-parallel rank (torchrun's RANK), where it kills or hangs."""
+
+    def __init__(self, num_classes, in_shape, fault, rank):
+        super().__init__()
+        self.inner = Faulty(num_classes, in_shape, fault if os.environ.get("RANK") == str(rank) else "none")
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def killed_rank1(num_classes, in_shape):
+    return OnRank(num_classes, in_shape, "killed", 1)
+
+
+def hang_rank1(num_classes, in_shape):
+    return OnRank(num_classes, in_shape, "hang", 1)
+
+
+def raising_rank1(num_classes, in_shape):
+    return OnRank(num_classes, in_shape, "raise", 1)

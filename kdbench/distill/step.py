@@ -7,6 +7,7 @@ from torch import nn
 
 from kdbench.backends import AutocastChoice, Backend, choose_autocast, grad_scaler
 from kdbench.distill.losses import check_method
+from kdbench.layout import unpad
 from kdbench.suite import CellConfig, OptimizerConfig
 
 
@@ -52,7 +53,8 @@ class DistillStep:
             t_logits = self.teacher(self.x)
         with self.student_ac.context(self.device_type):
             s_logits = self.student(self.x)
-        loss = self.method.fn(s_logits, t_logits, self.y, self.config)
+        n = self.config.data.num_classes  # a padded classifier's extra columns stay out of the loss
+        loss = self.method.fn(unpad(s_logits, n), unpad(t_logits, n), self.y, self.config)
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()

@@ -1,0 +1,109 @@
+"""Data-parallel cells under torchrun (gloo on the CPU), sharding, and failing ranks."""
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from kdbench.cli import main
+from kdbench.errors import KdbenchError
+from kdbench.plan import expand, parse_shard, shard
+from kdbench.runner import scaling_efficiency
+from kdbench.store import read_results
+from kdbench.suite import load_suite
+
+TESTS = Path(__file__).resolve().parent
+
+DDP = """
+name: ddp
+backend: cpu
+threads: 2
+allow_imports: true
+cell_timeout_s: 120
+defaults:
+  batch_size: 8
+  data: {kind: synthetic, shape: [3, 16, 16], num_classes: 10}
+  pair: {teacher: resnet8, student: resnet8}
+  timing: {warmup: 1, min_iters: 4, min_time_s: 0.2}
+  inference: {batch_sizes: [2]}
+  ddp: {bucket_cap_mb: 10, static_graph: true}
+matrix:
+  world_size: [1, 2]
+"""
+
+
+def test_two_rank_gloo_cell(tmp_path):
+    suite = tmp_path / "ddp.yaml"
+    suite.write_text(DDP)
+    assert main(["run", str(suite), "--out", str(tmp_path), "--no-report"]) == 0
+    df = read_results([tmp_path])
+    assert (df["status"] == "ok").all(), df[["status", "error"]]
+    steps = df[df.measurement == "distill_step"].set_index("world_size")
+    two = steps.loc[2]
+    assert two["n"] >= 4 and len(two["samples_ms"]) == two["n"]
+    assert two["throughput"] == pytest.approx(2 * 8 / (two["median_ms"] / 1e3))  # both ranks count
+    assert two["dist_backend"] == "gloo" and two["ddp_bucket_cap_mb"] == 10 and bool(two["ddp_static_graph"])
+    assert two["scaling_efficiency"] == pytest.approx(two["throughput"] / (2 * steps.loc[1]["throughput"]))
+    assert math.isnan(steps.loc[1]["scaling_efficiency"])
+    assert math.isfinite(two["final_loss"])
+    assert pd.isna(steps.loc[1]["dist_backend"])
+    inf = df[(df.measurement == "student_inference") & (df.world_size == 2)]
+    assert list(inf["status"]) == ["ok"] and inf["speedup_vs_teacher"].notna().all()
+
+
+@pytest.mark.parametrize("student,status,fragment", [
+    ("faulty_models:killed_rank1", "failed", "torchrun exited"),
+    ("faulty_models:raising_rank1", "failed", "injected failure"),
+    ("faulty_models:hang_rank1", "timeout", "time-out of 30 s"),
+])
+def test_a_failing_rank_fails_the_cell_within_the_time_out(tmp_path, monkeypatch, student, status, fragment):
+    monkeypatch.syspath_prepend(str(TESTS))  # passed on to the ranks through PYTHONPATH
+    text = (DDP.replace("student: resnet8}", f"student: '{student}'}}").replace("cell_timeout_s: 120", "cell_timeout_s: 30")
+            .replace("world_size: [1, 2]", "world_size: [2]").replace("[3, 16, 16]", "[1, 4, 4]")
+            .replace("teacher: resnet8", "teacher: linear"))
+    suite = tmp_path / "bad.yaml"
+    suite.write_text(text)
+    assert main(["run", str(suite), "--out", str(tmp_path), "--no-report"]) == 1
+    df = read_results([tmp_path])
+    assert (df["status"] == status).all()
+    assert fragment in df["error"].iloc[0], df["error"].iloc[0]
+
+
+def test_shards_partition_the_plan_exactly(tmp_path):
+    text = DDP.replace("world_size: [1, 2]", "world_size: [1, 2]\n  seed: [0, 1, 2, 3, 4]\n  precision: [fp32, bf16]")
+    (tmp_path / "s.yaml").write_text(text)
+    cells = expand(load_suite(tmp_path / "s.yaml"))
+    assert len(cells) == 20
+    for n in (1, 3, 4, 7, 25):
+        shares = [shard(cells, i, n) for i in range(1, n + 1)]
+        ids = [c.cell_id for share in shares for c in share]
+        assert sorted(ids) == sorted(c.cell_id for c in cells)  # every cell once
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1  # balanced
+    assert [c.index for c in shard(cells, 2, 7)] == [1, 8, 15]
+    assert parse_shard("2/4") == (2, 4)
+    for bad in ("0/4", "5/4", "2", "a/b"):
+        with pytest.raises(KdbenchError, match="--shard"):
+            parse_shard(bad)
+
+
+def test_shard_dry_run(tmp_path, capsys):
+    (tmp_path / "s.yaml").write_text(DDP)
+    assert main(["run", str(tmp_path / "s.yaml"), "--shard", "2/2", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and "ws2" in out[0] and out[-1].startswith("1 cells")
+    assert main(["run", str(tmp_path / "s.yaml"), "--shard", "3/2"]) == 2
+
+
+def test_scaling_efficiency_pairs_cells_that_differ_only_in_world_size():
+    import json
+
+    def row(ws, tp, **cfg):
+        config = {"world_size": ws, "batch_size": 8, **cfg}
+        return {"measurement": "distill_step", "status": "ok", "world_size": ws, "throughput": tp,
+                "config_json": json.dumps(config)}
+
+    rows = [row(2, 150.0), row(1, 100.0), row(4, 320.0), row(2, 90.0, batch_size=16), row(1, 50.0, lr=1)]
+    assert scaling_efficiency(rows)
+    assert [r.get("scaling_efficiency") for r in rows] == [0.75, None, 0.8, None, None]
+    assert not scaling_efficiency(rows)  # nothing left to change
