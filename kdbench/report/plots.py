@@ -26,7 +26,17 @@ NOISY_NOTE = "IQR/median > 10 %"
 _UNITS = {c.name: c.unit for c in COLUMNS}
 _PRECISION_ORDER = {"fp32": 0, "tf32": 1, "bf16": 2, "fp16": 3}
 # Config columns that, when they vary among plotted rows, become part of a bar's label.
-_VARIANT_COLUMNS = ("method", "teacher_precision", "memory_format", "world_size", "alignment")
+_VARIANT_COLUMNS = ("method", "teacher_precision", "memory_format", "world_size", "alignment", "pad_to", "seed")
+# Compact spellings of varying config values in chart labels; others show as `column=value`.
+_SHORT = {
+    "teacher_precision": "teacher-{}",
+    "memory_format": "{}",
+    "world_size": "ws{}",
+    "alignment": "align{}",
+    "pad_to": "pad{}",
+    "seed": "seed{}",
+    "method": "{}",
+}
 _NOISY_HATCH = "///"
 
 
@@ -77,7 +87,8 @@ def _add_variant(df: pd.DataFrame, extra: tuple[str, ...] = ()) -> pd.DataFrame:
     varying = [c for c in (*_VARIANT_COLUMNS, *extra) if df[c].nunique(dropna=False) > 1]
     df["variant"] = df["precision"]
     for col in varying:
-        df["variant"] += f", {col}=" + df[col].astype("string").fillna("?")
+        template = _SHORT.get(col, col + "={}")
+        df["variant"] += ", " + df[col].astype("string").fillna("?").map(template.format)
     return df
 
 
@@ -131,9 +142,9 @@ def _grouped_bars(ax, here: pd.DataFrame, group: str, series: str, order: list, 
         x = bars[group].map(groups.index) + (j - (len(order) - 1) / 2) * width
         drawn[key] = ax.bar(x, bars[value], width=width, edgecolor="0.25", linewidth=0.5, **style(bars))
     rotate = len(groups) > 4
-    labels = [g if rotate else g.replace(" → ", "\n→ ") for g in groups]  # two lines fit side by side
-    ax.set_xticks(range(len(groups)), labels, rotation=20 if rotate else 0, ha="right" if rotate else "center",
-                  rotation_mode="anchor")
+    labels = [g.replace("\n", " ") if rotate else g.replace(" → ", "\n→ ") for g in groups]  # two lines side by side
+    ax.set_xticks(range(len(groups)), labels, rotation=90 if rotate else 0, ha="right" if rotate else "center",
+                  rotation_mode="anchor", va="center" if rotate else "top", fontsize=8 if rotate else None)
     ax.set_xlim(-0.7, len(groups) - 0.3)
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
@@ -255,7 +266,9 @@ def _speedup(rows: pd.DataFrame, out_dir: Path) -> Chart:
     color = {b: shades(0.1 + 0.75 * i / max(1, len(batch_sizes) - 1)) for i, b in enumerate(batch_sizes)}
     n_bars = rows.groupby("source").size().max()
 
-    fig, facets = _facets(sources, 1, width=min(14.0, max(8.0, 0.45 * n_bars + 4)), height=3.8)
+    n_groups = rows.groupby("source")["group"].nunique().max()
+    label_room = 0.065 * rows["group"].str.len().max() if n_groups > 4 else 0.0  # vertical tick labels
+    fig, facets = _facets(sources, 1, width=min(14.0, max(8.0, 0.45 * n_bars + 4)), height=3.8 + label_room)
     for (ax,), source in zip(facets, sources):
         drawn = _grouped_bars(ax, rows[rows["source"].eq(source)], "group", "batch_size", batch_sizes,
                               "speedup_vs_teacher", lambda bars: {"color": color[bars["batch_size"].iloc[0]]})
