@@ -27,6 +27,7 @@ import torch
 
 from kdbench.backends import Backend
 from kdbench.plan import Cell, planned_measurements
+from kdbench.suite import LauncherConfig
 from kdbench.worker import ModelCache, failure_row, measure_cell
 
 STARTUP_TIMEOUT_S = 600.0  # importing torch on a cold, busy machine can take minutes
@@ -189,26 +190,41 @@ def _kill_tree(proc: subprocess.Popen, marker: str) -> None:
 class TorchrunWorker:
     """Run data-parallel cells under `torchrun --standalone` on this machine."""
 
-    def __init__(self, backend: Backend, allow_imports: bool, threads: int, gpu_count: int = 0):
+    def __init__(self, backend: Backend, allow_imports: bool, threads: int, gpu_count: int = 0,
+                 launcher: LauncherConfig | None = None):
         self.backend = backend
         self.allow_imports = allow_imports
         self.threads = threads
         self.gpu_count = gpu_count
+        self.launcher = launcher or LauncherConfig()
+
+    def torchrun_args(self, cell: Cell) -> list[str]:
+        """torchrun's flags for a cell: standalone on one node, or the suite's rendezvous."""
+        la = self.launcher
+        per_node = cell.config.world_size // la.nnodes
+        if la.nnodes == 1 and la.rdzv_endpoint is None:
+            args = ["--standalone", "--nnodes=1"]
+        else:
+            args = [f"--nnodes={la.nnodes}", f"--rdzv-backend={la.rdzv_backend}", f"--rdzv-endpoint={la.rdzv_endpoint}",
+                    f"--rdzv-id={la.rdzv_id or 'kdbench-' + cell.cell_id}"]
+        return [*args, f"--nproc-per-node={per_node}", "--max-restarts=0", *la.extra_args]
 
     def measure(self, cell: Cell, timeout_s: float | None = None) -> list[dict[str, Any]]:
         ws = cell.config.world_size
-        if self.backend.device_type == "cuda" and ws > self.gpu_count:
-            return _rows_for(cell, "skipped", f"world_size {ws} needs {ws} GPUs; this machine has {self.gpu_count}")
+        per_node = ws // self.launcher.nnodes
+        if self.backend.device_type == "cuda" and per_node > self.gpu_count:
+            return _rows_for(cell, "skipped", f"world_size {ws} needs {per_node} GPUs on each of "
+                                              f"{self.launcher.nnodes} node(s); this machine has {self.gpu_count}")
         timeout = timeout_s or 3600.0
-        rank_threads = max(1, self.threads // ws)
+        rank_threads = max(1, self.threads // per_node)
         with tempfile.TemporaryDirectory(prefix="kdbench-ddp-") as tmp:
             job, rows_file, log = Path(tmp) / "cell.pkl", Path(tmp) / "rows.pkl", Path(tmp) / "output.log"
             job.write_bytes(pickle.dumps({
                 "cell": cell, "backend": self.backend.name, "allow_imports": self.allow_imports,
                 "threads": rank_threads, "timeout_s": timeout,
             }))
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-                   f"--nproc-per-node={ws}", "--max-restarts=0", "-m", "kdbench.ddp", str(job), str(rows_file)]
+            cmd = [sys.executable, "-m", "torch.distributed.run", *self.torchrun_args(cell),
+                   "-m", "kdbench.ddp", str(job), str(rows_file)]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
                    "OMP_NUM_THREADS": str(rank_threads)}
             # Output goes to a file, not a pipe: a rank that outlived torchrun would hold a pipe open.
@@ -224,6 +240,8 @@ class TorchrunWorker:
                     _kill_tree(proc, str(job))
                     raise
                 _kill_tree(proc, str(job))  # ranks that outlived a failed torchrun
+            if proc.returncode == 0 and not rows_file.exists() and self.launcher.nnodes > 1:
+                return []  # global rank 0 ran on another node, which stores the rows
             if proc.returncode != 0 or not rows_file.exists():
                 return _rows_for(cell, "failed", f"torchrun exited with code {proc.returncode}: "
                                                  f"{_error_lines(log.read_text())}")

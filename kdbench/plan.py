@@ -110,6 +110,11 @@ def expand(suite: Suite) -> list[Cell]:
             except KdbenchError as exc:
                 loc = ("matrix", "pair") if "pair" in suite.matrix else ("defaults", "pair")
                 raise suite.error(loc + (role,), str(exc)) from None
+        nnodes = suite.launcher.nnodes
+        if cell.config.world_size > 1 and cell.config.world_size % nnodes:
+            loc = ("matrix", "world_size") if "world_size" in suite.matrix else ("defaults", "world_size")
+            raise suite.error(loc, f"world_size {cell.config.world_size} does not split over launcher.nnodes {nnodes}; "
+                                   "use a multiple of nnodes")
         try:
             check_method(cell.config.method)
         except KdbenchError as exc:

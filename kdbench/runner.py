@@ -152,12 +152,17 @@ def _run(suite: Suite, cells: list[Cell], backend: Backend, out_dir: Path, threa
     writer = ResultWriter(path)
     worker_cls = InlineWorker if inline else ProcessWorker
     worker = worker_cls(backend, suite.allow_imports, threads)
-    ddp_worker = TorchrunWorker(backend, suite.allow_imports, threads, gpu_count=detect().gpu_count)
+    ddp_worker = TorchrunWorker(backend, suite.allow_imports, threads, gpu_count=detect().gpu_count,
+                                launcher=suite.launcher)
     timeout = cell_timeout_s if cell_timeout_s is not None else suite.cell_timeout_s
     started = time.monotonic()
     try:
         for i, cell in enumerate(todo, 1):
             rows = (ddp_worker if cell.config.world_size > 1 else worker).measure(cell, timeout)
+            if not rows:
+                log(f"[{i}/{len(todo)}] {cell.label}: measured with the other nodes; the node that ran global "
+                    "rank 0 stores its rows")
+                continue
             identity = {
                 "schema_version": SCHEMA_VERSION,
                 "run_id": run_id,

@@ -1,7 +1,7 @@
 """Suite YAML -> validated, typed configuration.
 
 A suite file has the top-level keys ``name, description, backend, threads,
-allow_imports, cell_timeout_s, defaults, matrix, exclude``.  ``defaults`` holds one cell's
+allow_imports, cell_timeout_s, launcher, defaults, matrix, exclude``.  ``defaults`` holds one cell's
 configuration (``CellConfig``); every key it may hold may also be a ``matrix``
 axis (a list of values), and nested keys may be swept with a dotted axis name
 (``kd.temperature: [2, 4]``).  The plan (``kdbench.plan``) overlays each
@@ -132,6 +132,29 @@ class CellConfig(_Strict):
         return self
 
 
+class LauncherConfig(_Strict):
+    """How torchrun starts world_size > 1 cells; the default is one node, standalone."""
+
+    nnodes: int = Field(1, ge=1, le=4096)
+    rdzv_backend: str = Field("c10d", min_length=1)
+    rdzv_endpoint: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:\[\]-]+:[0-9]{1,5}$")
+    rdzv_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
+    extra_args: list[str] = Field(default_factory=list)
+
+    @field_validator("extra_args")
+    @classmethod
+    def _flags(cls, v: list[str]) -> list[str]:
+        if v and not v[0].startswith("--"):
+            raise ValueError("extra_args are torchrun flags and must start with --, e.g. ['--log-dir', 'logs']")
+        return v
+
+    @model_validator(mode="after")
+    def _endpoint(self) -> "LauncherConfig":
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("nnodes > 1 needs rdzv_endpoint: HOST:PORT of the rendezvous, the same on every node")
+        return self
+
+
 class SuiteModel(_Strict):
     name: str = Field(min_length=1, max_length=200)
     description: str = ""
@@ -139,6 +162,7 @@ class SuiteModel(_Strict):
     threads: int | None = Field(None, ge=1, le=4096)
     allow_imports: bool = False
     cell_timeout_s: float = Field(3600.0, gt=0, le=7 * 86_400)
+    launcher: LauncherConfig = LauncherConfig()
     defaults: dict[str, Any] = Field(default_factory=dict)
     matrix: dict[str, list[Any]] = Field(default_factory=dict)
     exclude: list[dict[str, Any]] = Field(default_factory=list)
@@ -155,6 +179,7 @@ class Suite:
     threads: int | None
     allow_imports: bool
     cell_timeout_s: float
+    launcher: LauncherConfig
     defaults: dict[str, Any]
     matrix: dict[str, list[Any]]
     exclude: list[dict[str, Any]]
@@ -398,6 +423,7 @@ def load_suite(path: str | Path) -> Suite:
         threads=top.threads,
         allow_imports=top.allow_imports,
         cell_timeout_s=top.cell_timeout_s,
+        launcher=top.launcher,
         defaults=top.defaults,
         matrix=top.matrix,
         exclude=top.exclude,

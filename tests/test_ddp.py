@@ -107,3 +107,40 @@ def test_scaling_efficiency_pairs_cells_that_differ_only_in_world_size():
     assert scaling_efficiency(rows)
     assert [r.get("scaling_efficiency") for r in rows] == [0.75, None, 0.8, None, None]
     assert not scaling_efficiency(rows)  # nothing left to change
+
+
+def test_torchrun_flags_standalone_and_rendezvous():
+    from kdbench.backends import resolve
+    from kdbench.launch import TorchrunWorker
+    from kdbench.suite import LauncherConfig
+
+    (cell,) = [c for c in expand(_suite_from(DDP)) if c.config.world_size == 2]
+    standalone = TorchrunWorker(resolve("cpu"), False, 2).torchrun_args(cell)
+    assert standalone == ["--standalone", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0"]
+    launcher = LauncherConfig(nnodes=2, rdzv_endpoint="node0:29500", extra_args=["--log-dir", "logs"])
+    multi = TorchrunWorker(resolve("cpu"), False, 2, launcher=launcher).torchrun_args(cell)
+    assert multi == ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500",
+                     f"--rdzv-id=kdbench-{cell.cell_id}", "--nproc-per-node=1", "--max-restarts=0",
+                     "--log-dir", "logs"]
+
+
+def _suite_from(text):
+    import tempfile
+
+    path = Path(tempfile.mkdtemp()) / "s.yaml"
+    path.write_text(text)
+    return load_suite(path)
+
+
+def test_rendezvous_launcher_runs_a_two_rank_cell(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a free local port for the c10d rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    text = DDP.replace("cell_timeout_s: 120", f"cell_timeout_s: 120\nlauncher: {{rdzv_endpoint: '127.0.0.1:{port}'}}")
+    text = text.replace("world_size: [1, 2]", "world_size: [2]")
+    (tmp_path / "s.yaml").write_text(text)
+    assert main(["run", str(tmp_path / "s.yaml"), "--out", str(tmp_path), "--no-report"]) == 0
+    df = read_results([tmp_path])
+    assert (df["status"] == "ok").all() and set(df["world_size"]) == {2}
