@@ -67,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_run(args: argparse.Namespace) -> int:
     import torch
 
+    from kdbench.allocation import detect_allocation, run_allocated
     from kdbench.backends import detect, resolve
     from kdbench.plan import expand, parse_shard, planned_measurements, shard
     from kdbench.runner import run_plan
@@ -105,8 +106,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise KdbenchError(f"--threads must be >= 1, got {threads}")
     if args.cell_timeout is not None and args.cell_timeout <= 0:
         raise KdbenchError(f"--cell-timeout must be > 0 seconds, got {args.cell_timeout}")
-    outcome = run_plan(suite, cells, backend, args.out, threads, resume=args.resume, inline=args.inline,
-                       cell_timeout_s=args.cell_timeout)
+    alloc = detect_allocation()
+    if alloc is not None:  # started once per rank by torchrun or srun
+        outcome = run_allocated(suite, cells, backend.name, args.out, threads, alloc=alloc, resume=args.resume,
+                                inline=args.inline, cell_timeout_s=args.cell_timeout)
+        if outcome is None:
+            return 0  # rank 0 stores, reports and sets the exit code
+    else:
+        outcome = run_plan(suite, cells, backend, args.out, threads, resume=args.resume, inline=args.inline,
+                           cell_timeout_s=args.cell_timeout)
     if outcome.interrupted:
         again = " ".join(shlex.quote(a) for a in ["kdbench", "run", str(args.suite), "--out", str(args.out), "--resume",
                                                   *(["--device", args.device] if args.device else [])])

@@ -37,19 +37,20 @@ from kdbench.models import count_params
 from kdbench.worker import ModelCache, distill_row, measure_inference, model_pair
 
 
-def _agreed_iterations(step: DistillStep, config: CellConfig, backend: Backend) -> tuple[int, float]:
+def _agreed_iterations(step: DistillStep, config: CellConfig, backend: Backend, group: Any) -> tuple[int, float]:
     """Cold call + warm-up + one probe call; every rank takes the largest count any rank needs."""
     t = config.timing
     probe = timed_loop(step, backend.clock(), warmup=t.warmup, min_iters=1, min_time_s=0.0, max_iters=1)
     wanted = max(t.min_iters, math.ceil(t.min_time_s * 1e3 / max(probe.samples_ms[0], 1e-6)))
     agreed = torch.tensor([min(wanted, t.max_iters), probe.first_ms], dtype=torch.float64, device=backend.device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     return int(agreed[0].item()), float(agreed[1].item())
 
 
-def measure_rank(cell: Cell, backend: Backend, allow_imports: bool) -> list[dict[str, Any]] | None:
+def measure_rank(cell: Cell, backend: Backend, allow_imports: bool, group: Any = None) -> list[dict[str, Any]] | None:
+    """This rank's part of a data-parallel cell over `group` (default: all ranks); rows on its rank 0."""
     config = cell.config
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     teacher, student = model_pair(config, backend, ModelCache(allow_imports=allow_imports))
     params = {"student_params": count_params(student), "teacher_params": count_params(teacher)}
     ddp_student = DistributedDataParallel(
@@ -58,17 +59,18 @@ def measure_rank(cell: Cell, backend: Backend, allow_imports: bool) -> list[dict
         bucket_cap_mb=config.ddp.bucket_cap_mb,
         gradient_as_bucket_view=config.ddp.gradient_as_bucket_view,
         static_graph=config.ddp.static_graph,
+        process_group=group,
     )
     x, y = synthetic_batch(config, config.batch_size, backend.device, config.seed + rank)
     step = DistillStep(teacher, ddp_student, x, y, config, backend)
-    iters, first_ms = _agreed_iterations(step, config, backend)
+    iters, first_ms = _agreed_iterations(step, config, backend, group)
     raw = timed_loop(step, backend.clock(), warmup=0, min_iters=iters, min_time_s=0.0, max_iters=iters)
     mine = torch.tensor(raw.samples_ms, dtype=torch.float64, device=backend.device)
     everyone = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine)
+    dist.all_gather(everyone, mine, group=group)
     slowest = torch.stack(everyone).max(dim=0).values.tolist()
     loss = torch.tensor([float(step.last_loss)], dtype=torch.float64, device=backend.device)
-    dist.all_reduce(loss)  # mean loss over ranks
+    dist.all_reduce(loss, group=group)  # mean loss over ranks
     rows = None
     if rank == 0:
         raw = type(raw)(first_ms=first_ms, samples_ms=slowest, clock=raw.clock)
@@ -82,7 +84,7 @@ def measure_rank(cell: Cell, backend: Backend, allow_imports: bool) -> list[dict
                 srow["speedup_vs_teacher"] = trow["median_ms"] / srow["median_ms"]
         for row in rows:
             row.update(params)
-    dist.barrier()
+    dist.barrier(group=group)
     return rows
 
 

@@ -128,63 +128,82 @@ def run_plan(
         torch.set_num_threads(before)
 
 
-def _run(suite: Suite, cells: list[Cell], backend: Backend, out_dir: Path, threads: int, resume: bool,
-         inline: bool, cell_timeout_s: float | None, log: Callable[[str], None]) -> RunOutcome:
+class Recorder:
+    """Stamps a cell's rows with identity, config and environment, appends them, prints progress."""
+
+    def __init__(self, suite: Suite, backend: Backend, outcome: RunOutcome, total: int, log: Callable[[str], None]):
+        self.suite, self.backend, self.outcome, self.total, self.log = suite, backend, outcome, total, log
+        self.env = capture(backend)
+        self.writer: ResultWriter | None = None  # the file appears with the first stored cell
+        self.started = time.monotonic()
+        self.seen = 0
+
+    def record(self, cell: Cell, rows: list[dict[str, Any]]) -> None:
+        self.seen += 1
+        head = f"[{self.seen}/{self.total}] {cell.label}"
+        if not rows:
+            self.log(f"{head}: measured with the other nodes; the node that ran global rank 0 stores its rows")
+            return
+        identity = {
+            "schema_version": SCHEMA_VERSION,
+            "run_id": self.outcome.run_id,
+            "suite": self.suite.name,
+            "suite_file": str(self.suite.path),
+            "cell_id": cell.cell_id,
+            "cell_label": cell.label,
+            "backend": self.backend.name,
+            "device": str(self.backend.device),
+            **config_columns(cell.config, self.backend.name),
+            **self.env,
+        }
+        now = datetime.now(timezone.utc)
+        if self.writer is None:
+            self.writer = ResultWriter(self.outcome.path)
+        self.writer.append([{**identity, "timestamp": now, **row} for row in rows])
+        self.writer.update(scaling_efficiency)
+        self.outcome.cells += 1
+        self.outcome.rows += len(rows)
+        if any(r["status"] in FAILURES for r in rows):
+            self.outcome.failed.append(cell.label)
+        elapsed = time.monotonic() - self.started
+        left = elapsed / self.seen * (self.total - self.seen)
+        self.log(f"{head}: {summary_line(rows)}  | {_fmt_s(elapsed)} elapsed, ~{_fmt_s(left)} left")
+
+
+def open_run(suite: Suite, cells: list[Cell], out_dir: Path, resume: bool,
+             log: Callable[[str], None]) -> tuple[RunOutcome, list[Cell]]:
+    """The run's id and file (a new one, or with `resume` the newest of this suite) and the cells to do."""
     previous, done = find_resumable(out_dir, suite.name) if resume else (None, set())
     if previous is not None:
-        run_id = previous.stem
-        path = previous
+        outcome = RunOutcome(run_id=previous.stem, path=previous)
     else:
         if resume:
             log(f"nothing of suite '{suite.name}' in {out_dir} to resume; starting a new run")
         run_id = new_run_id(suite.name)
-        path = Path(out_dir) / f"{run_id}.parquet"
+        outcome = RunOutcome(run_id=run_id, path=Path(out_dir) / f"{run_id}.parquet")
     todo = [c for c in cells if c.cell_id not in done]
-    outcome = RunOutcome(run_id=run_id, path=path)
-    env = capture(backend)
     if previous is not None:
-        log(f"resuming run {run_id}: {len(cells) - len(todo)} of {len(cells)} cells already stored, "
+        log(f"resuming run {outcome.run_id}: {len(cells) - len(todo)} of {len(cells)} cells already stored, "
             f"{len(todo)} to go")
-    log(f"run {run_id}: {len(todo)} cells of suite '{suite.name}' on {backend.name} "
-        f"({env['device_name']}), {threads} CPU threads -> {path}")
+    return outcome, todo
+
+
+def _run(suite: Suite, cells: list[Cell], backend: Backend, out_dir: Path, threads: int, resume: bool,
+         inline: bool, cell_timeout_s: float | None, log: Callable[[str], None]) -> RunOutcome:
+    outcome, todo = open_run(suite, cells, out_dir, resume, log)
+    recorder = Recorder(suite, backend, outcome, len(todo), log)
+    log(f"run {outcome.run_id}: {len(todo)} cells of suite '{suite.name}' on {backend.name} "
+        f"({recorder.env['device_name']}), {threads} CPU threads -> {outcome.path}")
     if not todo:
         return outcome
-    writer = ResultWriter(path)
     worker_cls = InlineWorker if inline else ProcessWorker
     worker = worker_cls(backend, suite.allow_imports, threads)
     ddp_worker = TorchrunWorker(backend, suite.allow_imports, threads, gpu_count=detect().gpu_count,
                                 launcher=suite.launcher)
     timeout = cell_timeout_s if cell_timeout_s is not None else suite.cell_timeout_s
-    started = time.monotonic()
     try:
-        for i, cell in enumerate(todo, 1):
-            rows = (ddp_worker if cell.config.world_size > 1 else worker).measure(cell, timeout)
-            if not rows:
-                log(f"[{i}/{len(todo)}] {cell.label}: measured with the other nodes; the node that ran global "
-                    "rank 0 stores its rows")
-                continue
-            identity = {
-                "schema_version": SCHEMA_VERSION,
-                "run_id": run_id,
-                "suite": suite.name,
-                "suite_file": str(suite.path),
-                "cell_id": cell.cell_id,
-                "cell_label": cell.label,
-                "backend": backend.name,
-                "device": str(backend.device),
-                **config_columns(cell.config, backend.name),
-                **env,
-            }
-            now = datetime.now(timezone.utc)
-            writer.append([{**identity, "timestamp": now, **row} for row in rows])
-            writer.update(scaling_efficiency)
-            outcome.cells += 1
-            outcome.rows += len(rows)
-            if any(r["status"] in FAILURES for r in rows):
-                outcome.failed.append(cell.label)
-            elapsed = time.monotonic() - started
-            left = elapsed / i * (len(todo) - i)
-            log(f"[{i}/{len(todo)}] {cell.label}: {summary_line(rows)}  | {_fmt_s(elapsed)} elapsed, ~{_fmt_s(left)} left")
+        for cell in todo:
+            recorder.record(cell, (ddp_worker if cell.config.world_size > 1 else worker).measure(cell, timeout))
     except KeyboardInterrupt:
         outcome.interrupted = True
     finally:

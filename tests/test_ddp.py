@@ -144,3 +144,39 @@ def test_rendezvous_launcher_runs_a_two_rank_cell(tmp_path):
     assert main(["run", str(tmp_path / "s.yaml"), "--out", str(tmp_path), "--no-report"]) == 0
     df = read_results([tmp_path])
     assert (df["status"] == "ok").all() and set(df["world_size"]) == {2}
+
+
+def test_detect_allocation_from_torchrun_and_slurm_environments():
+    from kdbench.allocation import Allocation, detect_allocation
+
+    assert detect_allocation({}) is None
+    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "n0", "TORCHELASTIC_RUN_ID": "x"}
+    assert detect_allocation(torchrun) == Allocation(3, 4, 1, "torchrun")
+    assert detect_allocation({**torchrun, "WORLD_SIZE": "1", "RANK": "0"}) is None  # one rank: a plain run
+    slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
+             "MASTER_ADDR": "n0"}
+    assert detect_allocation(slurm) == Allocation(5, 8, 1, "slurm")
+    assert detect_allocation({**slurm, "SLURM_NTASKS": "1"}) is None
+    assert detect_allocation({k: v for k, v in slurm.items() if k != "SLURM_STEP_ID"}) is None  # sbatch, not srun
+    with pytest.raises(KdbenchError, match="MASTER_ADDR"):
+        detect_allocation({k: v for k, v in slurm.items() if k != "MASTER_ADDR"})
+
+
+def test_kdbench_started_by_torchrun_uses_the_allocation(tmp_path):
+    import subprocess
+    import sys
+
+    suite = tmp_path / "alloc.yaml"
+    suite.write_text(DDP.replace("world_size: [1, 2]", "world_size: [1, 2, 4]"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "kdbench",
+           "run", str(suite), "--out", str(tmp_path / "res"), "--no-report"]
+    r = subprocess.run(cmd, cwd=TESTS.parent, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "2 ranks of a torchrun allocation" in r.stdout
+    df = read_results([tmp_path / "res"])
+    assert len(list((tmp_path / "res").glob("*.parquet"))) == 1  # rank 0 alone stores
+    steps = df[df.measurement == "distill_step"].set_index("world_size")
+    assert steps.loc[1, "status"] == "ok" and steps.loc[2, "status"] == "ok"
+    assert steps.loc[4, "status"] == "skipped" and "exceeds this allocation's 2 ranks" in steps.loc[4, "error"]
+    assert steps.loc[2, "throughput"] == pytest.approx(2 * 8 / (steps.loc[2, "median_ms"] / 1e3))
+    assert steps.loc[2, "scaling_efficiency"] > 0
