@@ -101,9 +101,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         backend = resolve(requested)
     except KdbenchError as exc:
         raise KdbenchError(f"{suite.path}: backend {requested}: {exc}") from None
+    if args.threads is not None and args.threads < 1:
+        raise KdbenchError(f"--threads must be >= 1, got {args.threads}")
     threads = args.threads or suite.threads or torch.get_num_threads()
-    if threads < 1:
-        raise KdbenchError(f"--threads must be >= 1, got {threads}")
     if args.cell_timeout is not None and args.cell_timeout <= 0:
         raise KdbenchError(f"--cell-timeout must be > 0 seconds, got {args.cell_timeout}")
     alloc = detect_allocation()

@@ -54,3 +54,13 @@ def test_missing_file_and_folder(tmp_path, capsys):
     assert main(["run", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "no such suite file" in err[0] and "is a folder" in err[1]
+
+
+def test_bad_command_line_values_are_one_line_errors(capsys):
+    suite = str(CORPUS.parent.parent / "suites" / "cpu.yaml")
+    assert main(["run", suite, "--threads", "0"]) == 2
+    assert main(["run", suite, "--cell-timeout", "-1"]) == 2
+    assert main(["run", suite, "--shard", "0/3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert ["--threads" in err[0], "--cell-timeout" in err[1], "--shard" in err[2]] == [True, True, True]
+    assert all(line.startswith("kdbench: error: ") for line in err)
