@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from kdbench.backends import Backend
 from kdbench.errors import KdbenchError
-from kdbench.launch import InlineWorker, ProcessWorker, _rows_for
+from kdbench.launch import InlineWorker, ProcessWorker, rows_for
 from kdbench.plan import Cell, dist_backend_for
 from kdbench.suite import Suite
 
@@ -101,7 +101,7 @@ def run_allocated(suite: Suite, cells: list[Cell], backend_name: str, out_dir: P
             rows = None
             if ws > alloc.world_size:
                 if alloc.rank == 0:
-                    rows = _rows_for(cell, "skipped", f"world_size {ws} exceeds this allocation's "
+                    rows = rows_for(cell, "skipped", f"world_size {ws} exceeds this allocation's "
                                                       f"{alloc.world_size} ranks")
             elif ws == 1:
                 if alloc.rank == 0:

@@ -62,7 +62,7 @@ def _serve(conn: Any, backend: Backend, allow_imports: bool, threads: int) -> No
         conn.send(("rows", measure_cell(cell, backend, cache)))
 
 
-def _rows_for(cell: Cell, status: str, error: str) -> list[dict[str, Any]]:
+def rows_for(cell: Cell, status: str, error: str) -> list[dict[str, Any]]:
     return [failure_row(m, bs, None, status=status, error=error) for m, bs in planned_measurements(cell.config)]
 
 
@@ -131,7 +131,7 @@ class ProcessWorker:
             try:
                 self._start()
             except RuntimeError as exc:
-                return _rows_for(cell, "failed", str(exc))
+                return rows_for(cell, "failed", str(exc))
         self.conn.send(cell)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
@@ -144,13 +144,13 @@ class ProcessWorker:
                 return self._died(cell)
             if deadline is not None and time.monotonic() > deadline:
                 self._kill()
-                return _rows_for(cell, "timeout", f"the cell exceeded its time-out of {timeout_s:g} s and was stopped")
+                return rows_for(cell, "timeout", f"the cell exceeded its time-out of {timeout_s:g} s and was stopped")
 
     def _died(self, cell: Cell) -> list[dict[str, Any]]:
         self.proc.join(5)
         reason = _death_reason(self.proc.exitcode)
         self._kill()
-        return _rows_for(cell, "failed", f"{reason} while measuring this cell")
+        return rows_for(cell, "failed", f"{reason} while measuring this cell")
 
     def close(self) -> None:
         if self.proc is not None and self.proc.is_alive():
@@ -213,7 +213,7 @@ class TorchrunWorker:
         ws = cell.config.world_size
         per_node = ws // self.launcher.nnodes
         if self.backend.device_type == "cuda" and per_node > self.gpu_count:
-            return _rows_for(cell, "skipped", f"world_size {ws} needs {per_node} GPUs on each of "
+            return rows_for(cell, "skipped", f"world_size {ws} needs {per_node} GPUs on each of "
                                               f"{self.launcher.nnodes} node(s); this machine has {self.gpu_count}")
         timeout = timeout_s or 3600.0
         rank_threads = max(1, self.threads // per_node)
@@ -234,7 +234,7 @@ class TorchrunWorker:
                     proc.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
                     _kill_tree(proc, str(job))
-                    return _rows_for(cell, "timeout", f"the cell exceeded its time-out of {timeout:g} s and its "
+                    return rows_for(cell, "timeout", f"the cell exceeded its time-out of {timeout:g} s and its "
                                                       f"{ws} ranks were stopped; last output: {_error_lines(log.read_text())}")
                 except BaseException:  # Ctrl-C: leave nothing behind
                     _kill_tree(proc, str(job))
@@ -243,7 +243,7 @@ class TorchrunWorker:
             if proc.returncode == 0 and not rows_file.exists() and self.launcher.nnodes > 1:
                 return []  # global rank 0 ran on another node, which stores the rows
             if proc.returncode != 0 or not rows_file.exists():
-                return _rows_for(cell, "failed", f"torchrun exited with code {proc.returncode}: "
+                return rows_for(cell, "failed", f"torchrun exited with code {proc.returncode}: "
                                                  f"{_error_lines(log.read_text())}")
             return pickle.loads(rows_file.read_bytes())
 

@@ -193,10 +193,6 @@ class Suite:
 # --------------------------------------------------------------------------- loading
 
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that refuses documents whose aliases would expand without bound."""
-
-
 _MAX_NODES = 100_000  # a suite expanded through its aliases; real suites have hundreds
 
 
@@ -255,7 +251,7 @@ def _yaml_error(path: Path, text: str, exc: yaml.YAMLError) -> KdbenchError:
 def _line_map(path: Path, text: str) -> tuple[Any, dict[tuple, int]]:
     """Compose the YAML node tree: check it, and map each key path to its 1-based line."""
     try:
-        node = yaml.compose(text, Loader=_Loader)
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
         raise _yaml_error(path, text, exc) from None
     lines: dict[tuple, int] = {}
@@ -304,19 +300,23 @@ def _fields(model: type[BaseModel]) -> list[str]:
     return list(model.model_fields)
 
 
+def _sub_model(model: type[BaseModel], name: str) -> type[BaseModel] | None:
+    """The pydantic model a field holds (also inside `X | None`), or None for a plain value."""
+    ann = model.model_fields[name].annotation
+    args = (ann, *getattr(ann, "__args__", ()))
+    sub = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+    return sub[0] if sub else None
+
+
 def _model_at(loc: tuple, root: type[BaseModel]) -> type[BaseModel] | None:
     """The pydantic model that holds the key at `loc` (for 'did you mean')."""
     model: Any = root
     for part in loc[:-1]:
         if isinstance(part, int) or model is None:
             continue
-        f = model.model_fields.get(part)
-        if f is None:
+        if part not in model.model_fields:
             return None
-        ann = f.annotation
-        args = getattr(ann, "__args__", ())
-        candidates = [a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)]
-        model = candidates[0] if candidates else None
+        model = _sub_model(model, part)
     return model
 
 
@@ -387,10 +387,7 @@ def check_axis_name(suite_path: Path, lines: dict[tuple, int], loc: tuple, key: 
             close = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
             hint = f"did you mean '{'.'.join(path[:i] + (close[0],))}'?" if close else f"allowed: {', '.join(names)}"
             raise KdbenchError(f"{_where(suite_path, lines, loc)}: unknown key '{key}'; {hint}")
-        ann = model.model_fields[part].annotation
-        args = (ann, *getattr(ann, "__args__", ()))
-        sub = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
-        model = sub[0] if sub else None
+        model = _sub_model(model, part)
         if model is None and i < len(path) - 1:
             raise KdbenchError(f"{_where(suite_path, lines, loc)}: '{part}' has no sub-keys; sweep '{'.'.join(path[: i + 1])}' itself")
     return path
@@ -402,7 +399,7 @@ def load_suite(path: str | Path) -> Suite:
     text = _read_text(path)
     _node, lines = _line_map(path, text)
     try:
-        raw = yaml.load(text, Loader=_Loader)
+        raw = yaml.load(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:  # composed fine, but a tag names no safe constructor
         raise _yaml_error(path, text, exc) from None
     if raw is None:
