@@ -168,7 +168,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
     for m in METHODS.values():
         defaults = CellConfig.model_fields[m.params].default.model_dump()
         params = ", ".join(f"{k}={v}" for k, v in defaults.items())
-        print(f"{m.name}: {m.doc}\n    suite key `{m.params}`: {params}")
+        feats = " (feature method: hooks on `features.teacher` / `features.student`)" if m.cls.needs_features else ""
+        print(f"{m.name}: {m.doc}{feats}\n    suite key `{m.params}`: {params}")
+    print("a+b: any combination, e.g. kd+at; CE counted once; `weights: {kd: 1.0, at: 1.0}` scales each term")
     return 0
 
 

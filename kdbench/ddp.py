@@ -53,16 +53,19 @@ def measure_rank(cell: Cell, backend: Backend, allow_imports: bool, group: Any =
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     teacher, student = model_pair(config, backend, ModelCache(allow_imports=allow_imports))
     params = {"student_params": count_params(student), "teacher_params": count_params(teacher)}
-    ddp_student = DistributedDataParallel(
-        student,
-        device_ids=[backend.device] if backend.device_type == "cuda" else None,
-        bucket_cap_mb=config.ddp.bucket_cap_mb,
-        gradient_as_bucket_view=config.ddp.gradient_as_bucket_view,
-        static_graph=config.ddp.static_graph,
-        process_group=group,
-    )
+
+    def wrap(trainee: torch.nn.Module) -> torch.nn.Module:  # the student and its adapters
+        return DistributedDataParallel(
+            trainee,
+            device_ids=[backend.device] if backend.device_type == "cuda" else None,
+            bucket_cap_mb=config.ddp.bucket_cap_mb,
+            gradient_as_bucket_view=config.ddp.gradient_as_bucket_view,
+            static_graph=config.ddp.static_graph,
+            process_group=group,
+        )
+
     x, y = synthetic_batch(config, config.batch_size, backend.device, config.seed + rank)
-    step = DistillStep(teacher, ddp_student, x, y, config, backend)
+    step = DistillStep(teacher, student, x, y, config, backend, wrap=wrap)
     iters, first_ms = _agreed_iterations(step, config, backend, group)
     raw = timed_loop(step, backend.clock(), warmup=0, min_iters=iters, min_time_s=0.0, max_iters=iters)
     mine = torch.tensor(raw.samples_ms, dtype=torch.float64, device=backend.device)

@@ -36,6 +36,8 @@ class Cell:
         c = self.config
         assert c.pair is not None
         parts = [f"{c.pair.teacher}->{c.pair.student}", c.method, c.precision]
+        if c.teacher.mode != "live":
+            parts.append(f"teacher-{c.teacher.mode}")
         if c.teacher_precision != "fp32":
             parts.append(f"teacher-{c.teacher_precision}")
         parts.append(f"bs{c.batch_size}")
@@ -53,7 +55,21 @@ class Cell:
 
 
 def config_dict(config: CellConfig) -> dict[str, Any]:
-    return config.model_dump(mode="json")
+    """The resolved config, without the settings of methods the cell does not use.
+
+    A kd cell does not depend on `at.beta`, so sweeping it there gives the same
+    cell (and the plan says so) instead of copies with different ids.
+    """
+    from kdbench.distill.losses import METHODS, method_parts, needs_features
+
+    out = config.model_dump(mode="json")
+    parts = method_parts(config.method)
+    for method in METHODS.values():
+        if method.name not in parts and method.params not in {METHODS[p].params for p in parts if p in METHODS}:
+            out.pop(method.params, None)
+    if not all(p in METHODS for p in parts) or not needs_features(config.method):
+        out.pop("features", None)
+    return out
 
 
 def cell_id_of(config: CellConfig) -> str:
@@ -76,7 +92,7 @@ def _excluded(config: dict[str, Any], excludes: list[dict[str, Any]]) -> bool:
 
 def expand(suite: Suite) -> list[Cell]:
     """The suite's cells, in matrix order, each validated; raises KdbenchError on an empty plan."""
-    from kdbench.distill.losses import check_method
+    from kdbench.distill.losses import check_method, check_weights
     from kdbench.models import check_model_input, check_model_name
 
     axes = list(suite.matrix)
@@ -119,6 +135,11 @@ def expand(suite: Suite) -> list[Cell]:
             check_method(cell.config.method)
         except KdbenchError as exc:
             loc = ("matrix", "method") if "method" in suite.matrix else ("defaults", "method")
+            raise suite.error(loc, str(exc)) from None
+        try:
+            check_weights(cell.config.method, cell.config.weights)
+        except KdbenchError as exc:
+            loc = ("matrix", "weights") if "weights" in suite.matrix else ("defaults", "weights")
             raise suite.error(loc, str(exc)) from None
     return cells
 
@@ -167,6 +188,9 @@ def config_columns(config: CellConfig, backend_name: str) -> dict[str, Any]:
         "num_classes": config.data.num_classes,
         "kd_temperature": config.kd.temperature,
         "kd_alpha": config.kd.alpha,
+        "teacher_mode": config.teacher.mode,
+        "method_params": json.dumps({k: v for k, v in config_dict(config).items()
+                                     if k in _method_param_keys(config)}, sort_keys=True),
         "optimizer": config.optimizer.name,
         "lr": config.optimizer.lr,
         "seed": config.seed,
@@ -175,6 +199,13 @@ def config_columns(config: CellConfig, backend_name: str) -> dict[str, Any]:
         "min_time_s": config.timing.min_time_s,
         "config_json": json.dumps(config_dict(config), sort_keys=True),
     }
+
+
+def _method_param_keys(config: CellConfig) -> set[str]:
+    from kdbench.distill.losses import METHODS, method_parts
+
+    keys = {METHODS[p].params for p in method_parts(config.method) if p in METHODS}
+    return keys | ({"weights"} if config.weights else set())
 
 
 def planned_measurements(config: CellConfig) -> list[tuple[str, int]]:

@@ -43,6 +43,41 @@ class KDParams(_Strict):
     alpha: float = Field(0.9, ge=0, le=1)
 
 
+class FitNetParams(_Strict):
+    """FitNets (Romero et al. 2015), one stage: beta * MSE(regressor(student hint), teacher hint) + CE."""
+
+    beta: float = Field(100.0, ge=0, le=1e7)
+    hint_layer: int | None = Field(None, ge=-64, le=63)  # index into the paired feature lists; null: the middle one
+
+
+class ATParams(_Strict):
+    """Attention transfer (Zagoruyko & Komodakis 2017) + CE."""
+
+    beta: float = Field(1000.0, ge=0, le=1e9)
+    p: float = Field(2.0, gt=0, le=16)
+    form: Literal["code", "paper"] = "code"  # code: beta/2 * sum mean((Qs-Qt)^2); paper: beta/2 * sum mean ||Qs-Qt||_2
+
+
+class DKDParams(_Strict):
+    """Decoupled KD (Zhao et al. 2022): warm-up * (alpha * TCKD + beta * NCKD) + CE."""
+
+    alpha: float = Field(1.0, ge=0, le=1000)
+    beta: float = Field(8.0, ge=0, le=1000)
+    temperature: float = Field(4.0, gt=0, le=1000)
+    warmup: int = Field(20, ge=0, le=10_000_000)  # steps over which the DKD term ramps up linearly from 0
+
+
+class FeaturesConfig(_Strict):
+    """Module paths whose outputs feature methods compare; null picks the family's stage ends."""
+
+    teacher: list[str] | None = Field(None, min_length=1, max_length=16)
+    student: list[str] | None = Field(None, min_length=1, max_length=16)
+
+
+class TeacherConfig(_Strict):
+    mode: Literal["live", "cached"] = "live"  # cached: teacher outputs computed once for the fixed batch
+
+
 class DataConfig(_Strict):
     kind: Literal["synthetic"] = "synthetic"
     shape: list[int] = Field(default_factory=lambda: [3, 32, 32], min_length=1, max_length=4)
@@ -104,6 +139,12 @@ class CellConfig(_Strict):
     pair: Pair | None = None
     method: str = "kd"
     kd: KDParams = KDParams()
+    fitnet: FitNetParams = FitNetParams()
+    at: ATParams = ATParams()
+    dkd: DKDParams = DKDParams()
+    weights: dict[str, float] = Field(default_factory=dict)  # per-term weight of a combined method (default 1)
+    features: FeaturesConfig = FeaturesConfig()
+    teacher: TeacherConfig = TeacherConfig()
     precision: Precision = "fp32"
     teacher_precision: Precision = "fp32"
     batch_size: int = Field(32, ge=1, le=1 << 20)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -137,8 +138,20 @@ def measure_distill_step(teacher: nn.Module, student: nn.Module, config: CellCon
     return distill_row(step, raw, config, x, loss)
 
 
+def phase_columns(step: DistillStep, raw: RawTiming) -> dict[str, Any]:
+    """Median of each phase over the timed iterations, and of what the phases leave out of the step."""
+    phases = step.phase_ms(len(raw.samples_ms))
+    if not phases:
+        return {}
+    row = {f"phase_{p}_ms": statistics.median(v) for p, v in phases.items()}
+    rest = [total - sum(parts) for total, *parts in zip(raw.samples_ms, *phases.values())]
+    row["phase_remainder_ms"] = statistics.median(rest)
+    return row
+
+
 def distill_row(step: DistillStep, raw: RawTiming, config: CellConfig, x: torch.Tensor, loss: float) -> dict[str, Any]:
     """The distill_step row of a timed step; failed when the loss is not finite."""
+    d = step.distiller
     row = {
         "measurement": "distill_step",
         "batch_size": config.batch_size,
@@ -148,6 +161,14 @@ def distill_row(step: DistillStep, raw: RawTiming, config: CellConfig, x: torch.
         "autocast": step.student_ac.applied,
         "teacher_autocast": step.teacher_ac.applied,
         "grad_scaler": step.scaler is not None,
+        "nonfinite_steps": d.nonfinite_steps,
+        "scaler_skips": d.scaler_skips,
+        "adapter_params": d.adapter_params,
+        "trainable_params": count_params(d.trainee),
+        "teacher_features": ",".join(d.paths.teacher) if d.paths else None,
+        "student_features": ",".join(d.paths.student) if d.paths else None,
+        "teacher_cache_ms": step.cache_ms,
+        **phase_columns(step, raw),
         **_layout(step.student, x, config),
         "notes": _notes(step.student_ac, step.teacher_ac, alignment=_alignment_note(x, config)),
     }

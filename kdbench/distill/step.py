@@ -1,14 +1,36 @@
-"""One distillation step: frozen teacher forward, student forward, loss, backward, update."""
+"""One distillation step: frozen teacher forward, student forward, loss, backward, update.
+
+``Distiller`` holds what a cell trains with: the frozen teacher, the ``Trainee``
+(student plus the adapters feature methods train with it), the loss, optimizer and
+precision choices.  ``Distiller.train_step(x, y)`` is one step on any batch (the
+quality runs use it); ``DistillStep`` is the timed callable on one fixed batch,
+with the teacher run live or its outputs cached once.
+
+Phases.  When given a clock, a step stamps the boundaries of its five phases
+(``PHASES``) with that clock — device events on GPUs, ``perf_counter_ns`` on the
+CPU — in the same pass that is timed.  Events are only read after the timed loop,
+so recording them adds no host-device synchronisation; on the CPU a stamp costs
+well under a microsecond.  ``DistillStep.phase_ms`` turns the stamps of the timed
+iterations into per-phase samples.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from kdbench.backends import AutocastChoice, Backend, choose_autocast, grad_scaler
-from kdbench.distill.losses import check_method
-from kdbench.layout import unpad
+from kdbench.data import memory_format_of
+from kdbench.distill.hooks import FeaturePaths, FeatureTap, resolve_paths
+from kdbench.distill.losses import DistillLoss, LossInputs, needs_features
+from kdbench.layout import place_aligned, unpad
 from kdbench.suite import CellConfig, OptimizerConfig
+from kdbench.timing import Clock
+
+PHASES = ("teacher_forward", "student_forward", "loss", "backward", "optimizer")
 
 
 def make_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -27,40 +49,190 @@ def freeze(teacher: nn.Module) -> nn.Module:
     return teacher
 
 
-class DistillStep:
-    """Callable that performs one full step on a fixed batch.
+@dataclass
+class TeacherOutputs:
+    logits: torch.Tensor
+    feats: list[torch.Tensor]
 
-    The loss of the last call is kept as a tensor (`last_loss`), so the timed loop
-    never waits on the device to read it.
+
+class Trainee(nn.Module):
+    """The student and its adapters: everything that trains, as one module (DDP wraps this).
+
+    ``forward`` returns the logits, the student's captured features and each
+    adapter's output on its feature.
     """
 
-    def __init__(self, teacher: nn.Module, student: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                 config: CellConfig, backend: Backend):
-        self.teacher = freeze(teacher)
-        self.student = student.train()
-        self.x, self.y = x, y
+    def __init__(self, student: nn.Module, tap: FeatureTap | None, adapters: dict[str, tuple[int, nn.Module]]):
+        super().__init__()
+        self.student = student
+        self.adapters = nn.ModuleDict({name: module for name, (_, module) in adapters.items()})
+        self.adapter_index = {name: index for name, (index, _) in adapters.items()}
+        self._tap = [tap]  # not a submodule
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+        logits = self.student(x)
+        tap = self._tap[0]
+        feats = tap.take() if tap is not None else []
+        adapted = {name: self.adapters[name](feats[i]) for name, i in self.adapter_index.items()}
+        return logits, feats, adapted
+
+
+def _dry_features(model: nn.Module, tap: FeatureTap, example: torch.Tensor) -> list[torch.Size]:
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(example)
+        return [f.shape for f in tap.take()]
+    finally:
+        model.train(was_training)
+
+
+class Distiller:
+    """A cell's training setup; ``train_step`` runs one distillation step on a batch."""
+
+    def __init__(self, teacher: nn.Module, student: nn.Module, config: CellConfig, backend: Backend,
+                 example: torch.Tensor, wrap: Callable[[nn.Module], nn.Module] | None = None):
         self.config = config
-        self.method = check_method(config.method)
-        self.optimizer = make_optimizer(student.parameters(), config.optimizer)
+        self.teacher = freeze(teacher)
+        self.device_type = backend.device_type
         self.student_ac: AutocastChoice = choose_autocast(backend, config.precision)
         self.teacher_ac: AutocastChoice = choose_autocast(backend, config.teacher_precision)
+        self.paths: FeaturePaths | None = None
+        self.t_tap = s_tap = None
+        shapes = None
+        if needs_features(config.method):
+            example = example[: min(2, len(example))]
+            self.paths = resolve_paths(teacher, student, example, config.features.teacher, config.features.student)
+            self.t_tap = FeatureTap(teacher, self.paths.teacher, "teacher")
+            s_tap = FeatureTap(student, self.paths.student, "student")
+            shapes = FeaturePaths(teacher=_dry_features(teacher, self.t_tap, example),  # type: ignore[arg-type]
+                                  student=_dry_features(student, s_tap, example))
+        with torch.random.fork_rng(devices=[]):  # adapters start from the cell's seed, whatever ran before
+            torch.manual_seed(config.seed)
+            self.loss_fn = DistillLoss(config, shapes)
+        adapters = {name: term.adapter() for name, term in zip(self.loss_fn.names, self.loss_fn.terms)
+                    if term.adapter() is not None}
+        self.trainee = Trainee(student, s_tap, adapters)  # type: ignore[arg-type]
+        image = len(config.data.shape) == 3
+        self.trainee.adapters.to(device=example.device,
+                                 memory_format=memory_format_of(config.memory_format) if image else torch.contiguous_format)
+        self.trainee.train()
+        self.model = wrap(self.trainee) if wrap is not None else self.trainee
+        self.optimizer = make_optimizer(self.trainee.parameters(), config.optimizer)
         self.scaler = grad_scaler(backend, self.student_ac)
-        self.device_type = backend.device_type
-        self.last_loss: torch.Tensor | None = None
+        self.steps = 0  # train_step calls (DKD's warm-up counts them)
+        self.optimizer_steps = 0  # updates actually applied (a GradScaler skips those with inf/NaN gradients)
+        self.optimizer.register_step_post_hook(self._count_update)
+        self._nonfinite = torch.zeros((), dtype=torch.int64, device=example.device)
 
-    def __call__(self) -> None:
-        with torch.inference_mode(), self.teacher_ac.context(self.device_type):
-            t_logits = self.teacher(self.x)
+    def _count_update(self, *_: Any) -> None:
+        self.optimizer_steps += 1
+
+    @property
+    def student(self) -> nn.Module:
+        return self.trainee.student
+
+    @property
+    def adapter_params(self) -> int:
+        return sum(p.numel() for p in self.trainee.adapters.parameters())
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """Steps whose loss was inf or NaN (read once, after the timed loop: it syncs)."""
+        return int(self._nonfinite.item())
+
+    @property
+    def scaler_skips(self) -> int:
+        return self.steps - self.optimizer_steps if self.scaler is not None else 0
+
+    def teacher_outputs(self, x: torch.Tensor) -> TeacherOutputs:
+        with torch.no_grad(), self.teacher_ac.context(self.device_type):
+            logits = self.teacher(x)
+        return TeacherOutputs(logits, self.t_tap.take() if self.t_tap is not None else [])
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, cached: TeacherOutputs | None = None,
+                   clock: Clock | None = None, marks: list | None = None) -> torch.Tensor:
+        """One step; with `clock`, the six phase-boundary stamps are appended to `marks`."""
+        stamp = (lambda: marks.append(clock.stamp())) if clock is not None and marks is not None else (lambda: None)
+        stamp()
+        t = cached if cached is not None else self.teacher_outputs(x)
+        stamp()
         with self.student_ac.context(self.device_type):
-            s_logits = self.student(self.x)
+            s_logits, s_feats, adapted = self.model(x)
+        stamp()
         n = self.config.data.num_classes  # a padded classifier's extra columns stay out of the loss
-        loss = self.method.fn(unpad(s_logits, n), unpad(t_logits, n), self.y, self.config)
+        loss = self.loss_fn(LossInputs(unpad(s_logits, n), unpad(t.logits, n), y, s_feats, t.feats, adapted,
+                                       self.steps))
+        stamp()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
+            stamp()
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             loss.backward()
+            stamp()
             self.optimizer.step()
-        self.last_loss = loss.detach()
+        stamp()
+        self.steps += 1
+        loss = loss.detach()
+        self._nonfinite += (~torch.isfinite(loss)).long()
+        return loss
+
+
+class DistillStep:
+    """Callable that performs one full step on a fixed batch.
+
+    The loss of the last call is kept as a tensor (`last_loss`), so the timed loop
+    never waits on the device to read it.  With ``teacher.mode: cached`` the
+    teacher's outputs for the batch are computed once here (``cache_ms``), placed
+    at the cell's alignment, and every step runs the student alone.
+    """
+
+    def __init__(self, teacher: nn.Module, student: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                 config: CellConfig, backend: Backend, wrap: Callable[[nn.Module], nn.Module] | None = None,
+                 phases: bool = True):
+        self.distiller = Distiller(teacher, student, config, backend, x, wrap)
+        self.x, self.y = x, y
+        self.config = config
+        self.clock = backend.clock() if phases else None
+        self.marks: list[list] = []
+        self.cache: TeacherOutputs | None = None
+        self.cache_ms: float | None = None
+        if config.teacher.mode == "cached":
+            clock = backend.clock()
+            start = clock.stamp()
+            out = self.distiller.teacher_outputs(x)
+            self.cache = TeacherOutputs(place_aligned(out.logits, config.alignment),
+                                        [place_aligned(f, config.alignment) for f in out.feats])
+            end = clock.stamp()
+            clock.sync()
+            self.cache_ms = clock.elapsed_ms(start, end)
+        self.last_loss: torch.Tensor | None = None
+
+    # what the rows report
+    student_ac = property(lambda self: self.distiller.student_ac)
+    teacher_ac = property(lambda self: self.distiller.teacher_ac)
+    scaler = property(lambda self: self.distiller.scaler)
+    student = property(lambda self: self.distiller.student)
+    teacher = property(lambda self: self.distiller.teacher)
+    optimizer = property(lambda self: self.distiller.optimizer)
+
+    def __call__(self) -> None:
+        marks: list = []
+        self.last_loss = self.distiller.train_step(self.x, self.y, self.cache, self.clock, marks)
+        if self.clock is not None:
+            self.marks.append(marks)
+
+    def phase_ms(self, n: int) -> dict[str, list[float]]:
+        """Per-phase times (ms) of the last `n` calls (the timed ones); read after the loop."""
+        if self.clock is None or n == 0:
+            return {}
+        self.clock.sync()
+        out: dict[str, list[float]] = {p: [] for p in PHASES}
+        for marks in self.marks[-n:]:
+            for phase, start, end in zip(PHASES, marks, marks[1:]):
+                out[phase].append(self.clock.elapsed_ms(start, end))
+        return out
