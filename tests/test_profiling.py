@@ -1,0 +1,490 @@
+"""FLOPs, datasheet peaks, memory, optimizer state, telemetry (fake libraries) and ceiling probes."""
+
+from __future__ import annotations
+
+import math
+import mmap
+import re
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from types import SimpleNamespace
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from kdbench import profiling
+from kdbench.backends import Backend
+from kdbench.errors import KdbenchError
+from kdbench.profiling import (
+    PEAKS,
+    MemoryMeter,
+    TelemetrySampler,
+    count_flops,
+    datasheet_peak,
+    latest_ceiling,
+    measure_ceilings,
+    optimizer_state_bytes,
+    probe_env,
+    write_probe,
+)
+
+MiB = 2**20
+CUDA0 = Backend("cuda", torch.device("cuda", 0))
+ROCM0 = Backend("rocm", torch.device("cuda", 0))
+
+# --------------------------------------------------------------------------- FLOPs
+
+LIN_MM = 2 * 8 * 64 * 32  # one (8x64) @ (64x32) product; the bias add counts 0
+CONV = 2 * 2 * 8 * 16 * 16 * 3 * 3 * 3  # 2 * N * Cout * H * W * Cin * k * k
+
+
+def test_linear_forward_flops_are_one_matmul():
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(64, 32, bias=True), torch.randn(8, 64)
+    assert count_flops(lambda: lin(x)) == LIN_MM == 32768
+
+
+def test_linear_backward_without_input_grad_adds_only_grad_weight():
+    lin, x = torch.nn.Linear(64, 32), torch.randn(8, 64)
+    assert count_flops(lambda: lin(x).sum().backward()) == 2 * LIN_MM
+    xg = torch.randn(8, 64, requires_grad=True)  # grad_input is a third matmul of the same size
+    assert count_flops(lambda: lin(xg).sum().backward()) == 3 * LIN_MM
+
+
+def test_conv_forward_and_backward_flops():
+    conv, x = torch.nn.Conv2d(3, 8, 3, padding=1), torch.randn(2, 3, 16, 16)
+    assert count_flops(lambda: conv(x)) == CONV == 221184
+    assert count_flops(lambda: conv(x).sum().backward()) == 2 * CONV
+    xg = torch.randn(2, 3, 16, 16, requires_grad=True)
+    assert count_flops(lambda: conv(xg).sum().backward()) == 3 * CONV
+
+
+# --------------------------------------------------------------------------- datasheet peaks
+
+
+@pytest.mark.parametrize(
+    "name, canonical, fp32, bf16",
+    [
+        ("AMD Instinct MI300X", "MI300X", 163.4, 1307.4),
+        ("AMD Instinct MI300X VF", "MI300X", 163.4, 1307.4),
+        ("AMD Instinct MI250X/MI250", "MI250X (per GCD)", 23.95, 191.5),
+        ("AMD Instinct MI250X", "MI250X (per GCD)", 23.95, 191.5),
+        ("AMD Instinct MI210", "MI210", 22.6, 181.0),
+        ("NVIDIA H100 80GB HBM3", "H100 SXM", 67.0, 989.4),
+        ("NVIDIA H100 PCIe", "H100 PCIe", 51.0, 756.0),
+        ("NVIDIA H200", "H200 SXM", 67.0, 989.4),
+        ("NVIDIA A100-SXM4-80GB", "A100", 19.5, 312.0),
+        ("NVIDIA A100-SXM4-40GB", "A100", 19.5, 312.0),
+        ("NVIDIA A100-PCIE-40GB", "A100", 19.5, 312.0),
+        ("NVIDIA A100 80GB PCIe", "A100", 19.5, 312.0),
+        ("NVIDIA L4", "L4", 30.3, 121.0),
+        ("nvidia  h100   pcie", "H100 PCIe", 51.0, 756.0),  # case and spacing do not matter
+    ],
+)
+def test_datasheet_peak_known_names(name, canonical, fp32, bf16):
+    assert datasheet_peak(name, "fp32") == (canonical, pytest.approx(fp32))
+    assert datasheet_peak(name, "bf16") == (canonical, pytest.approx(bf16))
+    assert datasheet_peak(name, "fp16") == (canonical, pytest.approx(bf16))  # fp16 == bf16 on all of these
+
+
+def test_t4_has_fp16_but_no_bf16_peak():
+    assert datasheet_peak("Tesla T4", "fp32") == ("T4", 8.1)
+    assert datasheet_peak("Tesla T4", "fp16") == ("T4", 65.0)
+    assert datasheet_peak("Tesla T4", "bf16") is None
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "AMD Instinct MI300A",
+        "AMD Instinct MI325X",
+        "NVIDIA H100 NVL",
+        "NVIDIA H200 NVL",
+        "NVIDIA H100",
+        "NVIDIA A10",
+        "NVIDIA A100X",
+        "NVIDIA GeForce RTX 4090",
+        "Intel(R) Xeon(R) Platinum 8480+",
+        "AMD EPYC 9654 96-Core Processor",
+        "",
+    ],
+)
+def test_unknown_names_have_no_peak(name):
+    assert datasheet_peak(name, "fp32") is None
+    assert datasheet_peak(name, "bf16") is None
+
+
+def test_peak_table_shape_and_unknown_dtype():
+    assert set(PEAKS) == {"MI300X", "MI250X (per GCD)", "MI210", "H200 SXM", "H100 SXM", "H100 PCIe", "A100", "L4",
+                          "T4"}
+    assert all(set(v) == {"fp32", "fp16", "bf16"} for v in PEAKS.values())
+    with pytest.raises(KdbenchError, match="unknown dtype 'tf32'"):
+        datasheet_peak("NVIDIA L4", "tf32")
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _rss_threads():
+    return [t for t in threading.enumerate() if t.name == "kdbench-rss"]
+
+
+def fresh_ones(nbytes: int) -> torch.Tensor:
+    """A tensor of ones on newly mapped pages.  torch.ones may reuse memory the allocator
+    already holds resident (it does after some other test files), which RSS cannot see."""
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).fill_(1)
+
+
+def test_cpu_meter_sees_a_big_allocation(cpu):
+    with MemoryMeter(cpu) as meter:
+        big = fresh_ones(200 * MiB)  # fill_ writes every page: resident
+    usage = meter.result()
+    assert big[-1].item() == 1
+    assert usage.kind == "rss" and usage.peak_reserved_bytes is None
+    assert meter.rss_before > 0
+    assert usage.peak_bytes >= meter.rss_before + 180 * MiB
+    assert usage.growth_bytes >= 180 * MiB
+    assert usage.peak_bytes >= meter.rss_before + usage.growth_bytes
+    assert _rss_threads() == []
+    del big
+
+
+def test_cpu_meter_larger_allocation_larger_peak(cpu):
+    rises = []
+    for size in (40 * MiB, 240 * MiB):
+        with MemoryMeter(cpu) as meter:
+            t = fresh_ones(size)
+        rises.append(meter.result().peak_bytes - meter.rss_before)
+        del t
+    assert rises[0] >= 30 * MiB
+    assert rises[1] >= 220 * MiB
+    assert rises[1] > rises[0] + 150 * MiB
+
+
+def test_cpu_meter_stops_its_thread_on_error(cpu):
+    with pytest.raises(ValueError):
+        with MemoryMeter(cpu, interval_s=0.001):
+            assert len(_rss_threads()) == 1
+            raise ValueError("boom")
+    assert _rss_threads() == []
+
+
+def test_cpu_meter_result_before_exit_is_an_error(cpu):
+    with pytest.raises(RuntimeError, match="after the `with` block"):
+        MemoryMeter(cpu).result()
+
+
+def test_cuda_meter_reads_allocator_counters(monkeypatch):
+    calls = []
+    allocated = iter([1_000, 5_000])  # at entry, at exit
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append(("reset", d)))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: next(allocated))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: calls.append(("max_alloc", d)) or 9_000)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: 12_000)
+    with MemoryMeter(CUDA0) as meter:
+        assert calls == [("reset", torch.device("cuda", 0))]
+    usage = meter.result()
+    assert usage == profiling.MemoryUsage("device", 9_000, 12_000, 4_000)
+    assert calls[-1] == ("max_alloc", torch.device("cuda", 0))
+    assert meter.allocated_before == 1_000 and meter.rss_before is None
+    assert _rss_threads() == []
+
+
+def test_optimizer_state_bytes_adamw():
+    lin = torch.nn.Linear(64, 32)
+    opt = torch.optim.AdamW(lin.parameters())
+    assert optimizer_state_bytes(opt) == 0
+    lin(torch.randn(8, 64)).sum().backward()
+    opt.step()
+    param_bytes = (64 * 32 + 32) * 4
+    states = list(opt.state.values())
+    assert len(states) == 2 and all({"exp_avg", "exp_avg_sq"} <= set(s) for s in states)
+    step_bytes = sum(s["step"].nbytes for s in states if torch.is_tensor(s["step"]))
+    assert optimizer_state_bytes(opt) == 2 * param_bytes + step_bytes
+    assert step_bytes == 2 * 4  # AdamW keeps `step` as a float32 scalar tensor per parameter
+
+
+# --------------------------------------------------------------------------- telemetry
+
+
+def fake_nvml(power_mw=250_000, init_error=None, handle_error=None, missing=()):
+    log = []
+
+    def init():
+        if init_error:
+            raise init_error
+        log.append("init")
+
+    def handle(i):
+        if handle_error:
+            raise handle_error
+        log.append(("handle", i))
+        return f"h{i}"
+
+    lib = SimpleNamespace(
+        NVML_CLOCK_GRAPHICS=0,
+        NVML_TEMPERATURE_GPU=0,
+        nvmlInit=init,
+        nvmlDeviceGetHandleByIndex=handle,
+        nvmlDeviceGetPowerUsage=lambda h: power_mw() if callable(power_mw) else power_mw,
+        nvmlDeviceGetClockInfo=lambda h, kind: 1980 if kind == 0 else -1,
+        nvmlDeviceGetTemperature=lambda h, kind: 61 if kind == 0 else -1,
+        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=97, memory=40),
+        nvmlShutdown=lambda: log.append("shutdown"),
+        log=log,
+    )
+    for name in missing:
+        delattr(lib, name)
+    return lib
+
+
+def test_nvml_constant_power_energy():
+    lib = fake_nvml()
+    with TelemetrySampler(CUDA0, interval_s=0.01, library=lib) as s:
+        time.sleep(0.15)
+    t = s.result(steps=10, samples_per_step=32)
+    assert t.available and t.reason is None
+    assert t.n_samples == len(s.samples) >= 2
+    assert (t.mean_power_w, t.max_power_w, t.mean_clock_mhz, t.max_temp_c, t.mean_util_pct) == (250, 250, 1980, 61, 97)
+    assert s.duration_s == pytest.approx(s.samples[-1][0] - s.samples[0][0])
+    assert s.duration_s > 0
+    assert t.energy_j == pytest.approx(250 * s.duration_s, rel=0.05)
+    assert t.energy_per_step_j == pytest.approx(t.energy_j / 10)
+    assert t.samples_per_joule == pytest.approx(10 * 32 / t.energy_j)
+    assert lib.log[:2] == ["init", ("handle", 0)] and lib.log[-1] == "shutdown"
+    assert not any(th.name == "kdbench-telemetry" for th in threading.enumerate())
+
+
+def test_energy_is_the_trapezoid_over_entry_and_exit_samples(monkeypatch):
+    clock = iter([10.0, 12.0])  # entry sample at t=10 s, exit sample at t=12 s
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: next(clock))
+    power = iter([100_000, 300_000])  # 100 W, then 300 W
+    lib = fake_nvml(power_mw=lambda: next(power))
+    with TelemetrySampler(Backend("cuda", torch.device("cuda", 3)), interval_s=3600, library=lib) as s:
+        pass
+    t = s.result(steps=4, samples_per_step=8)
+    assert ("handle", 3) in lib.log
+    assert t.n_samples == 2 and s.duration_s == 2.0
+    assert t.energy_j == 400.0  # (100 + 300) / 2 W * 2 s
+    assert t.mean_power_w == 200.0 and t.max_power_w == 300.0
+    assert t.energy_per_step_j == 100.0
+    assert t.samples_per_joule == 32 / 400
+
+
+def test_nvml_missing_metric_is_none_not_invented():
+    lib = fake_nvml(missing=("nvmlDeviceGetTemperature",))
+    with TelemetrySampler(CUDA0, interval_s=3600, library=lib) as s:
+        pass
+    t = s.result(1, 1)
+    assert t.available and t.max_temp_c is None
+    assert t.mean_power_w == 250 and t.mean_clock_mhz == 1980
+
+
+def fake_amdsmi(log):
+    def temp(h, sensor, metric):
+        if sensor == "hotspot":
+            raise RuntimeError("AMDSMI_STATUS_NOT_SUPPORTED")
+        assert metric == "current"
+        return 55
+
+    return SimpleNamespace(
+        AmdSmiClkType=SimpleNamespace(GFX="gfx", MEM="mem"),
+        AmdSmiTemperatureType=SimpleNamespace(EDGE="edge", HOTSPOT="hotspot"),
+        AmdSmiTemperatureMetric=SimpleNamespace(CURRENT="current"),
+        amdsmi_init=lambda: log.append("init"),
+        amdsmi_get_processor_handles=lambda: ["gpu0", "gpu1"],
+        # MI200-style: current_socket_power unsupported ("N/A"), the average is reported
+        amdsmi_get_power_info=lambda h: {"current_socket_power": "N/A", "average_socket_power": 250,
+                                         "power_limit": 500},
+        amdsmi_get_clock_info=lambda h, kind: {"clk": 2100 if kind == "gfx" else 1300, "min_clk": 500},
+        amdsmi_get_temp_metric=temp,
+        amdsmi_get_gpu_activity=lambda h: {"gfx_activity": 88, "umc_activity": 20, "mm_activity": "N/A"},
+        amdsmi_shut_down=lambda: log.append("shutdown"),
+    )
+
+
+def test_amdsmi_constant_power_energy():
+    log = []
+    with TelemetrySampler(ROCM0, interval_s=0.01, library=fake_amdsmi(log)) as s:
+        time.sleep(0.1)
+    t = s.result(steps=5, samples_per_step=16)
+    assert t.available and t.n_samples >= 2
+    assert (t.mean_power_w, t.mean_clock_mhz, t.max_temp_c, t.mean_util_pct) == (250, 2100, 55, 88)
+    assert t.energy_j == pytest.approx(250 * s.duration_s, rel=0.05)
+    assert t.energy_per_step_j == pytest.approx(t.energy_j / 5)
+    assert t.samples_per_joule == pytest.approx(5 * 16 / t.energy_j)
+    assert log == ["init", "shutdown"]
+
+
+def test_amdsmi_old_clock_key():
+    log = []
+    lib = fake_amdsmi(log)
+    lib.amdsmi_get_clock_info = lambda h, kind: {"cur_clk": 1700, "max_clk": 2100}
+    with TelemetrySampler(ROCM0, interval_s=3600, library=lib) as s:
+        pass
+    assert s.result(1, 1).mean_clock_mhz == 1700
+
+
+def _all_numbers_none(t):
+    return all(v is None for v in (t.mean_power_w, t.max_power_w, t.mean_clock_mhz, t.max_temp_c, t.mean_util_pct,
+                                   t.energy_j, t.energy_per_step_j, t.samples_per_joule))
+
+
+def test_cpu_backend_has_no_telemetry(cpu):
+    with TelemetrySampler(cpu, library=fake_nvml()) as s:
+        pass
+    t = s.result(steps=3, samples_per_step=4)
+    assert t.available is False and t.n_samples == 0
+    assert t.reason == "no GPU telemetry on the cpu backend"
+    assert _all_numbers_none(t)
+
+
+def test_init_failure_is_reported_not_raised():
+    lib = fake_nvml(init_error=RuntimeError("NVML Shared Library Not Found"))
+    with TelemetrySampler(CUDA0, library=lib) as s:
+        pass
+    t = s.result(1, 1)
+    assert t.available is False
+    assert t.reason == "pynvml initialisation failed: NVML Shared Library Not Found"
+    assert _all_numbers_none(t)
+
+
+def test_handle_failure_shuts_the_library_down():
+    lib = fake_nvml(handle_error=RuntimeError("Invalid Argument"))
+    with TelemetrySampler(CUDA0, library=lib) as s:
+        pass
+    assert s.result(1, 1).reason == "pynvml initialisation failed: Invalid Argument"
+    assert lib.log == ["init", "shutdown"]
+
+
+def test_library_not_importable(monkeypatch):
+    monkeypatch.setitem(sys.modules, "amdsmi", None)  # makes `import amdsmi` raise ImportError
+    with TelemetrySampler(ROCM0) as s:
+        pass
+    t = s.result(1, 1)
+    assert t.available is False and t.reason.startswith("amdsmi is not importable")
+    assert _all_numbers_none(t)
+
+
+# --------------------------------------------------------------------------- ceilings
+
+
+def test_measure_ceilings_on_cpu(cpu):
+    rows = measure_ceilings(cpu, dtypes=("fp32", "bf16"), matmul_n=128, copy_bytes=MiB, min_time_s=0.01)
+    assert [(r["kind"], r["dtype"], r["size"], r["unit"]) for r in rows] == [
+        ("matmul", "fp32", 128, "TFLOP/s"), ("matmul", "bf16", 128, "TFLOP/s"), ("copy", "uint8", MiB, "GB/s")]
+    for r in rows:
+        assert r["error"] is None
+        assert math.isfinite(r["value"]) and r["value"] > 0
+        assert r["median_ms"] > 0
+    for r in rows[:2]:
+        assert r["value"] == pytest.approx(2 * 128**3 / (r["median_ms"] / 1e3) / 1e12)
+    assert rows[2]["value"] == pytest.approx(2 * MiB / (rows[2]["median_ms"] / 1e3) / 1e9)
+
+
+class ConstantClock:
+    """Every timed iteration lasts exactly 4 ms."""
+
+    name = "const"
+
+    def stamp(self):
+        return 0
+
+    def elapsed_ms(self, a, b):
+        return 4.0
+
+    def sync(self):
+        pass
+
+
+def test_ceiling_arithmetic_on_a_fixed_clock():
+    backend = SimpleNamespace(name="cpu", device=torch.device("cpu"), device_type="cpu", clock=ConstantClock)
+    rows = measure_ceilings(backend, dtypes=("fp32",), matmul_n=64, copy_bytes=1000, min_time_s=0)
+    assert rows[0]["median_ms"] == 4.0 and rows[0]["value"] == pytest.approx(2 * 64**3 / 0.004 / 1e12)
+    assert rows[1]["median_ms"] == 4.0 and rows[1]["value"] == pytest.approx(2 * 1000 / 0.004 / 1e9)
+
+
+def test_unsupported_dtype_gives_an_error_row(cpu, monkeypatch):
+    real_mm = torch.mm
+
+    def mm(a, b):
+        if a.dtype == torch.float16:
+            raise RuntimeError('"addmm_impl_cpu_" not implemented for \'Half\'\nmore detail')
+        return real_mm(a, b)
+
+    monkeypatch.setattr(torch, "mm", mm)
+    rows = measure_ceilings(cpu, dtypes=("fp16", "fp32"), matmul_n=32, copy_bytes=4096, min_time_s=0)
+    assert rows[0]["value"] is None and rows[0]["median_ms"] is None
+    assert rows[0]["error"] == '"addmm_impl_cpu_" not implemented for \'Half\''
+    assert rows[1]["error"] is None and rows[1]["value"] > 0
+    with pytest.raises(KdbenchError, match="unknown dtype"):
+        measure_ceilings(cpu, dtypes=("fp8",))
+
+
+def _rows(fp32, bf16=None, copy=100.0):
+    rows = [{"kind": "matmul", "dtype": "fp32", "size": 64, "value": fp32, "unit": "TFLOP/s", "median_ms": 1.0,
+             "error": None},
+            {"kind": "matmul", "dtype": "bf16", "size": 64, "value": bf16, "unit": "TFLOP/s", "median_ms": None,
+             "error": None if bf16 is not None else "not supported"},
+            {"kind": "copy", "dtype": "uint8", "size": 1024, "value": copy, "unit": "GB/s", "median_ms": 0.5,
+             "error": None}]
+    return rows
+
+
+def _at(monkeypatch, when):
+    class FixedDatetime(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return when
+
+    monkeypatch.setattr(profiling, "datetime", FixedDatetime)
+
+
+def test_write_probe_file(tmp_path, monkeypatch):
+    _at(monkeypatch, datetime(2026, 3, 4, 5, 6, 7, tzinfo=timezone.utc))
+    env = {"device_name": "GPU-A", "backend": "cuda", "device_count": 2, "hip_version": None}
+    path = write_probe(_rows(10.0, 50.0), env, tmp_path / "probes")
+    assert re.fullmatch(r"probe-20260304-050607-[0-9a-f]{6}\.parquet", path.name)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left behind
+    table = pq.read_table(path)
+    assert table.column_names == ["probe_id", "timestamp", "kind", "dtype", "size", "value", "unit", "median_ms",
+                                  "error", "device_name", "backend", "device_count", "hip_version"]
+    rows = table.to_pylist()
+    assert {r["probe_id"] for r in rows} == {path.stem}
+    assert rows[0]["timestamp"] == datetime(2026, 3, 4, 5, 6, 7, tzinfo=timezone.utc)
+    assert [r["value"] for r in rows] == [10.0, 50.0, 100.0]
+    assert rows[2]["device_count"] == 2 and rows[2]["hip_version"] is None
+    with pytest.raises(ValueError, match="clash"):
+        write_probe(_rows(1.0), {"kind": "x"}, tmp_path)
+
+
+def test_latest_ceiling_picks_newest_matching_probe(tmp_path, monkeypatch):
+    env_a = {"device_name": "GPU-A", "backend": "cuda"}
+    _at(monkeypatch, datetime(2026, 1, 2, tzinfo=timezone.utc))
+    newer = write_probe(_rows(20.0, None, copy=300.0), env_a, tmp_path)  # bf16 failed in this probe
+    _at(monkeypatch, datetime(2026, 1, 1, tzinfo=timezone.utc))
+    write_probe(_rows(10.0, 40.0), env_a, tmp_path)
+    _at(monkeypatch, datetime(2026, 1, 3, tzinfo=timezone.utc))
+    write_probe(_rows(99.0, 99.0), {"device_name": "GPU-B", "backend": "cuda"}, tmp_path)
+    (tmp_path / "probe-garbage.parquet").write_bytes(b"not parquet")
+
+    assert latest_ceiling(tmp_path, "GPU-A", "cuda") == {"probe_id": newer.stem, "matmul_fp32": 20.0, "copy": 300.0}
+    assert latest_ceiling(tmp_path, "GPU-B", "cuda")["matmul_bf16"] == 99.0
+    assert latest_ceiling(tmp_path, "GPU-A", "rocm") is None
+    assert latest_ceiling(tmp_path, "GPU-C", "cuda") is None
+
+
+def test_latest_ceiling_without_probes(tmp_path):
+    assert latest_ceiling(tmp_path / "missing", "GPU-A", "cuda") is None
+    assert latest_ceiling(tmp_path, "GPU-A", "cuda") is None
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    assert latest_ceiling(not_a_dir, "GPU-A", "cuda") is None
+
+
+def test_probe_env_adds_backend(cpu, monkeypatch):
+    monkeypatch.setattr(profiling, "capture", lambda b: {"device_name": "Some CPU", "device_count": 0})
+    assert probe_env(cpu) == {"device_name": "Some CPU", "device_count": 0, "backend": "cpu"}
