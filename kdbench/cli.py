@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--shard", default=None, metavar="I/N",
                      help="run only share I of N of the plan (every N-th cell from the I-th), e.g. one task of a "
                           "Slurm job array; `report` merges the shares' files")
+    run.add_argument("--profile", action="store_true",
+                     help="also write a torch.profiler Chrome trace of each cell's step (a separate pass after "
+                          "timing) under OUT/traces/, and list its top operators in the report; as `profile: true`")
     run.add_argument("--inline", action="store_true",
                      help="measure in this process instead of a worker process (no crash isolation; for debugging)")
 
@@ -58,6 +61,19 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", type=Path, default=Path("reports"), help="report folder (default: reports/)")
 
     sub.add_parser("env", help="show the backend, devices and software kdbench detects")
+
+    probe = sub.add_parser("probe", help="measure this device's ceilings (matmul TFLOP/s per dtype, copy GB/s) "
+                                         "for later runs' utilisation")
+    probe.add_argument("--out", type=Path, default=Path("results"),
+                       help="results folder; the probe goes to OUT/probes/ where `run --out OUT` finds it "
+                            "(default: results/)")
+    probe.add_argument("--device", choices=["auto", "cpu", "cuda", "rocm"], default="auto",
+                       help="which device to probe (default: auto, the GPU when there is one)")
+    probe.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's default)")
+    probe.add_argument("--size", type=int, default=None,
+                       help="matmul side n (default: 1024 on the CPU, 8192 on GPUs)")
+    probe.add_argument("--min-time", type=float, default=0.5, metavar="SECONDS",
+                       help="minimum timed duration per measurement (default: 0.5)")
 
     lst = sub.add_parser("list", help="list models or distillation methods")
     lst.add_argument("what", choices=["models", "methods"])
@@ -114,7 +130,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             return 0  # rank 0 stores, reports and sets the exit code
     else:
         outcome = run_plan(suite, cells, backend, args.out, threads, resume=args.resume, inline=args.inline,
-                           cell_timeout_s=args.cell_timeout)
+                           cell_timeout_s=args.cell_timeout, profile=args.profile or suite.profile)
     if outcome.interrupted:
         again = " ".join(shlex.quote(a) for a in ["kdbench", "run", str(args.suite), "--out", str(args.out), "--resume",
                                                   *(["--device", args.device] if args.device else [])])
@@ -152,6 +168,33 @@ def _cmd_env(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_probe(args: argparse.Namespace) -> int:
+    import torch
+
+    from kdbench.backends import resolve
+    from kdbench.profiling import measure_ceilings, probe_env, write_probe
+    from kdbench.store import PROBES_DIR
+
+    backend = resolve(args.device)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise KdbenchError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if args.size is not None and not 16 <= args.size <= 65536:
+        raise KdbenchError(f"--size must be between 16 and 65536, got {args.size}")
+    if args.min_time <= 0:
+        raise KdbenchError(f"--min-time must be > 0 seconds, got {args.min_time}")
+    env = probe_env(backend)
+    print(f"probing {backend.name} ({env['device_name']}), {torch.get_num_threads()} CPU threads ...")
+    rows = measure_ceilings(backend, matmul_n=args.size, min_time_s=args.min_time)
+    for r in rows:
+        value = f"{r['value']:.3f} {r['unit']}" if r["value"] is not None else f"unavailable ({r.get('error')})"
+        print(f"  {r['kind']:6s} {r['dtype']:5s} size {r['size']}: {value}")
+    path = write_probe(rows, env, args.out / PROBES_DIR)
+    print(f"probe -> {path}")
+    return 0
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     if args.what == "models":
         from kdbench.models import available_models
@@ -174,7 +217,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": _cmd_run, "report": _cmd_report, "env": _cmd_env, "list": _cmd_list}
+COMMANDS = {"run": _cmd_run, "report": _cmd_report, "env": _cmd_env, "probe": _cmd_probe, "list": _cmd_list}
 
 
 def main(argv: list[str] | None = None) -> int:

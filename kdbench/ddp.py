@@ -34,7 +34,8 @@ from kdbench.plan import Cell, dist_backend_for
 from kdbench.suite import CellConfig
 from kdbench.timing import timed_loop
 from kdbench.models import count_params
-from kdbench.worker import ModelCache, distill_row, measure_inference, model_pair
+from kdbench.profiling import MemoryMeter, memory_columns, optimizer_state_bytes
+from kdbench.worker import ModelCache, distill_row, measure_inference, model_pair, step_flops
 
 
 def _agreed_iterations(step: DistillStep, config: CellConfig, backend: Backend, group: Any) -> tuple[int, float]:
@@ -67,7 +68,9 @@ def measure_rank(cell: Cell, backend: Backend, allow_imports: bool, group: Any =
     x, y = synthetic_batch(config, config.batch_size, backend.device, config.seed + rank)
     step = DistillStep(teacher, student, x, y, config, backend, wrap=wrap)
     iters, first_ms = _agreed_iterations(step, config, backend, group)
-    raw = timed_loop(step, backend.clock(), warmup=0, min_iters=iters, min_time_s=0.0, max_iters=iters)
+    with MemoryMeter(backend) as memory:
+        raw = timed_loop(step, backend.clock(), warmup=0, min_iters=iters, min_time_s=0.0, max_iters=iters)
+    flops = step_flops(step)  # every rank: the counted step runs DDP's collectives
     mine = torch.tensor(raw.samples_ms, dtype=torch.float64, device=backend.device)
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
@@ -77,7 +80,9 @@ def measure_rank(cell: Cell, backend: Backend, allow_imports: bool, group: Any =
     rows = None
     if rank == 0:
         raw = type(raw)(first_ms=first_ms, samples_ms=slowest, clock=raw.clock)
-        rows = [distill_row(step, raw, config, x, float(loss.item()) / world)]
+        row = distill_row(step, raw, config, x, float(loss.item()) / world)
+        row.update(memory_columns(memory.result()), **flops, optimizer_state_bytes=optimizer_state_bytes(step.optimizer))
+        rows = [row]
         for bs in config.inference.batch_sizes:  # rank 0 alone, on its own device; the others wait
             srow = measure_inference(student, "student", bs, config, backend)
             rows.append(srow)

@@ -78,6 +78,51 @@ def driver_version(build: str) -> str | None:
     return None
 
 
+def _has_files(folder: Path, patterns: tuple[str, ...]) -> bool:
+    try:
+        return any(next(folder.rglob(p), None) is not None for p in patterns)
+    except OSError:
+        return False
+
+
+def kernel_caches(build: str, environ: dict[str, str] | None = None, home: Path | None = None) -> dict[str, Any]:
+    """Whether the tuned-kernel caches were warm when the run started.
+
+    MIOpen (ROCm) keeps its find-db under ``MIOPEN_USER_DB_PATH`` (default
+    ``~/.config/miopen``) and compiled kernels under ``MIOPEN_CUSTOM_CACHE_DIR``
+    (default ``~/.cache/miopen``); a cold cache makes the first steps search and
+    compile.  TunableOp (``PYTORCH_TUNABLEOP_ENABLED=1``) reads its results from
+    ``PYTORCH_TUNABLEOP_FILENAME`` (default ``tunableop_results.csv``, with the
+    device ordinal before the suffix).  None where the cache does not apply.
+    """
+    environ = dict(os.environ if environ is None else environ)
+    home = Path.home() if home is None else home
+    miopen = None
+    if build == "rocm":
+        db = Path(environ.get("MIOPEN_USER_DB_PATH", home / ".config" / "miopen"))
+        kernels = Path(environ.get("MIOPEN_CUSTOM_CACHE_DIR", home / ".cache" / "miopen"))
+        miopen = _has_files(db, ("*.udb", "*.ufdb.txt")) or _has_files(kernels, ("*.kdb", "*.ukdb"))
+    tunable = None
+    if build in ("rocm", "cuda") and environ.get("PYTORCH_TUNABLEOP_ENABLED") == "1":
+        name = Path(environ.get("PYTORCH_TUNABLEOP_FILENAME", "tunableop_results.csv"))
+        folder = name.parent if str(name.parent) else Path(".")
+        tunable = _has_files(folder, (f"{name.stem}*{name.suffix}",))
+    return {"miopen_cache_warm": miopen, "tunableop_cache_warm": tunable}
+
+
+def _speed_knobs() -> dict[str, Any]:
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        capability = None
+    return {
+        "cpu_capability": capability,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+        "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
+    }
+
+
 def _device_facts(backend: Backend) -> dict[str, Any]:
     if backend.device_type == "cuda":
         props = torch.cuda.get_device_properties(backend.device)
@@ -125,6 +170,8 @@ def capture(backend: Backend) -> dict[str, Any]:
         "git_commit": git_commit(),
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
         "blas_library": blas,
+        **_speed_knobs(),
+        **kernel_caches(d.build),
         "env_knobs": json.dumps(env_knobs(), sort_keys=True),
     }
 
@@ -143,7 +190,9 @@ def describe_lines() -> list[str]:
     for key in (
         "torch_version", "torchvision_version", "cuda_version", "hip_version", "cudnn_version", "driver_version",
         "cpu_model", "cpu_threads", "cpu_count", "device_memory_bytes", "hostname", "os", "python_version",
-        "kdbench_version", "git_commit", "cudnn_benchmark", "blas_library", "env_knobs",
+        "kdbench_version", "git_commit", "cudnn_benchmark", "blas_library", "cpu_capability",
+        "float32_matmul_precision", "tf32_matmul", "tf32_cudnn", "miopen_cache_warm", "tunableop_cache_warm",
+        "env_knobs",
     ):
         lines.append(f"{key}: {env[key]}")
     return lines

@@ -28,7 +28,7 @@ import torch
 from kdbench.backends import Backend
 from kdbench.plan import Cell, planned_measurements
 from kdbench.suite import LauncherConfig
-from kdbench.worker import ModelCache, failure_row, measure_cell
+from kdbench.worker import MeasureOptions, ModelCache, failure_row, measure_cell
 
 STARTUP_TIMEOUT_S = 600.0  # importing torch on a cold, busy machine can take minutes
 _POLL_S = 0.2
@@ -45,7 +45,7 @@ def die_with_parent() -> None:
         pass
 
 
-def _serve(conn: Any, backend: Backend, allow_imports: bool, threads: int) -> None:
+def _serve(conn: Any, backend: Backend, allow_imports: bool, threads: int, options: MeasureOptions) -> None:
     """The worker process: measure each cell it is sent, until told to stop or orphaned."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
@@ -59,7 +59,7 @@ def _serve(conn: Any, backend: Backend, allow_imports: bool, threads: int) -> No
             return
         if cell is None:
             return
-        conn.send(("rows", measure_cell(cell, backend, cache)))
+        conn.send(("rows", measure_cell(cell, backend, cache, options)))
 
 
 def rows_for(cell: Cell, status: str, error: str) -> list[dict[str, Any]]:
@@ -77,13 +77,14 @@ def _death_reason(exitcode: int | None) -> str:
 class InlineWorker:
     """Measure in this process."""
 
-    def __init__(self, backend: Backend, allow_imports: bool, threads: int):
+    def __init__(self, backend: Backend, allow_imports: bool, threads: int, options: MeasureOptions = MeasureOptions()):
         torch.set_num_threads(threads)
         self.backend = backend
+        self.options = options
         self.cache = ModelCache(allow_imports=allow_imports)
 
     def measure(self, cell: Cell, timeout_s: float | None = None) -> list[dict[str, Any]]:
-        return measure_cell(cell, self.backend, self.cache)
+        return measure_cell(cell, self.backend, self.cache, self.options)
 
     def close(self) -> None:
         pass
@@ -92,8 +93,8 @@ class InlineWorker:
 class ProcessWorker:
     """Measure in a reusable child process; replace it when it dies or hangs."""
 
-    def __init__(self, backend: Backend, allow_imports: bool, threads: int):
-        self.args = (backend, allow_imports, threads)
+    def __init__(self, backend: Backend, allow_imports: bool, threads: int, options: MeasureOptions = MeasureOptions()):
+        self.args = (backend, allow_imports, threads, options)
         self.ctx = mp.get_context("spawn")
         self.proc: Any = None
         self.conn: Any = None

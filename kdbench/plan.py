@@ -60,14 +60,14 @@ def config_dict(config: CellConfig) -> dict[str, Any]:
     A kd cell does not depend on `at.beta`, so sweeping it there gives the same
     cell (and the plan says so) instead of copies with different ids.
     """
-    from kdbench.distill.losses import METHODS, method_parts, needs_features
+    from kdbench.distill.losses import METHODS, method_parts
 
     out = config.model_dump(mode="json")
     parts = method_parts(config.method)
     for method in METHODS.values():
         if method.name not in parts and method.params not in {METHODS[p].params for p in parts if p in METHODS}:
             out.pop(method.params, None)
-    if not all(p in METHODS for p in parts) or not needs_features(config.method):
+    if not any(METHODS[p].cls.needs_features for p in parts if p in METHODS):
         out.pop("features", None)
     return out
 
@@ -92,7 +92,8 @@ def _excluded(config: dict[str, Any], excludes: list[dict[str, Any]]) -> bool:
 
 def expand(suite: Suite) -> list[Cell]:
     """The suite's cells, in matrix order, each validated; raises KdbenchError on an empty plan."""
-    from kdbench.distill.losses import check_method, check_weights
+    from kdbench.distill.hooks import check_feature_paths
+    from kdbench.distill.losses import check_method, check_weights, needs_features
     from kdbench.models import check_model_input, check_model_name
 
     axes = list(suite.matrix)
@@ -136,6 +137,19 @@ def expand(suite: Suite) -> list[Cell]:
         except KdbenchError as exc:
             loc = ("matrix", "method") if "method" in suite.matrix else ("defaults", "method")
             raise suite.error(loc, str(exc)) from None
+        if needs_features(cell.config.method):
+            feats = cell.config.features
+            if feats.teacher and feats.student and len(feats.teacher) != len(feats.student):
+                loc = ("matrix", "features") if "features" in suite.matrix else ("defaults", "features")
+                raise suite.error(loc, f"teacher lists {len(feats.teacher)} modules and student "
+                                       f"{len(feats.student)}; they are compared pairwise, so give both the same number")
+            for role in ("teacher", "student"):
+                try:
+                    check_feature_paths(role, getattr(pair, role), getattr(feats, role), cell.config.data.num_classes,
+                                        tuple(cell.config.data.shape), suite.allow_imports)
+                except KdbenchError as exc:
+                    loc = ("matrix", "features") if "features" in suite.matrix else ("defaults", "features", role)
+                    raise suite.error(loc, str(exc)) from None
         try:
             check_weights(cell.config.method, cell.config.weights)
         except KdbenchError as exc:

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import os
 import re
@@ -127,14 +128,42 @@ def datasheet_peak(device_name: str, dtype: str) -> tuple[str, float] | None:
 
 @dataclass(frozen=True)
 class MemoryUsage:
-    kind: str  # "rss" (host process, sampled) or "device" (caching allocator counters)
+    kind: str  # "rss_hwm" (kernel high-water mark), "rss" (sampled) or "device" (allocator counters)
     peak_bytes: int  # max RSS sampled / torch.cuda.max_memory_allocated
     peak_reserved_bytes: int | None  # torch.cuda.max_memory_reserved (None for rss)
     growth_bytes: int  # at exit minus at entry (RSS, or memory_allocated)
 
 
+def _hwm_bytes() -> int | None:
+    """This process's peak resident set (VmHWM) as the Linux kernel keeps it."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _reset_hwm() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0: write 5 to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return False
+    return _hwm_bytes() is not None
+
+
 class MemoryMeter:
-    """Peak and growth of memory inside a `with` block, on `backend`'s device."""
+    """Peak and growth of memory inside a `with` block, on `backend`'s device.
+
+    On the CPU it prefers the kernel's exact high-water mark (VmHWM, reset at entry
+    through /proc/self/clear_refs; kind ``rss_hwm``): no sampling thread competes with
+    the measured code for the GIL.  Where that is unavailable it samples RSS from a
+    thread (kind ``rss``).
+    """
 
     def __init__(self, backend: Backend, interval_s: float = 0.002):
         self.backend = backend
@@ -146,6 +175,7 @@ class MemoryMeter:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._proc = psutil.Process()
+        self._hwm = False
 
     @property
     def _gpu(self) -> bool:
@@ -157,6 +187,9 @@ class MemoryMeter:
             self.allocated_before = int(torch.cuda.memory_allocated(self.backend.device))
             return self
         self.rss_before = self._peak = self._proc.memory_info().rss
+        self._hwm = _reset_hwm()
+        if self._hwm:
+            return self
         self._stop.clear()
         self._thread = threading.Thread(target=self._sample, name="kdbench-rss", daemon=True)
         self._thread.start()
@@ -176,10 +209,14 @@ class MemoryMeter:
                 growth_bytes=int(torch.cuda.memory_allocated(device)) - self.allocated_before,
             )
             return
+        rss_after = self._proc.memory_info().rss
+        if self._hwm:
+            peak = _hwm_bytes() or rss_after
+            self._usage = MemoryUsage("rss_hwm", max(peak, rss_after), None, rss_after - self.rss_before)
+            return
         self._stop.set()
         self._thread.join()
         self._thread = None
-        rss_after = self._proc.memory_info().rss
         self._usage = MemoryUsage("rss", max(self._peak, rss_after), None, rss_after - self.rss_before)
 
     def result(self) -> MemoryUsage:
@@ -297,6 +334,7 @@ class Telemetry:
     energy_j: float | None  # trapezoidal integral of power over the block
     energy_per_step_j: float | None
     samples_per_joule: float | None
+    source: str | None = None  # "pynvml" or "amdsmi"
 
 
 class TelemetrySampler:
@@ -316,6 +354,7 @@ class TelemetrySampler:
         self.reason: str | None = None
         self.samples: list[tuple[float, float | None, float | None, float | None, float | None]] = []
         self.duration_s: float | None = None
+        self.source: str | None = None
         self._reader: _Nvml | _AmdSmi | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -326,6 +365,7 @@ class TelemetrySampler:
             self.reason = f"no GPU telemetry on the {self.backend.name} backend"
             return
         module, reader = ("amdsmi", _AmdSmi) if self.backend.name == "rocm" else ("pynvml", _Nvml)
+        self.source = module
         try:
             lib = self.library if self.library is not None else importlib.import_module(module)
         except ImportError as exc:
@@ -366,22 +406,31 @@ class TelemetrySampler:
             self._reader.close()
         self.duration_s = self.samples[-1][0] - self.samples[0][0]
 
-    def result(self, steps: int, samples_per_step: int) -> Telemetry:
-        """Summaries of the samples; energy per step and samples per joule for `steps` steps."""
+    def result(self, steps: int, samples_per_step: int, window: tuple[float, float] | None = None) -> Telemetry:
+        """Summaries of the samples; energy per step and samples per joule for `steps` steps.
+
+        `window` (perf_counter seconds, e.g. ``RawTiming.window_s``) keeps only the samples
+        taken while the `steps` timed steps ran, so cold and warm-up calls stay out.
+        """
         if not self.available:
             return Telemetry(False, self.reason, 0, None, None, None, None, None, None, None, None)
-        cols = list(zip(*self.samples)) if self.samples else [()] * 5
+        samples = self.samples if window is None else [s for s in self.samples if window[0] <= s[0] <= window[1]]
+        if len(samples) < 2:
+            return Telemetry(False, f"{len(samples)} telemetry sample(s) in the timed region; time a longer "
+                                    "region (timing.min_time_s)", len(samples), *([None] * 8))
+        cols = list(zip(*samples))
         power, clock, temp, util = ([v for v in col if v is not None] for col in cols[1:])
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-        timed_power = [(t, p) for t, p, *_ in self.samples if p is not None]
+        timed_power = [(t, p) for t, p, *_ in samples if p is not None]
         energy = None
         if len(timed_power) >= 2:
             energy = sum((t1 - t0) * (p0 + p1) / 2 for (t0, p0), (t1, p1) in zip(timed_power, timed_power[1:]))
         positive = energy is not None and energy > 0
         return Telemetry(
+            source=self.source,
             available=True,
             reason=None,
-            n_samples=len(self.samples),
+            n_samples=len(samples),
             mean_power_w=mean(power),
             max_power_w=max(power) if power else None,
             mean_clock_mhz=mean(clock),
@@ -504,3 +553,76 @@ def latest_ceiling(out_dir: Path, device_name: str, backend_name: str) -> dict[s
             continue
         out["copy" if r["kind"] == "copy" else f"matmul_{r['dtype']}"] = value
     return out
+
+
+# --------------------------------------------------------------------------- result columns
+
+
+def memory_columns(usage: MemoryUsage) -> dict[str, Any]:
+    return {
+        "memory_kind": usage.kind,
+        "peak_memory_bytes": usage.peak_bytes,
+        "peak_reserved_bytes": usage.peak_reserved_bytes,
+        "memory_growth_bytes": usage.growth_bytes,
+    }
+
+
+def telemetry_columns(t: Telemetry) -> dict[str, Any]:
+    """Telemetry as result columns; when unavailable, only the reason (no invented numbers)."""
+    return {
+        "telemetry": t.source if t.available else f"unavailable: {t.reason}",
+        "power_w_mean": t.mean_power_w,
+        "power_w_max": t.max_power_w,
+        "clock_mhz_mean": t.mean_clock_mhz,
+        "temperature_c_max": t.max_temp_c,
+        "gpu_util_pct_mean": t.mean_util_pct,
+        "energy_per_step_j": t.energy_per_step_j,
+        "samples_per_joule": t.samples_per_joule,
+    }
+
+
+def utilization_columns(flops: float | None, median_ms: float | None, device_name: str | None, precision: str,
+                        ceiling: dict[str, Any] | None) -> dict[str, Any]:
+    """Achieved TFLOP/s of one device, and its share of the datasheet peak and of the measured ceiling."""
+    if not flops or not median_ms or median_ms <= 0:
+        return {}
+    achieved = flops / (median_ms / 1e3) / 1e12
+    row: dict[str, Any] = {"achieved_tflops": achieved}
+    peak = datasheet_peak(device_name or "", precision)
+    if peak is not None and peak[1]:
+        row.update(datasheet_device=peak[0], datasheet_peak_tflops=peak[1], mfu=achieved / peak[1])
+    measured = (ceiling or {}).get(f"matmul_{precision}")
+    if measured:
+        row.update(ceiling_tflops=measured, ceiling_utilization=achieved / measured,
+                   ceiling_probe_id=ceiling.get("probe_id"))  # type: ignore[union-attr]
+    return row
+
+
+# --------------------------------------------------------------------------- profiler traces
+
+TOP_OPS = 10
+
+
+def trace(fn: Callable[[], Any], backend: Backend, path: Path, calls: int = 3) -> dict[str, Any]:
+    """Run `fn` `calls` times under torch.profiler (a separate pass, after the timed loop),
+    write a Chrome trace to `path`, and return it with the top operators by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = backend.device_type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        backend.synchronize()
+    prof.export_chrome_trace(str(path))
+
+    def self_us(event: Any) -> float:
+        if gpu:
+            return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)))
+        return float(event.self_cpu_time_total)
+
+    events = sorted(prof.key_averages(), key=self_us, reverse=True)[:TOP_OPS]
+    top = [{"op": e.key, "self_ms_per_call": self_us(e) / 1e3 / calls, "count": int(e.count) // calls}
+           for e in events]
+    return {"trace_file": str(path), "top_ops": json.dumps(top)}

@@ -20,7 +20,9 @@ import torch
 from kdbench.backends import Backend
 from kdbench.environment import capture
 from kdbench.plan import Cell, config_columns
-from kdbench.store import SCHEMA_VERSION, ResultWriter, read_table
+from kdbench.profiling import latest_ceiling, utilization_columns
+from kdbench.store import PROBES_DIR, SCHEMA_VERSION, ResultWriter, read_table
+from kdbench.worker import MeasureOptions
 from kdbench.suite import Suite
 from kdbench.backends import detect
 from kdbench.launch import InlineWorker, ProcessWorker, TorchrunWorker
@@ -116,6 +118,7 @@ def run_plan(
     resume: bool = False,
     inline: bool = False,
     cell_timeout_s: float | None = None,
+    profile: bool = False,
     log: Callable[[str], None] = print,
 ) -> RunOutcome:
     """Measure every cell (with `resume`, every cell not yet stored in `out_dir`) and append each
@@ -123,7 +126,7 @@ def run_plan(
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # recorded by capture() below; the worker sets its own
     try:
-        return _run(suite, cells, backend, out_dir, threads, resume, inline, cell_timeout_s, log)
+        return _run(suite, cells, backend, out_dir, threads, resume, inline, cell_timeout_s, profile, log)
     finally:
         torch.set_num_threads(before)
 
@@ -134,6 +137,7 @@ class Recorder:
     def __init__(self, suite: Suite, backend: Backend, outcome: RunOutcome, total: int, log: Callable[[str], None]):
         self.suite, self.backend, self.outcome, self.total, self.log = suite, backend, outcome, total, log
         self.env = capture(backend)
+        self.ceiling = latest_ceiling(outcome.path.parent / PROBES_DIR, self.env["device_name"], backend.name)
         self.writer: ResultWriter | None = None  # the file appears with the first stored cell
         self.started = time.monotonic()
         self.seen = 0
@@ -156,6 +160,10 @@ class Recorder:
             **config_columns(cell.config, self.backend.name),
             **self.env,
         }
+        for row in rows:
+            if row.get("status") == "ok":
+                row.update(utilization_columns(row.get("flops"), row.get("median_ms"), self.env["device_name"],
+                                               cell.config.precision, self.ceiling))
         now = datetime.now(timezone.utc)
         if self.writer is None:
             self.writer = ResultWriter(self.outcome.path)
@@ -189,15 +197,23 @@ def open_run(suite: Suite, cells: list[Cell], out_dir: Path, resume: bool,
 
 
 def _run(suite: Suite, cells: list[Cell], backend: Backend, out_dir: Path, threads: int, resume: bool,
-         inline: bool, cell_timeout_s: float | None, log: Callable[[str], None]) -> RunOutcome:
+         inline: bool, cell_timeout_s: float | None, profile: bool, log: Callable[[str], None]) -> RunOutcome:
     outcome, todo = open_run(suite, cells, out_dir, resume, log)
     recorder = Recorder(suite, backend, outcome, len(todo), log)
     log(f"run {outcome.run_id}: {len(todo)} cells of suite '{suite.name}' on {backend.name} "
         f"({recorder.env['device_name']}), {threads} CPU threads -> {outcome.path}")
     if not todo:
         return outcome
+    if recorder.ceiling:
+        log(f"utilisation against this device's measured ceiling: probe {recorder.ceiling['probe_id']}")
+    else:
+        log(f"no probe of this device in {Path(out_dir) / PROBES_DIR}: run `kdbench probe` for utilisation "
+            "against its measured ceiling")
+    options = MeasureOptions(trace_dir=str(Path(out_dir) / "traces" / outcome.run_id) if profile else None)
+    if options.trace_dir:
+        log(f"profiler traces -> {options.trace_dir}")
     worker_cls = InlineWorker if inline else ProcessWorker
-    worker = worker_cls(backend, suite.allow_imports, threads)
+    worker = worker_cls(backend, suite.allow_imports, threads, options)
     ddp_worker = TorchrunWorker(backend, suite.allow_imports, threads, gpu_count=detect().gpu_count,
                                 launcher=suite.launcher)
     timeout = cell_timeout_s if cell_timeout_s is not None else suite.cell_timeout_s

@@ -44,7 +44,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("suite_file", _S, "", "path of the suite YAML as given to `run`"),
     Column("cell_id", _S, "", "stable hash of the resolved cell config (same cell, same id, in any rerun)"),
     Column("cell_label", _S, "", "short human label of the cell"),
-    Column("measurement", _S, "", "`distill_step`, `student_inference` or `teacher_inference`"),
+    Column("measurement", _S, "", "`distill_step`, `student_inference`, `teacher_inference` or `quality`"),
     Column("status", _S, "", "`ok`, `failed`, `oom`, `timeout` or `skipped`"),
     Column("error", _S, "", "why the measurement failed or was skipped (null when ok)"),
     Column("notes", _S, "", "caveats of an ok row, e.g. why autocast was not applied at the asked precision"),
@@ -119,6 +119,43 @@ COLUMNS: tuple[Column, ...] = (
     Column("adapter_params", _I, "parameters", "parameters of the feature adapters (e.g. FitNet's regressor), trained with the student"),
     Column("trainable_params", _I, "parameters", "student + adapter parameters: what the distillation step trains"),
     Column("teacher_params", _I, "parameters", "teacher parameter count"),
+    Column("time_to_steady_ms", _F, "ms", "from the cold call's start to the end of the first call within 10 % of the median (first_ms is the cold call alone)"),
+    Column("steady_after_iters", _I, "iterations", "calls (cold one included) until the first steady one"),
+    Column("flops", _F, "FLOP", "FLOPs of one iteration on one device (torch.utils.flop_counter: matmuls and convolutions)"),
+    Column("teacher_forward_flops", _F, "FLOP", "the teacher forward's share of `flops` (distill_step, live teacher)"),
+    Column("student_flops", _F, "FLOP", "student forward + backward (+ adapters) share of `flops` (distill_step)"),
+    Column("achieved_tflops", _F, "TFLOP/s", "flops / median time, per device"),
+    Column("datasheet_device", _S, "", "the accelerator of the peak table this device matched"),
+    Column("datasheet_peak_tflops", _F, "TFLOP/s", "vendor dense peak at the cell's precision (kdbench.profiling.PEAKS)"),
+    Column("mfu", _F, "ratio", "achieved_tflops / datasheet_peak_tflops"),
+    Column("ceiling_tflops", _F, "TFLOP/s", "this device's measured matmul rate at the cell's precision (newest `kdbench probe`)"),
+    Column("ceiling_utilization", _F, "ratio", "achieved_tflops / ceiling_tflops"),
+    Column("ceiling_probe_id", _S, "", "the probe the ceiling comes from"),
+    Column("memory_kind", _S, "", "`device` (allocator peak, reset before the measurement), `rss_hwm` (kernel high-water mark of the worker process, reset before) or `rss` (sampled)"),
+    Column("peak_memory_bytes", _I, "bytes", "peak allocated device memory, or the worker's peak resident memory on the CPU"),
+    Column("peak_reserved_bytes", _I, "bytes", "peak memory reserved by the caching allocator (GPUs)"),
+    Column("memory_growth_bytes", _I, "bytes", "memory at the end of the measurement minus at its start"),
+    Column("optimizer_state_bytes", _I, "bytes", "bytes of the optimizer's state tensors after the measurement (distill_step)"),
+    Column("telemetry", _S, "", "`pynvml` or `amdsmi` when GPU telemetry was read; else `unavailable: why`"),
+    Column("power_w_mean", _F, "W", "mean board power over the timed iterations"),
+    Column("power_w_max", _F, "W", "highest power sample"),
+    Column("clock_mhz_mean", _F, "MHz", "mean graphics clock"),
+    Column("temperature_c_max", _F, "°C", "highest GPU temperature sample"),
+    Column("gpu_util_pct_mean", _F, "%", "mean GPU utilisation as the driver reports it"),
+    Column("energy_per_step_j", _F, "J", "energy of the timed iterations / their number (power integrated over time)"),
+    Column("samples_per_joule", _F, "samples/J", "samples processed per joule"),
+    Column("trace_file", _S, "", "torch.profiler Chrome trace of the cell's step (`profile: true` or --profile)"),
+    Column("top_ops", _S, "", "JSON: the traced step's top operators by self time (ms per step)"),
+    Column("quality_role", _S, "", "quality rows: `teacher`, `scratch` (student trained alone) or `distilled`"),
+    Column("quality_dataset", _S, "", "quality rows: the real data set (`digits`, `imagefolder`, `cifar10`, `cifar100`)"),
+    Column("quality_epochs", _I, "epochs", "quality rows: training epochs"),
+    Column("quality_target", _F, "ratio", "quality rows: the target, as a fraction of the teacher's accuracy"),
+    Column("accuracy", _F, "ratio", "quality rows: top-1 test accuracy after the last epoch"),
+    Column("best_accuracy", _F, "ratio", "quality rows: best top-1 test accuracy over the epochs"),
+    Column("agreement", _F, "ratio", "quality rows: share of test samples where student and teacher predict the same class"),
+    Column("time_to_target_s", _F, "s", "quality rows: training wall time until accuracy ≥ target × the teacher's (null: not reached)"),
+    Column("epochs_to_target", _I, "epochs", "quality rows: epochs until the target was reached"),
+    Column("train_time_s", _F, "s", "quality rows: total training wall time (evaluation excluded)"),
     Column("data_ptr_mod64", _I, "bytes", "input batch's realised data_ptr() % 64 (labels are placed alike)"),
     Column("memory_format_verified", _B, "", "the input and every 4-D weight are contiguous in `memory_format`"),
     # --- environment ------------------------------------------------------------
@@ -131,7 +168,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("torchvision_version", _S, "", "torchvision.__version__"),
     Column("cuda_version", _S, "", "torch.version.cuda (null on ROCm and CPU builds)"),
     Column("hip_version", _S, "", "torch.version.hip (null on CUDA and CPU builds)"),
-    Column("cudnn_version", _S, "", "cuDNN version (MIOpen on ROCm) as torch reports it"),
+    Column("cudnn_version", _S, "", "torch.backends.cudnn.version(): cuDNN on CUDA, MIOpen on ROCm"),
     Column("cpu_model", _S, "", "CPU model name"),
     Column("cpu_threads", _I, "threads", "torch.get_num_threads() during the run (set explicitly)"),
     Column("cpu_count", _I, "", "logical CPUs of the host"),
@@ -142,6 +179,12 @@ COLUMNS: tuple[Column, ...] = (
     Column("git_commit", _S, "", "kdbench git commit, when run from a checkout"),
     Column("cudnn_benchmark", _B, "", "torch.backends.cudnn.benchmark"),
     Column("blas_library", _S, "", "torch.backends.cuda.preferred_blas_library() on GPUs"),
+    Column("cpu_capability", _S, "", "the CPU kernels torch dispatches to (`AVX2`, `AVX512`, ...)"),
+    Column("float32_matmul_precision", _S, "", "torch.get_float32_matmul_precision() (`highest` keeps fp32 GEMMs exact)"),
+    Column("tf32_matmul", _B, "", "torch.backends.cuda.matmul.allow_tf32"),
+    Column("tf32_cudnn", _B, "", "torch.backends.cudnn.allow_tf32"),
+    Column("miopen_cache_warm", _B, "", "ROCm: MIOpen's find-db or kernel cache held entries when the run started (null elsewhere)"),
+    Column("tunableop_cache_warm", _B, "", "TunableOp enabled and its results file present when the run started (null when disabled)"),
     Column("env_knobs", _S, "", "JSON of speed-changing environment variables (MIOPEN_*, PYTORCH_TUNABLEOP_*, ...)"),
 )
 
@@ -210,12 +253,16 @@ def read_table(path: Path, columns: list[str] | None = None) -> pa.Table:
         return pq.read_table(pa.BufferReader(fh.read()), columns=columns)
 
 
+PROBES_DIR = "probes"  # `kdbench probe` files, under a results folder; not results themselves
+
+
 def result_files(paths: Iterable[str | Path]) -> list[Path]:
-    """Expand parquet files and folders (searched recursively) into a sorted file list."""
+    """Expand parquet files and folders (searched recursively, skipping probes/) into a sorted file list."""
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            files.extend(sorted(q for q in p.rglob("*.parquet") if not q.name.startswith(".")))
+            files.extend(sorted(q for q in p.rglob("*.parquet")
+                                if not q.name.startswith(".") and PROBES_DIR not in q.relative_to(p).parts[:-1]))
         elif p.is_file():
             files.append(p)
         else:

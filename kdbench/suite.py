@@ -1,7 +1,7 @@
 """Suite YAML -> validated, typed configuration.
 
 A suite file has the top-level keys ``name, description, backend, threads,
-allow_imports, cell_timeout_s, launcher, defaults, matrix, exclude``.  ``defaults`` holds one cell's
+allow_imports, cell_timeout_s, profile, launcher, quality, defaults, matrix, exclude``.  ``defaults`` holds one cell's
 configuration (``CellConfig``); every key it may hold may also be a ``matrix``
 axis (a list of values), and nested keys may be swept with a dotted axis name
 (``kd.temperature: [2, 4]``).  The plan (``kdbench.plan``) overlays each
@@ -203,6 +203,7 @@ class SuiteModel(_Strict):
     threads: int | None = Field(None, ge=1, le=4096)
     allow_imports: bool = False
     cell_timeout_s: float = Field(3600.0, gt=0, le=7 * 86_400)
+    profile: bool = False  # a torch.profiler trace of every cell's step (as --profile)
     launcher: LauncherConfig = LauncherConfig()
     defaults: dict[str, Any] = Field(default_factory=dict)
     matrix: dict[str, list[Any]] = Field(default_factory=dict)
@@ -221,6 +222,7 @@ class Suite:
     allow_imports: bool
     cell_timeout_s: float
     launcher: LauncherConfig
+    profile: bool
     defaults: dict[str, Any]
     matrix: dict[str, list[Any]]
     exclude: list[dict[str, Any]]
@@ -462,6 +464,7 @@ def load_suite(path: str | Path) -> Suite:
         allow_imports=top.allow_imports,
         cell_timeout_s=top.cell_timeout_s,
         launcher=top.launcher,
+        profile=top.profile,
         defaults=top.defaults,
         matrix=top.matrix,
         exclude=top.exclude,

@@ -9,8 +9,9 @@ host-device sync inside the loop.
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
@@ -66,6 +67,21 @@ class RawTiming:
     first_ms: float  # the cold first call, kept out of the samples
     samples_ms: list[float]
     clock: str
+    warmup_ms: list[float] = field(default_factory=list)  # the untimed warm-up calls, in order
+    window_s: tuple[float, float] | None = None  # host perf_counter() at the start and end of the timed calls
+
+    def time_to_steady(self, tolerance: float = 0.10) -> tuple[float, int] | None:
+        """(ms, calls) from the cold call's start until the end of the first call within
+        `tolerance` of the median timed call: what a short job pays before full speed."""
+        if not self.samples_ms:
+            return None
+        median = statistics.median(self.samples_ms)
+        elapsed = 0.0
+        for i, ms in enumerate([self.first_ms, *self.warmup_ms, *self.samples_ms]):
+            elapsed += ms
+            if ms <= median * (1 + tolerance):
+                return elapsed, i + 1
+        return None
 
 
 def timed_loop(
@@ -84,11 +100,15 @@ def timed_loop(
     end = clock.stamp()
     clock.sync()
     first = clock.elapsed_ms(start, end)
+    warm: list[tuple[Any, Any]] = []
     for _ in range(warmup):
+        start = clock.stamp()
         fn()
+        warm.append((start, clock.stamp()))
     clock.sync()
     marks: list[tuple[Any, Any]] = []
-    deadline = time.perf_counter() + min_time_s
+    window_start = time.perf_counter()
+    deadline = window_start + min_time_s
     while True:
         start = clock.stamp()
         fn()
@@ -97,4 +117,6 @@ def timed_loop(
         if n >= max_iters or (n >= min_iters and time.perf_counter() >= deadline):
             break
     clock.sync()
-    return RawTiming(first, [clock.elapsed_ms(a, b) for a, b in marks], clock.name)
+    window = (window_start, time.perf_counter())
+    return RawTiming(first, [clock.elapsed_ms(a, b) for a, b in marks], clock.name,
+                     [clock.elapsed_ms(a, b) for a, b in warm], window)

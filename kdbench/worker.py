@@ -12,6 +12,8 @@ import copy
 import math
 import statistics
 from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -22,6 +24,8 @@ from kdbench.data import memory_format_of, synthetic_batch
 from kdbench.distill.step import DistillStep
 from kdbench.layout import pad_classifier, padded_width, verify_memory_format
 from kdbench.models import build_model, count_params
+from kdbench.profiling import (MemoryMeter, TelemetrySampler, count_flops, memory_columns, optimizer_state_bytes,
+                               telemetry_columns, trace)
 from kdbench.plan import Cell, planned_measurements
 from kdbench.stats import summarize
 from kdbench.suite import CellConfig
@@ -130,12 +134,46 @@ def model_pair(config: CellConfig, backend: Backend, cache: ModelCache) -> tuple
     return models[0], models[1]
 
 
-def measure_distill_step(teacher: nn.Module, student: nn.Module, config: CellConfig, backend: Backend) -> dict[str, Any]:
+@dataclass(frozen=True)
+class MeasureOptions:
+    """How a worker measures, beyond the cell's config (not part of the cell's identity)."""
+
+    trace_dir: str | None = None  # write a torch.profiler Chrome trace of each cell's step here
+
+
+def timed_with_profile(fn: Callable[[], Any], config: CellConfig, backend: Backend,
+                       batch_size: int) -> tuple[RawTiming, dict[str, Any]]:
+    """The timed loop, with memory and (on GPUs) telemetry watched over it."""
+    with MemoryMeter(backend) as memory, TelemetrySampler(backend) as telemetry:
+        raw = _time(fn, config, backend)
+    tele = telemetry.result(len(raw.samples_ms), batch_size, raw.window_s)
+    steady = raw.time_to_steady()
+    return raw, {
+        **memory_columns(memory.result()),
+        **telemetry_columns(tele),
+        "time_to_steady_ms": steady[0] if steady else None,
+        "steady_after_iters": steady[1] if steady else None,
+    }
+
+
+def step_flops(step: DistillStep) -> dict[str, Any]:
+    """FLOPs of one more step, counted after the timed loop (teacher forward apart when live)."""
+    teacher = None if step.cache is not None else count_flops(lambda: step.distiller.teacher_outputs(step.x))
+    total = count_flops(step)
+    return {"flops": total, "teacher_forward_flops": teacher, "student_flops": total - (teacher or 0)}
+
+
+def measure_distill_step(teacher: nn.Module, student: nn.Module, config: CellConfig, backend: Backend,
+                         options: MeasureOptions = MeasureOptions(), trace_name: str = "cell") -> dict[str, Any]:
     x, y = synthetic_batch(config, config.batch_size, backend.device, config.seed)
     step = DistillStep(teacher, student, x, y, config, backend)
-    raw = _time(step, config, backend)
+    raw, profile = timed_with_profile(step, config, backend, config.batch_size)
     loss = float(step.last_loss) if step.last_loss is not None else math.nan
-    return distill_row(step, raw, config, x, loss)
+    row = distill_row(step, raw, config, x, loss)
+    row.update(profile, **step_flops(step), optimizer_state_bytes=optimizer_state_bytes(step.optimizer))
+    if options.trace_dir:
+        row.update(trace(step, backend, Path(options.trace_dir) / f"{trace_name}.json"))
+    return row
 
 
 def phase_columns(step: DistillStep, raw: RawTiming) -> dict[str, Any]:
@@ -187,12 +225,14 @@ def measure_inference(model: nn.Module, role: str, batch_size: int, config: Cell
         with torch.inference_mode(), choice.context(backend.device_type):
             model(x)
 
-    raw = _time(forward, config, backend)
+    raw, profile = timed_with_profile(forward, config, backend, batch_size)
     return {
         "measurement": f"{role}_inference",
         "batch_size": batch_size,
         "status": "ok",
         **_timing_row(raw, 1, batch_size),
+        **profile,
+        "flops": count_flops(forward),
         "autocast": choice.applied,
         **_layout(model, x, config),
         "notes": _notes(choice, alignment=_alignment_note(x, config)),
@@ -208,7 +248,8 @@ def _guarded(measurement: str, batch_size: int, backend: Backend, fn: Callable[[
         return failure_row(measurement, batch_size, exc)
 
 
-def measure_cell(cell: Cell, backend: Backend, cache: ModelCache) -> list[dict[str, Any]]:
+def measure_cell(cell: Cell, backend: Backend, cache: ModelCache,
+                 options: MeasureOptions = MeasureOptions()) -> list[dict[str, Any]]:
     config = cell.config
     planned = planned_measurements(config)
     try:
@@ -218,7 +259,7 @@ def measure_cell(cell: Cell, backend: Backend, cache: ModelCache) -> list[dict[s
     params = {"student_params": count_params(student), "teacher_params": count_params(teacher)}
 
     rows = [_guarded("distill_step", config.batch_size, backend,
-                     lambda: measure_distill_step(teacher, student, config, backend))]
+                     lambda: measure_distill_step(teacher, student, config, backend, options, cell.cell_id))]
     for bs in config.inference.batch_sizes:
         srow = _guarded("student_inference", bs, backend, lambda: measure_inference(student, "student", bs, config, backend))
         rows.append(srow)

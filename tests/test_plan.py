@@ -106,7 +106,7 @@ def test_planned_measurements():
     assert planned_measurements(cfg) == [("distill_step", 4), ("student_inference", 2)]
 
 
-@pytest.mark.parametrize("name,cells", [("cpu", 4), ("amd", 18), ("cuda", 18), ("seeds", 2)])
+@pytest.mark.parametrize("name,cells", [("cpu", 4), ("amd", 36), ("cuda", 36), ("seeds", 2), ("methods", 40), ("gpu-smoke", 4)])
 def test_shipped_suites_plan(name, cells):
     plan = expand(load_suite(SUITES / f"{name}.yaml"))
     assert len(plan) == cells

@@ -138,12 +138,20 @@ def fresh_ones(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).fill_(1)
 
 
-def test_cpu_meter_sees_a_big_allocation(cpu):
+@pytest.fixture(params=["rss_hwm", "rss"])
+def cpu_mode(request, monkeypatch):
+    """Both CPU paths: the kernel's high-water mark, and the sampling fallback."""
+    if request.param == "rss":
+        monkeypatch.setattr(profiling, "_reset_hwm", lambda: False)
+    return request.param
+
+
+def test_cpu_meter_sees_a_big_allocation(cpu, cpu_mode):
     with MemoryMeter(cpu) as meter:
         big = fresh_ones(200 * MiB)  # fill_ writes every page: resident
     usage = meter.result()
     assert big[-1].item() == 1
-    assert usage.kind == "rss" and usage.peak_reserved_bytes is None
+    assert usage.kind == cpu_mode and usage.peak_reserved_bytes is None
     assert meter.rss_before > 0
     assert usage.peak_bytes >= meter.rss_before + 180 * MiB
     assert usage.growth_bytes >= 180 * MiB
@@ -152,7 +160,17 @@ def test_cpu_meter_sees_a_big_allocation(cpu):
     del big
 
 
-def test_cpu_meter_larger_allocation_larger_peak(cpu):
+def test_high_water_mark_catches_a_freed_spike(cpu):
+    with MemoryMeter(cpu, interval_s=10.0) as meter:
+        spike = fresh_ones(150 * MiB)
+        del spike  # gone before the block ends
+    usage = meter.result()
+    assert usage.kind == "rss_hwm"
+    assert usage.peak_bytes >= meter.rss_before + 140 * MiB
+    assert usage.growth_bytes < 20 * MiB
+
+
+def test_cpu_meter_larger_allocation_larger_peak(cpu, cpu_mode):
     rises = []
     for size in (40 * MiB, 240 * MiB):
         with MemoryMeter(cpu) as meter:
@@ -164,7 +182,8 @@ def test_cpu_meter_larger_allocation_larger_peak(cpu):
     assert rises[1] > rises[0] + 150 * MiB
 
 
-def test_cpu_meter_stops_its_thread_on_error(cpu):
+def test_cpu_meter_stops_its_thread_on_error(cpu, monkeypatch):
+    monkeypatch.setattr(profiling, "_reset_hwm", lambda: False)
     with pytest.raises(ValueError):
         with MemoryMeter(cpu, interval_s=0.001):
             assert len(_rss_threads()) == 1

@@ -143,6 +143,8 @@ def test_only_failed_rows_render_without_charts(tmp_path):
     rows = [dict(r, status="failed", median_ms=None, speedup_vs_teacher=None, error="OOM") for r in _rows()]
     page = render_report(_frame(rows), tmp_path, title="All <failed>").read_text(encoding="utf-8")
     assert "<img" not in page and not list(tmp_path.glob("*.png"))
-    assert page.count('class="skipped"') == 3 and "Not drawn: no successful distill_step" in page
+    # the three timing charts and the phase chart are skipped, each with its reason
+    assert page.count('class="skipped"') == 4 and "Not drawn: no successful distill_step measurement." in page
+    assert "Not drawn: no successful distill_step measurement has phase timings." in page
     assert "All &lt;failed&gt;" in page
     assert len(_table_rows(page, 'class="not-ok"')) == len(rows)

@@ -75,8 +75,9 @@ def test_call_order_stamps_and_syncs():
     assert t.log == [
         # cold call, stamped on both sides, then a sync before reading it
         ("stamp", 0), ("call", 1), ("stamp", 1), ("sync", 1),
-        # exactly `warmup` untimed calls, then a sync
-        ("call", 2), ("call", 3), ("sync", 3),
+        # exactly `warmup` calls, stamped (kept apart from the samples), then a sync
+        ("stamp", 1), ("call", 2), ("stamp", 2),
+        ("stamp", 2), ("call", 3), ("stamp", 3), ("sync", 3),
         # timed calls, each stamped, with no sync in between
         ("stamp", 3), ("call", 4), ("stamp", 4),
         ("stamp", 4), ("call", 5), ("stamp", 5),
@@ -93,10 +94,10 @@ def test_warmup_count(warmup):
     assert t.calls == 1 + warmup + 2
     # the calls between the cold call's closing stamp and the first timed stamp
     log = t.log
-    cold_end = log.index(("stamp", 1))
-    first_timed = next(i for i, e in enumerate(log) if e[0] == "stamp" and i > cold_end)
-    between = [e for e in log[cold_end:first_timed] if e[0] == "call"]
+    cold_sync, warm_sync = [i for i, e in enumerate(log) if e[0] == "sync"][:2]
+    between = [e for e in log[cold_sync:warm_sync] if e[0] == "call"]
     assert len(between) == warmup
+    assert r.warmup_ms == [7.0] * warmup
     assert r.first_ms == 50.0
     assert r.samples_ms == [10.0, 11.0]
 
@@ -247,8 +248,9 @@ def test_event_clock_timed_loop(fake_cuda):
     # no sync between the iterations of the timed loop
     assert not [s for s in syncs if timed[0] < s < timed[-1]]
 
+    assert r.warmup_ms == [5.0, 5.0]
     elapsed = [i for i, e in enumerate(log) if e[0] == "elapsed"]
-    assert len(elapsed) == 1 + 4
+    assert len(elapsed) == 1 + 2 + 4
     # every event is read only after a sync that follows its recording:
     # the cold call's pair after the first sync, the timed pairs after the last one
     assert syncs[0] < elapsed[0] < warm[0]
@@ -267,3 +269,19 @@ def test_event_clock_reads_after_recording(fake_cuda):
     assert fake_cuda["sync_devices"] == [torch.device("cuda", 1)]
     assert clock.elapsed_ms(a, b) == 12.5
     assert isinstance(clock.elapsed_ms(a, b), float)
+
+
+def test_time_to_steady_counts_until_the_first_call_near_the_median():
+    from kdbench.timing import RawTiming
+
+    # cold 500, warm-up 80 and 30, then timed 20..24 (median 22): 21 is within 10 %, 30 is not.
+    r = RawTiming(500.0, [20.0, 22.0, 24.0, 21.0, 23.0], "fake", warmup_ms=[80.0, 30.0])
+    assert r.time_to_steady() == (500.0 + 80.0 + 30.0 + 20.0, 4)
+    assert RawTiming(5.0, [5.0, 6.0], "fake").time_to_steady() == (5.0, 1)  # no cold cost
+    assert RawTiming(5.0, [], "fake").time_to_steady() is None
+
+
+def test_timed_window_brackets_the_timed_calls():
+    t = FakeTime(scripted(1))
+    r = timed_loop(t.fn, FakeClock(t), warmup=1, min_iters=2, min_time_s=0, max_iters=10)
+    assert r.window_s is not None and r.window_s[0] <= r.window_s[1]

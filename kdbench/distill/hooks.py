@@ -29,6 +29,8 @@ last ``k`` stages (``k`` the smaller count): deep ends meet deep ends.
 
 from __future__ import annotations
 
+import difflib
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,3 +226,32 @@ def resolve_paths(teacher: nn.Module, student: nn.Module, example: torch.Tensor,
     s = student_paths or default_feature_paths(student, example)
     t, s = pair_paths(t, s, explicit=bool(teacher_paths) and bool(student_paths))
     return FeaturePaths(teacher=t, student=s)
+
+
+@functools.lru_cache(maxsize=64)
+def _module_names(name: str, num_classes: int, shape: tuple[int, ...], allow_imports: bool) -> frozenset[str] | None:
+    """Module paths of a model, built on the meta device (no memory, no init); None if that fails."""
+    from kdbench.models import build_model
+
+    try:
+        with torch.device("meta"):
+            model = build_model(name, num_classes, shape, allow_imports=allow_imports)
+    except Exception:  # the run itself will report what is wrong with the model
+        return None
+    return frozenset(n for n, _ in model.named_modules() if n)
+
+
+def check_feature_paths(role: str, model_name: str, paths: list[str] | None, num_classes: int,
+                        shape: tuple[int, ...], allow_imports: bool = False) -> None:
+    """KdbenchError, before anything runs, for a feature path the model does not have."""
+    if not paths:
+        return
+    names = _module_names(model_name, num_classes, shape, allow_imports)
+    if names is None:
+        return
+    for path in paths:
+        if path not in names:
+            close = difflib.get_close_matches(path, sorted(names), n=3, cutoff=0.6)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            raise KdbenchError(f"{model_name} has no module '{path}'; {hint}give dotted module paths "
+                               f"as named_modules() lists them")

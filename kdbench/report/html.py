@@ -3,19 +3,24 @@
 The page is rendered by jinja2 with autoescaping on, so every string that comes from a
 suite or a result (labels, errors, host names...) is HTML-escaped.  File names in the
 output folder are fixed (``index.html``, ``distill_step.png``, ...), never built from
-result strings.
+result strings.  The one exception is the link to a cell's profiler trace: its ``href`` is
+the stored ``trace_file`` relative to the report folder, percent-encoded (so no path can
+become a ``javascript:`` URL or break out of the attribute) and then HTML-escaped.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from pathlib import Path
+from urllib.parse import quote
 
 import pandas as pd
 from jinja2 import Environment, FileSystemLoader
 
 from kdbench.errors import KdbenchError
-from kdbench.report.plots import NOISY_NOTE, draw_charts
+from kdbench.report.plots import NOISY_NOTE, PHASES, draw_charts, draw_phases, draw_quality_front
 from kdbench.store import COLUMN_NAMES
 
 MISSING = "—"
@@ -26,8 +31,13 @@ ENV_COLUMNS = (
     "device_name", "device_arch", "device_count", "backend", "driver_version", "torch_version",
     "torchvision_version", "cuda_version", "hip_version", "cudnn_version", "cpu_model", "cpu_threads",
     "cpu_count", "hostname", "os", "python_version", "kdbench_version", "git_commit", "cudnn_benchmark",
-    "blas_library", "env_knobs",
+    "blas_library", "cpu_capability", "float32_matmul_precision", "tf32_matmul", "tf32_cudnn",
+    "miopen_cache_warm", "tunableop_cache_warm", "env_knobs",
 )
+REMAINDER_LIMIT = 0.10  # |remainder| above this share of the median: the phases do not account for the step
+MIB = 2**20
+QUALITY_KEYS = ["teacher", "student", "quality_role", "method"]
+_ROLE_ORDER = {"teacher": 0, "scratch": 1, "distilled": 2}
 
 _TEMPLATES = Environment(
     loader=FileSystemLoader(Path(__file__).parent / "templates"),
@@ -52,6 +62,7 @@ def render_report(df: pd.DataFrame, out_dir: str | Path, title: str | None = Non
     df = df.reindex(columns=list(dict.fromkeys([*COLUMN_NAMES, *df.columns]))).reset_index(drop=True)
     df["run_id"] = df["run_id"].fillna("?")
     suites = sorted(df["suite"].dropna().unique())
+    has_quality = bool(df["measurement"].eq("quality").any())
     page = _TEMPLATES.get_template("index.html.j2").render(
         title=title or ("kdbench — " + ", ".join(suites) if suites else "kdbench report"),
         runs=_runs(df),
@@ -59,6 +70,14 @@ def render_report(df: pd.DataFrame, out_dir: str | Path, title: str | None = Non
         n_rows=len(df),
         status_counts=_status_counts(df),
         charts=draw_charts(df, out_dir),
+        phase_chart=draw_phases(df, out_dir),
+        profile=_profile(df),
+        remainder_limit=f"{REMAINDER_LIMIT * 100:.0f} %",
+        caching=_caching(df),
+        top_ops=_top_ops(df, out_dir),
+        has_quality=has_quality,
+        quality=_quality(df) if has_quality else [],
+        quality_chart=draw_quality_front(df, out_dir) if has_quality else None,
         measurements=_measurements(df),
         environments=_environments(df),
         noisy_note=NOISY_NOTE,
@@ -90,6 +109,30 @@ def format_int(x) -> str:
 
 def format_speedup(x) -> str:
     return MISSING if pd.isna(x) else f"{float(x):.2f}×"
+
+
+def format_sig(x, unit: str = "") -> str:
+    """Any quantity to 3 significant digits (as :func:`format_ms`), with ``unit`` appended."""
+    if pd.isna(x):
+        return MISSING
+    return format_ms(x) + (f" {unit}" if unit else "")
+
+
+def format_percent(ratio) -> str:
+    """A ratio as a percentage to 3 significant digits: 0.1234 → '12.3 %'."""
+    return format_sig(None if pd.isna(ratio) else float(ratio) * 100, "%")
+
+
+def format_mib(n_bytes) -> str:
+    return MISSING if pd.isna(n_bytes) else f"{float(n_bytes) / MIB:,.1f} MiB"
+
+
+def mean_std(mean, std, scale: float = 1.0, fmt=lambda v: f"{v:.1f}") -> str:
+    """"mean ± std" (scaled); the mean alone when std is undefined (one seed); "—" without a mean."""
+    if pd.isna(mean):
+        return MISSING
+    text = fmt(float(mean) * scale)
+    return text if pd.isna(std) else f"{text} ± {fmt(float(std) * scale)}"
 
 
 def _text(x) -> str:
@@ -137,7 +180,11 @@ def _status_counts(df: pd.DataFrame) -> dict[str, int]:
 
 
 def _measurements(df: pd.DataFrame) -> list[dict]:
-    """Every row, formatted for the table, ordered by run, cell, measurement and batch size."""
+    """Every timing row, formatted for the table, ordered by run, cell, measurement and batch size.
+
+    Quality rows time nothing; they have their own section.
+    """
+    df = df[df["measurement"].ne("quality")]
     df = df.assign(order_=df["measurement"].map(_MEASUREMENT_ORDER), noisy_=df["noisy"].eq(True))
     df = df.sort_values(["run_id", "cell_label", "order_", "batch_size"], na_position="last")
     return [
@@ -170,3 +217,221 @@ def _environments(df: pd.DataFrame) -> list[dict]:
         items = [(col, _values(rows[col])) for col in ENV_COLUMNS]
         environments.append({"run_id": run_id, "entries": [(k, v) for k, v in items if v]})
     return environments
+
+
+def _steps(df: pd.DataFrame) -> pd.DataFrame:
+    """The ok distill_step rows, the latest per (run, cell), ordered by run and cell label."""
+    steps = df[df["measurement"].eq("distill_step") & df["status"].eq("ok")]
+    steps = steps.sort_values("timestamp", na_position="first")
+    steps = steps.drop_duplicates(["run_id", "cell_id", "cell_label"], keep="last")
+    return steps.sort_values(["run_id", "cell_label"], na_position="last")
+
+
+def _remainder(rem, median) -> tuple[str, bool | None]:
+    """'0.130 ms (1.1 %)' and whether |remainder| exceeds REMAINDER_LIMIT of the median (None: unknown)."""
+    if pd.isna(rem):
+        return MISSING, None
+    if pd.isna(median) or float(median) <= 0:
+        return format_sig(rem, "ms"), None
+    share = float(rem) / float(median)
+    return f"{format_sig(rem, 'ms')} ({share * 100:.1f} %)", abs(share) > REMAINDER_LIMIT
+
+
+def _profile(df: pd.DataFrame) -> list[dict]:
+    """Per ok distill_step cell: its phases, cold start, compute rate, memory and energy, formatted."""
+    out = []
+    for r in _steps(df).to_dict("records"):
+        remainder, bad = _remainder(r["phase_remainder_ms"], r["median_ms"])
+        steady = format_sig(r["time_to_steady_ms"])
+        if steady != MISSING and pd.notna(r["steady_after_iters"]):
+            steady += f" ({int(r['steady_after_iters'])} calls)"
+        mfu = format_percent(r["mfu"])
+        if mfu != MISSING and pd.notna(r["datasheet_device"]):
+            mfu += f" of {r['datasheet_device']}"
+        mfu_title = (f"achieved / datasheet peak {format_sig(r['datasheet_peak_tflops'], 'TFLOP/s')}"
+                     if pd.notna(r["datasheet_peak_tflops"]) else "")
+        ceiling_title = "" if pd.isna(r["ceiling_probe_id"]) else f"probe {r['ceiling_probe_id']}"
+        if pd.notna(r["ceiling_tflops"]):
+            ceiling = f"measured ceiling {format_sig(r['ceiling_tflops'], 'TFLOP/s')}"
+            ceiling_title = f"{ceiling}, {ceiling_title}" if ceiling_title else ceiling
+        memory = format_mib(r["peak_memory_bytes"])
+        if memory != MISSING and pd.notna(r["memory_kind"]):
+            memory += f" ({r['memory_kind']})"
+        warnings = []
+        for column, what in (("nonfinite_steps", "non-finite step"), ("scaler_skips", "GradScaler skip")):
+            if pd.notna(r[column]) and r[column] != 0:
+                warnings.append(f"{int(r[column])} {what}{'s' if r[column] != 1 else ''}")
+        out.append({
+            "run_id": r["run_id"],
+            "cell_label": _text(r["cell_label"]),
+            "median": format_ms(r["median_ms"]),
+            "phases": [format_ms(r[c]) for c, _ in PHASES],
+            "remainder": remainder,
+            "remainder_bad": bad,
+            "first": format_ms(r["first_ms"]),
+            "steady": steady,
+            "gflops": format_sig(None if pd.isna(r["flops"]) else r["flops"] / 1e9),
+            "tflops": format_sig(r["achieved_tflops"]),
+            "mfu": mfu,
+            "mfu_title": mfu_title,
+            "ceiling": format_percent(r["ceiling_utilization"]),
+            "ceiling_title": ceiling_title,
+            "memory": memory,
+            "optimizer_state": format_mib(r["optimizer_state_bytes"]),
+            "energy": format_sig(r["energy_per_step_j"]),
+            "samples_per_joule": format_sig(r["samples_per_joule"]),
+            "warnings": warnings,
+        })
+    return out
+
+
+def _without_teacher_mode(row: dict) -> tuple[str, str] | None:
+    """(the config without ``teacher.mode`` as canonical JSON, the teacher mode); None without a readable config."""
+    try:
+        config = json.loads(row["config_json"])
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    teacher = config.pop("teacher", None)
+    teacher = dict(teacher) if isinstance(teacher, dict) else {}
+    mode = teacher.pop("mode", None) or (None if pd.isna(row["teacher_mode"]) else row["teacher_mode"]) or "live"
+    if teacher:  # other teacher settings must match too
+        config["teacher"] = teacher
+    return json.dumps(config, sort_keys=True), mode
+
+
+def payback_steps(one_off_ms, saving_ms) -> int | None:
+    """Steps after which a per-step saving repays a one-off cost (rounded up); None when it never does."""
+    if pd.isna(one_off_ms) or pd.isna(saving_ms) or saving_ms <= 0:
+        return None
+    return max(0, math.ceil(round(float(one_off_ms) / float(saving_ms), 9)))
+
+
+def _caching(df: pd.DataFrame) -> list[dict]:
+    """Pairs of ok distill_step cells of one run whose configs differ only in teacher.mode: live vs cached."""
+    groups: dict[tuple[str, str], dict[str, list[dict]]] = {}
+    for r in _steps(df).to_dict("records"):
+        keyed = _without_teacher_mode(r)
+        if keyed is not None and pd.notna(r["median_ms"]):
+            groups.setdefault((r["run_id"], keyed[0]), {}).setdefault(keyed[1], []).append(r)
+    out = []
+    for modes in groups.values():
+        for live in modes.get("live", []):
+            for cached in modes.get("cached", []):
+                saving = live["median_ms"] - cached["median_ms"]
+                steps = payback_steps(cached["teacher_cache_ms"], saving)
+                if steps is not None:
+                    payback = format_int(steps)
+                elif saving <= 0:
+                    payback = "never (cached is not faster)"
+                else:
+                    payback = MISSING
+                out.append({
+                    "run_id": live["run_id"],
+                    "cell_label": _text(live["cell_label"]),
+                    "cached_label": _text(cached["cell_label"]),
+                    "live": format_ms(live["median_ms"]),
+                    "cached": format_ms(cached["median_ms"]),
+                    "saving_ms": format_ms(saving),
+                    "saving_pct": f"{saving / live['median_ms'] * 100:.1f} %" if live["median_ms"] > 0 else MISSING,
+                    "one_off": format_ms(cached["teacher_cache_ms"]),
+                    "payback": payback,
+                })
+    return out
+
+
+def trace_link(trace_file: str, out_dir: str | Path) -> tuple[str, str]:
+    """(href, text) of the link to a trace from the report folder.
+
+    The text is the path relative to the report folder (forward slashes); the href is
+    that path percent-encoded, so that no stored path can become another URL scheme
+    (``javascript:``), a fragment or a query.  Both are HTML-escaped by the template.
+    """
+    try:
+        rel = os.path.relpath(trace_file, out_dir)
+    except ValueError:  # another drive (Windows): keep the path as it is
+        rel = trace_file
+    rel = rel.replace(os.sep, "/")
+    return quote(rel, safe="/"), rel
+
+
+def _top_ops(df: pd.DataFrame, out_dir: Path) -> list[dict]:
+    """Per traced ok distill_step cell: its top operators by self time, and the link to its trace."""
+    out = []
+    for r in _steps(df).to_dict("records"):
+        if pd.isna(r["top_ops"]):
+            continue
+        try:
+            ops = json.loads(r["top_ops"])
+            rows = [{"op": str(o["op"]), "ms": format_ms(o.get("self_ms_per_call")),
+                     "count": format_int(o.get("count"))} for o in ops]
+            error = ""
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            rows, error = [], f"unreadable top_ops ({type(exc).__name__})"
+        href, text = (None, None) if pd.isna(r["trace_file"]) else trace_link(str(r["trace_file"]), out_dir)
+        out.append({
+            "run_id": r["run_id"],
+            "cell_label": _text(r["cell_label"]),
+            "ops": rows,
+            "error": error,
+            "href": href,
+            "trace": text,
+        })
+    return out
+
+
+def quality_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Mean and std (ddof=1) over seeds per (teacher, student, quality_role, method) of the quality rows.
+
+    Statistics are over the ``ok`` rows (``seeds`` of them; ``failed`` counts the others).
+    ``time_to_target`` is averaged over the seeds that reached the target: ``reached`` of ``seeds``.
+    A single value has a NaN std.  Teachers first, then scratch, then distilled students.
+    """
+    columns = [*QUALITY_KEYS, "seeds", "failed", "accuracy_mean", "accuracy_std", "agreement_mean",
+               "agreement_std", "reached", "time_to_target_mean_s", "time_to_target_std_s", "datasets"]
+    q = df[df["measurement"].eq("quality")] if "measurement" in df else df
+    if q.empty:
+        return pd.DataFrame(columns=columns)
+    q = q.reindex(columns=[*QUALITY_KEYS, "status", "accuracy", "agreement", "time_to_target_s", "quality_dataset"])
+    q[QUALITY_KEYS] = q[QUALITY_KEYS].astype(object).where(q[QUALITY_KEYS].notna(), None)
+    for c in ("accuracy", "agreement", "time_to_target_s"):
+        q[c] = pd.to_numeric(q[c], errors="coerce").astype(float)
+    ok = q["status"].eq("ok")
+    out = []
+    for key, g in q.groupby(QUALITY_KEYS, dropna=False, sort=False):
+        good = g[ok.loc[g.index]]
+        ttt = good["time_to_target_s"].dropna()
+        out.append({
+            **{k: (None if pd.isna(v) else v) for k, v in zip(QUALITY_KEYS, key)},
+            "seeds": len(good), "failed": len(g) - len(good),
+            "accuracy_mean": good["accuracy"].mean(), "accuracy_std": good["accuracy"].std(ddof=1),
+            "agreement_mean": good["agreement"].mean(), "agreement_std": good["agreement"].std(ddof=1),
+            "reached": len(ttt), "time_to_target_mean_s": ttt.mean(), "time_to_target_std_s": ttt.std(ddof=1),
+            "datasets": ", ".join(map(str, g["quality_dataset"].dropna().unique())),
+        })
+    summary = pd.DataFrame(out, columns=columns)
+    order = summary["quality_role"].map(_ROLE_ORDER).fillna(len(_ROLE_ORDER))
+    sort_keys = {f"_{k}": summary[k].fillna("").astype(str) for k in ("teacher", "student", "method")}
+    summary = summary.assign(_order=order, **sort_keys)
+    summary = summary.sort_values(["_order", *sort_keys], kind="stable")
+    return summary.drop(columns=["_order", *sort_keys]).reset_index(drop=True)
+
+
+def _quality(df: pd.DataFrame) -> list[dict]:
+    return [
+        {
+            "teacher": _text(r["teacher"]),
+            "student": _text(r["student"]),
+            "role": _text(r["quality_role"]),
+            "method": _text(r["method"]),
+            "datasets": r["datasets"] or MISSING,
+            "accuracy": mean_std(r["accuracy_mean"], r["accuracy_std"], 100),
+            "agreement": mean_std(r["agreement_mean"], r["agreement_std"], 100),
+            "time_to_target": mean_std(r["time_to_target_mean_s"], r["time_to_target_std_s"], fmt=format_ms),
+            "reached": f"{r['reached']}/{r['seeds']} reached",
+            "seeds": r["seeds"],
+            "failed": r["failed"],
+        }
+        for r in quality_summary(df).to_dict("records")
+    ]

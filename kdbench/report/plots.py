@@ -3,8 +3,9 @@
 Every chart is one PNG with a fixed file name in the output folder.  A chart with no
 successful measurement to show is not drawn; its :class:`Chart` carries the reason.
 
-Charts are faceted by *source*: one row of panels per (run, device, backend), so
-measurements from different machines are never drawn on the same axes.
+Timing charts are faceted by *source*: one row of panels per (run, device, backend), so
+measurements from different machines are never drawn on the same axes.  The quality
+chart is the exception: it places each trained model at its own measured latency.
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ def axis_label(text: str, column: str) -> str:
 
 
 def draw_charts(df: pd.DataFrame, out_dir: Path) -> list[Chart]:
-    """Draw every chart of the report into ``out_dir``."""
+    """Draw the timing charts of the report into ``out_dir`` (quality rows, which time nothing, left out)."""
     df = _with_keys(df)
-    ok = df[df["status"].eq("ok") & df["median_ms"].notna()]
+    ok = df[df["status"].eq("ok") & df["median_ms"].notna() & df["measurement"].ne("quality")]
     return [
         _distill_step(ok[ok["measurement"].eq("distill_step")], out_dir),
         _inference_latency(ok[ok["measurement"].isin(["student_inference", "teacher_inference"])], out_dir),
@@ -286,5 +287,166 @@ def _speedup(rows: pd.DataFrame, out_dir: Path) -> Chart:
         caption=(
             "Teacher median latency divided by student median latency at the same batch size and precision, "
             "per teacher → student pair. Above the dashed line (1×) the student is faster."
+        ),
+    )
+
+
+# --- where the step's time goes ------------------------------------------------------
+
+PHASES = (  # (column, legend label) in the order of the step
+    ("phase_teacher_forward_ms", "teacher forward"),
+    ("phase_student_forward_ms", "student forward"),
+    ("phase_loss_ms", "loss"),
+    ("phase_backward_ms", "backward (with zero_grad)"),
+    ("phase_optimizer_ms", "optimizer step"),
+)
+REMAINDER = ("phase_remainder_ms", "remainder (between stamps)")
+PHASE_COLUMNS = tuple(c for c, _ in PHASES) + (REMAINDER[0],)
+_REMAINDER_COLOR = "0.75"
+_REMAINDER_HATCH = "xx"
+
+
+def draw_phases(df: pd.DataFrame, out_dir: Path) -> Chart:
+    """``phases.png``: the median step split into its phases, one horizontal bar per distill_step cell."""
+    title = "Where the step's time goes"
+    df = _with_keys(df)
+    rows = df[df["measurement"].eq("distill_step") & df["status"].eq("ok")]
+    rows = rows[rows[list(PHASE_COLUMNS)].notna().any(axis=1)]
+    if rows.empty:
+        return _skipped(title, "no successful distill_step measurement has phase timings")
+    rows = _latest(rows, ["source", "run_id", "cell_id", "cell_label"])
+    rows = rows.assign(bar=rows["cell_label"].fillna(rows["pair"])).sort_values("bar", ascending=False)
+    sources = sorted(rows["source"].unique())
+    color = _colors([c for c, _ in PHASES])
+    n_bars = rows.groupby("source").size().max()
+    clipped = int((rows[REMAINDER[0]] < 0).sum())
+
+    fig, facets = _facets(sources, 1, width=11.0, height=1.3 + 0.38 * n_bars)
+    for (ax,), source in zip(facets, sources):
+        here = rows[rows["source"].eq(source)]
+        y = range(len(here))
+        left = pd.Series(0.0, index=here.index)
+        for column, label in (*PHASES, REMAINDER):
+            width = here[column].fillna(0.0).clip(lower=0.0)
+            look = ({"color": _REMAINDER_COLOR, "hatch": _REMAINDER_HATCH} if column == REMAINDER[0]
+                    else {"color": color[column]})
+            ax.barh(y, width, left=left, height=0.7, label=label, edgecolor="0.25", linewidth=0.5, **look)
+            left = left + width
+        median = here["median_ms"]
+        ax.scatter(median, y, marker="|", s=260, color="black", linewidths=2, zorder=3, label="median step time")
+        ax.set_yticks(list(y), list(here["bar"]), fontsize=8)
+        ax.set_ylim(-0.6, len(here) - 0.4)
+        ax.set_xlabel(axis_label("median time per step", "phase_backward_ms"))
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_axisbelow(True)
+    handles, labels = facets[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize=8)
+    note = (f" {clipped} negative remainder{'s were' if clipped != 1 else ' was'} drawn as 0 "
+            "(the phase medians add up to more than the step median)." if clipped else "")
+    return Chart(
+        title=title,
+        file=_save(fig, out_dir, "phases.png"),
+        caption=(
+            "The median of each phase of the distillation step (teacher forward, student forward, loss, "
+            "backward, optimizer), stacked; the grey hatched remainder is the median of step time minus the sum "
+            "of its phases (Python overhead between the time stamps). The black tick is the median step time: "
+            "medians do not add exactly, so the stack may end short of it or past it." + note
+        ),
+    )
+
+
+# --- quality against latency ---------------------------------------------------------
+
+
+def _latency(inference: pd.DataFrame, column: str, model: str, run_ids: set) -> tuple[float, int] | None:
+    """Median latency of ``model`` at its smallest measured batch size, preferring rows of ``run_ids``.
+
+    Several rows at that batch size (cells, precisions) give the median of their medians.
+    """
+    rows = inference[inference[column].eq(model)]
+    same_run = rows[rows["run_id"].isin(run_ids)]
+    rows = same_run if len(same_run) else rows
+    if rows.empty:
+        return None
+    batch = rows["batch_size"].min()
+    return float(rows.loc[rows["batch_size"].eq(batch), "median_ms"].median()), int(batch)
+
+
+def _accuracy_points(quality: pd.DataFrame) -> pd.DataFrame:
+    """Mean and std (ddof=1, 0 for one seed) of accuracy per model: teachers, and students per method or scratch."""
+    q = quality[quality["status"].eq("ok") & quality["accuracy"].notna()].copy()
+    is_teacher = q["quality_role"].eq("teacher")
+    q["model"] = q["teacher"].where(is_teacher, q["student"]).fillna("?")
+    q["kind"] = q["method"].where(q["quality_role"].eq("distilled"), q["quality_role"]).fillna("?")
+    if q.loc[q["quality_role"].eq("distilled"), "teacher"].nunique() > 1:  # say which teacher distilled
+        from_teacher = " ← " + q["teacher"].fillna("?")
+        q["kind"] = q["kind"].where(~q["quality_role"].eq("distilled"), q["kind"] + from_teacher)
+    points = (
+        q.groupby(["quality_role", "model", "kind"], as_index=False)
+        .agg(accuracy=("accuracy", "mean"), std=("accuracy", "std"), seeds=("accuracy", "size"),
+             run_ids=("run_id", lambda s: tuple(sorted(set(s.dropna())))))
+    )
+    points["std"] = points["std"].fillna(0.0)
+    return points
+
+
+def draw_quality_front(df: pd.DataFrame, out_dir: Path) -> Chart:
+    """``quality_front.png``: trained accuracy (mean ± std over seeds) against inference latency."""
+    title = "Accuracy against inference latency"
+    df = df.copy()
+    df["run_id"] = df["run_id"].fillna("?")
+    quality = df[df["measurement"].eq("quality")]
+    points = _accuracy_points(quality)
+    if points.empty:
+        return _skipped(title, "no successful quality row with an accuracy")
+    ok = df[df["status"].eq("ok") & df["median_ms"].notna() & df["batch_size"].notna()]
+    inference = {
+        "teacher": ok[ok["measurement"].eq("teacher_inference")],
+        "student": ok[ok["measurement"].eq("student_inference")],
+    }
+    found = []
+    for p in points.itertuples(index=False):
+        role = "teacher" if p.quality_role == "teacher" else "student"
+        found.append(_latency(inference[role], role, p.model, p.run_ids))
+    points["latency_ms"] = [f[0] if f else None for f in found]
+    points["latency_batch"] = [f[1] if f else None for f in found]
+    missing = sorted(set(points.loc[points["latency_ms"].isna(), "model"]))
+    points = points[points["latency_ms"].notna()]
+    if points.empty:
+        return _skipped(title, "no student_inference or teacher_inference latency of the models the quality rows "
+                               "trained (" + ", ".join(missing) + ")")
+
+    students = points[points["quality_role"].ne("teacher")]
+    teachers = points[points["quality_role"].eq("teacher")]
+    color = _colors(sorted(students["model"].unique()))
+    kinds = sorted(students["kind"].unique(), key=lambda k: (k != "scratch", k))
+    marker = dict(zip(kinds, itertools.cycle("osD^v<>pX")))
+    fig = Figure(figsize=(10.0, 5.0), layout="constrained")
+    ax = fig.subplots()
+    for p in students.itertuples(index=False):
+        ax.errorbar(p.latency_ms, p.accuracy * 100, yerr=p.std * 100, fmt=marker[p.kind], ms=7, capsize=3,
+                    color=color[p.model], mec="0.2", label=f"{p.model} · {p.kind} (batch {p.latency_batch})")
+    for p in teachers.itertuples(index=False):
+        ax.errorbar(p.latency_ms, p.accuracy * 100, yerr=p.std * 100, fmt="*", ms=14, capsize=3, color="black",
+                    label=f"teacher {p.model} (batch {p.latency_batch})")
+    if points["latency_ms"].max() > 10 * points["latency_ms"].min():
+        ax.set_xscale("log")
+    ax.set_xlabel(axis_label("median inference latency at the smallest measured batch size", "median_ms"))
+    ax.set_ylabel("top-1 test accuracy (%)")
+    datasets = ", ".join(map(str, quality["quality_dataset"].dropna().unique()))
+    ax.set_title("Top-1 accuracy (%) against inference latency (ms)" + (f" · {datasets}" if datasets else ""),
+                 fontsize=10)
+    ax.grid(which="both", alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, borderaxespad=0)
+    note = f" Left out (no latency measured): {', '.join(missing)}." if missing else ""
+    return Chart(
+        title=title,
+        file=_save(fig, out_dir, "quality_front.png"),
+        caption=(
+            "Top-1 test accuracy after training (mean over seeds, error bars ± one standard deviation) against the "
+            "median inference latency of the same model, at the smallest batch size measured for it, from the same "
+            "run where there is one (the median of the medians when several cells measured it). Students: colour "
+            "by model, marker by method (scratch: trained without a teacher); teachers: black stars. Up and to the "
+            "left is better." + note
         ),
     )
