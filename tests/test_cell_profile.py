@@ -1,0 +1,243 @@
+"""Every cell explains its time: phases, FLOPs, memory, utilisation, telemetry, traces, probes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch import nn
+
+from kdbench.backends import Backend, resolve
+from kdbench.cli import main
+from kdbench.data import synthetic_batch
+from kdbench.distill.step import PHASES, DistillStep
+from kdbench.environment import capture, kernel_caches
+from kdbench.models import build_model
+from kdbench.profiling import TelemetrySampler, telemetry_columns, utilization_columns
+from kdbench.timing import RawTiming
+from kdbench.worker import phase_columns, step_flops
+from tests.conftest import make_config
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU = resolve("cpu")
+
+
+class ConvNet(nn.Module):
+    """conv 3x3 (padding 1) -> flatten -> linear: FLOPs known in closed form."""
+
+    def __init__(self, num_classes=10, in_shape=(3, 8, 8), channels=4):
+        super().__init__()
+        c, h, w = in_shape
+        self.conv = nn.Conv2d(c, channels, 3, padding=1)
+        self.fc = nn.Linear(channels * h * w, num_classes)
+
+    def forward(self, x):
+        return self.fc(self.conv(x).flatten(1))
+
+
+def conv_net(num_classes, in_shape):
+    return ConvNet(num_classes, tuple(in_shape))
+
+
+def _step(config, teacher, student):
+    x, y = synthetic_batch(config, config.batch_size, CPU.device, 0)
+    return DistillStep(teacher, student, x, y, config, CPU)
+
+
+def test_flops_of_a_linear_step_are_analytic():
+    b, d, c = 4, 1 * 8 * 8, 10
+    config = make_config(pair={"teacher": "linear", "student": "linear"},
+                         data={"shape": [1, 8, 8], "num_classes": c})
+    step = _step(config, build_model("linear", c, (1, 8, 8)), build_model("linear", c, (1, 8, 8)))
+    flops = step_flops(step)
+    mm = 2 * b * d * c
+    assert flops["teacher_forward_flops"] == mm
+    assert flops["student_flops"] == 2 * mm  # forward + grad of the weight (the input needs none)
+    assert flops["flops"] == 3 * mm
+
+
+def test_flops_of_a_conv_step_are_analytic():
+    b, (ch, h, w), k, c = 4, (3, 8, 8), 4, 10
+    config = make_config(pair={"teacher": "linear", "student": "linear"}, data={"shape": [ch, h, w], "num_classes": c})
+    step = _step(config, ConvNet(c, (ch, h, w), k), ConvNet(c, (ch, h, w), k))
+    conv = 2 * b * k * h * w * ch * 3 * 3
+    fc = 2 * b * (k * h * w) * c
+    flops = step_flops(step)
+    assert flops["teacher_forward_flops"] == conv + fc
+    # student: forward (conv + fc), backward: fc's weight and input grads, conv's weight grad only
+    assert flops["student_flops"] == (conv + fc) + (2 * fc + conv)
+    cached = _step(config.model_copy(update={"teacher": config.teacher.model_copy(update={"mode": "cached"})}),
+                   ConvNet(c, (ch, h, w), k), ConvNet(c, (ch, h, w), k))
+    f = step_flops(cached)
+    assert f["teacher_forward_flops"] is None and f["flops"] == f["student_flops"] == 2 * conv + 3 * fc
+
+
+def test_phases_sum_to_the_step_within_the_remainder():
+    config = make_config(pair={"teacher": "resnet8", "student": "resnet8"}, method="kd+at")
+    step = _step(config, build_model("resnet8", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16)))
+    from kdbench.worker import _time
+
+    raw = _time(step, config, CPU)
+    phases = step.phase_ms(len(raw.samples_ms))
+    assert list(phases) == list(PHASES) and all(len(v) == len(raw.samples_ms) for v in phases.values())
+    for i, total in enumerate(raw.samples_ms):
+        parts = sum(v[i] for v in phases.values())
+        assert 0 < parts <= total  # the phase stamps lie inside the step's own stamps
+    row = phase_columns(step, raw)
+    assert set(row) == {f"phase_{p}_ms" for p in PHASES} | {"phase_remainder_ms"}
+    assert row["phase_remainder_ms"] >= 0
+    assert all(row[f"phase_{p}_ms"] > 0 for p in PHASES)
+
+
+def test_cached_teacher_phase_is_empty_and_the_forward_phases_reflect_it():
+    config = make_config(pair={"teacher": "resnet20", "student": "resnet8"}, teacher={"mode": "cached"})
+    step = _step(config, build_model("resnet20", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16)))
+    for _ in range(3):
+        step()
+    phases = step.phase_ms(3)
+    # nothing runs between the first two stamps when the teacher is cached
+    assert max(phases["teacher_forward"]) < min(phases["student_forward"])
+
+
+MEMORY_SCRIPT = """
+import json, sys
+import torch
+from kdbench.backends import resolve
+from kdbench.plan import Cell
+from kdbench.worker import ModelCache, measure_cell
+from tests.conftest import make_config
+torch.set_num_threads(1)
+bs = int(sys.argv[1])
+config = make_config(pair={"teacher": "resnet8", "student": "resnet8"}, batch_size=bs,
+                     data={"shape": [3, 32, 32], "num_classes": 10}, inference={"batch_sizes": []})
+row = measure_cell(Cell(0, "m", config), resolve("cpu"), ModelCache())[0]
+print(json.dumps({k: row[k] for k in ("status", "memory_kind", "peak_memory_bytes", "optimizer_state_bytes")}))
+"""
+
+
+def test_memory_peaks_are_positive_and_grow_with_batch_size():
+    # One fresh process per batch size: a process's resident memory keeps what earlier work left.
+    peaks = {}
+    for bs in (2, 128):
+        out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(bs)], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300, check=True)
+        peaks[bs] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert all(p["status"] == "ok" and p["memory_kind"] == "rss_hwm" for p in peaks.values())
+    assert peaks[2]["peak_memory_bytes"] > 0
+    # resnet8 at 32x32 keeps ~30 activations of 16 x 32 x 32 floats per sample: ~2 MB a sample
+    assert peaks[128]["peak_memory_bytes"] - peaks[2]["peak_memory_bytes"] > 100 * 2**20
+    n_params = sum(p.numel() for p in build_model("resnet8", 10, (3, 32, 32)).parameters())
+    # AdamW keeps two fp32 moments per parameter, plus a step counter per parameter tensor
+    assert peaks[2]["optimizer_state_bytes"] >= 2 * 4 * n_params
+
+
+def test_simulated_nvml_readings_flow_into_energy_per_step():
+    class FakeNvml:
+        NVML_CLOCK_GRAPHICS, NVML_TEMPERATURE_GPU = 0, 0
+
+        def nvmlInit(self): pass
+        def nvmlShutdown(self): pass
+        def nvmlDeviceGetHandleByIndex(self, i): return i
+        def nvmlDeviceGetPowerUsage(self, h): return 300_000  # mW
+        def nvmlDeviceGetClockInfo(self, h, kind): return 1_800
+        def nvmlDeviceGetTemperature(self, h, kind): return 70
+        def nvmlDeviceGetUtilizationRates(self, h): return type("U", (), {"gpu": 95})()
+
+    sampler = TelemetrySampler(Backend("cuda", torch.device("cuda", 0)), library=FakeNvml())
+    with sampler:
+        pass
+    # Replace the samples with a known trace: 300 W throughout, timed window 10.0 .. 12.0 s.
+    sampler.samples = [(t, 300.0, 1800.0, 70.0, 95.0) for t in (9.0, 10.0, 10.5, 11.0, 12.0, 13.0)]
+    raw = RawTiming(50.0, [100.0] * 20, "device_event", window_s=(10.0, 12.0))
+    cols = telemetry_columns(sampler.result(len(raw.samples_ms), 64, raw.window_s))
+    assert cols["telemetry"] == "pynvml"
+    assert cols["energy_per_step_j"] == pytest.approx(300.0 * 2.0 / 20)  # 600 J over 20 steps
+    assert cols["samples_per_joule"] == pytest.approx(20 * 64 / 600.0)
+    assert cols["power_w_mean"] == 300.0 and cols["clock_mhz_mean"] == 1800.0
+    assert cols["temperature_c_max"] == 70.0 and cols["gpu_util_pct_mean"] == 95.0
+
+
+def test_no_telemetry_on_the_cpu_records_why_and_no_numbers():
+    with TelemetrySampler(CPU) as s:
+        pass
+    cols = telemetry_columns(s.result(10, 8))
+    assert cols["telemetry"].startswith("unavailable: ")
+    assert all(v is None for k, v in cols.items() if k != "telemetry")
+
+
+def test_utilisation_against_datasheet_and_measured_ceiling():
+    cols = utilization_columns(1e12, 10.0, "NVIDIA H100 80GB HBM3", "bf16",
+                               {"matmul_bf16": 500.0, "probe_id": "probe-x"})
+    assert cols["achieved_tflops"] == pytest.approx(100.0)
+    assert cols["datasheet_device"] == "H100 SXM"
+    assert cols["mfu"] == pytest.approx(100.0 / cols["datasheet_peak_tflops"])
+    assert cols["ceiling_utilization"] == pytest.approx(0.2) and cols["ceiling_probe_id"] == "probe-x"
+    cpu = utilization_columns(2e9, 20.0, "Intel(R) Xeon(R) Processor", "fp32", None)
+    assert cpu == {"achieved_tflops": pytest.approx(0.1)}  # no datasheet entry, no probe: nothing invented
+
+
+def test_kernel_cache_state_is_read_from_the_documented_places(tmp_path):
+    assert kernel_caches("cpu", {}, tmp_path) == {"miopen_cache_warm": None, "tunableop_cache_warm": None}
+    assert kernel_caches("rocm", {}, tmp_path)["miopen_cache_warm"] is False
+    (tmp_path / ".config" / "miopen").mkdir(parents=True)
+    (tmp_path / ".config" / "miopen" / "gfx942_304.HIP.3_2_0.udb").write_text("x")
+    assert kernel_caches("rocm", {}, tmp_path)["miopen_cache_warm"] is True
+    tunable = {"PYTORCH_TUNABLEOP_ENABLED": "1", "PYTORCH_TUNABLEOP_FILENAME": str(tmp_path / "tune.csv")}
+    assert kernel_caches("cuda", tunable, tmp_path)["tunableop_cache_warm"] is False
+    (tmp_path / "tune0.csv").write_text("Validator")
+    assert kernel_caches("cuda", tunable, tmp_path)["tunableop_cache_warm"] is True
+
+
+def test_environment_record_has_the_speed_knobs():
+    env = capture(CPU)
+    assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert env["float32_matmul_precision"] == torch.get_float32_matmul_precision()
+    assert env["miopen_cache_warm"] is None  # not a ROCm build
+    assert env["device_name"] and env["cpu_threads"] == torch.get_num_threads()
+
+
+SUITE = """
+name: prof
+backend: cpu
+threads: 1
+defaults:
+  pair: {teacher: resnet8, student: linear}
+  batch_size: 8
+  data: {kind: synthetic, shape: [3, 8, 8], num_classes: 10}
+  timing: {warmup: 1, min_iters: 3, min_time_s: 0.0}
+  inference: {batch_sizes: [2]}
+"""
+
+
+def test_probe_then_run_reports_utilisation_and_traces(tmp_path, capsys):
+    out = tmp_path / "res"
+    assert main(["probe", "--out", str(out), "--size", "64", "--min-time", "0.01", "--threads", "1"]) == 0
+    probes = list((out / "probes").glob("probe-*.parquet"))
+    assert len(probes) == 1
+    probe = pq.read_table(probes[0]).to_pylist()
+    fp32 = next(r for r in probe if r["kind"] == "matmul" and r["dtype"] == "fp32")
+    assert fp32["value"] > 0 and fp32["backend"] == "cpu"
+
+    suite = tmp_path / "prof.yaml"
+    suite.write_text(SUITE)
+    assert main(["run", str(suite), "--out", str(out), "--report-dir", str(tmp_path / "rep"), "--profile"]) == 0
+    files = list(out.glob("prof-*.parquet"))
+    assert len(files) == 1  # the probe file is not taken for a result file
+    rows = {r["measurement"]: r for r in pq.read_table(files[0]).to_pylist()}
+    step = rows["distill_step"]
+    assert step["ceiling_probe_id"] == probes[0].stem
+    assert step["ceiling_tflops"] == pytest.approx(fp32["value"])
+    assert step["ceiling_utilization"] == pytest.approx(step["achieved_tflops"] / fp32["value"])
+    assert step["achieved_tflops"] == pytest.approx(step["flops"] / (step["median_ms"] / 1e3) / 1e12)
+    assert step["flops"] > 0 and step["peak_memory_bytes"] > 0 and step["optimizer_state_bytes"] > 0
+    assert step["time_to_steady_ms"] >= step["first_ms"] and step["steady_after_iters"] >= 1
+    assert step["telemetry"].startswith("unavailable")
+    trace = json.loads(Path(step["trace_file"]).read_text())
+    assert trace["traceEvents"]
+    top = json.loads(step["top_ops"])
+    assert top and all(t["self_ms_per_call"] >= 0 and t["op"] for t in top)
+    assert rows["student_inference"]["flops"] == 2 * 2 * (3 * 8 * 8) * 10  # linear student, batch 2
+    assert "probe" in capsys.readouterr().out
