@@ -86,7 +86,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from kdbench.allocation import detect_allocation, run_allocated
     from kdbench.backends import detect, resolve
     from kdbench.plan import expand, parse_shard, planned_measurements, shard
-    from kdbench.runner import run_plan
+    from kdbench.runner import run_plan, run_quality_cell
     from kdbench.suite import load_suite
 
     suite = load_suite(args.suite)
@@ -101,6 +101,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if not cells:
             print(f"shard {i}/{n} of suite '{suite.name}' holds no cells; nothing to run")
             return 0
+    run_quality_here = suite.quality is not None and (not args.shard or parse_shard(args.shard)[0] == 1)
+    if suite.quality is not None:
+        from kdbench.quality import check_quality, quality_jobs
+
+        try:
+            check_quality(suite.quality, [c.config for c in cells])
+        except KdbenchError as exc:
+            raise suite.error(("quality",), str(exc)) from None
     requested = args.device or suite.backend
     if args.dry_run:
         n_rows = 0
@@ -112,6 +120,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         d = detect()
         here = "available here" if requested in ("auto", "cpu") or d.best == requested else f"NOT available here: {d.describe()}"
         print(f"{len(cells)} cells, {n_rows} measurements; suite '{suite.name}', backend {requested} ({here})")
+        if run_quality_here:
+            q = suite.quality
+            jobs = quality_jobs(c.config for c in cells)
+            print(f"then quality on {q.dataset}: {q.seeds} seed(s) x (teachers, scratch students and "
+                  f"{len(jobs)} distillation(s)), {q.epochs} epochs each")
         return 0
     try:
         backend = resolve(requested)
@@ -131,6 +144,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         outcome = run_plan(suite, cells, backend, args.out, threads, resume=args.resume, inline=args.inline,
                            cell_timeout_s=args.cell_timeout, profile=args.profile or suite.profile)
+    if not outcome.interrupted and alloc is None and run_quality_here:
+        qual = run_quality_cell(suite, cells, backend, args.out, threads, resume=True)
+        if qual is not None:
+            outcome.cells += qual.cells
+            outcome.rows += qual.rows
+            outcome.failed += qual.failed
+            outcome.interrupted = qual.interrupted
+            outcome.path = qual.path if not outcome.path.exists() else outcome.path
     if outcome.interrupted:
         again = " ".join(shlex.quote(a) for a in ["kdbench", "run", str(args.suite), "--out", str(args.out), "--resume",
                                                   *(["--device", args.device] if args.device else [])])

@@ -46,23 +46,20 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field, model_validator
 from torch import nn
 
 from kdbench.backends import AutocastChoice, Backend, choose_autocast, grad_scaler
 from kdbench.data import memory_format_of
 from kdbench.distill.step import Distiller, make_optimizer
 from kdbench.errors import KdbenchError
-from kdbench.suite import CellConfig, OptimizerConfig, TeacherConfig, _Strict
+from kdbench.suite import DISK_DATASETS, CellConfig, QualityConfig, TeacherConfig
 from kdbench.worker import ModelCache, _error_text, _on_device
 
-DatasetName = Literal["digits", "imagefolder", "cifar10", "cifar100"]
-DISK_DATASETS = ("imagefolder", "cifar10", "cifar100")
 ROLES = ("teacher", "scratch", "distilled")
 EVAL_BATCH = 512
 
@@ -71,34 +68,6 @@ ROW_KEYS = (
     "quality_dataset", "quality_epochs", "quality_target", "accuracy", "best_accuracy", "agreement",
     "time_to_target_s", "train_time_s", "epochs_to_target", "batch_size", "precision",
 )
-
-
-class QualityConfig(_Strict):
-    """The suite's ``quality:`` block: the data set and the one training recipe every model follows."""
-
-    dataset: DatasetName = "digits"
-    root: str | None = None  # the data set's folder; required for imagefolder, cifar10, cifar100
-    epochs: int = Field(20, ge=1, le=10_000)
-    seeds: int = Field(3, ge=1, le=100)
-    target: float = Field(0.95, gt=0, le=1)  # quality = target x the seed's teacher accuracy
-    batch_size: int = Field(64, ge=1, le=1 << 20)
-    lr: float = Field(0.05, gt=0, le=10)  # peak learning rate; cosine-annealed to 0 over all steps
-    optimizer: Literal["sgd", "adamw"] = "sgd"  # sgd: momentum 0.9
-    weight_decay: float = Field(5e-4, ge=0, le=1)
-    test_fraction: float = Field(0.25, gt=0, lt=1)  # held out when the data set has no split of its own
-    max_samples: int | None = Field(None, ge=2, le=100_000_000)  # cap on the images loaded (train + test)
-
-    @model_validator(mode="after")
-    def _root(self) -> "QualityConfig":
-        if self.dataset in DISK_DATASETS and not self.root:
-            raise ValueError(f"quality.root is required for dataset {self.dataset}: "
-                             "give the folder that holds the images")
-        if self.dataset == "digits" and self.root:
-            raise ValueError("quality.root is only for imagefolder, cifar10 and cifar100; remove it for digits")
-        return self
-
-    def optimizer_config(self) -> OptimizerConfig:
-        return OptimizerConfig(name=self.optimizer, lr=self.lr, weight_decay=self.weight_decay, momentum=0.9)
 
 
 # --------------------------------------------------------------------------- data
@@ -311,6 +280,15 @@ class QualityJob:
     def __post_init__(self) -> None:
         if self.config.pair is None:
             raise ValueError("a quality job needs a cell with a pair")
+
+
+def check_quality(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
+    """The cheap checks, before anything runs: image cells, and a data folder that exists."""
+    for c in configs:
+        _image_shape(c.data.shape)
+    if cfg.dataset in DISK_DATASETS and cfg.root and not Path(cfg.root).expanduser().exists():
+        raise KdbenchError(f"quality.root: {cfg.root} does not exist; give the folder that holds the "
+                           f"{cfg.dataset} data (nothing is downloaded)")
 
 
 def quality_jobs(configs: Iterable[CellConfig]) -> list[QualityJob]:

@@ -6,6 +6,7 @@ thread count, the result file, resuming, and the progress lines.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -58,6 +59,10 @@ def summary_line(rows: list[dict[str, Any]]) -> str:
     bad = [r for r in rows if r["status"] != "ok"]
     if bad and len({(r["status"], r.get("error")) for r in bad}) == 1 and len(bad) == len(rows):
         return f"{bad[0]['status'].upper()}: {(bad[0].get('error') or '')[:200]}"
+    quality = [r for r in rows if r["measurement"] == "quality"]
+    if quality:
+        failed = sum(r["status"] != "ok" for r in quality)
+        return f"{len(quality)} quality rows" + (f", {failed} FAILED" if failed else "")
     for row in rows:
         m = row["measurement"]
         if row["status"] != "ok":
@@ -142,9 +147,10 @@ class Recorder:
         self.started = time.monotonic()
         self.seen = 0
 
-    def record(self, cell: Cell, rows: list[dict[str, Any]]) -> None:
+    def record(self, cell: Cell, rows: list[dict[str, Any]], label: str | None = None) -> None:
         self.seen += 1
-        head = f"[{self.seen}/{self.total}] {cell.label}"
+        label = label or cell.label
+        head = f"[{self.seen}/{self.total}] {label}"
         if not rows:
             self.log(f"{head}: measured with the other nodes; the node that ran global rank 0 stores its rows")
             return
@@ -154,7 +160,7 @@ class Recorder:
             "suite": self.suite.name,
             "suite_file": str(self.suite.path),
             "cell_id": cell.cell_id,
-            "cell_label": cell.label,
+            "cell_label": label,
             "backend": self.backend.name,
             "device": str(self.backend.device),
             **config_columns(cell.config, self.backend.name),
@@ -172,7 +178,7 @@ class Recorder:
         self.outcome.cells += 1
         self.outcome.rows += len(rows)
         if any(r["status"] in FAILURES for r in rows):
-            self.outcome.failed.append(cell.label)
+            self.outcome.failed.append(label)
         elapsed = time.monotonic() - self.started
         left = elapsed / self.seen * (self.total - self.seen)
         self.log(f"{head}: {summary_line(rows)}  | {_fmt_s(elapsed)} elapsed, ~{_fmt_s(left)} left")
@@ -224,4 +230,55 @@ def _run(suite: Suite, cells: list[Cell], backend: Backend, out_dir: Path, threa
         outcome.interrupted = True
     finally:
         worker.close()
+    return outcome
+
+
+def quality_cell(suite: Suite, cells: list[Cell]) -> Cell | None:
+    """The suite's quality run as one unit of the plan: stored, resumed and reported like a cell.
+
+    Its config is the first planned cell's; its id hashes the quality settings and the
+    (teacher, student, method) jobs, so a rerun of the same suite finds it again.
+    """
+    if suite.quality is None:
+        return None
+    from kdbench.quality import quality_jobs
+
+    jobs = [j.config for j in quality_jobs(c.config for c in cells)]
+    key = json.dumps({"quality": suite.quality.model_dump(mode="json"),
+                      "jobs": sorted(c.cell_id for c in cells if c.config in jobs)}, sort_keys=True)
+    cid = "quality-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    return Cell(index=len(cells), cell_id=cid, config=jobs[0])
+
+
+def run_quality_cell(suite: Suite, cells: list[Cell], backend: Backend, out_dir: Path, threads: int, resume: bool,
+                     log: Callable[[str], None] = print) -> RunOutcome | None:
+    """Run the suite's quality block (in this process) into the newest run file of the suite;
+    None when the suite has none. With `resume`, nothing happens if it is stored already."""
+    qcell = quality_cell(suite, cells)
+    if qcell is None:
+        return None
+    from kdbench.quality import markdown_table, quality_jobs, run_quality, summarize_quality
+
+    outcome, todo = open_run(suite, [qcell], out_dir, True, lambda _m: None)
+    if not todo:
+        log(f"quality: already stored in {outcome.path}")
+        return outcome
+    q = suite.quality
+    jobs = quality_jobs(c.config for c in cells)
+    log(f"quality on {q.dataset}: {q.seeds} seed(s) x {len(jobs)} distillation(s), {q.epochs} epochs each, "
+        f"target {q.target:g} x the teacher's accuracy")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows = run_quality(q, jobs, backend, log=lambda m: log(f"  {m}"), allow_imports=suite.allow_imports)
+    except KeyboardInterrupt:
+        outcome.interrupted = True
+        return outcome
+    finally:
+        torch.set_num_threads(before)
+    recorder = Recorder(suite, backend, outcome, 1, log)
+    recorder.record(qcell, rows, label=f"quality ({q.dataset}, {q.seeds} seeds)")
+    import pandas as pd
+
+    log(markdown_table(summarize_quality(pd.DataFrame([r for r in rows if r["status"] == "ok"]))))
     return outcome

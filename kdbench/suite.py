@@ -173,6 +173,38 @@ class CellConfig(_Strict):
         return self
 
 
+DatasetName = Literal["digits", "imagefolder", "cifar10", "cifar100"]
+DISK_DATASETS = ("imagefolder", "cifar10", "cifar100")
+
+
+class QualityConfig(_Strict):
+    """The suite's ``quality:`` block: the data set and the one training recipe every model follows."""
+
+    dataset: DatasetName = "digits"
+    root: str | None = None  # the data set's folder; required for imagefolder, cifar10, cifar100
+    epochs: int = Field(20, ge=1, le=10_000)
+    seeds: int = Field(3, ge=1, le=100)
+    target: float = Field(0.95, gt=0, le=1)  # quality = target x the seed's teacher accuracy
+    batch_size: int = Field(64, ge=1, le=1 << 20)
+    lr: float = Field(0.05, gt=0, le=10)  # peak learning rate; cosine-annealed to 0 over all steps
+    optimizer: Literal["sgd", "adamw"] = "sgd"  # sgd: momentum 0.9
+    weight_decay: float = Field(5e-4, ge=0, le=1)
+    test_fraction: float = Field(0.25, gt=0, lt=1)  # held out when the data set has no split of its own
+    max_samples: int | None = Field(None, ge=2, le=100_000_000)  # cap on the images loaded (train + test)
+
+    @model_validator(mode="after")
+    def _root(self) -> "QualityConfig":
+        if self.dataset in DISK_DATASETS and not self.root:
+            raise ValueError(f"quality.root is required for dataset {self.dataset}: "
+                             "give the folder that holds the images")
+        if self.dataset == "digits" and self.root:
+            raise ValueError("quality.root is only for imagefolder, cifar10 and cifar100; remove it for digits")
+        return self
+
+    def optimizer_config(self) -> OptimizerConfig:
+        return OptimizerConfig(name=self.optimizer, lr=self.lr, weight_decay=self.weight_decay, momentum=0.9)
+
+
 class LauncherConfig(_Strict):
     """How torchrun starts world_size > 1 cells; the default is one node, standalone."""
 
@@ -204,6 +236,7 @@ class SuiteModel(_Strict):
     allow_imports: bool = False
     cell_timeout_s: float = Field(3600.0, gt=0, le=7 * 86_400)
     profile: bool = False  # a torch.profiler trace of every cell's step (as --profile)
+    quality: QualityConfig | None = None  # opt-in accuracy run on real data (kdbench.quality)
     launcher: LauncherConfig = LauncherConfig()
     defaults: dict[str, Any] = Field(default_factory=dict)
     matrix: dict[str, list[Any]] = Field(default_factory=dict)
@@ -223,6 +256,7 @@ class Suite:
     cell_timeout_s: float
     launcher: LauncherConfig
     profile: bool
+    quality: QualityConfig | None
     defaults: dict[str, Any]
     matrix: dict[str, list[Any]]
     exclude: list[dict[str, Any]]
@@ -465,6 +499,7 @@ def load_suite(path: str | Path) -> Suite:
         cell_timeout_s=top.cell_timeout_s,
         launcher=top.launcher,
         profile=top.profile,
+        quality=top.quality,
         defaults=top.defaults,
         matrix=top.matrix,
         exclude=top.exclude,

@@ -327,3 +327,56 @@ def test_summarize_quality_against_numpy():
 def test_summarize_empty():
     summary = summarize_quality(pd.DataFrame({"measurement": ["distill_step"], "status": ["ok"]}))
     assert summary.empty and "accuracy_mean" in summary.columns
+
+
+QUALITY_SUITE = """
+name: qsuite
+backend: cpu
+threads: 1
+defaults:
+  pair: {teacher: resnet8, student: resnet8}
+  batch_size: 8
+  data: {kind: synthetic, shape: [1, 8, 8], num_classes: 10}
+  timing: {warmup: 0, min_iters: 2, min_time_s: 0.0}
+  inference: {batch_sizes: [1]}
+matrix:
+  method: [kd, dkd]
+quality: {dataset: digits, epochs: 1, seeds: 1, target: 0.5}
+"""
+
+
+def test_run_stores_quality_rows_once_and_resume_keeps_them(tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    from kdbench.cli import main
+
+    suite = tmp_path / "q.yaml"
+    suite.write_text(QUALITY_SUITE)
+    out = tmp_path / "res"
+    assert main(["run", str(suite), "--out", str(out), "--report-dir", str(tmp_path / "rep")]) == 0
+    files = list(out.glob("qsuite-*.parquet"))
+    assert len(files) == 1
+    rows = pq.read_table(files[0]).to_pylist()
+    quality = [r for r in rows if r["measurement"] == "quality"]
+    # one seed: the teacher, the scratch student, and one distilled student per method
+    assert sorted((r["quality_role"], r["method"]) for r in quality) == [
+        ("distilled", "dkd"), ("distilled", "kd"), ("scratch", None), ("teacher", None)]
+    assert all(r["status"] == "ok" and 0 <= r["accuracy"] <= 1 for r in quality)
+    assert {r["cell_id"] for r in quality} == {quality[0]["cell_id"]} and quality[0]["cell_id"].startswith("quality-")
+    assert len(rows) == 2 * 3 + 4  # two cells of three measurements, then the quality rows
+    page = (tmp_path / "rep" / "index.html").read_text()
+    assert "Quality" in page and "distilled" in page
+    assert main(["run", str(suite), "--out", str(out), "--resume", "--no-report"]) == 0
+    assert "quality: already stored" in capsys.readouterr().out
+    assert len(pq.read_table(files[0]).to_pylist()) == len(rows)
+
+
+def test_missing_quality_root_fails_before_anything_runs(tmp_path, capsys):
+    from kdbench.cli import main
+
+    suite = tmp_path / "q.yaml"
+    suite.write_text(QUALITY_SUITE.replace("{dataset: digits,", f"{{dataset: imagefolder, root: {tmp_path / 'nope'},"))
+    assert main(["run", str(suite), "--out", str(tmp_path / "res")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "q.yaml" in err[0] and "quality.root" in err[0] and "does not exist" in err[0]
+    assert not (tmp_path / "res").exists()

@@ -36,8 +36,6 @@ ENV_COLUMNS = (
 )
 REMAINDER_LIMIT = 0.10  # |remainder| above this share of the median: the phases do not account for the step
 MIB = 2**20
-QUALITY_KEYS = ["teacher", "student", "quality_role", "method"]
-_ROLE_ORDER = {"teacher": 0, "scratch": 1, "distilled": 2}
 
 _TEMPLATES = Environment(
     loader=FileSystemLoader(Path(__file__).parent / "templates"),
@@ -382,40 +380,22 @@ def _top_ops(df: pd.DataFrame, out_dir: Path) -> list[dict]:
 
 
 def quality_summary(df: pd.DataFrame) -> pd.DataFrame:
-    """Mean and std (ddof=1) over seeds per (teacher, student, quality_role, method) of the quality rows.
+    """:func:`kdbench.quality.summarize_quality` of the quality rows, with ``seeds`` (the ok
+    rows of each group) and the ``datasets`` they come from."""
+    from kdbench.quality import SUMMARY_KEYS, summarize_quality
 
-    Statistics are over the ``ok`` rows (``seeds`` of them; ``failed`` counts the others).
-    ``time_to_target`` is averaged over the seeds that reached the target: ``reached`` of ``seeds``.
-    A single value has a NaN std.  Teachers first, then scratch, then distilled students.
-    """
-    columns = [*QUALITY_KEYS, "seeds", "failed", "accuracy_mean", "accuracy_std", "agreement_mean",
-               "agreement_std", "reached", "time_to_target_mean_s", "time_to_target_std_s", "datasets"]
     q = df[df["measurement"].eq("quality")] if "measurement" in df else df
-    if q.empty:
-        return pd.DataFrame(columns=columns)
-    q = q.reindex(columns=[*QUALITY_KEYS, "status", "accuracy", "agreement", "time_to_target_s", "quality_dataset"])
-    q[QUALITY_KEYS] = q[QUALITY_KEYS].astype(object).where(q[QUALITY_KEYS].notna(), None)
-    for c in ("accuracy", "agreement", "time_to_target_s"):
-        q[c] = pd.to_numeric(q[c], errors="coerce").astype(float)
-    ok = q["status"].eq("ok")
-    out = []
-    for key, g in q.groupby(QUALITY_KEYS, dropna=False, sort=False):
-        good = g[ok.loc[g.index]]
-        ttt = good["time_to_target_s"].dropna()
-        out.append({
-            **{k: (None if pd.isna(v) else v) for k, v in zip(QUALITY_KEYS, key)},
-            "seeds": len(good), "failed": len(g) - len(good),
-            "accuracy_mean": good["accuracy"].mean(), "accuracy_std": good["accuracy"].std(ddof=1),
-            "agreement_mean": good["agreement"].mean(), "agreement_std": good["agreement"].std(ddof=1),
-            "reached": len(ttt), "time_to_target_mean_s": ttt.mean(), "time_to_target_std_s": ttt.std(ddof=1),
-            "datasets": ", ".join(map(str, g["quality_dataset"].dropna().unique())),
-        })
-    summary = pd.DataFrame(out, columns=columns)
-    order = summary["quality_role"].map(_ROLE_ORDER).fillna(len(_ROLE_ORDER))
-    sort_keys = {f"_{k}": summary[k].fillna("").astype(str) for k in ("teacher", "student", "method")}
-    summary = summary.assign(_order=order, **sort_keys)
-    summary = summary.sort_values(["_order", *sort_keys], kind="stable")
-    return summary.drop(columns=["_order", *sort_keys]).reset_index(drop=True)
+    summary = summarize_quality(q).rename(columns={"n": "seeds"})
+    if summary.empty:
+        return summary.assign(datasets=pd.Series(dtype=object))
+    keys = q[list(SUMMARY_KEYS)].astype(object).where(q[list(SUMMARY_KEYS)].notna(), None)
+    sets: dict[tuple, list[str]] = {}
+    for key, dataset in zip(keys.itertuples(index=False, name=None), q["quality_dataset"]):
+        if not pd.isna(dataset) and str(dataset) not in sets.setdefault(key, []):
+            sets[key].append(str(dataset))
+    summary["datasets"] = [", ".join(sets.get(tuple(None if pd.isna(v) else v for v in k), []))
+                           for k in summary[list(SUMMARY_KEYS)].itertuples(index=False, name=None)]
+    return summary
 
 
 def _quality(df: pd.DataFrame) -> list[dict]:
