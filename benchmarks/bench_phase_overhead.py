@@ -1,0 +1,79 @@
+"""Benchmark: stamping the phase boundaries does not distort the step time.
+
+DESIGN.md's contract: phase times must not change the step they break down.  kdbench
+stamps the five phase boundaries with the step's own clock inside the timed pass, so
+this measures the same step with and without the stamps, in short alternating rounds
+(each variant first in every other round, so the machine's drift hits both alike),
+and compares the pooled medians: they must agree within 5 %.  The figures are
+printed, attached to pytest-benchmark's record and written to
+benchmarks/.results/phase_overhead.json.
+"""
+
+import copy
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from kdbench.backends import resolve
+from kdbench.data import synthetic_batch
+from kdbench.distill.step import DistillStep
+from kdbench.models import build_model
+from kdbench.suite import CellConfig
+from kdbench.timing import timed_loop
+
+ROUNDS = 16
+ROUND_S = 0.3
+TOLERANCE = 0.05
+OUT = Path(__file__).resolve().parent / ".results" / "phase_overhead.json"
+
+
+def _steps():
+    config = CellConfig.model_validate({
+        "pair": {"teacher": "resnet20", "student": "resnet8"},
+        "batch_size": 16,
+        "method": "kd+at",
+        "data": {"shape": [3, 32, 32], "num_classes": 100},
+    })
+    backend = resolve("cpu")
+    torch.manual_seed(0)
+    teacher = build_model("resnet20", 100, (3, 32, 32))
+    student = build_model("resnet8", 100, (3, 32, 32))
+    x, y = synthetic_batch(config, config.batch_size, backend.device, 0)
+    with_phases = DistillStep(copy.deepcopy(teacher), copy.deepcopy(student), x, y, config, backend, phases=True)
+    without = DistillStep(teacher, student, x, y, config, backend, phases=False)
+    return with_phases, without, backend
+
+
+def test_phase_stamps_leave_the_step_time_alone(benchmark, report_line):
+    stamped, plain, backend = _steps()
+    for _ in range(3):
+        stamped()
+        plain()
+    samples = {"stamped": [], "plain": []}
+
+    def run(name, step):
+        raw = timed_loop(step, backend.clock(), warmup=1, min_iters=5, min_time_s=ROUND_S, max_iters=10_000)
+        samples[name].extend(raw.samples_ms)
+
+    for i in range(ROUNDS):
+        order = [("stamped", stamped), ("plain", plain)]
+        for name, step in (order if i % 2 == 0 else order[::-1]):
+            run(name, step)
+    stamped_ms, plain_ms = statistics.median(samples["stamped"]), statistics.median(samples["plain"])
+    ratio = stamped_ms / plain_ms
+    phases = stamped.phase_ms(len(samples["stamped"]))
+    result = {"threads": torch.get_num_threads(), "stamped_median_ms": stamped_ms, "plain_median_ms": plain_ms,
+              "ratio": ratio, "tolerance": TOLERANCE, "n": {k: len(v) for k, v in samples.items()},
+              "phase_medians_ms": {p: statistics.median(v) for p, v in phases.items()},
+              "step": "resnet20->resnet8 kd+at fp32 bs16 3x32x32 cpu"}
+    report_line(f"phase stamps on vs off, {result['step']}, {result['threads']} threads:")
+    report_line(f"  with stamps {stamped_ms:.3f} ms over {result['n']['stamped']} steps, without {plain_ms:.3f} ms "
+                f"over {result['n']['plain']}; ratio {ratio:.4f} (must be within 1 ± {TOLERANCE}); saved to {OUT}")
+    report_line("  phase medians (ms): " + ", ".join(f"{p} {v:.3f}" for p, v in result["phase_medians_ms"].items()))
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(result, indent=2))
+    benchmark.extra_info.update(result)
+    benchmark.pedantic(stamped, rounds=10, iterations=1, warmup_rounds=1)
+    assert abs(ratio - 1) <= TOLERANCE
