@@ -52,6 +52,20 @@ def test_two_rank_gloo_cell(tmp_path):
     assert list(inf["status"]) == ["ok"] and inf["speedup_vs_teacher"].notna().all()
 
 
+def test_fitnet_adapter_trains_under_ddp(tmp_path):
+    # The regressor lives in the DDP-wrapped module with the student: its gradients are reduced too.
+    suite = tmp_path / "ddp.yaml"
+    suite.write_text(DDP.replace("world_size: [1, 2]", "world_size: [2]").replace(
+        "pair: {teacher: resnet8, student: resnet8}", "pair: {teacher: resnet20, student: resnet8}\n  method: fitnet"))
+    assert main(["run", str(suite), "--out", str(tmp_path), "--no-report"]) == 0
+    df = read_results([tmp_path])
+    assert (df["status"] == "ok").all(), df[["status", "error"]]
+    step = df[df.measurement == "distill_step"].iloc[0]
+    assert step["adapter_params"] > 0 and step["trainable_params"] == step["student_params"] + step["adapter_params"]
+    assert step["student_features"] == "layer1,layer2,layer3" and math.isfinite(step["final_loss"])
+    assert step["flops"] > 0 and step["phase_backward_ms"] > 0 and step["peak_memory_bytes"] > 0
+
+
 @pytest.mark.parametrize("student,status,fragment", [
     ("faulty_models:killed_rank1", "failed", "torchrun exited"),
     ("faulty_models:raising_rank1", "failed", "injected failure"),
