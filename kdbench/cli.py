@@ -119,12 +119,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
             print(f"{cell.index + 1:4d}  {cell.cell_id}  {cell.label}  (inference bs {inf})")
         d = detect()
         here = "available here" if requested in ("auto", "cpu") or d.best == requested else f"NOT available here: {d.describe()}"
-        print(f"{len(cells)} cells, {n_rows} measurements; suite '{suite.name}', backend {requested} ({here})")
         if run_quality_here:
             q = suite.quality
             jobs = quality_jobs(c.config for c in cells)
-            print(f"then quality on {q.dataset}: {q.seeds} seed(s) x (teachers, scratch students and "
+            print(f"after the cells, quality on {q.dataset}: {q.seeds} seed(s) x (teachers, scratch students and "
                   f"{len(jobs)} distillation(s)), {q.epochs} epochs each")
+        print(f"{len(cells)} cells, {n_rows} measurements; suite '{suite.name}', backend {requested} ({here})")
         return 0
     try:
         backend = resolve(requested)
@@ -197,17 +197,20 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     from kdbench.store import PROBES_DIR
 
     backend = resolve(args.device)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise KdbenchError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise KdbenchError(f"--threads must be >= 1, got {args.threads}")
     if args.size is not None and not 16 <= args.size <= 65536:
         raise KdbenchError(f"--size must be between 16 and 65536, got {args.size}")
     if args.min_time <= 0:
         raise KdbenchError(f"--min-time must be > 0 seconds, got {args.min_time}")
-    env = probe_env(backend)
-    print(f"probing {backend.name} ({env['device_name']}), {torch.get_num_threads()} CPU threads ...")
-    rows = measure_ceilings(backend, matmul_n=args.size, min_time_s=args.min_time)
+    before = torch.get_num_threads()
+    torch.set_num_threads(args.threads or before)
+    try:
+        env = probe_env(backend)  # records the thread count the probe runs with
+        print(f"probing {backend.name} ({env['device_name']}), {torch.get_num_threads()} CPU threads ...")
+        rows = measure_ceilings(backend, matmul_n=args.size, min_time_s=args.min_time)
+    finally:
+        torch.set_num_threads(before)
     for r in rows:
         value = f"{r['value']:.3f} {r['unit']}" if r["value"] is not None else f"unavailable ({r.get('error')})"
         print(f"  {r['kind']:6s} {r['dtype']:5s} size {r['size']}: {value}")

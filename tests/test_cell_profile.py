@@ -214,7 +214,9 @@ defaults:
 
 def test_probe_then_run_reports_utilisation_and_traces(tmp_path, capsys):
     out = tmp_path / "res"
+    threads = torch.get_num_threads()
     assert main(["probe", "--out", str(out), "--size", "64", "--min-time", "0.01", "--threads", "1"]) == 0
+    assert torch.get_num_threads() == threads  # the probe's thread count does not leak into the caller
     probes = list((out / "probes").glob("probe-*.parquet"))
     assert len(probes) == 1
     probe = pq.read_table(probes[0]).to_pylist()
@@ -241,3 +243,39 @@ def test_probe_then_run_reports_utilisation_and_traces(tmp_path, capsys):
     assert top and all(t["self_ms_per_call"] >= 0 and t["op"] for t in top)
     assert rows["student_inference"]["flops"] == 2 * 2 * (3 * 8 * 8) * 10  # linear student, batch 2
     assert "probe" in capsys.readouterr().out
+
+
+class RecordingClock:
+    """A device-event-like clock: stamps are tokens; times are only read after sync()."""
+
+    name = "fake_event"
+
+    def __init__(self):
+        self.log = []
+        self.synced = False
+
+    def stamp(self):
+        self.log.append("stamp")
+        self.synced = False
+        return len(self.log)
+
+    def elapsed_ms(self, a, b):
+        assert self.synced, "an event was read before the device was synchronised"
+        return float(b - a)
+
+    def sync(self):
+        self.log.append("sync")
+        self.synced = True
+
+
+def test_phase_stamps_add_no_sync_inside_the_step_and_are_read_after():
+    config = make_config(pair={"teacher": "resnet8", "student": "resnet8"})
+    step = _step(config, build_model("resnet8", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16)))
+    clock = RecordingClock()
+    step.clock = clock
+    for _ in range(4):
+        step()
+    assert clock.log == ["stamp"] * 6 * 4  # six boundaries per step, never a sync
+    phases = step.phase_ms(3)  # the last three calls
+    assert clock.log[-1] == "sync" and clock.log.count("sync") == 1
+    assert all(v == [1.0, 1.0, 1.0] for v in phases.values())  # consecutive stamps, one apart

@@ -141,12 +141,13 @@ def test_ctrl_c_keeps_stored_cells_and_prints_the_resume_command(tmp_path):
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None and not _stored_cells(out):
             time.sleep(0.2)
+        finished_first = proc.poll()  # not None: the run ended before any cell was seen stored
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole foreground group
-        _, err = proc.communicate(timeout=60)
+        out_text, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, err
+    assert proc.returncode == 130, (finished_first, _stored_cells(out), out_text[-2000:], err)
     assert "--resume" in err and "Traceback" not in err
     stored = set(_stored_cells(out))
     assert 1 <= len(stored) <= 4
