@@ -135,8 +135,10 @@ def test_ctrl_c_keeps_stored_cells_and_prints_the_resume_command(tmp_path):
     suite, out = tmp_path / "slow.yaml", tmp_path / "res"
     suite.write_text(SLOW)
     cmd = [sys.executable, "-m", "kdbench", "run", str(suite), "--out", str(out), "--no-report"]
+    # Ctrl-C's default action, whatever this test runner inherited: a shell starts background
+    # jobs with SIGINT ignored, and a child would inherit that.
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None and not _stored_cells(out):
