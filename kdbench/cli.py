@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="which device to probe (default: auto, the GPU when there is one)")
     probe.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's default)")
     probe.add_argument("--size", type=int, default=None,
-                       help="matmul side n (default: 1024 on the CPU, 8192 on GPUs)")
+                       help="matmul side n (default: 2048 on the CPU, 8192 on GPUs)")
     probe.add_argument("--min-time", type=float, default=0.5, metavar="SECONDS",
                        help="minimum timed duration per measurement (default: 0.5)")
 

@@ -355,3 +355,17 @@ def test_nonfinite_losses_are_counted():
     for _ in range(3):
         step()
     assert step.distiller.nonfinite_steps == 3
+
+
+def test_grad_scaler_skips_are_counted():
+    config = make_config(precision="fp16")
+    step = _step(config)
+    assert step.scaler is not None
+    weight = step.student.fc.weight
+    weight.register_hook(lambda g: g * float("inf"))  # every step's gradients overflow
+    before = weight.detach().clone()
+    for _ in range(3):
+        step()
+    assert step.distiller.scaler_skips == 3 and step.distiller.optimizer_steps == 0
+    assert torch.equal(weight.detach(), before)  # skipped updates leave the weights alone
+    assert step.distiller.nonfinite_steps == 0  # the loss itself was finite
