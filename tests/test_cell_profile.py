@@ -243,6 +243,9 @@ def test_probe_then_run_reports_utilisation_and_traces(tmp_path, capsys):
     assert top and all(t["self_ms_per_call"] >= 0 and t["op"] for t in top)
     assert rows["student_inference"]["flops"] == 2 * 2 * (3 * 8 * 8) * 10  # linear student, batch 2
     assert "probe" in capsys.readouterr().out
+    # a report over the whole folder skips probes/ (another schema)
+    assert main(["report", str(out), "--out", str(tmp_path / "rep2")]) == 0
+    assert "Where the step" in (tmp_path / "rep2" / "index.html").read_text()
 
 
 class RecordingClock:
