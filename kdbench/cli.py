@@ -14,7 +14,10 @@ from pathlib import Path
 from kdbench.errors import KdbenchError
 
 EPILOG = """examples:
+  kdbench probe                               measure this device's ceilings into results/probes/
   kdbench run suites/cpu.yaml                 measure, store in results/, report in reports/
+  kdbench run suites/quality.yaml             methods' speed, then their accuracy on real data (digits)
+  kdbench run suites/methods.yaml --profile   every method, live and cached teacher, with traces
   kdbench run suites/amd.yaml --dry-run       validate and list the cells, run nothing
   kdbench run suites/cuda.yaml --device cpu   run a GPU suite on the CPU
   kdbench report results/ --out reports/      one report over every result file in results/
