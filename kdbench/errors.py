@@ -7,7 +7,16 @@ or a failure inside a measurement.
 """
 
 
+import difflib
+
+
 class KdbenchError(Exception):
     """A mistake the user can fix; the message says what to change."""
 
     exit_code = 2
+
+
+def did_you_mean(word: str, choices, n: int = 3, cutoff: float = 0.6) -> str:
+    """'did you mean a, b? ' for the choices close to `word`, else ''."""
+    close = difflib.get_close_matches(word, list(choices), n=n, cutoff=cutoff)
+    return f"did you mean {', '.join(close)}? " if close else ""

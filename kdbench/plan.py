@@ -60,16 +60,23 @@ def config_dict(config: CellConfig) -> dict[str, Any]:
     A kd cell does not depend on `at.beta`, so sweeping it there gives the same
     cell (and the plan says so) instead of copies with different ids.
     """
-    from kdbench.distill.losses import METHODS, method_parts
+    from kdbench.distill.losses import METHODS
 
     out = config.model_dump(mode="json")
-    parts = method_parts(config.method)
+    used = _used_methods(config)
     for method in METHODS.values():
-        if method.name not in parts and method.params not in {METHODS[p].params for p in parts if p in METHODS}:
+        if method.params not in {m.params for m in used}:
             out.pop(method.params, None)
-    if not any(METHODS[p].cls.needs_features for p in parts if p in METHODS):
+    if not any(m.cls.needs_features for m in used):
         out.pop("features", None)
     return out
+
+
+def _used_methods(config: CellConfig) -> list:
+    """The registered methods among the terms of the cell's method (unknown terms are the plan's to report)."""
+    from kdbench.distill.losses import METHODS, method_parts
+
+    return [METHODS[p] for p in method_parts(config.method) if p in METHODS]
 
 
 def cell_id_of(config: CellConfig) -> str:
@@ -216,10 +223,7 @@ def config_columns(config: CellConfig, backend_name: str) -> dict[str, Any]:
 
 
 def _method_param_keys(config: CellConfig) -> set[str]:
-    from kdbench.distill.losses import METHODS, method_parts
-
-    keys = {METHODS[p].params for p in method_parts(config.method) if p in METHODS}
-    return keys | ({"weights"} if config.weights else set())
+    return {m.params for m in _used_methods(config)} | ({"weights"} if config.weights else set())
 
 
 def planned_measurements(config: CellConfig) -> list[tuple[str, int]]:

@@ -29,7 +29,6 @@ last ``k`` stages (``k`` the smaller count): deep ends meet deep ends.
 
 from __future__ import annotations
 
-import difflib
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kdbench.errors import KdbenchError
+from kdbench.errors import KdbenchError, did_you_mean
 
 MAX_DEFAULT_STAGES = 4
 
@@ -251,7 +250,6 @@ def check_feature_paths(role: str, model_name: str, paths: list[str] | None, num
         return
     for path in paths:
         if path not in names:
-            close = difflib.get_close_matches(path, sorted(names), n=3, cutoff=0.6)
-            hint = f"did you mean {', '.join(close)}? " if close else ""
+            hint = did_you_mean(path, sorted(names))
             raise KdbenchError(f"{model_name} has no module '{path}'; {hint}give dotted module paths "
                                f"as named_modules() lists them")

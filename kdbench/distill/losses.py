@@ -17,7 +17,6 @@ probabilities that distillation transfers.
 
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdbench.errors import KdbenchError
+from kdbench.errors import KdbenchError, did_you_mean
 
 
 @dataclass
@@ -90,8 +89,7 @@ def check_method(name: str) -> list[Method]:
     out = []
     for part in parts:
         if part not in METHODS:
-            close = difflib.get_close_matches(part, list(METHODS), n=3, cutoff=0.5)
-            hint = f"did you mean {', '.join(close)}? " if close else ""
+            hint = did_you_mean(part, METHODS, cutoff=0.5)
             raise KdbenchError(f"unknown method '{part}'; {hint}(`kdbench list methods` shows all: "
                                f"{', '.join(sorted(METHODS))}; combine with '+')")
         out.append(METHODS[part])
