@@ -15,11 +15,6 @@ from pathlib import Path
 
 import torch
 
-from kdbench.backends import resolve
-from kdbench.data import synthetic_batch
-from kdbench.distill.step import DistillStep
-from kdbench.models import build_model
-from kdbench.suite import CellConfig
 from kdbench.timing import timed_loop
 
 ROUNDS = 16
@@ -28,25 +23,10 @@ TOLERANCE = 0.05
 OUT = Path(__file__).resolve().parent / ".results" / "phase_overhead.json"
 
 
-def _step():
-    config = CellConfig.model_validate({
-        "pair": {"teacher": "resnet20", "student": "resnet8"},
-        "batch_size": 16,
-        "method": "kd+at",
-        "data": {"shape": [3, 32, 32], "num_classes": 100},
-    })
-    backend = resolve("cpu")
-    torch.manual_seed(0)
-    teacher = build_model("resnet20", 100, (3, 32, 32))
-    student = build_model("resnet8", 100, (3, 32, 32))
-    x, y = synthetic_batch(config, config.batch_size, backend.device, 0)
-    return DistillStep(teacher, student, x, y, config, backend), backend
-
-
-def test_phase_stamps_leave_the_step_time_alone(benchmark, report_line):
+def test_phase_stamps_leave_the_step_time_alone(benchmark, report_line, cpu_step):
     # One step object (same models, same memory), its phase clock switched on and off:
     # the only difference between the two variants is the stamping.
-    step, backend = _step()
+    step, backend = cpu_step("kd+at")
     clock = step.clock
     for _ in range(3):
         step()

@@ -15,11 +15,6 @@ from pathlib import Path
 import torch
 import torch.utils.benchmark as tbench
 
-from kdbench.backends import resolve
-from kdbench.data import synthetic_batch
-from kdbench.distill.step import DistillStep
-from kdbench.models import build_model
-from kdbench.suite import CellConfig
 from kdbench.timing import timed_loop
 
 ROUNDS = 24
@@ -28,22 +23,8 @@ TOLERANCE = 0.05
 OUT = Path(__file__).resolve().parent / ".results" / "timer_agreement.json"
 
 
-def _step():
-    config = CellConfig.model_validate({
-        "pair": {"teacher": "resnet20", "student": "resnet8"},
-        "batch_size": 16,
-        "data": {"shape": [3, 32, 32], "num_classes": 100},
-    })
-    backend = resolve("cpu")
-    torch.manual_seed(0)
-    teacher = build_model("resnet20", 100, (3, 32, 32))
-    student = build_model("resnet8", 100, (3, 32, 32))
-    x, y = synthetic_batch(config, config.batch_size, backend.device, 0)
-    return DistillStep(teacher, student, x, y, config, backend), backend
-
-
-def test_step_median_agrees_with_torch_benchmark_timer(benchmark, report_line):
-    step, backend = _step()
+def test_step_median_agrees_with_torch_benchmark_timer(benchmark, report_line, cpu_step):
+    step, backend = cpu_step("kd")
     threads = torch.get_num_threads()
     for _ in range(5):  # warm up both paths once
         step()

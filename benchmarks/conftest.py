@@ -1,6 +1,13 @@
 """Print what the benchmarks measured at the end of the pytest run (not only under -s)."""
 
 import pytest
+import torch
+
+from kdbench.backends import resolve
+from kdbench.data import synthetic_batch
+from kdbench.distill.step import DistillStep
+from kdbench.models import build_model
+from kdbench.suite import CellConfig
 
 _LINES: list[str] = []
 
@@ -9,6 +16,28 @@ _LINES: list[str] = []
 def report_line():
     """Call with a line of text to have it printed in the run's closing summary."""
     return _LINES.append
+
+
+@pytest.fixture
+def cpu_step():
+    """`cpu_step(method)`: a resnet20 -> resnet8 step on a fixed CIFAR-shaped batch of 16 on the CPU,
+    and its backend; the step the benchmarks measure."""
+
+    def make(method: str = "kd"):
+        config = CellConfig.model_validate({
+            "pair": {"teacher": "resnet20", "student": "resnet8"},
+            "batch_size": 16,
+            "method": method,
+            "data": {"shape": [3, 32, 32], "num_classes": 100},
+        })
+        backend = resolve("cpu")
+        torch.manual_seed(0)
+        teacher = build_model("resnet20", 100, (3, 32, 32))
+        student = build_model("resnet8", 100, (3, 32, 32))
+        x, y = synthetic_batch(config, config.batch_size, backend.device, 0)
+        return DistillStep(teacher, student, x, y, config, backend), backend
+
+    return make
 
 
 def pytest_terminal_summary(terminalreporter):
