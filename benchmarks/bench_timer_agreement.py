@@ -2,8 +2,8 @@
 
 Same step object, same process, same torch thread count.  The two timers are run
 in short alternating rounds, each timer first in every other round (so the drift of
-a noisy machine hits both alike); kdbench's median over all its samples and the
-Timer's median over all its per-run times must agree within 5 %.  The figures are
+a noisy machine hits both alike); the median over rounds of each round's ratio
+(kdbench's median / the Timer's median) must be within 5 % of 1.  The figures are
 printed, attached to pytest-benchmark's saved record (`extra_info`) and written to
 benchmarks/.results/timer_agreement.json.
 """
@@ -17,8 +17,8 @@ import torch.utils.benchmark as tbench
 
 from kdbench.timing import timed_loop
 
-ROUNDS = 24
-ROUND_S = 0.3  # seconds per timer per round
+ROUNDS = 48
+ROUND_S = 0.2  # seconds per timer per round
 TOLERANCE = 0.05
 OUT = Path(__file__).resolve().parent / ".results" / "timer_agreement.json"
 
@@ -51,18 +51,24 @@ def test_step_median_agrees_with_torch_benchmark_timer(benchmark, report_line, c
             ours_ms, theirs_ms = ours(), theirs()
         rounds.append({"kdbench_ms": ours_ms, "torch_timer_ms": theirs_ms, "ratio": ours_ms / theirs_ms})
     assert torch.get_num_threads() == threads, "a timer changed torch's thread count"
-    # kdbench's median over all its samples against the Timer's median over all its per-run times
-    ratio = statistics.median(ours_all) / statistics.median(theirs_all)
+    # Each round pairs the two timers within the same second or so, so the machine's drift cancels
+    # in the round's ratio; the median over rounds drops the rounds a burst of load hit unevenly.
+    # (Pooled medians over all samples are reported too: they mix rounds of different speed and,
+    # on this drifting VM, strayed to 0.946 in one CI run whose paired median was 0.990.)
+    ratio = statistics.median(r["ratio"] for r in rounds)
+    pooled = statistics.median(ours_all) / statistics.median(theirs_all)
     result = {"threads": threads, "rounds": rounds, "kdbench_median_ms": statistics.median(ours_all),
-              "torch_timer_median_ms": statistics.median(theirs_all), "ratio": ratio, "tolerance": TOLERANCE,
+              "torch_timer_median_ms": statistics.median(theirs_all), "ratio": ratio, "pooled_ratio": pooled,
+              "tolerance": TOLERANCE,
               "step": "resnet20->resnet8 kd fp32 bs16 3x32x32 cpu"}
     report_line(f"kdbench vs torch.utils.benchmark.Timer, {result['step']}, {threads} threads (ms per step):")
     for i, r in enumerate(rounds):
         report_line(f"  round {i}: kdbench {r['kdbench_ms']:.3f}  Timer {r['torch_timer_ms']:.3f}  "
                     f"ratio {r['ratio']:.4f}")
     report_line(f"  pooled medians: kdbench {result['kdbench_median_ms']:.3f} ms over {len(ours_all)} steps, "
-                f"Timer {result['torch_timer_median_ms']:.3f} ms over {len(theirs_all)}; ratio {ratio:.4f} "
-                f"(must be within 1 ± {TOLERANCE}); saved to {OUT}")
+                f"Timer {result['torch_timer_median_ms']:.3f} ms over {len(theirs_all)}; ratio {pooled:.4f}")
+    report_line(f"  median of the {ROUNDS} paired round ratios: {ratio:.4f} (must be within 1 ± {TOLERANCE}); "
+                f"saved to {OUT}")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2))
     benchmark.extra_info.update(result)
