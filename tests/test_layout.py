@@ -5,7 +5,7 @@ from torch import nn
 from torchvision.models import resnet18, squeezenet1_0
 
 from kdbench.errors import KdbenchError
-from kdbench.layout import (
+from kdbench.hw.layout import (
     ALIGNMENTS,
     pad_classifier,
     place_aligned,
@@ -94,7 +94,8 @@ def test_pad_linear_classifier():
     x = torch.randn(4, 3, 2, 2)
     out = model(x)
     assert out.shape == (4, 16)
-    assert torch.equal(unpad(out, 10), ref(x))
+    # A 16-wide GEMM need not round like a 10-wide one (BLAS picks kernels by shape and CPU): equal to float eps.
+    torch.testing.assert_close(unpad(out, 10), ref(x), rtol=1e-6, atol=1e-6)
     assert torch.count_nonzero(out[..., 10:]) == 0
 
 
