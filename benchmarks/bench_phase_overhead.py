@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kdbench.timing import timed_loop
+from kdbench.measure.timing import timed_loop
 
 ROUNDS = 48
 ROUND_S = 0.2

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from kdbench.backends import resolve
-from kdbench.data import synthetic_batch
+from kdbench.hw.backends import resolve
+from kdbench.hw.data import synthetic_batch
 from kdbench.distill.step import DistillStep
 from kdbench.models import build_model
-from kdbench.suite import CellConfig
+from kdbench.config.schema import CellConfig
 
 _LINES: list[str] = []
 

@@ -86,11 +86,11 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_run(args: argparse.Namespace) -> int:
     import torch
 
-    from kdbench.allocation import detect_allocation, run_allocated
-    from kdbench.backends import detect, resolve
-    from kdbench.plan import expand, parse_shard, planned_measurements, shard
-    from kdbench.runner import run_plan, run_quality_cell
-    from kdbench.suite import load_suite
+    from kdbench.run.allocation import detect_allocation, run_allocated
+    from kdbench.hw.backends import detect, resolve
+    from kdbench.config.plan import expand, parse_shard, planned_measurements, shard
+    from kdbench.run.engine import run_plan, run_quality_cell
+    from kdbench.config.schema import load_suite
 
     suite = load_suite(args.suite)
     if args.allow_imports and not suite.allow_imports:
@@ -106,7 +106,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             return 0
     run_quality_here = suite.quality is not None and (not args.shard or parse_shard(args.shard)[0] == 1)
     if suite.quality is not None:
-        from kdbench.quality import check_quality, quality_jobs
+        from kdbench.quality.protocol import check_quality, quality_jobs
 
         try:
             check_quality(suite.quality, [c.config for c in cells])
@@ -164,7 +164,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(f"{outcome.cells} cells, {outcome.rows} rows -> {outcome.path}")
     if not args.no_report and outcome.path.exists():
         from kdbench.report import render_report
-        from kdbench.store import read_results
+        from kdbench.store.schema import read_results
 
         index = render_report(read_results([outcome.path]), args.report_dir)
         print(f"report -> {index}")
@@ -178,7 +178,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from kdbench.report import render_report
-    from kdbench.store import read_results
+    from kdbench.store.schema import read_results
 
     index = render_report(read_results(args.results), args.out)
     print(f"report -> {index}")
@@ -186,7 +186,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_env(_args: argparse.Namespace) -> int:
-    from kdbench.environment import describe_lines
+    from kdbench.hw.environment import describe_lines
 
     print("\n".join(describe_lines()))
     return 0
@@ -195,9 +195,9 @@ def _cmd_env(_args: argparse.Namespace) -> int:
 def _cmd_probe(args: argparse.Namespace) -> int:
     import torch
 
-    from kdbench.backends import resolve
-    from kdbench.profiling import measure_ceilings, probe_env, write_probe
-    from kdbench.store import PROBES_DIR
+    from kdbench.hw.backends import resolve
+    from kdbench.measure.flops import measure_ceilings, probe_env, write_probe
+    from kdbench.store.schema import PROBES_DIR
 
     backend = resolve(args.device)
     if args.threads is not None and args.threads < 1:
@@ -233,7 +233,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print("module:callable: a user's own model factory (needs `allow_imports: true` or --allow-imports)")
         return 0
     from kdbench.distill.losses import METHODS
-    from kdbench.suite import CellConfig
+    from kdbench.config.schema import CellConfig
 
     for m in METHODS.values():
         defaults = CellConfig.model_fields[m.params].default.model_dump()

@@ -1,7 +1,7 @@
 import pytest
 
-from kdbench.backends import resolve
-from kdbench.suite import CellConfig
+from kdbench.hw.backends import resolve
+from kdbench.config.schema import CellConfig
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Tests of backend detection, resolution and the precision choices.
 
 Other torch builds (ROCm, CUDA, CPU-only) are simulated by monkeypatching torch,
-which kdbench.backends reads at call time; nothing here touches a real GPU.
+which kdbench.hw.backends reads at call time; nothing here touches a real GPU.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import contextlib
 import pytest
 import torch
 
-from kdbench import backends
-from kdbench.backends import (
+from kdbench.hw import backends
+from kdbench.hw.backends import (
     AutocastChoice,
     Backend,
     Detected,
@@ -23,7 +23,7 @@ from kdbench.backends import (
     resolve,
 )
 from kdbench.errors import KdbenchError
-from kdbench.timing import EventClock, HostClock
+from kdbench.measure.timing import EventClock, HostClock
 
 
 def _simulate(monkeypatch, *, hip, cuda, available, count):

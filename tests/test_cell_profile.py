@@ -10,15 +10,15 @@ import pytest
 import torch
 from torch import nn
 
-from kdbench.backends import Backend, resolve
+from kdbench.hw.backends import Backend, resolve
 from kdbench.cli import main
-from kdbench.data import synthetic_batch
+from kdbench.hw.data import synthetic_batch
 from kdbench.distill.step import PHASES, DistillStep
-from kdbench.environment import capture, kernel_caches
+from kdbench.hw.environment import capture, kernel_caches
 from kdbench.models import build_model
-from kdbench.profiling import TelemetrySampler, telemetry_columns, utilization_columns
-from kdbench.timing import RawTiming
-from kdbench.worker import phase_columns, step_flops
+from kdbench.measure.flops import TelemetrySampler, telemetry_columns, utilization_columns
+from kdbench.measure.timing import RawTiming
+from kdbench.measure.cell import phase_columns, step_flops
 from tests.conftest import make_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,7 +78,7 @@ def test_flops_of_a_conv_step_are_analytic():
 def test_phases_sum_to_the_step_within_the_remainder():
     config = make_config(pair={"teacher": "resnet8", "student": "resnet8"}, method="kd+at")
     step = _step(config, build_model("resnet8", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16)))
-    from kdbench.worker import _time
+    from kdbench.measure.cell import _time
 
     raw = _time(step, config, CPU)
     phases = step.phase_ms(len(raw.samples_ms))
@@ -105,9 +105,9 @@ def test_cached_teacher_phase_is_empty_and_the_forward_phases_reflect_it():
 MEMORY_SCRIPT = """
 import json, sys
 import torch
-from kdbench.backends import resolve
-from kdbench.plan import Cell
-from kdbench.worker import ModelCache, measure_cell
+from kdbench.hw.backends import resolve
+from kdbench.config.plan import Cell
+from kdbench.measure.cell import ModelCache, measure_cell
 from tests.conftest import make_config
 torch.set_num_threads(1)
 bs = int(sys.argv[1])

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from kdbench.cli import main
-from kdbench.store import COLUMN_NAMES
+from kdbench.store.schema import COLUMN_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,10 +8,10 @@ import pytest
 
 from kdbench.cli import main
 from kdbench.errors import KdbenchError
-from kdbench.plan import expand, parse_shard, shard
-from kdbench.runner import scaling_efficiency
-from kdbench.store import read_results
-from kdbench.suite import load_suite
+from kdbench.config.plan import expand, parse_shard, shard
+from kdbench.run.engine import scaling_efficiency
+from kdbench.store.schema import read_results
+from kdbench.config.schema import load_suite
 
 TESTS = Path(__file__).resolve().parent
 
@@ -124,9 +124,9 @@ def test_scaling_efficiency_pairs_cells_that_differ_only_in_world_size():
 
 
 def test_torchrun_flags_standalone_and_rendezvous():
-    from kdbench.backends import resolve
-    from kdbench.launch import TorchrunWorker
-    from kdbench.suite import LauncherConfig
+    from kdbench.hw.backends import resolve
+    from kdbench.run.workers import TorchrunWorker
+    from kdbench.config.schema import LauncherConfig
 
     (cell,) = [c for c in expand(_suite_from(DDP)) if c.config.world_size == 2]
     standalone = TorchrunWorker(resolve("cpu"), False, 2).torchrun_args(cell)
@@ -161,7 +161,7 @@ def test_rendezvous_launcher_runs_a_two_rank_cell(tmp_path):
 
 
 def test_detect_allocation_from_torchrun_and_slurm_environments():
-    from kdbench.allocation import Allocation, detect_allocation
+    from kdbench.run.allocation import Allocation, detect_allocation
 
     assert detect_allocation({}) is None
     torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "n0", "TORCHELASTIC_RUN_ID": "x"}

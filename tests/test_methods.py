@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from kdbench.backends import resolve
-from kdbench.data import synthetic_batch
+from kdbench.hw.backends import resolve
+from kdbench.hw.data import synthetic_batch
 from kdbench.distill.hooks import FeatureTap, canonical, default_feature_paths, pair_paths, stage_ends
 from kdbench.distill.losses import (
     METHODS,

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from kdbench.errors import KdbenchError
-from kdbench.plan import cell_id_of, expand, planned_measurements
-from kdbench.suite import load_suite
+from kdbench.config.plan import cell_id_of, expand, planned_measurements
+from kdbench.config.schema import load_suite
 
 SUITES = Path(__file__).resolve().parent.parent / "suites"
 

@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from kdbench import profiling
-from kdbench.backends import Backend
+from kdbench.measure import flops as profiling
+from kdbench.hw.backends import Backend
 from kdbench.errors import KdbenchError
-from kdbench.profiling import (
+from kdbench.measure.flops import (
     PEAKS,
     MemoryMeter,
     TelemetrySampler,

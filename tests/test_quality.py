@@ -8,10 +8,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from kdbench.backends import resolve
+from kdbench.hw.backends import resolve
 from kdbench.distill import losses
 from kdbench.errors import KdbenchError
-from kdbench.quality import (
+from kdbench.quality.protocol import (
     ROW_KEYS,
     QualityConfig,
     QualityJob,

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from kdbench.cli import main
-from kdbench.store import read_results
+from kdbench.store.schema import read_results
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

@@ -10,7 +10,7 @@ import pytest
 from kdbench.errors import KdbenchError
 from kdbench.report import render_report
 from kdbench.report.html import format_ms
-from kdbench.store import rows_to_table
+from kdbench.store.schema import rows_to_table
 
 SCRIPT = "<script>alert(1)</script>"
 RUNS = {

@@ -13,7 +13,7 @@ import pytest
 
 from kdbench.report import render_report
 from kdbench.report.html import payback_steps, quality_summary, trace_link
-from kdbench.store import rows_to_table
+from kdbench.store.schema import rows_to_table
 
 MIB = 2**20
 RUNS = {

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kdbench.stats import NOISY_REL_IQR, summarize
+from kdbench.measure.stats import NOISY_REL_IQR, summarize
 
 
 def test_hand_computed_small_sample():

@@ -2,7 +2,7 @@
 
 import torch
 
-from kdbench.data import synthetic_batch
+from kdbench.hw.data import synthetic_batch
 from kdbench.distill.step import DistillStep
 from kdbench.models import build_model
 from tests.conftest import make_config

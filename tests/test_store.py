@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from kdbench.errors import KdbenchError
-from kdbench.store import COLUMN_NAMES, COLUMNS, SCHEMA, ResultWriter, read_results, result_files, schema_markdown
+from kdbench.store.schema import COLUMN_NAMES, COLUMNS, SCHEMA, ResultWriter, read_results, result_files, schema_markdown
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -23,7 +23,7 @@ def _row(i, **kw):
 
 def test_readme_documents_every_column_in_order():
     text = README.read_text()
-    assert schema_markdown() in text, "README's results table differs from kdbench.store.COLUMNS"
+    assert schema_markdown() in text, "README's results table differs from kdbench.store.schema.COLUMNS"
     table = text[text.index("| column | type | unit | meaning |"):].split("\n\n")[0]
     documented = re.findall(r"^\| `([a-z0-9_]+)` \|", table, flags=re.M)
     assert documented == list(COLUMN_NAMES)
@@ -73,7 +73,7 @@ def test_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
 
 
 def test_unknown_column_is_a_bug():
-    from kdbench.store import rows_to_table
+    from kdbench.store.schema import rows_to_table
 
     with pytest.raises(ValueError, match="not in the schema"):
         rows_to_table([{"median": 1.0}])
@@ -125,7 +125,7 @@ def test_reader_never_sees_a_half_written_file(tmp_path):
 
 
 def test_two_runs_started_together_get_distinct_files():
-    from kdbench.runner import new_run_id
+    from kdbench.run.engine import new_run_id
 
     now = datetime(2026, 1, 1, tzinfo=timezone.utc)
     ids = {new_run_id("my suite/../x", now) for _ in range(50)}

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from kdbench import timing
-from kdbench.timing import EventClock, HostClock, RawTiming, timed_loop
+from kdbench.measure import timing
+from kdbench.measure.timing import EventClock, HostClock, RawTiming, timed_loop
 
 
 class FakeTime:
@@ -152,7 +152,7 @@ def test_min_iters_dominates_short_min_time(monkeypatch):
 
 
 def test_time_module_is_the_stdlib_one():
-    # the monkeypatch target used above is the real module kdbench.timing calls
+    # the monkeypatch target used above is the real module kdbench.measure.timing calls
     assert timing.time is time
 
 
@@ -272,7 +272,7 @@ def test_event_clock_reads_after_recording(fake_cuda):
 
 
 def test_time_to_steady_counts_until_the_first_call_near_the_median():
-    from kdbench.timing import RawTiming
+    from kdbench.measure.timing import RawTiming
 
     # cold 500, warm-up 80 and 30, then timed 20..24 (median 22): 21 is within 10 %, 30 is not.
     r = RawTiming(500.0, [20.0, 22.0, 24.0, 21.0, 23.0], "fake", warmup_ms=[80.0, 30.0])

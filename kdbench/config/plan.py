@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kdbench.errors import KdbenchError
-from kdbench.suite import CellConfig, Suite, axis_path, deep_merge, nest, overlay, validate_cell
+from kdbench.config.schema import CellConfig, Suite, axis_path, deep_merge, nest, overlay, validate_cell
 
 MEASUREMENTS = ("distill_step", "student_inference", "teacher_inference")
 

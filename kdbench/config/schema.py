@@ -4,7 +4,7 @@ A suite file has the top-level keys ``name, description, backend, threads,
 allow_imports, cell_timeout_s, profile, launcher, quality, defaults, matrix, exclude``.  ``defaults`` holds one cell's
 configuration (``CellConfig``); every key it may hold may also be a ``matrix``
 axis (a list of values), and nested keys may be swept with a dotted axis name
-(``kd.temperature: [2, 4]``).  The plan (``kdbench.plan``) overlays each
+(``kd.temperature: [2, 4]``).  The plan (``kdbench.config.plan``) overlays each
 combination of matrix values on ``defaults``.
 
 Every error a user can make here is raised as ``KdbenchError`` with one line that
@@ -236,7 +236,7 @@ class SuiteModel(_Strict):
     allow_imports: bool = False
     cell_timeout_s: float = Field(3600.0, gt=0, le=7 * 86_400)
     profile: bool = False  # a torch.profiler trace of every cell's step (as --profile)
-    quality: QualityConfig | None = None  # opt-in accuracy run on real data (kdbench.quality)
+    quality: QualityConfig | None = None  # opt-in accuracy run on real data (kdbench.quality.protocol)
     launcher: LauncherConfig = LauncherConfig()
     defaults: dict[str, Any] = Field(default_factory=dict)
     matrix: dict[str, list[Any]] = Field(default_factory=dict)
@@ -245,7 +245,7 @@ class SuiteModel(_Strict):
 
 @dataclass(frozen=True)
 class Suite:
-    """A validated suite: top-level settings plus the raw sweep (expanded by kdbench.plan)."""
+    """A validated suite: top-level settings plus the raw sweep (expanded by kdbench.config.plan)."""
 
     path: Path
     name: str
@@ -471,7 +471,7 @@ def check_axis_name(suite_path: Path, lines: dict[tuple, int], loc: tuple, key: 
 
 
 def load_suite(path: str | Path) -> Suite:
-    """Read, parse and validate a suite file (the sweep itself is expanded by kdbench.plan)."""
+    """Read, parse and validate a suite file (the sweep itself is expanded by kdbench.config.plan)."""
     path = Path(path)
     text = _read_text(path)
     _node, lines = _line_map(path, text)

@@ -22,13 +22,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from kdbench.backends import AutocastChoice, Backend, choose_autocast, grad_scaler
-from kdbench.data import memory_format_of
+from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_scaler
+from kdbench.hw.data import memory_format_of
 from kdbench.distill.hooks import FeaturePaths, FeatureTap, resolve_paths
 from kdbench.distill.losses import DistillLoss, LossInputs, needs_features
-from kdbench.layout import place_aligned, unpad
-from kdbench.suite import CellConfig, OptimizerConfig
-from kdbench.timing import Clock
+from kdbench.hw.layout import place_aligned, unpad
+from kdbench.config.schema import CellConfig, OptimizerConfig
+from kdbench.measure.timing import Clock
 
 PHASES = ("teacher_forward", "student_forward", "loss", "backward", "optimizer")
 

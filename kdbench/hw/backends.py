@@ -17,7 +17,7 @@ from typing import Callable, ContextManager
 import torch
 
 from kdbench.errors import KdbenchError
-from kdbench.timing import Clock, EventClock, HostClock
+from kdbench.measure.timing import Clock, EventClock, HostClock
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -1,12 +1,12 @@
 """Input batches: synthetic, deterministic, the same shapes every iteration, placed at the
-cell's byte alignment (kdbench.layout.place_aligned)."""
+cell's byte alignment (kdbench.hw.layout.place_aligned)."""
 
 from __future__ import annotations
 
 import torch
 
-from kdbench.layout import place_aligned
-from kdbench.suite import CellConfig
+from kdbench.hw.layout import place_aligned
+from kdbench.config.schema import CellConfig
 
 
 def memory_format_of(name: str) -> torch.memory_format:

@@ -14,7 +14,7 @@ import psutil
 import torch
 
 import kdbench
-from kdbench.backends import Backend, detect
+from kdbench.hw.backends import Backend, detect
 
 # Environment variables that change speed; recorded with every row.
 KNOB_PREFIXES = ("MIOPEN_", "PYTORCH_TUNABLEOP_", "HIP_", "ROCM_", "CUDA_", "CUBLAS", "NCCL_", "RCCL_")
@@ -178,7 +178,7 @@ def capture(backend: Backend) -> dict[str, Any]:
 
 def describe_lines() -> list[str]:
     """Human-readable lines for `kdbench env`."""
-    from kdbench.backends import resolve
+    from kdbench.hw.backends import resolve
 
     d = detect()
     lines = [f"backend: {d.best} ({d.describe()})", f"torch build: {d.build}"]

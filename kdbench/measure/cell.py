@@ -19,17 +19,17 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from kdbench.backends import Backend, choose_autocast
-from kdbench.data import memory_format_of, synthetic_batch
+from kdbench.hw.backends import Backend, choose_autocast
+from kdbench.hw.data import memory_format_of, synthetic_batch
 from kdbench.distill.step import DistillStep
-from kdbench.layout import pad_classifier, padded_width, verify_memory_format
+from kdbench.hw.layout import pad_classifier, padded_width, verify_memory_format
 from kdbench.models import build_model, count_params
-from kdbench.profiling import (MemoryMeter, TelemetrySampler, count_flops, memory_columns, optimizer_state_bytes,
+from kdbench.measure.flops import (MemoryMeter, TelemetrySampler, count_flops, memory_columns, optimizer_state_bytes,
                                telemetry_columns, trace)
-from kdbench.plan import Cell, planned_measurements
-from kdbench.stats import summarize
-from kdbench.suite import CellConfig
-from kdbench.timing import RawTiming, timed_loop
+from kdbench.config.plan import Cell, planned_measurements
+from kdbench.measure.stats import summarize
+from kdbench.config.schema import CellConfig
+from kdbench.measure.timing import RawTiming, timed_loop
 
 
 class ModelCache:

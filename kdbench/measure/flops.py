@@ -14,7 +14,7 @@
   integrates power over time into energy.  Readings are what the driver reports
   (NVML's power is a ~1 s average on recent GPUs), so short blocks are smeared.
 * Ceilings: :func:`measure_ceilings` times a dense n x n matmul per dtype and a byte
-  copy on this device with :func:`kdbench.timing.timed_loop`, giving achievable
+  copy on this device with :func:`kdbench.measure.timing.timed_loop`, giving achievable
   TFLOP/s and GB/s; :func:`write_probe` / :func:`latest_ceiling` keep them in parquet.
 """
 
@@ -40,12 +40,12 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from kdbench.backends import DTYPES, Backend
-from kdbench.environment import capture
+from kdbench.hw.backends import DTYPES, Backend
+from kdbench.hw.environment import capture
 from kdbench.errors import KdbenchError
-from kdbench.stats import summarize
-from kdbench.store import read_table
-from kdbench.timing import timed_loop
+from kdbench.measure.stats import summarize
+from kdbench.store.schema import read_table
+from kdbench.measure.timing import timed_loop
 
 # --------------------------------------------------------------------------- FLOPs
 
@@ -502,7 +502,7 @@ _PROBE_SCHEMA = pa.schema([
 
 
 def probe_env(backend: Backend) -> dict[str, Any]:
-    """Environment columns for a probe: :func:`kdbench.environment.capture` plus `backend`."""
+    """Environment columns for a probe: :func:`kdbench.hw.environment.capture` plus `backend`."""
     return {**capture(backend), "backend": backend.name}
 
 

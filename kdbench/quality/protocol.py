@@ -53,12 +53,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdbench.backends import AutocastChoice, Backend, choose_autocast, grad_scaler
-from kdbench.data import memory_format_of
+from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_scaler
+from kdbench.hw.data import memory_format_of
 from kdbench.distill.step import Distiller, make_optimizer
 from kdbench.errors import KdbenchError
-from kdbench.suite import DISK_DATASETS, CellConfig, QualityConfig, TeacherConfig
-from kdbench.worker import ModelCache, _error_text, _on_device
+from kdbench.config.schema import DISK_DATASETS, CellConfig, QualityConfig, TeacherConfig
+from kdbench.measure.cell import ModelCache, _error_text, _on_device
 
 ROLES = ("teacher", "scratch", "distilled")
 EVAL_BATCH = 512

@@ -21,7 +21,7 @@ from jinja2 import Environment, FileSystemLoader
 
 from kdbench.errors import KdbenchError
 from kdbench.report.plots import NOISY_NOTE, PHASES, draw_charts, draw_phases, draw_quality_front
-from kdbench.store import COLUMN_NAMES
+from kdbench.store.schema import COLUMN_NAMES
 
 MISSING = "—"
 ERROR_CHARS = 200
@@ -48,7 +48,7 @@ _TEMPLATES = Environment(
 def render_report(df: pd.DataFrame, out_dir: str | Path, title: str | None = None) -> Path:
     """Write ``index.html`` and its charts into ``out_dir`` (created if needed); return the page's path.
 
-    ``df`` holds result rows as :func:`kdbench.store.read_results` returns them; columns
+    ``df`` holds result rows as :func:`kdbench.store.schema.read_results` returns them; columns
     it lacks are treated as null.  ``title`` defaults to the suites' names.
     """
     if df.empty:
@@ -380,9 +380,9 @@ def _top_ops(df: pd.DataFrame, out_dir: Path) -> list[dict]:
 
 
 def quality_summary(df: pd.DataFrame) -> pd.DataFrame:
-    """:func:`kdbench.quality.summarize_quality` of the quality rows, with ``seeds`` (the ok
+    """:func:`kdbench.quality.protocol.summarize_quality` of the quality rows, with ``seeds`` (the ok
     rows of each group) and the ``datasets`` they come from."""
-    from kdbench.quality import SUMMARY_KEYS, summarize_quality
+    from kdbench.quality.protocol import SUMMARY_KEYS, summarize_quality
 
     q = df[df["measurement"].eq("quality")] if "measurement" in df else df
     summary = summarize_quality(q).rename(columns={"n": "seeds"})

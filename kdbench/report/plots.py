@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import LogFormatter, NullLocator
 
-from kdbench.store import COLUMNS
+from kdbench.store.schema import COLUMNS
 
 DPI = 110
 NOISY_NOTE = "IQR/median > 10 %"

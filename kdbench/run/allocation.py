@@ -21,11 +21,11 @@ from typing import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from kdbench.backends import Backend
+from kdbench.hw.backends import Backend
 from kdbench.errors import KdbenchError
-from kdbench.launch import InlineWorker, ProcessWorker, rows_for
-from kdbench.plan import Cell, dist_backend_for
-from kdbench.suite import Suite
+from kdbench.run.workers import InlineWorker, ProcessWorker, rows_for
+from kdbench.config.plan import Cell, dist_backend_for
+from kdbench.config.schema import Suite
 
 DEFAULT_PORT = "29500"
 
@@ -74,8 +74,8 @@ def run_allocated(suite: Suite, cells: list[Cell], backend_name: str, out_dir: P
                   alloc: Allocation, resume: bool, inline: bool, cell_timeout_s: float | None,
                   log: Callable[[str], None] = print):
     """Every rank calls this with the same plan; rank 0 returns the RunOutcome, the others None."""
-    from kdbench.ddp import measure_rank
-    from kdbench.runner import Recorder, open_run
+    from kdbench.run.rank import measure_rank
+    from kdbench.run.engine import Recorder, open_run
 
     timeout = cell_timeout_s if cell_timeout_s is not None else suite.cell_timeout_s
     backend = _init(alloc, backend_name, timeout + 600)

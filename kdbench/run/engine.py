@@ -1,6 +1,6 @@
 """Walk a plan: hand each cell to the worker, stamp and store its rows at once, show progress.
 
-The runner never measures (workers do: kdbench.launch).  It owns the run id, the
+The runner never measures (workers do: kdbench.run.workers).  It owns the run id, the
 thread count, the result file, resuming, and the progress lines.
 """
 
@@ -18,15 +18,15 @@ from typing import Any, Callable
 
 import torch
 
-from kdbench.backends import Backend
-from kdbench.environment import capture
-from kdbench.plan import Cell, config_columns
-from kdbench.profiling import latest_ceiling, utilization_columns
-from kdbench.store import PROBES_DIR, SCHEMA_VERSION, ResultWriter, read_table
-from kdbench.worker import MeasureOptions
-from kdbench.suite import Suite
-from kdbench.backends import detect
-from kdbench.launch import InlineWorker, ProcessWorker, TorchrunWorker
+from kdbench.hw.backends import Backend
+from kdbench.hw.environment import capture
+from kdbench.config.plan import Cell, config_columns
+from kdbench.measure.flops import latest_ceiling, utilization_columns
+from kdbench.store.schema import PROBES_DIR, SCHEMA_VERSION, ResultWriter, read_table
+from kdbench.measure.cell import MeasureOptions
+from kdbench.config.schema import Suite
+from kdbench.hw.backends import detect
+from kdbench.run.workers import InlineWorker, ProcessWorker, TorchrunWorker
 
 FAILURES = ("failed", "oom", "timeout")  # statuses that make `run` exit with 1
 
@@ -241,7 +241,7 @@ def quality_cell(suite: Suite, cells: list[Cell]) -> Cell | None:
     """
     if suite.quality is None:
         return None
-    from kdbench.quality import quality_jobs
+    from kdbench.quality.protocol import quality_jobs
 
     jobs = [j.config for j in quality_jobs(c.config for c in cells)]
     key = json.dumps({"quality": suite.quality.model_dump(mode="json"),
@@ -257,7 +257,7 @@ def run_quality_cell(suite: Suite, cells: list[Cell], backend: Backend, out_dir:
     qcell = quality_cell(suite, cells)
     if qcell is None:
         return None
-    from kdbench.quality import markdown_table, quality_jobs, run_quality, summarize_quality
+    from kdbench.quality.protocol import markdown_table, quality_jobs, run_quality, summarize_quality
 
     outcome, todo = open_run(suite, [qcell], out_dir, True, lambda _m: None)
     if not todo:

@@ -1,4 +1,4 @@
-"""One rank of a data-parallel cell; started by torchrun (``python -m kdbench.ddp CELL ROWS``).
+"""One rank of a data-parallel cell; started by torchrun (``python -m kdbench.run.rank CELL ROWS``).
 
 Every rank builds the same teacher and student (same seed), wraps the student in
 DistributedDataParallel (the teacher stays a plain frozen module), and steps on
@@ -26,16 +26,16 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
-from kdbench.backends import Backend
-from kdbench.data import synthetic_batch
-from kdbench.launch import die_with_parent
+from kdbench.hw.backends import Backend
+from kdbench.hw.data import synthetic_batch
+from kdbench.run.workers import die_with_parent
 from kdbench.distill.step import DistillStep
-from kdbench.plan import Cell, dist_backend_for
-from kdbench.suite import CellConfig
-from kdbench.timing import timed_loop
+from kdbench.config.plan import Cell, dist_backend_for
+from kdbench.config.schema import CellConfig
+from kdbench.measure.timing import timed_loop
 from kdbench.models import count_params
-from kdbench.profiling import MemoryMeter, memory_columns, optimizer_state_bytes
-from kdbench.worker import ModelCache, distill_row, measure_inference, model_pair, step_flops
+from kdbench.measure.flops import MemoryMeter, memory_columns, optimizer_state_bytes
+from kdbench.measure.cell import ModelCache, distill_row, measure_inference, model_pair, step_flops
 
 
 def _agreed_iterations(step: DistillStep, config: CellConfig, backend: Backend, group: Any) -> tuple[int, float]:

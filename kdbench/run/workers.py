@@ -7,7 +7,7 @@ or outlives its time-out is recorded as a failure and the next cell gets a fresh
 worker, so one bad cell never takes the sweep down.  ``InlineWorker`` measures in
 the calling process: no isolation, but a debugger and profiler see everything.
 ``TorchrunWorker`` runs a ``world_size > 1`` cell as ``torchrun --standalone``
-over ``kdbench.ddp``, in its own process group so a hung rank can be killed whole.
+over ``kdbench.run.rank``, in its own process group so a hung rank can be killed whole.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from kdbench.backends import Backend
-from kdbench.plan import Cell, planned_measurements
-from kdbench.suite import LauncherConfig
-from kdbench.worker import MeasureOptions, ModelCache, failure_row, measure_cell
+from kdbench.hw.backends import Backend
+from kdbench.config.plan import Cell, planned_measurements
+from kdbench.config.schema import LauncherConfig
+from kdbench.measure.cell import MeasureOptions, ModelCache, failure_row, measure_cell
 
 STARTUP_TIMEOUT_S = 600.0  # importing torch on a cold, busy machine can take minutes
 _POLL_S = 0.2
@@ -225,7 +225,7 @@ class TorchrunWorker:
                 "threads": rank_threads, "timeout_s": timeout,
             }))
             cmd = [sys.executable, "-m", "torch.distributed.run", *self.torchrun_args(cell),
-                   "-m", "kdbench.ddp", str(job), str(rows_file)]
+                   "-m", "kdbench.run.rank", str(job), str(rows_file)]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
                    "OMP_NUM_THREADS": str(rank_threads)}
             # Output goes to a file, not a pipe: a rank that outlived torchrun would hold a pipe open.

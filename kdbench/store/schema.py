@@ -126,7 +126,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("student_flops", _F, "FLOP", "student forward + backward (+ adapters) share of `flops` (distill_step)"),
     Column("achieved_tflops", _F, "TFLOP/s", "flops / median time, per device"),
     Column("datasheet_device", _S, "", "the accelerator of the peak table this device matched"),
-    Column("datasheet_peak_tflops", _F, "TFLOP/s", "vendor dense peak at the cell's precision (kdbench.profiling.PEAKS)"),
+    Column("datasheet_peak_tflops", _F, "TFLOP/s", "vendor dense peak at the cell's precision (kdbench.measure.flops.PEAKS)"),
     Column("mfu", _F, "ratio", "achieved_tflops / datasheet_peak_tflops"),
     Column("ceiling_tflops", _F, "TFLOP/s", "this device's measured matmul rate at the cell's precision (newest `kdbench probe`)"),
     Column("ceiling_utilization", _F, "ratio", "achieved_tflops / ceiling_tflops"),
