@@ -51,15 +51,24 @@ def test_phase_stamps_leave_the_step_time_alone(benchmark, report_line, cpu_step
     # machine's drift cancels; pooled medians (reported too) mix rounds of different speed.
     ratio = statistics.median(round_ratios)
     phases = step.phase_ms(len(samples["stamped"]) // ROUNDS)  # about the last stamped round
-    result = {"threads": torch.get_num_threads(), "stamped_median_ms": stamped_ms, "plain_median_ms": plain_ms,
-              "ratio": ratio, "pooled_ratio": stamped_ms / plain_ms, "round_ratios": round_ratios,
-              "tolerance": TOLERANCE, "n": {k: len(v) for k, v in samples.items()},
-              "phase_medians_ms": {p: statistics.median(v) for p, v in phases.items()},
-              "step": "resnet20->resnet8 kd+at fp32 bs16 3x32x32 cpu"}
+    result = {
+        "threads": torch.get_num_threads(),
+        "stamped_median_ms": stamped_ms,
+        "plain_median_ms": plain_ms,
+        "ratio": ratio,
+        "pooled_ratio": stamped_ms / plain_ms,
+        "round_ratios": round_ratios,
+        "tolerance": TOLERANCE,
+        "n": {k: len(v) for k, v in samples.items()},
+        "phase_medians_ms": {p: statistics.median(v) for p, v in phases.items()},
+        "step": "resnet20->resnet8 kd+at fp32 bs16 3x32x32 cpu",
+    }
     report_line(f"phase stamps on vs off, {result['step']}, {result['threads']} threads:")
-    report_line(f"  with stamps {stamped_ms:.3f} ms over {result['n']['stamped']} steps, without {plain_ms:.3f} ms "
-                f"over {result['n']['plain']} (pooled ratio {result['pooled_ratio']:.4f}); median of the {ROUNDS} "
-                f"paired round ratios {ratio:.4f} (must be within 1 ± {TOLERANCE}); saved to {OUT}")
+    report_line(
+        f"  with stamps {stamped_ms:.3f} ms over {result['n']['stamped']} steps, without {plain_ms:.3f} ms "
+        f"over {result['n']['plain']} (pooled ratio {result['pooled_ratio']:.4f}); median of the {ROUNDS} "
+        f"paired round ratios {ratio:.4f} (must be within 1 ± {TOLERANCE}); saved to {OUT}"
+    )
     report_line("  phase medians (ms): " + ", ".join(f"{p} {v:.3f}" for p, v in result["phase_medians_ms"].items()))
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2))

@@ -57,18 +57,28 @@ def test_step_median_agrees_with_torch_benchmark_timer(benchmark, report_line, c
     # on this drifting VM, strayed to 0.946 in one CI run whose paired median was 0.990.)
     ratio = statistics.median(r["ratio"] for r in rounds)
     pooled = statistics.median(ours_all) / statistics.median(theirs_all)
-    result = {"threads": threads, "rounds": rounds, "kdbench_median_ms": statistics.median(ours_all),
-              "torch_timer_median_ms": statistics.median(theirs_all), "ratio": ratio, "pooled_ratio": pooled,
-              "tolerance": TOLERANCE,
-              "step": "resnet20->resnet8 kd fp32 bs16 3x32x32 cpu"}
+    result = {
+        "threads": threads,
+        "rounds": rounds,
+        "kdbench_median_ms": statistics.median(ours_all),
+        "torch_timer_median_ms": statistics.median(theirs_all),
+        "ratio": ratio,
+        "pooled_ratio": pooled,
+        "tolerance": TOLERANCE,
+        "step": "resnet20->resnet8 kd fp32 bs16 3x32x32 cpu",
+    }
     report_line(f"kdbench vs torch.utils.benchmark.Timer, {result['step']}, {threads} threads (ms per step):")
     for i, r in enumerate(rounds):
-        report_line(f"  round {i}: kdbench {r['kdbench_ms']:.3f}  Timer {r['torch_timer_ms']:.3f}  "
-                    f"ratio {r['ratio']:.4f}")
-    report_line(f"  pooled medians: kdbench {result['kdbench_median_ms']:.3f} ms over {len(ours_all)} steps, "
-                f"Timer {result['torch_timer_median_ms']:.3f} ms over {len(theirs_all)}; ratio {pooled:.4f}")
-    report_line(f"  median of the {ROUNDS} paired round ratios: {ratio:.4f} (must be within 1 ± {TOLERANCE}); "
-                f"saved to {OUT}")
+        report_line(
+            f"  round {i}: kdbench {r['kdbench_ms']:.3f}  Timer {r['torch_timer_ms']:.3f}  ratio {r['ratio']:.4f}"
+        )
+    report_line(
+        f"  pooled medians: kdbench {result['kdbench_median_ms']:.3f} ms over {len(ours_all)} steps, "
+        f"Timer {result['torch_timer_median_ms']:.3f} ms over {len(theirs_all)}; ratio {pooled:.4f}"
+    )
+    report_line(
+        f"  median of the {ROUNDS} paired round ratios: {ratio:.4f} (must be within 1 ± {TOLERANCE}); saved to {OUT}"
+    )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2))
     benchmark.extra_info.update(result)

@@ -24,12 +24,14 @@ def cpu_step():
     and its backend; the step the benchmarks measure."""
 
     def make(method: str = "kd"):
-        config = CellConfig.model_validate({
-            "pair": {"teacher": "resnet20", "student": "resnet8"},
-            "batch_size": 16,
-            "method": method,
-            "data": {"shape": [3, 32, 32], "num_classes": 100},
-        })
+        config = CellConfig.model_validate(
+            {
+                "pair": {"teacher": "resnet20", "student": "resnet8"},
+                "batch_size": 16,
+                "method": method,
+                "data": {"shape": [3, 32, 32], "num_classes": 100},
+            }
+        )
         backend = resolve("cpu")
         torch.manual_seed(0)
         teacher = build_model("resnet20", 100, (3, 32, 32))

@@ -35,29 +35,61 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a suite: measure every cell, store parquet, render the report")
     run.add_argument("suite", type=Path, help="suite YAML file, e.g. suites/cpu.yaml")
-    run.add_argument("--out", type=Path, default=Path("results"), help="folder for the run's parquet file (default: results/)")
-    run.add_argument("--report-dir", type=Path, default=Path("reports"), help="folder for the HTML/PNG report (default: reports/)")
+    run.add_argument(
+        "--out", type=Path, default=Path("results"), help="folder for the run's parquet file (default: results/)"
+    )
+    run.add_argument(
+        "--report-dir", type=Path, default=Path("reports"), help="folder for the HTML/PNG report (default: reports/)"
+    )
     run.add_argument("--no-report", action="store_true", help="store results only, render no report")
-    run.add_argument("--device", choices=["auto", "cpu", "cuda", "rocm"], default=None,
-                     help="where to run, overriding the suite's `backend` (auto picks the GPU when there is one)")
-    run.add_argument("--threads", type=int, default=None,
-                     help="torch CPU threads (default: the suite's `threads`, else torch's default for this machine)")
-    run.add_argument("--allow-imports", action="store_true",
-                     help="allow `module:callable` user models, as `allow_imports: true` in the suite does")
+    run.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda", "rocm"],
+        default=None,
+        help="where to run, overriding the suite's `backend` (auto picks the GPU when there is one)",
+    )
+    run.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: the suite's `threads`, else torch's default for this machine)",
+    )
+    run.add_argument(
+        "--allow-imports",
+        action="store_true",
+        help="allow `module:callable` user models, as `allow_imports: true` in the suite does",
+    )
     run.add_argument("--dry-run", action="store_true", help="validate the suite and print the plan; run nothing")
-    run.add_argument("--resume", action="store_true",
-                     help="continue the newest run of this suite in --out: measure only the cells not stored yet")
-    run.add_argument("--cell-timeout", type=float, default=None, metavar="SECONDS",
-                     help="stop a cell that runs longer and record it as `timeout` (default: the suite's "
-                          "`cell_timeout_s`, 3600)")
-    run.add_argument("--shard", default=None, metavar="I/N",
-                     help="run only share I of N of the plan (every N-th cell from the I-th), e.g. one task of a "
-                          "Slurm job array; `report` merges the shares' files")
-    run.add_argument("--profile", action="store_true",
-                     help="also write a torch.profiler Chrome trace of each cell's step (a separate pass after "
-                          "timing) under OUT/traces/, and list its top operators in the report; as `profile: true`")
-    run.add_argument("--inline", action="store_true",
-                     help="measure in this process instead of a worker process (no crash isolation; for debugging)")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the newest run of this suite in --out: measure only the cells not stored yet",
+    )
+    run.add_argument(
+        "--cell-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop a cell that runs longer and record it as `timeout` (default: the suite's `cell_timeout_s`, 3600)",
+    )
+    run.add_argument(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="run only share I of N of the plan (every N-th cell from the I-th), e.g. one task of a "
+        "Slurm job array; `report` merges the shares' files",
+    )
+    run.add_argument(
+        "--profile",
+        action="store_true",
+        help="also write a torch.profiler Chrome trace of each cell's step (a separate pass after "
+        "timing) under OUT/traces/, and list its top operators in the report; as `profile: true`",
+    )
+    run.add_argument(
+        "--inline",
+        action="store_true",
+        help="measure in this process instead of a worker process (no crash isolation; for debugging)",
+    )
 
     rep = sub.add_parser("report", help="render an HTML/PNG report from result files")
     rep.add_argument("results", nargs="+", type=Path, help="parquet files, or folders searched for them")
@@ -65,18 +97,30 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("env", help="show the backend, devices and software kdbench detects")
 
-    probe = sub.add_parser("probe", help="measure this device's ceilings (matmul TFLOP/s per dtype, copy GB/s) "
-                                         "for later runs' utilisation")
-    probe.add_argument("--out", type=Path, default=Path("results"),
-                       help="results folder; the probe goes to OUT/probes/ where `run --out OUT` finds it "
-                            "(default: results/)")
-    probe.add_argument("--device", choices=["auto", "cpu", "cuda", "rocm"], default="auto",
-                       help="which device to probe (default: auto, the GPU when there is one)")
+    probe = sub.add_parser(
+        "probe", help="measure this device's ceilings (matmul TFLOP/s per dtype, copy GB/s) for later runs' utilisation"
+    )
+    probe.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results"),
+        help="results folder; the probe goes to OUT/probes/ where `run --out OUT` finds it (default: results/)",
+    )
+    probe.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda", "rocm"],
+        default="auto",
+        help="which device to probe (default: auto, the GPU when there is one)",
+    )
     probe.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's default)")
-    probe.add_argument("--size", type=int, default=None,
-                       help="matmul side n (default: 2048 on the CPU, 8192 on GPUs)")
-    probe.add_argument("--min-time", type=float, default=0.5, metavar="SECONDS",
-                       help="minimum timed duration per measurement (default: 0.5)")
+    probe.add_argument("--size", type=int, default=None, help="matmul side n (default: 2048 on the CPU, 8192 on GPUs)")
+    probe.add_argument(
+        "--min-time",
+        type=float,
+        default=0.5,
+        metavar="SECONDS",
+        help="minimum timed duration per measurement (default: 0.5)",
+    )
 
     lst = sub.add_parser("list", help="list models or distillation methods")
     lst.add_argument("what", choices=["models", "methods"])
@@ -121,12 +165,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
             inf = ",".join(str(b) for b in cell.config.inference.batch_sizes) or "-"
             print(f"{cell.index + 1:4d}  {cell.cell_id}  {cell.label}  (inference bs {inf})")
         d = detect()
-        here = "available here" if requested in ("auto", "cpu") or d.best == requested else f"NOT available here: {d.describe()}"
+        here = (
+            "available here"
+            if requested in ("auto", "cpu") or d.best == requested
+            else f"NOT available here: {d.describe()}"
+        )
         if run_quality_here:
             q = suite.quality
             jobs = quality_jobs(c.config for c in cells)
-            print(f"after the cells, quality on {q.dataset}: {q.seeds} seed(s) x (teachers, scratch students and "
-                  f"{len(jobs)} distillation(s)), {q.epochs} epochs each")
+            print(
+                f"after the cells, quality on {q.dataset}: {q.seeds} seed(s) x (teachers, scratch students and "
+                f"{len(jobs)} distillation(s)), {q.epochs} epochs each"
+            )
         print(f"{len(cells)} cells, {n_rows} measurements; suite '{suite.name}', backend {requested} ({here})")
         return 0
     try:
@@ -140,13 +190,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise KdbenchError(f"--cell-timeout must be > 0 seconds, got {args.cell_timeout}")
     alloc = detect_allocation()
     if alloc is not None:  # started once per rank by torchrun or srun
-        outcome = run_allocated(suite, cells, backend.name, args.out, threads, alloc=alloc, resume=args.resume,
-                                inline=args.inline, cell_timeout_s=args.cell_timeout)
+        outcome = run_allocated(
+            suite,
+            cells,
+            backend.name,
+            args.out,
+            threads,
+            alloc=alloc,
+            resume=args.resume,
+            inline=args.inline,
+            cell_timeout_s=args.cell_timeout,
+        )
         if outcome is None:
             return 0  # rank 0 stores, reports and sets the exit code
     else:
-        outcome = run_plan(suite, cells, backend, args.out, threads, resume=args.resume, inline=args.inline,
-                           cell_timeout_s=args.cell_timeout, profile=args.profile or suite.profile)
+        outcome = run_plan(
+            suite,
+            cells,
+            backend,
+            args.out,
+            threads,
+            resume=args.resume,
+            inline=args.inline,
+            cell_timeout_s=args.cell_timeout,
+            profile=args.profile or suite.profile,
+        )
     if not outcome.interrupted and alloc is None and run_quality_here:
         qual = run_quality_cell(suite, cells, backend, args.out, threads, resume=True)
         if qual is not None:
@@ -156,10 +224,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
             outcome.interrupted = qual.interrupted
             outcome.path = qual.path if not outcome.path.exists() else outcome.path
     if outcome.interrupted:
-        again = " ".join(shlex.quote(a) for a in ["kdbench", "run", str(args.suite), "--out", str(args.out), "--resume",
-                                                  *(["--device", args.device] if args.device else [])])
-        print(f"interrupted: {outcome.cells} cells stored in {outcome.path}; resume with:\n  {again}",
-              file=sys.stderr)
+        again = " ".join(
+            shlex.quote(a)
+            for a in [
+                "kdbench",
+                "run",
+                str(args.suite),
+                "--out",
+                str(args.out),
+                "--resume",
+                *(["--device", args.device] if args.device else []),
+            ]
+        )
+        print(f"interrupted: {outcome.cells} cells stored in {outcome.path}; resume with:\n  {again}", file=sys.stderr)
         return 130
     print(f"{outcome.cells} cells, {outcome.rows} rows -> {outcome.path}")
     if not args.no_report and outcome.path.exists():

@@ -6,7 +6,6 @@ line, without a traceback, and exits with code 2.  Every other exception is a bu
 or a failure inside a measurement.
 """
 
-
 import difflib
 
 

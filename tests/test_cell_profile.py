@@ -49,8 +49,7 @@ def _step(config, teacher, student):
 
 def test_flops_of_a_linear_step_are_analytic():
     b, d, c = 4, 1 * 8 * 8, 10
-    config = make_config(pair={"teacher": "linear", "student": "linear"},
-                         data={"shape": [1, 8, 8], "num_classes": c})
+    config = make_config(pair={"teacher": "linear", "student": "linear"}, data={"shape": [1, 8, 8], "num_classes": c})
     step = _step(config, build_model("linear", c, (1, 8, 8)), build_model("linear", c, (1, 8, 8)))
     flops = step_flops(step)
     mm = 2 * b * d * c
@@ -69,8 +68,11 @@ def test_flops_of_a_conv_step_are_analytic():
     assert flops["teacher_forward_flops"] == conv + fc
     # student: forward (conv + fc), backward: fc's weight and input grads, conv's weight grad only
     assert flops["student_flops"] == (conv + fc) + (2 * fc + conv)
-    cached = _step(config.model_copy(update={"teacher": config.teacher.model_copy(update={"mode": "cached"})}),
-                   ConvNet(c, (ch, h, w), k), ConvNet(c, (ch, h, w), k))
+    cached = _step(
+        config.model_copy(update={"teacher": config.teacher.model_copy(update={"mode": "cached"})}),
+        ConvNet(c, (ch, h, w), k),
+        ConvNet(c, (ch, h, w), k),
+    )
     f = step_flops(cached)
     assert f["teacher_forward_flops"] is None and f["flops"] == f["student_flops"] == 2 * conv + 3 * fc
 
@@ -122,8 +124,14 @@ def test_memory_peaks_are_positive_and_grow_with_batch_size():
     # One fresh process per batch size: a process's resident memory keeps what earlier work left.
     peaks = {}
     for bs in (2, 128):
-        out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(bs)], cwd=ROOT, capture_output=True,
-                             text=True, timeout=300, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", MEMORY_SCRIPT, str(bs)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
         peaks[bs] = json.loads(out.stdout.strip().splitlines()[-1])
     assert all(p["status"] == "ok" and p["memory_kind"] == "rss_hwm" for p in peaks.values())
     assert peaks[2]["peak_memory_bytes"] > 0
@@ -138,13 +146,26 @@ def test_simulated_nvml_readings_flow_into_energy_per_step():
     class FakeNvml:
         NVML_CLOCK_GRAPHICS, NVML_TEMPERATURE_GPU = 0, 0
 
-        def nvmlInit(self): pass
-        def nvmlShutdown(self): pass
-        def nvmlDeviceGetHandleByIndex(self, i): return i
-        def nvmlDeviceGetPowerUsage(self, h): return 300_000  # mW
-        def nvmlDeviceGetClockInfo(self, h, kind): return 1_800
-        def nvmlDeviceGetTemperature(self, h, kind): return 70
-        def nvmlDeviceGetUtilizationRates(self, h): return type("U", (), {"gpu": 95})()
+        def nvmlInit(self):
+            pass
+
+        def nvmlShutdown(self):
+            pass
+
+        def nvmlDeviceGetHandleByIndex(self, i):
+            return i
+
+        def nvmlDeviceGetPowerUsage(self, h):
+            return 300_000  # mW
+
+        def nvmlDeviceGetClockInfo(self, h, kind):
+            return 1_800
+
+        def nvmlDeviceGetTemperature(self, h, kind):
+            return 70
+
+        def nvmlDeviceGetUtilizationRates(self, h):
+            return type("U", (), {"gpu": 95})()
 
     sampler = TelemetrySampler(Backend("cuda", torch.device("cuda", 0)), library=FakeNvml())
     with sampler:
@@ -169,8 +190,9 @@ def test_no_telemetry_on_the_cpu_records_why_and_no_numbers():
 
 
 def test_utilisation_against_datasheet_and_measured_ceiling():
-    cols = utilization_columns(1e12, 10.0, "NVIDIA H100 80GB HBM3", "bf16",
-                               {"matmul_bf16": 500.0, "probe_id": "probe-x"})
+    cols = utilization_columns(
+        1e12, 10.0, "NVIDIA H100 80GB HBM3", "bf16", {"matmul_bf16": 500.0, "probe_id": "probe-x"}
+    )
     assert cols["achieved_tflops"] == pytest.approx(100.0)
     assert cols["datasheet_device"] == "H100 SXM"
     assert cols["mfu"] == pytest.approx(100.0 / cols["datasheet_peak_tflops"])

@@ -95,15 +95,20 @@ def test_failing_cell_is_recorded_and_exit_code_is_1(tmp_path, capsys, monkeypat
 
 
 def _cli(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "kdbench", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "kdbench", *args], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
 
 
 def test_user_errors_exit_2_with_one_line_and_no_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(TINY.replace("student: linear", "student: linaer"))
-    for args in (["run", str(bad)], ["run", str(tmp_path / "missing.yaml")], ["report", str(tmp_path)],
-                 ["run", str(ROOT / "suites" / "amd.yaml")]):
+    for args in (
+        ["run", str(bad)],
+        ["run", str(tmp_path / "missing.yaml")],
+        ["report", str(tmp_path)],
+        ["run", str(ROOT / "suites" / "amd.yaml")],
+    ):
         r = _cli(*args)
         assert r.returncode == 2, (args, r.stderr)
         assert "Traceback" not in r.stderr

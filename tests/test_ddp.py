@@ -55,8 +55,12 @@ def test_two_rank_gloo_cell(tmp_path):
 def test_fitnet_adapter_trains_under_ddp(tmp_path):
     # The regressor lives in the DDP-wrapped module with the student: its gradients are reduced too.
     suite = tmp_path / "ddp.yaml"
-    suite.write_text(DDP.replace("world_size: [1, 2]", "world_size: [2]").replace(
-        "pair: {teacher: resnet8, student: resnet8}", "pair: {teacher: resnet20, student: resnet8}\n  method: fitnet"))
+    suite.write_text(
+        DDP.replace("world_size: [1, 2]", "world_size: [2]").replace(
+            "pair: {teacher: resnet8, student: resnet8}",
+            "pair: {teacher: resnet20, student: resnet8}\n  method: fitnet",
+        )
+    )
     assert main(["run", str(suite), "--out", str(tmp_path), "--no-report"]) == 0
     df = read_results([tmp_path])
     assert (df["status"] == "ok").all(), df[["status", "error"]]
@@ -66,16 +70,23 @@ def test_fitnet_adapter_trains_under_ddp(tmp_path):
     assert step["flops"] > 0 and step["phase_backward_ms"] > 0 and step["peak_memory_bytes"] > 0
 
 
-@pytest.mark.parametrize("student,status,fragment", [
-    ("faulty_models:killed_rank1", "failed", "torchrun exited"),
-    ("faulty_models:raising_rank1", "failed", "injected failure"),
-    ("faulty_models:hang_rank1", "timeout", "time-out of 30 s"),
-])
+@pytest.mark.parametrize(
+    "student,status,fragment",
+    [
+        ("faulty_models:killed_rank1", "failed", "torchrun exited"),
+        ("faulty_models:raising_rank1", "failed", "injected failure"),
+        ("faulty_models:hang_rank1", "timeout", "time-out of 30 s"),
+    ],
+)
 def test_a_failing_rank_fails_the_cell_within_the_time_out(tmp_path, monkeypatch, student, status, fragment):
     monkeypatch.syspath_prepend(str(TESTS))  # passed on to the ranks through PYTHONPATH
-    text = (DDP.replace("student: resnet8}", f"student: '{student}'}}").replace("cell_timeout_s: 120", "cell_timeout_s: 30")
-            .replace("world_size: [1, 2]", "world_size: [2]").replace("[3, 16, 16]", "[1, 4, 4]")
-            .replace("teacher: resnet8", "teacher: linear"))
+    text = (
+        DDP.replace("student: resnet8}", f"student: '{student}'}}")
+        .replace("cell_timeout_s: 120", "cell_timeout_s: 30")
+        .replace("world_size: [1, 2]", "world_size: [2]")
+        .replace("[3, 16, 16]", "[1, 4, 4]")
+        .replace("teacher: resnet8", "teacher: linear")
+    )
     suite = tmp_path / "bad.yaml"
     suite.write_text(text)
     assert main(["run", str(suite), "--out", str(tmp_path), "--no-report"]) == 1
@@ -114,8 +125,13 @@ def test_scaling_efficiency_pairs_cells_that_differ_only_in_world_size():
 
     def row(ws, tp, **cfg):
         config = {"world_size": ws, "batch_size": 8, **cfg}
-        return {"measurement": "distill_step", "status": "ok", "world_size": ws, "throughput": tp,
-                "config_json": json.dumps(config)}
+        return {
+            "measurement": "distill_step",
+            "status": "ok",
+            "world_size": ws,
+            "throughput": tp,
+            "config_json": json.dumps(config),
+        }
 
     rows = [row(2, 150.0), row(1, 100.0), row(4, 320.0), row(2, 90.0, batch_size=16), row(1, 50.0, lr=1)]
     assert scaling_efficiency(rows)
@@ -133,9 +149,16 @@ def test_torchrun_flags_standalone_and_rendezvous():
     assert standalone == ["--standalone", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0"]
     launcher = LauncherConfig(nnodes=2, rdzv_endpoint="node0:29500", extra_args=["--log-dir", "logs"])
     multi = TorchrunWorker(resolve("cpu"), False, 2, launcher=launcher).torchrun_args(cell)
-    assert multi == ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500",
-                     f"--rdzv-id=kdbench-{cell.cell_id}", "--nproc-per-node=1", "--max-restarts=0",
-                     "--log-dir", "logs"]
+    assert multi == [
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=node0:29500",
+        f"--rdzv-id=kdbench-{cell.cell_id}",
+        "--nproc-per-node=1",
+        "--max-restarts=0",
+        "--log-dir",
+        "logs",
+    ]
 
 
 def _suite_from(text):
@@ -167,8 +190,7 @@ def test_detect_allocation_from_torchrun_and_slurm_environments():
     torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "n0", "TORCHELASTIC_RUN_ID": "x"}
     assert detect_allocation(torchrun) == Allocation(3, 4, 1, "torchrun")
     assert detect_allocation({**torchrun, "WORLD_SIZE": "1", "RANK": "0"}) is None  # one rank: a plain run
-    slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
-             "MASTER_ADDR": "n0"}
+    slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0", "MASTER_ADDR": "n0"}
     assert detect_allocation(slurm) == Allocation(5, 8, 1, "slurm")
     assert detect_allocation({**slurm, "SLURM_NTASKS": "1"}) is None
     assert detect_allocation({k: v for k, v in slurm.items() if k != "SLURM_STEP_ID"}) is None  # sbatch, not srun
@@ -182,8 +204,20 @@ def test_kdbench_started_by_torchrun_uses_the_allocation(tmp_path):
 
     suite = tmp_path / "alloc.yaml"
     suite.write_text(DDP.replace("world_size: [1, 2]", "world_size: [1, 2, 4]"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "kdbench",
-           "run", str(suite), "--out", str(tmp_path / "res"), "--no-report"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "kdbench",
+        "run",
+        str(suite),
+        "--out",
+        str(tmp_path / "res"),
+        "--no-report",
+    ]
     r = subprocess.run(cmd, cwd=TESTS.parent, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "2 ranks of a torchrun allocation" in r.stdout

@@ -16,7 +16,7 @@ FILES = sorted(CORPUS.glob("*.yaml"))
 def _expected(path: Path) -> str:
     first = path.read_bytes().splitlines()[0].decode("ascii")
     assert first.startswith("# expect: ")
-    return first[len("# expect: "):]
+    return first[len("# expect: ") :]
 
 
 def test_corpus_is_large_enough():
@@ -43,8 +43,9 @@ def test_malformed_suite(path, tmp_path, capsys):
 @pytest.mark.parametrize("stem", ["unknown_model", "yaml_syntax", "billion_laughs"])
 def test_no_traceback_from_the_real_command(stem):
     path = CORPUS / f"{stem}.yaml"
-    r = subprocess.run([sys.executable, "-m", "kdbench", "run", str(path), "--dry-run"], capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "kdbench", "run", str(path), "--dry-run"], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 

@@ -173,16 +173,19 @@ def test_fitnet_term_is_beta_times_mse_of_adapted_hint():
     assert loss(inp).item() == pytest.approx(math.log(4) + 100.0 * mse, rel=1e-6)  # CE of uniform logits + hint
 
 
-@pytest.mark.parametrize("s_shape,t_shape,kind", [
-    ((2, 8, 16, 16), (2, 16, 16, 16), nn.Conv2d),           # same size
-    ((2, 8, 16, 16), (2, 16, 8, 8), nn.Conv2d),             # student 2x larger: stride 2
-    ((2, 8, 4, 4), (2, 16, 8, 8), nn.ConvTranspose2d),      # student 2x smaller: transposed conv
-    ((2, 8, 5, 5), (2, 16, 3, 3), nn.Conv2d),               # no integer ratio: conv + pooling
-    ((2, 8, 3, 3), (2, 16, 5, 5), nn.Conv2d),               # no integer ratio, smaller: conv + interpolation
-    ((2, 8, 10), (2, 16, 17), nn.Linear),                   # tokens of different lengths
-    ((2, 8, 4, 4), (2, 16, 17), nn.Linear),                 # a map against tokens: pooled
-    ((2, 8), (2, 16), nn.Linear),                           # vectors
-])
+@pytest.mark.parametrize(
+    "s_shape,t_shape,kind",
+    [
+        ((2, 8, 16, 16), (2, 16, 16, 16), nn.Conv2d),  # same size
+        ((2, 8, 16, 16), (2, 16, 8, 8), nn.Conv2d),  # student 2x larger: stride 2
+        ((2, 8, 4, 4), (2, 16, 8, 8), nn.ConvTranspose2d),  # student 2x smaller: transposed conv
+        ((2, 8, 5, 5), (2, 16, 3, 3), nn.Conv2d),  # no integer ratio: conv + pooling
+        ((2, 8, 3, 3), (2, 16, 5, 5), nn.Conv2d),  # no integer ratio, smaller: conv + interpolation
+        ((2, 8, 10), (2, 16, 17), nn.Linear),  # tokens of different lengths
+        ((2, 8, 4, 4), (2, 16, 17), nn.Linear),  # a map against tokens: pooled
+        ((2, 8), (2, 16), nn.Linear),  # vectors
+    ],
+)
 def test_regressor_maps_student_to_teacher_shape(s_shape, t_shape, kind):
     reg = regressor(torch.Size(s_shape), torch.Size(t_shape))
     assert any(isinstance(m, kind) for m in reg.modules())
@@ -239,16 +242,19 @@ class TinyCNN(nn.Module):
         return self.fc(self.pool(self.c(self.b(self.a(x)))).flatten(1))
 
 
-@pytest.mark.parametrize("name,shape,want", [
-    ("resnet20", [3, 32, 32], ["layer1", "layer2", "layer3"]),
-    ("wrn_16_2", [3, 32, 32], ["layer1", "layer2", "layer3"]),
-    ("resnet18", [3, 64, 64], ["layer1", "layer2", "layer3", "layer4"]),
-    ("mobilenet_v3_small", [3, 64, 64], ["features.1", "features.3", "features.8", "features.12"]),
-    ("efficientnet_b0", [3, 64, 64], ["features.2", "features.3", "features.5", "features.8"]),
-    ("shufflenet_v2_x0_5", [3, 64, 64], ["maxpool", "stage2", "stage3", "conv5"]),
-    ("swin_t", [3, 64, 64], ["features.1", "features.3", "features.5", "features.7"]),
-    ("vit_b_16", [3, 64, 64], [f"encoder.layers.encoder_layer_{i}" for i in (2, 5, 8, 11)]),
-])
+@pytest.mark.parametrize(
+    "name,shape,want",
+    [
+        ("resnet20", [3, 32, 32], ["layer1", "layer2", "layer3"]),
+        ("wrn_16_2", [3, 32, 32], ["layer1", "layer2", "layer3"]),
+        ("resnet18", [3, 64, 64], ["layer1", "layer2", "layer3", "layer4"]),
+        ("mobilenet_v3_small", [3, 64, 64], ["features.1", "features.3", "features.8", "features.12"]),
+        ("efficientnet_b0", [3, 64, 64], ["features.2", "features.3", "features.5", "features.8"]),
+        ("shufflenet_v2_x0_5", [3, 64, 64], ["maxpool", "stage2", "stage3", "conv5"]),
+        ("swin_t", [3, 64, 64], ["features.1", "features.3", "features.5", "features.7"]),
+        ("vit_b_16", [3, 64, 64], [f"encoder.layers.encoder_layer_{i}" for i in (2, 5, 8, 11)]),
+    ],
+)
 def test_default_feature_paths_per_family(name, shape, want):
     torch.manual_seed(0)
     model = build_model(name, 10, tuple(shape))
@@ -288,8 +294,10 @@ def _step(config, mode=None, models=None):
     if models is None:
         torch.manual_seed(0)
         shape = tuple(config.data.shape)
-        models = (build_model(config.pair.teacher, config.data.num_classes, shape),
-                  build_model(config.pair.student, config.data.num_classes, shape))
+        models = (
+            build_model(config.pair.teacher, config.data.num_classes, shape),
+            build_model(config.pair.student, config.data.num_classes, shape),
+        )
     x, y = synthetic_batch(config, config.batch_size, CPU.device, 0)
     return DistillStep(models[0], models[1], x, y, config, CPU)
 
@@ -333,8 +341,12 @@ def test_cached_and_live_teachers_give_the_same_loss(method):
 @pytest.mark.parametrize("method", ["kd", "fitnet", "at", "kd+at", "dkd"])
 @pytest.mark.parametrize("pair", [("resnet20", "resnet8"), ("resnet18", "mobilenet_v3_small")])
 def test_every_method_steps_on_cifar_and_heterogeneous_pairs(pair, method, precision):
-    config = make_config(pair={"teacher": pair[0], "student": pair[1]}, method=method, precision=precision,
-                         data={"shape": [3, 32, 32], "num_classes": 10})
+    config = make_config(
+        pair={"teacher": pair[0], "student": pair[1]},
+        method=method,
+        precision=precision,
+        data={"shape": [3, 32, 32], "num_classes": 10},
+    )
     step = _step(config)
     step()
     step()

@@ -196,9 +196,14 @@ def test_construction_is_deterministic_under_seed(name):
 
 @pytest.mark.parametrize(
     "name,shape,fragment",
-    [("alexnet", (3, 32, 32), "at least 63x63"), ("inception_v3", (3, 64, 64), "at least 75x75"),
-     ("maxvit_t", (3, 64, 64), "multiples of 224"), ("vit_b_16", (3, 40, 40), "patch size 16"),
-     ("resnet18", (1, 64, 64), "3-channel"), ("resnet20", (3, 4, 4), "at least 8x8")],
+    [
+        ("alexnet", (3, 32, 32), "at least 63x63"),
+        ("inception_v3", (3, 64, 64), "at least 75x75"),
+        ("maxvit_t", (3, 64, 64), "multiples of 224"),
+        ("vit_b_16", (3, 40, 40), "patch size 16"),
+        ("resnet18", (1, 64, 64), "3-channel"),
+        ("resnet20", (3, 4, 4), "at least 8x8"),
+    ],
 )
 def test_input_shapes_a_model_cannot_take_are_refused_before_building(name, shape, fragment):
     from kdbench.models import check_model_input

@@ -34,8 +34,12 @@ def test_cartesian_product_in_matrix_order(tmp_path):
     cells = expand(load_suite(write(tmp_path, BASE)))
     got = [(c.config.pair.teacher, c.config.precision) for c in cells]
     assert got == [
-        ("resnet56", "fp32"), ("resnet56", "bf16"), ("resnet56", "fp16"),
-        ("resnet32x4", "fp32"), ("resnet32x4", "bf16"), ("resnet32x4", "fp16"),
+        ("resnet56", "fp32"),
+        ("resnet56", "bf16"),
+        ("resnet56", "fp16"),
+        ("resnet32x4", "fp32"),
+        ("resnet32x4", "bf16"),
+        ("resnet32x4", "fp16"),
     ]
     assert [c.index for c in cells] == list(range(6))
     # defaults flow into every cell, nested defaults keep their siblings
@@ -44,11 +48,14 @@ def test_cartesian_product_in_matrix_order(tmp_path):
 
 
 def test_exclude_by_partial_match(tmp_path):
-    text = BASE + """
+    text = (
+        BASE
+        + """
 exclude:
   - {pair: {student: resnet8x4}, precision: fp16}
   - {precision: bf16, pair: {teacher: resnet56}}
 """
+    )
     cells = expand(load_suite(write(tmp_path, text)))
     got = {(c.config.pair.student, c.config.precision) for c in cells}
     assert got == {("resnet20", "fp32"), ("resnet20", "fp16"), ("resnet8x4", "fp32"), ("resnet8x4", "bf16")}
@@ -67,10 +74,16 @@ matrix:
     - {batch_size: 16, data: {num_classes: 10}}
 """
     cells = expand(load_suite(write(tmp_path, text)))
-    got = [(c.config.kd.temperature, c.config.kd.alpha, c.config.batch_size, c.config.precision,
-            c.config.data.num_classes) for c in cells]
-    assert got == [(1.0, 0.5, 4, "bf16", 100), (1.0, 0.5, 16, "fp32", 10),
-                   (8.0, 0.5, 4, "bf16", 100), (8.0, 0.5, 16, "fp32", 10)]
+    got = [
+        (c.config.kd.temperature, c.config.kd.alpha, c.config.batch_size, c.config.precision, c.config.data.num_classes)
+        for c in cells
+    ]
+    assert got == [
+        (1.0, 0.5, 4, "bf16", 100),
+        (1.0, 0.5, 16, "fp32", 10),
+        (8.0, 0.5, 4, "bf16", 100),
+        (8.0, 0.5, 16, "fp32", 10),
+    ]
 
 
 def test_cell_id_is_stable_and_depends_on_config_only(tmp_path):
@@ -100,13 +113,20 @@ def test_planned_measurements():
     from tests.conftest import make_config
 
     cfg = make_config(inference={"batch_sizes": [1, 8]})
-    assert planned_measurements(cfg) == [("distill_step", 4), ("student_inference", 1), ("teacher_inference", 1),
-                                         ("student_inference", 8), ("teacher_inference", 8)]
+    assert planned_measurements(cfg) == [
+        ("distill_step", 4),
+        ("student_inference", 1),
+        ("teacher_inference", 1),
+        ("student_inference", 8),
+        ("teacher_inference", 8),
+    ]
     cfg = make_config(inference={"batch_sizes": [2], "teacher": False})
     assert planned_measurements(cfg) == [("distill_step", 4), ("student_inference", 2)]
 
 
-@pytest.mark.parametrize("name,cells", [("cpu", 4), ("amd", 36), ("cuda", 36), ("seeds", 2), ("methods", 40), ("gpu-smoke", 4)])
+@pytest.mark.parametrize(
+    "name,cells", [("cpu", 4), ("amd", 36), ("cuda", 36), ("seeds", 2), ("methods", 40), ("gpu-smoke", 4)]
+)
 def test_shipped_suites_plan(name, cells):
     plan = expand(load_suite(SUITES / f"{name}.yaml"))
     assert len(plan) == cells
@@ -142,10 +162,16 @@ def test_seed_suite_setups():
         (BASE.replace("batch_size: 8", "batchsize: 8"), [":4:", "defaults.batchsize", "did you mean 'batch_size'"]),
         (BASE.replace("batch_size: 8", "batch_size: eight"), [":4:", "defaults.batch_size", "integer"]),
         (BASE.replace("batch_size: 8", "batch_size: 0"), ["defaults.batch_size", "greater than or equal to 1"]),
-        (BASE.replace("[fp32, bf16, fp16]", "[fp32, fp8]"), [":10:", "matrix.precision[1]", "'fp32', 'fp16' or 'bf16'"]),
+        (
+            BASE.replace("[fp32, bf16, fp16]", "[fp32, fp8]"),
+            [":10:", "matrix.precision[1]", "'fp32', 'fp16' or 'bf16'"],
+        ),
         (BASE.replace("resnet20", "resnt20"), ["matrix.pair.student", "unknown model 'resnt20'", "resnet20"]),
         (BASE.replace("precision:", "precison:"), ["matrix.precison", "did you mean 'precision'"]),
-        (BASE + "exclude:\n  - {pair: {student: resnet20}}\n  - {pair: {student: resnet8x4}}\n", ["excludes every cell"]),
+        (
+            BASE + "exclude:\n  - {pair: {student: resnet20}}\n  - {pair: {student: resnet8x4}}\n",
+            ["excludes every cell"],
+        ),
         (BASE.replace("batch_size: 8", "batch_size: 8\n  batch_size: 9"), [":5:", "duplicate key"]),
         (BASE.replace("defaults:", "defaults:\n  alignment: 48"), ["defaults.alignment", "power of two"]),
         (BASE.replace("defaults:", "defaults:\n  method: kdd"), ["defaults.method", "unknown method 'kdd'"]),

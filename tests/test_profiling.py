@@ -118,8 +118,17 @@ def test_unknown_names_have_no_peak(name):
 
 
 def test_peak_table_shape_and_unknown_dtype():
-    assert set(PEAKS) == {"MI300X", "MI250X (per GCD)", "MI210", "H200 SXM", "H100 SXM", "H100 PCIe", "A100", "L4",
-                          "T4"}
+    assert set(PEAKS) == {
+        "MI300X",
+        "MI250X (per GCD)",
+        "MI210",
+        "H200 SXM",
+        "H100 SXM",
+        "H100 PCIe",
+        "A100",
+        "L4",
+        "T4",
+    }
     assert all(set(v) == {"fp32", "fp16", "bf16"} for v in PEAKS.values())
     with pytest.raises(KdbenchError, match="unknown dtype 'tf32'"):
         datasheet_peak("NVIDIA L4", "tf32")
@@ -316,8 +325,11 @@ def fake_amdsmi(log):
         amdsmi_init=lambda: log.append("init"),
         amdsmi_get_processor_handles=lambda: ["gpu0", "gpu1"],
         # MI200-style: current_socket_power unsupported ("N/A"), the average is reported
-        amdsmi_get_power_info=lambda h: {"current_socket_power": "N/A", "average_socket_power": 250,
-                                         "power_limit": 500},
+        amdsmi_get_power_info=lambda h: {
+            "current_socket_power": "N/A",
+            "average_socket_power": 250,
+            "power_limit": 500,
+        },
         amdsmi_get_clock_info=lambda h, kind: {"clk": 2100 if kind == "gfx" else 1300, "min_clk": 500},
         amdsmi_get_temp_metric=temp,
         amdsmi_get_gpu_activity=lambda h: {"gfx_activity": 88, "umc_activity": 20, "mm_activity": "N/A"},
@@ -348,8 +360,19 @@ def test_amdsmi_old_clock_key():
 
 
 def _all_numbers_none(t):
-    return all(v is None for v in (t.mean_power_w, t.max_power_w, t.mean_clock_mhz, t.max_temp_c, t.mean_util_pct,
-                                   t.energy_j, t.energy_per_step_j, t.samples_per_joule))
+    return all(
+        v is None
+        for v in (
+            t.mean_power_w,
+            t.max_power_w,
+            t.mean_clock_mhz,
+            t.max_temp_c,
+            t.mean_util_pct,
+            t.energy_j,
+            t.energy_per_step_j,
+            t.samples_per_joule,
+        )
+    )
 
 
 def test_cpu_backend_has_no_telemetry(cpu):
@@ -394,7 +417,10 @@ def test_library_not_importable(monkeypatch):
 def test_measure_ceilings_on_cpu(cpu):
     rows = measure_ceilings(cpu, dtypes=("fp32", "bf16"), matmul_n=128, copy_bytes=MiB, min_time_s=0.01)
     assert [(r["kind"], r["dtype"], r["size"], r["unit"]) for r in rows] == [
-        ("matmul", "fp32", 128, "TFLOP/s"), ("matmul", "bf16", 128, "TFLOP/s"), ("copy", "uint8", MiB, "GB/s")]
+        ("matmul", "fp32", 128, "TFLOP/s"),
+        ("matmul", "bf16", 128, "TFLOP/s"),
+        ("copy", "uint8", MiB, "GB/s"),
+    ]
     for r in rows:
         assert r["error"] is None
         assert math.isfinite(r["value"]) and r["value"] > 0
@@ -432,25 +458,48 @@ def test_unsupported_dtype_gives_an_error_row(cpu, monkeypatch):
 
     def mm(a, b):
         if a.dtype == torch.float16:
-            raise RuntimeError('"addmm_impl_cpu_" not implemented for \'Half\'\nmore detail')
+            raise RuntimeError("\"addmm_impl_cpu_\" not implemented for 'Half'\nmore detail")
         return real_mm(a, b)
 
     monkeypatch.setattr(torch, "mm", mm)
     rows = measure_ceilings(cpu, dtypes=("fp16", "fp32"), matmul_n=32, copy_bytes=4096, min_time_s=0)
     assert rows[0]["value"] is None and rows[0]["median_ms"] is None
-    assert rows[0]["error"] == '"addmm_impl_cpu_" not implemented for \'Half\''
+    assert rows[0]["error"] == "\"addmm_impl_cpu_\" not implemented for 'Half'"
     assert rows[1]["error"] is None and rows[1]["value"] > 0
     with pytest.raises(KdbenchError, match="unknown dtype"):
         measure_ceilings(cpu, dtypes=("fp8",))
 
 
 def _rows(fp32, bf16=None, copy=100.0):
-    rows = [{"kind": "matmul", "dtype": "fp32", "size": 64, "value": fp32, "unit": "TFLOP/s", "median_ms": 1.0,
-             "error": None},
-            {"kind": "matmul", "dtype": "bf16", "size": 64, "value": bf16, "unit": "TFLOP/s", "median_ms": None,
-             "error": None if bf16 is not None else "not supported"},
-            {"kind": "copy", "dtype": "uint8", "size": 1024, "value": copy, "unit": "GB/s", "median_ms": 0.5,
-             "error": None}]
+    rows = [
+        {
+            "kind": "matmul",
+            "dtype": "fp32",
+            "size": 64,
+            "value": fp32,
+            "unit": "TFLOP/s",
+            "median_ms": 1.0,
+            "error": None,
+        },
+        {
+            "kind": "matmul",
+            "dtype": "bf16",
+            "size": 64,
+            "value": bf16,
+            "unit": "TFLOP/s",
+            "median_ms": None,
+            "error": None if bf16 is not None else "not supported",
+        },
+        {
+            "kind": "copy",
+            "dtype": "uint8",
+            "size": 1024,
+            "value": copy,
+            "unit": "GB/s",
+            "median_ms": 0.5,
+            "error": None,
+        },
+    ]
     return rows
 
 
@@ -470,8 +519,22 @@ def test_write_probe_file(tmp_path, monkeypatch):
     assert re.fullmatch(r"probe-20260304-050607-[0-9a-f]{6}\.parquet", path.name)
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left behind
     table = pq.read_table(path)
-    assert table.column_names == ["probe_id", "timestamp", "kind", "dtype", "size", "value", "unit", "median_ms",
-                                  "p05_ms", "error", "device_name", "backend", "device_count", "hip_version"]
+    assert table.column_names == [
+        "probe_id",
+        "timestamp",
+        "kind",
+        "dtype",
+        "size",
+        "value",
+        "unit",
+        "median_ms",
+        "p05_ms",
+        "error",
+        "device_name",
+        "backend",
+        "device_count",
+        "hip_version",
+    ]
     rows = table.to_pylist()
     assert {r["probe_id"] for r in rows} == {path.stem}
     assert rows[0]["timestamp"] == datetime(2026, 3, 4, 5, 6, 7, tzinfo=timezone.utc)

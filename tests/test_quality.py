@@ -38,8 +38,15 @@ def one_thread():
 
 def _job(method, teacher="resnet8", student="resnet8", shape=SHAPE):
     # The cell says 100 classes; the quality run must use the data set's 10.
-    return QualityJob(make_config(method=method, pair={"teacher": teacher, "student": student},
-                                  data={"shape": shape, "num_classes": 100}, pad_to=8, teacher={"mode": "cached"}))
+    return QualityJob(
+        make_config(
+            method=method,
+            pair={"teacher": teacher, "student": student},
+            data={"shape": shape, "num_classes": 100},
+            pad_to=8,
+            teacher={"mode": "cached"},
+        )
+    )
 
 
 # --- configuration ---------------------------------------------------------------------------
@@ -48,7 +55,13 @@ def _job(method, teacher="resnet8", student="resnet8", shape=SHAPE):
 def test_config_defaults_and_root_rules():
     cfg = QualityConfig()
     assert (cfg.dataset, cfg.epochs, cfg.seeds, cfg.target, cfg.batch_size, cfg.optimizer) == (
-        "digits", 20, 3, 0.95, 64, "sgd")
+        "digits",
+        20,
+        3,
+        0.95,
+        64,
+        "sgd",
+    )
     opt = cfg.optimizer_config()
     assert (opt.name, opt.lr, opt.weight_decay, opt.momentum) == ("sgd", 0.05, 5e-4, 0.9)
     for dataset in ("imagefolder", "cifar10", "cifar100"):
@@ -188,8 +201,11 @@ def test_rows_one_per_model_and_seed(two_methods):
     assert all(tuple(r) == ROW_KEYS for r in rows)
     assert all(r["status"] == "ok" and r["error"] is None for r in rows), [r["error"] for r in rows]
     roles = [(r["seed"], r["quality_role"], r["method"]) for r in rows]
-    assert roles == [(s, role, m) for s in (0, 1)
-                     for role, m in (("teacher", None), ("scratch", None), ("distilled", "kd"), ("distilled", "dkd"))]
+    assert roles == [
+        (s, role, m)
+        for s in (0, 1)
+        for role, m in (("teacher", None), ("scratch", None), ("distilled", "kd"), ("distilled", "dkd"))
+    ]
     for r in rows:
         assert r["measurement"] == "quality" and r["quality_dataset"] == "digits"
         assert (r["quality_epochs"], r["quality_target"], r["batch_size"], r["precision"]) == (3, 0.95, 64, "fp32")
@@ -279,10 +295,21 @@ def test_summary_of_real_rows(two_methods):
 
 def _hand_rows():
     def row(role, method, seed, acc, agr, ttt, status="ok", student="s"):
-        return {"measurement": "quality", "status": status, "quality_role": role, "teacher": "t",
-                "student": None if role == "teacher" else student, "method": method, "seed": seed,
-                "accuracy": acc, "best_accuracy": acc, "agreement": agr, "time_to_target_s": ttt,
-                "epochs_to_target": None if ttt is None else 2, "train_time_s": 10.0}
+        return {
+            "measurement": "quality",
+            "status": status,
+            "quality_role": role,
+            "teacher": "t",
+            "student": None if role == "teacher" else student,
+            "method": method,
+            "seed": seed,
+            "accuracy": acc,
+            "best_accuracy": acc,
+            "agreement": agr,
+            "time_to_target_s": ttt,
+            "epochs_to_target": None if ttt is None else 2,
+            "train_time_s": 10.0,
+        }
 
     rows = [
         row("distilled", "kd", 0, 0.86, 0.90, 4.0),
@@ -301,7 +328,11 @@ def _hand_rows():
 def test_summarize_quality_against_numpy():
     summary = summarize_quality(_hand_rows())
     assert list(zip(summary["quality_role"], summary["method"].fillna("-"))) == [
-        ("teacher", "-"), ("scratch", "-"), ("distilled", "at"), ("distilled", "kd")]
+        ("teacher", "-"),
+        ("scratch", "-"),
+        ("distilled", "at"),
+        ("distilled", "kd"),
+    ]
     t, sc, at, kd = (summary.iloc[i] for i in range(4))
     assert t["n"] == 3 and math.isclose(t["accuracy_mean"], np.mean([0.90, 0.92, 0.94]))
     assert math.isclose(t["accuracy_std"], np.std([0.90, 0.92, 0.94], ddof=1))
@@ -360,7 +391,11 @@ def test_run_stores_quality_rows_once_and_resume_keeps_them(tmp_path, capsys):
     quality = [r for r in rows if r["measurement"] == "quality"]
     # one seed: the teacher, the scratch student, and one distilled student per method
     assert sorted((r["quality_role"], r["method"]) for r in quality) == [
-        ("distilled", "dkd"), ("distilled", "kd"), ("scratch", None), ("teacher", None)]
+        ("distilled", "dkd"),
+        ("distilled", "kd"),
+        ("scratch", None),
+        ("teacher", None),
+    ]
     assert all(r["status"] == "ok" and 0 <= r["accuracy"] <= 1 for r in quality)
     assert {r["cell_id"] for r in quality} == {quality[0]["cell_id"]} and quality[0]["cell_id"].startswith("quality-")
     assert len(rows) == 2 * 3 + 4  # two cells of three measurements, then the quality rows

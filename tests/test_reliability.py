@@ -34,8 +34,17 @@ matrix:
 
 def test_injected_failures_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(TESTS))  # the spawned worker inherits sys.path
-    students = ["linear", "faulty_models:raising", "faulty_models:nan", "faulty_models:oom",
-                "faulty_models:segfault", "linear", "faulty_models:killed", "faulty_models:hang", "linear"]
+    students = [
+        "linear",
+        "faulty_models:raising",
+        "faulty_models:nan",
+        "faulty_models:oom",
+        "faulty_models:segfault",
+        "linear",
+        "faulty_models:killed",
+        "faulty_models:hang",
+        "linear",
+    ]
     # `cases` gives each cell its own seed, so the three good `linear` cells are distinct cells
     cases = "".join(f"    - {{pair: {{teacher: linear, student: '{s}'}}, seed: {i}}}\n" for i, s in enumerate(students))
     suite = tmp_path / "faults.yaml"
@@ -62,8 +71,10 @@ def test_injected_failures_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypa
 
 def test_failure_cells_after_good_ones_keep_order(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
-    pairs = "".join(f"    - {{teacher: linear, student: '{s}'}}\n" for s in
-                    ["faulty_models:segfault", "linear", "faulty_models:raising"])
+    pairs = "".join(
+        f"    - {{teacher: linear, student: '{s}'}}\n"
+        for s in ["faulty_models:segfault", "linear", "faulty_models:raising"]
+    )
     suite = tmp_path / "s.yaml"
     suite.write_text(HEAD + pairs)
     assert main(["run", str(suite), "--out", str(tmp_path), "--no-report"]) == 1
@@ -137,8 +148,15 @@ def test_ctrl_c_keeps_stored_cells_and_prints_the_resume_command(tmp_path):
     cmd = [sys.executable, "-m", "kdbench", "run", str(suite), "--out", str(out), "--no-report"]
     # Ctrl-C's default action, whatever this test runner inherited: a shell starts background
     # jobs with SIGINT ignored, and a child would inherit that.
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None and not _stored_cells(out):

@@ -28,13 +28,30 @@ NULL_STATS = dict.fromkeys(("n", "median_ms", "iqr_ms", "p05_ms", "p95_ms", "sam
 def _row(label: str, measurement: str, batch_size: int, median_ms: float, **extra) -> dict:
     run_id, teacher, student, precision = CELLS[label]
     row = {
-        "schema_version": 1, "run_id": run_id, "suite": "smoke", "cell_id": f"id-{label}", "cell_label": label,
-        "measurement": measurement, "status": "ok", "batch_size": batch_size, "precision": precision,
-        "teacher": teacher, "student": student, "method": "kd", "world_size": 1,
-        "timestamp": datetime(2025, 1, 2, 3, 4, 5, tzinfo=timezone.utc), "torch_version": "2.5.1",
-        "n": 50, "median_ms": median_ms, "iqr_ms": median_ms * 0.04, "p05_ms": median_ms * 0.95,
-        "p95_ms": median_ms * 1.1, "samples_ms": [median_ms] * 3, "noisy": False,
-        "throughput": batch_size / median_ms * 1000, **RUNS[run_id],
+        "schema_version": 1,
+        "run_id": run_id,
+        "suite": "smoke",
+        "cell_id": f"id-{label}",
+        "cell_label": label,
+        "measurement": measurement,
+        "status": "ok",
+        "batch_size": batch_size,
+        "precision": precision,
+        "teacher": teacher,
+        "student": student,
+        "method": "kd",
+        "world_size": 1,
+        "timestamp": datetime(2025, 1, 2, 3, 4, 5, tzinfo=timezone.utc),
+        "torch_version": "2.5.1",
+        "n": 50,
+        "median_ms": median_ms,
+        "iqr_ms": median_ms * 0.04,
+        "p05_ms": median_ms * 0.95,
+        "p95_ms": median_ms * 1.1,
+        "samples_ms": [median_ms] * 3,
+        "noisy": False,
+        "throughput": batch_size / median_ms * 1000,
+        **RUNS[run_id],
     }
     row.update(extra)
     return row
@@ -68,8 +85,9 @@ def _frame(rows):
 
 def _table_rows(page: str, *needles: str) -> list[str]:
     """The measurement-table rows (``<tr>...</tr>``) that contain every needle."""
-    return [tr for tr in re.findall(r"<tr class=\"(?:ok|not-ok)\">.*?</tr>", page, re.S)
-            if all(n in tr for n in needles)]
+    return [
+        tr for tr in re.findall(r"<tr class=\"(?:ok|not-ok)\">.*?</tr>", page, re.S) if all(n in tr for n in needles)
+    ]
 
 
 @pytest.fixture(scope="module")

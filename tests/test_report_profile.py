@@ -17,32 +17,65 @@ from kdbench.store.schema import rows_to_table
 
 MIB = 2**20
 RUNS = {
-    "run-p": {"device_name": "NVIDIA H200", "backend": "cuda", "hostname": "gpu-a", "cpu_capability": "AVX512",
-              "float32_matmul_precision": "highest", "tf32_matmul": False},
-    "run-q": {"device_name": "AMD Instinct MI300X", "backend": "rocm", "hostname": "gpu-b",
-              "miopen_cache_warm": True},
+    "run-p": {
+        "device_name": "NVIDIA H200",
+        "backend": "cuda",
+        "hostname": "gpu-a",
+        "cpu_capability": "AVX512",
+        "float32_matmul_precision": "highest",
+        "tf32_matmul": False,
+    },
+    "run-q": {"device_name": "AMD Instinct MI300X", "backend": "rocm", "hostname": "gpu-b", "miopen_cache_warm": True},
 }
 EVIL = '"><script>alert(2)</script>'
 
 
 def _config(mode: str, batch_size: int = 64) -> str:
-    return json.dumps({"pair": {"teacher": "resnet50", "student": "resnet18"}, "batch_size": batch_size,
-                       "precision": "fp16", "teacher": {"mode": mode}, "features": {"teacher": None}}, sort_keys=True)
+    return json.dumps(
+        {
+            "pair": {"teacher": "resnet50", "student": "resnet18"},
+            "batch_size": batch_size,
+            "precision": "fp16",
+            "teacher": {"mode": mode},
+            "features": {"teacher": None},
+        },
+        sort_keys=True,
+    )
 
 
 def _phases(teacher, student, loss, backward, optimizer, remainder) -> dict:
-    return {"phase_teacher_forward_ms": teacher, "phase_student_forward_ms": student, "phase_loss_ms": loss,
-            "phase_backward_ms": backward, "phase_optimizer_ms": optimizer, "phase_remainder_ms": remainder}
+    return {
+        "phase_teacher_forward_ms": teacher,
+        "phase_student_forward_ms": student,
+        "phase_loss_ms": loss,
+        "phase_backward_ms": backward,
+        "phase_optimizer_ms": optimizer,
+        "phase_remainder_ms": remainder,
+    }
 
 
 def _row(run_id: str, label: str, measurement: str, median_ms: float | None, **extra) -> dict:
     row = {
-        "schema_version": 1, "run_id": run_id, "suite": "profile", "cell_id": f"id-{run_id}-{label}",
-        "cell_label": label, "measurement": measurement, "status": "ok", "batch_size": 64, "precision": "fp16",
-        "teacher": "resnet50", "student": "resnet18", "method": "kd", "world_size": 1,
-        "timestamp": datetime(2025, 1, 2, 3, 4, 5, tzinfo=timezone.utc), "n": 20, "median_ms": median_ms,
-        "iqr_ms": None if median_ms is None else median_ms * 0.02, "noisy": False,
-        "throughput": None if median_ms is None else 64 / median_ms * 1000, **RUNS[run_id],
+        "schema_version": 1,
+        "run_id": run_id,
+        "suite": "profile",
+        "cell_id": f"id-{run_id}-{label}",
+        "cell_label": label,
+        "measurement": measurement,
+        "status": "ok",
+        "batch_size": 64,
+        "precision": "fp16",
+        "teacher": "resnet50",
+        "student": "resnet18",
+        "method": "kd",
+        "world_size": 1,
+        "timestamp": datetime(2025, 1, 2, 3, 4, 5, tzinfo=timezone.utc),
+        "n": 20,
+        "median_ms": median_ms,
+        "iqr_ms": None if median_ms is None else median_ms * 0.02,
+        "noisy": False,
+        "throughput": None if median_ms is None else 64 / median_ms * 1000,
+        **RUNS[run_id],
     }
     row.update(extra)
     return row
@@ -50,34 +83,94 @@ def _row(run_id: str, label: str, measurement: str, median_ms: float | None, **e
 
 def _step_rows(out_dir) -> list[dict]:
     """run-p: a live/cached pair (A, B) and a cached cell at another batch size (C); run-q: a live twin of B."""
-    a = _row("run-p", "A live", "distill_step", 10.0, config_json=_config("live"), teacher_mode="live",
-             **_phases(3.0, 2.0, 0.5, 3.0, 1.37, 0.13),
-             first_ms=250.0, time_to_steady_ms=312.6, steady_after_iters=4, flops=1.234e12, achieved_tflops=123.4,
-             datasheet_device="H200 SXM", datasheet_peak_tflops=989.0, mfu=0.1248, ceiling_tflops=617.0,
-             ceiling_utilization=0.2, ceiling_probe_id="probe-42", memory_kind="device",
-             peak_memory_bytes=512 * MIB, optimizer_state_bytes=3 * MIB, energy_per_step_j=2.5,
-             samples_per_joule=25.6, nonfinite_steps=0, scaler_skips=0,
-             trace_file=str(out_dir / "traces" / "a.json"),
-             top_ops=json.dumps([{"op": "aten::convolution", "self_ms_per_call": 1.23456, "count": 4},
-                                 {"op": "aten::<lambda>", "self_ms_per_call": 0.5, "count": 12}]))
-    b = _row("run-p", "B cached", "distill_step", 7.5, config_json=_config("cached"), teacher_mode="cached",
-             teacher_cache_ms=101.0, **_phases(0.01, 2.0, 0.5, 3.0, 1.0, 0.99), nonfinite_steps=2, scaler_skips=1,
-             trace_file=str(out_dir / "traces" / f"{EVIL}.json"),
-             top_ops=json.dumps([{"op": "aten::addmm", "self_ms_per_call": 0.25, "count": 3}]))
-    c = _row("run-p", "C cached bs128", "distill_step", 14.0, batch_size=128, config_json=_config("cached", 128),
-             teacher_mode="cached", teacher_cache_ms=50.0)
-    d = _row("run-q", "D live", "distill_step", 9.0, config_json=_config("live"), teacher_mode="live",
-             **_phases(3.0, 2.0, 0.5, 3.0, 1.0, -0.5))
+    a = _row(
+        "run-p",
+        "A live",
+        "distill_step",
+        10.0,
+        config_json=_config("live"),
+        teacher_mode="live",
+        **_phases(3.0, 2.0, 0.5, 3.0, 1.37, 0.13),
+        first_ms=250.0,
+        time_to_steady_ms=312.6,
+        steady_after_iters=4,
+        flops=1.234e12,
+        achieved_tflops=123.4,
+        datasheet_device="H200 SXM",
+        datasheet_peak_tflops=989.0,
+        mfu=0.1248,
+        ceiling_tflops=617.0,
+        ceiling_utilization=0.2,
+        ceiling_probe_id="probe-42",
+        memory_kind="device",
+        peak_memory_bytes=512 * MIB,
+        optimizer_state_bytes=3 * MIB,
+        energy_per_step_j=2.5,
+        samples_per_joule=25.6,
+        nonfinite_steps=0,
+        scaler_skips=0,
+        trace_file=str(out_dir / "traces" / "a.json"),
+        top_ops=json.dumps(
+            [
+                {"op": "aten::convolution", "self_ms_per_call": 1.23456, "count": 4},
+                {"op": "aten::<lambda>", "self_ms_per_call": 0.5, "count": 12},
+            ]
+        ),
+    )
+    b = _row(
+        "run-p",
+        "B cached",
+        "distill_step",
+        7.5,
+        config_json=_config("cached"),
+        teacher_mode="cached",
+        teacher_cache_ms=101.0,
+        **_phases(0.01, 2.0, 0.5, 3.0, 1.0, 0.99),
+        nonfinite_steps=2,
+        scaler_skips=1,
+        trace_file=str(out_dir / "traces" / f"{EVIL}.json"),
+        top_ops=json.dumps([{"op": "aten::addmm", "self_ms_per_call": 0.25, "count": 3}]),
+    )
+    c = _row(
+        "run-p",
+        "C cached bs128",
+        "distill_step",
+        14.0,
+        batch_size=128,
+        config_json=_config("cached", 128),
+        teacher_mode="cached",
+        teacher_cache_ms=50.0,
+    )
+    d = _row(
+        "run-q",
+        "D live",
+        "distill_step",
+        9.0,
+        config_json=_config("live"),
+        teacher_mode="live",
+        **_phases(3.0, 2.0, 0.5, 3.0, 1.0, -0.5),
+    )
     return [a, b, c, d]
 
 
 def _inference_rows() -> list[dict]:
     rows = []
     for bs, student_ms, teacher_ms in ((1, 0.4, 2.0), (64, 3.0, 20.0)):
-        rows.append(_row("run-p", "A live", "student_inference", student_ms, batch_size=bs, student="linear",
-                         teacher="resnet8", speedup_vs_teacher=teacher_ms / student_ms))
-        rows.append(_row("run-p", "A live", "teacher_inference", teacher_ms, batch_size=bs, student="linear",
-                         teacher="resnet8"))
+        rows.append(
+            _row(
+                "run-p",
+                "A live",
+                "student_inference",
+                student_ms,
+                batch_size=bs,
+                student="linear",
+                teacher="resnet8",
+                speedup_vs_teacher=teacher_ms / student_ms,
+            )
+        )
+        rows.append(
+            _row("run-p", "A live", "teacher_inference", teacher_ms, batch_size=bs, student="linear", teacher="resnet8")
+        )
     return rows
 
 
@@ -88,15 +181,43 @@ TEACHER = {"accuracy": [0.90, 0.92, 0.95], "agreement": [None] * 3, "time_to_tar
 
 def _quality_rows() -> list[dict]:
     rows = []
-    for role, student, method, values in (("teacher", None, None, TEACHER), ("scratch", "linear", None, SCRATCH),
-                                          ("distilled", "linear", "kd", DISTILLED)):
+    for role, student, method, values in (
+        ("teacher", None, None, TEACHER),
+        ("scratch", "linear", None, SCRATCH),
+        ("distilled", "linear", "kd", DISTILLED),
+    ):
         for seed in range(3):
             row = {k: values[k][seed] for k in values}
-            rows.append(_row("run-p", None, "quality", None, quality_role=role, teacher="resnet8", student=student,
-                             method=method, seed=seed, batch_size=32, quality_dataset="digits", quality_epochs=5,
-                             quality_target=0.95, cell_id=None, n=None, throughput=None, **row))
-    failed = dict(rows[-1], seed=3, status="failed", error="RuntimeError: boom", accuracy=None, agreement=None,
-                  time_to_target_s=None)
+            rows.append(
+                _row(
+                    "run-p",
+                    None,
+                    "quality",
+                    None,
+                    quality_role=role,
+                    teacher="resnet8",
+                    student=student,
+                    method=method,
+                    seed=seed,
+                    batch_size=32,
+                    quality_dataset="digits",
+                    quality_epochs=5,
+                    quality_target=0.95,
+                    cell_id=None,
+                    n=None,
+                    throughput=None,
+                    **row,
+                )
+            )
+    failed = dict(
+        rows[-1],
+        seed=3,
+        status="failed",
+        error="RuntimeError: boom",
+        accuracy=None,
+        agreement=None,
+        time_to_target_s=None,
+    )
     return rows + [failed]
 
 
@@ -122,9 +243,29 @@ def report(tmp_path_factory):
     return index, index.read_text(encoding="utf-8")
 
 
-PROFILE_HEADER = ["run_id", "cell_label", "median", "teacher fwd", "student fwd", "loss", "backward", "optimizer",
-                  "remainder", "adds up", "first", "to steady", "GFLOPs", "TFLOP/s", "MFU", "ceiling", "memory",
-                  "optimizer state", "J/step", "samples/J", "warnings"]
+PROFILE_HEADER = [
+    "run_id",
+    "cell_label",
+    "median",
+    "teacher fwd",
+    "student fwd",
+    "loss",
+    "backward",
+    "optimizer",
+    "remainder",
+    "adds up",
+    "first",
+    "to steady",
+    "GFLOPs",
+    "TFLOP/s",
+    "MFU",
+    "ceiling",
+    "memory",
+    "optimizer state",
+    "J/step",
+    "samples/J",
+    "warnings",
+]
 
 
 def test_profile_table_formats_phases_and_flags_the_remainder(report):
@@ -133,7 +274,13 @@ def test_profile_table_formats_phases_and_flags_the_remainder(report):
     assert sorted(rows) == ["A live", "B cached", "C cached bs128", "D live"]
     a, b, c, d = rows["A live"], rows["B cached"], rows["C cached bs128"], rows["D live"]
     assert [a[k] for k in ("median", "teacher fwd", "student fwd", "loss", "backward", "optimizer")] == [
-        "10.0", "3.00", "2.00", "0.500", "3.00", "1.37"]
+        "10.0",
+        "3.00",
+        "2.00",
+        "0.500",
+        "3.00",
+        "1.37",
+    ]
     assert a["remainder"] == "0.130 ms (1.3 %)" and a["adds up"] == "✓"
     assert b["remainder"] == "0.990 ms (13.2 %)" and b["adds up"] == "⚠ phases don't add up"
     assert d["remainder"] == "-0.500 ms (-5.6 %)" and d["adds up"] == "✓"
@@ -141,7 +288,11 @@ def test_profile_table_formats_phases_and_flags_the_remainder(report):
     assert (a["first"], a["to steady"]) == ("250", "313 (4 calls)")
     assert (a["GFLOPs"], a["TFLOP/s"], a["MFU"], a["ceiling"]) == ("1230", "123", "12.5 % of H200 SXM", "20.0 %")
     assert (a["memory"], a["optimizer state"], a["J/step"], a["samples/J"]) == (
-        "512.0 MiB (device)", "3.0 MiB", "2.50", "25.6")
+        "512.0 MiB (device)",
+        "3.0 MiB",
+        "2.50",
+        "25.6",
+    )
     assert a["warnings"] == "" and b["warnings"] == "2 non-finite steps1 GradScaler skip"
     assert (b["J/step"], b["samples/J"], b["MFU"], b["memory"]) == ("—", "—", "—", "—")
     (a_tr,) = [tr for tr in re.findall(r'<tr class="profile-row">.*?</tr>', page, re.S) if "A live" in tr]
@@ -163,8 +314,10 @@ def test_caching_without_pairs_says_so(tmp_path):
     assert "No cell pairs differing only in teacher.mode" in page and 'class="caching-row"' not in page
 
 
-@pytest.mark.parametrize("one_off, saving, steps", [(101.0, 2.5, 41), (100.0, 2.5, 40), (1.1, 0.1, 11),
-                                                    (5.0, 0.0, None), (5.0, -1.0, None), (None, 1.0, None)])
+@pytest.mark.parametrize(
+    "one_off, saving, steps",
+    [(101.0, 2.5, 41), (100.0, 2.5, 40), (1.1, 0.1, 11), (5.0, 0.0, None), (5.0, -1.0, None), (None, 1.0, None)],
+)
 def test_payback_steps(one_off, saving, steps):
     assert payback_steps(one_off, saving) == steps
 
@@ -249,8 +402,12 @@ def test_charts_are_drawn(report):
 def test_environment_lists_new_columns(report):
     _, page = report
     env = page.split("<h2>Environment</h2>")[1]
-    for text in ("<td>cpu_capability</td><td>AVX512</td>", "<td>float32_matmul_precision</td><td>highest</td>",
-                 "<td>tf32_matmul</td><td>False</td>", "<td>miopen_cache_warm</td><td>True</td>"):
+    for text in (
+        "<td>cpu_capability</td><td>AVX512</td>",
+        "<td>float32_matmul_precision</td><td>highest</td>",
+        "<td>tf32_matmul</td><td>False</td>",
+        "<td>miopen_cache_warm</td><td>True</td>",
+    ):
         assert text in env
     assert "tunableop_cache_warm" not in env  # null everywhere
 

@@ -8,15 +8,33 @@ import pyarrow.parquet as pq
 import pytest
 
 from kdbench.errors import KdbenchError
-from kdbench.store.schema import COLUMN_NAMES, COLUMNS, SCHEMA, ResultWriter, read_results, result_files, schema_markdown
+from kdbench.store.schema import (
+    COLUMN_NAMES,
+    COLUMNS,
+    SCHEMA,
+    ResultWriter,
+    read_results,
+    result_files,
+    schema_markdown,
+)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def _row(i, **kw):
-    row = {"schema_version": 1, "run_id": "r1", "suite": "s", "cell_id": f"c{i}", "measurement": "distill_step",
-           "status": "ok", "batch_size": 8, "median_ms": 1.5 + i, "samples_ms": [1.0, 2.0, 1.5 + i],
-           "timestamp": datetime(2026, 1, 1, tzinfo=timezone.utc), "noisy": False}
+    row = {
+        "schema_version": 1,
+        "run_id": "r1",
+        "suite": "s",
+        "cell_id": f"c{i}",
+        "measurement": "distill_step",
+        "status": "ok",
+        "batch_size": 8,
+        "median_ms": 1.5 + i,
+        "samples_ms": [1.0, 2.0, 1.5 + i],
+        "timestamp": datetime(2026, 1, 1, tzinfo=timezone.utc),
+        "noisy": False,
+    }
     row.update(kw)
     return row
 
@@ -24,15 +42,17 @@ def _row(i, **kw):
 def test_readme_documents_every_column_in_order():
     text = README.read_text()
     assert schema_markdown() in text, "README's results table differs from kdbench.store.schema.COLUMNS"
-    table = text[text.index("| column | type | unit | meaning |"):].split("\n\n")[0]
+    table = text[text.index("| column | type | unit | meaning |") :].split("\n\n")[0]
     documented = re.findall(r"^\| `([a-z0-9_]+)` \|", table, flags=re.M)
     assert documented == list(COLUMN_NAMES)
 
 
 def test_required_columns_present():
-    required = ("schema_version run_id suite cell_id measurement status error batch_size teacher student method "
-                "precision teacher_precision backend device_name torch_version n median_ms mean_ms std_ms iqr_ms "
-                "p05_ms p95_ms min_ms max_ms first_ms samples_ms throughput").split()
+    required = (
+        "schema_version run_id suite cell_id measurement status error batch_size teacher student method "
+        "precision teacher_precision backend device_name torch_version n median_ms mean_ms std_ms iqr_ms "
+        "p05_ms p95_ms min_ms max_ms first_ms samples_ms throughput"
+    ).split()
     assert set(required) <= set(COLUMN_NAMES)
     assert all(c.doc for c in COLUMNS)
     assert all(c.unit == "ms" for c in COLUMNS if c.name.endswith("_ms"))
@@ -81,6 +101,7 @@ def test_unknown_column_is_a_bug():
 
 def test_read_by_pandas_pyarrow_and_duckdb(tmp_path):
     import duckdb  # a test dependency: the files must be readable by it as they are
+
     ResultWriter(tmp_path / "a.parquet").append([_row(0), _row(1)])
     ResultWriter(tmp_path / "sub" / "b.parquet").append([_row(2)])
     df = read_results([tmp_path])

@@ -118,7 +118,9 @@ def expand(suite: Suite) -> list[Cell]:
         cid = cell_id_of(config)
         cell = Cell(index=len(cells), cell_id=cid, config=config)
         if cid in seen:
-            raise suite.error(("matrix",), f"two combinations give the same cell ({cell.label}); remove the repeated value")
+            raise suite.error(
+                ("matrix",), f"two combinations give the same cell ({cell.label}); remove the repeated value"
+            )
         seen[cid] = cell.label
         cells.append(cell)
     if not cells:
@@ -137,8 +139,11 @@ def expand(suite: Suite) -> list[Cell]:
         nnodes = suite.launcher.nnodes
         if cell.config.world_size > 1 and cell.config.world_size % nnodes:
             loc = ("matrix", "world_size") if "world_size" in suite.matrix else ("defaults", "world_size")
-            raise suite.error(loc, f"world_size {cell.config.world_size} does not split over launcher.nnodes {nnodes}; "
-                                   "use a multiple of nnodes")
+            raise suite.error(
+                loc,
+                f"world_size {cell.config.world_size} does not split over launcher.nnodes {nnodes}; "
+                "use a multiple of nnodes",
+            )
         try:
             check_method(cell.config.method)
         except KdbenchError as exc:
@@ -148,12 +153,21 @@ def expand(suite: Suite) -> list[Cell]:
             feats = cell.config.features
             if feats.teacher and feats.student and len(feats.teacher) != len(feats.student):
                 loc = ("matrix", "features") if "features" in suite.matrix else ("defaults", "features")
-                raise suite.error(loc, f"teacher lists {len(feats.teacher)} modules and student "
-                                       f"{len(feats.student)}; they are compared pairwise, so give both the same number")
+                raise suite.error(
+                    loc,
+                    f"teacher lists {len(feats.teacher)} modules and student "
+                    f"{len(feats.student)}; they are compared pairwise, so give both the same number",
+                )
             for role in ("teacher", "student"):
                 try:
-                    check_feature_paths(role, getattr(pair, role), getattr(feats, role), cell.config.data.num_classes,
-                                        tuple(cell.config.data.shape), suite.allow_imports)
+                    check_feature_paths(
+                        role,
+                        getattr(pair, role),
+                        getattr(feats, role),
+                        cell.config.data.num_classes,
+                        tuple(cell.config.data.shape),
+                        suite.allow_imports,
+                    )
                 except KdbenchError as exc:
                     loc = ("matrix", "features") if "features" in suite.matrix else ("defaults", "features", role)
                     raise suite.error(loc, str(exc)) from None
@@ -210,8 +224,9 @@ def config_columns(config: CellConfig, backend_name: str) -> dict[str, Any]:
         "kd_temperature": config.kd.temperature,
         "kd_alpha": config.kd.alpha,
         "teacher_mode": config.teacher.mode,
-        "method_params": json.dumps({k: v for k, v in config_dict(config).items()
-                                     if k in _method_param_keys(config)}, sort_keys=True),
+        "method_params": json.dumps(
+            {k: v for k, v in config_dict(config).items() if k in _method_param_keys(config)}, sort_keys=True
+        ),
         "optimizer": config.optimizer.name,
         "lr": config.optimizer.lr,
         "seed": config.seed,

@@ -195,8 +195,9 @@ class QualityConfig(_Strict):
     @model_validator(mode="after")
     def _root(self) -> "QualityConfig":
         if self.dataset in DISK_DATASETS and not self.root:
-            raise ValueError(f"quality.root is required for dataset {self.dataset}: "
-                             "give the folder that holds the images")
+            raise ValueError(
+                f"quality.root is required for dataset {self.dataset}: give the folder that holds the images"
+            )
         if self.dataset == "digits" and self.root:
             raise ValueError("quality.root is only for imagefolder, cifar10 and cifar100; remove it for digits")
         return self
@@ -466,7 +467,9 @@ def check_axis_name(suite_path: Path, lines: dict[tuple, int], loc: tuple, key: 
             raise KdbenchError(f"{_where(suite_path, lines, loc)}: unknown key '{key}'; {hint}")
         model = _sub_model(model, part)
         if model is None and i < len(path) - 1:
-            raise KdbenchError(f"{_where(suite_path, lines, loc)}: '{part}' has no sub-keys; sweep '{'.'.join(path[: i + 1])}' itself")
+            raise KdbenchError(
+                f"{_where(suite_path, lines, loc)}: '{part}' has no sub-keys; sweep '{'.'.join(path[: i + 1])}' itself"
+            )
     return path
 
 
@@ -482,7 +485,9 @@ def load_suite(path: str | Path) -> Suite:
     if raw is None:
         raise KdbenchError(f"{path}: the suite is empty; it needs at least `name` and `defaults` (see suites/cpu.yaml)")
     if not isinstance(raw, dict):
-        raise KdbenchError(f"{path}:1: a suite must be a mapping of keys (name, defaults, matrix, ...), not a {type(raw).__name__}")
+        raise KdbenchError(
+            f"{path}:1: a suite must be a mapping of keys (name, defaults, matrix, ...), not a {type(raw).__name__}"
+        )
     if "name" not in raw:
         raw = {**raw, "name": path.stem}
     try:
@@ -525,7 +530,9 @@ def _validate_sweep(suite: Suite) -> None:
         path = () if axis == CASES else check_axis_name(suite.path, suite.lines, ("matrix", axis), axis)
         for i, value in enumerate(values):
             if axis == CASES and not isinstance(value, dict):
-                raise suite.error(("matrix", axis, i), f"each case is a mapping of cell keys, not {type(value).__name__}")
+                raise suite.error(
+                    ("matrix", axis, i), f"each case is a mapping of cell keys, not {type(value).__name__}"
+                )
             try:
                 CellConfig.model_validate(deep_merge(suite.defaults, overlay(axis, value)))
             except ValidationError as exc:
@@ -533,7 +540,9 @@ def _validate_sweep(suite: Suite) -> None:
                     loc = tuple(err["loc"])
                     if loc[: len(path)] == path:
                         where = ("matrix", axis, i) + loc[len(path) :]
-                        raise KdbenchError(f"{_where(suite.path, suite.lines, where)}: {_describe(err, CellConfig)}") from None
+                        raise KdbenchError(
+                            f"{_where(suite.path, suite.lines, where)}: {_describe(err, CellConfig)}"
+                        ) from None
     for i, entry in enumerate(suite.exclude):
         if not entry:
             raise suite.error(("exclude", i), "is empty and would exclude every cell; give the keys to match")

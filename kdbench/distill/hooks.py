@@ -170,7 +170,9 @@ def stage_ends(model: nn.Module, example: torch.Tensor) -> list[str]:
             inner = [n for n in spatial_of if n.startswith(name + ".")]
             if not all(spatial_of[n] == spatial for n in inner):
                 continue  # it spans resolutions (a whole trunk): keep the child
-            last_at = {k: v for k, v in last_at.items() if not v.startswith(name + ".")}  # the block, not its last layer
+            last_at = {
+                k: v for k, v in last_at.items() if not v.startswith(name + ".")
+            }  # the block, not its last layer
         owner[id(t)] = name
         last_at.pop(spatial, None)
         last_at[spatial] = name  # re-inserted: the order follows each resolution's last appearance
@@ -218,8 +220,13 @@ class FeaturePaths:
     student: list[str]
 
 
-def resolve_paths(teacher: nn.Module, student: nn.Module, example: torch.Tensor,
-                  teacher_paths: list[str] | None, student_paths: list[str] | None) -> FeaturePaths:
+def resolve_paths(
+    teacher: nn.Module,
+    student: nn.Module,
+    example: torch.Tensor,
+    teacher_paths: list[str] | None,
+    student_paths: list[str] | None,
+) -> FeaturePaths:
     """The paired feature paths of a cell: the suite's, or each model's defaults."""
     t = teacher_paths or default_feature_paths(teacher, example)
     s = student_paths or default_feature_paths(student, example)
@@ -240,8 +247,14 @@ def _module_names(name: str, num_classes: int, shape: tuple[int, ...], allow_imp
     return frozenset(n for n, _ in model.named_modules() if n)
 
 
-def check_feature_paths(role: str, model_name: str, paths: list[str] | None, num_classes: int,
-                        shape: tuple[int, ...], allow_imports: bool = False) -> None:
+def check_feature_paths(
+    role: str,
+    model_name: str,
+    paths: list[str] | None,
+    num_classes: int,
+    shape: tuple[int, ...],
+    allow_imports: bool = False,
+) -> None:
     """KdbenchError, before anything runs, for a feature path the model does not have."""
     if not paths:
         return
@@ -251,5 +264,6 @@ def check_feature_paths(role: str, model_name: str, paths: list[str] | None, num
     for path in paths:
         if path not in names:
             hint = did_you_mean(path, sorted(names))
-            raise KdbenchError(f"{model_name} has no module '{path}'; {hint}give dotted module paths "
-                               f"as named_modules() lists them")
+            raise KdbenchError(
+                f"{model_name} has no module '{path}'; {hint}give dotted module paths as named_modules() lists them"
+            )

@@ -90,8 +90,10 @@ def check_method(name: str) -> list[Method]:
     for part in parts:
         if part not in METHODS:
             hint = did_you_mean(part, METHODS, cutoff=0.5)
-            raise KdbenchError(f"unknown method '{part}'; {hint}(`kdbench list methods` shows all: "
-                               f"{', '.join(sorted(METHODS))}; combine with '+')")
+            raise KdbenchError(
+                f"unknown method '{part}'; {hint}(`kdbench list methods` shows all: "
+                f"{', '.join(sorted(METHODS))}; combine with '+')"
+            )
         out.append(METHODS[part])
     return out
 
@@ -119,13 +121,18 @@ def _fp32(*tensors: torch.Tensor) -> list[torch.Tensor]:
 def kd_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
     """T^2 * KL(softmax(t/T) || softmax(s/T)), averaged over the batch."""
     s, t = _fp32(student, teacher)
-    kl = F.kl_div(F.log_softmax(s / temperature, dim=-1), F.log_softmax(t / temperature, dim=-1),
-                  reduction="batchmean", log_target=True)
+    kl = F.kl_div(
+        F.log_softmax(s / temperature, dim=-1),
+        F.log_softmax(t / temperature, dim=-1),
+        reduction="batchmean",
+        log_target=True,
+    )
     return temperature * temperature * kl
 
 
-def kd_loss(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, temperature: float,
-            alpha: float) -> torch.Tensor:
+def kd_loss(
+    student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, temperature: float, alpha: float
+) -> torch.Tensor:
     """alpha * T^2 * KL(softmax(t/T) || softmax(s/T)) + (1 - alpha) * CE(s, y); KL averaged over the batch."""
     with torch.amp.autocast(device_type=student.device.type, enabled=False):
         return alpha * kd_kl(student, teacher, temperature) + (1.0 - alpha) * F.cross_entropy(student.float(), targets)
@@ -145,8 +152,9 @@ def _target_split(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
     return log_p_target, log_p_rest, others - log_others_sum[:, None]
 
 
-def dkd_parts(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor,
-              temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def dkd_parts(
+    student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(TCKD, NCKD) of Zhao et al. 2022, each times T^2 and averaged over the batch.
 
     TCKD = KL of the binary (target, rest) distributions; NCKD = KL among the
@@ -178,8 +186,13 @@ def _match_spatial(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torc
     return F.adaptive_avg_pool1d(a[:, None], n)[:, 0], F.adaptive_avg_pool1d(b[:, None], n)[:, 0]
 
 
-def at_loss(student_feats: list[torch.Tensor], teacher_feats: list[torch.Tensor], beta: float, p: float = 2.0,
-            form: str = "code") -> torch.Tensor:
+def at_loss(
+    student_feats: list[torch.Tensor],
+    teacher_feats: list[torch.Tensor],
+    beta: float,
+    p: float = 2.0,
+    form: str = "code",
+) -> torch.Tensor:
     """beta/2 * sum over layers of the distance between normalised attention maps Q.
 
     Q = normalise(flatten(mean_c |A|^p)).  `code`: mean((Qs - Qt)^2) over batch and
@@ -188,8 +201,10 @@ def at_loss(student_feats: list[torch.Tensor], teacher_feats: list[torch.Tensor]
     total = student_feats[0].new_zeros((), dtype=torch.float32)
     for fs, ft in zip(student_feats, teacher_feats):
         if fs.dim() == 2 or ft.dim() == 2:
-            raise KdbenchError("method at needs spatial features (maps or tokens), got flat vectors; "
-                               "name other modules with features.teacher / features.student")
+            raise KdbenchError(
+                "method at needs spatial features (maps or tokens), got flat vectors; "
+                "name other modules with features.teacher / features.student"
+            )
         a_s, a_t = _match_spatial(attention_map(fs, p), attention_map(ft, p))
         q_s = F.normalize(a_s.flatten(1), dim=1)
         q_t = F.normalize(a_t.flatten(1), dim=1)
@@ -282,8 +297,11 @@ class KD(Term):
         return self.alpha * kd_kl(inp.student_logits, inp.teacher_logits, self.temperature)
 
 
-@register_method("fitnet", params="fitnet",
-                 doc="Romero et al. 2015 (one stage): beta*MSE(regressor(student hint), teacher hint) + CE")
+@register_method(
+    "fitnet",
+    params="fitnet",
+    doc="Romero et al. 2015 (one stage): beta*MSE(regressor(student hint), teacher hint) + CE",
+)
 class FitNet(Term):
     needs_features = True
 
@@ -321,8 +339,7 @@ class AT(Term):
         return at_loss(inp.student_feats, inp.teacher_feats, self.beta, self.p, self.form)
 
 
-@register_method("dkd", params="dkd",
-                 doc="Zhao et al. 2022: min(step/warmup,1)*(alpha*TCKD + beta*NCKD) + CE")
+@register_method("dkd", params="dkd", doc="Zhao et al. 2022: min(step/warmup,1)*(alpha*TCKD + beta*NCKD) + CE")
 class DKD(Term):
     def __init__(self, config: Any, shapes: Any = None):
         super().__init__()

@@ -91,8 +91,15 @@ def _dry_features(model: nn.Module, tap: FeatureTap, example: torch.Tensor) -> l
 class Distiller:
     """A cell's training setup; ``train_step`` runs one distillation step on a batch."""
 
-    def __init__(self, teacher: nn.Module, student: nn.Module, config: CellConfig, backend: Backend,
-                 example: torch.Tensor, wrap: Callable[[nn.Module], nn.Module] | None = None):
+    def __init__(
+        self,
+        teacher: nn.Module,
+        student: nn.Module,
+        config: CellConfig,
+        backend: Backend,
+        example: torch.Tensor,
+        wrap: Callable[[nn.Module], nn.Module] | None = None,
+    ):
         self.config = config
         self.teacher = freeze(teacher)
         self.device_type = backend.device_type
@@ -106,17 +113,24 @@ class Distiller:
             self.paths = resolve_paths(teacher, student, example, config.features.teacher, config.features.student)
             self.t_tap = FeatureTap(teacher, self.paths.teacher, "teacher")
             s_tap = FeatureTap(student, self.paths.student, "student")
-            shapes = FeaturePaths(teacher=_dry_features(teacher, self.t_tap, example),  # type: ignore[arg-type]
-                                  student=_dry_features(student, s_tap, example))
+            shapes = FeaturePaths(
+                teacher=_dry_features(teacher, self.t_tap, example),  # type: ignore[arg-type]
+                student=_dry_features(student, s_tap, example),
+            )
         with torch.random.fork_rng(devices=[]):  # adapters start from the cell's seed, whatever ran before
             torch.manual_seed(config.seed)
             self.loss_fn = DistillLoss(config, shapes)
-        adapters = {name: term.adapter() for name, term in zip(self.loss_fn.names, self.loss_fn.terms)
-                    if term.adapter() is not None}
+        adapters = {
+            name: term.adapter()
+            for name, term in zip(self.loss_fn.names, self.loss_fn.terms)
+            if term.adapter() is not None
+        }
         self.trainee = Trainee(student, s_tap, adapters)  # type: ignore[arg-type]
         image = len(config.data.shape) == 3
-        self.trainee.adapters.to(device=example.device,
-                                 memory_format=memory_format_of(config.memory_format) if image else torch.contiguous_format)
+        self.trainee.adapters.to(
+            device=example.device,
+            memory_format=memory_format_of(config.memory_format) if image else torch.contiguous_format,
+        )
         self.trainee.train()
         self.model = wrap(self.trainee) if wrap is not None else self.trainee
         self.optimizer = make_optimizer(self.trainee.parameters(), config.optimizer)
@@ -151,8 +165,14 @@ class Distiller:
             logits = self.teacher(x)
         return TeacherOutputs(logits, self.t_tap.take() if self.t_tap is not None else [])
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, cached: TeacherOutputs | None = None,
-                   clock: Clock | None = None, marks: list | None = None) -> torch.Tensor:
+    def train_step(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        cached: TeacherOutputs | None = None,
+        clock: Clock | None = None,
+        marks: list | None = None,
+    ) -> torch.Tensor:
         """One step; with `clock`, the six phase-boundary stamps are appended to `marks`."""
         stamp = (lambda: marks.append(clock.stamp())) if clock is not None and marks is not None else (lambda: None)
         stamp()
@@ -162,8 +182,9 @@ class Distiller:
             s_logits, s_feats, adapted = self.model(x)
         stamp()
         n = self.config.data.num_classes  # a padded classifier's extra columns stay out of the loss
-        loss = self.loss_fn(LossInputs(unpad(s_logits, n), unpad(t.logits, n), y, s_feats, t.feats, adapted,
-                                       self.steps))
+        loss = self.loss_fn(
+            LossInputs(unpad(s_logits, n), unpad(t.logits, n), y, s_feats, t.feats, adapted, self.steps)
+        )
         stamp()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler is not None:
@@ -191,9 +212,17 @@ class DistillStep:
     at the cell's alignment, and every step runs the student alone.
     """
 
-    def __init__(self, teacher: nn.Module, student: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                 config: CellConfig, backend: Backend, wrap: Callable[[nn.Module], nn.Module] | None = None,
-                 phases: bool = True):
+    def __init__(
+        self,
+        teacher: nn.Module,
+        student: nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        config: CellConfig,
+        backend: Backend,
+        wrap: Callable[[nn.Module], nn.Module] | None = None,
+        phases: bool = True,
+    ):
         self.distiller = Distiller(teacher, student, config, backend, x, wrap)
         self.x, self.y = x, y
         self.config = config
@@ -205,8 +234,9 @@ class DistillStep:
             clock = backend.clock()
             start = clock.stamp()
             out = self.distiller.teacher_outputs(x)
-            self.cache = TeacherOutputs(place_aligned(out.logits, config.alignment),
-                                        [place_aligned(f, config.alignment) for f in out.feats])
+            self.cache = TeacherOutputs(
+                place_aligned(out.logits, config.alignment), [place_aligned(f, config.alignment) for f in out.feats]
+            )
             end = clock.stamp()
             clock.sync()
             self.cache_ms = clock.elapsed_ms(start, end)

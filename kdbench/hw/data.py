@@ -13,7 +13,9 @@ def memory_format_of(name: str) -> torch.memory_format:
     return torch.channels_last if name == "channels_last" else torch.contiguous_format
 
 
-def synthetic_batch(config: CellConfig, batch_size: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_batch(
+    config: CellConfig, batch_size: int, device: torch.device, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A fixed batch of standard-normal inputs and uniform labels, generated on the CPU from
     `seed` (identical on every backend) and moved to `device` in the cell's memory format."""
     g = torch.Generator().manual_seed(seed)

@@ -80,8 +80,18 @@ def pad_classifier(model: nn.Module, num_classes: int, pad_to: int) -> int:
     if isinstance(old, nn.Linear):
         new = nn.Linear(old.in_features, width, bias=has_bias, **kw)
     else:
-        new = nn.Conv2d(old.in_channels, width, old.kernel_size, old.stride, old.padding,
-                        old.dilation, old.groups, has_bias, old.padding_mode, **kw)
+        new = nn.Conv2d(
+            old.in_channels,
+            width,
+            old.kernel_size,
+            old.stride,
+            old.padding,
+            old.dilation,
+            old.groups,
+            has_bias,
+            old.padding_mode,
+            **kw,
+        )
     new.train(old.training)
     with torch.no_grad():
         new.weight.zero_()

@@ -24,8 +24,15 @@ from kdbench.hw.data import memory_format_of, synthetic_batch
 from kdbench.distill.step import DistillStep
 from kdbench.hw.layout import pad_classifier, padded_width, verify_memory_format
 from kdbench.models import build_model, count_params
-from kdbench.measure.flops import (MemoryMeter, TelemetrySampler, count_flops, memory_columns, optimizer_state_bytes,
-                               telemetry_columns, trace)
+from kdbench.measure.flops import (
+    MemoryMeter,
+    TelemetrySampler,
+    count_flops,
+    memory_columns,
+    optimizer_state_bytes,
+    telemetry_columns,
+    trace,
+)
 from kdbench.config.plan import Cell, planned_measurements
 from kdbench.measure.stats import summarize
 from kdbench.config.schema import CellConfig
@@ -69,8 +76,9 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:2000]
 
 
-def failure_row(measurement: str, batch_size: int, exc: BaseException | None, status: str | None = None,
-                error: str | None = None) -> dict[str, Any]:
+def failure_row(
+    measurement: str, batch_size: int, exc: BaseException | None, status: str | None = None, error: str | None = None
+) -> dict[str, Any]:
     return {
         "measurement": measurement,
         "batch_size": batch_size,
@@ -92,8 +100,9 @@ def _timing_row(raw: RawTiming, world_size: int, batch_size: int) -> dict[str, A
 
 def _time(fn: Callable[[], Any], config: CellConfig, backend: Backend) -> RawTiming:
     t = config.timing
-    return timed_loop(fn, backend.clock(), warmup=t.warmup, min_iters=t.min_iters, min_time_s=t.min_time_s,
-                      max_iters=t.max_iters)
+    return timed_loop(
+        fn, backend.clock(), warmup=t.warmup, min_iters=t.min_iters, min_time_s=t.min_time_s, max_iters=t.max_iters
+    )
 
 
 def _notes(*choices, alignment: str | None = None) -> str | None:
@@ -103,8 +112,10 @@ def _notes(*choices, alignment: str | None = None) -> str | None:
 
 def _alignment_note(x: torch.Tensor, config: CellConfig) -> str | None:
     if config.alignment < x.element_size():
-        return (f"alignment {config.alignment} is below the {x.element_size()}-byte element size of the input; "
-                f"placed at {x.element_size()}")
+        return (
+            f"alignment {config.alignment} is below the {x.element_size()}-byte element size of the input; "
+            f"placed at {x.element_size()}"
+        )
     return None
 
 
@@ -141,8 +152,9 @@ class MeasureOptions:
     trace_dir: str | None = None  # write a torch.profiler Chrome trace of each cell's step here
 
 
-def timed_with_profile(fn: Callable[[], Any], config: CellConfig, backend: Backend,
-                       batch_size: int) -> tuple[RawTiming, dict[str, Any]]:
+def timed_with_profile(
+    fn: Callable[[], Any], config: CellConfig, backend: Backend, batch_size: int
+) -> tuple[RawTiming, dict[str, Any]]:
     """The timed loop, with memory and (on GPUs) telemetry watched over it."""
     with MemoryMeter(backend) as memory, TelemetrySampler(backend) as telemetry:
         raw = _time(fn, config, backend)
@@ -163,8 +175,14 @@ def step_flops(step: DistillStep) -> dict[str, Any]:
     return {"flops": total, "teacher_forward_flops": teacher, "student_flops": total - (teacher or 0)}
 
 
-def measure_distill_step(teacher: nn.Module, student: nn.Module, config: CellConfig, backend: Backend,
-                         options: MeasureOptions = MeasureOptions(), trace_name: str = "cell") -> dict[str, Any]:
+def measure_distill_step(
+    teacher: nn.Module,
+    student: nn.Module,
+    config: CellConfig,
+    backend: Backend,
+    options: MeasureOptions = MeasureOptions(),
+    trace_name: str = "cell",
+) -> dict[str, Any]:
     x, y = synthetic_batch(config, config.batch_size, backend.device, config.seed)
     step = DistillStep(teacher, student, x, y, config, backend)
     raw, profile = timed_with_profile(step, config, backend, config.batch_size)
@@ -215,7 +233,9 @@ def distill_row(step: DistillStep, raw: RawTiming, config: CellConfig, x: torch.
     return row
 
 
-def measure_inference(model: nn.Module, role: str, batch_size: int, config: CellConfig, backend: Backend) -> dict[str, Any]:
+def measure_inference(
+    model: nn.Module, role: str, batch_size: int, config: CellConfig, backend: Backend
+) -> dict[str, Any]:
     """Forward latency in eval() under inference_mode, at the cell's precision."""
     x, _ = synthetic_batch(config, batch_size, backend.device, config.seed + 1)
     choice = choose_autocast(backend, config.precision)
@@ -248,8 +268,9 @@ def _guarded(measurement: str, batch_size: int, backend: Backend, fn: Callable[[
         return failure_row(measurement, batch_size, exc)
 
 
-def measure_cell(cell: Cell, backend: Backend, cache: ModelCache,
-                 options: MeasureOptions = MeasureOptions()) -> list[dict[str, Any]]:
+def measure_cell(
+    cell: Cell, backend: Backend, cache: ModelCache, options: MeasureOptions = MeasureOptions()
+) -> list[dict[str, Any]]:
     config = cell.config
     planned = planned_measurements(config)
     try:
@@ -258,14 +279,23 @@ def measure_cell(cell: Cell, backend: Backend, cache: ModelCache,
         return [failure_row(m, bs, exc) for m, bs in planned]
     params = {"student_params": count_params(student), "teacher_params": count_params(teacher)}
 
-    rows = [_guarded("distill_step", config.batch_size, backend,
-                     lambda: measure_distill_step(teacher, student, config, backend, options, cell.cell_id))]
+    rows = [
+        _guarded(
+            "distill_step",
+            config.batch_size,
+            backend,
+            lambda: measure_distill_step(teacher, student, config, backend, options, cell.cell_id),
+        )
+    ]
     for bs in config.inference.batch_sizes:
-        srow = _guarded("student_inference", bs, backend, lambda: measure_inference(student, "student", bs, config, backend))
+        srow = _guarded(
+            "student_inference", bs, backend, lambda: measure_inference(student, "student", bs, config, backend)
+        )
         rows.append(srow)
         if config.inference.teacher:
-            trow = _guarded("teacher_inference", bs, backend,
-                            lambda: measure_inference(teacher, "teacher", bs, config, backend))
+            trow = _guarded(
+                "teacher_inference", bs, backend, lambda: measure_inference(teacher, "teacher", bs, config, backend)
+            )
             rows.append(trow)
             if srow["status"] == trow["status"] == "ok":
                 srow["speedup_vs_teacher"] = trow["median_ms"] / srow["median_ms"]

@@ -303,8 +303,9 @@ class _AmdSmi:
         for name in ("HOTSPOT", "JUNCTION", "EDGE"):  # MI300 has no edge sensor
             kind = getattr(kinds, name, None)
             if kind is not None:
-                value = _read(lambda: self.lib.amdsmi_get_temp_metric(
-                    self.handle, kind, self.lib.AmdSmiTemperatureMetric.CURRENT))
+                value = _read(
+                    lambda: self.lib.amdsmi_get_temp_metric(self.handle, kind, self.lib.AmdSmiTemperatureMetric.CURRENT)
+                )
                 if value is not None:
                     return value
         return None
@@ -416,8 +417,12 @@ class TelemetrySampler:
             return Telemetry(False, self.reason, 0, None, None, None, None, None, None, None, None)
         samples = self.samples if window is None else [s for s in self.samples if window[0] <= s[0] <= window[1]]
         if len(samples) < 2:
-            return Telemetry(False, f"{len(samples)} telemetry sample(s) in the timed region; time a longer "
-                                    "region (timing.min_time_s)", len(samples), *([None] * 8))
+            return Telemetry(
+                False,
+                f"{len(samples)} telemetry sample(s) in the timed region; time a longer region (timing.min_time_s)",
+                len(samples),
+                *([None] * 8),
+            )
         cols = list(zip(*samples))
         power, clock, temp, util = ([v for v in col if v is not None] for col in cols[1:])
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
@@ -474,8 +479,16 @@ def measure_ceilings(
     nbytes = copy_bytes or (2**30 if gpu else 64 * 2**20)
     rows = []
     for d in dtypes:
-        row = {"kind": "matmul", "dtype": d, "size": n, "value": None, "unit": "TFLOP/s", "median_ms": None,
-               "p05_ms": None, "error": None}
+        row = {
+            "kind": "matmul",
+            "dtype": d,
+            "size": n,
+            "value": None,
+            "unit": "TFLOP/s",
+            "median_ms": None,
+            "p05_ms": None,
+            "error": None,
+        }
         try:
             a = torch.randn(n, n, device=backend.device).to(DTYPES[d])
             b = torch.randn(n, n, device=backend.device).to(DTYPES[d])
@@ -489,16 +502,35 @@ def measure_ceilings(
     src = torch.ones(nbytes, dtype=torch.uint8, device=backend.device)
     dst = torch.empty_like(src)
     median, fast = _times_ms(lambda: dst.copy_(src), backend, min_time_s)
-    rows.append({"kind": "copy", "dtype": "uint8", "size": nbytes, "value": 2 * nbytes / (fast / 1e3) / 1e9,
-                 "unit": "GB/s", "median_ms": median, "p05_ms": fast, "error": None})
+    rows.append(
+        {
+            "kind": "copy",
+            "dtype": "uint8",
+            "size": nbytes,
+            "value": 2 * nbytes / (fast / 1e3) / 1e9,
+            "unit": "GB/s",
+            "median_ms": median,
+            "p05_ms": fast,
+            "error": None,
+        }
+    )
     return rows
 
 
-_PROBE_SCHEMA = pa.schema([
-    ("probe_id", pa.string()), ("timestamp", pa.timestamp("us", tz="UTC")), ("kind", pa.string()),
-    ("dtype", pa.string()), ("size", pa.int64()), ("value", pa.float64()), ("unit", pa.string()),
-    ("median_ms", pa.float64()), ("p05_ms", pa.float64()), ("error", pa.string()),
-])
+_PROBE_SCHEMA = pa.schema(
+    [
+        ("probe_id", pa.string()),
+        ("timestamp", pa.timestamp("us", tz="UTC")),
+        ("kind", pa.string()),
+        ("dtype", pa.string()),
+        ("size", pa.int64()),
+        ("value", pa.float64()),
+        ("unit", pa.string()),
+        ("median_ms", pa.float64()),
+        ("p05_ms", pa.float64()),
+        ("error", pa.string()),
+    ]
+)
 
 
 def probe_env(backend: Backend) -> dict[str, Any]:
@@ -516,8 +548,9 @@ def write_probe(rows: list[dict], env: dict[str, Any], out_dir: Path) -> Path:
     now = datetime.now(timezone.utc)
     probe_id = f"probe-{now:%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
     fixed = {name: [r.get(name) for r in rows] for name in _PROBE_SCHEMA.names[2:]}
-    table = pa.Table.from_pydict({"probe_id": [probe_id] * len(rows), "timestamp": [now] * len(rows), **fixed},
-                                 schema=_PROBE_SCHEMA)
+    table = pa.Table.from_pydict(
+        {"probe_id": [probe_id] * len(rows), "timestamp": [now] * len(rows), **fixed}, schema=_PROBE_SCHEMA
+    )
     for key, value in env.items():
         table = table.append_column(key, pa.array([value] * len(rows)))
     out_dir = Path(out_dir)
@@ -586,8 +619,13 @@ def telemetry_columns(t: Telemetry) -> dict[str, Any]:
     }
 
 
-def utilization_columns(flops: float | None, median_ms: float | None, device_name: str | None, precision: str,
-                        ceiling: dict[str, Any] | None) -> dict[str, Any]:
+def utilization_columns(
+    flops: float | None,
+    median_ms: float | None,
+    device_name: str | None,
+    precision: str,
+    ceiling: dict[str, Any] | None,
+) -> dict[str, Any]:
     """Achieved TFLOP/s of one device, and its share of the datasheet peak and of the measured ceiling."""
     if not flops or not median_ms or median_ms <= 0:
         return {}
@@ -598,8 +636,9 @@ def utilization_columns(flops: float | None, median_ms: float | None, device_nam
         row.update(datasheet_device=peak[0], datasheet_peak_tflops=peak[1], mfu=achieved / peak[1])
     measured = (ceiling or {}).get(f"matmul_{precision}")
     if measured:
-        row.update(ceiling_tflops=measured, ceiling_utilization=achieved / measured,
-                   ceiling_probe_id=ceiling.get("probe_id"))  # type: ignore[union-attr]
+        row.update(
+            ceiling_tflops=measured, ceiling_utilization=achieved / measured, ceiling_probe_id=ceiling.get("probe_id")
+        )  # type: ignore[union-attr]
     return row
 
 
@@ -628,6 +667,5 @@ def trace(fn: Callable[[], Any], backend: Backend, path: Path, calls: int = 3) -
         return float(event.self_cpu_time_total)
 
     events = sorted(prof.key_averages(), key=self_us, reverse=True)[:TOP_OPS]
-    top = [{"op": e.key, "self_ms_per_call": self_us(e) / 1e3 / calls, "count": int(e.count) // calls}
-           for e in events]
+    top = [{"op": e.key, "self_ms_per_call": self_us(e) / 1e3 / calls, "count": int(e.count) // calls} for e in events]
     return {"trace_file": str(path), "top_ops": json.dumps(top)}

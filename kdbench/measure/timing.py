@@ -118,5 +118,6 @@ def timed_loop(
             break
     clock.sync()
     window = (window_start, time.perf_counter())
-    return RawTiming(first, [clock.elapsed_ms(a, b) for a, b in marks], clock.name,
-                     [clock.elapsed_ms(a, b) for a, b in warm], window)
+    return RawTiming(
+        first, [clock.elapsed_ms(a, b) for a, b in marks], clock.name, [clock.elapsed_ms(a, b) for a, b in warm], window
+    )

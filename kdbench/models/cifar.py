@@ -17,7 +17,6 @@ from torch import Tensor, nn
 from kdbench.models.registry import register_model
 
 
-
 def _init_weights(model: nn.Module) -> None:
     """Kaiming-normal convolutions, unit batch norms, zero biases (as RepDistiller)."""
     for m in model.modules():
@@ -44,9 +43,7 @@ class BasicBlock(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.downsample = None
         if stride != 1 or in_planes != planes:
-            self.downsample = nn.Sequential(
-                nn.Conv2d(in_planes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes)
-            )
+            self.downsample = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes))
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x if self.downsample is None else self.downsample(x)
@@ -61,9 +58,7 @@ class CifarResNet(nn.Module):
 
     stage_names = ("layer1", "layer2", "layer3")
 
-    def __init__(
-        self, depth: int, widths: tuple[int, int, int, int], num_classes: int, in_channels: int
-    ) -> None:
+    def __init__(self, depth: int, widths: tuple[int, int, int, int], num_classes: int, in_channels: int) -> None:
         super().__init__()
         assert (depth - 2) % 6 == 0, "CIFAR ResNet depth must be 6n + 2"
         n = (depth - 2) // 6
@@ -149,9 +144,7 @@ class CifarVGG(nn.Module):
 
     stage_names = ("layer1", "layer2", "layer3", "layer4", "layer5")
 
-    def __init__(
-        self, stages: tuple[tuple[int, ...], ...], num_classes: int, in_channels: int
-    ) -> None:
+    def __init__(self, stages: tuple[tuple[int, ...], ...], num_classes: int, in_channels: int) -> None:
         super().__init__()
         widths = [in_channels] + [stage[-1] for stage in stages]
         for i, stage in enumerate(stages):

@@ -79,8 +79,7 @@ def check_model_name(name: str, allow_imports: bool = False) -> None:
             raise KdbenchError(f"model {name!r} must look like 'package.module:callable'")
         if not allow_imports:
             raise KdbenchError(
-                f"model {name!r} imports user code; "
-                "set `allow_imports: true` in the suite or pass --allow-imports"
+                f"model {name!r} imports user code; set `allow_imports: true` in the suite or pass --allow-imports"
             )
         return
     if name in _REGISTRY or name in _torchvision_names():
@@ -103,9 +102,7 @@ def build_model(
     check_model_name(name, allow_imports)
     check_model_input(name, in_shape)
     if num_classes < 1:
-        raise KdbenchError(
-            f"num_classes must be at least 1 for model {name!r} (got {num_classes})"
-        )
+        raise KdbenchError(f"num_classes must be at least 1 for model {name!r} (got {num_classes})")
     in_shape = tuple(in_shape)
     if ":" in name:
         return _build_imported(name, num_classes, in_shape)
@@ -123,7 +120,9 @@ def check_model_input(name: str, in_shape: tuple[int, ...] | list[int]) -> None:
             raise KdbenchError(f"model {name!r} needs 3-channel images; set data.shape to [3, H, W] (got {shape})")
         side = _TORCHVISION_MIN_SIDE.get(name, 1)
         if min(shape[1:]) < side:
-            raise KdbenchError(f"model {name!r} needs images of at least {side}x{side}; enlarge data.shape (got {shape})")
+            raise KdbenchError(
+                f"model {name!r} needs images of at least {side}x{side}; enlarge data.shape (got {shape})"
+            )
         if name.startswith("maxvit_") and (shape[1] % _MAXVIT_SIDE or shape[2] % _MAXVIT_SIDE):
             raise KdbenchError(
                 f"model {name!r} needs image sides that are multiples of {_MAXVIT_SIDE}; set data.shape to "
@@ -173,14 +172,10 @@ def _build_imported(name: str, num_classes: int, in_shape: tuple[int, ...]) -> n
         ) from None
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise KdbenchError(
-                f"model {name!r}: {module_name!r} has no attribute {attr!r}; fix the name after ':'"
-            )
+            raise KdbenchError(f"model {name!r}: {module_name!r} has no attribute {attr!r}; fix the name after ':'")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise KdbenchError(
-            f"model {name!r}: {attr!r} is not callable; point to a function or class"
-        )
+        raise KdbenchError(f"model {name!r}: {attr!r} is not callable; point to a function or class")
     offered = {"num_classes": num_classes, "in_shape": in_shape}
     try:
         params = inspect.signature(obj).parameters
@@ -190,8 +185,7 @@ def _build_imported(name: str, num_classes: int, in_shape: tuple[int, ...]) -> n
     model = obj(**{k: v for k, v in offered.items() if takes_any or k in params})
     if not isinstance(model, nn.Module):
         raise KdbenchError(
-            f"model {name!r} returned {type(model).__name__}, not a torch.nn.Module; "
-            "make the callable return the model"
+            f"model {name!r} returned {type(model).__name__}, not a torch.nn.Module; make the callable return the model"
         )
     return model
 

@@ -64,9 +64,25 @@ ROLES = ("teacher", "scratch", "distilled")
 EVAL_BATCH = 512
 
 ROW_KEYS = (
-    "measurement", "status", "error", "quality_role", "teacher", "student", "method", "seed",
-    "quality_dataset", "quality_epochs", "quality_target", "accuracy", "best_accuracy", "agreement",
-    "time_to_target_s", "train_time_s", "epochs_to_target", "batch_size", "precision",
+    "measurement",
+    "status",
+    "error",
+    "quality_role",
+    "teacher",
+    "student",
+    "method",
+    "seed",
+    "quality_dataset",
+    "quality_epochs",
+    "quality_target",
+    "accuracy",
+    "best_accuracy",
+    "agreement",
+    "time_to_target_s",
+    "train_time_s",
+    "epochs_to_target",
+    "batch_size",
+    "precision",
 )
 
 
@@ -84,8 +100,10 @@ class Dataset(NamedTuple):
 def _image_shape(shape: Iterable[int]) -> tuple[int, int, int]:
     shape = tuple(shape)
     if len(shape) != 3 or any(not isinstance(d, int) or d < 1 for d in shape):
-        raise KdbenchError(f"quality needs image models: data.shape must be [C, H, W] (got {list(shape)}); "
-                           "remove the quality block or use image data")
+        raise KdbenchError(
+            f"quality needs image models: data.shape must be [C, H, W] (got {list(shape)}); "
+            "remove the quality block or use image data"
+        )
     return shape  # type: ignore[return-value]
 
 
@@ -93,12 +111,15 @@ def _split(targets: np.ndarray, test_fraction: float, seed: int) -> tuple[np.nda
     from sklearn.model_selection import train_test_split
 
     try:
-        train, test = train_test_split(np.arange(len(targets)), test_size=test_fraction, stratify=targets,
-                                       random_state=seed)
+        train, test = train_test_split(
+            np.arange(len(targets)), test_size=test_fraction, stratify=targets, random_state=seed
+        )
     except ValueError as exc:
-        raise KdbenchError(f"quality.test_fraction: cannot split {len(targets)} samples of "
-                           f"{len(np.unique(targets))} classes stratified ({exc}); add samples or change "
-                           "test_fraction") from None
+        raise KdbenchError(
+            f"quality.test_fraction: cannot split {len(targets)} samples of "
+            f"{len(np.unique(targets))} classes stratified ({exc}); add samples or change "
+            "test_fraction"
+        ) from None
     return np.sort(train), np.sort(test)
 
 
@@ -168,8 +189,9 @@ def _materialise(ds: Any, indices: np.ndarray, shape: tuple[int, int, int], wher
         try:
             img, label = ds[int(i)]
         except OSError as exc:  # PIL.UnidentifiedImageError and unreadable files
-            raise KdbenchError(f"quality.root: cannot read {where(int(i))} ({' '.join(str(exc).split())}); "
-                               "remove or replace that file") from None
+            raise KdbenchError(
+                f"quality.root: cannot read {where(int(i))} ({' '.join(str(exc).split())}); remove or replace that file"
+            ) from None
         xs.append(img)
         ys.append(int(label))
     if not xs:
@@ -182,15 +204,19 @@ def _imagefolder(cfg: "QualityConfig", shape: tuple[int, int, int], seed: int):
     from torchvision.datasets import ImageFolder
 
     root = Path(cfg.root)  # type: ignore[arg-type]
-    layout = (f"expected {root}/<class>/<image> (one folder per class), or {root}/train/<class>/... and "
-              f"{root}/val/<class>/...")
+    layout = (
+        f"expected {root}/<class>/<image> (one folder per class), or {root}/train/<class>/... and "
+        f"{root}/val/<class>/..."
+    )
     if not root.is_dir():
         raise KdbenchError(f"quality.root: {root} is not a folder; set quality.root to the image folder ({layout})")
     split_dirs = [(root / s).is_dir() for s in ("train", "val")]
     if any(split_dirs) and not all(split_dirs):
         have, lack = ("train", "val") if split_dirs[0] else ("val", "train")
-        raise KdbenchError(f"quality.root: {root} has {have}/ but no {lack}/; add {lack}/ with the same class "
-                           f"folders, or put the class folders directly in {root}")
+        raise KdbenchError(
+            f"quality.root: {root} has {have}/ but no {lack}/; add {lack}/ with the same class "
+            f"folders, or put the class folders directly in {root}"
+        )
     tf = _transform(shape)
 
     def open_folder(path: Path) -> Any:
@@ -205,14 +231,16 @@ def _imagefolder(cfg: "QualityConfig", shape: tuple[int, int, int], seed: int):
     if all(split_dirs):
         train_ds, test_ds = open_folder(root / "train"), open_folder(root / "val")
         if train_ds.classes != test_ds.classes:
-            raise KdbenchError(f"quality.root: {root}/train and {root}/val hold different class folders "
-                               f"({train_ds.classes} vs {test_ds.classes}); give both the same classes")
+            raise KdbenchError(
+                f"quality.root: {root}/train and {root}/val hold different class folders "
+                f"({train_ds.classes} vs {test_ds.classes}); give both the same classes"
+            )
         classes = train_ds.classes
         n_train, n_test = _caps(cfg, len(train_ds), len(test_ds))
-        x_tr, y_tr = _materialise(train_ds, _subsample(np.asarray(train_ds.targets), n_train, seed), shape,
-                                  where(train_ds))
-        x_te, y_te = _materialise(test_ds, _subsample(np.asarray(test_ds.targets), n_test, seed), shape,
-                                  where(test_ds))
+        x_tr, y_tr = _materialise(
+            train_ds, _subsample(np.asarray(train_ds.targets), n_train, seed), shape, where(train_ds)
+        )
+        x_te, y_te = _materialise(test_ds, _subsample(np.asarray(test_ds.targets), n_test, seed), shape, where(test_ds))
     else:
         ds = open_folder(root)
         classes = ds.classes
@@ -222,27 +250,35 @@ def _imagefolder(cfg: "QualityConfig", shape: tuple[int, int, int], seed: int):
         x_tr, y_tr = _materialise(ds, keep[train], shape, where(ds))
         x_te, y_te = _materialise(ds, keep[test], shape, where(ds))
     if len(classes) < 2:
-        raise KdbenchError(f"quality.root: {root} holds {len(classes)} class folder ({classes}); "
-                           "classification needs at least 2")
+        raise KdbenchError(
+            f"quality.root: {root} holds {len(classes)} class folder ({classes}); classification needs at least 2"
+        )
     return x_tr, y_tr, x_te, y_te, len(classes)
 
 
 def _cifar(cfg: "QualityConfig", shape: tuple[int, int, int], seed: int):
     from torchvision.datasets import CIFAR10, CIFAR100
 
-    cls, label, archive = {"cifar10": (CIFAR10, "CIFAR-10", "cifar-10-python.tar.gz"),
-                           "cifar100": (CIFAR100, "CIFAR-100", "cifar-100-python.tar.gz")}[cfg.dataset]
+    cls, label, archive = {
+        "cifar10": (CIFAR10, "CIFAR-10", "cifar-10-python.tar.gz"),
+        "cifar100": (CIFAR100, "CIFAR-100", "cifar-100-python.tar.gz"),
+    }[cfg.dataset]
     root = Path(cfg.root)  # type: ignore[arg-type]
     tf = _transform(shape)
     try:
         train_ds = cls(str(root), train=True, download=False, transform=tf)
         test_ds = cls(str(root), train=False, download=False, transform=tf)
     except RuntimeError:  # torchvision: "Dataset not found or corrupted"
-        hint = (f"; point quality.root at its parent folder, {root.parent}" if root.name == cls.base_folder else
-                f"; download {archive} from https://www.cs.toronto.edu/~kriz/cifar.html and extract it in "
-                f"{root} (nothing is downloaded for you)")
-        raise KdbenchError(f"quality.root: no {label} data in {root} (torchvision looks for "
-                           f"{root / cls.base_folder} with its original files){hint}") from None
+        hint = (
+            f"; point quality.root at its parent folder, {root.parent}"
+            if root.name == cls.base_folder
+            else f"; download {archive} from https://www.cs.toronto.edu/~kriz/cifar.html and extract it in "
+            f"{root} (nothing is downloaded for you)"
+        )
+        raise KdbenchError(
+            f"quality.root: no {label} data in {root} (torchvision looks for "
+            f"{root / cls.base_folder} with its original files){hint}"
+        ) from None
     n_train, n_test = _caps(cfg, len(train_ds), len(test_ds))
     where = lambda i: f"{label} sample {i}"  # noqa: E731
     x_tr, y_tr = _materialise(train_ds, _subsample(np.asarray(train_ds.targets), n_train, seed), shape, where)
@@ -287,8 +323,10 @@ def check_quality(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
     for c in configs:
         _image_shape(c.data.shape)
     if cfg.dataset in DISK_DATASETS and cfg.root and not Path(cfg.root).expanduser().exists():
-        raise KdbenchError(f"quality.root: {cfg.root} does not exist; give the folder that holds the "
-                           f"{cfg.dataset} data (nothing is downloaded)")
+        raise KdbenchError(
+            f"quality.root: {cfg.root} does not exist; give the folder that holds the "
+            f"{cfg.dataset} data (nothing is downloaded)"
+        )
 
 
 def quality_jobs(configs: Iterable[CellConfig]) -> list[QualityJob]:
@@ -340,8 +378,13 @@ class _Data:
     fmt: torch.memory_format
 
 
-def predict(model: nn.Module, x: torch.Tensor, choice: AutocastChoice, backend: Backend,
-            fmt: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+def predict(
+    model: nn.Module,
+    x: torch.Tensor,
+    choice: AutocastChoice,
+    backend: Backend,
+    fmt: torch.memory_format = torch.contiguous_format,
+) -> torch.Tensor:
     """Top-1 classes of `x` (CPU int64), in eval mode under inference_mode; the model's mode is restored."""
     was_training = model.training
     model.eval()
@@ -349,7 +392,7 @@ def predict(model: nn.Module, x: torch.Tensor, choice: AutocastChoice, backend: 
     try:
         with torch.inference_mode(), choice.context(backend.device_type):
             for i in range(0, len(x), EVAL_BATCH):
-                out.append(model(x[i:i + EVAL_BATCH].contiguous(memory_format=fmt)).argmax(dim=1))
+                out.append(model(x[i : i + EVAL_BATCH].contiguous(memory_format=fmt)).argmax(dim=1))
     finally:
         model.train(was_training)
     return torch.cat(out).cpu()
@@ -359,9 +402,16 @@ def _accuracy(preds: torch.Tensor, y: torch.Tensor) -> float:
     return int((preds == y).sum()) / len(y)
 
 
-def fit(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], model: nn.Module,
-        optimizer: torch.optim.Optimizer, data: _Data, cfg: QualityConfig, backend: Backend, seed: int,
-        choice: AutocastChoice) -> Trained:
+def fit(
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: _Data,
+    cfg: QualityConfig,
+    backend: Backend,
+    seed: int,
+    choice: AutocastChoice,
+) -> Trained:
     """`cfg.epochs` epochs of `step(x, y)` over mini-batches shuffled by a generator seeded with `seed`.
 
     A cosine schedule anneals `optimizer`'s learning rate over all steps.  Only the
@@ -384,7 +434,7 @@ def fit(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], model: nn.Mo
         start = time.perf_counter()
         perm = perm.to(device)
         for i in range(steps):
-            idx = perm[i * bs:(i + 1) * bs]
+            idx = perm[i * bs : (i + 1) * bs]
             loss = step(data.x_train[idx].contiguous(memory_format=data.fmt), data.y_train[idx])
             schedule.step()
         backend.synchronize()
@@ -392,13 +442,16 @@ def fit(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], model: nn.Mo
         preds = predict(model, data.x_test, choice, backend, data.fmt)
         history.append((seconds, _accuracy(preds, data.y_test)))
     if loss is not None and not math.isfinite(float(loss)):
-        raise RuntimeError(f"the training loss is not finite ({float(loss)}) after {cfg.epochs} epochs; "
-                           "lower quality.lr or use bf16/fp32")
+        raise RuntimeError(
+            f"the training loss is not finite ({float(loss)}) after {cfg.epochs} epochs; "
+            "lower quality.lr or use bf16/fp32"
+        )
     return Trained(history, preds)
 
 
-def ce_step(model: nn.Module, optimizer: torch.optim.Optimizer, choice: AutocastChoice,
-            backend: Backend) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def ce_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, choice: AutocastChoice, backend: Backend
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """One cross-entropy step (loss in FP32; a GradScaler for fp16), as teachers and scratch students train."""
     scaler = grad_scaler(backend, choice)
 
@@ -450,17 +503,29 @@ class _Run:
             d = self.datasets[shape]
             fmt = memory_format_of(c.memory_format)
             dev = self.backend.device
-            self.on_device[key] = _Data(d.x_train.to(dev).contiguous(memory_format=fmt), d.y_train.to(dev),
-                                        d.x_test.to(dev).contiguous(memory_format=fmt), d.y_test, d.num_classes, fmt)
+            self.on_device[key] = _Data(
+                d.x_train.to(dev).contiguous(memory_format=fmt),
+                d.y_train.to(dev),
+                d.x_test.to(dev).contiguous(memory_format=fmt),
+                d.y_test,
+                d.num_classes,
+                fmt,
+            )
         return self.on_device[key]
 
     def cell(self, c: CellConfig, seed: int) -> CellConfig:
         """The job's cell for quality: the data set's classes, no padding, a live teacher, the quality recipe."""
-        return c.model_copy(update={
-            "data": c.data.model_copy(update={"num_classes": self.data(c).num_classes}),
-            "pad_to": 1, "teacher": TeacherConfig(mode="live"), "optimizer": self.cfg.optimizer_config(),
-            "batch_size": self.cfg.batch_size, "world_size": 1, "seed": seed,
-        })
+        return c.model_copy(
+            update={
+                "data": c.data.model_copy(update={"num_classes": self.data(c).num_classes}),
+                "pad_to": 1,
+                "teacher": TeacherConfig(mode="live"),
+                "optimizer": self.cfg.optimizer_config(),
+                "batch_size": self.cfg.batch_size,
+                "world_size": 1,
+                "seed": seed,
+            }
+        )
 
     def model(self, name: str, cell: CellConfig, role: str) -> nn.Module:
         init = cell.model_copy(update={"seed": _init_seed(cell.seed, role)})
@@ -471,8 +536,16 @@ class _Run:
         model.train()
         optimizer = make_optimizer(model.parameters(), cell.optimizer)
         choice = choose_autocast(self.backend, cell.precision)
-        out = fit(ce_step(model, optimizer, choice, self.backend), model, optimizer, self.data(cell), self.cfg,
-                  self.backend, seed, choice)
+        out = fit(
+            ce_step(model, optimizer, choice, self.backend),
+            model,
+            optimizer,
+            self.data(cell),
+            self.cfg,
+            self.backend,
+            seed,
+            choice,
+        )
         if role == "teacher":
             out.model = model
         return out
@@ -483,8 +556,16 @@ class _Run:
         student = self.model(cell.pair.student, cell, "student")
         distiller = Distiller(copy.deepcopy(teacher.model), student, cell, self.backend, data.x_train[:2])
         try:
-            return fit(distiller.train_step, distiller.student, distiller.optimizer, data, self.cfg, self.backend,
-                       seed, distiller.student_ac)
+            return fit(
+                distiller.train_step,
+                distiller.student,
+                distiller.optimizer,
+                data,
+                self.cfg,
+                self.backend,
+                seed,
+                distiller.student_ac,
+            )
         finally:
             for tap in (distiller.t_tap, distiller.trainee._tap[0]):
                 if tap is not None:
@@ -495,13 +576,34 @@ class _Run:
             torch.cuda.empty_cache()
 
 
-def _row(role: str, teacher: str, student: str | None, method: str | None, seed: int, cfg: QualityConfig,
-         precision: str, result: Trained | None = None, teacher_result: Trained | None = None,
-         error: str | None = None) -> dict[str, Any]:
+def _row(
+    role: str,
+    teacher: str,
+    student: str | None,
+    method: str | None,
+    seed: int,
+    cfg: QualityConfig,
+    precision: str,
+    result: Trained | None = None,
+    teacher_result: Trained | None = None,
+    error: str | None = None,
+) -> dict[str, Any]:
     row: dict[str, Any] = dict.fromkeys(ROW_KEYS)
-    row.update(measurement="quality", status="ok" if error is None else "failed", error=error, quality_role=role,
-               teacher=teacher, student=student, method=method, seed=seed, quality_dataset=cfg.dataset,
-               quality_epochs=cfg.epochs, quality_target=cfg.target, batch_size=cfg.batch_size, precision=precision)
+    row.update(
+        measurement="quality",
+        status="ok" if error is None else "failed",
+        error=error,
+        quality_role=role,
+        teacher=teacher,
+        student=student,
+        method=method,
+        seed=seed,
+        quality_dataset=cfg.dataset,
+        quality_epochs=cfg.epochs,
+        quality_target=cfg.target,
+        batch_size=cfg.batch_size,
+        precision=precision,
+    )
     if result is not None:
         row.update(accuracy=result.accuracy, best_accuracy=result.best_accuracy, train_time_s=result.train_time_s)
         reference = result if role == "teacher" else teacher_result
@@ -520,8 +622,13 @@ def _describe(result: Trained, row: dict[str, Any]) -> str:
     return text
 
 
-def run_quality(cfg: QualityConfig, jobs: list[QualityJob], backend: Backend, log: Callable[[str], Any] = print,
-                allow_imports: bool = False) -> list[dict[str, Any]]:
+def run_quality(
+    cfg: QualityConfig,
+    jobs: list[QualityJob],
+    backend: Backend,
+    log: Callable[[str], Any] = print,
+    allow_imports: bool = False,
+) -> list[dict[str, Any]]:
     """Train every job's teacher, scratch student and distilled student for each seed; one row per model and seed.
 
     Per seed: each distinct teacher (name, shape, precision, memory format) trains
@@ -569,8 +676,9 @@ def _run_seeds(run: _Run, cfg: QualityConfig, jobs: list[QualityJob]) -> list[di
                 continue
             try:
                 scratch[key] = run.train_ce(cell.pair.student, cell, "student", seed)
-                log(f"quality seed {seed}: scratch {cell.pair.student}: "
-                    f"{_describe(scratch[key], dict(agreement=None))}")  # type: ignore[arg-type]
+                log(
+                    f"quality seed {seed}: scratch {cell.pair.student}: {_describe(scratch[key], dict(agreement=None))}"
+                )  # type: ignore[arg-type]
             except Exception as exc:
                 run.cleanup_after_failure()
                 scratch[key] = _error_text(exc)
@@ -583,17 +691,31 @@ def _run_seeds(run: _Run, cfg: QualityConfig, jobs: list[QualityJob]) -> list[di
                 continue
             done.add((t_key, s_key))
             s, t = scratch[s_key], teachers[t_key]
-            rows.append(_row("scratch", cell.pair.teacher, cell.pair.student, None, seed, cfg, cell.precision,
-                             s if isinstance(s, Trained) else None, t if isinstance(t, Trained) else None,
-                             error=s if isinstance(s, str) else None))
+            rows.append(
+                _row(
+                    "scratch",
+                    cell.pair.teacher,
+                    cell.pair.student,
+                    None,
+                    seed,
+                    cfg,
+                    cell.precision,
+                    s if isinstance(s, Trained) else None,
+                    t if isinstance(t, Trained) else None,
+                    error=s if isinstance(s, str) else None,
+                )
+            )
         for cell in cells:  # distilled students
             assert cell.pair is not None
             names = (cell.pair.teacher, cell.pair.student, cell.method)
             label = f"{cell.method} {cell.pair.teacher}->{cell.pair.student}"
             t = teachers[_key(cell.pair.teacher, cell)]
             if isinstance(t, str):
-                rows.append(_row("distilled", *names, seed, cfg, cell.precision,
-                                 error=f"the teacher failed to train: {t}"[:2000]))
+                rows.append(
+                    _row(
+                        "distilled", *names, seed, cfg, cell.precision, error=f"the teacher failed to train: {t}"[:2000]
+                    )
+                )
                 log(f"quality seed {seed}: distilled {label}: FAILED: the teacher failed to train")
                 continue
             try:
@@ -632,9 +754,21 @@ def summarize_quality(df: "Any") -> "Any":
     """
     import pandas as pd
 
-    columns = [*SUMMARY_KEYS, "n", "failed", "accuracy_mean", "accuracy_std", "best_accuracy_mean",
-               "agreement_mean", "agreement_std", "reached", "time_to_target_mean_s", "time_to_target_std_s",
-               "epochs_to_target_mean", "train_time_mean_s"]
+    columns = [
+        *SUMMARY_KEYS,
+        "n",
+        "failed",
+        "accuracy_mean",
+        "accuracy_std",
+        "best_accuracy_mean",
+        "agreement_mean",
+        "agreement_std",
+        "reached",
+        "time_to_target_mean_s",
+        "time_to_target_std_s",
+        "epochs_to_target_mean",
+        "train_time_mean_s",
+    ]
     if "measurement" in df.columns:
         df = df[df["measurement"] == "quality"]
     if df.empty:
@@ -647,29 +781,44 @@ def summarize_quality(df: "Any") -> "Any":
     for key, index in groups.items():
         g = df.loc[index]
         ok = g[g["status"] == "ok"]
-        num = {c: pd.to_numeric(ok[c], errors="coerce") for c in
-               ("accuracy", "best_accuracy", "agreement", "time_to_target_s", "epochs_to_target", "train_time_s")}
+        num = {
+            c: pd.to_numeric(ok[c], errors="coerce")
+            for c in ("accuracy", "best_accuracy", "agreement", "time_to_target_s", "epochs_to_target", "train_time_s")
+        }
         acc_m, acc_s = _stats(num["accuracy"])
         agr_m, agr_s = _stats(num["agreement"])
         ttt_m, ttt_s = _stats(num["time_to_target_s"])
-        out.append({
-            **dict(zip(SUMMARY_KEYS, key)), "n": len(ok), "failed": len(g) - len(ok),
-            "accuracy_mean": acc_m, "accuracy_std": acc_s, "best_accuracy_mean": _stats(num["best_accuracy"])[0],
-            "agreement_mean": agr_m, "agreement_std": agr_s, "reached": int(num["time_to_target_s"].notna().sum()),
-            "time_to_target_mean_s": ttt_m, "time_to_target_std_s": ttt_s,
-            "epochs_to_target_mean": _stats(num["epochs_to_target"])[0],
-            "train_time_mean_s": _stats(num["train_time_s"])[0],
-        })
+        out.append(
+            {
+                **dict(zip(SUMMARY_KEYS, key)),
+                "n": len(ok),
+                "failed": len(g) - len(ok),
+                "accuracy_mean": acc_m,
+                "accuracy_std": acc_s,
+                "best_accuracy_mean": _stats(num["best_accuracy"])[0],
+                "agreement_mean": agr_m,
+                "agreement_std": agr_s,
+                "reached": int(num["time_to_target_s"].notna().sum()),
+                "time_to_target_mean_s": ttt_m,
+                "time_to_target_std_s": ttt_s,
+                "epochs_to_target_mean": _stats(num["epochs_to_target"])[0],
+                "train_time_mean_s": _stats(num["train_time_s"])[0],
+            }
+        )
     summary = pd.DataFrame(out, columns=columns)
     order = summary["quality_role"].map({r: i for i, r in enumerate(ROLES)}).fillna(len(ROLES))
-    summary = summary.assign(_order=order, _t=summary["teacher"].fillna(""), _s=summary["student"].fillna(""),
-                             _m=summary["method"].fillna(""))
+    summary = summary.assign(
+        _order=order,
+        _t=summary["teacher"].fillna(""),
+        _s=summary["student"].fillna(""),
+        _m=summary["method"].fillna(""),
+    )
     summary = summary.sort_values(["_order", "_t", "_s", "_m"], kind="stable")
     return summary.drop(columns=["_order", "_t", "_s", "_m"]).reset_index(drop=True)
 
 
 def mean_std(mean: float, std: float, scale: float = 1.0, digits: int = 1) -> str:
-    """"m ± s" (scaled, `digits` decimals); the mean alone when std is undefined; "–" when mean is."""
+    """ "m ± s" (scaled, `digits` decimals); the mean alone when std is undefined; "–" when mean is."""
     if mean is None or not math.isfinite(mean):
         return "–"
     if std is None or not math.isfinite(std):
@@ -679,9 +828,12 @@ def mean_std(mean: float, std: float, scale: float = 1.0, digits: int = 1) -> st
 
 def markdown_table(summary: "Any") -> str:
     """A compact Markdown table of `summarize_quality`'s output (accuracies in %, times in s)."""
-    lines = ["| teacher | student | model | method | top-1 (%) | agreement (%) | time to target (s) | reached |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| teacher | student | model | method | top-1 (%) | agreement (%) | time to target (s) | reached |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in summary.to_dict("records"):
+
         def text(v: Any) -> str:
             return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
 
@@ -691,5 +843,6 @@ def markdown_table(summary: "Any") -> str:
             f"{mean_std(r['accuracy_mean'], r['accuracy_std'], 100, 1)} | "
             f"{mean_std(r['agreement_mean'], r['agreement_std'], 100, 1)} | "
             f"{mean_std(r['time_to_target_mean_s'], r['time_to_target_std_s'], 1, 2)} | "
-            f"{r['reached']}/{r['n']}{failed} |")
+            f"{r['reached']}/{r['n']}{failed} |"
+        )
     return "\n".join(lines) + "\n"

@@ -28,11 +28,33 @@ ERROR_CHARS = 200
 _STATUS_ORDER = ("ok", "failed", "oom", "skipped")
 _MEASUREMENT_ORDER = {"distill_step": 0, "student_inference": 1, "teacher_inference": 2}
 ENV_COLUMNS = (
-    "device_name", "device_arch", "device_count", "backend", "driver_version", "torch_version",
-    "torchvision_version", "cuda_version", "hip_version", "cudnn_version", "cpu_model", "cpu_threads",
-    "cpu_count", "hostname", "os", "python_version", "kdbench_version", "git_commit", "cudnn_benchmark",
-    "blas_library", "cpu_capability", "float32_matmul_precision", "tf32_matmul", "tf32_cudnn",
-    "miopen_cache_warm", "tunableop_cache_warm", "env_knobs",
+    "device_name",
+    "device_arch",
+    "device_count",
+    "backend",
+    "driver_version",
+    "torch_version",
+    "torchvision_version",
+    "cuda_version",
+    "hip_version",
+    "cudnn_version",
+    "cpu_model",
+    "cpu_threads",
+    "cpu_count",
+    "hostname",
+    "os",
+    "python_version",
+    "kdbench_version",
+    "git_commit",
+    "cudnn_benchmark",
+    "blas_library",
+    "cpu_capability",
+    "float32_matmul_precision",
+    "tf32_matmul",
+    "tf32_cudnn",
+    "miopen_cache_warm",
+    "tunableop_cache_warm",
+    "env_knobs",
 )
 REMAINDER_LIMIT = 0.10  # |remainder| above this share of the median: the phases do not account for the step
 MIB = 2**20
@@ -126,7 +148,7 @@ def format_mib(n_bytes) -> str:
 
 
 def mean_std(mean, std, scale: float = 1.0, fmt=lambda v: f"{v:.1f}") -> str:
-    """"mean ± std" (scaled); the mean alone when std is undefined (one seed); "—" without a mean."""
+    """ "mean ± std" (scaled); the mean alone when std is undefined (one seed); "—" without a mean."""
     if pd.isna(mean):
         return MISSING
     text = fmt(float(mean) * scale)
@@ -196,7 +218,8 @@ def _measurements(df: pd.DataFrame) -> list[dict]:
             "precision": _text(r.precision),
             "median": format_ms(r.median_ms),
             "iqr": format_ms(r.iqr_ms),
-            "p05_p95": MISSING if pd.isna(r.p05_ms) or pd.isna(r.p95_ms)
+            "p05_p95": MISSING
+            if pd.isna(r.p05_ms) or pd.isna(r.p95_ms)
             else f"{format_ms(r.p05_ms)} – {format_ms(r.p95_ms)}",
             "n": format_int(r.n),
             "throughput": format_int(r.throughput),
@@ -246,8 +269,11 @@ def _profile(df: pd.DataFrame) -> list[dict]:
         mfu = format_percent(r["mfu"])
         if mfu != MISSING and pd.notna(r["datasheet_device"]):
             mfu += f" of {r['datasheet_device']}"
-        mfu_title = (f"achieved / datasheet peak {format_sig(r['datasheet_peak_tflops'], 'TFLOP/s')}"
-                     if pd.notna(r["datasheet_peak_tflops"]) else "")
+        mfu_title = (
+            f"achieved / datasheet peak {format_sig(r['datasheet_peak_tflops'], 'TFLOP/s')}"
+            if pd.notna(r["datasheet_peak_tflops"])
+            else ""
+        )
         ceiling_title = "" if pd.isna(r["ceiling_probe_id"]) else f"probe {r['ceiling_probe_id']}"
         if pd.notna(r["ceiling_tflops"]):
             ceiling = f"measured ceiling {format_sig(r['ceiling_tflops'], 'TFLOP/s')}"
@@ -259,27 +285,29 @@ def _profile(df: pd.DataFrame) -> list[dict]:
         for column, what in (("nonfinite_steps", "non-finite step"), ("scaler_skips", "GradScaler skip")):
             if pd.notna(r[column]) and r[column] != 0:
                 warnings.append(f"{int(r[column])} {what}{'s' if r[column] != 1 else ''}")
-        out.append({
-            "run_id": r["run_id"],
-            "cell_label": _text(r["cell_label"]),
-            "median": format_ms(r["median_ms"]),
-            "phases": [format_ms(r[c]) for c, _ in PHASES],
-            "remainder": remainder,
-            "remainder_bad": bad,
-            "first": format_ms(r["first_ms"]),
-            "steady": steady,
-            "gflops": format_sig(None if pd.isna(r["flops"]) else r["flops"] / 1e9),
-            "tflops": format_sig(r["achieved_tflops"]),
-            "mfu": mfu,
-            "mfu_title": mfu_title,
-            "ceiling": format_percent(r["ceiling_utilization"]),
-            "ceiling_title": ceiling_title,
-            "memory": memory,
-            "optimizer_state": format_mib(r["optimizer_state_bytes"]),
-            "energy": format_sig(r["energy_per_step_j"]),
-            "samples_per_joule": format_sig(r["samples_per_joule"]),
-            "warnings": warnings,
-        })
+        out.append(
+            {
+                "run_id": r["run_id"],
+                "cell_label": _text(r["cell_label"]),
+                "median": format_ms(r["median_ms"]),
+                "phases": [format_ms(r[c]) for c, _ in PHASES],
+                "remainder": remainder,
+                "remainder_bad": bad,
+                "first": format_ms(r["first_ms"]),
+                "steady": steady,
+                "gflops": format_sig(None if pd.isna(r["flops"]) else r["flops"] / 1e9),
+                "tflops": format_sig(r["achieved_tflops"]),
+                "mfu": mfu,
+                "mfu_title": mfu_title,
+                "ceiling": format_percent(r["ceiling_utilization"]),
+                "ceiling_title": ceiling_title,
+                "memory": memory,
+                "optimizer_state": format_mib(r["optimizer_state_bytes"]),
+                "energy": format_sig(r["energy_per_step_j"]),
+                "samples_per_joule": format_sig(r["samples_per_joule"]),
+                "warnings": warnings,
+            }
+        )
     return out
 
 
@@ -325,17 +353,19 @@ def _caching(df: pd.DataFrame) -> list[dict]:
                     payback = "never (cached is not faster)"
                 else:
                     payback = MISSING
-                out.append({
-                    "run_id": live["run_id"],
-                    "cell_label": _text(live["cell_label"]),
-                    "cached_label": _text(cached["cell_label"]),
-                    "live": format_ms(live["median_ms"]),
-                    "cached": format_ms(cached["median_ms"]),
-                    "saving_ms": format_ms(saving),
-                    "saving_pct": f"{saving / live['median_ms'] * 100:.1f} %" if live["median_ms"] > 0 else MISSING,
-                    "one_off": format_ms(cached["teacher_cache_ms"]),
-                    "payback": payback,
-                })
+                out.append(
+                    {
+                        "run_id": live["run_id"],
+                        "cell_label": _text(live["cell_label"]),
+                        "cached_label": _text(cached["cell_label"]),
+                        "live": format_ms(live["median_ms"]),
+                        "cached": format_ms(cached["median_ms"]),
+                        "saving_ms": format_ms(saving),
+                        "saving_pct": f"{saving / live['median_ms'] * 100:.1f} %" if live["median_ms"] > 0 else MISSING,
+                        "one_off": format_ms(cached["teacher_cache_ms"]),
+                        "payback": payback,
+                    }
+                )
     return out
 
 
@@ -362,20 +392,24 @@ def _top_ops(df: pd.DataFrame, out_dir: Path) -> list[dict]:
             continue
         try:
             ops = json.loads(r["top_ops"])
-            rows = [{"op": str(o["op"]), "ms": format_ms(o.get("self_ms_per_call")),
-                     "count": format_int(o.get("count"))} for o in ops]
+            rows = [
+                {"op": str(o["op"]), "ms": format_ms(o.get("self_ms_per_call")), "count": format_int(o.get("count"))}
+                for o in ops
+            ]
             error = ""
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             rows, error = [], f"unreadable top_ops ({type(exc).__name__})"
         href, text = (None, None) if pd.isna(r["trace_file"]) else trace_link(str(r["trace_file"]), out_dir)
-        out.append({
-            "run_id": r["run_id"],
-            "cell_label": _text(r["cell_label"]),
-            "ops": rows,
-            "error": error,
-            "href": href,
-            "trace": text,
-        })
+        out.append(
+            {
+                "run_id": r["run_id"],
+                "cell_label": _text(r["cell_label"]),
+                "ops": rows,
+                "error": error,
+                "href": href,
+                "trace": text,
+            }
+        )
     return out
 
 
@@ -393,8 +427,10 @@ def quality_summary(df: pd.DataFrame) -> pd.DataFrame:
     for key, dataset in zip(keys.itertuples(index=False, name=None), q["quality_dataset"]):
         if not pd.isna(dataset) and str(dataset) not in sets.setdefault(key, []):
             sets[key].append(str(dataset))
-    summary["datasets"] = [", ".join(sets.get(tuple(None if pd.isna(v) else v for v in k), []))
-                           for k in summary[list(SUMMARY_KEYS)].itertuples(index=False, name=None)]
+    summary["datasets"] = [
+        ", ".join(sets.get(tuple(None if pd.isna(v) else v for v in k), []))
+        for k in summary[list(SUMMARY_KEYS)].itertuples(index=False, name=None)
+    ]
     return summary
 
 

@@ -144,8 +144,15 @@ def _grouped_bars(ax, here: pd.DataFrame, group: str, series: str, order: list, 
         drawn[key] = ax.bar(x, bars[value], width=width, edgecolor="0.25", linewidth=0.5, **style(bars))
     rotate = len(groups) > 4
     labels = [g.replace("\n", " ") if rotate else g.replace(" → ", "\n→ ") for g in groups]  # two lines side by side
-    ax.set_xticks(range(len(groups)), labels, rotation=90 if rotate else 0, ha="right" if rotate else "center",
-                  rotation_mode="anchor", va="center" if rotate else "top", fontsize=8 if rotate else None)
+    ax.set_xticks(
+        range(len(groups)),
+        labels,
+        rotation=90 if rotate else 0,
+        ha="right" if rotate else "center",
+        rotation_mode="anchor",
+        va="center" if rotate else "top",
+        fontsize=8 if rotate else None,
+    )
     ax.set_xlim(-0.7, len(groups) - 0.3)
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
@@ -224,12 +231,27 @@ def _inference_latency(rows: pd.DataFrame, out_dir: Path) -> Chart:
     for (ax,), source in zip(facets, sources):
         here = points[points["source"].eq(source)]
         for (role, model, variant, line), pts in here.groupby(["role", "model", "variant", "line"]):
-            ax.plot(pts["batch_size"], pts["median_ms"], "-" if role == "student" else "--", marker=marker[variant],
-                    ms=4, color=color[model], label=line)
+            ax.plot(
+                pts["batch_size"],
+                pts["median_ms"],
+                "-" if role == "student" else "--",
+                marker=marker[variant],
+                ms=4,
+                color=color[model],
+                label=line,
+            )
         noisy = here[here["is_noisy"]]
         if len(noisy):
-            ax.scatter(noisy["batch_size"], noisy["median_ms"], s=90, facecolors="none", edgecolors="black",
-                       linewidths=1, zorder=3, label=f"noisy ({NOISY_NOTE})")
+            ax.scatter(
+                noisy["batch_size"],
+                noisy["median_ms"],
+                s=90,
+                facecolors="none",
+                edgecolors="black",
+                linewidths=1,
+                zorder=3,
+                label=f"noisy ({NOISY_NOTE})",
+            )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(batch_sizes, [str(int(b)) for b in batch_sizes])
@@ -271,16 +293,28 @@ def _speedup(rows: pd.DataFrame, out_dir: Path) -> Chart:
     label_room = 0.065 * rows["group"].str.len().max() if n_groups > 4 else 0.0  # vertical tick labels
     fig, facets = _facets(sources, 1, width=min(14.0, max(8.0, 0.45 * n_bars + 4)), height=3.8 + label_room)
     for (ax,), source in zip(facets, sources):
-        drawn = _grouped_bars(ax, rows[rows["source"].eq(source)], "group", "batch_size", batch_sizes,
-                              "speedup_vs_teacher", lambda bars: {"color": color[bars["batch_size"].iloc[0]]})
+        drawn = _grouped_bars(
+            ax,
+            rows[rows["source"].eq(source)],
+            "group",
+            "batch_size",
+            batch_sizes,
+            "speedup_vs_teacher",
+            lambda bars: {"color": color[bars["batch_size"].iloc[0]]},
+        )
         for bars in drawn.values():
             ax.bar_label(bars, fmt="%.1f×", fontsize=7, padding=2, rotation=90)
         ax.axhline(1.0, color="0.3", linestyle="--", linewidth=1)
         ax.margins(y=0.18)
         ax.set_ylabel(axis_label("speed-up vs teacher", "speedup_vs_teacher"))
     handles = [Patch(facecolor=color[b], edgecolor="0.25", label=str(int(b))) for b in batch_sizes]
-    fig.legend(handles=handles, loc="outside right upper", fontsize=8, title=axis_label("batch size", "batch_size"),
-               title_fontsize=8)
+    fig.legend(
+        handles=handles,
+        loc="outside right upper",
+        fontsize=8,
+        title=axis_label("batch size", "batch_size"),
+        title_fontsize=8,
+    )
     return Chart(
         title=title,
         file=_save(fig, out_dir, "speedup.png"),
@@ -328,8 +362,11 @@ def draw_phases(df: pd.DataFrame, out_dir: Path) -> Chart:
         left = pd.Series(0.0, index=here.index)
         for column, label in (*PHASES, REMAINDER):
             width = here[column].fillna(0.0).clip(lower=0.0)
-            look = ({"color": _REMAINDER_COLOR, "hatch": _REMAINDER_HATCH} if column == REMAINDER[0]
-                    else {"color": color[column]})
+            look = (
+                {"color": _REMAINDER_COLOR, "hatch": _REMAINDER_HATCH}
+                if column == REMAINDER[0]
+                else {"color": color[column]}
+            )
             ax.barh(y, width, left=left, height=0.7, label=label, edgecolor="0.25", linewidth=0.5, **look)
             left = left + width
         median = here["median_ms"]
@@ -341,8 +378,12 @@ def draw_phases(df: pd.DataFrame, out_dir: Path) -> Chart:
         ax.set_axisbelow(True)
     handles, labels = facets[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside right upper", fontsize=8)
-    note = (f" {clipped} negative remainder{'s were' if clipped != 1 else ' was'} drawn as 0 "
-            "(the phase medians add up to more than the step median)." if clipped else "")
+    note = (
+        f" {clipped} negative remainder{'s were' if clipped != 1 else ' was'} drawn as 0 "
+        "(the phase medians add up to more than the step median)."
+        if clipped
+        else ""
+    )
     return Chart(
         title=title,
         file=_save(fig, out_dir, "phases.png"),
@@ -381,10 +422,11 @@ def _accuracy_points(quality: pd.DataFrame) -> pd.DataFrame:
     if q.loc[q["quality_role"].eq("distilled"), "teacher"].nunique() > 1:  # say which teacher distilled
         from_teacher = " ← " + q["teacher"].fillna("?")
         q["kind"] = q["kind"].where(~q["quality_role"].eq("distilled"), q["kind"] + from_teacher)
-    points = (
-        q.groupby(["quality_role", "model", "kind"], as_index=False)
-        .agg(accuracy=("accuracy", "mean"), std=("accuracy", "std"), seeds=("accuracy", "size"),
-             run_ids=("run_id", lambda s: tuple(sorted(set(s.dropna())))))
+    points = q.groupby(["quality_role", "model", "kind"], as_index=False).agg(
+        accuracy=("accuracy", "mean"),
+        std=("accuracy", "std"),
+        seeds=("accuracy", "size"),
+        run_ids=("run_id", lambda s: tuple(sorted(set(s.dropna())))),
     )
     points["std"] = points["std"].fillna(0.0)
     return points
@@ -413,8 +455,11 @@ def draw_quality_front(df: pd.DataFrame, out_dir: Path) -> Chart:
     missing = sorted(set(points.loc[points["latency_ms"].isna(), "model"]))
     points = points[points["latency_ms"].notna()]
     if points.empty:
-        return _skipped(title, "no student_inference or teacher_inference latency of the models the quality rows "
-                               "trained (" + ", ".join(missing) + ")")
+        return _skipped(
+            title,
+            "no student_inference or teacher_inference latency of the models the quality rows "
+            "trained (" + ", ".join(missing) + ")",
+        )
 
     students = points[points["quality_role"].ne("teacher")]
     teachers = points[points["quality_role"].eq("teacher")]
@@ -424,18 +469,36 @@ def draw_quality_front(df: pd.DataFrame, out_dir: Path) -> Chart:
     fig = Figure(figsize=(10.0, 5.0), layout="constrained")
     ax = fig.subplots()
     for p in students.itertuples(index=False):
-        ax.errorbar(p.latency_ms, p.accuracy * 100, yerr=p.std * 100, fmt=marker[p.kind], ms=7, capsize=3,
-                    color=color[p.model], mec="0.2", label=f"{p.model} · {p.kind} (batch {p.latency_batch})")
+        ax.errorbar(
+            p.latency_ms,
+            p.accuracy * 100,
+            yerr=p.std * 100,
+            fmt=marker[p.kind],
+            ms=7,
+            capsize=3,
+            color=color[p.model],
+            mec="0.2",
+            label=f"{p.model} · {p.kind} (batch {p.latency_batch})",
+        )
     for p in teachers.itertuples(index=False):
-        ax.errorbar(p.latency_ms, p.accuracy * 100, yerr=p.std * 100, fmt="*", ms=14, capsize=3, color="black",
-                    label=f"teacher {p.model} (batch {p.latency_batch})")
+        ax.errorbar(
+            p.latency_ms,
+            p.accuracy * 100,
+            yerr=p.std * 100,
+            fmt="*",
+            ms=14,
+            capsize=3,
+            color="black",
+            label=f"teacher {p.model} (batch {p.latency_batch})",
+        )
     if points["latency_ms"].max() > 10 * points["latency_ms"].min():
         ax.set_xscale("log")
     ax.set_xlabel(axis_label("median inference latency at the smallest measured batch size", "median_ms"))
     ax.set_ylabel("top-1 test accuracy (%)")
     datasets = ", ".join(map(str, quality["quality_dataset"].dropna().unique()))
-    ax.set_title("Top-1 accuracy (%) against inference latency (ms)" + (f" · {datasets}" if datasets else ""),
-                 fontsize=10)
+    ax.set_title(
+        "Top-1 accuracy (%) against inference latency (ms)" + (f" · {datasets}" if datasets else ""), fontsize=10
+    )
     ax.grid(which="both", alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, borderaxespad=0)
     note = f" Left out (no latency measured): {', '.join(missing)}." if missing else ""

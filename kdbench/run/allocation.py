@@ -49,8 +49,9 @@ def detect_allocation(environ: Mapping[str, str] | None = None) -> Allocation | 
                 "running under srun with several tasks needs MASTER_ADDR (the first node's host name): "
                 "export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)"
             )
-        alloc = Allocation(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0")),
-                           "slurm")
+        alloc = Allocation(
+            int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0")), "slurm"
+        )
     else:
         return None
     return alloc if alloc.world_size > 1 else None
@@ -70,9 +71,19 @@ def _init(alloc: Allocation, backend_name: str, timeout_s: float) -> Backend:
     return Backend(name=backend_name, device=device)
 
 
-def run_allocated(suite: Suite, cells: list[Cell], backend_name: str, out_dir: Path, threads: int, *,
-                  alloc: Allocation, resume: bool, inline: bool, cell_timeout_s: float | None,
-                  log: Callable[[str], None] = print):
+def run_allocated(
+    suite: Suite,
+    cells: list[Cell],
+    backend_name: str,
+    out_dir: Path,
+    threads: int,
+    *,
+    alloc: Allocation,
+    resume: bool,
+    inline: bool,
+    cell_timeout_s: float | None,
+    log: Callable[[str], None] = print,
+):
     """Every rank calls this with the same plan; rank 0 returns the RunOutcome, the others None."""
     from kdbench.run.rank import measure_rank
     from kdbench.run.engine import Recorder, open_run
@@ -89,20 +100,26 @@ def run_allocated(suite: Suite, cells: list[Cell], backend_name: str, out_dir: P
         by_index = {c.index: c for c in cells}
         todo = [by_index[i] for i in shared[0]]
         # new_group is collective: every rank creates every subgroup, in the same order.
-        groups = {n: dist.new_group(list(range(n))) for n in sorted({c.config.world_size for c in todo})
-                  if 1 < n < alloc.world_size}
+        groups = {
+            n: dist.new_group(list(range(n)))
+            for n in sorted({c.config.world_size for c in todo})
+            if 1 < n < alloc.world_size
+        }
         if alloc.rank == 0:
             recorder = Recorder(suite, backend, outcome, len(todo), log)
-            log(f"run {outcome.run_id}: {len(todo)} cells of suite '{suite.name}' on {backend.name}, "
-                f"{alloc.world_size} ranks of a {alloc.source} allocation -> {outcome.path}")
+            log(
+                f"run {outcome.run_id}: {len(todo)} cells of suite '{suite.name}' on {backend.name}, "
+                f"{alloc.world_size} ranks of a {alloc.source} allocation -> {outcome.path}"
+            )
             worker = (InlineWorker if inline else ProcessWorker)(backend, suite.allow_imports, threads)
         for cell in todo:
             ws = cell.config.world_size
             rows = None
             if ws > alloc.world_size:
                 if alloc.rank == 0:
-                    rows = rows_for(cell, "skipped", f"world_size {ws} exceeds this allocation's "
-                                                      f"{alloc.world_size} ranks")
+                    rows = rows_for(
+                        cell, "skipped", f"world_size {ws} exceeds this allocation's {alloc.world_size} ranks"
+                    )
             elif ws == 1:
                 if alloc.rank == 0:
                     rows = worker.measure(cell, timeout)

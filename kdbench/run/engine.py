@@ -69,9 +69,13 @@ def summary_line(rows: list[dict[str, Any]]) -> str:
             parts.append(f"{m}@{row['batch_size']} {row['status'].upper()}: {(row.get('error') or '')[:120]}")
         elif m == "distill_step":
             noisy = " NOISY" if row["noisy"] else ""
-            parts.append(f"step {row['median_ms']:.3g} ms ±{row['rel_iqr']:.0%}{noisy} ({row['throughput']:.0f} samples/s)")
+            parts.append(
+                f"step {row['median_ms']:.3g} ms ±{row['rel_iqr']:.0%}{noisy} ({row['throughput']:.0f} samples/s)"
+            )
         elif m == "student_inference" and row.get("speedup_vs_teacher"):
-            parts.append(f"student@{row['batch_size']} {row['median_ms']:.3g} ms ({row['speedup_vs_teacher']:.1f}x teacher)")
+            parts.append(
+                f"student@{row['batch_size']} {row['median_ms']:.3g} ms ({row['speedup_vs_teacher']:.1f}x teacher)"
+            )
     return "; ".join(parts)
 
 
@@ -105,8 +109,11 @@ def find_resumable(out_dir: Path, suite_name: str) -> tuple[Path | None, set[str
             table = read_table(path, columns=["suite", "cell_id"])
         except Exception:  # not a kdbench file: not ours to resume
             continue
-        ids = {cid for s, cid in zip(table.column("suite").to_pylist(), table.column("cell_id").to_pylist())
-               if s == suite_name}
+        ids = {
+            cid
+            for s, cid in zip(table.column("suite").to_pylist(), table.column("cell_id").to_pylist())
+            if s == suite_name
+        }
         if ids:
             done |= ids
             newest = path
@@ -168,8 +175,15 @@ class Recorder:
         }
         for row in rows:
             if row.get("status") == "ok":
-                row.update(utilization_columns(row.get("flops"), row.get("median_ms"), self.env["device_name"],
-                                               cell.config.precision, self.ceiling))
+                row.update(
+                    utilization_columns(
+                        row.get("flops"),
+                        row.get("median_ms"),
+                        self.env["device_name"],
+                        cell.config.precision,
+                        self.ceiling,
+                    )
+                )
         now = datetime.now(timezone.utc)
         if self.writer is None:
             self.writer = ResultWriter(self.outcome.path)
@@ -184,8 +198,9 @@ class Recorder:
         self.log(f"{head}: {summary_line(rows)}  | {_fmt_s(elapsed)} elapsed, ~{_fmt_s(left)} left")
 
 
-def open_run(suite: Suite, cells: list[Cell], out_dir: Path, resume: bool,
-             log: Callable[[str], None]) -> tuple[RunOutcome, list[Cell]]:
+def open_run(
+    suite: Suite, cells: list[Cell], out_dir: Path, resume: bool, log: Callable[[str], None]
+) -> tuple[RunOutcome, list[Cell]]:
     """The run's id and file (a new one, or with `resume` the newest of this suite) and the cells to do."""
     previous, done = find_resumable(out_dir, suite.name) if resume else (None, set())
     if previous is not None:
@@ -197,31 +212,48 @@ def open_run(suite: Suite, cells: list[Cell], out_dir: Path, resume: bool,
         outcome = RunOutcome(run_id=run_id, path=Path(out_dir) / f"{run_id}.parquet")
     todo = [c for c in cells if c.cell_id not in done]
     if previous is not None:
-        log(f"resuming run {outcome.run_id}: {len(cells) - len(todo)} of {len(cells)} cells already stored, "
-            f"{len(todo)} to go")
+        log(
+            f"resuming run {outcome.run_id}: {len(cells) - len(todo)} of {len(cells)} cells already stored, "
+            f"{len(todo)} to go"
+        )
     return outcome, todo
 
 
-def _run(suite: Suite, cells: list[Cell], backend: Backend, out_dir: Path, threads: int, resume: bool,
-         inline: bool, cell_timeout_s: float | None, profile: bool, log: Callable[[str], None]) -> RunOutcome:
+def _run(
+    suite: Suite,
+    cells: list[Cell],
+    backend: Backend,
+    out_dir: Path,
+    threads: int,
+    resume: bool,
+    inline: bool,
+    cell_timeout_s: float | None,
+    profile: bool,
+    log: Callable[[str], None],
+) -> RunOutcome:
     outcome, todo = open_run(suite, cells, out_dir, resume, log)
     recorder = Recorder(suite, backend, outcome, len(todo), log)
-    log(f"run {outcome.run_id}: {len(todo)} cells of suite '{suite.name}' on {backend.name} "
-        f"({recorder.env['device_name']}), {threads} CPU threads -> {outcome.path}")
+    log(
+        f"run {outcome.run_id}: {len(todo)} cells of suite '{suite.name}' on {backend.name} "
+        f"({recorder.env['device_name']}), {threads} CPU threads -> {outcome.path}"
+    )
     if not todo:
         return outcome
     if recorder.ceiling:
         log(f"utilisation against this device's measured ceiling: probe {recorder.ceiling['probe_id']}")
     else:
-        log(f"no probe of this device in {Path(out_dir) / PROBES_DIR}: run `kdbench probe` for utilisation "
-            "against its measured ceiling")
+        log(
+            f"no probe of this device in {Path(out_dir) / PROBES_DIR}: run `kdbench probe` for utilisation "
+            "against its measured ceiling"
+        )
     options = MeasureOptions(trace_dir=str(Path(out_dir) / "traces" / outcome.run_id) if profile else None)
     if options.trace_dir:
         log(f"profiler traces -> {options.trace_dir}")
     worker_cls = InlineWorker if inline else ProcessWorker
     worker = worker_cls(backend, suite.allow_imports, threads, options)
-    ddp_worker = TorchrunWorker(backend, suite.allow_imports, threads, gpu_count=detect().gpu_count,
-                                launcher=suite.launcher)
+    ddp_worker = TorchrunWorker(
+        backend, suite.allow_imports, threads, gpu_count=detect().gpu_count, launcher=suite.launcher
+    )
     timeout = cell_timeout_s if cell_timeout_s is not None else suite.cell_timeout_s
     try:
         for cell in todo:
@@ -244,14 +276,26 @@ def quality_cell(suite: Suite, cells: list[Cell]) -> Cell | None:
     from kdbench.quality.protocol import quality_jobs
 
     jobs = [j.config for j in quality_jobs(c.config for c in cells)]
-    key = json.dumps({"quality": suite.quality.model_dump(mode="json"),
-                      "jobs": sorted(c.cell_id for c in cells if c.config in jobs)}, sort_keys=True)
+    key = json.dumps(
+        {
+            "quality": suite.quality.model_dump(mode="json"),
+            "jobs": sorted(c.cell_id for c in cells if c.config in jobs),
+        },
+        sort_keys=True,
+    )
     cid = "quality-" + hashlib.sha256(key.encode()).hexdigest()[:12]
     return Cell(index=len(cells), cell_id=cid, config=jobs[0])
 
 
-def run_quality_cell(suite: Suite, cells: list[Cell], backend: Backend, out_dir: Path, threads: int, resume: bool,
-                     log: Callable[[str], None] = print) -> RunOutcome | None:
+def run_quality_cell(
+    suite: Suite,
+    cells: list[Cell],
+    backend: Backend,
+    out_dir: Path,
+    threads: int,
+    resume: bool,
+    log: Callable[[str], None] = print,
+) -> RunOutcome | None:
     """Run the suite's quality block (in this process) into the newest run file of the suite;
     None when the suite has none. With `resume`, nothing happens if it is stored already."""
     qcell = quality_cell(suite, cells)
@@ -265,8 +309,10 @@ def run_quality_cell(suite: Suite, cells: list[Cell], backend: Backend, out_dir:
         return outcome
     q = suite.quality
     jobs = quality_jobs(c.config for c in cells)
-    log(f"quality on {q.dataset}: {q.seeds} seed(s) x {len(jobs)} distillation(s), {q.epochs} epochs each, "
-        f"target {q.target:g} x the teacher's accuracy")
+    log(
+        f"quality on {q.dataset}: {q.seeds} seed(s) x {len(jobs)} distillation(s), {q.epochs} epochs each, "
+        f"target {q.target:g} x the teacher's accuracy"
+    )
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -81,7 +81,9 @@ def measure_rank(cell: Cell, backend: Backend, allow_imports: bool, group: Any =
     if rank == 0:
         raw = type(raw)(first_ms=first_ms, samples_ms=slowest, clock=raw.clock)
         row = distill_row(step, raw, config, x, float(loss.item()) / world)
-        row.update(memory_columns(memory.result()), **flops, optimizer_state_bytes=optimizer_state_bytes(step.optimizer))
+        row.update(
+            memory_columns(memory.result()), **flops, optimizer_state_bytes=optimizer_state_bytes(step.optimizer)
+        )
         rows = [row]
         for bs in config.inference.batch_sizes:  # rank 0 alone, on its own device; the others wait
             srow = measure_inference(student, "student", bs, config, backend)

@@ -191,8 +191,14 @@ def _kill_tree(proc: subprocess.Popen, marker: str) -> None:
 class TorchrunWorker:
     """Run data-parallel cells under `torchrun --standalone` on this machine."""
 
-    def __init__(self, backend: Backend, allow_imports: bool, threads: int, gpu_count: int = 0,
-                 launcher: LauncherConfig | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        allow_imports: bool,
+        threads: int,
+        gpu_count: int = 0,
+        launcher: LauncherConfig | None = None,
+    ):
         self.backend = backend
         self.allow_imports = allow_imports
         self.threads = threads
@@ -206,28 +212,54 @@ class TorchrunWorker:
         if la.nnodes == 1 and la.rdzv_endpoint is None:
             args = ["--standalone", "--nnodes=1"]
         else:
-            args = [f"--nnodes={la.nnodes}", f"--rdzv-backend={la.rdzv_backend}", f"--rdzv-endpoint={la.rdzv_endpoint}",
-                    f"--rdzv-id={la.rdzv_id or 'kdbench-' + cell.cell_id}"]
+            args = [
+                f"--nnodes={la.nnodes}",
+                f"--rdzv-backend={la.rdzv_backend}",
+                f"--rdzv-endpoint={la.rdzv_endpoint}",
+                f"--rdzv-id={la.rdzv_id or 'kdbench-' + cell.cell_id}",
+            ]
         return [*args, f"--nproc-per-node={per_node}", "--max-restarts=0", *la.extra_args]
 
     def measure(self, cell: Cell, timeout_s: float | None = None) -> list[dict[str, Any]]:
         ws = cell.config.world_size
         per_node = ws // self.launcher.nnodes
         if self.backend.device_type == "cuda" and per_node > self.gpu_count:
-            return rows_for(cell, "skipped", f"world_size {ws} needs {per_node} GPUs on each of "
-                                              f"{self.launcher.nnodes} node(s); this machine has {self.gpu_count}")
+            return rows_for(
+                cell,
+                "skipped",
+                f"world_size {ws} needs {per_node} GPUs on each of "
+                f"{self.launcher.nnodes} node(s); this machine has {self.gpu_count}",
+            )
         timeout = timeout_s or 3600.0
         rank_threads = max(1, self.threads // per_node)
         with tempfile.TemporaryDirectory(prefix="kdbench-ddp-") as tmp:
             job, rows_file, log = Path(tmp) / "cell.pkl", Path(tmp) / "rows.pkl", Path(tmp) / "output.log"
-            job.write_bytes(pickle.dumps({
-                "cell": cell, "backend": self.backend.name, "allow_imports": self.allow_imports,
-                "threads": rank_threads, "timeout_s": timeout,
-            }))
-            cmd = [sys.executable, "-m", "torch.distributed.run", *self.torchrun_args(cell),
-                   "-m", "kdbench.run.rank", str(job), str(rows_file)]
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-                   "OMP_NUM_THREADS": str(rank_threads)}
+            job.write_bytes(
+                pickle.dumps(
+                    {
+                        "cell": cell,
+                        "backend": self.backend.name,
+                        "allow_imports": self.allow_imports,
+                        "threads": rank_threads,
+                        "timeout_s": timeout,
+                    }
+                )
+            )
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                *self.torchrun_args(cell),
+                "-m",
+                "kdbench.run.rank",
+                str(job),
+                str(rows_file),
+            ]
+            env = {
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+                "OMP_NUM_THREADS": str(rank_threads),
+            }
             # Output goes to a file, not a pipe: a rank that outlived torchrun would hold a pipe open.
             with open(log, "w") as out:
                 proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -235,8 +267,12 @@ class TorchrunWorker:
                     proc.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
                     _kill_tree(proc, str(job))
-                    return rows_for(cell, "timeout", f"the cell exceeded its time-out of {timeout:g} s and its "
-                                                      f"{ws} ranks were stopped; last output: {_error_lines(log.read_text())}")
+                    return rows_for(
+                        cell,
+                        "timeout",
+                        f"the cell exceeded its time-out of {timeout:g} s and its "
+                        f"{ws} ranks were stopped; last output: {_error_lines(log.read_text())}",
+                    )
                 except BaseException:  # Ctrl-C: leave nothing behind
                     _kill_tree(proc, str(job))
                     raise
@@ -244,8 +280,9 @@ class TorchrunWorker:
             if proc.returncode == 0 and not rows_file.exists() and self.launcher.nnodes > 1:
                 return []  # global rank 0 ran on another node, which stores the rows
             if proc.returncode != 0 or not rows_file.exists():
-                return rows_for(cell, "failed", f"torchrun exited with code {proc.returncode}: "
-                                                 f"{_error_lines(log.read_text())}")
+                return rows_for(
+                    cell, "failed", f"torchrun exited with code {proc.returncode}: {_error_lines(log.read_text())}"
+                )
             return pickle.loads(rows_file.read_bytes())
 
     def close(self) -> None:

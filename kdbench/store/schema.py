@@ -63,7 +63,12 @@ COLUMNS: tuple[Column, ...] = (
     Column("pad_to", _I, "", "classifier width padded to a multiple of this (1: no padding)"),
     Column("padded_classes", _I, "", "classifier width after padding (the pad is sliced out of loss and accuracy)"),
     Column("world_size", _I, "ranks", "data-parallel ranks"),
-    Column("dist_backend", _S, "", "torch.distributed backend of world_size > 1 cells: `gloo` (CPU) or `nccl` (CUDA, RCCL on ROCm)"),
+    Column(
+        "dist_backend",
+        _S,
+        "",
+        "torch.distributed backend of world_size > 1 cells: `gloo` (CPU) or `nccl` (CUDA, RCCL on ROCm)",
+    ),
     Column("ddp_bucket_cap_mb", _F, "MiB", "DDP gradient bucket size"),
     Column("ddp_gradient_as_bucket_view", _B, "", "DDP gradient_as_bucket_view"),
     Column("ddp_static_graph", _B, "", "DDP static_graph"),
@@ -100,9 +105,21 @@ COLUMNS: tuple[Column, ...] = (
     Column("noisy", _B, "", "rel_iqr > 0.10: treat the median with care"),
     Column("timer", _S, "", "`perf_counter_ns` (host clock) or `device_event` (CUDA/HIP events)"),
     # --- derived ----------------------------------------------------------------
-    Column("throughput", _F, "samples/s", "world_size × batch_size / median time (for world_size > 1, each iteration's slowest rank)"),
-    Column("scaling_efficiency", _F, "ratio", "throughput / (world_size × throughput of the same cell at world_size 1), when that cell is in the run"),
-    Column("speedup_vs_teacher", _F, "×", "teacher median / student median at this batch size (student_inference rows)"),
+    Column(
+        "throughput",
+        _F,
+        "samples/s",
+        "world_size × batch_size / median time (for world_size > 1, each iteration's slowest rank)",
+    ),
+    Column(
+        "scaling_efficiency",
+        _F,
+        "ratio",
+        "throughput / (world_size × throughput of the same cell at world_size 1), when that cell is in the run",
+    ),
+    Column(
+        "speedup_vs_teacher", _F, "×", "teacher median / student median at this batch size (student_inference rows)"
+    ),
     Column("final_loss", _F, "", "distillation loss of the last timed step (distill_step rows)"),
     Column("nonfinite_steps", _I, "steps", "steps whose loss was inf or NaN (all calls, warm-up included)"),
     Column("scaler_skips", _I, "steps", "optimizer updates the fp16 GradScaler skipped for inf/NaN gradients"),
@@ -116,26 +133,63 @@ COLUMNS: tuple[Column, ...] = (
     Column("teacher_features", _S, "", "teacher module paths whose outputs feature methods compare"),
     Column("student_features", _S, "", "student module paths paired with teacher_features"),
     Column("student_params", _I, "parameters", "student model parameter count (what serves inference)"),
-    Column("adapter_params", _I, "parameters", "parameters of the feature adapters (e.g. FitNet's regressor), trained with the student"),
+    Column(
+        "adapter_params",
+        _I,
+        "parameters",
+        "parameters of the feature adapters (e.g. FitNet's regressor), trained with the student",
+    ),
     Column("trainable_params", _I, "parameters", "student + adapter parameters: what the distillation step trains"),
     Column("teacher_params", _I, "parameters", "teacher parameter count"),
-    Column("time_to_steady_ms", _F, "ms", "from the cold call's start to the end of the first call within 10 % of the median (first_ms is the cold call alone)"),
+    Column(
+        "time_to_steady_ms",
+        _F,
+        "ms",
+        "from the cold call's start to the end of the first call within 10 % of the median (first_ms is the cold call alone)",
+    ),
     Column("steady_after_iters", _I, "iterations", "calls (cold one included) until the first steady one"),
-    Column("flops", _F, "FLOP", "FLOPs of one iteration on one device (torch.utils.flop_counter: matmuls and convolutions)"),
+    Column(
+        "flops", _F, "FLOP", "FLOPs of one iteration on one device (torch.utils.flop_counter: matmuls and convolutions)"
+    ),
     Column("teacher_forward_flops", _F, "FLOP", "the teacher forward's share of `flops` (distill_step, live teacher)"),
     Column("student_flops", _F, "FLOP", "student forward + backward (+ adapters) share of `flops` (distill_step)"),
     Column("achieved_tflops", _F, "TFLOP/s", "flops / median time, per device"),
     Column("datasheet_device", _S, "", "the accelerator of the peak table this device matched"),
-    Column("datasheet_peak_tflops", _F, "TFLOP/s", "vendor dense peak at the cell's precision (kdbench.measure.flops.PEAKS)"),
+    Column(
+        "datasheet_peak_tflops",
+        _F,
+        "TFLOP/s",
+        "vendor dense peak at the cell's precision (kdbench.measure.flops.PEAKS)",
+    ),
     Column("mfu", _F, "ratio", "achieved_tflops / datasheet_peak_tflops"),
-    Column("ceiling_tflops", _F, "TFLOP/s", "this device's measured matmul rate at the cell's precision (newest `kdbench probe`)"),
+    Column(
+        "ceiling_tflops",
+        _F,
+        "TFLOP/s",
+        "this device's measured matmul rate at the cell's precision (newest `kdbench probe`)",
+    ),
     Column("ceiling_utilization", _F, "ratio", "achieved_tflops / ceiling_tflops"),
     Column("ceiling_probe_id", _S, "", "the probe the ceiling comes from"),
-    Column("memory_kind", _S, "", "`device` (allocator peak, reset before the measurement), `rss_hwm` (kernel high-water mark of the worker process, reset before) or `rss` (sampled)"),
-    Column("peak_memory_bytes", _I, "bytes", "peak allocated device memory, or the worker's peak resident memory on the CPU"),
+    Column(
+        "memory_kind",
+        _S,
+        "",
+        "`device` (allocator peak, reset before the measurement), `rss_hwm` (kernel high-water mark of the worker process, reset before) or `rss` (sampled)",
+    ),
+    Column(
+        "peak_memory_bytes",
+        _I,
+        "bytes",
+        "peak allocated device memory, or the worker's peak resident memory on the CPU",
+    ),
     Column("peak_reserved_bytes", _I, "bytes", "peak memory reserved by the caching allocator (GPUs)"),
     Column("memory_growth_bytes", _I, "bytes", "memory at the end of the measurement minus at its start"),
-    Column("optimizer_state_bytes", _I, "bytes", "bytes of the optimizer's state tensors after the measurement (distill_step)"),
+    Column(
+        "optimizer_state_bytes",
+        _I,
+        "bytes",
+        "bytes of the optimizer's state tensors after the measurement (distill_step)",
+    ),
     Column("telemetry", _S, "", "`pynvml` or `amdsmi` when GPU telemetry was read; else `unavailable: why`"),
     Column("power_w_mean", _F, "W", "mean board power over the timed iterations"),
     Column("power_w_max", _F, "W", "highest power sample"),
@@ -147,13 +201,22 @@ COLUMNS: tuple[Column, ...] = (
     Column("trace_file", _S, "", "torch.profiler Chrome trace of the cell's step (`profile: true` or --profile)"),
     Column("top_ops", _S, "", "JSON: the traced step's top operators by self time (ms per step)"),
     Column("quality_role", _S, "", "quality rows: `teacher`, `scratch` (student trained alone) or `distilled`"),
-    Column("quality_dataset", _S, "", "quality rows: the real data set (`digits`, `imagefolder`, `cifar10`, `cifar100`)"),
+    Column(
+        "quality_dataset", _S, "", "quality rows: the real data set (`digits`, `imagefolder`, `cifar10`, `cifar100`)"
+    ),
     Column("quality_epochs", _I, "epochs", "quality rows: training epochs"),
     Column("quality_target", _F, "ratio", "quality rows: the target, as a fraction of the teacher's accuracy"),
     Column("accuracy", _F, "ratio", "quality rows: top-1 test accuracy after the last epoch"),
     Column("best_accuracy", _F, "ratio", "quality rows: best top-1 test accuracy over the epochs"),
-    Column("agreement", _F, "ratio", "quality rows: share of test samples where student and teacher predict the same class"),
-    Column("time_to_target_s", _F, "s", "quality rows: training wall time until accuracy ≥ target × the teacher's (null: not reached)"),
+    Column(
+        "agreement", _F, "ratio", "quality rows: share of test samples where student and teacher predict the same class"
+    ),
+    Column(
+        "time_to_target_s",
+        _F,
+        "s",
+        "quality rows: training wall time until accuracy ≥ target × the teacher's (null: not reached)",
+    ),
     Column("epochs_to_target", _I, "epochs", "quality rows: epochs until the target was reached"),
     Column("train_time_s", _F, "s", "quality rows: total training wall time (evaluation excluded)"),
     Column("data_ptr_mod64", _I, "bytes", "input batch's realised data_ptr() % 64 (labels are placed alike)"),
@@ -180,11 +243,23 @@ COLUMNS: tuple[Column, ...] = (
     Column("cudnn_benchmark", _B, "", "torch.backends.cudnn.benchmark"),
     Column("blas_library", _S, "", "torch.backends.cuda.preferred_blas_library() on GPUs"),
     Column("cpu_capability", _S, "", "the CPU kernels torch dispatches to (`AVX2`, `AVX512`, ...)"),
-    Column("float32_matmul_precision", _S, "", "torch.get_float32_matmul_precision() (`highest` keeps fp32 GEMMs exact)"),
+    Column(
+        "float32_matmul_precision", _S, "", "torch.get_float32_matmul_precision() (`highest` keeps fp32 GEMMs exact)"
+    ),
     Column("tf32_matmul", _B, "", "torch.backends.cuda.matmul.allow_tf32"),
     Column("tf32_cudnn", _B, "", "torch.backends.cudnn.allow_tf32"),
-    Column("miopen_cache_warm", _B, "", "ROCm: MIOpen's find-db or kernel cache held entries when the run started (null elsewhere)"),
-    Column("tunableop_cache_warm", _B, "", "TunableOp enabled and its results file present when the run started (null when disabled)"),
+    Column(
+        "miopen_cache_warm",
+        _B,
+        "",
+        "ROCm: MIOpen's find-db or kernel cache held entries when the run started (null elsewhere)",
+    ),
+    Column(
+        "tunableop_cache_warm",
+        _B,
+        "",
+        "TunableOp enabled and its results file present when the run started (null when disabled)",
+    ),
     Column("env_knobs", _S, "", "JSON of speed-changing environment variables (MIOPEN_*, PYTORCH_TUNABLEOP_*, ...)"),
 )
 
@@ -261,8 +336,13 @@ def result_files(paths: Iterable[str | Path]) -> list[Path]:
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            files.extend(sorted(q for q in p.rglob("*.parquet")
-                                if not q.name.startswith(".") and PROBES_DIR not in q.relative_to(p).parts[:-1]))
+            files.extend(
+                sorted(
+                    q
+                    for q in p.rglob("*.parquet")
+                    if not q.name.startswith(".") and PROBES_DIR not in q.relative_to(p).parts[:-1]
+                )
+            )
         elif p.is_file():
             files.append(p)
         else:
@@ -276,9 +356,7 @@ def read_results(paths: Iterable[str | Path]):
 
     files = result_files(paths)
     if not files:
-        raise KdbenchError(
-            f"no .parquet result files in {', '.join(map(str, paths))}; run `kdbench run SUITE` first"
-        )
+        raise KdbenchError(f"no .parquet result files in {', '.join(map(str, paths))}; run `kdbench run SUITE` first")
     frames = []
     for f in files:
         try:
