@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from kdbench.config.schema import CellConfig
+from kdbench.distill.step import DistillStep
 from kdbench.hw.backends import resolve
 from kdbench.hw.data import synthetic_batch
-from kdbench.distill.step import DistillStep
 from kdbench.models import build_model
-from kdbench.config.schema import CellConfig
 
 _LINES: list[str] = []
 

@@ -130,11 +130,11 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_run(args: argparse.Namespace) -> int:
     import torch
 
-    from kdbench.run.allocation import detect_allocation, run_allocated
-    from kdbench.hw.backends import detect, resolve
     from kdbench.config.plan import expand, parse_shard, planned_measurements, shard
-    from kdbench.run.engine import run_plan, run_quality_cell
     from kdbench.config.schema import load_suite
+    from kdbench.hw.backends import detect, resolve
+    from kdbench.run.allocation import detect_allocation, run_allocated
+    from kdbench.run.engine import run_plan, run_quality_cell
 
     suite = load_suite(args.suite)
     if args.allow_imports and not suite.allow_imports:
@@ -309,8 +309,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
             print(f"{family} ({len(names)}): {', '.join(names)}")
         print("module:callable: a user's own model factory (needs `allow_imports: true` or --allow-imports)")
         return 0
-    from kdbench.distill.losses import METHODS
     from kdbench.config.schema import CellConfig
+    from kdbench.distill.losses import METHODS
 
     for m in METHODS.values():
         defaults = CellConfig.model_fields[m.params].default.model_dump()

@@ -1,7 +1,7 @@
 import pytest
 
-from kdbench.hw.backends import resolve
 from kdbench.config.schema import CellConfig
+from kdbench.hw.backends import resolve
 
 
 @pytest.fixture

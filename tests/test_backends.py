@@ -11,6 +11,7 @@ import contextlib
 import pytest
 import torch
 
+from kdbench.errors import KdbenchError
 from kdbench.hw import backends
 from kdbench.hw.backends import (
     AutocastChoice,
@@ -22,7 +23,6 @@ from kdbench.hw.backends import (
     needs_grad_scaler,
     resolve,
 )
-from kdbench.errors import KdbenchError
 from kdbench.measure.timing import EventClock, HostClock
 
 

@@ -10,15 +10,15 @@ import pytest
 import torch
 from torch import nn
 
-from kdbench.hw.backends import Backend, resolve
 from kdbench.cli import main
-from kdbench.hw.data import synthetic_batch
 from kdbench.distill.step import PHASES, DistillStep
+from kdbench.hw.backends import Backend, resolve
+from kdbench.hw.data import synthetic_batch
 from kdbench.hw.environment import capture, kernel_caches
-from kdbench.models import build_model
+from kdbench.measure.cell import phase_columns, step_flops
 from kdbench.measure.flops import TelemetrySampler, telemetry_columns, utilization_columns
 from kdbench.measure.timing import RawTiming
-from kdbench.measure.cell import phase_columns, step_flops
+from kdbench.models import build_model
 from tests.conftest import make_config
 
 ROOT = Path(__file__).resolve().parent.parent

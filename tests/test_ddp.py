@@ -7,11 +7,11 @@ import pandas as pd
 import pytest
 
 from kdbench.cli import main
-from kdbench.errors import KdbenchError
 from kdbench.config.plan import expand, parse_shard, shard
+from kdbench.config.schema import load_suite
+from kdbench.errors import KdbenchError
 from kdbench.run.engine import scaling_efficiency
 from kdbench.store.schema import read_results
-from kdbench.config.schema import load_suite
 
 TESTS = Path(__file__).resolve().parent
 
@@ -140,9 +140,9 @@ def test_scaling_efficiency_pairs_cells_that_differ_only_in_world_size():
 
 
 def test_torchrun_flags_standalone_and_rendezvous():
+    from kdbench.config.schema import LauncherConfig
     from kdbench.hw.backends import resolve
     from kdbench.run.workers import TorchrunWorker
-    from kdbench.config.schema import LauncherConfig
 
     (cell,) = [c for c in expand(_suite_from(DDP)) if c.config.world_size == 2]
     standalone = TorchrunWorker(resolve("cpu"), False, 2).torchrun_args(cell)

@@ -7,8 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-from kdbench.hw.backends import resolve
-from kdbench.hw.data import synthetic_batch
 from kdbench.distill.hooks import FeatureTap, canonical, default_feature_paths, pair_paths, stage_ends
 from kdbench.distill.losses import (
     METHODS,
@@ -24,6 +22,8 @@ from kdbench.distill.losses import (
 )
 from kdbench.distill.step import DistillStep
 from kdbench.errors import KdbenchError
+from kdbench.hw.backends import resolve
+from kdbench.hw.data import synthetic_batch
 from kdbench.models import build_model
 from tests.conftest import make_config
 

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from kdbench.errors import KdbenchError
 from kdbench.config.plan import cell_id_of, expand, planned_measurements
 from kdbench.config.schema import load_suite
+from kdbench.errors import KdbenchError
 
 SUITES = Path(__file__).resolve().parent.parent / "suites"
 

@@ -8,16 +8,16 @@ import re
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from types import SimpleNamespace
 
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from kdbench.measure import flops as profiling
-from kdbench.hw.backends import Backend
 from kdbench.errors import KdbenchError
+from kdbench.hw.backends import Backend
+from kdbench.measure import flops as profiling
 from kdbench.measure.flops import (
     PEAKS,
     MemoryMeter,
@@ -193,10 +193,9 @@ def test_cpu_meter_larger_allocation_larger_peak(cpu, cpu_mode):
 
 def test_cpu_meter_stops_its_thread_on_error(cpu, monkeypatch):
     monkeypatch.setattr(profiling, "_reset_hwm", lambda: False)
-    with pytest.raises(ValueError):
-        with MemoryMeter(cpu, interval_s=0.001):
-            assert len(_rss_threads()) == 1
-            raise ValueError("boom")
+    with pytest.raises(ValueError), MemoryMeter(cpu, interval_s=0.001):
+        assert len(_rss_threads()) == 1
+        raise ValueError("boom")
     assert _rss_threads() == []
 
 
@@ -513,7 +512,7 @@ def _at(monkeypatch, when):
 
 
 def test_write_probe_file(tmp_path, monkeypatch):
-    _at(monkeypatch, datetime(2026, 3, 4, 5, 6, 7, tzinfo=timezone.utc))
+    _at(monkeypatch, datetime(2026, 3, 4, 5, 6, 7, tzinfo=UTC))
     env = {"device_name": "GPU-A", "backend": "cuda", "device_count": 2, "hip_version": None}
     path = write_probe(_rows(10.0, 50.0), env, tmp_path / "probes")
     assert re.fullmatch(r"probe-20260304-050607-[0-9a-f]{6}\.parquet", path.name)
@@ -537,7 +536,7 @@ def test_write_probe_file(tmp_path, monkeypatch):
     ]
     rows = table.to_pylist()
     assert {r["probe_id"] for r in rows} == {path.stem}
-    assert rows[0]["timestamp"] == datetime(2026, 3, 4, 5, 6, 7, tzinfo=timezone.utc)
+    assert rows[0]["timestamp"] == datetime(2026, 3, 4, 5, 6, 7, tzinfo=UTC)
     assert [r["value"] for r in rows] == [10.0, 50.0, 100.0]
     assert rows[2]["device_count"] == 2 and rows[2]["hip_version"] is None
     with pytest.raises(ValueError, match="clash"):
@@ -546,11 +545,11 @@ def test_write_probe_file(tmp_path, monkeypatch):
 
 def test_latest_ceiling_picks_newest_matching_probe(tmp_path, monkeypatch):
     env_a = {"device_name": "GPU-A", "backend": "cuda"}
-    _at(monkeypatch, datetime(2026, 1, 2, tzinfo=timezone.utc))
+    _at(monkeypatch, datetime(2026, 1, 2, tzinfo=UTC))
     newer = write_probe(_rows(20.0, None, copy=300.0), env_a, tmp_path)  # bf16 failed in this probe
-    _at(monkeypatch, datetime(2026, 1, 1, tzinfo=timezone.utc))
+    _at(monkeypatch, datetime(2026, 1, 1, tzinfo=UTC))
     write_probe(_rows(10.0, 40.0), env_a, tmp_path)
-    _at(monkeypatch, datetime(2026, 1, 3, tzinfo=timezone.utc))
+    _at(monkeypatch, datetime(2026, 1, 3, tzinfo=UTC))
     write_probe(_rows(99.0, 99.0), {"device_name": "GPU-B", "backend": "cuda"}, tmp_path)
     (tmp_path / "probe-garbage.parquet").write_bytes(b"not parquet")
 

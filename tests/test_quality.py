@@ -8,9 +8,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from kdbench.hw.backends import resolve
 from kdbench.distill import losses
 from kdbench.errors import KdbenchError
+from kdbench.hw.backends import resolve
 from kdbench.quality.protocol import (
     ROW_KEYS,
     QualityConfig,

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
-import pytest
 
 from kdbench.cli import main
 from kdbench.store.schema import read_results

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -41,7 +41,7 @@ def _row(label: str, measurement: str, batch_size: int, median_ms: float, **extr
         "student": student,
         "method": "kd",
         "world_size": 1,
-        "timestamp": datetime(2025, 1, 2, 3, 4, 5, tzinfo=timezone.utc),
+        "timestamp": datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC),
         "torch_version": "2.5.1",
         "n": 50,
         "median_ms": median_ms,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 import json
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 import pandas as pd
@@ -69,7 +69,7 @@ def _row(run_id: str, label: str, measurement: str, median_ms: float | None, **e
         "student": "resnet18",
         "method": "kd",
         "world_size": 1,
-        "timestamp": datetime(2025, 1, 2, 3, 4, 5, tzinfo=timezone.utc),
+        "timestamp": datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC),
         "n": 20,
         "median_ms": median_ms,
         "iqr_ms": None if median_ms is None else median_ms * 0.02,

@@ -2,8 +2,8 @@
 
 import torch
 
-from kdbench.hw.data import synthetic_batch
 from kdbench.distill.step import DistillStep
+from kdbench.hw.data import synthetic_batch
 from kdbench.models import build_model
 from tests.conftest import make_config
 

@@ -1,7 +1,7 @@
 """The parquet store: schema = README, atomic appends, readable by pandas, pyarrow and duckdb."""
 
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -32,7 +32,7 @@ def _row(i, **kw):
         "batch_size": 8,
         "median_ms": 1.5 + i,
         "samples_ms": [1.0, 2.0, 1.5 + i],
-        "timestamp": datetime(2026, 1, 1, tzinfo=timezone.utc),
+        "timestamp": datetime(2026, 1, 1, tzinfo=UTC),
         "noisy": False,
     }
     row.update(kw)
@@ -48,11 +48,36 @@ def test_readme_documents_every_column_in_order():
 
 
 def test_required_columns_present():
-    required = (
-        "schema_version run_id suite cell_id measurement status error batch_size teacher student method "
-        "precision teacher_precision backend device_name torch_version n median_ms mean_ms std_ms iqr_ms "
-        "p05_ms p95_ms min_ms max_ms first_ms samples_ms throughput"
-    ).split()
+    required = [
+        "schema_version",
+        "run_id",
+        "suite",
+        "cell_id",
+        "measurement",
+        "status",
+        "error",
+        "batch_size",
+        "teacher",
+        "student",
+        "method",
+        "precision",
+        "teacher_precision",
+        "backend",
+        "device_name",
+        "torch_version",
+        "n",
+        "median_ms",
+        "mean_ms",
+        "std_ms",
+        "iqr_ms",
+        "p05_ms",
+        "p95_ms",
+        "min_ms",
+        "max_ms",
+        "first_ms",
+        "samples_ms",
+        "throughput",
+    ]
     assert set(required) <= set(COLUMN_NAMES)
     assert all(c.doc for c in COLUMNS)
     assert all(c.unit == "ms" for c in COLUMNS if c.name.endswith("_ms"))
@@ -148,7 +173,7 @@ def test_reader_never_sees_a_half_written_file(tmp_path):
 def test_two_runs_started_together_get_distinct_files():
     from kdbench.run.engine import new_run_id
 
-    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    now = datetime(2026, 1, 1, tzinfo=UTC)
     ids = {new_run_id("my suite/../x", now) for _ in range(50)}
     assert len(ids) == 50
     # a suite name cannot steer the file out of the results folder

@@ -19,8 +19,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdbench.errors import KdbenchError
 from kdbench.config.schema import CellConfig, Suite, axis_path, deep_merge, nest, overlay, validate_cell
+from kdbench.errors import KdbenchError
 
 MEASUREMENTS = ("distill_step", "student_inference", "teacher_inference")
 

@@ -105,7 +105,7 @@ class TimingConfig(_Strict):
     max_iters: int = Field(10_000, ge=1, le=10_000_000)
 
     @model_validator(mode="after")
-    def _order(self) -> "TimingConfig":
+    def _order(self) -> TimingConfig:
         if self.max_iters < self.min_iters:
             raise ValueError(f"max_iters ({self.max_iters}) must be >= min_iters ({self.min_iters})")
         return self
@@ -167,7 +167,7 @@ class CellConfig(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _consistent(self) -> "CellConfig":
+    def _consistent(self) -> CellConfig:
         if self.memory_format == "channels_last" and len(self.data.shape) != 3:
             raise ValueError("memory_format channels_last needs image data: data.shape must be [C, H, W]")
         return self
@@ -193,7 +193,7 @@ class QualityConfig(_Strict):
     max_samples: int | None = Field(None, ge=2, le=100_000_000)  # cap on the images loaded (train + test)
 
     @model_validator(mode="after")
-    def _root(self) -> "QualityConfig":
+    def _root(self) -> QualityConfig:
         if self.dataset in DISK_DATASETS and not self.root:
             raise ValueError(
                 f"quality.root is required for dataset {self.dataset}: give the folder that holds the images"
@@ -223,7 +223,7 @@ class LauncherConfig(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _endpoint(self) -> "LauncherConfig":
+    def _endpoint(self) -> LauncherConfig:
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError("nnodes > 1 needs rdzv_endpoint: HOST:PORT of the rendezvous, the same on every node")
         return self

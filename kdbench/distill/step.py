@@ -16,18 +16,19 @@ iterations into per-phase samples.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_scaler
-from kdbench.hw.data import memory_format_of
+from kdbench.config.schema import CellConfig, OptimizerConfig
 from kdbench.distill.hooks import FeaturePaths, FeatureTap, resolve_paths
 from kdbench.distill.losses import DistillLoss, LossInputs, needs_features
+from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_scaler
+from kdbench.hw.data import memory_format_of
 from kdbench.hw.layout import place_aligned, unpad
-from kdbench.config.schema import CellConfig, OptimizerConfig
 from kdbench.measure.timing import Clock
 
 PHASES = ("teacher_forward", "student_forward", "loss", "backward", "optimizer")

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import ContextManager
 
 import torch
 
@@ -143,5 +144,5 @@ def needs_grad_scaler(choice: AutocastChoice) -> bool:
     return choice.applied and choice.dtype == torch.float16
 
 
-def grad_scaler(backend: Backend, choice: AutocastChoice) -> "torch.amp.GradScaler | None":
+def grad_scaler(backend: Backend, choice: AutocastChoice) -> torch.amp.GradScaler | None:
     return torch.amp.GradScaler(backend.device_type) if needs_grad_scaler(choice) else None

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kdbench.hw.layout import place_aligned
 from kdbench.config.schema import CellConfig
+from kdbench.hw.layout import place_aligned
 
 
 def memory_format_of(name: str) -> torch.memory_format:

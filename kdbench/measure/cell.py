@@ -12,18 +12,20 @@ import copy
 import math
 import statistics
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
+from kdbench.config.plan import Cell, planned_measurements
+from kdbench.config.schema import CellConfig
+from kdbench.distill.step import DistillStep
 from kdbench.hw.backends import Backend, choose_autocast
 from kdbench.hw.data import memory_format_of, synthetic_batch
-from kdbench.distill.step import DistillStep
 from kdbench.hw.layout import pad_classifier, padded_width, verify_memory_format
-from kdbench.models import build_model, count_params
 from kdbench.measure.flops import (
     MemoryMeter,
     TelemetrySampler,
@@ -33,10 +35,9 @@ from kdbench.measure.flops import (
     telemetry_columns,
     trace,
 )
-from kdbench.config.plan import Cell, planned_measurements
 from kdbench.measure.stats import summarize
-from kdbench.config.schema import CellConfig
 from kdbench.measure.timing import RawTiming, timed_loop
+from kdbench.models import build_model, count_params
 
 
 class ModelCache:

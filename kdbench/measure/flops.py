@@ -29,10 +29,11 @@ import secrets
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 import pyarrow as pa
@@ -40,12 +41,12 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from kdbench.errors import KdbenchError
 from kdbench.hw.backends import DTYPES, Backend
 from kdbench.hw.environment import capture
-from kdbench.errors import KdbenchError
 from kdbench.measure.stats import summarize
-from kdbench.store.schema import read_table
 from kdbench.measure.timing import timed_loop
+from kdbench.store.schema import read_table
 
 # --------------------------------------------------------------------------- FLOPs
 
@@ -181,7 +182,7 @@ class MemoryMeter:
     def _gpu(self) -> bool:
         return self.backend.device_type == "cuda"
 
-    def __enter__(self) -> "MemoryMeter":
+    def __enter__(self) -> MemoryMeter:
         if self._gpu:
             torch.cuda.reset_peak_memory_stats(self.backend.device)
             self.allocated_before = int(torch.cuda.memory_allocated(self.backend.device))
@@ -386,7 +387,7 @@ class TelemetrySampler:
         while not self._stop.wait(self.interval_s):
             self._sample()
 
-    def __enter__(self) -> "TelemetrySampler":
+    def __enter__(self) -> TelemetrySampler:
         self._open()
         if self.available:
             self._sample()
@@ -545,7 +546,7 @@ def write_probe(rows: list[dict], env: dict[str, Any], out_dir: Path) -> Path:
     clash = set(env) & set(_PROBE_SCHEMA.names)
     if clash:
         raise ValueError(f"env keys clash with probe columns: {sorted(clash)}")
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     probe_id = f"probe-{now:%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
     fixed = {name: [r.get(name) for r in rows] for name in _PROBE_SCHEMA.names[2:]}
     table = pa.Table.from_pydict(

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -50,12 +51,12 @@ class EventClock:
     def __init__(self, device: torch.device):
         self.device = device
 
-    def stamp(self) -> "torch.cuda.Event":
+    def stamp(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
-    def elapsed_ms(self, start: "torch.cuda.Event", end: "torch.cuda.Event") -> float:
+    def elapsed_ms(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
         return float(start.elapsed_time(end))
 
     def sync(self) -> None:

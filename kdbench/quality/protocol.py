@@ -44,20 +44,21 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_scaler
-from kdbench.hw.data import memory_format_of
+from kdbench.config.schema import DISK_DATASETS, CellConfig, QualityConfig, TeacherConfig
 from kdbench.distill.step import Distiller, make_optimizer
 from kdbench.errors import KdbenchError
-from kdbench.config.schema import DISK_DATASETS, CellConfig, QualityConfig, TeacherConfig
+from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_scaler
+from kdbench.hw.data import memory_format_of
 from kdbench.measure.cell import ModelCache, _error_text, _on_device
 
 ROLES = ("teacher", "scratch", "distilled")
@@ -136,7 +137,7 @@ def _subsample(targets: np.ndarray, n: int, seed: int) -> np.ndarray:
     return np.sort(keep)
 
 
-def _caps(cfg: "QualityConfig", n_train: int, n_test: int) -> tuple[int, int]:
+def _caps(cfg: QualityConfig, n_train: int, n_test: int) -> tuple[int, int]:
     """max_samples shared between a data set's own train and test splits, in proportion."""
     if cfg.max_samples is None or cfg.max_samples >= n_train + n_test:
         return n_train, n_test
@@ -156,7 +157,7 @@ def _to_channels(x: torch.Tensor, c: int) -> torch.Tensor:
     return x if x.shape[1] == c else x.expand(-1, c, -1, -1).contiguous()
 
 
-def _digits(cfg: "QualityConfig", shape: tuple[int, int, int], seed: int):
+def _digits(cfg: QualityConfig, shape: tuple[int, int, int], seed: int):
     from sklearn.datasets import load_digits
 
     c, h, w = shape
@@ -200,7 +201,7 @@ def _materialise(ds: Any, indices: np.ndarray, shape: tuple[int, int, int], wher
     return x, torch.tensor(ys, dtype=torch.int64)
 
 
-def _imagefolder(cfg: "QualityConfig", shape: tuple[int, int, int], seed: int):
+def _imagefolder(cfg: QualityConfig, shape: tuple[int, int, int], seed: int):
     from torchvision.datasets import ImageFolder
 
     root = Path(cfg.root)  # type: ignore[arg-type]
@@ -256,7 +257,7 @@ def _imagefolder(cfg: "QualityConfig", shape: tuple[int, int, int], seed: int):
     return x_tr, y_tr, x_te, y_te, len(classes)
 
 
-def _cifar(cfg: "QualityConfig", shape: tuple[int, int, int], seed: int):
+def _cifar(cfg: QualityConfig, shape: tuple[int, int, int], seed: int):
     from torchvision.datasets import CIFAR10, CIFAR100
 
     cls, label, archive = {
@@ -736,7 +737,7 @@ def _run_seeds(run: _Run, cfg: QualityConfig, jobs: list[QualityJob]) -> list[di
 SUMMARY_KEYS = ("teacher", "student", "quality_role", "method")
 
 
-def _stats(values: "Any") -> tuple[float, float]:
+def _stats(values: Any) -> tuple[float, float]:
     a = np.asarray(values, dtype=np.float64)
     a = a[~np.isnan(a)]
     if a.size == 0:
@@ -744,7 +745,7 @@ def _stats(values: "Any") -> tuple[float, float]:
     return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else math.nan
 
 
-def summarize_quality(df: "Any") -> "Any":
+def summarize_quality(df: Any) -> Any:
     """Mean and std over seeds of each (teacher, student, quality_role, method), teachers first.
 
     Statistics use the ``ok`` rows: ``n`` of them (``failed``: the others).  Standard
@@ -826,7 +827,7 @@ def mean_std(mean: float, std: float, scale: float = 1.0, digits: int = 1) -> st
     return f"{mean * scale:.{digits}f} ± {std * scale:.{digits}f}"
 
 
-def markdown_table(summary: "Any") -> str:
+def markdown_table(summary: Any) -> str:
     """A compact Markdown table of `summarize_quality`'s output (accuracies in %, times in s)."""
     lines = [
         "| teacher | student | model | method | top-1 (%) | agreement (%) | time to target (s) | reached |",

@@ -13,19 +13,19 @@ the whole allocation (that is how torchrun and srun work); ``--resume`` picks up
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
-from kdbench.hw.backends import Backend
-from kdbench.errors import KdbenchError
-from kdbench.run.workers import InlineWorker, ProcessWorker, rows_for
 from kdbench.config.plan import Cell, dist_backend_for
 from kdbench.config.schema import Suite
+from kdbench.errors import KdbenchError
+from kdbench.hw.backends import Backend
+from kdbench.run.workers import InlineWorker, ProcessWorker, rows_for
 
 DEFAULT_PORT = "29500"
 
@@ -85,8 +85,8 @@ def run_allocated(
     log: Callable[[str], None] = print,
 ):
     """Every rank calls this with the same plan; rank 0 returns the RunOutcome, the others None."""
-    from kdbench.run.rank import measure_rank
     from kdbench.run.engine import Recorder, open_run
+    from kdbench.run.rank import measure_rank
 
     timeout = cell_timeout_s if cell_timeout_s is not None else suite.cell_timeout_s
     backend = _init(alloc, backend_name, timeout + 600)

@@ -11,22 +11,22 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from kdbench.hw.backends import Backend
-from kdbench.hw.environment import capture
 from kdbench.config.plan import Cell, config_columns
-from kdbench.measure.flops import latest_ceiling, utilization_columns
-from kdbench.store.schema import PROBES_DIR, SCHEMA_VERSION, ResultWriter, read_table
-from kdbench.measure.cell import MeasureOptions
 from kdbench.config.schema import Suite
-from kdbench.hw.backends import detect
+from kdbench.hw.backends import Backend, detect
+from kdbench.hw.environment import capture
+from kdbench.measure.cell import MeasureOptions
+from kdbench.measure.flops import latest_ceiling, utilization_columns
 from kdbench.run.workers import InlineWorker, ProcessWorker, TorchrunWorker
+from kdbench.store.schema import PROBES_DIR, SCHEMA_VERSION, ResultWriter, read_table
 
 FAILURES = ("failed", "oom", "timeout")  # statuses that make `run` exit with 1
 
@@ -44,7 +44,7 @@ class RunOutcome:
 def new_run_id(suite_name: str, now: datetime | None = None) -> str:
     """`<suite>-<UTC time>-<random>`: sortable, and unique even for two runs started together."""
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", suite_name).strip("-.")[:60] or "suite"
-    stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
+    stamp = (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%SZ")
     return f"{slug}-{stamp}-{uuid.uuid4().hex[:8]}"
 
 
@@ -184,7 +184,7 @@ class Recorder:
                         self.ceiling,
                     )
                 )
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         if self.writer is None:
             self.writer = ResultWriter(self.outcome.path)
         self.writer.append([{**identity, "timestamp": now, **row} for row in rows])

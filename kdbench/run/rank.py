@@ -26,16 +26,16 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
-from kdbench.hw.backends import Backend
-from kdbench.hw.data import synthetic_batch
-from kdbench.run.workers import die_with_parent
-from kdbench.distill.step import DistillStep
 from kdbench.config.plan import Cell, dist_backend_for
 from kdbench.config.schema import CellConfig
+from kdbench.distill.step import DistillStep
+from kdbench.hw.backends import Backend
+from kdbench.hw.data import synthetic_batch
+from kdbench.measure.cell import ModelCache, distill_row, measure_inference, model_pair, step_flops
+from kdbench.measure.flops import MemoryMeter, memory_columns, optimizer_state_bytes
 from kdbench.measure.timing import timed_loop
 from kdbench.models import count_params
-from kdbench.measure.flops import MemoryMeter, memory_columns, optimizer_state_bytes
-from kdbench.measure.cell import ModelCache, distill_row, measure_inference, model_pair, step_flops
+from kdbench.run.workers import die_with_parent
 
 
 def _agreed_iterations(step: DistillStep, config: CellConfig, backend: Backend, group: Any) -> tuple[int, float]:

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from kdbench.hw.backends import Backend
 from kdbench.config.plan import Cell, planned_measurements
 from kdbench.config.schema import LauncherConfig
+from kdbench.hw.backends import Backend
 from kdbench.measure.cell import MeasureOptions, ModelCache, failure_row, measure_cell
 
 STARTUP_TIMEOUT_S = 600.0  # importing torch on a cold, busy machine can take minutes
