@@ -1,98 +1,115 @@
-"""Command line: run, report, env, list.
+"""Command line: run, report, probe, env, list.  It parses and prints; :mod:`kdbench.api` does the work.
 
-User mistakes (KdbenchError) print one line, `kdbench: error: ...`, and exit 2.
-`run` exits 0 when every runnable cell succeeded and 1 when any failed.
+User mistakes (KdbenchError, bad command-line values included) print one line,
+`kdbench: error: ...`, and exit 2.  `run` exits 0 when every runnable cell succeeded,
+1 when any failed, 130 when interrupted.  Progress goes through `logging` (logger
+``kdbench``): INFO lines to stdout, warnings to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from kdbench.errors import KdbenchError
 
 EPILOG = """examples:
   kdbench probe                               measure this device's ceilings into results/probes/
-  kdbench run suites/cpu.yaml                 measure, store in results/, report in reports/
+  kdbench run suites/cpu.yaml                 measure, store a run folder in results/, report in reports/
   kdbench run suites/quality.yaml             methods' speed, then their accuracy on real data (digits)
   kdbench run suites/methods.yaml --profile   every method, live and cached teacher, with traces
   kdbench run suites/amd.yaml --dry-run       validate and list the cells, run nothing
   kdbench run suites/cuda.yaml --device cpu   run a GPU suite on the CPU
-  kdbench report results/ --out reports/      one report over every result file in results/
+  kdbench run suites/cuda.yaml --shard 2/4 --run-id sweep1   one of four machines, all into results/sweep1/
+  kdbench report results/ --out reports/      one report over every run in results/
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are kdbench's one-line errors (exit 2), not a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        raise KdbenchError(f"{message}; see `{self.prog} --help`")
+
+
+def _number(kind: type, flag: str, low: float | None = None, high: float | None = None, above: bool = False):
+    """An argparse type: a ``kind`` number within [low, high] (strictly above ``low`` with ``above``)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise KdbenchError(f"{flag}: expected a{'n integer' if kind is int else ' number'}, got {text!r}") from None
+        if low is not None and (value <= low if above else value < low) or high is not None and value > high:
+            bounds = f"> {low:g}" if above and high is None else f">= {low:g}" if high is None else f"{low:g}..{high:g}"
+            raise KdbenchError(f"{flag}: must be {bounds}, got {text}")
+        return value
+
+    return parse
+
+
+def _shard(text: str) -> tuple[int, int]:
+    from kdbench.config.plan import parse_shard
+
+    return parse_shard(text)
+
+
+def _run_id(text: str) -> str:
+    from kdbench.store.results import check_run_id
+
+    return check_run_id(text)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="kdbench",
         description="Benchmark and profile knowledge distillation in PyTorch on CPU, CUDA and ROCm.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    devices = ["auto", "cpu", "cuda", "rocm"]
 
     run = sub.add_parser("run", help="run a suite: measure every cell, store parquet, render the report")
     run.add_argument("suite", type=Path, help="suite YAML file, e.g. suites/cpu.yaml")
-    run.add_argument(
-        "--out", type=Path, default=Path("results"), help="folder for the run's parquet file (default: results/)"
-    )
-    run.add_argument(
-        "--report-dir", type=Path, default=Path("reports"), help="folder for the HTML/PNG report (default: reports/)"
-    )
+    run.add_argument("--out", type=Path, default=Path("results"),
+                     help="results folder; the run is stored in OUT/<run id>/ (default: results/)")  # fmt: skip
+    run.add_argument("--report-dir", type=Path, default=Path("reports"),
+                     help="folder for the HTML/PNG report (default: reports/)")  # fmt: skip
     run.add_argument("--no-report", action="store_true", help="store results only, render no report")
-    run.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda", "rocm"],
-        default=None,
-        help="where to run, overriding the suite's `backend` (auto picks the GPU when there is one)",
-    )
-    run.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch CPU threads (default: the suite's `threads`, else torch's default for this machine)",
-    )
-    run.add_argument(
-        "--allow-imports",
-        action="store_true",
-        help="allow `module:callable` user models, as `allow_imports: true` in the suite does",
-    )
+    run.add_argument("--device", choices=devices, default=None,
+                     help="where to run, overriding the suite's `backend` (auto picks the GPU when there is one)")  # fmt: skip
+    run.add_argument("--threads", type=int, default=None,
+                     help="torch CPU threads (default: the suite's `threads`, else torch's default for this machine)")  # fmt: skip
+    run.add_argument("--allow-imports", action="store_true",
+                     help="allow `module:callable` user models, as `allow_imports: true` in the suite does")  # fmt: skip
     run.add_argument("--dry-run", action="store_true", help="validate the suite and print the plan; run nothing")
-    run.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the newest run of this suite in --out: measure only the cells not stored yet",
-    )
-    run.add_argument(
-        "--cell-timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="stop a cell that runs longer and record it as `timeout` (default: the suite's `cell_timeout_s`, 3600)",
-    )
-    run.add_argument(
-        "--shard",
-        default=None,
-        metavar="I/N",
-        help="run only share I of N of the plan (every N-th cell from the I-th), e.g. one task of a "
-        "Slurm job array; `report` merges the shares' files",
-    )
-    run.add_argument(
-        "--profile",
-        action="store_true",
-        help="also write a torch.profiler Chrome trace of each cell's step (a separate pass after "
-        "timing) under OUT/traces/, and list its top operators in the report; as `profile: true`",
-    )
-    run.add_argument(
-        "--inline",
-        action="store_true",
-        help="measure in this process instead of a worker process (no crash isolation; for debugging)",
-    )
+    run.add_argument("--resume", action="store_true",
+                     help="continue the newest run of this suite in --out: run only the jobs not stored yet")  # fmt: skip
+    run.add_argument("--run-id", type=_run_id, default=None, metavar="ID",
+                     help="store the run in OUT/ID/, continuing it when it exists: the shards of one sweep given the "
+                          "same ID write into one folder (default: a new id, <suite>-<UTC time>-<random>)")  # fmt: skip
+    run.add_argument("--cell-timeout", type=float, default=None, metavar="SECONDS",
+                     help="stop a job (a cell, or the quality block) that runs longer and store it as `timeout` "
+                          "(default: the suite's `cell_timeout_s`, 3600)")  # fmt: skip
+    run.add_argument("--shard", type=_shard, default=None, metavar="I/N",
+                     help="run only share I of N of the plan (every N-th cell from the I-th; the quality block in "
+                          "share 1), e.g. one task of a Slurm job array")  # fmt: skip
+    run.add_argument("--profile", action="store_true",
+                     help="also write a torch.profiler Chrome trace of each cell's step (a separate pass after "
+                          "timing) under OUT/traces/<run id>/, and list its top operators in the report; as "
+                          "`profile: true`")  # fmt: skip
+    run.add_argument("--inline", action="store_true",
+                     help="run jobs in this process instead of a worker process (no crash isolation; for debugging)")  # fmt: skip
 
     rep = sub.add_parser("report", help="render an HTML/PNG report from result files")
-    rep.add_argument("results", nargs="+", type=Path, help="parquet files, or folders searched for them")
+    rep.add_argument("results", nargs="+", type=Path,
+                     help="run folders, parquet files, or folders searched for them (e.g. results/)")  # fmt: skip
     rep.add_argument("--out", type=Path, default=Path("reports"), help="report folder (default: reports/)")
 
     sub.add_parser("env", help="show the backend, devices and software kdbench detects")
@@ -100,27 +117,17 @@ def _parser() -> argparse.ArgumentParser:
     probe = sub.add_parser(
         "probe", help="measure this device's ceilings (matmul TFLOP/s per dtype, copy GB/s) for later runs' utilisation"
     )
-    probe.add_argument(
-        "--out",
-        type=Path,
-        default=Path("results"),
-        help="results folder; the probe goes to OUT/probes/ where `run --out OUT` finds it (default: results/)",
-    )
-    probe.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda", "rocm"],
-        default="auto",
-        help="which device to probe (default: auto, the GPU when there is one)",
-    )
-    probe.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's default)")
-    probe.add_argument("--size", type=int, default=None, help="matmul side n (default: 2048 on the CPU, 8192 on GPUs)")
-    probe.add_argument(
-        "--min-time",
-        type=float,
-        default=0.5,
-        metavar="SECONDS",
-        help="minimum timed duration per measurement (default: 0.5)",
-    )
+    probe.add_argument("--out", type=Path, default=Path("results"),
+                       help="results folder; the probe goes to OUT/probes/ where `run --out OUT` finds it "
+                            "(default: results/)")  # fmt: skip
+    probe.add_argument("--device", choices=devices, default="auto",
+                       help="which device to probe (default: auto, the GPU when there is one)")  # fmt: skip
+    probe.add_argument("--threads", type=_number(int, "--threads", 1, 4096), default=None,
+                       help="torch CPU threads (default: torch's default)")  # fmt: skip
+    probe.add_argument("--size", type=_number(int, "--size", 16, 65536), default=None,
+                       help="matmul side n (default: 2048 on the CPU, 8192 on GPUs)")  # fmt: skip
+    probe.add_argument("--min-time", type=_number(float, "--min-time", 0, above=True), default=0.5, metavar="SECONDS",
+                       help="minimum timed duration per measurement (default: 0.5)")  # fmt: skip
 
     lst = sub.add_parser("list", help="list models or distillation methods")
     lst.add_argument("what", choices=["models", "methods"])
@@ -128,137 +135,77 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    import torch
+    from kdbench import api
+    from kdbench.config import with_overrides
+    from kdbench.run.engine import RunOptions
 
-    from kdbench.config.plan import expand, parse_shard, planned_measurements, shard
-    from kdbench.config.schema import load_suite
-    from kdbench.hw.backends import detect, resolve
-    from kdbench.run.allocation import detect_allocation, run_allocated
-    from kdbench.run.engine import run_plan, run_quality_cell
-
-    suite = load_suite(args.suite)
-    if args.allow_imports and not suite.allow_imports:
-        from dataclasses import replace
-
-        suite = replace(suite, allow_imports=True)
-    cells = expand(suite)
-    if args.shard:
-        i, n = parse_shard(args.shard)
-        cells = shard(cells, i, n)
-        if not cells:
-            print(f"shard {i}/{n} of suite '{suite.name}' holds no cells; nothing to run")
-            return 0
-    run_quality_here = suite.quality is not None and (not args.shard or parse_shard(args.shard)[0] == 1)
-    if suite.quality is not None:
-        from kdbench.quality.protocol import check_quality, quality_jobs
-
-        try:
-            check_quality(suite.quality, [c.config for c in cells])
-        except KdbenchError as exc:
-            raise suite.error(("quality",), str(exc)) from None
-    requested = args.device or suite.backend
+    suite = api.load_suite(args.suite)
+    suite = with_overrides(suite, {
+        "threads": ("--threads", args.threads),
+        "cell_timeout_s": ("--cell-timeout", args.cell_timeout),
+        "allow_imports": ("--allow-imports", True if args.allow_imports else None),
+        "profile": ("--profile", True if args.profile else None),
+    })  # fmt: skip
+    options = RunOptions(out_dir=args.out, device=args.device, resume=args.resume, run_id=args.run_id,
+                         shard=args.shard, inline=args.inline)  # fmt: skip
     if args.dry_run:
-        n_rows = 0
-        for cell in cells:
-            rows = planned_measurements(cell.config)
-            n_rows += len(rows)
-            inf = ",".join(str(b) for b in cell.config.inference.batch_sizes) or "-"
-            print(f"{cell.index + 1:4d}  {cell.cell_id}  {cell.label}  (inference bs {inf})")
-        d = detect()
-        here = (
-            "available here"
-            if requested in ("auto", "cpu") or d.best == requested
-            else f"NOT available here: {d.describe()}"
-        )
-        if run_quality_here:
-            q = suite.quality
-            jobs = quality_jobs(c.config for c in cells)
-            print(
-                f"after the cells, quality on {q.dataset}: {q.seeds} seed(s) x (teachers, scratch students and "
-                f"{len(jobs)} distillation(s)), {q.epochs} epochs each"
-            )
-        print(f"{len(cells)} cells, {n_rows} measurements; suite '{suite.name}', backend {requested} ({here})")
+        return _dry_run(suite, options)
+    plan = api.plan(suite, options.shard)
+    if not plan.jobs:
+        i, n = options.shard
+        print(f"shard {i}/{n} of suite '{suite.name}' holds no cells; nothing to run")
         return 0
-    try:
-        backend = resolve(requested)
-    except KdbenchError as exc:
-        raise KdbenchError(f"{suite.path}: backend {requested}: {exc}") from None
-    if args.threads is not None and args.threads < 1:
-        raise KdbenchError(f"--threads must be >= 1, got {args.threads}")
-    threads = args.threads or suite.threads or torch.get_num_threads()
-    if args.cell_timeout is not None and args.cell_timeout <= 0:
-        raise KdbenchError(f"--cell-timeout must be > 0 seconds, got {args.cell_timeout}")
-    alloc = detect_allocation()
-    if alloc is not None:  # started once per rank by torchrun or srun
-        outcome = run_allocated(
-            suite,
-            cells,
-            backend.name,
-            args.out,
-            threads,
-            alloc=alloc,
-            resume=args.resume,
-            inline=args.inline,
-            cell_timeout_s=args.cell_timeout,
-        )
-        if outcome is None:
-            return 0  # rank 0 stores, reports and sets the exit code
-    else:
-        outcome = run_plan(
-            suite,
-            cells,
-            backend,
-            args.out,
-            threads,
-            resume=args.resume,
-            inline=args.inline,
-            cell_timeout_s=args.cell_timeout,
-            profile=args.profile or suite.profile,
-        )
-    if not outcome.interrupted and alloc is None and run_quality_here:
-        qual = run_quality_cell(suite, cells, backend, args.out, threads, resume=True)
-        if qual is not None:
-            outcome.cells += qual.cells
-            outcome.rows += qual.rows
-            outcome.failed += qual.failed
-            outcome.interrupted = qual.interrupted
-            outcome.path = qual.path if not outcome.path.exists() else outcome.path
+    outcome = api.run_suite(suite, options, plan)
+    if outcome.follower:
+        return 0  # rank 0 stores, reports and sets the exit code
     if outcome.interrupted:
-        again = " ".join(
-            shlex.quote(a)
-            for a in [
-                "kdbench",
-                "run",
-                str(args.suite),
-                "--out",
-                str(args.out),
-                "--resume",
-                *(["--device", args.device] if args.device else []),
-            ]
-        )
-        print(f"interrupted: {outcome.cells} cells stored in {outcome.path}; resume with:\n  {again}", file=sys.stderr)
+        again = ["kdbench", "run", str(args.suite), "--out", str(args.out)]
+        again += ["--run-id", args.run_id] if args.run_id else ["--resume"]
+        again += ["--device", args.device] if args.device else []
+        print(f"interrupted: {outcome.jobs} jobs stored in {outcome.path}; resume with:\n  {shlex.join(again)}",
+              file=sys.stderr)  # fmt: skip
         return 130
-    print(f"{outcome.cells} cells, {outcome.rows} rows -> {outcome.path}")
-    if not args.no_report and outcome.path.exists():
-        from kdbench.report import render_report
-        from kdbench.store.schema import read_results
-
-        index = render_report(read_results([outcome.path]), args.report_dir)
-        print(f"report -> {index}")
+    print(f"{outcome.jobs} jobs, {outcome.rows} rows -> {outcome.path}")
+    stored = any(outcome.path.glob("part-*.parquet"))
+    if outcome.quality:
+        print(api.quality_table([outcome.path]), end="")
+    if not args.no_report and stored:
+        print(f"report -> {api.render([outcome.path], args.report_dir)}")
     if outcome.failed:
-        print(f"{len(outcome.failed)} cell(s) had failures:", file=sys.stderr)
+        print(f"{len(outcome.failed)} job(s) had failures:", file=sys.stderr)
         for label in outcome.failed:
             print(f"  {label}", file=sys.stderr)
         return 1
     return 0
 
 
-def _cmd_report(args: argparse.Namespace) -> int:
-    from kdbench.report import render_report
-    from kdbench.store.schema import read_results
+def _dry_run(suite, options) -> int:
+    from kdbench import api
+    from kdbench.config.plan import planned_measurements
+    from kdbench.hw.backends import detect
+    from kdbench.run.jobs import CellJob
 
-    index = render_report(read_results(args.results), args.out)
-    print(f"report -> {index}")
+    plan = api.plan(suite, options.shard)
+    n_rows = 0
+    for job in plan.jobs:
+        if isinstance(job, CellJob):
+            n_rows += len(planned_measurements(job.cell.config))
+            inf = ",".join(str(b) for b in job.cell.config.inference.batch_sizes) or "-"
+            print(f"{job.cell.index + 1:4d}  {job.job_id}  {job.label}  (inference bs {inf})")
+        else:
+            print(f"after the cells, {job.describe()}")
+    requested = options.device or suite.backend
+    d = detect()
+    here = "available here" if requested in ("auto", "cpu") or d.best == requested else f"NOT available here: {d.describe()}"
+    cells = sum(isinstance(j, CellJob) for j in plan.jobs)
+    print(f"{cells} cells, {n_rows} measurements; suite '{suite.name}', backend {requested} ({here})")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from kdbench import api
+
+    print(f"report -> {api.render(args.results, args.out)}")
     return 0
 
 
@@ -272,30 +219,20 @@ def _cmd_env(_args: argparse.Namespace) -> int:
 def _cmd_probe(args: argparse.Namespace) -> int:
     import torch
 
-    from kdbench.hw.backends import resolve
-    from kdbench.measure.flops import measure_ceilings, probe_env, write_probe
-    from kdbench.store.schema import PROBES_DIR
+    from kdbench.hw.backends import resolve, thread_count
+    from kdbench.hw.probe import measure_ceilings, probe_env
+    from kdbench.store.probes import write_probe
+    from kdbench.store.results import PROBES_DIR
 
     backend = resolve(args.device)
-    if args.threads is not None and args.threads < 1:
-        raise KdbenchError(f"--threads must be >= 1, got {args.threads}")
-    if args.size is not None and not 16 <= args.size <= 65536:
-        raise KdbenchError(f"--size must be between 16 and 65536, got {args.size}")
-    if args.min_time <= 0:
-        raise KdbenchError(f"--min-time must be > 0 seconds, got {args.min_time}")
-    before = torch.get_num_threads()
-    torch.set_num_threads(args.threads or before)
-    try:
+    with thread_count(args.threads):
         env = probe_env(backend)  # records the thread count the probe runs with
         print(f"probing {backend.name} ({env['device_name']}), {torch.get_num_threads()} CPU threads ...")
         rows = measure_ceilings(backend, matmul_n=args.size, min_time_s=args.min_time)
-    finally:
-        torch.set_num_threads(before)
     for r in rows:
         value = f"{r['value']:.3f} {r['unit']}" if r["value"] is not None else f"unavailable ({r.get('error')})"
         print(f"  {r['kind']:6s} {r['dtype']:5s} size {r['size']}: {value}")
-    path = write_probe(rows, env, args.out / PROBES_DIR)
-    print(f"probe -> {path}")
+    print(f"probe -> {write_probe(rows, env, args.out / PROBES_DIR)}")
     return 0
 
 
@@ -309,24 +246,45 @@ def _cmd_list(args: argparse.Namespace) -> int:
             print(f"{family} ({len(names)}): {', '.join(names)}")
         print("module:callable: a user's own model factory (needs `allow_imports: true` or --allow-imports)")
         return 0
-    from kdbench.config.schema import CellConfig
     from kdbench.distill.losses import METHODS
 
     for m in METHODS.values():
-        defaults = CellConfig.model_fields[m.params].default.model_dump()
-        params = ", ".join(f"{k}={v}" for k, v in defaults.items())
+        params = ", ".join(f"{k}={v}" for k, v in m.params().model_dump().items())
         feats = " (feature method: hooks on `features.teacher` / `features.student`)" if m.cls.needs_features else ""
-        print(f"{m.name}: {m.doc}{feats}\n    suite key `{m.params}`: {params}")
+        print(f"{m.name}: {m.doc}{feats}\n    suite key `{m.name}`: {params}")
     print("a+b: any combination, e.g. kd+at; CE counted once; `weights: {kd: 1.0, at: 1.0}` scales each term")
     return 0
 
 
-COMMANDS = {"run": _cmd_run, "report": _cmd_report, "env": _cmd_env, "probe": _cmd_probe, "list": _cmd_list}
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": _cmd_run,
+    "report": _cmd_report,
+    "env": _cmd_env,
+    "probe": _cmd_probe,
+    "list": _cmd_list,
+}
+
+
+class _Console(logging.Handler):
+    """kdbench's log lines as a user sees them: the message alone, INFO to stdout, warnings to stderr
+    (the streams looked up when written, so a caller's redirection applies)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+        stream.write(self.format(record) + "\n")
+        stream.flush()
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    logger = logging.getLogger("kdbench")
+    logger.handlers[:] = [_Console()]
+    logger.setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    configure_logging()
     try:
+        args = _parser().parse_args(argv)
         return COMMANDS[args.command](args)
     except KdbenchError as exc:
         print(f"kdbench: error: {exc}", file=sys.stderr)

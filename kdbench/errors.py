@@ -7,6 +7,7 @@ or a failure inside a measurement.
 """
 
 import difflib
+from collections.abc import Iterable
 
 
 class KdbenchError(Exception):
@@ -15,7 +16,12 @@ class KdbenchError(Exception):
     exit_code = 2
 
 
-def did_you_mean(word: str, choices, n: int = 3, cutoff: float = 0.6) -> str:
-    """'did you mean a, b? ' for the choices close to `word`, else ''."""
+def did_you_mean(word: str, choices: Iterable[str], n: int = 3, cutoff: float = 0.6, quote: bool = False,
+                 join: str = "") -> str:  # fmt: skip
+    """'did you mean a, b? ' for the choices close to `word` (each quoted with `quote`, prefixed
+    with `join`), else ''."""
     close = difflib.get_close_matches(word, list(choices), n=n, cutoff=cutoff)
-    return f"did you mean {', '.join(close)}? " if close else ""
+    if not close:
+        return ""
+    names = [f"'{join}{c}'" if quote else f"{join}{c}" for c in close]
+    return f"did you mean {', '.join(names)}? "

@@ -61,3 +61,37 @@ def hang_rank1(num_classes, in_shape):
 
 def raising_rank1(num_classes, in_shape):
     return OnRank(num_classes, in_shape, "raise", 1)
+
+
+class CrashesInTraining(nn.Module):
+    """Well-behaved on the small batches of a timed cell; segfaults on a quality run's training batch (>= 32)."""
+
+    def __init__(self, num_classes, in_shape):
+        super().__init__()
+        self.inner = Faulty(num_classes, in_shape, "none")
+
+    def forward(self, x):
+        if self.training and x.shape[0] >= 32:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        return self.inner(x)
+
+
+def segfault_in_training(num_classes, in_shape):
+    return CrashesInTraining(num_classes, in_shape)
+
+
+class RaisesInEval(nn.Module):
+    """Trains fine; raises when evaluated (inference)."""
+
+    def __init__(self, num_classes, in_shape):
+        super().__init__()
+        self.inner = Faulty(num_classes, in_shape, "none")
+
+    def forward(self, x):
+        if not self.training:
+            raise RuntimeError("injected failure in eval")
+        return self.inner(x)
+
+
+def raising_in_eval(num_classes, in_shape):
+    return RaisesInEval(num_classes, in_shape)

@@ -223,13 +223,11 @@ def test_bf16_on_cpu():
     assert choice.dtype == torch.bfloat16
     assert choice.note == ""
     assert _linear_out_dtype(choice) == torch.bfloat16
-    # the factory yields a fresh, working context each time
-    factory = choice.context_factory("cpu")
-    with factory():
-        assert torch.is_autocast_enabled("cpu")
-        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
-    with factory():
-        assert torch.is_autocast_enabled("cpu")
+    # each call gives a fresh, working context
+    for _ in range(2):
+        with choice.context("cpu"):
+            assert torch.is_autocast_enabled("cpu")
+            assert torch.get_autocast_dtype("cpu") == torch.bfloat16
     assert not torch.is_autocast_enabled("cpu")
 
 

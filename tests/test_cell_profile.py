@@ -11,15 +11,17 @@ import torch
 from torch import nn
 
 from kdbench.cli import main
-from kdbench.distill.step import PHASES, DistillStep
+from kdbench.distill.step import DistillStep
 from kdbench.hw.backends import Backend, resolve
 from kdbench.hw.data import synthetic_batch
 from kdbench.hw.environment import capture, kernel_caches
 from kdbench.measure.cell import phase_columns, step_flops
-from kdbench.measure.flops import TelemetrySampler, telemetry_columns, utilization_columns
+from kdbench.measure.telemetry import TelemetrySampler, telemetry_columns
 from kdbench.measure.timing import RawTiming
 from kdbench.models import build_model
-from tests.conftest import make_config
+from kdbench.names import PHASES, REMAINDER_COLUMN
+from kdbench.store import read_results
+from tests.helpers import make_config, run_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = resolve("cpu")
@@ -82,16 +84,16 @@ def test_phases_sum_to_the_step_within_the_remainder():
     step = _step(config, build_model("resnet8", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16)))
     from kdbench.measure.cell import _time
 
-    raw = _time(step, config, CPU)
+    raw = _time(step, config, CPU, None)
     phases = step.phase_ms(len(raw.samples_ms))
-    assert list(phases) == list(PHASES) and all(len(v) == len(raw.samples_ms) for v in phases.values())
+    assert list(phases) == [p.name for p in PHASES] and all(len(v) == len(raw.samples_ms) for v in phases.values())
     for i, total in enumerate(raw.samples_ms):
         parts = sum(v[i] for v in phases.values())
         assert 0 < parts <= total  # the phase stamps lie inside the step's own stamps
     row = phase_columns(step, raw)
-    assert set(row) == {f"phase_{p}_ms" for p in PHASES} | {"phase_remainder_ms"}
-    assert row["phase_remainder_ms"] >= 0
-    assert all(row[f"phase_{p}_ms"] > 0 for p in PHASES)
+    assert set(row) == {p.column for p in PHASES} | {REMAINDER_COLUMN}
+    assert row[REMAINDER_COLUMN] >= 0
+    assert all(row[p.column] > 0 for p in PHASES)
 
 
 def test_cached_teacher_phase_is_empty_and_the_forward_phases_reflect_it():
@@ -110,7 +112,7 @@ import torch
 from kdbench.hw.backends import resolve
 from kdbench.config.plan import Cell
 from kdbench.measure.cell import ModelCache, measure_cell
-from tests.conftest import make_config
+from tests.helpers import make_config
 torch.set_num_threads(1)
 bs = int(sys.argv[1])
 config = make_config(pair={"teacher": "resnet8", "student": "resnet8"}, batch_size=bs,
@@ -189,18 +191,6 @@ def test_no_telemetry_on_the_cpu_records_why_and_no_numbers():
     assert all(v is None for k, v in cols.items() if k != "telemetry")
 
 
-def test_utilisation_against_datasheet_and_measured_ceiling():
-    cols = utilization_columns(
-        1e12, 10.0, "NVIDIA H100 80GB HBM3", "bf16", {"matmul_bf16": 500.0, "probe_id": "probe-x"}
-    )
-    assert cols["achieved_tflops"] == pytest.approx(100.0)
-    assert cols["datasheet_device"] == "H100 SXM"
-    assert cols["mfu"] == pytest.approx(100.0 / cols["datasheet_peak_tflops"])
-    assert cols["ceiling_utilization"] == pytest.approx(0.2) and cols["ceiling_probe_id"] == "probe-x"
-    cpu = utilization_columns(2e9, 20.0, "Intel(R) Xeon(R) Processor", "fp32", None)
-    assert cpu == {"achieved_tflops": pytest.approx(0.1)}  # no datasheet entry, no probe: nothing invented
-
-
 def test_kernel_cache_state_is_read_from_the_documented_places(tmp_path):
     assert kernel_caches("cpu", {}, tmp_path) == {"miopen_cache_warm": None, "tunableop_cache_warm": None}
     assert kernel_caches("rocm", {}, tmp_path)["miopen_cache_warm"] is False
@@ -248,9 +238,8 @@ def test_probe_then_run_reports_utilisation_and_traces(tmp_path, capsys):
     suite = tmp_path / "prof.yaml"
     suite.write_text(SUITE)
     assert main(["run", str(suite), "--out", str(out), "--report-dir", str(tmp_path / "rep"), "--profile"]) == 0
-    files = list(out.glob("prof-*.parquet"))
-    assert len(files) == 1  # the probe file is not taken for a result file
-    rows = {r["measurement"]: r for r in pq.read_table(files[0]).to_pylist()}
+    run = run_folder(out)  # the probes/ and traces/ folders are not taken for runs
+    rows = {r["measurement"]: r for r in read_results([run.path]).to_dict("records")}
     step = rows["distill_step"]
     assert step["ceiling_probe_id"] == probes[0].stem
     assert step["ceiling_tflops"] == pytest.approx(fp32["value"])

@@ -1,14 +1,18 @@
 """The command line end to end: a tiny suite in, parquet rows and a report out; errors as one line."""
 
+import math
 import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
 from kdbench.cli import main
-from kdbench.store.schema import COLUMN_NAMES
+from kdbench.store import read_results
+from kdbench.store.schema import STORED_SCHEMA
+from tests.helpers import run_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,15 +45,15 @@ def tiny(tmp_path):
 def test_run_stores_every_measurement_and_renders_the_report(tiny, tmp_path, capsys):
     out, rep = tmp_path / "res", tmp_path / "rep"
     assert main(["run", str(tiny), "--out", str(out), "--report-dir", str(rep)]) == 0
-    files = list(out.glob("*.parquet"))
-    assert len(files) == 1 and files[0].name.startswith("tiny-")
-    table = pq.read_table(files[0])
-    assert table.column_names == list(COLUMN_NAMES)
-    rows = table.to_pylist()
+    run = run_folder(out)
+    assert run.run_id.startswith("tiny-") and len(run.parts()) == 3  # a part per cell
+    table = pq.read_table(run.parts()[0])
+    assert table.column_names == STORED_SCHEMA.names
+    rows = read_results([run.path]).to_dict("records")
     assert len(rows) == 3 * 5  # 3 cells x (step + 2 x student/teacher inference)
     by = {(r["precision"], r["seed"], r["measurement"], r["batch_size"]): r for r in rows}
     step = by[("fp32", 0, "distill_step", 8)]
-    assert step["status"] == "ok" and step["error"] is None
+    assert step["status"] == "ok" and pd.isna(step["error"])
     assert step["n"] == len(step["samples_ms"]) >= 3
     assert step["median_ms"] > 0 and step["first_ms"] > 0
     assert step["throughput"] == pytest.approx(8 / (step["median_ms"] / 1e3))
@@ -61,7 +65,7 @@ def test_run_stores_every_measurement_and_renders_the_report(tiny, tmp_path, cap
     assert bf16["autocast"] is True and bf16["grad_scaler"] is False
     s1, t1 = by[("fp32", 0, "student_inference", 1)], by[("fp32", 0, "teacher_inference", 1)]
     assert s1["speedup_vs_teacher"] == pytest.approx(t1["median_ms"] / s1["median_ms"])
-    assert t1["speedup_vs_teacher"] is None
+    assert math.isnan(t1["speedup_vs_teacher"])
     assert all(r["status"] == "ok" for r in rows)
     assert step["data_ptr_mod64"] == 0 and step["memory_format_verified"] and step["padded_classes"] == 10
     assert len({r["cell_id"] for r in rows}) == 3 and len({r["run_id"] for r in rows}) == 1
@@ -84,14 +88,14 @@ def test_failing_cell_is_recorded_and_exit_code_is_1(tmp_path, capsys, monkeypat
     suite = tmp_path / "bad.yaml"
     suite.write_text("allow_imports: true\n" + TINY.replace("teacher: resnet8", "teacher: 'faulty_models:raising'"))
     assert main(["run", str(suite), "--out", str(tmp_path), "--no-report"]) == 1
-    rows = pq.read_table(next(tmp_path.glob("*.parquet"))).to_pylist()
+    rows = read_results([run_folder(tmp_path).path]).to_dict("records")
     failed = [r for r in rows if r["status"] == "failed"]
     assert {r["measurement"] for r in failed} == {"distill_step", "teacher_inference"}
     assert all("injected failure" in r["error"] for r in failed)
     # the student's own inference does not need the teacher and still ran
     assert any(r["status"] == "ok" and r["measurement"] == "student_inference" for r in rows)
     err = capsys.readouterr().err
-    assert "3 cell(s) had failures" in err and "faulty_models:raising->linear kd fp32 bs8 seed1" in err
+    assert "3 job(s) had failures" in err and "faulty_models:raising->linear kd fp32 bs8 seed1" in err
 
 
 def _cli(*args, cwd=ROOT):

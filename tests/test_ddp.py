@@ -7,11 +7,11 @@ import pandas as pd
 import pytest
 
 from kdbench.cli import main
+from kdbench.config import load_suite
 from kdbench.config.plan import expand, parse_shard, shard
-from kdbench.config.schema import load_suite
 from kdbench.errors import KdbenchError
-from kdbench.run.engine import scaling_efficiency
-from kdbench.store.schema import read_results
+from kdbench.store import read_results
+from tests.helpers import run_folder
 
 TESTS = Path(__file__).resolve().parent
 
@@ -120,35 +120,18 @@ def test_shard_dry_run(tmp_path, capsys):
     assert main(["run", str(tmp_path / "s.yaml"), "--shard", "3/2"]) == 2
 
 
-def test_scaling_efficiency_pairs_cells_that_differ_only_in_world_size():
-    import json
-
-    def row(ws, tp, **cfg):
-        config = {"world_size": ws, "batch_size": 8, **cfg}
-        return {
-            "measurement": "distill_step",
-            "status": "ok",
-            "world_size": ws,
-            "throughput": tp,
-            "config_json": json.dumps(config),
-        }
-
-    rows = [row(2, 150.0), row(1, 100.0), row(4, 320.0), row(2, 90.0, batch_size=16), row(1, 50.0, lr=1)]
-    assert scaling_efficiency(rows)
-    assert [r.get("scaling_efficiency") for r in rows] == [0.75, None, 0.8, None, None]
-    assert not scaling_efficiency(rows)  # nothing left to change
-
-
 def test_torchrun_flags_standalone_and_rendezvous():
     from kdbench.config.schema import LauncherConfig
     from kdbench.hw.backends import resolve
-    from kdbench.run.workers import TorchrunWorker
+    from kdbench.run.jobs import CellJob
+    from kdbench.run.workers import TorchrunWorker, WorkerSetup
 
     (cell,) = [c for c in expand(_suite_from(DDP)) if c.config.world_size == 2]
-    standalone = TorchrunWorker(resolve("cpu"), False, 2).torchrun_args(cell)
+    setup = WorkerSetup(resolve("cpu"), False, 2)
+    standalone = TorchrunWorker(setup).torchrun_args(CellJob(cell))
     assert standalone == ["--standalone", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0"]
     launcher = LauncherConfig(nnodes=2, rdzv_endpoint="node0:29500", extra_args=["--log-dir", "logs"])
-    multi = TorchrunWorker(resolve("cpu"), False, 2, launcher=launcher).torchrun_args(cell)
+    multi = TorchrunWorker(setup, launcher=launcher).torchrun_args(CellJob(cell))
     assert multi == [
         "--nnodes=2",
         "--rdzv-backend=c10d",
@@ -198,33 +181,67 @@ def test_detect_allocation_from_torchrun_and_slurm_environments():
         detect_allocation({k: v for k, v in slurm.items() if k != "MASTER_ADDR"})
 
 
-def test_kdbench_started_by_torchrun_uses_the_allocation(tmp_path):
+def test_kdbench_started_by_torchrun_runs_the_same_engine(tmp_path):
+    # One engine, whoever started the ranks: --profile and the quality block behave as in a plain run.
     import subprocess
     import sys
 
     suite = tmp_path / "alloc.yaml"
-    suite.write_text(DDP.replace("world_size: [1, 2]", "world_size: [1, 2, 4]"))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "kdbench",
-        "run",
-        str(suite),
-        "--out",
-        str(tmp_path / "res"),
-        "--no-report",
-    ]
+    suite.write_text(DDP.replace("world_size: [1, 2]", "world_size: [1, 2, 4]")
+                     + "quality: {dataset: digits, epochs: 1, seeds: 1, target: 0.5, max_samples: 400}\n")
+    out = tmp_path / "res"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "kdbench",
+           "run", str(suite), "--out", str(out), "--no-report", "--profile"]  # fmt: skip
     r = subprocess.run(cmd, cwd=TESTS.parent, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "2 ranks of a torchrun allocation" in r.stdout
-    df = read_results([tmp_path / "res"])
-    assert len(list((tmp_path / "res").glob("*.parquet"))) == 1  # rank 0 alone stores
+    assert r.stdout.count("[4/4]") == 1  # rank 0 alone reports progress
+    run = run_folder(out)  # rank 0 alone stores
+    df = read_results([run.path])
     steps = df[df.measurement == "distill_step"].set_index("world_size")
     assert steps.loc[1, "status"] == "ok" and steps.loc[2, "status"] == "ok"
     assert steps.loc[4, "status"] == "skipped" and "exceeds this allocation's 2 ranks" in steps.loc[4, "error"]
     assert steps.loc[2, "throughput"] == pytest.approx(2 * 8 / (steps.loc[2, "median_ms"] / 1e3))
     assert steps.loc[2, "scaling_efficiency"] > 0
+    # --profile reached every measured cell, the data-parallel one (traced on rank 0) included
+    for ws in (1, 2):
+        assert Path(steps.loc[ws, "trace_file"]).is_file() and steps.loc[ws, "top_ops"]
+    # the data-parallel row has what a single-device row has
+    for column in ("telemetry", "time_to_steady_ms", "peak_memory_bytes", "phase_backward_ms", "flops"):
+        assert pd.notna(steps.loc[2, column]), column
+    quality = df[df.measurement == "quality"]
+    assert sorted(quality["quality_role"]) == ["distilled", "scratch", "teacher"]
+    assert (quality["status"] == "ok").all() and "quality seed 0: teacher resnet8" in r.stdout
+
+
+def test_a_data_parallel_cell_keeps_its_step_when_inference_fails(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))  # passed on to the ranks through PYTHONPATH
+    text = (DDP.replace("student: resnet8}", "student: 'faulty_models:raising_in_eval'}")
+            .replace("world_size: [1, 2]", "world_size: [2]").replace("[3, 16, 16]", "[1, 4, 4]")
+            .replace("teacher: resnet8", "teacher: linear"))  # fmt: skip
+    (tmp_path / "s.yaml").write_text(text)
+    assert main(["run", str(tmp_path / "s.yaml"), "--out", str(tmp_path), "--no-report"]) == 1
+    rows = read_results([run_folder(tmp_path).path]).set_index("measurement")
+    step = rows.loc["distill_step"]
+    assert step["status"] == "ok" and step["n"] >= 4 and step["world_size"] == 2
+    assert pd.notna(step["time_to_steady_ms"]) and step["telemetry"].startswith("unavailable")
+    student = rows.loc["student_inference"]
+    assert student["status"] == "failed" and "injected failure in eval" in student["error"]
+    assert rows.loc["teacher_inference", "status"] == "ok"
+
+
+def test_shards_given_one_run_id_write_into_one_folder(tmp_path, capsys):
+    text = (DDP.replace("world_size: [1, 2]", "seed: [0, 1, 2, 3]").replace("[3, 16, 16]", "[1, 4, 4]")
+            .replace("teacher: resnet8, student: resnet8", "teacher: linear, student: linear"))  # fmt: skip
+    (tmp_path / "s.yaml").write_text(text)
+    out = tmp_path / "res"
+    for i in (1, 2):  # e.g. two tasks of a Slurm job array, on two machines sharing the folder
+        args = ["run", str(tmp_path / "s.yaml"), "--out", str(out), "--run-id", "sweep", "--shard", f"{i}/2"]
+        assert main([*args, "--no-report"]) == 0
+    run = run_folder(out)
+    assert run.run_id == "sweep" and len(run.parts()) == 4
+    df = read_results([out])
+    assert sorted(df[df.measurement == "distill_step"]["seed"]) == [0, 1, 2, 3] and set(df["run_id"]) == {"sweep"}
+    capsys.readouterr()
+    assert main(["run", str(tmp_path / "s.yaml"), "--out", str(out), "--run-id", "sweep", "--no-report"]) == 0
+    assert "4 of 4 jobs already stored, 0 to go" in capsys.readouterr().out

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from kdbench.distill.losses import METHODS, check_method, kd_loss
+from kdbench.distill.losses import METHODS, check_method
+from kdbench.distill.losses.kd import KDParams, kd_loss
 from kdbench.errors import KdbenchError
 
 
@@ -68,6 +69,31 @@ def test_identical_logits_leave_only_ce():
 
 
 def test_registry_and_unknown_method():
-    assert "kd" in METHODS and METHODS["kd"].params == "kd"
+    assert "kd" in METHODS and METHODS["kd"].params is KDParams
     with pytest.raises(KdbenchError, match="did you mean kd"):
         check_method("kdd")
+
+
+def test_each_method_brings_its_own_suite_key_and_defaults():
+    # The cell schema is built from the registry: a method's file is all it takes to add one.
+    from kdbench.config.schema import CellConfig
+
+    config = CellConfig.model_validate({"pair": {"teacher": "a", "student": "b"}, "kd": {"temperature": 2.0}})
+    for name, method in METHODS.items():
+        assert CellConfig.model_fields[name].annotation is method.params
+    assert (config.kd.temperature, config.kd.alpha) == (2.0, 0.9)
+    assert config.dkd == METHODS["dkd"].params() and config.dkd.beta == 8.0
+
+
+def test_the_cell_schema_has_every_method_whatever_is_imported_first():
+    import subprocess
+    import sys
+
+    script = (
+        "import kdbench.distill.losses.at\n"  # a method module first: the schema must still see them all
+        "from kdbench.config.schema import CellConfig\n"
+        "from kdbench.distill.losses import METHODS\n"
+        "print(sorted(set(METHODS) - set(CellConfig.model_fields)), len(METHODS))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    assert out[:1] == ["[]"] and int(out[1]) >= 4

@@ -8,24 +8,17 @@ import torch
 from torch import nn
 
 from kdbench.distill.hooks import FeatureTap, canonical, default_feature_paths, pair_paths, stage_ends
-from kdbench.distill.losses import (
-    METHODS,
-    DistillLoss,
-    LossInputs,
-    at_loss,
-    attention_map,
-    check_method,
-    check_weights,
-    dkd_parts,
-    kd_kl,
-    regressor,
-)
+from kdbench.distill.losses import METHODS, DistillLoss, LossInputs, check_method, check_weights
+from kdbench.distill.losses.at import at_loss, attention_map
+from kdbench.distill.losses.dkd import dkd_parts
+from kdbench.distill.losses.fitnet import regressor
+from kdbench.distill.losses.kd import kd_kl
 from kdbench.distill.step import DistillStep
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import resolve
 from kdbench.hw.data import synthetic_batch
 from kdbench.models import build_model
-from tests.conftest import make_config
+from tests.helpers import make_config
 
 CPU = resolve("cpu")
 
@@ -305,17 +298,17 @@ def _step(config, mode=None, models=None):
 def test_fitnet_gradients_reach_student_and_adapter_only():
     config = make_config(pair={"teacher": "resnet20", "student": "resnet8"}, method="fitnet")
     step = _step(config)
-    before = {k: v.clone() for k, v in step.teacher.state_dict().items()}
+    before = {k: v.clone() for k, v in step.distiller.teacher.state_dict().items()}
     adapter = step.distiller.trainee.adapters["fitnet"]
     a_before = [p.clone() for p in adapter.parameters()]
     step()
-    assert all(p.grad is None for p in step.teacher.parameters())
+    assert all(p.grad is None for p in step.distiller.teacher.parameters())
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in adapter.parameters())
-    assert all(p.grad is not None for p in step.student.parameters())
+    assert all(p.grad is not None for p in step.distiller.student.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(a_before, adapter.parameters()))  # the adapter trains
-    for k, v in step.teacher.state_dict().items():
+    for k, v in step.distiller.teacher.state_dict().items():
         assert torch.equal(v, before[k]), k  # weights and batch-norm statistics
-    opt = {id(p) for g in step.optimizer.param_groups for p in g["params"]}
+    opt = {id(p) for g in step.distiller.optimizer.param_groups for p in g["params"]}
     assert opt == {id(p) for p in step.distiller.trainee.parameters()}
     assert step.distiller.adapter_params == sum(p.numel() for p in adapter.parameters()) > 0
 
@@ -363,7 +356,7 @@ def test_nonfinite_losses_are_counted():
     config = make_config(optimizer={"name": "sgd", "lr": 1e-3, "momentum": 0.0})
     step = _step(config)
     with torch.no_grad():
-        step.teacher.fc.weight.fill_(float("nan"))  # a broken teacher: NaN logits
+        step.distiller.teacher.fc.weight.fill_(float("nan"))  # a broken teacher: NaN logits
     for _ in range(3):
         step()
     assert step.distiller.nonfinite_steps == 3
@@ -372,8 +365,8 @@ def test_nonfinite_losses_are_counted():
 def test_grad_scaler_skips_are_counted():
     config = make_config(precision="fp16")
     step = _step(config)
-    assert step.scaler is not None
-    weight = step.student.fc.weight
+    assert step.distiller.scaler is not None
+    weight = step.distiller.student.fc.weight
     weight.register_hook(lambda g: g * float("inf"))  # every step's gradients overflow
     before = weight.detach().clone()
     for _ in range(3):

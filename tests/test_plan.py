@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from kdbench.config.plan import cell_id_of, expand, planned_measurements
-from kdbench.config.schema import load_suite
+from kdbench.config import load_suite
 from kdbench.errors import KdbenchError
 
 SUITES = Path(__file__).resolve().parent.parent / "suites"
@@ -110,7 +110,7 @@ defaults:
 
 
 def test_planned_measurements():
-    from tests.conftest import make_config
+    from tests.helpers import make_config
 
     cfg = make_config(inference={"batch_sizes": [1, 8]})
     assert planned_measurements(cfg) == [

@@ -1,4 +1,5 @@
-"""FLOPs, datasheet peaks, memory, optimizer state, telemetry (fake libraries) and ceiling probes."""
+"""FLOPs, datasheet peaks, memory, optimizer state, telemetry (fake libraries) and ceiling probes
+(kdbench.measure.{flops,memory,telemetry}, kdbench.hw.{peaks,probe}, kdbench.store.probes)."""
 
 from __future__ import annotations
 
@@ -17,19 +18,15 @@ import torch
 
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import Backend
-from kdbench.measure import flops as profiling
-from kdbench.measure.flops import (
-    PEAKS,
-    MemoryMeter,
-    TelemetrySampler,
-    count_flops,
-    datasheet_peak,
-    latest_ceiling,
-    measure_ceilings,
-    optimizer_state_bytes,
-    probe_env,
-    write_probe,
-)
+from kdbench.hw import probe
+from kdbench.hw.peaks import PEAKS, datasheet_peak
+from kdbench.hw.probe import measure_ceilings, probe_env
+from kdbench.measure import memory, telemetry
+from kdbench.measure.flops import count_flops
+from kdbench.measure.memory import MemoryMeter, optimizer_state_bytes
+from kdbench.measure.telemetry import TelemetrySampler
+from kdbench.store import probes
+from kdbench.store.probes import latest_ceiling, write_probe
 
 MiB = 2**20
 CUDA0 = Backend("cuda", torch.device("cuda", 0))
@@ -151,7 +148,7 @@ def fresh_ones(nbytes: int) -> torch.Tensor:
 def cpu_mode(request, monkeypatch):
     """Both CPU paths: the kernel's high-water mark, and the sampling fallback."""
     if request.param == "rss":
-        monkeypatch.setattr(profiling, "_reset_hwm", lambda: False)
+        monkeypatch.setattr(memory, "_reset_hwm", lambda: False)
     return request.param
 
 
@@ -192,7 +189,7 @@ def test_cpu_meter_larger_allocation_larger_peak(cpu, cpu_mode):
 
 
 def test_cpu_meter_stops_its_thread_on_error(cpu, monkeypatch):
-    monkeypatch.setattr(profiling, "_reset_hwm", lambda: False)
+    monkeypatch.setattr(memory, "_reset_hwm", lambda: False)
     with pytest.raises(ValueError), MemoryMeter(cpu, interval_s=0.001):
         assert len(_rss_threads()) == 1
         raise ValueError("boom")
@@ -214,7 +211,7 @@ def test_cuda_meter_reads_allocator_counters(monkeypatch):
     with MemoryMeter(CUDA0) as meter:
         assert calls == [("reset", torch.device("cuda", 0))]
     usage = meter.result()
-    assert usage == profiling.MemoryUsage("device", 9_000, 12_000, 4_000)
+    assert usage == memory.MemoryUsage("device", 9_000, 12_000, 4_000)
     assert calls[-1] == ("max_alloc", torch.device("cuda", 0))
     assert meter.allocated_before == 1_000 and meter.rss_before is None
     assert _rss_threads() == []
@@ -287,7 +284,7 @@ def test_nvml_constant_power_energy():
 
 def test_energy_is_the_trapezoid_over_entry_and_exit_samples(monkeypatch):
     clock = iter([10.0, 12.0])  # entry sample at t=10 s, exit sample at t=12 s
-    monkeypatch.setattr(profiling.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(telemetry.time, "perf_counter", lambda: next(clock))
     power = iter([100_000, 300_000])  # 100 W, then 300 W
     lib = fake_nvml(power_mw=lambda: next(power))
     with TelemetrySampler(Backend("cuda", torch.device("cuda", 3)), interval_s=3600, library=lib) as s:
@@ -508,7 +505,7 @@ def _at(monkeypatch, when):
         def now(cls, tz=None):
             return when
 
-    monkeypatch.setattr(profiling, "datetime", FixedDatetime)
+    monkeypatch.setattr(probes, "datetime", FixedDatetime)
 
 
 def test_write_probe_file(tmp_path, monkeypatch):
@@ -568,5 +565,5 @@ def test_latest_ceiling_without_probes(tmp_path):
 
 
 def test_probe_env_adds_backend(cpu, monkeypatch):
-    monkeypatch.setattr(profiling, "capture", lambda b: {"device_name": "Some CPU", "device_count": 0})
+    monkeypatch.setattr(probe, "capture", lambda b: {"device_name": "Some CPU", "device_count": 0})
     assert probe_env(cpu) == {"device_name": "Some CPU", "device_count": 0, "backend": "cpu"}

@@ -1,6 +1,7 @@
 """Quality runs: real data (scikit-learn's digits, images on disk), real training, the summary table."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -8,20 +9,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from kdbench.distill import losses
+from kdbench.distill.losses import dkd as dkd_method
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import resolve
-from kdbench.quality.protocol import (
-    ROW_KEYS,
-    QualityConfig,
-    QualityJob,
-    load_dataset,
-    markdown_table,
-    quality_jobs,
-    run_quality,
-    summarize_quality,
-)
-from tests.conftest import make_config
+from kdbench.config.schema import QualityConfig
+from kdbench.quality.datasets import load_dataset
+from kdbench.quality.protocol import ROW_KEYS, planned_rows, quality_jobs, run_quality
+from kdbench.report.summaries import markdown_table, summarize_quality
+from tests.helpers import log_lines, make_config
 
 CPU = resolve("cpu")
 SHAPE = [1, 8, 8]
@@ -38,14 +33,12 @@ def one_thread():
 
 def _job(method, teacher="resnet8", student="resnet8", shape=SHAPE):
     # The cell says 100 classes; the quality run must use the data set's 10.
-    return QualityJob(
-        make_config(
-            method=method,
-            pair={"teacher": teacher, "student": student},
-            data={"shape": shape, "num_classes": 100},
-            pad_to=8,
-            teacher={"mode": "cached"},
-        )
+    return make_config(
+        method=method,
+        pair={"teacher": teacher, "student": student},
+        data={"shape": shape, "num_classes": 100},
+        pad_to=8,
+        teacher={"mode": "cached"},
     )
 
 
@@ -77,7 +70,15 @@ def test_config_defaults_and_root_rules():
 def test_quality_jobs_one_per_pair_and_method():
     configs = [make_config(method=m, batch_size=b) for m in ("kd", "dkd") for b in (4, 8)]
     jobs = quality_jobs(configs)
-    assert [(j.config.method, j.config.batch_size) for j in jobs] == [("kd", 4), ("dkd", 4)]
+    assert [(j.method, j.batch_size) for j in jobs] == [("kd", 4), ("dkd", 4)]
+
+
+def test_planned_rows_are_the_rows_a_run_produces(two_methods):
+    rows, _ = two_methods
+    planned = planned_rows(RUN, [_job("kd"), _job("dkd")])
+    keys = ("quality_role", "teacher", "student", "method", "seed", "batch_size", "precision", "quality_dataset")
+    assert [tuple(r[k] for k in keys) for r in planned] == [tuple(r[k] for k in keys) for r in rows]
+    assert all(r["accuracy"] is None and tuple(r) == ROW_KEYS for r in planned)
 
 
 # --- data -----------------------------------------------------------------------------------
@@ -190,8 +191,8 @@ RUN = QualityConfig(epochs=3, seeds=2)
 
 @pytest.fixture(scope="module")
 def two_methods():
-    log: list[str] = []
-    rows = run_quality(RUN, [_job("kd"), _job("dkd")], CPU, log=log.append)
+    with log_lines() as log:
+        rows = run_quality(RUN, [_job("kd"), _job("dkd")], CPU)
     return rows, log
 
 
@@ -245,7 +246,7 @@ def test_accuracies_agreement_and_time_to_target(two_methods):
 
 def test_same_seed_gives_identical_results(two_methods):
     rows, _ = two_methods
-    again = run_quality(QualityConfig(epochs=3, seeds=1), [_job("kd")], CPU, log=lambda _: None)
+    again = run_quality(QualityConfig(epochs=3, seeds=1), [_job("kd")], CPU)
     first = [r for r in rows if r["seed"] == 0 and r["method"] in (None, "kd")]
     assert [r["quality_role"] for r in again] == [r["quality_role"] for r in first]
     for a, b in zip(again, first):
@@ -257,12 +258,12 @@ def test_a_failing_method_fails_only_its_row(monkeypatch):
     def boom(self, inp):
         raise RuntimeError("dkd exploded\nsecond line")
 
-    monkeypatch.setattr(losses.DKD, "forward", boom)
+    monkeypatch.setattr(dkd_method.DKD, "forward", boom)
     cfg = QualityConfig(epochs=1, seeds=1)
-    log: list[str] = []
     torch.manual_seed(123)
     state = torch.get_rng_state()
-    rows = run_quality(cfg, [_job("kd"), _job("dkd"), _job("kd", teacher="no_such_model")], CPU, log=log.append)
+    with log_lines() as log:
+        rows = run_quality(cfg, [_job("kd"), _job("dkd"), _job("kd", teacher="no_such_model")], CPU)
     assert torch.equal(torch.get_rng_state(), state)  # the caller's random state is untouched
     by = {(r["teacher"], r["quality_role"], r["method"]): r for r in rows}
     assert len(rows) == 2 + 2 + 3  # two teachers, a scratch row per pair, three distillations
@@ -377,33 +378,59 @@ quality: {dataset: digits, epochs: 1, seeds: 1, target: 0.5}
 
 
 def test_run_stores_quality_rows_once_and_resume_keeps_them(tmp_path, capsys):
-    import pyarrow.parquet as pq
-
     from kdbench.cli import main
+    from kdbench.store import read_results
+    from tests.helpers import run_folder
 
     suite = tmp_path / "q.yaml"
     suite.write_text(QUALITY_SUITE)
     out = tmp_path / "res"
     assert main(["run", str(suite), "--out", str(out), "--report-dir", str(tmp_path / "rep")]) == 0
-    files = list(out.glob("qsuite-*.parquet"))
-    assert len(files) == 1
-    rows = pq.read_table(files[0]).to_pylist()
+    printed = capsys.readouterr().out
+    run = run_folder(out)
+    rows = read_results([run.path]).fillna({"method": ""}).to_dict("records")
     quality = [r for r in rows if r["measurement"] == "quality"]
     # one seed: the teacher, the scratch student, and one distilled student per method
     assert sorted((r["quality_role"], r["method"]) for r in quality) == [
         ("distilled", "dkd"),
         ("distilled", "kd"),
-        ("scratch", None),
-        ("teacher", None),
+        ("scratch", ""),
+        ("teacher", ""),
     ]
     assert all(r["status"] == "ok" and 0 <= r["accuracy"] <= 1 for r in quality)
     assert {r["cell_id"] for r in quality} == {quality[0]["cell_id"]} and quality[0]["cell_id"].startswith("quality-")
     assert len(rows) == 2 * 3 + 4  # two cells of three measurements, then the quality rows
+    assert len(run.parts()) == 3  # one part per job: two cells and the quality job
+    # the quality job ran in the worker: its progress came through, and its table is printed
+    assert "quality seed 0: teacher resnet8: top-1" in printed and "| resnet8 | resnet8 | distilled | kd |" in printed
     page = (tmp_path / "rep" / "index.html").read_text()
     assert "Quality" in page and "distilled" in page
     assert main(["run", str(suite), "--out", str(out), "--resume", "--no-report"]) == 0
-    assert "quality: already stored" in capsys.readouterr().out
-    assert len(pq.read_table(files[0]).to_pylist()) == len(rows)
+    assert "3 of 3 jobs already stored, 0 to go" in capsys.readouterr().out
+    assert len(read_results([run.path])) == len(rows)
+
+
+def test_a_quality_job_that_crashes_is_stored_failed_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    from kdbench.cli import main
+    from kdbench.store import read_results
+    from tests.helpers import run_folder
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))  # faulty_models, for the worker process
+    text = QUALITY_SUITE.replace("pair: {teacher: resnet8, student: resnet8}",
+                                 "pair: {teacher: resnet8, student: 'faulty_models:segfault_in_training'}")
+    suite = tmp_path / "q.yaml"
+    suite.write_text("allow_imports: true\n" + text.replace("method: [kd, dkd]", "method: [kd]"))
+    out = tmp_path / "res"
+    assert main(["run", str(suite), "--out", str(out), "--report-dir", str(tmp_path / "rep")]) == 1
+    captured = capsys.readouterr()
+    df = read_results([run_folder(out).path])
+    cells = df[df["measurement"] != "quality"]
+    assert set(cells["status"]) == {"ok"}  # the timed cell never trains more than a step: it measured fine
+    quality = df[df["measurement"] == "quality"]
+    assert sorted(quality["quality_role"]) == ["distilled", "scratch", "teacher"]  # every planned row, marked
+    assert set(quality["status"]) == {"failed"} and quality["error"].str.contains("SIGSEGV").all()
+    assert "1 job(s) had failures" in captured.err and "quality (digits, 1 seed)" in captured.err
+    assert (tmp_path / "rep" / "index.html").exists()  # the run went on to its report
 
 
 def test_missing_quality_root_fails_before_anything_runs(tmp_path, capsys):

@@ -10,7 +10,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from kdbench.cli import main
-from kdbench.store.schema import read_results
+from kdbench.store import read_results
+from tests.helpers import run_folder
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -65,7 +66,7 @@ def test_injected_failures_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypa
     ok_inf = df[(df.measurement == "student_inference") & df.seed.isin([5, 8])]
     assert list(ok_inf["status"]) == ["ok", "ok"]
     err = capsys.readouterr().err
-    assert "6 cell(s) had failures" in err
+    assert "6 job(s) had failures" in err
 
 
 def test_failure_cells_after_good_ones_keep_order(tmp_path, monkeypatch):
@@ -77,7 +78,7 @@ def test_failure_cells_after_good_ones_keep_order(tmp_path, monkeypatch):
     suite = tmp_path / "s.yaml"
     suite.write_text(HEAD + pairs)
     assert main(["run", str(suite), "--out", str(tmp_path), "--no-report"]) == 1
-    rows = pq.read_table(next(tmp_path.glob("*.parquet"))).to_pylist()
+    rows = read_results([run_folder(tmp_path).path]).sort_values("timestamp", kind="stable").to_dict("records")
     steps = [(r["student"], r["status"]) for r in rows if r["measurement"] == "distill_step"]
     assert steps == [("faulty_models:segfault", "failed"), ("linear", "ok"), ("faulty_models:raising", "failed")]
     # a cell whose worker died has all its planned rows, each marked
@@ -102,7 +103,7 @@ matrix:
 
 def _stored_cells(out: Path) -> list[str]:
     ids = []
-    for f in out.glob("*.parquet"):
+    for f in out.glob("*/part-*.parquet"):
         ids += pq.read_table(f, columns=["cell_id"]).column("cell_id").to_pylist()
     return ids
 
@@ -133,11 +134,12 @@ def test_sigkill_then_resume_stores_every_cell_exactly_once(tmp_path):
     ids = _stored_cells(out)
     assert len(set(ids)) == 4
     assert len(ids) == 4 * 3  # each cell's 3 rows once: nothing lost, nothing duplicated
-    assert len(list(out.glob("*.parquet"))) == 1
-    assert not [p for p in out.iterdir() if p.suffix == ".tmp" and not p.name.startswith(".")]
+    run = run_folder(out)  # the resumed run went on in the same folder
+    assert len(run.parts()) == 4
+    assert not [p for p in run.path.iterdir() if p.suffix == ".tmp" and not p.name.startswith(".")]
     # resuming a complete run measures nothing
     again = subprocess.run(cmd + ["--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0 and "0 cells" in again.stdout
+    assert again.returncode == 0 and "0 jobs" in again.stdout
     assert len(_stored_cells(out)) == 12
 
 

@@ -10,7 +10,7 @@ import pytest
 from kdbench.errors import KdbenchError
 from kdbench.report import render_report
 from kdbench.report.html import format_ms
-from kdbench.store.schema import rows_to_table
+from tests.helpers import as_read
 
 SCRIPT = "<script>alert(1)</script>"
 RUNS = {
@@ -71,16 +71,14 @@ def _rows() -> list[dict]:
             if (i, bs) == (1, 64):
                 teacher = _row(label, "teacher_inference", bs, 1.0)
                 teacher.update(NULL_STATS, status="failed", error=f"RuntimeError: {SCRIPT} boom")
-                speedup = None
             else:
-                teacher = _row(label, "teacher_inference", bs, 3 * student)
-                speedup = 3.0
-            rows += [_row(label, "student_inference", bs, student, speedup_vs_teacher=speedup), teacher]
+                teacher = _row(label, "teacher_inference", bs, 3 * student)  # a speed-up of 3 at read time
+            rows += [_row(label, "student_inference", bs, student), teacher]
     return rows
 
 
 def _frame(rows):
-    return rows_to_table(rows).to_pandas()
+    return as_read(rows)
 
 
 def _table_rows(page: str, *needles: str) -> list[str]:
@@ -158,7 +156,7 @@ def test_empty_frame_is_an_error(tmp_path):
 
 
 def test_only_failed_rows_render_without_charts(tmp_path):
-    rows = [dict(r, status="failed", median_ms=None, speedup_vs_teacher=None, error="OOM") for r in _rows()]
+    rows = [dict(r, status="failed", median_ms=None, error="OOM") for r in _rows()]
     page = render_report(_frame(rows), tmp_path, title="All <failed>").read_text(encoding="utf-8")
     assert "<img" not in page and not list(tmp_path.glob("*.png"))
     # the three timing charts and the phase chart are skipped, each with its reason
@@ -166,3 +164,27 @@ def test_only_failed_rows_render_without_charts(tmp_path):
     assert "Not drawn: no successful distill_step measurement has phase timings." in page
     assert "All &lt;failed&gt;" in page
     assert len(_table_rows(page, 'class="not-ok"')) == len(rows)
+
+
+def test_rendering_a_report_never_imports_torch(tmp_path):
+    # The report reads data only: pandas, pyarrow, matplotlib and jinja2.
+    import subprocess
+    import sys
+
+    from kdbench.store.results import open_run
+
+    run = open_run(tmp_path / "res", "suite", "suite.yaml")
+    for i, label in enumerate(CELLS):
+        run.write_part(f"c{i}", [r for r in _rows() if r["cell_label"] == label])
+    script = (
+        "import sys\n"
+        "from kdbench.cli import main\n"
+        f"assert main(['report', {str(tmp_path / 'res')!r}, '--out', {str(tmp_path / 'rep')!r}]) == 0\n"
+        "from kdbench import api\n"
+        f"api.render([{str(run.path)!r}], {str(tmp_path / 'rep2')!r})\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"
+    assert (tmp_path / "rep" / "index.html").is_file() and (tmp_path / "rep2" / "distill_step.png").is_file()

@@ -5,7 +5,7 @@ import torch
 from kdbench.distill.step import DistillStep
 from kdbench.hw.data import synthetic_batch
 from kdbench.models import build_model
-from tests.conftest import make_config
+from tests.helpers import make_config
 
 
 def _models(config):
@@ -24,29 +24,29 @@ def _step(config, cpu):
 
 def test_teacher_weights_and_bn_statistics_never_change(cpu):
     step = _step(make_config(), cpu)
-    before = {k: v.clone() for k, v in step.teacher.state_dict().items()}
+    before = {k: v.clone() for k, v in step.distiller.teacher.state_dict().items()}
     assert any("running_mean" in k for k in before)  # the teacher has batch norm
-    s_before = {k: v.clone() for k, v in step.student.state_dict().items()}
+    s_before = {k: v.clone() for k, v in step.distiller.student.state_dict().items()}
     for _ in range(3):
         step()
-    after = step.teacher.state_dict()
+    after = step.distiller.teacher.state_dict()
     for k, v in before.items():
         assert torch.equal(v, after[k]), k
-    assert not step.teacher.training
-    assert all(p.grad is None and not p.requires_grad for p in step.teacher.parameters())
+    assert not step.distiller.teacher.training
+    assert all(p.grad is None and not p.requires_grad for p in step.distiller.teacher.parameters())
     # ... while the student trains: weights and its batch-norm statistics move.
-    s_after = step.student.state_dict()
+    s_after = step.distiller.student.state_dict()
     changed = [k for k in s_before if not torch.equal(s_before[k], s_after[k])]
     assert any("running_mean" in k for k in changed)
     assert any(k.endswith("weight") for k in changed)
-    assert step.student.training
+    assert step.distiller.student.training
 
 
 def test_optimizer_holds_only_student_parameters(cpu):
     step = _step(make_config(), cpu)
-    opt_params = {id(p) for g in step.optimizer.param_groups for p in g["params"]}
-    assert opt_params == {id(p) for p in step.student.parameters()}
-    assert isinstance(step.optimizer, torch.optim.AdamW)
+    opt_params = {id(p) for g in step.distiller.optimizer.param_groups for p in g["params"]}
+    assert opt_params == {id(p) for p in step.distiller.student.parameters()}
+    assert isinstance(step.distiller.optimizer, torch.optim.AdamW)
 
 
 def test_gradients_are_zeroed_every_step(cpu):
@@ -55,21 +55,21 @@ def test_gradients_are_zeroed_every_step(cpu):
     config = make_config(optimizer={"name": "sgd", "lr": 1e-12, "momentum": 0.0})
     step = _step(config, cpu)
     step()
-    g1 = [p.grad.clone() for p in step.student.parameters()]
+    g1 = [p.grad.clone() for p in step.distiller.student.parameters()]
     step()
-    g2 = [p.grad.clone() for p in step.student.parameters()]
+    g2 = [p.grad.clone() for p in step.distiller.student.parameters()]
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_loss_value_is_the_kd_loss_of_the_batch(cpu):
-    from kdbench.distill.losses import kd_loss
+    from kdbench.distill.losses.kd import kd_loss
 
     config = make_config(kd={"temperature": 3.0, "alpha": 0.6})
     step = _step(config, cpu)
     with torch.no_grad():
-        step.student.train()
-        expected = kd_loss(step.student(step.x), step.teacher(step.x), step.y, 3.0, 0.6)
+        step.distiller.student.train()
+        expected = kd_loss(step.distiller.student(step.x), step.distiller.teacher(step.x), step.y, 3.0, 0.6)
     step()
     torch.testing.assert_close(step.last_loss, expected)
     assert step.last_loss.dtype == torch.float32
@@ -78,9 +78,9 @@ def test_loss_value_is_the_kd_loss_of_the_batch(cpu):
 def test_bf16_student_under_autocast_loss_in_fp32(cpu):
     step = _step(make_config(precision="bf16"), cpu)
     step()
-    assert step.student_ac.applied and step.student_ac.dtype == torch.bfloat16
-    assert not step.teacher_ac.applied  # teacher_precision defaults to fp32
-    assert step.scaler is None  # bf16 needs no loss scaling
+    assert step.distiller.student_ac.applied and step.distiller.student_ac.dtype == torch.bfloat16
+    assert not step.distiller.teacher_ac.applied  # teacher_precision defaults to fp32
+    assert step.distiller.scaler is None  # bf16 needs no loss scaling
     assert step.last_loss.dtype == torch.float32 and torch.isfinite(step.last_loss)
 
 
@@ -88,8 +88,8 @@ def test_fp16_student_uses_a_grad_scaler(cpu):
     step = _step(make_config(precision="fp16", teacher_precision="bf16"), cpu)
     for _ in range(2):
         step()
-    assert step.student_ac.applied and step.student_ac.dtype == torch.float16
-    assert step.teacher_ac.applied and step.teacher_ac.dtype == torch.bfloat16
-    assert isinstance(step.scaler, torch.amp.GradScaler)
-    assert step.scaler.get_scale() > 0
+    assert step.distiller.student_ac.applied and step.distiller.student_ac.dtype == torch.float16
+    assert step.distiller.teacher_ac.applied and step.distiller.teacher_ac.dtype == torch.bfloat16
+    assert isinstance(step.distiller.scaler, torch.amp.GradScaler)
+    assert step.distiller.scaler.get_scale() > 0
     assert torch.isfinite(step.last_loss)

@@ -1,4 +1,4 @@
-"""Suite -> Plan: the matrix expanded into Cells.
+"""Suite -> Plan: the matrix expanded into Cells, each checked before anything runs.
 
 A cell is ``defaults`` overlaid with one combination of the matrix values (the
 cartesian product, first axis slowest), minus the combinations an ``exclude``
@@ -6,9 +6,9 @@ entry matches.  An exclude entry matches a cell when every key it gives equals
 the cell's value; a mapping value matches partially (``{pair: {student: x}}``
 matches every pair whose student is x).
 
-``cell_id`` is a hash of the resolved CellConfig, not of where it runs: the same
-cell measured on a ROCm box and on a CUDA box has the same id, which is what lets
-runs be compared cell by cell and resumed.
+``cell_id`` is a hash of the resolved config, not of where it runs: the same cell
+measured on a ROCm box and on a CUDA box has the same id, which is what lets runs be
+compared cell by cell, resumed and sharded.
 """
 
 from __future__ import annotations
@@ -19,10 +19,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdbench.config.schema import CellConfig, Suite, axis_path, deep_merge, nest, overlay, validate_cell
-from kdbench.errors import KdbenchError
+from pydantic import ValidationError
 
-MEASUREMENTS = ("distill_step", "student_inference", "teacher_inference")
+from kdbench.config.schema import CellConfig, Suite
+from kdbench.config.yaml_errors import sub_model, unknown_key_hint, validation_error
+from kdbench.errors import KdbenchError
+from kdbench.names import Measurement
+
+CASES = "cases"  # the matrix axis whose values are whole partial cells (several keys at once)
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,6 @@ class Cell:
     @property
     def label(self) -> str:
         c = self.config
-        assert c.pair is not None
         parts = [f"{c.pair.teacher}->{c.pair.student}", c.method, c.precision]
         if c.teacher.mode != "live":
             parts.append(f"teacher-{c.teacher.mode}")
@@ -54,6 +57,59 @@ class Cell:
         return " ".join(parts)
 
 
+# --------------------------------------------------------------------------- sweep helpers
+
+
+def axis_path(axis: str) -> tuple[str, ...]:
+    return tuple(axis.split("."))
+
+
+def nest(path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    for key in reversed(path):
+        value = {key: value}
+    return value  # type: ignore[return-value]
+
+
+def overlay(axis: str, value: Any) -> dict[str, Any]:
+    """What one matrix value lays over the defaults."""
+    return value if axis == CASES else nest(axis_path(axis), value)
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` laid on `base`; nested mappings merge key by key, anything else replaces."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "pair":
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def check_axis_name(suite: Suite, loc: tuple, key: str) -> tuple[str, ...]:
+    """A matrix axis or exclude key (at `loc`) must name a cell setting, dotted for nested ones."""
+    path = axis_path(key)
+    model: Any = CellConfig
+    for i, part in enumerate(path):
+        names = list(model.model_fields) if model else []
+        if part not in names:
+            raise suite.error(loc, f"unknown key '{key}'; {unknown_key_hint(part, names, path[:i])}")
+        model = sub_model(model, part)
+        if model is None and i < len(path) - 1:
+            raise suite.error(loc, f"'{part}' has no sub-keys; sweep '{'.'.join(path[: i + 1])}' itself")
+    return path
+
+
+# --------------------------------------------------------------------------- identity
+
+
+def used_methods(config: CellConfig) -> list:
+    """The registered methods among the terms of the cell's method (unknown terms are the checks' to report)."""
+    from kdbench.distill.losses import METHODS, method_parts
+
+    return [METHODS[p] for p in method_parts(config.method) if p in METHODS]
+
+
 def config_dict(config: CellConfig) -> dict[str, Any]:
     """The resolved config, without the settings of methods the cell does not use.
 
@@ -63,25 +119,26 @@ def config_dict(config: CellConfig) -> dict[str, Any]:
     from kdbench.distill.losses import METHODS
 
     out = config.model_dump(mode="json")
-    used = _used_methods(config)
-    for method in METHODS.values():
-        if method.params not in {m.params for m in used}:
-            out.pop(method.params, None)
+    used = used_methods(config)
+    for name in set(METHODS) - {m.name for m in used}:
+        out.pop(name, None)
     if not any(m.cls.needs_features for m in used):
         out.pop("features", None)
     return out
 
 
-def _used_methods(config: CellConfig) -> list:
-    """The registered methods among the terms of the cell's method (unknown terms are the plan's to report)."""
-    from kdbench.distill.losses import METHODS, method_parts
-
-    return [METHODS[p] for p in method_parts(config.method) if p in METHODS]
-
-
 def cell_id_of(config: CellConfig) -> str:
     canonical = json.dumps(config_dict(config), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def method_params(config: CellConfig) -> dict[str, Any]:
+    """The hyper-parameters of the cell's method terms (and `weights` when set), by suite key."""
+    keys = {m.name for m in used_methods(config)} | ({"weights"} if config.weights else set())
+    return {k: v for k, v in config_dict(config).items() if k in keys}
+
+
+# --------------------------------------------------------------------------- expansion
 
 
 def _matches(entry: Any, value: Any) -> bool:
@@ -91,92 +148,88 @@ def _matches(entry: Any, value: Any) -> bool:
 
 
 def _excluded(config: dict[str, Any], excludes: list[dict[str, Any]]) -> bool:
-    for entry in excludes:
-        if all(_matches(nest(axis_path(k), v), config) for k, v in entry.items()):
-            return True
-    return False
+    return any(all(_matches(nest(axis_path(k), v), config) for k, v in entry.items()) for entry in excludes)
 
 
 def expand(suite: Suite) -> list[Cell]:
-    """The suite's cells, in matrix order, each validated; raises KdbenchError on an empty plan."""
-    from kdbench.distill.hooks import check_feature_paths
-    from kdbench.distill.losses import check_method, check_weights, needs_features
-    from kdbench.models import check_model_input, check_model_name
-
+    """The suite's cells, in matrix order, each checked; raises KdbenchError on an empty plan."""
     axes = list(suite.matrix)
     cells: list[Cell] = []
-    seen: dict[str, str] = {}
+    seen: set[str] = set()
     for combo in itertools.product(*(suite.matrix[a] for a in axes)):
         raw = dict(suite.defaults)
         for axis, value in zip(axes, combo):
             raw = deep_merge(raw, overlay(axis, value))
-        config = validate_cell(suite, raw, ("defaults",))
-        if config.pair is None:
+        if raw.get("pair") is None:
             raise suite.error(("defaults",), "no teacher/student pair; set defaults.pair or a matrix.pair axis")
+        try:
+            config = CellConfig.model_validate(raw)
+        except ValidationError as exc:
+            raise validation_error(suite.path, suite.lines, exc, ("defaults",), CellConfig) from None
         if _excluded(config_dict(config), suite.exclude):
             continue
-        cid = cell_id_of(config)
-        cell = Cell(index=len(cells), cell_id=cid, config=config)
-        if cid in seen:
-            raise suite.error(
-                ("matrix",), f"two combinations give the same cell ({cell.label}); remove the repeated value"
-            )
-        seen[cid] = cell.label
+        cell = Cell(index=len(cells), cell_id=cell_id_of(config), config=config)
+        if cell.cell_id in seen:
+            raise suite.error(("matrix",), f"two combinations give the same cell ({cell.label}); remove the repeated value")
+        seen.add(cell.cell_id)
         cells.append(cell)
     if not cells:
         raise suite.error(("exclude",), "excludes every cell, so there is nothing to run; loosen the exclude entries")
-    # Model names and the input shapes they accept, where the user wrote them.
     for cell in cells:
-        pair = cell.config.pair
-        for role in ("teacher", "student"):
-            name = getattr(pair, role)
-            try:
-                check_model_name(name, allow_imports=suite.allow_imports)
-                check_model_input(name, cell.config.data.shape)
-            except KdbenchError as exc:
-                loc = ("matrix", "pair") if "pair" in suite.matrix else ("defaults", "pair")
-                raise suite.error(loc + (role,), str(exc)) from None
-        nnodes = suite.launcher.nnodes
-        if cell.config.world_size > 1 and cell.config.world_size % nnodes:
-            loc = ("matrix", "world_size") if "world_size" in suite.matrix else ("defaults", "world_size")
-            raise suite.error(
-                loc,
-                f"world_size {cell.config.world_size} does not split over launcher.nnodes {nnodes}; "
-                "use a multiple of nnodes",
-            )
-        try:
-            check_method(cell.config.method)
-        except KdbenchError as exc:
-            loc = ("matrix", "method") if "method" in suite.matrix else ("defaults", "method")
-            raise suite.error(loc, str(exc)) from None
-        if needs_features(cell.config.method):
-            feats = cell.config.features
-            if feats.teacher and feats.student and len(feats.teacher) != len(feats.student):
-                loc = ("matrix", "features") if "features" in suite.matrix else ("defaults", "features")
-                raise suite.error(
-                    loc,
-                    f"teacher lists {len(feats.teacher)} modules and student "
-                    f"{len(feats.student)}; they are compared pairwise, so give both the same number",
-                )
-            for role in ("teacher", "student"):
-                try:
-                    check_feature_paths(
-                        role,
-                        getattr(pair, role),
-                        getattr(feats, role),
-                        cell.config.data.num_classes,
-                        tuple(cell.config.data.shape),
-                        suite.allow_imports,
-                    )
-                except KdbenchError as exc:
-                    loc = ("matrix", "features") if "features" in suite.matrix else ("defaults", "features", role)
-                    raise suite.error(loc, str(exc)) from None
-        try:
-            check_weights(cell.config.method, cell.config.weights)
-        except KdbenchError as exc:
-            loc = ("matrix", "weights") if "weights" in suite.matrix else ("defaults", "weights")
-            raise suite.error(loc, str(exc)) from None
+        for key, message in check_cell(cell.config, suite.allow_imports, suite.launcher.nnodes):
+            raise suite.error(suite.locate(*key), message)
     return cells
+
+
+def check_cell(config: CellConfig, allow_imports: bool, nnodes: int = 1) -> list[tuple[tuple[str, ...], str]]:
+    """What cannot run in a cell, as (setting path, message): unknown models or methods, input
+    shapes a model cannot take, feature paths a model lacks, impossible rank layouts."""
+    from kdbench.distill.hooks import check_feature_count, check_feature_paths
+    from kdbench.distill.losses import check_method, check_weights, needs_features
+    from kdbench.models import check_model_input, check_model_name
+
+    problems: list[tuple[tuple[str, ...], str]] = []
+
+    def check(key: tuple[str, ...], fn, *args) -> bool:
+        try:
+            fn(*args)
+        except KdbenchError as exc:
+            problems.append((key, str(exc)))
+            return False
+        return True
+
+    for role in ("teacher", "student"):
+        name = getattr(config.pair, role)
+        if check(("pair", role), check_model_name, name, allow_imports):
+            check(("pair", role), check_model_input, name, config.data.shape)
+    if config.world_size > 1 and config.world_size % nnodes:
+        problems.append(
+            (
+                ("world_size",),
+                f"world_size {config.world_size} does not split over launcher.nnodes {nnodes}; use a multiple of nnodes",
+            )
+        )
+    if check(("method",), check_method, config.method) and needs_features(config.method):
+        feats = config.features
+        check(("features",), check_feature_count, feats.teacher, feats.student)
+        for role in ("teacher", "student"):
+            check(("features", role), check_feature_paths, role, getattr(config.pair, role), getattr(feats, role),
+                  config.data.num_classes, tuple(config.data.shape), allow_imports)  # fmt: skip
+    check(("weights",), check_weights, config.method, config.weights)
+    return problems
+
+
+def planned_measurements(config: CellConfig) -> list[tuple[Measurement, int]]:
+    """(measurement, batch_size) of every row a cell produces, in order."""
+    out = [(Measurement.DISTILL_STEP, config.batch_size)]
+    for bs in config.inference.batch_sizes:
+        out.append((Measurement.STUDENT_INFERENCE, bs))
+        if config.inference.teacher:
+            out.append((Measurement.TEACHER_INFERENCE, bs))
+    return out
+
+
+# --------------------------------------------------------------------------- shards
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -194,58 +247,3 @@ def shard(cells: list[Cell], i: int, n: int) -> list[Cell]:
     """Share I of N: every N-th cell of the plan, starting at the I-th. The N shares partition the
     plan exactly, and depend only on the plan, so N machines given the same suite split it."""
     return [c for c in cells if c.index % n == i - 1]
-
-
-def dist_backend_for(backend_name: str) -> str:
-    """gloo on the CPU; nccl on GPUs (RCCL on ROCm, under the same name)."""
-    return "gloo" if backend_name == "cpu" else "nccl"
-
-
-def config_columns(config: CellConfig, backend_name: str) -> dict[str, Any]:
-    """The result columns that come from a cell's config."""
-    assert config.pair is not None
-    return {
-        "teacher": config.pair.teacher,
-        "student": config.pair.student,
-        "method": config.method,
-        "precision": config.precision,
-        "teacher_precision": config.teacher_precision,
-        "memory_format": config.memory_format,
-        "alignment": config.alignment,
-        "pad_to": config.pad_to,
-        "world_size": config.world_size,
-        "dist_backend": None if config.world_size == 1 else dist_backend_for(backend_name),
-        "ddp_bucket_cap_mb": config.ddp.bucket_cap_mb if config.world_size > 1 else None,
-        "ddp_gradient_as_bucket_view": config.ddp.gradient_as_bucket_view if config.world_size > 1 else None,
-        "ddp_static_graph": config.ddp.static_graph if config.world_size > 1 else None,
-        "data_kind": config.data.kind,
-        "data_shape": "x".join(map(str, config.data.shape)),
-        "num_classes": config.data.num_classes,
-        "kd_temperature": config.kd.temperature,
-        "kd_alpha": config.kd.alpha,
-        "teacher_mode": config.teacher.mode,
-        "method_params": json.dumps(
-            {k: v for k, v in config_dict(config).items() if k in _method_param_keys(config)}, sort_keys=True
-        ),
-        "optimizer": config.optimizer.name,
-        "lr": config.optimizer.lr,
-        "seed": config.seed,
-        "warmup": config.timing.warmup,
-        "min_iters": config.timing.min_iters,
-        "min_time_s": config.timing.min_time_s,
-        "config_json": json.dumps(config_dict(config), sort_keys=True),
-    }
-
-
-def _method_param_keys(config: CellConfig) -> set[str]:
-    return {m.params for m in _used_methods(config)} | ({"weights"} if config.weights else set())
-
-
-def planned_measurements(config: CellConfig) -> list[tuple[str, int]]:
-    """(measurement, batch_size) of every row a cell produces, in order."""
-    out = [("distill_step", config.batch_size)]
-    for bs in config.inference.batch_sizes:
-        out.append(("student_inference", bs))
-        if config.inference.teacher:
-            out.append(("teacher_inference", bs))
-    return out

@@ -1,84 +1,51 @@
-"""Suite YAML -> validated, typed configuration.
+"""The suite's schema: typed, validated pydantic models of everything a suite may say.
 
-A suite file has the top-level keys ``name, description, backend, threads,
-allow_imports, cell_timeout_s, profile, launcher, quality, defaults, matrix, exclude``.  ``defaults`` holds one cell's
-configuration (``CellConfig``); every key it may hold may also be a ``matrix``
+A suite file has the top-level keys of :class:`Suite`.  ``defaults`` holds one cell's
+configuration (:data:`CellConfig`); every key it may hold may also be a ``matrix``
 axis (a list of values), and nested keys may be swept with a dotted axis name
-(``kd.temperature: [2, 4]``).  The plan (``kdbench.config.plan``) overlays each
-combination of matrix values on ``defaults``.
+(``kd.temperature: [2, 4]``).  :mod:`kdbench.config.plan` overlays each combination
+of matrix values on ``defaults``.
 
-Every error a user can make here is raised as ``KdbenchError`` with one line that
-names the file, the line (where known), the key path and what to change.
+The hyper-parameters of each distillation method are the model the method registers
+with itself (:mod:`kdbench.distill.losses`), under the method's name as a key: the
+cell model is built from that registry, so adding a method touches its own file only.
 """
 
 from __future__ import annotations
 
-import difflib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, create_model, field_validator, model_validator
 
+from kdbench.config.base import Strict
+from kdbench.config.yaml_errors import Lines, where
+from kdbench.distill.losses import METHODS
 from kdbench.errors import KdbenchError
+from kdbench.names import MEMORY_FORMATS, PRECISIONS
 
-Precision = Literal["fp32", "fp16", "bf16"]
+Precision = Literal[PRECISIONS]  # type: ignore[valid-type]
+MemoryFormat = Literal[MEMORY_FORMATS]  # type: ignore[valid-type]
 BackendName = Literal["auto", "cpu", "cuda", "rocm"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
-class Pair(_Strict):
+class Pair(Strict):
     teacher: str = Field(min_length=1)
     student: str = Field(min_length=1)
 
 
-class KDParams(_Strict):
-    """Hinton KD: alpha * T^2 * KL(teacher || student) + (1 - alpha) * CE."""
-
-    temperature: float = Field(4.0, gt=0, le=1000)
-    alpha: float = Field(0.9, ge=0, le=1)
-
-
-class FitNetParams(_Strict):
-    """FitNets (Romero et al. 2015), one stage: beta * MSE(regressor(student hint), teacher hint) + CE."""
-
-    beta: float = Field(100.0, ge=0, le=1e7)
-    hint_layer: int | None = Field(None, ge=-64, le=63)  # index into the paired feature lists; null: the middle one
-
-
-class ATParams(_Strict):
-    """Attention transfer (Zagoruyko & Komodakis 2017) + CE."""
-
-    beta: float = Field(1000.0, ge=0, le=1e9)
-    p: float = Field(2.0, gt=0, le=16)
-    form: Literal["code", "paper"] = "code"  # code: beta/2 * sum mean((Qs-Qt)^2); paper: beta/2 * sum mean ||Qs-Qt||_2
-
-
-class DKDParams(_Strict):
-    """Decoupled KD (Zhao et al. 2022): warm-up * (alpha * TCKD + beta * NCKD) + CE."""
-
-    alpha: float = Field(1.0, ge=0, le=1000)
-    beta: float = Field(8.0, ge=0, le=1000)
-    temperature: float = Field(4.0, gt=0, le=1000)
-    warmup: int = Field(20, ge=0, le=10_000_000)  # steps over which the DKD term ramps up linearly from 0
-
-
-class FeaturesConfig(_Strict):
+class FeaturesConfig(Strict):
     """Module paths whose outputs feature methods compare; null picks the family's stage ends."""
 
     teacher: list[str] | None = Field(None, min_length=1, max_length=16)
     student: list[str] | None = Field(None, min_length=1, max_length=16)
 
 
-class TeacherConfig(_Strict):
+class TeacherConfig(Strict):
     mode: Literal["live", "cached"] = "live"  # cached: teacher outputs computed once for the fixed batch
 
 
-class DataConfig(_Strict):
+class DataConfig(Strict):
     kind: Literal["synthetic"] = "synthetic"
     shape: list[int] = Field(default_factory=lambda: [3, 32, 32], min_length=1, max_length=4)
     num_classes: int = Field(100, ge=2, le=1_000_000)
@@ -91,14 +58,14 @@ class DataConfig(_Strict):
         return v
 
 
-class OptimizerConfig(_Strict):
+class OptimizerConfig(Strict):
     name: Literal["adamw", "adam", "sgd"] = "adamw"
     lr: float = Field(1e-4, gt=0, le=10)
     weight_decay: float | None = Field(None, ge=0, le=1)
     momentum: float = Field(0.9, ge=0, lt=1)
 
 
-class TimingConfig(_Strict):
+class TimingConfig(Strict):
     warmup: int = Field(3, ge=0, le=100_000)
     min_iters: int = Field(10, ge=1, le=1_000_000)
     min_time_s: float = Field(1.0, ge=0, le=86_400)
@@ -111,7 +78,7 @@ class TimingConfig(_Strict):
         return self
 
 
-class InferenceConfig(_Strict):
+class InferenceConfig(Strict):
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 32], max_length=64)
     teacher: bool = True
 
@@ -125,7 +92,7 @@ class InferenceConfig(_Strict):
         return v
 
 
-class DDPConfig(_Strict):
+class DDPConfig(Strict):
     """DistributedDataParallel options of the student, for cells with world_size > 1."""
 
     bucket_cap_mb: float = Field(25.0, gt=0, le=10_000)
@@ -133,20 +100,16 @@ class DDPConfig(_Strict):
     static_graph: bool = False
 
 
-class CellConfig(_Strict):
-    """Everything one cell measures; `defaults` and each matrix combination build one."""
+class _CellBase(Strict):
+    """Everything one cell measures but its methods' hyper-parameters (see :data:`CellConfig`)."""
 
-    pair: Pair | None = None
+    pair: Pair
     method: str = "kd"
-    kd: KDParams = KDParams()
-    fitnet: FitNetParams = FitNetParams()
-    at: ATParams = ATParams()
-    dkd: DKDParams = DKDParams()
     weights: dict[str, float] = Field(default_factory=dict)  # per-term weight of a combined method (default 1)
     features: FeaturesConfig = FeaturesConfig()
     teacher: TeacherConfig = TeacherConfig()
-    precision: Precision = "fp32"
-    teacher_precision: Precision = "fp32"
+    precision: Precision = "fp32"  # type: ignore[valid-type]
+    teacher_precision: Precision = "fp32"  # type: ignore[valid-type]
     batch_size: int = Field(32, ge=1, le=1 << 20)
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -154,7 +117,7 @@ class CellConfig(_Strict):
     inference: InferenceConfig = InferenceConfig()
     alignment: int = Field(64, ge=1, le=4096)
     pad_to: int = Field(1, ge=1, le=4096)
-    memory_format: Literal["contiguous", "channels_last"] = "contiguous"
+    memory_format: MemoryFormat = "contiguous"  # type: ignore[valid-type]
     world_size: int = Field(1, ge=1, le=1024)
     ddp: DDPConfig = DDPConfig()
     seed: int = Field(0, ge=0, le=2**63 - 1)
@@ -173,11 +136,24 @@ class CellConfig(_Strict):
         return self
 
 
+# A resolved cell: the base fields plus one field per registered method, named after it.
+CellConfig = create_model(
+    "CellConfig",
+    __base__=_CellBase,
+    __module__=__name__,
+    __doc__="Everything one cell measures; `defaults` and each matrix combination build one.",
+    **{name: (m.params, m.params()) for name, m in METHODS.items()},
+)
+
+# `defaults` alone, before the matrix adds what it lacks (the pair may come from an axis).
+CellDefaults = create_model("CellDefaults", __base__=CellConfig, __module__=__name__, pair=(Pair | None, None))
+
+
 DatasetName = Literal["digits", "imagefolder", "cifar10", "cifar100"]
 DISK_DATASETS = ("imagefolder", "cifar10", "cifar100")
 
 
-class QualityConfig(_Strict):
+class QualityConfig(Strict):
     """The suite's ``quality:`` block: the data set and the one training recipe every model follows."""
 
     dataset: DatasetName = "digits"
@@ -206,7 +182,7 @@ class QualityConfig(_Strict):
         return OptimizerConfig(name=self.optimizer, lr=self.lr, weight_decay=self.weight_decay, momentum=0.9)
 
 
-class LauncherConfig(_Strict):
+class LauncherConfig(Strict):
     """How torchrun starts world_size > 1 cells; the default is one node, standalone."""
 
     nnodes: int = Field(1, ge=1, le=4096)
@@ -229,7 +205,10 @@ class LauncherConfig(_Strict):
         return self
 
 
-class SuiteModel(_Strict):
+class Suite(Strict):
+    """A validated suite: top-level settings and the raw sweep (expanded by :mod:`kdbench.config.plan`),
+    with the file it came from and the line of each key (for errors)."""
+
     name: str = Field(min_length=1, max_length=200)
     description: str = ""
     backend: BackendName = "auto"
@@ -243,308 +222,26 @@ class SuiteModel(_Strict):
     matrix: dict[str, list[Any]] = Field(default_factory=dict)
     exclude: list[dict[str, Any]] = Field(default_factory=list)
 
+    _path: Path = PrivateAttr(default=Path("<suite>"))
+    _lines: Lines = PrivateAttr(default_factory=dict)
 
-@dataclass(frozen=True)
-class Suite:
-    """A validated suite: top-level settings plus the raw sweep (expanded by kdbench.config.plan)."""
+    @property
+    def path(self) -> Path:
+        return self._path
 
-    path: Path
-    name: str
-    description: str
-    backend: str
-    threads: int | None
-    allow_imports: bool
-    cell_timeout_s: float
-    launcher: LauncherConfig
-    profile: bool
-    quality: QualityConfig | None
-    defaults: dict[str, Any]
-    matrix: dict[str, list[Any]]
-    exclude: list[dict[str, Any]]
-    lines: dict[tuple, int] = field(default_factory=dict, repr=False, compare=False)
+    @property
+    def lines(self) -> Lines:
+        return self._lines
+
+    def located(self, path: Path, lines: Lines) -> Suite:
+        """This suite, remembering the file and lines it was read from."""
+        self._path, self._lines = path, lines
+        return self
 
     def error(self, loc: tuple, message: str) -> KdbenchError:
         """A KdbenchError located at a key path of this suite's file."""
-        return KdbenchError(f"{_where(self.path, self.lines, loc)}: {message}")
+        return KdbenchError(f"{where(self.path, self.lines, loc)}: {message}")
 
-
-# --------------------------------------------------------------------------- loading
-
-
-_MAX_NODES = 100_000  # a suite expanded through its aliases; real suites have hundreds
-
-
-def _check_expansion(path: Path, root: Any) -> None:
-    """Refuse documents whose aliases expand to a huge tree ("billion laughs").
-
-    The composed graph shares aliased nodes; the expanded size is counted with a
-    memo per node, so the check itself never expands anything.
-    """
-    sizes: dict[int, int] = {}
-
-    def size(n: Any) -> int:
-        if id(n) in sizes:
-            return sizes[id(n)]
-        sizes[id(n)] = 1  # guards against recursive aliases
-        if isinstance(n, yaml.MappingNode):
-            total = 1 + sum(size(k) + size(v) for k, v in n.value)
-        elif isinstance(n, yaml.SequenceNode):
-            total = 1 + sum(size(v) for v in n.value)
-        else:
-            total = 1
-        sizes[id(n)] = min(total, _MAX_NODES + 1)
-        if total > _MAX_NODES:
-            raise KdbenchError(
-                f"{path}:{n.start_mark.line + 1}: the YAML aliases expand to more than {_MAX_NODES} values; "
-                "write the values out instead of nesting anchors"
-            )
-        return sizes[id(n)]
-
-    if root is not None:
-        size(root)
-
-
-def _read_text(path: Path) -> str:
-    if not path.exists():
-        raise KdbenchError(f"{path}: no such suite file; give the path of a suite YAML (see suites/)")
-    if path.is_dir():
-        raise KdbenchError(f"{path}: is a folder, not a suite file; give a .yaml file such as {path}/cpu.yaml")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise KdbenchError(f"{path}: is not UTF-8 text (byte {exc.start}); save the suite as UTF-8") from None
-
-
-def _yaml_error(path: Path, text: str, exc: yaml.YAMLError) -> KdbenchError:
-    mark = getattr(exc, "problem_mark", None)
-    line = f":{mark.line + 1}" if mark is not None else ""
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    bad_line = text.splitlines()[mark.line] if mark is not None and mark.line < len(text.splitlines()) else ""
-    hint = "; indent with spaces, not tabs" if "\t" in bad_line else ""
-    if "constructor" in problem:
-        hint = "; tags that build Python objects are not allowed, remove it"
-    return KdbenchError(f"{path}{line}: invalid YAML: {problem}{hint}")
-
-
-def _line_map(path: Path, text: str) -> tuple[Any, dict[tuple, int]]:
-    """Compose the YAML node tree: check it, and map each key path to its 1-based line."""
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as exc:
-        raise _yaml_error(path, text, exc) from None
-    lines: dict[tuple, int] = {}
-    _check_expansion(path, node)
-
-    def walk(n: Any, loc: tuple) -> None:
-        if n is None:
-            return
-        lines.setdefault(loc, n.start_mark.line + 1)
-        if n.tag and n.tag.startswith("!") and not n.tag.startswith("!!"):
-            raise KdbenchError(f"{path}:{n.start_mark.line + 1}: YAML tag {n.tag} is not allowed; remove it")
-        if isinstance(n, yaml.MappingNode):
-            seen: set[Any] = set()
-            for k, v in n.value:
-                key = k.value if isinstance(k, yaml.ScalarNode) else str(k.value)
-                if key in seen:
-                    raise KdbenchError(
-                        f"{path}:{k.start_mark.line + 1}: {_dotted(loc + (key,))}: duplicate key; keep one of them"
-                    )
-                seen.add(key)
-                lines[loc + (key,)] = k.start_mark.line + 1
-                walk(v, loc + (key,))
-        elif isinstance(n, yaml.SequenceNode):
-            for i, v in enumerate(n.value):
-                walk(v, loc + (i,))
-
-    walk(node, ())
-    return node, lines
-
-
-def _dotted(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
-
-
-def _where(path: Path, lines: dict[tuple, int], loc: tuple) -> str:
-    for n in range(len(loc), -1, -1):
-        if loc[:n] in lines:
-            return f"{path}:{lines[loc[:n]]}: {_dotted(loc)}"
-    return f"{path}: {_dotted(loc)}"
-
-
-def _fields(model: type[BaseModel]) -> list[str]:
-    return list(model.model_fields)
-
-
-def _sub_model(model: type[BaseModel], name: str) -> type[BaseModel] | None:
-    """The pydantic model a field holds (also inside `X | None`), or None for a plain value."""
-    ann = model.model_fields[name].annotation
-    args = (ann, *getattr(ann, "__args__", ()))
-    sub = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
-    return sub[0] if sub else None
-
-
-def _model_at(loc: tuple, root: type[BaseModel]) -> type[BaseModel] | None:
-    """The pydantic model that holds the key at `loc` (for 'did you mean')."""
-    model: Any = root
-    for part in loc[:-1]:
-        if isinstance(part, int) or model is None:
-            continue
-        if part not in model.model_fields:
-            return None
-        model = _sub_model(model, part)
-    return model
-
-
-def _describe(err: dict, root: type[BaseModel]) -> str:
-    """One pydantic error as a short instruction."""
-    loc = tuple(err["loc"])
-    kind = err["type"]
-    if kind == "extra_forbidden":
-        model = _model_at(loc, root)
-        names = _fields(model) if model else []
-        close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
-        hint = f"did you mean '{close[0]}'?" if close else f"allowed keys: {', '.join(names)}"
-        return f"unknown key '{loc[-1]}'; {hint}"
-    if kind == "missing":
-        return "is required; add it"
-    got = err.get("input")
-    msg = err["msg"]
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, ") :]
-    got_text = "" if isinstance(got, (dict, list)) or "got " in msg else f" (got {got!r})"
-    return f"{msg[0].lower()}{msg[1:]}{got_text}"
-
-
-def validation_error(path: Path, lines: dict[tuple, int], exc: ValidationError, prefix: tuple, root) -> KdbenchError:
-    errors = exc.errors()
-    first = errors[0]
-    loc = prefix + tuple(first["loc"])
-    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-    return KdbenchError(f"{_where(path, lines, loc)}: {_describe(first, root)}{more}")
-
-
-def axis_path(axis: str) -> tuple[str, ...]:
-    return tuple(axis.split("."))
-
-
-def nest(path: tuple[str, ...], value: Any) -> dict[str, Any]:
-    for key in reversed(path):
-        value = {key: value}
-    return value  # type: ignore[return-value]
-
-
-CASES = "cases"  # the matrix axis whose values are whole partial cells (several keys at once)
-
-
-def overlay(axis: str, value: Any) -> dict[str, Any]:
-    """What one matrix value lays over the defaults."""
-    return value if axis == CASES else nest(axis_path(axis), value)
-
-
-def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """`over` laid on `base`; nested mappings merge key by key, anything else replaces."""
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "pair":
-            out[k] = deep_merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-def check_axis_name(suite_path: Path, lines: dict[tuple, int], loc: tuple, key: str) -> tuple[str, ...]:
-    """A matrix axis or exclude key (at `loc`) must name a CellConfig key, dotted for nested ones."""
-    path = axis_path(key)
-    model: Any = CellConfig
-    for i, part in enumerate(path):
-        names = _fields(model) if model else []
-        if part not in names:
-            close = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
-            hint = f"did you mean '{'.'.join(path[:i] + (close[0],))}'?" if close else f"allowed: {', '.join(names)}"
-            raise KdbenchError(f"{_where(suite_path, lines, loc)}: unknown key '{key}'; {hint}")
-        model = _sub_model(model, part)
-        if model is None and i < len(path) - 1:
-            raise KdbenchError(
-                f"{_where(suite_path, lines, loc)}: '{part}' has no sub-keys; sweep '{'.'.join(path[: i + 1])}' itself"
-            )
-    return path
-
-
-def load_suite(path: str | Path) -> Suite:
-    """Read, parse and validate a suite file (the sweep itself is expanded by kdbench.config.plan)."""
-    path = Path(path)
-    text = _read_text(path)
-    _node, lines = _line_map(path, text)
-    try:
-        raw = yaml.load(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as exc:  # composed fine, but a tag names no safe constructor
-        raise _yaml_error(path, text, exc) from None
-    if raw is None:
-        raise KdbenchError(f"{path}: the suite is empty; it needs at least `name` and `defaults` (see suites/cpu.yaml)")
-    if not isinstance(raw, dict):
-        raise KdbenchError(
-            f"{path}:1: a suite must be a mapping of keys (name, defaults, matrix, ...), not a {type(raw).__name__}"
-        )
-    if "name" not in raw:
-        raw = {**raw, "name": path.stem}
-    try:
-        top = SuiteModel.model_validate(raw)
-    except ValidationError as exc:
-        raise validation_error(path, lines, exc, (), SuiteModel) from None
-    suite = Suite(
-        path=path,
-        name=top.name,
-        description=top.description,
-        backend=top.backend,
-        threads=top.threads,
-        allow_imports=top.allow_imports,
-        cell_timeout_s=top.cell_timeout_s,
-        launcher=top.launcher,
-        profile=top.profile,
-        quality=top.quality,
-        defaults=top.defaults,
-        matrix=top.matrix,
-        exclude=top.exclude,
-        lines=lines,
-    )
-    _validate_sweep(suite)
-    return suite
-
-
-def validate_cell(suite: Suite, raw: dict[str, Any], prefix: tuple) -> CellConfig:
-    try:
-        return CellConfig.model_validate(raw)
-    except ValidationError as exc:
-        raise validation_error(suite.path, suite.lines, exc, prefix, CellConfig) from None
-
-
-def _validate_sweep(suite: Suite) -> None:
-    """Check defaults, each matrix value and each exclude entry where the user wrote it."""
-    validate_cell(suite, suite.defaults, ("defaults",))
-    for axis, values in suite.matrix.items():
-        if not values:
-            raise suite.error(("matrix", axis), "has no values; list at least one or remove the axis")
-        path = () if axis == CASES else check_axis_name(suite.path, suite.lines, ("matrix", axis), axis)
-        for i, value in enumerate(values):
-            if axis == CASES and not isinstance(value, dict):
-                raise suite.error(
-                    ("matrix", axis, i), f"each case is a mapping of cell keys, not {type(value).__name__}"
-                )
-            try:
-                CellConfig.model_validate(deep_merge(suite.defaults, overlay(axis, value)))
-            except ValidationError as exc:
-                for err in exc.errors():
-                    loc = tuple(err["loc"])
-                    if loc[: len(path)] == path:
-                        where = ("matrix", axis, i) + loc[len(path) :]
-                        raise KdbenchError(
-                            f"{_where(suite.path, suite.lines, where)}: {_describe(err, CellConfig)}"
-                        ) from None
-    for i, entry in enumerate(suite.exclude):
-        if not entry:
-            raise suite.error(("exclude", i), "is empty and would exclude every cell; give the keys to match")
-        for key in entry:
-            check_axis_name(suite.path, suite.lines, ("exclude", i, key), key)
+    def locate(self, key: str, *sub: str) -> tuple[str, ...]:
+        """Where a cell setting was written: its matrix axis when swept, else under defaults."""
+        return ("matrix" if key in self.matrix else "defaults", key, *sub)

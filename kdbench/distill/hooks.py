@@ -201,15 +201,24 @@ def default_feature_paths(model: nn.Module, example: torch.Tensor) -> list[str]:
     return paths[-MAX_DEFAULT_STAGES:]
 
 
-def pair_paths(teacher: list[str], student: list[str], explicit: bool) -> tuple[list[str], list[str]]:
-    """Pair the two lists; defaults meet on their last k stages, explicit lists must match in length."""
-    if len(teacher) == len(student):
-        return teacher, student
-    if explicit:
+def check_feature_count(teacher: list[str] | None, student: list[str] | None) -> None:
+    """Explicit teacher and student feature lists are compared pairwise: the same length."""
+    if teacher and student and len(teacher) != len(student):
         raise KdbenchError(
-            f"features: teacher lists {len(teacher)} modules and student {len(student)}; "
+            f"teacher lists {len(teacher)} modules and student {len(student)}; "
             "they are compared pairwise, so give both the same number"
         )
+
+
+def pair_paths(teacher: list[str], student: list[str], explicit: bool) -> tuple[list[str], list[str]]:
+    """Pair the two lists; defaults meet on their last k stages, explicit lists must match in length."""
+    if explicit:
+        try:
+            check_feature_count(teacher, student)
+        except KdbenchError as exc:
+            raise KdbenchError(f"features: {exc}") from None
+    if len(teacher) == len(student):
+        return teacher, student
     k = min(len(teacher), len(student))
     return teacher[-k:], student[-k:]
 

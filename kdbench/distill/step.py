@@ -7,11 +7,15 @@ quality runs use it); ``DistillStep`` is the timed callable on one fixed batch,
 with the teacher run live or its outputs cached once.
 
 Phases.  When given a clock, a step stamps the boundaries of its five phases
-(``PHASES``) with that clock — device events on GPUs, ``perf_counter_ns`` on the
+(:data:`kdbench.names.PHASES`) with that clock — device events on GPUs, ``perf_counter_ns`` on the
 CPU — in the same pass that is timed.  Events are only read after the timed loop,
 so recording them adds no host-device synchronisation; on the CPU a stamp costs
 well under a microsecond.  ``DistillStep.phase_ms`` turns the stamps of the timed
 iterations into per-phase samples.
+
+Clean-up.  ``Distiller.close()`` removes the feature hooks and frees the gradients, so
+nothing a finished step held (hooks, gradients, optimizer state) inflates the memory
+peak of the next measurement in the same worker (torchdistill's ``clean_modules``).
 """
 
 from __future__ import annotations
@@ -27,11 +31,9 @@ from kdbench.config.schema import CellConfig, OptimizerConfig
 from kdbench.distill.hooks import FeaturePaths, FeatureTap, resolve_paths
 from kdbench.distill.losses import DistillLoss, LossInputs, needs_features
 from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_scaler
-from kdbench.hw.data import memory_format_of
-from kdbench.hw.layout import place_aligned, unpad
+from kdbench.hw.layout import place_aligned, place_model, unpad
 from kdbench.measure.timing import Clock
-
-PHASES = ("teacher_forward", "student_forward", "loss", "backward", "optimizer")
+from kdbench.names import PHASES
 
 
 def make_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -68,12 +70,11 @@ class Trainee(nn.Module):
         self.student = student
         self.adapters = nn.ModuleDict({name: module for name, (_, module) in adapters.items()})
         self.adapter_index = {name: index for name, (index, _) in adapters.items()}
-        self._tap = [tap]  # not a submodule
+        self.tap = tap  # hooks on the student's feature modules (not a module: nothing to register)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
         logits = self.student(x)
-        tap = self._tap[0]
-        feats = tap.take() if tap is not None else []
+        feats = self.tap.take() if self.tap is not None else []
         adapted = {name: self.adapters[name](feats[i]) for name, i in self.adapter_index.items()}
         return logits, feats, adapted
 
@@ -87,6 +88,14 @@ def _dry_features(model: nn.Module, tap: FeatureTap, example: torch.Tensor) -> l
         return [f.shape for f in tap.take()]
     finally:
         model.train(was_training)
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def count(self, *_: Any) -> None:
+        self.n += 1
 
 
 class Distiller:
@@ -127,22 +136,21 @@ class Distiller:
             if term.adapter() is not None
         }
         self.trainee = Trainee(student, s_tap, adapters)  # type: ignore[arg-type]
-        image = len(config.data.shape) == 3
-        self.trainee.adapters.to(
-            device=example.device,
-            memory_format=memory_format_of(config.memory_format) if image else torch.contiguous_format,
-        )
+        place_model(self.trainee.adapters, example.device, config.memory_format, len(config.data.shape) == 3)
         self.trainee.train()
         self.model = wrap(self.trainee) if wrap is not None else self.trainee
         self.optimizer = make_optimizer(self.trainee.parameters(), config.optimizer)
         self.scaler = grad_scaler(backend, self.student_ac)
         self.steps = 0  # train_step calls (DKD's warm-up counts them)
-        self.optimizer_steps = 0  # updates actually applied (a GradScaler skips those with inf/NaN gradients)
-        self.optimizer.register_step_post_hook(self._count_update)
+        # Updates actually applied (a GradScaler skips those with inf/NaN gradients).  The hook holds the
+        # counter, not this Distiller: no reference cycle keeps a finished cell's tensors alive.
+        self._updates = _Counter()
+        self.optimizer.register_step_post_hook(self._updates.count)
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=example.device)
 
-    def _count_update(self, *_: Any) -> None:
-        self.optimizer_steps += 1
+    @property
+    def optimizer_steps(self) -> int:
+        return self._updates.n
 
     @property
     def student(self) -> nn.Module:
@@ -160,6 +168,13 @@ class Distiller:
     @property
     def scaler_skips(self) -> int:
         return self.steps - self.optimizer_steps if self.scaler is not None else 0
+
+    def close(self) -> None:
+        """Remove the feature hooks and free the gradients (the models may be measured again)."""
+        for tap in (self.t_tap, self.trainee.tap):
+            if tap is not None:
+                tap.remove()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def teacher_outputs(self, x: torch.Tensor) -> TeacherOutputs:
         with torch.no_grad(), self.teacher_ac.context(self.device_type):
@@ -243,14 +258,6 @@ class DistillStep:
             self.cache_ms = clock.elapsed_ms(start, end)
         self.last_loss: torch.Tensor | None = None
 
-    # what the rows report
-    student_ac = property(lambda self: self.distiller.student_ac)
-    teacher_ac = property(lambda self: self.distiller.teacher_ac)
-    scaler = property(lambda self: self.distiller.scaler)
-    student = property(lambda self: self.distiller.student)
-    teacher = property(lambda self: self.distiller.teacher)
-    optimizer = property(lambda self: self.distiller.optimizer)
-
     def __call__(self) -> None:
         marks: list = []
         self.last_loss = self.distiller.train_step(self.x, self.y, self.cache, self.clock, marks)
@@ -262,8 +269,15 @@ class DistillStep:
         if self.clock is None or n == 0:
             return {}
         self.clock.sync()
-        out: dict[str, list[float]] = {p: [] for p in PHASES}
+        out: dict[str, list[float]] = {p.name: [] for p in PHASES}
         for marks in self.marks[-n:]:
             for phase, start, end in zip(PHASES, marks, marks[1:]):
-                out[phase].append(self.clock.elapsed_ms(start, end))
+                out[phase.name].append(self.clock.elapsed_ms(start, end))
         return out
+
+    def close(self) -> None:
+        """Free what the step holds beyond its models: hooks, gradients, cached outputs, stamps."""
+        self.distiller.close()
+        self.cache = None
+        self.last_loss = None
+        self.marks.clear()

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import ContextManager
 
 import torch
 
@@ -73,6 +72,27 @@ class Backend:
             torch.cuda.synchronize(self.device)
 
 
+def dist_backend_for(backend_name: str) -> str:
+    """The torch.distributed backend: gloo on the CPU; nccl on GPUs (RCCL on ROCm, under the same name)."""
+    return "gloo" if backend_name == "cpu" else "nccl"
+
+
+def device_of(backend_name: str, local_rank: int = 0) -> torch.device:
+    """The device a (rank of a) run on ``backend_name`` uses: the CPU, or the GPU of its local rank."""
+    return torch.device("cpu") if backend_name == "cpu" else torch.device("cuda", local_rank)
+
+
+@contextlib.contextmanager
+def thread_count(threads: int | None):
+    """torch's intra-op thread count set to ``threads`` (None: left as it is) inside the block, then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
 def resolve(requested: str, detected: Detected | None = None) -> Backend:
     """Turn `auto|cpu|cuda|rocm` into a Backend, or explain in one line why it can't run here."""
     d = detected or detect()
@@ -100,13 +120,10 @@ class AutocastChoice:
     dtype: torch.dtype | None
     note: str = ""  # why autocast was not applied, when precision asked for it
 
-    def context(self, device_type: str) -> ContextManager:
+    def context(self, device_type: str) -> AbstractContextManager:
         if not self.applied:
             return contextlib.nullcontext()
         return torch.amp.autocast(device_type=device_type, dtype=self.dtype)
-
-    def context_factory(self, device_type: str) -> Callable[[], ContextManager]:
-        return lambda: self.context(device_type)
 
 
 def _autocast_works(device_type: str, dtype: torch.dtype) -> str:

@@ -6,11 +6,7 @@ from __future__ import annotations
 import torch
 
 from kdbench.config.schema import CellConfig
-from kdbench.hw.layout import place_aligned
-
-
-def memory_format_of(name: str) -> torch.memory_format:
-    return torch.channels_last if name == "channels_last" else torch.contiguous_format
+from kdbench.hw.layout import memory_format_of, place_aligned
 
 
 def synthetic_batch(

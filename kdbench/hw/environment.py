@@ -187,31 +187,5 @@ def describe_lines() -> list[str]:
         arch = getattr(props, "gcnArchName", "") if d.build == "rocm" else f"sm_{props.major}{props.minor}"
         lines.append(f"device {i}: {props.name}, arch {arch}, {props.total_memory / 2**30:.1f} GiB")
     env = capture(resolve("auto", d))
-    for key in (
-        "torch_version",
-        "torchvision_version",
-        "cuda_version",
-        "hip_version",
-        "cudnn_version",
-        "driver_version",
-        "cpu_model",
-        "cpu_threads",
-        "cpu_count",
-        "device_memory_bytes",
-        "hostname",
-        "os",
-        "python_version",
-        "kdbench_version",
-        "git_commit",
-        "cudnn_benchmark",
-        "blas_library",
-        "cpu_capability",
-        "float32_matmul_precision",
-        "tf32_matmul",
-        "tf32_cudnn",
-        "miopen_cache_warm",
-        "tunableop_cache_warm",
-        "env_knobs",
-    ):
-        lines.append(f"{key}: {env[key]}")
+    lines += [f"{key}: {value}" for key, value in env.items() if key not in ("device_name", "device_arch")]
     return lines

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kdbench import names
 from kdbench.errors import KdbenchError
 
 ALIGNMENTS = (64, 32, 16, 8, 4, 2)  # usual byte alignments swept by a suite
@@ -109,12 +110,24 @@ def unpad(logits: torch.Tensor, num_classes: int) -> torch.Tensor:
     return logits[..., :num_classes]
 
 
-_FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
+MEMORY_FORMATS: dict[str, torch.memory_format] = dict(
+    zip(names.MEMORY_FORMATS, (torch.contiguous_format, torch.channels_last), strict=True)
+)
+
+
+def memory_format_of(name: str) -> torch.memory_format:
+    """The torch memory format a suite's ``memory_format`` names."""
+    if name not in MEMORY_FORMATS:
+        raise ValueError(f"memory_format must be one of {sorted(MEMORY_FORMATS)}, got {name!r}")
+    return MEMORY_FORMATS[name]
+
+
+def place_model(model: nn.Module, device: torch.device, memory_format: str, image: bool) -> nn.Module:
+    """``model`` on ``device``; its 4-D weights in ``memory_format`` when the data are images."""
+    return model.to(device=device, memory_format=memory_format_of(memory_format) if image else torch.contiguous_format)
 
 
 def verify_memory_format(model: nn.Module, x: torch.Tensor, memory_format: str) -> bool:
     """True when ``x`` and every 4-D parameter of ``model`` are contiguous in ``memory_format``."""
-    if memory_format not in _FORMATS:
-        raise ValueError(f"memory_format must be one of {sorted(_FORMATS)}, got {memory_format!r}")
-    fmt = _FORMATS[memory_format]
+    fmt = memory_format_of(memory_format)
     return all(t.is_contiguous(memory_format=fmt) for t in [x, *model.parameters()] if t.dim() == 4)

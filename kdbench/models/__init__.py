@@ -2,6 +2,7 @@
 seed models and user models given as ``"module:callable"``."""
 
 from kdbench.models import cifar  # noqa: F401  (registers the CIFAR family)
+from kdbench.models.cache import ModelCache
 from kdbench.models.registry import (
     available_models,
     build_model,
@@ -12,6 +13,7 @@ from kdbench.models.registry import (
 )
 
 __all__ = [
+    "ModelCache",
     "available_models",
     "build_model",
     "check_model_input",

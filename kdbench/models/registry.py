@@ -12,7 +12,6 @@ Every builder is called as ``builder(num_classes=..., in_shape=...)`` where
 
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib
 import inspect
@@ -21,7 +20,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from kdbench.errors import KdbenchError
+from kdbench.errors import KdbenchError, did_you_mean
 
 Builder = Callable[..., nn.Module]
 
@@ -84,11 +83,8 @@ def check_model_name(name: str, allow_imports: bool = False) -> None:
         return
     if name in _REGISTRY or name in _torchvision_names():
         return
-    close = difflib.get_close_matches(name, available_models(), n=3)
-    if close:
-        hint = f"did you mean {', '.join(close)}? (`kdbench list models` shows all)"
-    else:
-        hint = "pick one from `kdbench list models`"
+    close = did_you_mean(name, available_models())
+    hint = f"{close}(`kdbench list models` shows all)" if close else "pick one from `kdbench list models`"
     raise KdbenchError(f"unknown model {name!r}; {hint}")
 
 

@@ -20,42 +20,16 @@ import pandas as pd
 from jinja2 import Environment, FileSystemLoader
 
 from kdbench.errors import KdbenchError
-from kdbench.report.plots import NOISY_NOTE, PHASES, draw_charts, draw_phases, draw_quality_front
-from kdbench.store.schema import COLUMN_NAMES
+from kdbench.names import PHASES, Measurement, Status
+from kdbench.report.plots import NOISY_NOTE, draw_charts, draw_phases, draw_quality_front
+from kdbench.report.summaries import caching_pairs, latest_steps, mean_std, summarize_quality
+from kdbench.store.schema import COLUMN_NAMES, ENVIRONMENT_COLUMNS
 
 MISSING = "—"
 ERROR_CHARS = 200
-_STATUS_ORDER = ("ok", "failed", "oom", "skipped")
-_MEASUREMENT_ORDER = {"distill_step": 0, "student_inference": 1, "teacher_inference": 2}
-ENV_COLUMNS = (
-    "device_name",
-    "device_arch",
-    "device_count",
-    "backend",
-    "driver_version",
-    "torch_version",
-    "torchvision_version",
-    "cuda_version",
-    "hip_version",
-    "cudnn_version",
-    "cpu_model",
-    "cpu_threads",
-    "cpu_count",
-    "hostname",
-    "os",
-    "python_version",
-    "kdbench_version",
-    "git_commit",
-    "cudnn_benchmark",
-    "blas_library",
-    "cpu_capability",
-    "float32_matmul_precision",
-    "tf32_matmul",
-    "tf32_cudnn",
-    "miopen_cache_warm",
-    "tunableop_cache_warm",
-    "env_knobs",
-)
+_STATUS_ORDER = tuple(Status)
+_MEASUREMENT_ORDER = {m: i for i, m in enumerate(Measurement)}
+ENV_COLUMNS = ("backend", *ENVIRONMENT_COLUMNS)
 REMAINDER_LIMIT = 0.10  # |remainder| above this share of the median: the phases do not account for the step
 MIB = 2**20
 
@@ -82,7 +56,7 @@ def render_report(df: pd.DataFrame, out_dir: str | Path, title: str | None = Non
     df = df.reindex(columns=list(dict.fromkeys([*COLUMN_NAMES, *df.columns]))).reset_index(drop=True)
     df["run_id"] = df["run_id"].fillna("?")
     suites = sorted(df["suite"].dropna().unique())
-    has_quality = bool(df["measurement"].eq("quality").any())
+    has_quality = bool(df["measurement"].eq(Measurement.QUALITY).any())
     page = _TEMPLATES.get_template("index.html.j2").render(
         title=title or ("kdbench — " + ", ".join(suites) if suites else "kdbench report"),
         runs=_runs(df),
@@ -147,14 +121,6 @@ def format_mib(n_bytes) -> str:
     return MISSING if pd.isna(n_bytes) else f"{float(n_bytes) / MIB:,.1f} MiB"
 
 
-def mean_std(mean, std, scale: float = 1.0, fmt=lambda v: f"{v:.1f}") -> str:
-    """ "mean ± std" (scaled); the mean alone when std is undefined (one seed); "—" without a mean."""
-    if pd.isna(mean):
-        return MISSING
-    text = fmt(float(mean) * scale)
-    return text if pd.isna(std) else f"{text} ± {fmt(float(std) * scale)}"
-
-
 def _text(x) -> str:
     return MISSING if pd.isna(x) else str(x)
 
@@ -204,7 +170,7 @@ def _measurements(df: pd.DataFrame) -> list[dict]:
 
     Quality rows time nothing; they have their own section.
     """
-    df = df[df["measurement"].ne("quality")]
+    df = df[df["measurement"].ne(Measurement.QUALITY)]
     df = df.assign(order_=df["measurement"].map(_MEASUREMENT_ORDER), noisy_=df["noisy"].eq(True))
     df = df.sort_values(["run_id", "cell_label", "order_", "batch_size"], na_position="last")
     return [
@@ -213,7 +179,7 @@ def _measurements(df: pd.DataFrame) -> list[dict]:
             "cell_label": _text(r.cell_label),
             "measurement": _text(r.measurement),
             "status": _text(r.status),
-            "ok": r.status == "ok",
+            "ok": r.status == Status.OK,
             "batch_size": format_int(r.batch_size),
             "precision": _text(r.precision),
             "median": format_ms(r.median_ms),
@@ -240,14 +206,6 @@ def _environments(df: pd.DataFrame) -> list[dict]:
     return environments
 
 
-def _steps(df: pd.DataFrame) -> pd.DataFrame:
-    """The ok distill_step rows, the latest per (run, cell), ordered by run and cell label."""
-    steps = df[df["measurement"].eq("distill_step") & df["status"].eq("ok")]
-    steps = steps.sort_values("timestamp", na_position="first")
-    steps = steps.drop_duplicates(["run_id", "cell_id", "cell_label"], keep="last")
-    return steps.sort_values(["run_id", "cell_label"], na_position="last")
-
-
 def _remainder(rem, median) -> tuple[str, bool | None]:
     """'0.130 ms (1.1 %)' and whether |remainder| exceeds REMAINDER_LIMIT of the median (None: unknown)."""
     if pd.isna(rem):
@@ -261,7 +219,7 @@ def _remainder(rem, median) -> tuple[str, bool | None]:
 def _profile(df: pd.DataFrame) -> list[dict]:
     """Per ok distill_step cell: its phases, cold start, compute rate, memory and energy, formatted."""
     out = []
-    for r in _steps(df).to_dict("records"):
+    for r in latest_steps(df).to_dict("records"):
         remainder, bad = _remainder(r["phase_remainder_ms"], r["median_ms"])
         steady = format_sig(r["time_to_steady_ms"])
         if steady != MISSING and pd.notna(r["steady_after_iters"]):
@@ -290,7 +248,7 @@ def _profile(df: pd.DataFrame) -> list[dict]:
                 "run_id": r["run_id"],
                 "cell_label": _text(r["cell_label"]),
                 "median": format_ms(r["median_ms"]),
-                "phases": [format_ms(r[c]) for c, _ in PHASES],
+                "phases": [format_ms(r[p.column]) for p in PHASES],
                 "remainder": remainder,
                 "remainder_bad": bad,
                 "first": format_ms(r["first_ms"]),
@@ -311,61 +269,28 @@ def _profile(df: pd.DataFrame) -> list[dict]:
     return out
 
 
-def _without_teacher_mode(row: dict) -> tuple[str, str] | None:
-    """(the config without ``teacher.mode`` as canonical JSON, the teacher mode); None without a readable config."""
-    try:
-        config = json.loads(row["config_json"])
-    except (TypeError, ValueError):
-        return None
-    if not isinstance(config, dict):
-        return None
-    teacher = config.pop("teacher", None)
-    teacher = dict(teacher) if isinstance(teacher, dict) else {}
-    mode = teacher.pop("mode", None) or (None if pd.isna(row["teacher_mode"]) else row["teacher_mode"]) or "live"
-    if teacher:  # other teacher settings must match too
-        config["teacher"] = teacher
-    return json.dumps(config, sort_keys=True), mode
-
-
-def payback_steps(one_off_ms, saving_ms) -> int | None:
-    """Steps after which a per-step saving repays a one-off cost (rounded up); None when it never does."""
-    if pd.isna(one_off_ms) or pd.isna(saving_ms) or saving_ms <= 0:
-        return None
-    return max(0, math.ceil(round(float(one_off_ms) / float(saving_ms), 9)))
-
-
 def _caching(df: pd.DataFrame) -> list[dict]:
-    """Pairs of ok distill_step cells of one run whose configs differ only in teacher.mode: live vs cached."""
-    groups: dict[tuple[str, str], dict[str, list[dict]]] = {}
-    for r in _steps(df).to_dict("records"):
-        keyed = _without_teacher_mode(r)
-        if keyed is not None and pd.notna(r["median_ms"]):
-            groups.setdefault((r["run_id"], keyed[0]), {}).setdefault(keyed[1], []).append(r)
+    """Live vs cached teacher of the same cell and run: the saving per step and when caching pays back."""
     out = []
-    for modes in groups.values():
-        for live in modes.get("live", []):
-            for cached in modes.get("cached", []):
-                saving = live["median_ms"] - cached["median_ms"]
-                steps = payback_steps(cached["teacher_cache_ms"], saving)
-                if steps is not None:
-                    payback = format_int(steps)
-                elif saving <= 0:
-                    payback = "never (cached is not faster)"
-                else:
-                    payback = MISSING
-                out.append(
-                    {
-                        "run_id": live["run_id"],
-                        "cell_label": _text(live["cell_label"]),
-                        "cached_label": _text(cached["cell_label"]),
-                        "live": format_ms(live["median_ms"]),
-                        "cached": format_ms(cached["median_ms"]),
-                        "saving_ms": format_ms(saving),
-                        "saving_pct": f"{saving / live['median_ms'] * 100:.1f} %" if live["median_ms"] > 0 else MISSING,
-                        "one_off": format_ms(cached["teacher_cache_ms"]),
-                        "payback": payback,
-                    }
-                )
+    for r in caching_pairs(df).to_dict("records"):
+        saving = r["teacher_cache_saving_ms"]
+        if pd.notna(r["teacher_cache_payback_steps"]):
+            payback = format_int(r["teacher_cache_payback_steps"])
+        elif saving <= 0:
+            payback = "never (cached is not faster)"
+        else:
+            payback = MISSING
+        out.append({
+            "run_id": r["run_id"],
+            "cell_label": _text(r["cell_label"]),
+            "cached_label": _text(r["cached_label"]),
+            "live": format_ms(r["median_ms_live"]),
+            "cached": format_ms(r["median_ms_cached"]),
+            "saving_ms": format_ms(saving),
+            "saving_pct": f"{saving / r['median_ms_live'] * 100:.1f} %" if r["median_ms_live"] > 0 else MISSING,
+            "one_off": format_ms(r["teacher_cache_ms"]),
+            "payback": payback,
+        })  # fmt: skip
     return out
 
 
@@ -387,7 +312,7 @@ def trace_link(trace_file: str, out_dir: str | Path) -> tuple[str, str]:
 def _top_ops(df: pd.DataFrame, out_dir: Path) -> list[dict]:
     """Per traced ok distill_step cell: its top operators by self time, and the link to its trace."""
     out = []
-    for r in _steps(df).to_dict("records"):
+    for r in latest_steps(df).to_dict("records"):
         if pd.isna(r["top_ops"]):
             continue
         try:
@@ -413,27 +338,6 @@ def _top_ops(df: pd.DataFrame, out_dir: Path) -> list[dict]:
     return out
 
 
-def quality_summary(df: pd.DataFrame) -> pd.DataFrame:
-    """:func:`kdbench.quality.protocol.summarize_quality` of the quality rows, with ``seeds`` (the ok
-    rows of each group) and the ``datasets`` they come from."""
-    from kdbench.quality.protocol import SUMMARY_KEYS, summarize_quality
-
-    q = df[df["measurement"].eq("quality")] if "measurement" in df else df
-    summary = summarize_quality(q).rename(columns={"n": "seeds"})
-    if summary.empty:
-        return summary.assign(datasets=pd.Series(dtype=object))
-    keys = q[list(SUMMARY_KEYS)].astype(object).where(q[list(SUMMARY_KEYS)].notna(), None)
-    sets: dict[tuple, list[str]] = {}
-    for key, dataset in zip(keys.itertuples(index=False, name=None), q["quality_dataset"]):
-        if not pd.isna(dataset) and str(dataset) not in sets.setdefault(key, []):
-            sets[key].append(str(dataset))
-    summary["datasets"] = [
-        ", ".join(sets.get(tuple(None if pd.isna(v) else v for v in k), []))
-        for k in summary[list(SUMMARY_KEYS)].itertuples(index=False, name=None)
-    ]
-    return summary
-
-
 def _quality(df: pd.DataFrame) -> list[dict]:
     return [
         {
@@ -445,9 +349,9 @@ def _quality(df: pd.DataFrame) -> list[dict]:
             "accuracy": mean_std(r["accuracy_mean"], r["accuracy_std"], 100),
             "agreement": mean_std(r["agreement_mean"], r["agreement_std"], 100),
             "time_to_target": mean_std(r["time_to_target_mean_s"], r["time_to_target_std_s"], fmt=format_ms),
-            "reached": f"{r['reached']}/{r['seeds']} reached",
-            "seeds": r["seeds"],
+            "reached": f"{r['reached']}/{r['n']} reached",
+            "seeds": r["n"],
             "failed": r["failed"],
         }
-        for r in quality_summary(df).to_dict("records")
+        for r in summarize_quality(df).to_dict("records")
     ]

@@ -20,6 +20,9 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import LogFormatter, NullLocator
 
+from kdbench.names import PHASES as STEP_PHASES
+from kdbench.names import INFERENCE, REMAINDER_COLUMN, Measurement, Status
+from kdbench.report.summaries import latest
 from kdbench.store.schema import COLUMNS
 
 DPI = 110
@@ -59,11 +62,11 @@ def axis_label(text: str, column: str) -> str:
 def draw_charts(df: pd.DataFrame, out_dir: Path) -> list[Chart]:
     """Draw the timing charts of the report into ``out_dir`` (quality rows, which time nothing, left out)."""
     df = _with_keys(df)
-    ok = df[df["status"].eq("ok") & df["median_ms"].notna() & df["measurement"].ne("quality")]
+    ok = df[df["status"].eq(Status.OK) & df["median_ms"].notna() & df["measurement"].ne(Measurement.QUALITY)]
     return [
-        _distill_step(ok[ok["measurement"].eq("distill_step")], out_dir),
-        _inference_latency(ok[ok["measurement"].isin(["student_inference", "teacher_inference"])], out_dir),
-        _speedup(ok[ok["measurement"].eq("student_inference") & ok["speedup_vs_teacher"].notna()], out_dir),
+        _distill_step(ok[ok["measurement"].eq(Measurement.DISTILL_STEP)], out_dir),
+        _inference_latency(ok[ok["measurement"].isin(INFERENCE)], out_dir),
+        _speedup(ok[ok["measurement"].eq(Measurement.STUDENT_INFERENCE) & ok["speedup_vs_teacher"].notna()], out_dir),
     ]
 
 
@@ -100,11 +103,6 @@ def _variant_rank(variant: str) -> tuple[int, str]:
 
 def _variant_order(variants) -> list[str]:
     return sorted(set(variants), key=_variant_rank)
-
-
-def _latest(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    """One row per ``keys``: the most recent measurement (reruns supersede older rows)."""
-    return df.sort_values("timestamp", na_position="first").drop_duplicates(keys, keep="last")
 
 
 def _colors(keys: list[str]) -> dict[str, tuple]:
@@ -172,7 +170,7 @@ def _distill_step(rows: pd.DataFrame, out_dir: Path) -> Chart:
     title = "Distillation step"
     if rows.empty:
         return _skipped(title, "no successful distill_step measurement")
-    rows = _latest(_add_variant(rows, extra=("batch_size",)), ["source", "pair", "variant"]).sort_values("pair")
+    rows = latest(_add_variant(rows, extra=("batch_size",)), ["source", "pair", "variant"]).sort_values("pair")
     sources = sorted(rows["source"].unique())
     variants = _variant_order(rows["variant"])
     color = _colors(variants)
@@ -281,7 +279,7 @@ def _speedup(rows: pd.DataFrame, out_dir: Path) -> Chart:
         return _skipped(title, "no student_inference measurement with a matching teacher_inference")
     rows = _add_variant(rows)
     rows["group"] = rows["pair"] + "\n(" + rows["variant"] + ")"
-    rows = _latest(rows, ["source", "group", "batch_size"])
+    rows = latest(rows, ["source", "group", "batch_size"])
     rows = rows.assign(rank=rows["variant"].map(_variant_rank)).sort_values(["pair", "rank"])
     sources = sorted(rows["source"].unique())
     batch_sizes = sorted(rows["batch_size"].unique())
@@ -327,14 +325,8 @@ def _speedup(rows: pd.DataFrame, out_dir: Path) -> Chart:
 
 # --- where the step's time goes ------------------------------------------------------
 
-PHASES = (  # (column, legend label) in the order of the step
-    ("phase_teacher_forward_ms", "teacher forward"),
-    ("phase_student_forward_ms", "student forward"),
-    ("phase_loss_ms", "loss"),
-    ("phase_backward_ms", "backward (with zero_grad)"),
-    ("phase_optimizer_ms", "optimizer step"),
-)
-REMAINDER = ("phase_remainder_ms", "remainder (between stamps)")
+PHASES = tuple((p.column, p.label) for p in STEP_PHASES)  # (column, legend label) in the order of the step
+REMAINDER = (REMAINDER_COLUMN, "remainder (between stamps)")
 PHASE_COLUMNS = tuple(c for c, _ in PHASES) + (REMAINDER[0],)
 _REMAINDER_COLOR = "0.75"
 _REMAINDER_HATCH = "xx"
@@ -344,11 +336,11 @@ def draw_phases(df: pd.DataFrame, out_dir: Path) -> Chart:
     """``phases.png``: the median step split into its phases, one horizontal bar per distill_step cell."""
     title = "Where the step's time goes"
     df = _with_keys(df)
-    rows = df[df["measurement"].eq("distill_step") & df["status"].eq("ok")]
+    rows = df[df["measurement"].eq(Measurement.DISTILL_STEP) & df["status"].eq(Status.OK)]
     rows = rows[rows[list(PHASE_COLUMNS)].notna().any(axis=1)]
     if rows.empty:
         return _skipped(title, "no successful distill_step measurement has phase timings")
-    rows = _latest(rows, ["source", "run_id", "cell_id", "cell_label"])
+    rows = latest(rows, ["source", "run_id", "cell_id", "cell_label"])
     rows = rows.assign(bar=rows["cell_label"].fillna(rows["pair"])).sort_values("bar", ascending=False)
     sources = sorted(rows["source"].unique())
     color = _colors([c for c, _ in PHASES])
@@ -415,7 +407,7 @@ def _latency(inference: pd.DataFrame, column: str, model: str, run_ids: set) -> 
 
 def _accuracy_points(quality: pd.DataFrame) -> pd.DataFrame:
     """Mean and std (ddof=1, 0 for one seed) of accuracy per model: teachers, and students per method or scratch."""
-    q = quality[quality["status"].eq("ok") & quality["accuracy"].notna()].copy()
+    q = quality[quality["status"].eq(Status.OK) & quality["accuracy"].notna()].copy()
     is_teacher = q["quality_role"].eq("teacher")
     q["model"] = q["teacher"].where(is_teacher, q["student"]).fillna("?")
     q["kind"] = q["method"].where(q["quality_role"].eq("distilled"), q["quality_role"]).fillna("?")
@@ -437,14 +429,14 @@ def draw_quality_front(df: pd.DataFrame, out_dir: Path) -> Chart:
     title = "Accuracy against inference latency"
     df = df.copy()
     df["run_id"] = df["run_id"].fillna("?")
-    quality = df[df["measurement"].eq("quality")]
+    quality = df[df["measurement"].eq(Measurement.QUALITY)]
     points = _accuracy_points(quality)
     if points.empty:
         return _skipped(title, "no successful quality row with an accuracy")
-    ok = df[df["status"].eq("ok") & df["median_ms"].notna() & df["batch_size"].notna()]
+    ok = df[df["status"].eq(Status.OK) & df["median_ms"].notna() & df["batch_size"].notna()]
     inference = {
-        "teacher": ok[ok["measurement"].eq("teacher_inference")],
-        "student": ok[ok["measurement"].eq("student_inference")],
+        "teacher": ok[ok["measurement"].eq(Measurement.TEACHER_INFERENCE)],
+        "student": ok[ok["measurement"].eq(Measurement.STUDENT_INFERENCE)],
     }
     found = []
     for p in points.itertuples(index=False):

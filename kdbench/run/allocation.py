@@ -1,33 +1,35 @@
 """Running inside an allocation that already started one kdbench per rank.
 
 ``torchrun --nproc-per-node 4 -m kdbench run SUITE`` or ``srun --ntasks 8 kdbench run
-SUITE`` starts the CLI once per rank.  Then kdbench launches nothing itself: the
-ranks join one process group, rank 0 plans (and resumes) and says which cells
-to do, a cell with ``world_size: N`` runs data-parallel on ranks 0..N-1 (a
-subgroup) while the others wait, a ``world_size: 1`` cell runs on rank 0 in its
-isolated worker process, and rank 0 stores every row.  A cell asking for more
-ranks than the allocation has is stored as ``skipped``.  A rank that dies ends
-the whole allocation (that is how torchrun and srun work); ``--resume`` picks up.
+SUITE`` starts the CLI once per rank.  Then kdbench launches no ranks itself: the
+ranks join one process group and rank 0 runs the same engine as any run
+(:func:`kdbench.run.engine.run_suite`: resume, progress, profiling, the quality block),
+with :class:`AllocationWorkers` as its workers.  Before each job rank 0 tells the
+other ranks which one it is (:func:`follow`): a cell with ``world_size: N`` runs
+data-parallel on ranks 0..N-1 (a subgroup) while the others wait, any other job runs
+on rank 0 in its isolated worker process, and rank 0 stores every row.  A cell asking
+for more ranks than the allocation has is stored as ``skipped``.  A rank that dies
+ends the whole allocation (that is how torchrun and srun work); ``--resume`` picks up.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from kdbench.config.plan import Cell, dist_backend_for
-from kdbench.config.schema import Suite
+from kdbench.config.plan import Cell
 from kdbench.errors import KdbenchError
-from kdbench.hw.backends import Backend
-from kdbench.run.workers import InlineWorker, ProcessWorker, rows_for
+from kdbench.names import Status
+from kdbench.run.jobs import CellJob, Job, failure_rows
+from kdbench.run.workers import JobResult, WorkerContext, WorkerSetup
 
 DEFAULT_PORT = "29500"
+_STOP = None
 
 
 @dataclass(frozen=True)
@@ -57,80 +59,73 @@ def detect_allocation(environ: Mapping[str, str] | None = None) -> Allocation | 
     return alloc if alloc.world_size > 1 else None
 
 
-def _init(alloc: Allocation, backend_name: str, timeout_s: float) -> Backend:
-    """Join the allocation's process group (env:// rendezvous) on this rank's device."""
+def export_env(alloc: Allocation) -> None:
+    """The env:// rendezvous variables torch.distributed reads, for srun as for torchrun."""
     os.environ.setdefault("MASTER_PORT", DEFAULT_PORT)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(alloc.rank), str(alloc.world_size)
     os.environ["LOCAL_RANK"] = str(alloc.local_rank)
-    if backend_name == "cpu":
-        device = torch.device("cpu")
-    else:
-        device = torch.device("cuda", alloc.local_rank)
-        torch.cuda.set_device(device)
-    dist.init_process_group(dist_backend_for(backend_name), timeout=timedelta(seconds=timeout_s))
-    return Backend(name=backend_name, device=device)
 
 
-def run_allocated(
-    suite: Suite,
-    cells: list[Cell],
-    backend_name: str,
-    out_dir: Path,
-    threads: int,
-    *,
-    alloc: Allocation,
-    resume: bool,
-    inline: bool,
-    cell_timeout_s: float | None,
-    log: Callable[[str], None] = print,
-):
-    """Every rank calls this with the same plan; rank 0 returns the RunOutcome, the others None."""
-    from kdbench.run.engine import Recorder, open_run
-    from kdbench.run.rank import measure_rank
+def subgroups(alloc: Allocation, cells: list[Cell]) -> dict[int, Any]:
+    """A process group of ranks 0..N-1 for each world size N of the plan smaller than the allocation.
 
-    timeout = cell_timeout_s if cell_timeout_s is not None else suite.cell_timeout_s
-    backend = _init(alloc, backend_name, timeout + 600)
-    torch.set_num_threads(threads)
-    try:
-        shared: list = [None]
-        if alloc.rank == 0:
-            outcome, todo = open_run(suite, cells, out_dir, resume, log)
-            shared = [[c.index for c in todo]]
-        dist.broadcast_object_list(shared, src=0)
-        by_index = {c.index: c for c in cells}
-        todo = [by_index[i] for i in shared[0]]
-        # new_group is collective: every rank creates every subgroup, in the same order.
-        groups = {
-            n: dist.new_group(list(range(n)))
-            for n in sorted({c.config.world_size for c in todo})
-            if 1 < n < alloc.world_size
-        }
-        if alloc.rank == 0:
-            recorder = Recorder(suite, backend, outcome, len(todo), log)
-            log(
-                f"run {outcome.run_id}: {len(todo)} cells of suite '{suite.name}' on {backend.name}, "
-                f"{alloc.world_size} ranks of a {alloc.source} allocation -> {outcome.path}"
-            )
-            worker = (InlineWorker if inline else ProcessWorker)(backend, suite.allow_imports, threads)
-        for cell in todo:
-            ws = cell.config.world_size
-            rows = None
-            if ws > alloc.world_size:
-                if alloc.rank == 0:
-                    rows = rows_for(
-                        cell, "skipped", f"world_size {ws} exceeds this allocation's {alloc.world_size} ranks"
-                    )
-            elif ws == 1:
-                if alloc.rank == 0:
-                    rows = worker.measure(cell, timeout)
-            elif alloc.rank < ws:
-                rows = measure_rank(cell, backend, suite.allow_imports, group=groups.get(ws))
-            if alloc.rank == 0:
-                recorder.record(cell, rows or [])
-            dist.barrier()
-        if alloc.rank == 0:
-            worker.close()
-            return outcome
-        return None
-    finally:
-        dist.destroy_process_group()
+    ``new_group`` is collective: every rank creates every subgroup, in the same order,
+    from the same plan."""
+    sizes = sorted({c.config.world_size for c in cells if 1 < c.config.world_size < alloc.world_size})
+    return {n: dist.new_group(list(range(n))) for n in sizes}
+
+
+def _data_parallel_cell(alloc: Allocation, cell: Cell, ctx: WorkerContext, groups: dict[int, Any]):
+    """This rank's part of a data-parallel cell: the cell's rows on rank 0, None elsewhere."""
+    from kdbench.measure.cell import measure_cell
+    from kdbench.measure.parallel import DataParallel
+
+    return measure_cell(cell, ctx.backend, ctx.cache, ctx.options, dp=DataParallel(groups.get(cell.config.world_size)))
+
+
+class AllocationWorkers:
+    """Rank 0's workers: each job announced to every rank, data-parallel cells run on the ranks they need."""
+
+    def __init__(self, alloc: Allocation, setup: WorkerSetup, single: Any, groups: dict[int, Any]):
+        self.alloc, self.single, self.groups = alloc, single, groups
+        self.ctx = WorkerContext(setup)  # data-parallel cells run in this process, as on the other ranks
+        self.in_step = False  # between announcing a job and the barrier after it
+
+    def run(self, job: Job, timeout_s: float | None) -> JobResult:
+        self.in_step = True
+        dist.broadcast_object_list([job.job_id], src=0)
+        start = time.perf_counter()
+        ws = job.world_size
+        if ws > self.alloc.world_size:
+            why = f"world_size {ws} exceeds this allocation's {self.alloc.world_size} ranks"
+            result = JobResult(failure_rows(job, Status.SKIPPED, why), 0.0)
+        elif ws > 1 and isinstance(job, CellJob):
+            rows = _data_parallel_cell(self.alloc, job.cell, self.ctx, self.groups)
+            result = JobResult(rows or [], time.perf_counter() - start)
+        else:
+            result = self.single.run(job, timeout_s)
+        dist.barrier()
+        self.in_step = False
+        return result
+
+    def close(self) -> None:
+        try:
+            if not self.in_step:  # interrupted inside a job, the other ranks are not listening: torchrun ends them
+                dist.broadcast_object_list([_STOP], src=0)
+        finally:
+            self.single.close()
+
+
+def follow(alloc: Allocation, setup: WorkerSetup, cells: list[Cell], groups: dict[int, Any]) -> None:
+    """A rank other than 0: take part in each data-parallel cell rank 0 announces, until it says stop."""
+    by_id = {c.cell_id: c for c in cells}
+    ctx = WorkerContext(setup)
+    while True:
+        message = [None]
+        dist.broadcast_object_list(message, src=0)
+        if message[0] is _STOP:
+            return
+        cell = by_id.get(message[0])  # the quality job is not a cell: nothing to do here
+        if cell is not None and 1 < cell.config.world_size <= alloc.world_size and alloc.rank < cell.config.world_size:
+            _data_parallel_cell(alloc, cell, ctx, groups)
+        dist.barrier()

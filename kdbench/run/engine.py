@@ -1,17 +1,24 @@
-"""Walk a plan: hand each cell to the worker, stamp and store its rows at once, show progress.
+"""The one run engine: a suite's jobs, through workers, into a run folder.
 
-The runner never measures (workers do: kdbench.run.workers).  It owns the run id, the
-thread count, the result file, resuming, and the progress lines.
+:func:`run_suite` is the whole orchestration, the same for a plain run and inside a
+torchrun/srun allocation:
+
+1. plan: the suite's cells (one share of them with ``--shard``) as jobs, and the
+   quality block as one more job (in share 1);
+2. open the run folder (a new one, the newest of the suite with ``--resume``, or a
+   named one with ``--run-id``) and skip the jobs whose part is stored;
+3. hand each job to a worker (:mod:`kdbench.run.workers`; inside an allocation
+   :mod:`kdbench.run.allocation`) under the job time-out;
+4. stamp its rows with identity, config, environment and the probe's ceiling, store
+   them as the job's part, and log a progress line.
+
+The engine never measures: workers do.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import re
+import logging
 import time
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,312 +26,276 @@ from typing import Any
 
 import torch
 
-from kdbench.config.plan import Cell, config_columns
+from kdbench.config.plan import Cell, expand
+from kdbench.config.plan import shard as shard_cells
 from kdbench.config.schema import Suite
-from kdbench.hw.backends import Backend, detect
-from kdbench.hw.environment import capture
+from kdbench.errors import KdbenchError
+from kdbench.hw.backends import Backend, detect, resolve, thread_count
 from kdbench.measure.cell import MeasureOptions
-from kdbench.measure.flops import latest_ceiling, utilization_columns
-from kdbench.run.workers import InlineWorker, ProcessWorker, TorchrunWorker
-from kdbench.store.schema import PROBES_DIR, SCHEMA_VERSION, ResultWriter, read_table
+from kdbench.names import FAILURES, Measurement, Status
+from kdbench.run.jobs import CellJob, Job, QualityJob, Row
+from kdbench.store.probes import ceiling_columns, latest_ceiling
+from kdbench.store.results import PROBES_DIR, TRACES_DIR, RunFolder, newest_run, open_run
+from kdbench.store.schema import SCHEMA_VERSION
 
-FAILURES = ("failed", "oom", "timeout")  # statuses that make `run` exit with 1
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How to run a suite, beyond what the suite itself says (its settings carry the command-line
+    overrides of threads, time-out, imports and profiling: :func:`kdbench.config.with_overrides`)."""
+
+    out_dir: Path = Path("results")
+    device: str | None = None  # overrides the suite's backend
+    resume: bool = False  # continue the newest run of the suite in out_dir
+    run_id: str | None = None  # run into out_dir/run_id, continuing it when it exists (shards share one)
+    shard: tuple[int, int] | None = None  # (I, N): share I of N of the plan
+    inline: bool = False  # run jobs in this process (no isolation)
+
+
+@dataclass(frozen=True)
+class JobTiming:
+    job_id: str
+    label: str
+    wall_s: float  # from handing the job to a worker until its part was stored
+    worker_s: float  # inside the worker, running the job
 
 
 @dataclass
 class RunOutcome:
     run_id: str
-    path: Path
-    cells: int = 0
+    path: Path  # the run folder
+    jobs: int = 0  # jobs stored by this invocation
     rows: int = 0
-    failed: list[str] = field(default_factory=list)  # labels of cells with a failed/oom/timeout row
+    failed: list[str] = field(default_factory=list)  # labels of jobs with a failed/oom/timeout row
     interrupted: bool = False
+    follower: bool = False  # a rank other than 0 of an allocation: rank 0 stores and reports
+    quality: bool = False  # the quality job ran (and stored its rows) in this invocation
+    timings: list[JobTiming] = field(default_factory=list)
 
 
-def new_run_id(suite_name: str, now: datetime | None = None) -> str:
-    """`<suite>-<UTC time>-<random>`: sortable, and unique even for two runs started together."""
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", suite_name).strip("-.")[:60] or "suite"
-    stamp = (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%SZ")
-    return f"{slug}-{stamp}-{uuid.uuid4().hex[:8]}"
+@dataclass(frozen=True)
+class Plan:
+    cells: list[Cell]  # the whole plan (every rank and shard sees the same)
+    jobs: list[Job]  # what this invocation runs: its share of the cells, then the quality job
+
+
+def plan_jobs(suite: Suite, shard: tuple[int, int] | None = None) -> Plan:
+    """The suite's jobs; KdbenchError for anything that cannot run (checked before anything does)."""
+    cells = expand(suite)
+    share = shard_cells(cells, *shard) if shard else cells
+    jobs: list[Job] = [CellJob(c) for c in share]
+    if suite.quality is not None:
+        from kdbench.quality.datasets import check_quality
+
+        try:
+            check_quality(suite.quality, [c.config for c in cells])
+        except KdbenchError as exc:
+            raise suite.error(("quality",), str(exc)) from None
+        if shard is None or shard[0] == 1:
+            jobs.append(QualityJob.of(suite.quality, cells, suite.allow_imports))
+    return Plan(cells, jobs)
+
+
+def resolve_backend(suite: Suite, options: RunOptions) -> Backend:
+    requested = options.device or suite.backend
+    try:
+        return resolve(requested)
+    except KdbenchError as exc:
+        raise KdbenchError(f"{suite.path}: backend {requested}: {exc}") from None
+
+
+def run_suite(suite: Suite, options: RunOptions = RunOptions(), plan: Plan | None = None) -> RunOutcome:
+    """Run every job of the suite (of ``plan``, when the caller has it) not stored yet; every job's rows
+    are stored as soon as it finishes."""
+    plan = plan or plan_jobs(suite, options.shard)
+    backend = resolve_backend(suite, options)
+    threads = suite.threads or torch.get_num_threads()
+    from kdbench.run.allocation import detect_allocation
+
+    alloc = detect_allocation()
+    if alloc is not None:
+        return _run_allocated(suite, plan, backend.name, threads, options, alloc)
+    with thread_count(threads):  # recorded by the environment capture; the workers set their own
+        folder = _open(suite, options)
+        setup = _setup(suite, backend, threads, folder)
+        from kdbench.run.workers import LocalWorkers
+
+        workers = LocalWorkers(setup, options.inline, detect().gpu_count, suite.launcher)
+        return _execute(suite, plan, folder, backend, workers, f"{threads} CPU threads")
+
+
+def _open(suite: Suite, options: RunOptions) -> RunFolder:
+    if options.resume and not options.run_id:
+        folder = newest_run(options.out_dir, suite.name)
+        if folder is not None:
+            return folder
+        logger.info("nothing of suite '%s' in %s to resume; starting a new run", suite.name, options.out_dir)
+    return open_run(options.out_dir, suite.name, str(suite.path), options.run_id)
+
+
+def _setup(suite: Suite, backend: Backend, threads: int, folder: RunFolder):
+    from kdbench.run.workers import WorkerSetup
+
+    trace_dir = str(folder.path.parent / TRACES_DIR / folder.run_id) if suite.profile else None
+    level = logging.getLogger("kdbench").getEffectiveLevel()
+    return WorkerSetup(backend, suite.allow_imports, threads, MeasureOptions(trace_dir=trace_dir), level)
+
+
+def _run_allocated(suite: Suite, plan: Plan, backend_name: str, threads: int, options: RunOptions, alloc):
+    """Every rank of an allocation calls this; rank 0 runs the engine, the others follow it."""
+    import torch.distributed as dist
+
+    from kdbench.run.allocation import AllocationWorkers, export_env, follow, subgroups
+    from kdbench.run.rank import join_process_group
+    from kdbench.run.workers import InlineWorker, ProcessWorker
+
+    export_env(alloc)
+    torch.set_num_threads(threads)
+    backend = join_process_group(backend_name, alloc.local_rank, suite.cell_timeout_s + 600)
+    try:
+        folder = [_open(suite, options) if alloc.rank == 0 else None]
+        dist.broadcast_object_list(folder, src=0)  # every rank measures with the same options
+        setup = _setup(suite, backend, threads, folder[0])
+        groups = subgroups(alloc, plan.cells)
+        if alloc.rank != 0:
+            follow(alloc, setup, plan.cells, groups)
+            return RunOutcome(run_id=folder[0].run_id, path=folder[0].path, follower=True)
+        single = InlineWorker(setup) if options.inline else ProcessWorker(setup)
+        workers = AllocationWorkers(alloc, setup, single, groups)
+        return _execute(suite, plan, folder[0], backend, workers, f"{alloc.world_size} ranks of a {alloc.source} "
+                        f"allocation")  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+class Stamper:
+    """Stamps a job's rows with what identifies them: run, suite, job, config, environment, ceiling."""
+
+    def __init__(self, suite: Suite, backend: Backend, folder: RunFolder):
+        from kdbench.hw.environment import capture
+
+        self.suite, self.backend, self.folder = suite, backend, folder
+        self.env = capture(backend)
+        self.ceiling = latest_ceiling(folder.path.parent / PROBES_DIR, self.env["device_name"], backend.name)
+
+    def __call__(self, job: Job, rows: list[Row]) -> list[Row]:
+        identity = {
+            "schema_version": SCHEMA_VERSION,
+            "run_id": self.folder.run_id,
+            "suite": self.suite.name,
+            "suite_file": str(self.suite.path),
+            "cell_id": job.job_id,
+            "cell_label": job.label,
+            "backend": self.backend.name,
+            "device": str(self.backend.device),
+            **job.columns(self.backend.name),
+            **self.env,
+            **(ceiling_columns(self.ceiling, job.precision) if job.precision else {}),
+            "timestamp": datetime.now(UTC),
+        }
+        return [{**identity, **row} for row in rows]
 
 
 def _fmt_s(seconds: float) -> str:
-    seconds = int(round(seconds))
+    seconds = round(seconds)
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-def summary_line(rows: list[dict[str, Any]]) -> str:
-    """The main figures of a finished cell, for its progress line."""
-    parts = []
-    bad = [r for r in rows if r["status"] != "ok"]
+def summary_line(rows: list[Row]) -> str:
+    """The main figures of a finished job, for its progress line."""
+    bad = [r for r in rows if r["status"] != Status.OK]
     if bad and len({(r["status"], r.get("error")) for r in bad}) == 1 and len(bad) == len(rows):
-        return f"{bad[0]['status'].upper()}: {(bad[0].get('error') or '')[:200]}"
-    quality = [r for r in rows if r["measurement"] == "quality"]
+        return f"{str(bad[0]['status']).upper()}: {(bad[0].get('error') or '')[:200]}"
+    quality = [r for r in rows if r["measurement"] == Measurement.QUALITY]
     if quality:
-        failed = sum(r["status"] != "ok" for r in quality)
-        return f"{len(quality)} quality rows" + (f", {failed} FAILED" if failed else "")
+        return f"{len(quality)} quality rows" + (f", {len(bad)} FAILED" if bad else "")
+    from kdbench.store.derived import speedups
+
+    speedup = speedups(rows)
+    parts = []
     for row in rows:
         m = row["measurement"]
-        if row["status"] != "ok":
-            parts.append(f"{m}@{row['batch_size']} {row['status'].upper()}: {(row.get('error') or '')[:120]}")
-        elif m == "distill_step":
+        if row["status"] != Status.OK:
+            parts.append(f"{m}@{row['batch_size']} {str(row['status']).upper()}: {(row.get('error') or '')[:120]}")
+        elif m == Measurement.DISTILL_STEP:
             noisy = " NOISY" if row["noisy"] else ""
             parts.append(
                 f"step {row['median_ms']:.3g} ms ±{row['rel_iqr']:.0%}{noisy} ({row['throughput']:.0f} samples/s)"
             )
-        elif m == "student_inference" and row.get("speedup_vs_teacher"):
-            parts.append(
-                f"student@{row['batch_size']} {row['median_ms']:.3g} ms ({row['speedup_vs_teacher']:.1f}x teacher)"
-            )
+        elif m == Measurement.STUDENT_INFERENCE and row["batch_size"] in speedup:
+            bs = row["batch_size"]
+            parts.append(f"student@{bs} {row['median_ms']:.3g} ms ({speedup[bs]:.1f}x teacher)")
     return "; ".join(parts)
 
 
-def scaling_efficiency(rows: list[dict[str, Any]]) -> bool:
-    """Fill `scaling_efficiency` of world_size > 1 distill_step rows whose world_size 1 twin
-    (the same config but for world_size) is in the run; True if any value changed."""
+class Progress:
+    """One line per finished job: its figures, the count done, the time elapsed and an estimate of what is left."""
 
-    def key(row: dict[str, Any]) -> str:
-        config = json.loads(row["config_json"])
-        config.pop("world_size")
-        return json.dumps(config, sort_keys=True)
+    def __init__(self, total: int):
+        self.total, self.seen, self.started = total, 0, time.monotonic()
 
-    steps = [r for r in rows if r["measurement"] == "distill_step" and r["status"] == "ok" and r.get("config_json")]
-    single = {key(r): r["throughput"] for r in steps if r["world_size"] == 1}
-    changed = False
-    for r in steps:
-        base = single.get(key(r)) if r["world_size"] > 1 else None
-        value = r["throughput"] / (r["world_size"] * base) if base else None
-        if value != r.get("scaling_efficiency"):
-            r["scaling_efficiency"] = value
-            changed = True
-    return changed
-
-
-def find_resumable(out_dir: Path, suite_name: str) -> tuple[Path | None, set[str]]:
-    """The newest result file of this suite in `out_dir`, and the cell ids stored in any of them."""
-    newest: Path | None = None
-    done: set[str] = set()
-    for path in sorted(Path(out_dir).glob("*.parquet"), key=lambda p: p.stat().st_mtime):
-        try:
-            table = read_table(path, columns=["suite", "cell_id"])
-        except Exception:  # not a kdbench file: not ours to resume
-            continue
-        ids = {
-            cid
-            for s, cid in zip(table.column("suite").to_pylist(), table.column("cell_id").to_pylist())
-            if s == suite_name
-        }
-        if ids:
-            done |= ids
-            newest = path
-    return newest, done
-
-
-def run_plan(
-    suite: Suite,
-    cells: list[Cell],
-    backend: Backend,
-    out_dir: Path,
-    threads: int,
-    *,
-    resume: bool = False,
-    inline: bool = False,
-    cell_timeout_s: float | None = None,
-    profile: bool = False,
-    log: Callable[[str], None] = print,
-) -> RunOutcome:
-    """Measure every cell (with `resume`, every cell not yet stored in `out_dir`) and append each
-    cell's rows to the run's parquet file as soon as it finishes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)  # recorded by capture() below; the worker sets its own
-    try:
-        return _run(suite, cells, backend, out_dir, threads, resume, inline, cell_timeout_s, profile, log)
-    finally:
-        torch.set_num_threads(before)
-
-
-class Recorder:
-    """Stamps a cell's rows with identity, config and environment, appends them, prints progress."""
-
-    def __init__(self, suite: Suite, backend: Backend, outcome: RunOutcome, total: int, log: Callable[[str], None]):
-        self.suite, self.backend, self.outcome, self.total, self.log = suite, backend, outcome, total, log
-        self.env = capture(backend)
-        self.ceiling = latest_ceiling(outcome.path.parent / PROBES_DIR, self.env["device_name"], backend.name)
-        self.writer: ResultWriter | None = None  # the file appears with the first stored cell
-        self.started = time.monotonic()
-        self.seen = 0
-
-    def record(self, cell: Cell, rows: list[dict[str, Any]], label: str | None = None) -> None:
+    def done(self, job: Job, rows: list[Row]) -> None:
         self.seen += 1
-        label = label or cell.label
-        head = f"[{self.seen}/{self.total}] {label}"
+        head = f"[{self.seen}/{self.total}] {job.label}"
         if not rows:
-            self.log(f"{head}: measured with the other nodes; the node that ran global rank 0 stores its rows")
+            logger.info("%s: measured with the other nodes; the node that ran global rank 0 stores its rows", head)
             return
-        identity = {
-            "schema_version": SCHEMA_VERSION,
-            "run_id": self.outcome.run_id,
-            "suite": self.suite.name,
-            "suite_file": str(self.suite.path),
-            "cell_id": cell.cell_id,
-            "cell_label": label,
-            "backend": self.backend.name,
-            "device": str(self.backend.device),
-            **config_columns(cell.config, self.backend.name),
-            **self.env,
-        }
-        for row in rows:
-            if row.get("status") == "ok":
-                row.update(
-                    utilization_columns(
-                        row.get("flops"),
-                        row.get("median_ms"),
-                        self.env["device_name"],
-                        cell.config.precision,
-                        self.ceiling,
-                    )
-                )
-        now = datetime.now(UTC)
-        if self.writer is None:
-            self.writer = ResultWriter(self.outcome.path)
-        self.writer.append([{**identity, "timestamp": now, **row} for row in rows])
-        self.writer.update(scaling_efficiency)
-        self.outcome.cells += 1
-        self.outcome.rows += len(rows)
-        if any(r["status"] in FAILURES for r in rows):
-            self.outcome.failed.append(label)
         elapsed = time.monotonic() - self.started
         left = elapsed / self.seen * (self.total - self.seen)
-        self.log(f"{head}: {summary_line(rows)}  | {_fmt_s(elapsed)} elapsed, ~{_fmt_s(left)} left")
+        logger.info("%s: %s  | %s elapsed, ~%s left", head, summary_line(rows), _fmt_s(elapsed), _fmt_s(left))
 
 
-def open_run(
-    suite: Suite, cells: list[Cell], out_dir: Path, resume: bool, log: Callable[[str], None]
-) -> tuple[RunOutcome, list[Cell]]:
-    """The run's id and file (a new one, or with `resume` the newest of this suite) and the cells to do."""
-    previous, done = find_resumable(out_dir, suite.name) if resume else (None, set())
-    if previous is not None:
-        outcome = RunOutcome(run_id=previous.stem, path=previous)
-    else:
-        if resume:
-            log(f"nothing of suite '{suite.name}' in {out_dir} to resume; starting a new run")
-        run_id = new_run_id(suite.name)
-        outcome = RunOutcome(run_id=run_id, path=Path(out_dir) / f"{run_id}.parquet")
-    todo = [c for c in cells if c.cell_id not in done]
-    if previous is not None:
-        log(
-            f"resuming run {outcome.run_id}: {len(cells) - len(todo)} of {len(cells)} cells already stored, "
-            f"{len(todo)} to go"
+def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, workers: Any, where: str) -> RunOutcome:
+    stored = folder.stored_job_ids()
+    todo = [job for job in plan.jobs if job.job_id not in stored]
+    outcome = RunOutcome(run_id=folder.run_id, path=folder.path)
+    if stored:
+        logger.info(
+            "resuming run %s: %d of %d jobs already stored, %d to go",
+            folder.run_id,
+            len(plan.jobs) - len(todo),
+            len(plan.jobs),
+            len(todo),
         )
-    return outcome, todo
-
-
-def _run(
-    suite: Suite,
-    cells: list[Cell],
-    backend: Backend,
-    out_dir: Path,
-    threads: int,
-    resume: bool,
-    inline: bool,
-    cell_timeout_s: float | None,
-    profile: bool,
-    log: Callable[[str], None],
-) -> RunOutcome:
-    outcome, todo = open_run(suite, cells, out_dir, resume, log)
-    recorder = Recorder(suite, backend, outcome, len(todo), log)
-    log(
-        f"run {outcome.run_id}: {len(todo)} cells of suite '{suite.name}' on {backend.name} "
-        f"({recorder.env['device_name']}), {threads} CPU threads -> {outcome.path}"
-    )
-    if not todo:
-        return outcome
-    if recorder.ceiling:
-        log(f"utilisation against this device's measured ceiling: probe {recorder.ceiling['probe_id']}")
-    else:
-        log(
-            f"no probe of this device in {Path(out_dir) / PROBES_DIR}: run `kdbench probe` for utilisation "
-            "against its measured ceiling"
-        )
-    options = MeasureOptions(trace_dir=str(Path(out_dir) / "traces" / outcome.run_id) if profile else None)
-    if options.trace_dir:
-        log(f"profiler traces -> {options.trace_dir}")
-    worker_cls = InlineWorker if inline else ProcessWorker
-    worker = worker_cls(backend, suite.allow_imports, threads, options)
-    ddp_worker = TorchrunWorker(
-        backend, suite.allow_imports, threads, gpu_count=detect().gpu_count, launcher=suite.launcher
-    )
-    timeout = cell_timeout_s if cell_timeout_s is not None else suite.cell_timeout_s
+    stamp = Stamper(suite, backend, folder)
+    cells = sum(isinstance(j, CellJob) for j in todo)
+    extra = " and the quality job" if len(todo) > cells else ""
+    logger.info(
+        "run %s: %d cells%s of suite '%s' on %s (%s), %s -> %s",
+        folder.run_id, cells, extra, suite.name, backend.name, stamp.env["device_name"], where, folder.path,
+    )  # fmt: skip
     try:
-        for cell in todo:
-            recorder.record(cell, (ddp_worker if cell.config.world_size > 1 else worker).measure(cell, timeout))
+        if not todo:
+            return outcome
+        if stamp.ceiling:
+            logger.info("utilisation against this device's measured ceiling: probe %s", stamp.ceiling["probe_id"])
+        else:
+            logger.info(
+                "no probe of this device in %s: run `kdbench probe` for utilisation against its measured ceiling",
+                folder.path.parent / PROBES_DIR,
+            )
+        if suite.profile:
+            logger.info("profiler traces -> %s", folder.path.parent / TRACES_DIR / folder.run_id)
+        progress = Progress(len(todo))
+        for job in todo:
+            if isinstance(job, QualityJob):
+                logger.info("%s", job.describe())
+            start = time.perf_counter()
+            result = workers.run(job, suite.cell_timeout_s)
+            rows = stamp(job, result.rows) if result.rows else []
+            if rows:
+                folder.write_part(job.job_id, rows)
+                outcome.jobs += 1
+                outcome.rows += len(rows)
+                outcome.quality |= isinstance(job, QualityJob)
+                if any(r["status"] in FAILURES for r in rows):
+                    outcome.failed.append(job.label)
+            outcome.timings.append(JobTiming(job.job_id, job.label, time.perf_counter() - start, result.seconds))
+            progress.done(job, rows)
     except KeyboardInterrupt:
         outcome.interrupted = True
     finally:
-        worker.close()
-    return outcome
-
-
-def quality_cell(suite: Suite, cells: list[Cell]) -> Cell | None:
-    """The suite's quality run as one unit of the plan: stored, resumed and reported like a cell.
-
-    Its config is the first planned cell's; its id hashes the quality settings and the
-    (teacher, student, method) jobs, so a rerun of the same suite finds it again.
-    """
-    if suite.quality is None:
-        return None
-    from kdbench.quality.protocol import quality_jobs
-
-    jobs = [j.config for j in quality_jobs(c.config for c in cells)]
-    key = json.dumps(
-        {
-            "quality": suite.quality.model_dump(mode="json"),
-            "jobs": sorted(c.cell_id for c in cells if c.config in jobs),
-        },
-        sort_keys=True,
-    )
-    cid = "quality-" + hashlib.sha256(key.encode()).hexdigest()[:12]
-    return Cell(index=len(cells), cell_id=cid, config=jobs[0])
-
-
-def run_quality_cell(
-    suite: Suite,
-    cells: list[Cell],
-    backend: Backend,
-    out_dir: Path,
-    threads: int,
-    resume: bool,
-    log: Callable[[str], None] = print,
-) -> RunOutcome | None:
-    """Run the suite's quality block (in this process) into the newest run file of the suite;
-    None when the suite has none. With `resume`, nothing happens if it is stored already."""
-    qcell = quality_cell(suite, cells)
-    if qcell is None:
-        return None
-    from kdbench.quality.protocol import markdown_table, quality_jobs, run_quality, summarize_quality
-
-    outcome, todo = open_run(suite, [qcell], out_dir, True, lambda _m: None)
-    if not todo:
-        log(f"quality: already stored in {outcome.path}")
-        return outcome
-    q = suite.quality
-    jobs = quality_jobs(c.config for c in cells)
-    log(
-        f"quality on {q.dataset}: {q.seeds} seed(s) x {len(jobs)} distillation(s), {q.epochs} epochs each, "
-        f"target {q.target:g} x the teacher's accuracy"
-    )
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        rows = run_quality(q, jobs, backend, log=lambda m: log(f"  {m}"), allow_imports=suite.allow_imports)
-    except KeyboardInterrupt:
-        outcome.interrupted = True
-        return outcome
-    finally:
-        torch.set_num_threads(before)
-    recorder = Recorder(suite, backend, outcome, 1, log)
-    recorder.record(qcell, rows, label=f"quality ({q.dataset}, {q.seeds} seeds)")
-    import pandas as pd
-
-    log(markdown_table(summarize_quality(pd.DataFrame([r for r in rows if r["status"] == "ok"]))))
+        workers.close()
     return outcome

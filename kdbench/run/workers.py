@@ -1,17 +1,22 @@
-"""Where cells are measured: in a worker process (default), inline, or under torchrun.
+"""Where jobs run: in a worker process (default), inline, or under torchrun.
+
+Every worker takes a job (:mod:`kdbench.run.jobs`: a cell, or the quality block) and
+returns its rows; the engine neither knows nor cares which worker ran it.
 
 ``ProcessWorker`` keeps one child process (started with ``spawn``, safe with CUDA)
-that measures cell after cell and keeps its model cache between them.  A cell
-that kills its worker — a segfault, the OS out-of-memory killer, ``os._exit`` —
-or outlives its time-out is recorded as a failure and the next cell gets a fresh
-worker, so one bad cell never takes the sweep down.  ``InlineWorker`` measures in
-the calling process: no isolation, but a debugger and profiler see everything.
-``TorchrunWorker`` runs a ``world_size > 1`` cell as ``torchrun --standalone``
-over ``kdbench.run.rank``, in its own process group so a hung rank can be killed whole.
+that runs job after job and keeps its model cache between them.  A job that kills its
+worker — a segfault, the OS out-of-memory killer, ``os._exit`` — or outlives its
+time-out is stored as failed (or ``timeout``) and the next job gets a fresh worker, so
+one bad job never takes the sweep down.  The child's log messages travel to the
+parent through the same pipe as its rows and are logged there.  ``InlineWorker`` runs
+in the calling process: no isolation, but a debugger and profiler see everything.
+``TorchrunWorker`` runs a ``world_size > 1`` cell as ``torchrun --standalone`` over
+:mod:`kdbench.run.rank`, in its own session so a hung rank can be killed whole.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -20,18 +25,61 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kdbench.config.plan import Cell, planned_measurements
 from kdbench.config.schema import LauncherConfig
 from kdbench.hw.backends import Backend
-from kdbench.measure.cell import MeasureOptions, ModelCache, failure_row, measure_cell
+from kdbench.measure.cell import MeasureOptions
+from kdbench.measure.failures import error_text
+from kdbench.models import ModelCache
+from kdbench.names import Status
+from kdbench.run.jobs import CellJob, Job, Row, failure_rows
+
+logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0  # importing torch on a cold, busy machine can take minutes
 _POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What every worker of a run is started with."""
+
+    backend: Backend
+    allow_imports: bool
+    threads: int
+    options: MeasureOptions = MeasureOptions()
+    log_level: int = logging.INFO
+
+
+class WorkerContext:
+    """What a job runs with inside its worker: the device, the measuring options and a model cache."""
+
+    def __init__(self, setup: WorkerSetup):
+        self.backend = setup.backend
+        self.options = setup.options
+        self.cache = ModelCache(allow_imports=setup.allow_imports)
+
+
+@dataclass(frozen=True)
+class JobResult:
+    rows: list[Row]
+    seconds: float  # wall time of the job in its worker (failed starts and deaths: as seen by the engine)
+
+
+def execute(job: Job, ctx: WorkerContext) -> JobResult:
+    """Run ``job``; an exception it lets through (a bug, or a data-set error of the quality job) fails
+    every row it planned, with the error."""
+    start = time.perf_counter()
+    try:
+        rows = job.run(ctx)
+    except Exception as exc:
+        rows = failure_rows(job, Status.FAILED, error_text(exc))
+    return JobResult(rows, time.perf_counter() - start)
 
 
 def die_with_parent() -> None:
@@ -45,25 +93,40 @@ def die_with_parent() -> None:
         pass
 
 
-def _serve(conn: Any, backend: Backend, allow_imports: bool, threads: int, options: MeasureOptions) -> None:
-    """The worker process: measure each cell it is sent, until told to stop or orphaned."""
+class _PipeHandler(logging.Handler):
+    """In a worker process: hand each kdbench log record to the parent, which logs it."""
+
+    def __init__(self, conn: Any):
+        super().__init__()
+        self.conn = conn
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.conn.send(("log", record.levelno, record.name, record.getMessage()))
+        except (OSError, ValueError):
+            pass
+
+
+def _serve(conn: Any, setup: WorkerSetup) -> None:
+    """The worker process: run each job it is sent, until told to stop or orphaned."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    torch.set_num_threads(threads)
-    cache = ModelCache(allow_imports=allow_imports)
+    root = logging.getLogger("kdbench")
+    root.handlers[:] = [_PipeHandler(conn)]
+    root.setLevel(setup.log_level)
+    root.propagate = False
+    torch.set_num_threads(setup.threads)
+    ctx = WorkerContext(setup)
     conn.send(("ready", os.getpid()))
     while True:
         try:
-            cell = conn.recv()
+            job = conn.recv()
         except (EOFError, OSError):
             return
-        if cell is None:
+        if job is None:
             return
-        conn.send(("rows", measure_cell(cell, backend, cache, options)))
-
-
-def rows_for(cell: Cell, status: str, error: str) -> list[dict[str, Any]]:
-    return [failure_row(m, bs, None, status=status, error=error) for m, bs in planned_measurements(cell.config)]
+        result = execute(job, ctx)
+        conn.send(("rows", result.rows, result.seconds))
 
 
 def _death_reason(exitcode: int | None) -> str:
@@ -75,26 +138,24 @@ def _death_reason(exitcode: int | None) -> str:
 
 
 class InlineWorker:
-    """Measure in this process."""
+    """Run jobs in this process."""
 
-    def __init__(self, backend: Backend, allow_imports: bool, threads: int, options: MeasureOptions = MeasureOptions()):
-        torch.set_num_threads(threads)
-        self.backend = backend
-        self.options = options
-        self.cache = ModelCache(allow_imports=allow_imports)
+    def __init__(self, setup: WorkerSetup):
+        torch.set_num_threads(setup.threads)
+        self.ctx = WorkerContext(setup)
 
-    def measure(self, cell: Cell, timeout_s: float | None = None) -> list[dict[str, Any]]:
-        return measure_cell(cell, self.backend, self.cache, self.options)
+    def run(self, job: Job, timeout_s: float | None = None) -> JobResult:
+        return execute(job, self.ctx)
 
     def close(self) -> None:
         pass
 
 
 class ProcessWorker:
-    """Measure in a reusable child process; replace it when it dies or hangs."""
+    """Run jobs in a reusable child process; replace it when it dies or hangs."""
 
-    def __init__(self, backend: Backend, allow_imports: bool, threads: int, options: MeasureOptions = MeasureOptions()):
-        self.args = (backend, allow_imports, threads, options)
+    def __init__(self, setup: WorkerSetup):
+        self.setup = setup
         self.ctx = mp.get_context("spawn")
         self.proc: Any = None
         self.conn: Any = None
@@ -102,7 +163,7 @@ class ProcessWorker:
 
     def _start(self) -> None:
         parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_serve, args=(child, *self.args), daemon=True, name="kdbench-worker")
+        proc = self.ctx.Process(target=_serve, args=(child, self.setup), daemon=True, name="kdbench-worker")
         proc.start()
         child.close()
         self.proc, self.conn = proc, parent
@@ -126,32 +187,41 @@ class ProcessWorker:
             self.conn.close()
         self.proc = self.conn = None
 
-    def measure(self, cell: Cell, timeout_s: float | None = None) -> list[dict[str, Any]]:
+    def run(self, job: Job, timeout_s: float | None = None) -> JobResult:
+        start = time.perf_counter()
+
+        def failed(status: Status, error: str) -> JobResult:
+            return JobResult(failure_rows(job, status, error), time.perf_counter() - start)
+
         if self.proc is None or not self.proc.is_alive():
             self._kill()
             try:
                 self._start()
             except RuntimeError as exc:
-                return rows_for(cell, "failed", str(exc))
-        self.conn.send(cell)
+                return failed(Status.FAILED, str(exc))
+        self.conn.send(job)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             if self.conn.poll(_POLL_S):
                 try:
-                    return self.conn.recv()[1]
+                    message = self.conn.recv()
                 except (EOFError, OSError):  # the pipe closed: the worker is dying
-                    return self._died(cell)
+                    return failed(Status.FAILED, self._died())
+                if message[0] == "log":
+                    logging.getLogger(message[2]).log(message[1], message[3])
+                    continue
+                return JobResult(message[1], message[2])
             if not self.proc.is_alive():
-                return self._died(cell)
+                return failed(Status.FAILED, self._died())
             if deadline is not None and time.monotonic() > deadline:
                 self._kill()
-                return rows_for(cell, "timeout", f"the cell exceeded its time-out of {timeout_s:g} s and was stopped")
+                return failed(Status.TIMEOUT, f"the job exceeded its time-out of {timeout_s:g} s and was stopped")
 
-    def _died(self, cell: Cell) -> list[dict[str, Any]]:
+    def _died(self) -> str:
         self.proc.join(5)
         reason = _death_reason(self.proc.exitcode)
         self._kill()
-        return rows_for(cell, "failed", f"{reason} while measuring this cell")
+        return f"{reason} while running this job"
 
     def close(self) -> None:
         if self.proc is not None and self.proc.is_alive():
@@ -189,26 +259,17 @@ def _kill_tree(proc: subprocess.Popen, marker: str) -> None:
 
 
 class TorchrunWorker:
-    """Run data-parallel cells under `torchrun --standalone` on this machine."""
+    """Run data-parallel cells under `torchrun` on this machine (standalone, or the suite's rendezvous)."""
 
-    def __init__(
-        self,
-        backend: Backend,
-        allow_imports: bool,
-        threads: int,
-        gpu_count: int = 0,
-        launcher: LauncherConfig | None = None,
-    ):
-        self.backend = backend
-        self.allow_imports = allow_imports
-        self.threads = threads
+    def __init__(self, setup: WorkerSetup, gpu_count: int = 0, launcher: LauncherConfig | None = None):
+        self.setup = setup
         self.gpu_count = gpu_count
         self.launcher = launcher or LauncherConfig()
 
-    def torchrun_args(self, cell: Cell) -> list[str]:
+    def torchrun_args(self, job: CellJob) -> list[str]:
         """torchrun's flags for a cell: standalone on one node, or the suite's rendezvous."""
         la = self.launcher
-        per_node = cell.config.world_size // la.nnodes
+        per_node = job.world_size // la.nnodes
         if la.nnodes == 1 and la.rdzv_endpoint is None:
             args = ["--standalone", "--nnodes=1"]
         else:
@@ -216,49 +277,33 @@ class TorchrunWorker:
                 f"--nnodes={la.nnodes}",
                 f"--rdzv-backend={la.rdzv_backend}",
                 f"--rdzv-endpoint={la.rdzv_endpoint}",
-                f"--rdzv-id={la.rdzv_id or 'kdbench-' + cell.cell_id}",
+                f"--rdzv-id={la.rdzv_id or 'kdbench-' + job.job_id}",
             ]
         return [*args, f"--nproc-per-node={per_node}", "--max-restarts=0", *la.extra_args]
 
-    def measure(self, cell: Cell, timeout_s: float | None = None) -> list[dict[str, Any]]:
-        ws = cell.config.world_size
+    def run(self, job: Job, timeout_s: float | None = None) -> JobResult:
+        start = time.perf_counter()
+        rows = self._rows(job, timeout_s or 3600.0)
+        return JobResult(rows, time.perf_counter() - start)
+
+    def _rows(self, job: Job, timeout: float) -> list[Row]:
+        assert isinstance(job, CellJob)
+        ws, backend = job.world_size, self.setup.backend
         per_node = ws // self.launcher.nnodes
-        if self.backend.device_type == "cuda" and per_node > self.gpu_count:
-            return rows_for(
-                cell,
-                "skipped",
-                f"world_size {ws} needs {per_node} GPUs on each of "
-                f"{self.launcher.nnodes} node(s); this machine has {self.gpu_count}",
-            )
-        timeout = timeout_s or 3600.0
-        rank_threads = max(1, self.threads // per_node)
+        if backend.device_type == "cuda" and per_node > self.gpu_count:
+            why = f"world_size {ws} needs {per_node} GPUs on each of {self.launcher.nnodes} node(s); this machine has "
+            return failure_rows(job, Status.SKIPPED, why + str(self.gpu_count))
+        rank_setup = WorkerSetup(backend, self.setup.allow_imports, max(1, self.setup.threads // per_node),
+                                 self.setup.options)  # fmt: skip
         with tempfile.TemporaryDirectory(prefix="kdbench-ddp-") as tmp:
-            job, rows_file, log = Path(tmp) / "cell.pkl", Path(tmp) / "rows.pkl", Path(tmp) / "output.log"
-            job.write_bytes(
-                pickle.dumps(
-                    {
-                        "cell": cell,
-                        "backend": self.backend.name,
-                        "allow_imports": self.allow_imports,
-                        "threads": rank_threads,
-                        "timeout_s": timeout,
-                    }
-                )
-            )
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                *self.torchrun_args(cell),
-                "-m",
-                "kdbench.run.rank",
-                str(job),
-                str(rows_file),
-            ]
+            spec, rows_file, log = Path(tmp) / "job.pkl", Path(tmp) / "rows.pkl", Path(tmp) / "output.log"
+            spec.write_bytes(pickle.dumps({"job": job, "setup": rank_setup, "timeout_s": timeout}))
+            cmd = [sys.executable, "-m", "torch.distributed.run", *self.torchrun_args(job),
+                   "-m", "kdbench.run.rank", str(spec), str(rows_file)]  # fmt: skip
             env = {
                 **os.environ,
                 "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-                "OMP_NUM_THREADS": str(rank_threads),
+                "OMP_NUM_THREADS": str(rank_setup.threads),
             }
             # Output goes to a file, not a pipe: a rank that outlived torchrun would hold a pipe open.
             with open(log, "w") as out:
@@ -266,24 +311,34 @@ class TorchrunWorker:
                 try:
                     proc.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
-                    _kill_tree(proc, str(job))
-                    return rows_for(
-                        cell,
-                        "timeout",
-                        f"the cell exceeded its time-out of {timeout:g} s and its "
-                        f"{ws} ranks were stopped; last output: {_error_lines(log.read_text())}",
-                    )
+                    _kill_tree(proc, str(spec))
+                    return failure_rows(job, Status.TIMEOUT, f"the cell exceeded its time-out of {timeout:g} s and "
+                                        f"its {ws} ranks were stopped; last output: {_error_lines(log.read_text())}")  # fmt: skip
                 except BaseException:  # Ctrl-C: leave nothing behind
-                    _kill_tree(proc, str(job))
+                    _kill_tree(proc, str(spec))
                     raise
-                _kill_tree(proc, str(job))  # ranks that outlived a failed torchrun
+                _kill_tree(proc, str(spec))  # ranks that outlived a failed torchrun
             if proc.returncode == 0 and not rows_file.exists() and self.launcher.nnodes > 1:
                 return []  # global rank 0 ran on another node, which stores the rows
             if proc.returncode != 0 or not rows_file.exists():
-                return rows_for(
-                    cell, "failed", f"torchrun exited with code {proc.returncode}: {_error_lines(log.read_text())}"
-                )
+                error = f"torchrun exited with code {proc.returncode}: {_error_lines(log.read_text())}"
+                return failure_rows(job, Status.FAILED, error)
             return pickle.loads(rows_file.read_bytes())
 
     def close(self) -> None:
         pass
+
+
+class LocalWorkers:
+    """The workers of a plain run: data-parallel cells under torchrun, every other job in one worker."""
+
+    def __init__(self, setup: WorkerSetup, inline: bool, gpu_count: int, launcher: LauncherConfig):
+        self.single = InlineWorker(setup) if inline else ProcessWorker(setup)
+        self.parallel = TorchrunWorker(setup, gpu_count=gpu_count, launcher=launcher)
+
+    def run(self, job: Job, timeout_s: float | None) -> JobResult:
+        return (self.parallel if job.world_size > 1 else self.single).run(job, timeout_s)
+
+    def close(self) -> None:
+        self.single.close()
+        self.parallel.close()

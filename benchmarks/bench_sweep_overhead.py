@@ -1,0 +1,87 @@
+"""Benchmark: the engine's cost per cell does not grow with the run.
+
+A sweep of 400 tiny cells (linear -> linear on 1x4x4 inputs, 20 timed iterations, one
+inference batch size) runs through the real engine and worker process.  For every
+cell the engine records its wall time (from handing it to the worker until its part
+is stored) and the time the worker spent running it; their difference is the
+harness's overhead for that cell: the pipe, stamping, the parquet part, the progress
+line.  The median overhead of the last hundred cells must be at most 1.2 times that
+of the first hundred (a run that rewrote one file per cell grew from about 60 ms to
+about 100 ms here).  The figures are printed, attached to pytest-benchmark's record
+and written to benchmarks/.results/sweep_overhead.json.
+"""
+
+import json
+import logging
+import statistics
+from pathlib import Path
+
+import yaml
+
+from kdbench.config import load_suite
+from kdbench.run.engine import RunOptions, run_suite
+from kdbench.store import read_results
+
+CELLS = 400
+BLOCK = 100
+LIMIT = 1.2
+OUT = Path(__file__).resolve().parent / ".results" / "sweep_overhead.json"
+
+SUITE = {
+    "name": "sweep-overhead",
+    "backend": "cpu",
+    "threads": 1,
+    "defaults": {
+        "pair": {"teacher": "linear", "student": "linear"},
+        "batch_size": 4,
+        "data": {"kind": "synthetic", "shape": [1, 4, 4], "num_classes": 10},
+        "timing": {"warmup": 0, "min_iters": 20, "max_iters": 20, "min_time_s": 0.0},
+        "inference": {"batch_sizes": [1]},
+    },
+    "matrix": {"seed": list(range(CELLS))},
+}
+
+
+def test_cost_per_cell_does_not_grow_with_the_run(benchmark, report_line, tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(SUITE))
+    logging.getLogger("kdbench").setLevel(logging.WARNING)  # 400 progress lines are not the point here
+    outcome = run_suite(load_suite(path), RunOptions(out_dir=tmp_path / "res"))
+    assert outcome.jobs == CELLS and not outcome.failed
+    timings = outcome.timings
+    overhead_ms = [(t.wall_s - t.worker_s) * 1e3 for t in timings]
+    wall_ms = [t.wall_s * 1e3 for t in timings]
+    first, last = overhead_ms[1:BLOCK], overhead_ms[-BLOCK:]  # the first cell also starts the worker process
+    ratio = statistics.median(last) / statistics.median(first)
+    result = {
+        "cells": CELLS,
+        "overhead_ms_median_first_100": statistics.median(first),
+        "overhead_ms_median_last_100": statistics.median(last),
+        "overhead_ms_mean_first_100": statistics.fmean(first),
+        "overhead_ms_mean_last_100": statistics.fmean(last),
+        "ratio_last_to_first": ratio,
+        "limit": LIMIT,
+        "wall_ms_median_first_100": statistics.median(wall_ms[1:BLOCK]),
+        "wall_ms_median_last_100": statistics.median(wall_ms[-BLOCK:]),
+        "worker_start_s": timings[0].wall_s - timings[0].worker_s,
+        "total_s": sum(t.wall_s for t in timings),
+        "in_worker_share": sum(t.worker_s for t in timings) / sum(t.wall_s for t in timings),
+        "overhead_ms": overhead_ms,
+    }
+    assert len(read_results([outcome.path])) == 3 * CELLS  # every row stored once
+    report_line(f"sweep of {CELLS} tiny cells (linear -> linear, 20 iterations), engine overhead per cell:")
+    report_line(
+        f"  median {result['overhead_ms_median_first_100']:.1f} ms over cells 2-100, "
+        f"{result['overhead_ms_median_last_100']:.1f} ms over the last 100 (ratio {ratio:.3f}, must be <= {LIMIT}); "
+        f"means {result['overhead_ms_mean_first_100']:.1f} / {result['overhead_ms_mean_last_100']:.1f} ms"
+    )
+    report_line(
+        f"  per cell in all {result['wall_ms_median_first_100']:.0f} / {result['wall_ms_median_last_100']:.0f} ms; "
+        f"{result['total_s']:.1f} s for the sweep, {result['in_worker_share']:.0%} of it in the worker; "
+        f"saved to {OUT}"
+    )
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(result, indent=2))
+    benchmark.extra_info.update({k: v for k, v in result.items() if k != "overhead_ms"})
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    assert ratio <= LIMIT

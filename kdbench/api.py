@@ -1,0 +1,65 @@
+"""kdbench as a library: what the command line calls, and what a script or notebook may call too.
+
+    from kdbench import api
+    suite = api.load_suite("suites/cpu.yaml")
+    outcome = api.run_suite(suite, api.RunOptions(out_dir=Path("results")))
+    api.render([outcome.path], "reports")
+
+``render`` and ``quality_table`` read parquet only and never import torch; the others
+import it when called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kdbench.config.schema import Suite
+    from kdbench.run.engine import Plan, RunOptions, RunOutcome
+
+
+def load_suite(path: str | Path) -> Suite:
+    from kdbench.config import load_suite as load
+
+    return load(path)
+
+
+def plan(suite: Suite, shard: tuple[int, int] | None = None) -> Plan:
+    """The jobs a run of ``suite`` would run (its cells, then the quality job), checked; nothing runs."""
+    from kdbench.run.engine import plan_jobs
+
+    return plan_jobs(suite, shard)
+
+
+def run_suite(suite: Suite, options: RunOptions | None = None, plan: Plan | None = None) -> RunOutcome:
+    """Run the suite (see :func:`kdbench.run.engine.run_suite`)."""
+    from kdbench.run.engine import RunOptions, run_suite
+
+    return run_suite(suite, options or RunOptions(), plan)
+
+
+def render(results: Iterable[str | Path], out_dir: str | Path, title: str | None = None) -> Path:
+    """The HTML/PNG report of result files, run folders or folders of runs; the page's path."""
+    from kdbench.report import render_report
+    from kdbench.store import read_results
+
+    return render_report(read_results(results), out_dir, title)
+
+
+def quality_table(results: Iterable[str | Path]) -> str:
+    """The Markdown table of the quality rows in ``results`` (mean ± std over seeds)."""
+    from kdbench.report.summaries import markdown_table, summarize_quality
+    from kdbench.store import read_results
+
+    return markdown_table(summarize_quality(read_results(results)))
+
+
+def __getattr__(name: str):
+    """``api.RunOptions`` without importing the run engine (and torch) with this module."""
+    if name == "RunOptions":
+        from kdbench.run.engine import RunOptions
+
+        return RunOptions
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,114 @@
+"""The method registry: a distillation method is a :class:`Term` registered with its parameters.
+
+A method lives in one file of this package: its hyper-parameter model (a
+:class:`kdbench.config.base.Strict` pydantic model whose defaults come from the
+paper), its loss as a ``Term`` subclass, and a ``@register_method`` line tying the
+two to a name.  The name is also the suite key of the parameters (``kd:
+{temperature: 4}``); the suite schema builds its cell model from this registry, so
+adding a method touches its own file only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel
+from torch import nn
+
+from kdbench.errors import KdbenchError, did_you_mean
+
+
+@dataclass
+class LossInputs:
+    """What a step hands the loss: logits, labels, features, and the step's index."""
+
+    student_logits: torch.Tensor
+    teacher_logits: torch.Tensor
+    targets: torch.Tensor
+    student_feats: list[torch.Tensor] = field(default_factory=list)  # canonical (hooks.canonical)
+    teacher_feats: list[torch.Tensor] = field(default_factory=list)
+    adapted: dict[str, torch.Tensor] = field(default_factory=dict)  # a term's adapter output, by method name
+    step: int = 0
+
+
+class Term(nn.Module):
+    """One distillation term, built as ``cls(params, shapes)``; ``forward(LossInputs)`` returns the
+    term without cross-entropy.  ``shapes`` holds the paired feature shapes of one dry forward
+    pass (``FeaturePaths`` of ``torch.Size``) when the method ``needs_features``, else None."""
+
+    needs_features: ClassVar[bool] = False
+    ce_weight: float = 1.0
+
+    def adapter(self) -> tuple[int, nn.Module] | None:
+        """(feature index, module) applied to the student's feature inside the student's forward.
+
+        The student side owns it (``step.Trainee``): it trains with the student, counts
+        in its parameters and, under DDP, has its gradients reduced with the student's.
+        """
+        return None
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # also the suite key of its parameters
+    cls: type[Term]
+    params: type[BaseModel]  # the hyper-parameter model; its defaults are the method's
+    doc: str
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register_method(name: str, params: type[BaseModel], doc: str) -> Callable[[type[Term]], type[Term]]:
+    """Register a Term class as method ``name`` with its hyper-parameter model."""
+
+    def wrap(cls: type[Term]) -> type[Term]:
+        if name in METHODS:
+            raise ValueError(f"method {name!r} is already registered")
+        METHODS[name] = Method(name, cls, params, doc)
+        return cls
+
+    return wrap
+
+
+def method_parts(name: str) -> list[str]:
+    return [p.strip() for p in name.split("+")]
+
+
+def check_method(name: str) -> list[Method]:
+    """The registered methods of `name` (`kd`, `kd+at`, ...); KdbenchError for an unknown or repeated part."""
+    parts = method_parts(name)
+    if len(set(parts)) != len(parts):
+        raise KdbenchError(f"method '{name}' repeats a term; give each at most once (weights sets their size)")
+    out = []
+    for part in parts:
+        if part not in METHODS:
+            hint = did_you_mean(part, METHODS, cutoff=0.5)
+            raise KdbenchError(
+                f"unknown method '{part}'; {hint}(`kdbench list methods` shows all: "
+                f"{', '.join(sorted(METHODS))}; combine with '+')"
+            )
+        out.append(METHODS[part])
+    return out
+
+
+def check_weights(method: str, weights: dict[str, float]) -> None:
+    parts = method_parts(method)
+    for key, value in weights.items():
+        if key not in parts:
+            raise KdbenchError(f"weights.{key}: '{key}' is not a term of method '{method}'; use one of {parts}")
+        if not math.isfinite(value) or value < 0:
+            raise KdbenchError(f"weights.{key}: must be a finite number >= 0, got {value}")
+
+
+def needs_features(method: str) -> bool:
+    return any(m.cls.needs_features for m in check_method(method))
+
+
+def params_of(config: Any, method: Method) -> BaseModel:
+    """The cell's parameters of ``method`` (its suite key)."""
+    return getattr(config, method.name)

@@ -1,0 +1,75 @@
+"""Datasheet peaks: dense vendor TFLOP/s per precision, and matching the name torch reports.
+
+Pure data and string matching, no torch: the store computes utilisation from it at
+read time (:mod:`kdbench.store.derived`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from kdbench.errors import KdbenchError
+from kdbench.names import PRECISIONS
+
+# Dense peak TFLOP/s (sparsity figures halved back to dense).  fp16/bf16 are the matrix
+# (Tensor Core / Matrix Core) figures.  fp32 is the plain, non-tensor FP32 figure:
+# - NVIDIA: the non-Tensor-Core FP32 number; torch's fp32 matmul does not use TF32
+#   unless torch.backends.cuda.matmul.allow_tf32 is set.
+# - AMD CDNA: the "FP32 vector" number.  Caveat: on CDNA2 (MI200) the datasheet's
+#   "FP32 matrix" figure is twice the vector one, and rocBLAS/hipBLASLt fp32 GEMMs run
+#   on the matrix cores, so a measured fp32 matmul there can exceed this peak (up to 2x).
+#   On MI300X the matrix and vector FP32 figures are equal.
+PEAKS: dict[str, dict[str, float | None]] = {
+    # AMD Instinct MI300X datasheet / amd.com MI300X product page: FP32 vector 163.4,
+    # FP16 and BF16 1307.4 (2614.9 with sparsity).
+    "MI300X": {"fp32": 163.4, "fp16": 1307.4, "bf16": 1307.4},
+    # AMD Instinct MI250X datasheet / amd.com MI250X page, whole card (2 GCDs): FP32 vector
+    # 47.9, FP16/BF16 383.0.  Each GCD is its own torch device, so half of the card.  torch
+    # names MI250 and MI250X alike ("MI250X/MI250"); an MI250 (45.3 / 362.1) is ~5% slower.
+    "MI250X (per GCD)": {"fp32": 47.9 / 2, "fp16": 383.0 / 2, "bf16": 383.0 / 2},
+    # AMD Instinct MI210 datasheet / amd.com MI210 page: FP32 vector 22.6, FP16/BF16 181.0.
+    "MI210": {"fp32": 22.6, "fp16": 181.0, "bf16": 181.0},
+    # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): FP32 67, FP16/BF16 1,979 with
+    # sparsity.  Same GH100 SXM5 compute as H100 SXM, whose dense figure is 989.4.
+    "H200 SXM": {"fp32": 67.0, "fp16": 989.4, "bf16": 989.4},
+    # NVIDIA H100 Tensor Core GPU datasheet and "NVIDIA H100 Tensor Core GPU Architecture"
+    # whitepaper (SXM5): FP32 67, FP16/BF16 989.4 dense (1,979 with sparsity).
+    "H100 SXM": {"fp32": 67.0, "fp16": 989.4, "bf16": 989.4},
+    # Same datasheet / whitepaper, H100 PCIe: FP32 51, FP16/BF16 756 dense (1,513 sparse).
+    "H100 PCIe": {"fp32": 51.0, "fp16": 756.0, "bf16": 756.0},
+    # NVIDIA A100 Tensor Core GPU datasheet: FP32 19.5, FP16/BF16 312 (624 sparse);
+    # the same for 40GB and 80GB, PCIe and SXM.
+    "A100": {"fp32": 19.5, "fp16": 312.0, "bf16": 312.0},
+    # NVIDIA L4 Tensor Core GPU datasheet: FP32 30.3, FP16/BF16 242 with sparsity -> 121.
+    "L4": {"fp32": 30.3, "fp16": 121.0, "bf16": 121.0},
+    # NVIDIA T4 Tensor Core GPU datasheet: FP32 8.1, mixed-precision FP16 65; Turing has no bf16.
+    "T4": {"fp32": 8.1, "fp16": 65.0, "bf16": None},
+}
+
+# Whole-name patterns (lower case, spaces collapsed) for what torch.cuda.get_device_name
+# reports.  Whole-name matching keeps variants with other figures (MI300A, MI325X, H100 NVL,
+# H200 NVL, A10, A100X ...) from borrowing a sibling's peak: they return None.
+_NAME_PATTERNS: tuple[tuple[str, str], ...] = (
+    (r"amd instinct mi300x( vf)?", "MI300X"),
+    (r"amd instinct mi250x(/mi250)?", "MI250X (per GCD)"),
+    (r"amd instinct mi210", "MI210"),
+    (r"nvidia h200", "H200 SXM"),
+    (r"nvidia h100( sxm5?)? 80gb hbm3", "H100 SXM"),
+    (r"nvidia h100 pcie", "H100 PCIe"),
+    (r"nvidia a100-(sxm4|pcie)-(40|80)gb|nvidia a100 80gb pcie", "A100"),
+    (r"nvidia l4", "L4"),
+    (r"(tesla|nvidia) t4", "T4"),
+)
+
+
+def datasheet_peak(device_name: str, dtype: str) -> tuple[str, float] | None:
+    """(canonical name, dense peak TFLOP/s) for a GPU name as torch reports it; None for
+    CPUs, unknown devices, and dtypes the device lacks."""
+    if dtype not in PRECISIONS:
+        raise KdbenchError(f"unknown dtype '{dtype}'; use {', '.join(PRECISIONS)}")
+    name = " ".join(device_name.lower().split())
+    for pattern, canonical in _NAME_PATTERNS:
+        if re.fullmatch(pattern, name):
+            peak = PEAKS[canonical][dtype]
+            return (canonical, peak) if peak is not None else None
+    return None

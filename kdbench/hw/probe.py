@@ -1,0 +1,74 @@
+"""`kdbench probe`: this device's achievable ceilings, measured.
+
+:func:`measure_ceilings` times a dense n x n matmul per dtype and a byte copy with
+:func:`kdbench.measure.timing.timed_loop`, giving achievable TFLOP/s and GB/s; the
+store keeps them (:mod:`kdbench.store.probes`) and every later run on the device
+reports its cells' share of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kdbench.errors import KdbenchError
+from kdbench.hw.backends import DTYPES, Backend
+from kdbench.hw.environment import capture
+from kdbench.measure.stats import summarize
+from kdbench.measure.timing import timed_loop
+
+
+def _times_ms(fn: Callable[[], Any], backend: Backend, min_time_s: float) -> tuple[float, float]:
+    """(median, p05) of the timed iterations of `fn`."""
+    raw = timed_loop(fn, backend.clock(), warmup=2, min_iters=5, min_time_s=min_time_s, max_iters=10_000)
+    summary = summarize(raw.samples_ms)
+    return summary.median_ms, summary.p05_ms
+
+
+def measure_ceilings(
+    backend: Backend,
+    dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16"),
+    matmul_n: int | None = None,
+    copy_bytes: int | None = None,
+    min_time_s: float = 0.3,
+) -> list[dict]:
+    """Achievable dense-matmul TFLOP/s per dtype (2n^3 FLOPs per n x n @ n x n) and copy
+    bandwidth in GB/s (read + write: 2 x bytes per dst.copy_(src)) on `backend`.
+
+    A ceiling is what the device can do, so `value` comes from the fast end of the timed
+    iterations (their 5th percentile, `p05_ms`), which a busy or drifting machine drags
+    down less than the median (`median_ms`, kept beside it).  A dtype the device cannot
+    multiply gives value None and an `error`."""
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown:
+        raise KdbenchError(f"unknown dtype(s) {unknown}; use {', '.join(DTYPES)}")
+    gpu = backend.device_type == "cuda"
+    n = matmul_n or (8192 if gpu else 2048)
+    nbytes = copy_bytes or (2**30 if gpu else 64 * 2**20)
+    rows = []
+    for d in dtypes:
+        row = {"kind": "matmul", "dtype": d, "size": n, "value": None, "unit": "TFLOP/s", "median_ms": None,
+               "p05_ms": None, "error": None}  # fmt: skip
+        try:
+            a = torch.randn(n, n, device=backend.device).to(DTYPES[d])
+            b = torch.randn(n, n, device=backend.device).to(DTYPES[d])
+            median, fast = _times_ms(lambda a=a, b=b: torch.mm(a, b), backend, min_time_s)
+            row.update(median_ms=median, p05_ms=fast, value=2 * n**3 / (fast / 1e3) / 1e12)
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            row["error"] = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        finally:
+            a = b = None
+        rows.append(row)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=backend.device)
+    dst = torch.empty_like(src)
+    median, fast = _times_ms(lambda: dst.copy_(src), backend, min_time_s)
+    rows.append({"kind": "copy", "dtype": "uint8", "size": nbytes, "value": 2 * nbytes / (fast / 1e3) / 1e9,
+                 "unit": "GB/s", "median_ms": median, "p05_ms": fast, "error": None})  # fmt: skip
+    return rows
+
+
+def probe_env(backend: Backend) -> dict[str, Any]:
+    """Environment columns for a probe: :func:`kdbench.hw.environment.capture` plus `backend`."""
+    return {**capture(backend), "backend": backend.name}

@@ -1,0 +1,132 @@
+"""Memory of one measurement: the peak and the growth inside a ``with`` block.
+
+On GPUs the caching allocator's peak counters (exact, tensor memory only); on the
+CPU the kernel's high-water mark of this process (VmHWM, reset at entry through
+/proc/self/clear_refs), or where that is unavailable RSS sampled from a thread (a
+sampled maximum: a spike shorter than the interval can be missed).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+
+from kdbench.hw.backends import Backend
+
+
+@dataclass(frozen=True)
+class MemoryUsage:
+    kind: str  # "rss_hwm" (kernel high-water mark), "rss" (sampled) or "device" (allocator counters)
+    peak_bytes: int  # max RSS sampled / torch.cuda.max_memory_allocated
+    peak_reserved_bytes: int | None  # torch.cuda.max_memory_reserved (None for rss)
+    growth_bytes: int  # at exit minus at entry (RSS, or memory_allocated)
+
+
+def _hwm_bytes() -> int | None:
+    """This process's peak resident set (VmHWM) as the Linux kernel keeps it."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _reset_hwm() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0: write 5 to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return False
+    return _hwm_bytes() is not None
+
+
+class MemoryMeter:
+    """Peak and growth of memory inside a `with` block, on `backend`'s device.
+
+    On the CPU it prefers the kernel's exact high-water mark (VmHWM, reset at entry
+    through /proc/self/clear_refs; kind ``rss_hwm``): no sampling thread competes with
+    the measured code for the GIL.  Where that is unavailable it samples RSS from a
+    thread (kind ``rss``).
+    """
+
+    def __init__(self, backend: Backend, interval_s: float = 0.002):
+        self.backend = backend
+        self.interval_s = interval_s
+        self.rss_before: int | None = None
+        self.allocated_before: int | None = None
+        self._usage: MemoryUsage | None = None
+        self._peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._proc = psutil.Process()
+        self._hwm = False
+
+    @property
+    def _gpu(self) -> bool:
+        return self.backend.device_type == "cuda"
+
+    def __enter__(self) -> MemoryMeter:
+        if self._gpu:
+            torch.cuda.reset_peak_memory_stats(self.backend.device)
+            self.allocated_before = int(torch.cuda.memory_allocated(self.backend.device))
+            return self
+        self.rss_before = self._peak = self._proc.memory_info().rss
+        self._hwm = _reset_hwm()
+        if self._hwm:
+            return self
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, name="kdbench-rss", daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._peak = max(self._peak, self._proc.memory_info().rss)
+
+    def __exit__(self, *exc: Any) -> None:
+        device = self.backend.device
+        if self._gpu:
+            self._usage = MemoryUsage(
+                kind="device",
+                peak_bytes=int(torch.cuda.max_memory_allocated(device)),
+                peak_reserved_bytes=int(torch.cuda.max_memory_reserved(device)),
+                growth_bytes=int(torch.cuda.memory_allocated(device)) - self.allocated_before,
+            )
+            return
+        rss_after = self._proc.memory_info().rss
+        if self._hwm:
+            peak = _hwm_bytes() or rss_after
+            self._usage = MemoryUsage("rss_hwm", max(peak, rss_after), None, rss_after - self.rss_before)
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        self._usage = MemoryUsage("rss", max(self._peak, rss_after), None, rss_after - self.rss_before)
+
+    def result(self) -> MemoryUsage:
+        if self._usage is None:
+            raise RuntimeError("MemoryMeter.result() is available after the `with` block")
+        return self._usage
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors an optimizer keeps per parameter (moments, step counters ...)."""
+    return sum(v.nbytes for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+
+
+
+def memory_columns(usage: MemoryUsage) -> dict[str, Any]:
+    return {
+        "memory_kind": usage.kind,
+        "peak_memory_bytes": usage.peak_bytes,
+        "peak_reserved_bytes": usage.peak_reserved_bytes,
+        "memory_growth_bytes": usage.growth_bytes,
+    }

@@ -1,0 +1,63 @@
+"""kdbench's vocabulary: the names every layer shares, each defined once.
+
+Statuses, measurements, the phases of a distillation step, precisions and memory
+formats.  Torch-free, so the store and the report use them as the measuring code does.
+The enums are ``StrEnum``: a member *is* its string, so rows, parquet files and
+comparisons with plain strings keep working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Status(StrEnum):
+    """How a measurement ended."""
+
+    OK = "ok"
+    FAILED = "failed"  # raised, non-finite loss, or the worker died
+    OOM = "oom"  # the device ran out of memory
+    TIMEOUT = "timeout"  # outlived the job's time-out and was stopped
+    SKIPPED = "skipped"  # cannot run here (e.g. more ranks than the allocation has)
+
+
+FAILURES = frozenset({Status.FAILED, Status.OOM, Status.TIMEOUT})  # statuses that make `run` exit with 1
+
+
+class Measurement(StrEnum):
+    """What a row measured."""
+
+    DISTILL_STEP = "distill_step"
+    STUDENT_INFERENCE = "student_inference"
+    TEACHER_INFERENCE = "teacher_inference"
+    QUALITY = "quality"  # accuracy after training on real data (times nothing)
+
+
+INFERENCE = (Measurement.STUDENT_INFERENCE, Measurement.TEACHER_INFERENCE)
+QUALITY_ROLES = ("teacher", "scratch", "distilled")  # what a quality row's model was trained as, in report order
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    label: str  # legend label in the report
+    doc: str  # what the phase covers (the schema documents its column with it)
+
+    @property
+    def column(self) -> str:
+        return f"phase_{self.name}_ms"
+
+
+# The phases of a distillation step, in the order the step runs them.
+PHASES: tuple[Phase, ...] = (
+    Phase("teacher_forward", "teacher forward", "teacher forward of the step (≈0 with a cached teacher)"),
+    Phase("student_forward", "student forward", "student forward (with its adapters)"),
+    Phase("loss", "loss", "loss computation"),
+    Phase("backward", "backward (with zero_grad)", "zero_grad + backward"),
+    Phase("optimizer", "optimizer step", "optimizer step (with GradScaler step and update)"),
+)
+REMAINDER_COLUMN = "phase_remainder_ms"  # step time minus the sum of its phases
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+MEMORY_FORMATS = ("contiguous", "channels_last")

@@ -1,0 +1,136 @@
+"""Summaries of result rows, as DataFrames: what the report, the CLI and a pandas session tabulate.
+
+Data only (pandas; never torch): the quality table over seeds, the latest row per
+cell, and the live/cached teacher pairs with their pay-back (from the derived columns
+of :mod:`kdbench.store.derived`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from kdbench.names import QUALITY_ROLES, Measurement, Status
+from kdbench.store.derived import TEACHER_MODE, twin_key
+
+SUMMARY_KEYS = ("teacher", "student", "quality_role", "method")
+QUALITY_COLUMNS = (
+    *SUMMARY_KEYS,
+    "n",
+    "failed",
+    "accuracy_mean",
+    "accuracy_std",
+    "best_accuracy_mean",
+    "agreement_mean",
+    "agreement_std",
+    "reached",
+    "time_to_target_mean_s",
+    "time_to_target_std_s",
+    "epochs_to_target_mean",
+    "train_time_mean_s",
+    "datasets",
+)
+
+
+def latest(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """One row per ``keys``: the most recent (a rerun supersedes an older row)."""
+    return df.sort_values("timestamp", na_position="first").drop_duplicates(keys, keep="last")
+
+
+def latest_steps(df: pd.DataFrame) -> pd.DataFrame:
+    """The ok distill_step rows, the latest per (run, cell), ordered by run and cell label."""
+    steps = df[df["measurement"].eq(Measurement.DISTILL_STEP) & df["status"].eq(Status.OK)]
+    return latest(steps, ["run_id", "cell_id", "cell_label"]).sort_values(["run_id", "cell_label"], na_position="last")
+
+
+def summarize_quality(df: pd.DataFrame) -> pd.DataFrame:
+    """Mean and std over seeds of each (teacher, student, quality_role, method), teachers first.
+
+    Statistics use the ``ok`` rows: ``n`` of them (``failed``: the others).  Standard
+    deviations are the sample ones (ddof=1), NaN for a single value.
+    ``time_to_target_mean_s``/``_std_s`` are over the seeds that reached the target,
+    ``reached`` of the ``n``; ``datasets`` lists the data sets the rows come from.
+    """
+    if "measurement" in df.columns:
+        df = df[df["measurement"].eq(Measurement.QUALITY)]
+    if df.empty:
+        return pd.DataFrame(columns=list(QUALITY_COLUMNS))
+    ok = df["status"].eq(Status.OK)
+    values = {
+        c: pd.to_numeric(df[c], errors="coerce").where(ok)
+        for c in ("accuracy", "best_accuracy", "agreement", "time_to_target_s", "epochs_to_target", "train_time_s")
+    }
+    dataset = df["quality_dataset"] if "quality_dataset" in df.columns else None
+    work = df[list(SUMMARY_KEYS)].astype(object).assign(ok=ok, dataset=dataset, **values)
+    summary = (
+        work.groupby(list(SUMMARY_KEYS), dropna=False, sort=False)
+        .agg(
+            n=("ok", "sum"),
+            failed=("ok", lambda s: int((~s).sum())),
+            accuracy_mean=("accuracy", "mean"),
+            accuracy_std=("accuracy", "std"),
+            best_accuracy_mean=("best_accuracy", "mean"),
+            agreement_mean=("agreement", "mean"),
+            agreement_std=("agreement", "std"),
+            reached=("time_to_target_s", "count"),
+            time_to_target_mean_s=("time_to_target_s", "mean"),
+            time_to_target_std_s=("time_to_target_s", "std"),
+            epochs_to_target_mean=("epochs_to_target", "mean"),
+            train_time_mean_s=("train_time_s", "mean"),
+            datasets=("dataset", lambda s: ", ".join(dict.fromkeys(map(str, s.dropna())))),
+        )
+        .reset_index()
+    )
+    keys = summary[list(SUMMARY_KEYS)].astype(object)
+    summary[list(SUMMARY_KEYS)] = keys.where(keys.notna(), None)
+    summary["n"] = summary["n"].astype(int)
+    order = summary["quality_role"].map({r: i for i, r in enumerate(QUALITY_ROLES)}).fillna(len(QUALITY_ROLES))
+    by = [order, *(summary[k].fillna("").astype(str) for k in ("teacher", "student", "method"))]
+    ranked = summary.assign(**{f"_{i}": v for i, v in enumerate(by)})
+    ranked = ranked.sort_values([f"_{i}" for i in range(len(by))], kind="stable")
+    return ranked[list(QUALITY_COLUMNS)].reset_index(drop=True)
+
+
+def mean_std(mean, std, scale: float = 1.0, fmt=lambda v: f"{v:.1f}", missing: str = "—") -> str:
+    """"mean ± std" (scaled); the mean alone when std is undefined (one seed); ``missing`` without a mean."""
+    if mean is None or pd.isna(mean) or not math.isfinite(float(mean)):
+        return missing
+    text = fmt(float(mean) * scale)
+    return text if std is None or pd.isna(std) else f"{text} ± {fmt(float(std) * scale)}"
+
+
+def markdown_table(summary: pd.DataFrame) -> str:
+    """A compact Markdown table of :func:`summarize_quality` (accuracies in %, times in s)."""
+
+    def text(v) -> str:
+        return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+
+    lines = [
+        "| teacher | student | model | method | top-1 (%) | agreement (%) | time to target (s) | reached |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary.to_dict("records"):
+        failed = f" ({r['failed']} failed)" if r.get("failed") else ""
+        lines.append(
+            f"| {text(r['teacher'])} | {text(r['student'])} | {r['quality_role']} | {text(r['method'])} | "
+            f"{mean_std(r['accuracy_mean'], r['accuracy_std'], 100, missing='–')} | "
+            f"{mean_std(r['agreement_mean'], r['agreement_std'], 100, missing='–')} | "
+            f"{mean_std(r['time_to_target_mean_s'], r['time_to_target_std_s'], fmt=lambda v: f'{v:.2f}', missing='–')}"
+            f" | {r['reached']}/{r['n']}{failed} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def caching_pairs(df: pd.DataFrame) -> pd.DataFrame:
+    """Per cached-teacher distill_step cell of a run whose live twin is in the same run: both cells'
+    labels and medians, the saving per step, the one-off cost and the pay-back (derived columns)."""
+    steps = latest_steps(df)
+    if steps.empty:
+        return pd.DataFrame()
+    key = steps["run_id"].astype(str) + "\0" + steps["config_json"].map(lambda j: str(twin_key(j, TEACHER_MODE)))
+    steps = steps.assign(_key=key)
+    live = steps[steps["teacher_mode"].fillna("live").eq("live")].drop_duplicates("_key", keep="last")
+    cached = steps[steps["teacher_mode"].eq("cached") & steps["teacher_cache_saving_ms"].notna()]
+    pairs = cached.merge(live[["_key", "cell_label", "median_ms"]], on="_key", suffixes=("_cached", "_live"))
+    return pairs.rename(columns={"cell_label_cached": "cached_label", "cell_label_live": "cell_label"})

@@ -1,0 +1,153 @@
+"""Jobs: what the engine hands a worker, and what a worker runs.
+
+A job is the unit of isolation, time-out, storage and resume: one cell of the plan
+(:class:`CellJob`), or the suite's quality block (:class:`QualityJob`).  Each says
+which rows it will produce (``planned``, so a job that dies is stored as exactly
+those rows, marked), which columns identify it on every row (``columns``), and how
+it runs inside a worker (``run``).  Jobs are small frozen dataclasses: they cross
+process boundaries by pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kdbench.config.plan import Cell, config_dict, method_params, planned_measurements
+from kdbench.config.schema import CellConfig, QualityConfig
+from kdbench.hw.backends import dist_backend_for
+from kdbench.names import Status
+
+if TYPE_CHECKING:
+    from kdbench.run.workers import WorkerContext
+
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CellJob:
+    cell: Cell
+
+    @property
+    def job_id(self) -> str:
+        return self.cell.cell_id
+
+    @property
+    def label(self) -> str:
+        return self.cell.label
+
+    @property
+    def world_size(self) -> int:
+        return self.cell.config.world_size
+
+    @property
+    def precision(self) -> str:
+        return self.cell.config.precision
+
+    def planned(self) -> list[Row]:
+        return [{"measurement": m, "batch_size": bs} for m, bs in planned_measurements(self.cell.config)]
+
+    def columns(self, backend_name: str) -> Row:
+        return config_columns(self.cell.config, backend_name)
+
+    def run(self, ctx: WorkerContext) -> list[Row]:
+        from kdbench.measure.cell import measure_cell
+
+        return measure_cell(self.cell, ctx.backend, ctx.cache, ctx.options) or []
+
+
+@dataclass(frozen=True)
+class QualityJob:
+    """The suite's quality block: every distillation of the plan trained on real data, as one job."""
+
+    quality: QualityConfig
+    configs: tuple[CellConfig, ...]  # one per distinct (teacher, student, method), in plan order
+    allow_imports: bool = False
+
+    @classmethod
+    def of(cls, quality: QualityConfig, cells: list[Cell], allow_imports: bool) -> QualityJob:
+        from kdbench.quality.protocol import quality_jobs
+
+        return cls(quality, tuple(quality_jobs(c.config for c in cells)), allow_imports)
+
+    @property
+    def job_id(self) -> str:
+        """Hashes the quality settings and the jobs' cells, so a rerun of the same suite finds it again."""
+        key = json.dumps(
+            {"quality": self.quality.model_dump(mode="json"), "jobs": [config_dict(c) for c in self.configs]},
+            sort_keys=True,
+        )
+        return "quality-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+    @property
+    def label(self) -> str:
+        q = self.quality
+        return f"quality ({q.dataset}, {q.seeds} seed{'s' if q.seeds > 1 else ''})"
+
+    world_size = 1
+    precision = None
+
+    def describe(self) -> str:
+        q = self.quality
+        return (
+            f"quality on {q.dataset}: {q.seeds} seed(s) x (teachers, scratch students and {len(self.configs)} "
+            f"distillation(s)), {q.epochs} epochs each, target {q.target:g} x the teacher's accuracy"
+        )
+
+    def planned(self) -> list[Row]:
+        from kdbench.quality.protocol import planned_rows
+
+        return planned_rows(self.quality, list(self.configs))
+
+    def columns(self, backend_name: str) -> Row:
+        return {}  # each quality row names its own teacher, student, method, seed and precision
+
+    def run(self, ctx: WorkerContext) -> list[Row]:
+        from kdbench.quality.protocol import run_quality
+
+        return run_quality(self.quality, list(self.configs), ctx.backend, allow_imports=self.allow_imports)
+
+
+Job = CellJob | QualityJob
+
+
+def failure_rows(job: Job, status: Status, error: str) -> list[Row]:
+    """Every row ``job`` would have produced, marked with ``status`` and ``error``."""
+    return [{**row, "status": status, "error": error} for row in job.planned()]
+
+
+def config_columns(config: CellConfig, backend_name: str) -> Row:
+    """The result columns that come from a cell's config."""
+    parallel = config.world_size > 1
+    resolved = config_dict(config)
+    return {
+        "teacher": config.pair.teacher,
+        "student": config.pair.student,
+        "method": config.method,
+        "precision": config.precision,
+        "teacher_precision": config.teacher_precision,
+        "memory_format": config.memory_format,
+        "alignment": config.alignment,
+        "pad_to": config.pad_to,
+        "world_size": config.world_size,
+        "dist_backend": dist_backend_for(backend_name) if parallel else None,
+        "ddp_bucket_cap_mb": config.ddp.bucket_cap_mb if parallel else None,
+        "ddp_gradient_as_bucket_view": config.ddp.gradient_as_bucket_view if parallel else None,
+        "ddp_static_graph": config.ddp.static_graph if parallel else None,
+        "data_kind": config.data.kind,
+        "data_shape": "x".join(map(str, config.data.shape)),
+        "num_classes": config.data.num_classes,
+        "kd_temperature": config.kd.temperature,
+        "kd_alpha": config.kd.alpha,
+        "teacher_mode": config.teacher.mode,
+        "method_params": json.dumps(method_params(config), sort_keys=True),
+        "optimizer": config.optimizer.name,
+        "lr": config.optimizer.lr,
+        "seed": config.seed,
+        "warmup": config.timing.warmup,
+        "min_iters": config.timing.min_iters,
+        "min_time_s": config.timing.min_time_s,
+        "config_json": json.dumps(resolved, sort_keys=True),
+    }

@@ -1,0 +1,153 @@
+"""Derived columns, computed at read time from the stored rows: the one place they are defined.
+
+Each needs rows other than its own, or a table that is not a measurement, so storing
+it would mean rewriting earlier parts whenever a later one arrives:
+
+* ``speedup_vs_teacher`` (student_inference rows): the teacher's median over the
+  student's at the same batch size, in the same run and cell;
+* ``scaling_efficiency`` (distill_step, world_size > 1): throughput over world_size
+  times the throughput of the *twin* cell at world_size 1 in the same run;
+* ``achieved_tflops``, ``datasheet_device``, ``datasheet_peak_tflops``, ``mfu`` and
+  ``ceiling_utilization``: FLOPs per median time against the datasheet peak table
+  (:mod:`kdbench.hw.peaks`) and the probe ceiling stored on the row;
+* ``teacher_cache_saving_ms`` and ``teacher_cache_payback_steps`` (cached
+  distill_step rows): against the twin cell with a live teacher in the same run.
+
+Two cells are *twins* when their resolved configs (``config_json``) are equal but for
+the settings being compared (:func:`twin_key`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from kdbench.hw.peaks import datasheet_peak
+from kdbench.names import PRECISIONS, Measurement, Status
+from kdbench.store.schema import COLUMNS
+
+WORLD_SIZE = (("world_size",),)
+TEACHER_MODE = (("teacher", "mode"),)
+
+
+def twin_key(config_json: str | None, drop: tuple[tuple[str, ...], ...]) -> str | None:
+    """The config as canonical JSON without the settings at the ``drop`` paths; None when unreadable."""
+    try:
+        config = json.loads(config_json)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    for path in drop:
+        node = config
+        for key in path[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(path[-1], None)
+    return json.dumps(config, sort_keys=True)
+
+
+def payback_steps(one_off_ms, saving_ms) -> int | None:
+    """Steps after which a per-step saving repays a one-off cost (rounded up); None when it never does."""
+    if pd.isna(one_off_ms) or pd.isna(saving_ms) or saving_ms <= 0:
+        return None
+    return max(0, math.ceil(round(float(one_off_ms) / float(saving_ms), 9)))
+
+
+def derive(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with every derived column (re)computed; rows of any schema version."""
+    df = df.reset_index(drop=True)
+    for c in COLUMNS:
+        if c.derived:  # strings as object (None), numbers as float (NaN), whatever an older file stored
+            text = pa.types.is_string(c.type)
+            df[c.name] = pd.Series(None if text else np.nan, index=df.index, dtype=object if text else float)
+    if df.empty or "status" not in df:
+        return df
+    ok = df["status"].eq(Status.OK)
+    _speedups(df, ok)
+    _scaling(df, ok)
+    _utilisation(df, ok)
+    _cache_payback(df, ok)
+    return df
+
+
+def speedups(rows: list[dict]) -> dict[int, float]:
+    """The student's speed-up over its teacher per batch size, among one job's stamped rows."""
+    columns = ["run_id", "cell_id", "batch_size", "measurement", "status", "median_ms"]
+    df = pd.DataFrame([{c: r.get(c) for c in columns} for r in rows], columns=columns)
+    df["median_ms"] = pd.to_numeric(df["median_ms"], errors="coerce")
+    df["speedup_vs_teacher"] = np.nan
+    _speedups(df, df["status"].eq(Status.OK))
+    found = df[df["speedup_vs_teacher"].notna()]
+    return dict(zip(found["batch_size"].astype(int), found["speedup_vs_teacher"].astype(float)))
+
+
+def _speedups(df: pd.DataFrame, ok: pd.Series) -> None:
+    key = ["run_id", "cell_id", "batch_size"]
+    inference = df[ok & df["median_ms"].gt(0)]
+    teacher = inference[inference["measurement"].eq(Measurement.TEACHER_INFERENCE)]
+    teacher = teacher.drop_duplicates(key, keep="last").set_index(key)["median_ms"]
+    students = inference[inference["measurement"].eq(Measurement.STUDENT_INFERENCE)]
+    if students.empty or teacher.empty:
+        return
+    t = teacher.reindex(pd.MultiIndex.from_frame(students[key])).to_numpy(dtype=float)
+    df.loc[students.index, "speedup_vs_teacher"] = t / students["median_ms"].to_numpy(dtype=float)
+
+
+def _twins(df: pd.DataFrame, ok: pd.Series, drop) -> pd.DataFrame:
+    """The ok distill_step rows with a readable config, with their twin ``key`` (run id included)."""
+    steps = df[ok & df["measurement"].eq(Measurement.DISTILL_STEP) & df["config_json"].notna()]
+    keys = steps["config_json"].map(lambda j: twin_key(j, drop))
+    return steps.assign(key=steps["run_id"].astype(str) + "\0" + keys.astype(str))[keys.notna()]
+
+
+def _scaling(df: pd.DataFrame, ok: pd.Series) -> None:
+    steps = _twins(df, ok, WORLD_SIZE)
+    single = steps[steps["world_size"].eq(1)].drop_duplicates("key", keep="last").set_index("key")["throughput"]
+    multi = steps[steps["world_size"].gt(1)]
+    if multi.empty or single.empty:
+        return
+    base = single.reindex(multi["key"]).to_numpy(dtype=float)
+    df.loc[multi.index, "scaling_efficiency"] = multi["throughput"].to_numpy(dtype=float) / (
+        multi["world_size"].to_numpy(dtype=float) * base
+    )
+
+
+def _utilisation(df: pd.DataFrame, ok: pd.Series) -> None:
+    rows = df[ok & df["flops"].gt(0) & df["median_ms"].gt(0)]
+    if rows.empty:
+        return
+    achieved = rows["flops"].astype(float) / (rows["median_ms"].astype(float) / 1e3) / 1e12
+    df.loc[rows.index, "achieved_tflops"] = achieved
+    keys = list(zip(rows["device_name"].fillna(""), rows["precision"]))
+    peaks = {k: datasheet_peak(str(k[0]), k[1]) if k[1] in PRECISIONS else None for k in set(keys)}
+    matched = [peaks[k] for k in keys]
+    has = np.array([m is not None for m in matched])
+    if has.any():
+        index = rows.index[has]
+        peak = np.array([m[1] for m in matched if m is not None], dtype=float)
+        df.loc[index, "datasheet_device"] = [m[0] for m in matched if m is not None]
+        df.loc[index, "datasheet_peak_tflops"] = peak
+        df.loc[index, "mfu"] = achieved[has].to_numpy() / peak
+    ceiling = rows["ceiling_tflops"].astype(float)
+    measured = ceiling.gt(0)
+    df.loc[rows.index[measured.to_numpy()], "ceiling_utilization"] = (achieved / ceiling)[measured].to_numpy()
+
+
+def _cache_payback(df: pd.DataFrame, ok: pd.Series) -> None:
+    steps = _twins(df, ok, TEACHER_MODE)
+    mode = steps["teacher_mode"].fillna("live")
+    live = steps[mode.eq("live")].drop_duplicates("key", keep="last").set_index("key")["median_ms"]
+    cached = steps[mode.eq("cached")]
+    if cached.empty or live.empty:
+        return
+    saving = live.reindex(cached["key"]).to_numpy(dtype=float) - cached["median_ms"].to_numpy(dtype=float)
+    df.loc[cached.index, "teacher_cache_saving_ms"] = saving
+    df.loc[cached.index, "teacher_cache_payback_steps"] = [
+        np.nan if (steps_ := payback_steps(one_off, s)) is None else float(steps_)
+        for one_off, s in zip(cached["teacher_cache_ms"], saving)
+    ]

@@ -1,0 +1,181 @@
+"""Runs on disk: a run is a folder of parquet parts, one part per finished job.
+
+    results/                         --out (default)
+      <run id>/                      one run: read it with pandas, pyarrow.dataset or duckdb as one dataset
+        _run.json                    the run's suite, file, start time and versions (ignored by parquet readers)
+        part-<job id>.parquet        the rows of one cell (or of the quality job), written once, atomically
+      probes/  traces/               `kdbench probe` files and profiler traces: not results
+
+Nothing is ever rewritten: a finished job's part appears whole (temporary name, then
+rename) and stays as it is, so the cost of storing a job does not grow with the run,
+a reader never sees half a part, a killed run loses at most the jobs in flight, and
+resuming is listing the parts.  Shards of one sweep given the same run id write into
+one folder (their parts never share a name).
+
+:func:`read_results` reads any mix of run folders, folders of runs, part files and the
+single-file runs of schema version 1, and adds the derived columns
+(:mod:`kdbench.store.derived`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from kdbench.errors import KdbenchError
+from kdbench.store.files import write_parquet, write_text
+from kdbench.store.schema import SCHEMA, SCHEMA_VERSION, rows_to_table
+
+MANIFEST = "_run.json"  # "_" and "." names are skipped by pyarrow datasets (and by kdbench's readers)
+PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
+PROBES_DIR = "probes"  # `kdbench probe` files, under a results folder
+TRACES_DIR = "traces"  # profiler traces, under a results folder
+RUN_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}"
+
+
+def new_run_id(suite_name: str, now: datetime | None = None) -> str:
+    """`<suite>-<UTC time>-<random>`: sortable, and unique even for two runs started together."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", suite_name).strip("-.")[:60] or "suite"
+    stamp = (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%SZ")
+    return f"{slug}-{stamp}-{uuid.uuid4().hex[:8]}"
+
+
+def check_run_id(run_id: str) -> str:
+    """A run id usable as a folder name beside probes/ and traces/; KdbenchError otherwise."""
+    if not re.fullmatch(RUN_ID_PATTERN, run_id) or run_id in (PROBES_DIR, TRACES_DIR):
+        raise KdbenchError(
+            f"--run-id {run_id!r}: use letters, digits, '_', '.' and '-' (not starting with '.', '_' or '-'), "
+            f"and not '{PROBES_DIR}' or '{TRACES_DIR}'"
+        )
+    return run_id
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """One run's folder of parts."""
+
+    path: Path
+
+    @property
+    def run_id(self) -> str:
+        return self.path.name
+
+    def manifest(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.path / MANIFEST).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+
+    def part_path(self, job_id: str) -> Path:
+        return self.path / f"{PART_PREFIX}{job_id}{PART_SUFFIX}"
+
+    def parts(self) -> list[Path]:
+        return sorted(p for p in self.path.glob(f"{PART_PREFIX}*{PART_SUFFIX}") if p.is_file())
+
+    def stored_job_ids(self) -> set[str]:
+        """The jobs whose part is stored: resuming measures the others."""
+        return {p.name[len(PART_PREFIX) : -len(PART_SUFFIX)] for p in self.parts()}
+
+    def write_part(self, job_id: str, rows: list[dict[str, Any]]) -> Path:
+        """Store a finished job's rows as its part (atomically; never rewritten)."""
+        return write_parquet(rows_to_table(rows), self.part_path(job_id))
+
+
+def open_run(out_dir: Path, suite_name: str, suite_file: str, run_id: str | None = None) -> RunFolder:
+    """The run folder ``out_dir/run_id`` (a new id when None), created with its manifest if new.
+
+    An existing folder continues (shards of one sweep share a run id); it must hold a
+    run of the same suite.
+    """
+    folder = RunFolder(Path(out_dir) / (check_run_id(run_id) if run_id else new_run_id(suite_name)))
+    if folder.path.exists() and not folder.path.is_dir():
+        raise KdbenchError(f"{folder.path} is a file; give another --run-id or --out")
+    if (folder.path / MANIFEST).exists():
+        other = folder.manifest().get("suite")
+        if other != suite_name:
+            raise KdbenchError(
+                f"{folder.path} holds a run of suite '{other}', not '{suite_name}'; give another --run-id"
+            )
+        return folder
+    import kdbench
+
+    folder.path.mkdir(parents=True, exist_ok=True)
+    manifest = {
+        "run_id": folder.run_id,
+        "suite": suite_name,
+        "suite_file": suite_file,
+        "created": datetime.now(UTC).isoformat(),
+        "schema_version": SCHEMA_VERSION,
+        "kdbench_version": kdbench.__version__,
+    }
+    write_text(json.dumps(manifest, indent=2) + "\n", folder.path / MANIFEST)
+    return folder
+
+
+def newest_run(out_dir: Path, suite_name: str) -> RunFolder | None:
+    """The most recently started run of this suite in ``out_dir`` (for --resume), or None."""
+    runs = []
+    for path in Path(out_dir).glob(f"*/{MANIFEST}"):
+        folder = RunFolder(path.parent)
+        manifest = folder.manifest()
+        if manifest.get("suite") == suite_name:
+            runs.append((str(manifest.get("created", "")), folder.run_id, folder))
+    return max(runs, key=lambda r: r[:2])[2] if runs else None
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _hidden(parts: Iterable[str]) -> bool:
+    return any(p.startswith((".", "_")) or p == PROBES_DIR for p in parts)
+
+
+def result_files(paths: Iterable[str | Path]) -> list[Path]:
+    """Parquet files, or folders searched recursively for them (skipping probes/ and hidden or
+    ``_`` names, as pyarrow datasets do), as a sorted list."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files.extend(sorted(q for q in p.rglob("*.parquet") if not _hidden(q.relative_to(p).parts)))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise KdbenchError(f"{p}: no such file or folder; give run folders, parquet files or folders that hold them")
+    return files
+
+
+def read_table(files: list[Path]) -> pa.Table:
+    """The rows of ``files`` in SCHEMA (columns a file lacks are null), as one table."""
+    try:
+        return ds.dataset([str(f) for f in files], schema=SCHEMA, format="parquet").to_table()
+    except (pa.ArrowException, OSError) as exc:
+        for f in files:  # name the file that is not ours
+            try:
+                pq.read_schema(f)
+            except Exception as bad:
+                raise KdbenchError(
+                    f"{f}: not a readable parquet file ({' '.join(str(bad).split())[:200]}); remove it or pass "
+                    "other files"
+                ) from None
+        raise KdbenchError(f"the result files cannot be read together ({' '.join(str(exc).split())[:300]})") from None
+
+
+def read_results(paths: Iterable[str | Path]):
+    """Result files, run folders or folders of runs as one pandas DataFrame, derived columns included."""
+    from kdbench.store.derived import derive
+
+    paths = list(paths)
+    files = result_files(paths)
+    if not files:
+        raise KdbenchError(f"no .parquet result files in {', '.join(map(str, paths))}; run `kdbench run SUITE` first")
+    return derive(read_table(files).to_pandas())

@@ -1,0 +1,63 @@
+"""Helpers the tests import (conftest.py holds fixtures only)."""
+
+import contextlib
+import logging
+from pathlib import Path
+
+import yaml
+
+from kdbench.config.schema import CellConfig
+from kdbench.store.derived import derive
+from kdbench.store.results import MANIFEST, RunFolder
+from kdbench.store.schema import rows_to_table
+
+
+def make_config(**overrides) -> CellConfig:
+    """A small valid cell: resnet8 -> resnet8 on 3x16x16 inputs, quick timing."""
+    raw = {
+        "pair": {"teacher": "resnet8", "student": "resnet8"},
+        "batch_size": 4,
+        "data": {"kind": "synthetic", "shape": [3, 16, 16], "num_classes": 10},
+        "timing": {"warmup": 1, "min_iters": 3, "min_time_s": 0.0},
+        "inference": {"batch_sizes": [1, 4]},
+    }
+    raw.update(overrides)
+    return CellConfig.model_validate(raw)
+
+
+def run_folder(out: Path) -> RunFolder:
+    """The one run folder a test's `kdbench run --out out` made."""
+    runs = [RunFolder(p) for p in Path(out).iterdir() if (p / MANIFEST).is_file()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def write_suite(path: Path, **top) -> Path:
+    """A suite file from top-level keys (``yaml.safe_dump``)."""
+    path.write_text(yaml.safe_dump(top, sort_keys=False))
+    return path
+
+
+def as_read(rows: list[dict]):
+    """Stored rows as :func:`kdbench.store.read_results` returns them: a DataFrame, derived columns computed."""
+    return derive(rows_to_table(rows).to_pandas())
+
+
+@contextlib.contextmanager
+def log_lines(logger: str = "kdbench"):
+    """The messages kdbench logs inside the block, as a list of strings (INFO and up)."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    log = logging.getLogger(logger)
+    handler, level = Keep(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)

@@ -1,0 +1,104 @@
+"""Derived columns, computed at read time from stored rows (kdbench.store.derived), against hand values."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from kdbench.store.derived import derive, payback_steps, speedups, twin_key
+from tests.helpers import as_read
+
+
+def _row(run="r", cell="c", measurement="distill_step", bs=8, median=10.0, **kw):
+    row = {"run_id": run, "cell_id": cell, "cell_label": cell, "measurement": measurement, "status": "ok",
+           "batch_size": bs, "median_ms": median, "precision": "fp32"}  # fmt: skip
+    row.update(kw)
+    return row
+
+
+def _config(**over):
+    config = {"pair": {"teacher": "t", "student": "s"}, "world_size": 1, "teacher": {"mode": "live"}, "seed": 0}
+    config.update(over)
+    return json.dumps(config, sort_keys=True)
+
+
+def test_speedup_pairs_student_and_teacher_of_the_same_run_cell_and_batch():
+    rows = [
+        _row(cell="a", measurement="student_inference", bs=1, median=2.0),
+        _row(cell="a", measurement="teacher_inference", bs=1, median=7.0),
+        _row(cell="a", measurement="student_inference", bs=4, median=3.0),
+        _row(cell="a", measurement="teacher_inference", bs=4, median=9.0, status="failed"),
+        _row(cell="b", measurement="student_inference", bs=1, median=5.0),  # its teacher is another cell's
+        _row(run="other", cell="a", measurement="teacher_inference", bs=4, median=99.0),
+    ]
+    df = as_read(rows)
+    got = df["speedup_vs_teacher"].tolist()
+    assert got[0] == pytest.approx(3.5) and all(np.isnan(got[1:]))
+    assert speedups(rows[:4]) == {1: pytest.approx(3.5)}
+
+
+def test_scaling_efficiency_pairs_cells_that_differ_only_in_world_size():
+    def step(ws, tp, run="r", **cfg):
+        return _row(run=run, cell=f"{run}-{ws}-{tp}", world_size=ws, throughput=tp,
+                    config_json=_config(world_size=ws, **cfg))  # fmt: skip
+
+    rows = [step(2, 150.0), step(1, 100.0), step(4, 320.0), step(2, 90.0, seed=1), step(1, 50.0, lr=1),
+            step(2, 100.0, run="other")]  # fmt: skip
+    got = as_read(rows)["scaling_efficiency"].tolist()
+    assert got[0] == pytest.approx(0.75) and got[2] == pytest.approx(0.8)
+    assert all(np.isnan([got[1], got[3], got[4], got[5]]))  # no twin at world_size 1 in the same run
+
+
+def test_utilisation_against_datasheet_and_measured_ceiling():
+    rows = [
+        _row(median=10.0, flops=1e12, device_name="NVIDIA H100 80GB HBM3", precision="bf16", ceiling_tflops=500.0),
+        _row(cell="cpu", median=20.0, flops=2e9, device_name="Intel(R) Xeon(R) Processor"),
+        _row(cell="failed", status="failed", median=None, flops=1e9, device_name="NVIDIA H100 80GB HBM3"),
+    ]
+    h100, cpu, failed = as_read(rows).to_dict("records")
+    assert h100["achieved_tflops"] == pytest.approx(100.0)
+    assert h100["datasheet_device"] == "H100 SXM" and h100["datasheet_peak_tflops"] == pytest.approx(989.4)
+    assert h100["mfu"] == pytest.approx(100.0 / 989.4)
+    assert h100["ceiling_utilization"] == pytest.approx(0.2)
+    assert cpu["achieved_tflops"] == pytest.approx(0.1)  # no datasheet entry, no probe: nothing invented
+    assert pd.isna(cpu["datasheet_device"]) and np.isnan(cpu["mfu"]) and np.isnan(cpu["ceiling_utilization"])
+    assert np.isnan(failed["achieved_tflops"])
+
+
+def test_teacher_cache_payback_against_the_live_twin_of_the_same_run():
+    rows = [
+        _row(cell="live", median=10.0, teacher_mode="live", config_json=_config()),
+        _row(cell="cached", median=7.5, teacher_mode="cached", teacher_cache_ms=101.0,
+             config_json=_config(teacher={"mode": "cached"})),  # fmt: skip
+        _row(cell="slower", median=12.0, teacher_mode="cached", teacher_cache_ms=5.0,
+             config_json=_config(teacher={"mode": "cached"}, seed=1)),  # fmt: skip
+        _row(cell="live1", median=11.0, teacher_mode="live", config_json=_config(seed=1)),
+    ]
+    df = as_read(rows).set_index("cell_id")
+    assert df.loc["cached", "teacher_cache_saving_ms"] == pytest.approx(2.5)
+    assert df.loc["cached", "teacher_cache_payback_steps"] == 41  # ceil(101 / 2.5)
+    assert df.loc["slower", "teacher_cache_saving_ms"] == pytest.approx(-1.0)
+    assert np.isnan(df.loc["slower", "teacher_cache_payback_steps"])  # caching is slower: never pays back
+    assert np.isnan(df.loc["live", "teacher_cache_saving_ms"])
+
+
+@pytest.mark.parametrize(
+    "one_off, saving, steps",
+    [(101.0, 2.5, 41), (100.0, 2.5, 40), (1.1, 0.1, 11), (5.0, 0.0, None), (5.0, -1.0, None), (None, 1.0, None)],
+)
+def test_payback_steps(one_off, saving, steps):
+    assert payback_steps(one_off, saving) == steps
+
+
+def test_twin_key_drops_only_the_compared_settings():
+    a = _config(teacher={"mode": "live"})
+    b = _config(teacher={"mode": "cached"})
+    assert twin_key(a, (("teacher", "mode"),)) == twin_key(b, (("teacher", "mode"),))
+    assert twin_key(a, (("world_size",),)) != twin_key(b, (("world_size",),))
+    assert twin_key("not json", (("world_size",),)) is None and twin_key(None, ()) is None
+
+
+def test_derive_on_an_empty_frame_adds_the_columns():
+    df = derive(pd.DataFrame({"status": pd.Series(dtype=object)}))
+    assert {"speedup_vs_teacher", "mfu", "teacher_cache_payback_steps"} <= set(df.columns) and df.empty
