@@ -45,7 +45,7 @@ def _number(kind: type, flag: str, low: float | None = None, high: float | None 
             value = kind(text)
         except ValueError:
             raise KdbenchError(f"{flag}: expected a{'n integer' if kind is int else ' number'}, got {text!r}") from None
-        if low is not None and (value <= low if above else value < low) or high is not None and value > high:
+        if (low is not None and (value <= low if above else value < low)) or (high is not None and value > high):
             bounds = f"> {low:g}" if above and high is None else f">= {low:g}" if high is None else f"{low:g}..{high:g}"
             raise KdbenchError(f"{flag}: must be {bounds}, got {text}")
         return value
@@ -77,39 +77,80 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a suite: measure every cell, store parquet, render the report")
     run.add_argument("suite", type=Path, help="suite YAML file, e.g. suites/cpu.yaml")
-    run.add_argument("--out", type=Path, default=Path("results"),
-                     help="results folder; the run is stored in OUT/<run id>/ (default: results/)")  # fmt: skip
-    run.add_argument("--report-dir", type=Path, default=Path("reports"),
-                     help="folder for the HTML/PNG report (default: reports/)")  # fmt: skip
+    run.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results"),
+        help="results folder; the run is stored in OUT/<run id>/ (default: results/)",
+    )
+    run.add_argument(
+        "--report-dir", type=Path, default=Path("reports"), help="folder for the HTML/PNG report (default: reports/)"
+    )
     run.add_argument("--no-report", action="store_true", help="store results only, render no report")
-    run.add_argument("--device", choices=devices, default=None,
-                     help="where to run, overriding the suite's `backend` (auto picks the GPU when there is one)")  # fmt: skip
-    run.add_argument("--threads", type=int, default=None,
-                     help="torch CPU threads (default: the suite's `threads`, else torch's default for this machine)")  # fmt: skip
-    run.add_argument("--allow-imports", action="store_true",
-                     help="allow `module:callable` user models, as `allow_imports: true` in the suite does")  # fmt: skip
+    run.add_argument(
+        "--device",
+        choices=devices,
+        default=None,
+        help="where to run, overriding the suite's `backend` (auto picks the GPU when there is one)",
+    )
+    run.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: the suite's `threads`, else torch's default for this machine)",
+    )
+    run.add_argument(
+        "--allow-imports",
+        action="store_true",
+        help="allow `module:callable` user models, as `allow_imports: true` in the suite does",
+    )
     run.add_argument("--dry-run", action="store_true", help="validate the suite and print the plan; run nothing")
-    run.add_argument("--resume", action="store_true",
-                     help="continue the newest run of this suite in --out: run only the jobs not stored yet")  # fmt: skip
-    run.add_argument("--run-id", type=_run_id, default=None, metavar="ID",
-                     help="store the run in OUT/ID/, continuing it when it exists: the shards of one sweep given the "
-                          "same ID write into one folder (default: a new id, <suite>-<UTC time>-<random>)")  # fmt: skip
-    run.add_argument("--cell-timeout", type=float, default=None, metavar="SECONDS",
-                     help="stop a job (a cell, or the quality block) that runs longer and store it as `timeout` "
-                          "(default: the suite's `cell_timeout_s`, 3600)")  # fmt: skip
-    run.add_argument("--shard", type=_shard, default=None, metavar="I/N",
-                     help="run only share I of N of the plan (every N-th cell from the I-th; the quality block in "
-                          "share 1), e.g. one task of a Slurm job array")  # fmt: skip
-    run.add_argument("--profile", action="store_true",
-                     help="also write a torch.profiler Chrome trace of each cell's step (a separate pass after "
-                          "timing) under OUT/traces/<run id>/, and list its top operators in the report; as "
-                          "`profile: true`")  # fmt: skip
-    run.add_argument("--inline", action="store_true",
-                     help="run jobs in this process instead of a worker process (no crash isolation; for debugging)")  # fmt: skip
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the newest run of this suite in --out: run only the jobs not stored yet",
+    )
+    run.add_argument(
+        "--run-id",
+        type=_run_id,
+        default=None,
+        metavar="ID",
+        help="store the run in OUT/ID/, continuing it when it exists: the shards of one sweep given the "
+        "same ID write into one folder (default: a new id, <suite>-<UTC time>-<random>)",
+    )
+    run.add_argument(
+        "--cell-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop a job (a cell, or the quality block) that runs longer and store it as `timeout` "
+        "(default: the suite's `cell_timeout_s`, 3600)",
+    )
+    run.add_argument(
+        "--shard",
+        type=_shard,
+        default=None,
+        metavar="I/N",
+        help="run only share I of N of the plan (every N-th cell from the I-th; the quality block in "
+        "share 1), e.g. one task of a Slurm job array",
+    )
+    run.add_argument(
+        "--profile",
+        action="store_true",
+        help="also write a torch.profiler Chrome trace of each cell's step (a separate pass after "
+        "timing) under OUT/traces/<run id>/, and list its top operators in the report; as "
+        "`profile: true`",
+    )
+    run.add_argument(
+        "--inline",
+        action="store_true",
+        help="run jobs in this process instead of a worker process (no crash isolation; for debugging)",
+    )
 
     rep = sub.add_parser("report", help="render an HTML/PNG report from result files")
-    rep.add_argument("results", nargs="+", type=Path,
-                     help="run folders, parquet files, or folders searched for them (e.g. results/)")  # fmt: skip
+    rep.add_argument(
+        "results", nargs="+", type=Path, help="run folders, parquet files, or folders searched for them (e.g. results/)"
+    )
     rep.add_argument("--out", type=Path, default=Path("reports"), help="report folder (default: reports/)")
 
     sub.add_parser("env", help="show the backend, devices and software kdbench detects")
@@ -117,17 +158,37 @@ def _parser() -> argparse.ArgumentParser:
     probe = sub.add_parser(
         "probe", help="measure this device's ceilings (matmul TFLOP/s per dtype, copy GB/s) for later runs' utilisation"
     )
-    probe.add_argument("--out", type=Path, default=Path("results"),
-                       help="results folder; the probe goes to OUT/probes/ where `run --out OUT` finds it "
-                            "(default: results/)")  # fmt: skip
-    probe.add_argument("--device", choices=devices, default="auto",
-                       help="which device to probe (default: auto, the GPU when there is one)")  # fmt: skip
-    probe.add_argument("--threads", type=_number(int, "--threads", 1, 4096), default=None,
-                       help="torch CPU threads (default: torch's default)")  # fmt: skip
-    probe.add_argument("--size", type=_number(int, "--size", 16, 65536), default=None,
-                       help="matmul side n (default: 2048 on the CPU, 8192 on GPUs)")  # fmt: skip
-    probe.add_argument("--min-time", type=_number(float, "--min-time", 0, above=True), default=0.5, metavar="SECONDS",
-                       help="minimum timed duration per measurement (default: 0.5)")  # fmt: skip
+    probe.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results"),
+        help="results folder; the probe goes to OUT/probes/ where `run --out OUT` finds it (default: results/)",
+    )
+    probe.add_argument(
+        "--device",
+        choices=devices,
+        default="auto",
+        help="which device to probe (default: auto, the GPU when there is one)",
+    )
+    probe.add_argument(
+        "--threads",
+        type=_number(int, "--threads", 1, 4096),
+        default=None,
+        help="torch CPU threads (default: torch's default)",
+    )
+    probe.add_argument(
+        "--size",
+        type=_number(int, "--size", 16, 65536),
+        default=None,
+        help="matmul side n (default: 2048 on the CPU, 8192 on GPUs)",
+    )
+    probe.add_argument(
+        "--min-time",
+        type=_number(float, "--min-time", 0, above=True),
+        default=0.5,
+        metavar="SECONDS",
+        help="minimum timed duration per measurement (default: 0.5)",
+    )
 
     lst = sub.add_parser("list", help="list models or distillation methods")
     lst.add_argument("what", choices=["models", "methods"])
@@ -140,14 +201,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from kdbench.run.engine import RunOptions
 
     suite = api.load_suite(args.suite)
-    suite = with_overrides(suite, {
-        "threads": ("--threads", args.threads),
-        "cell_timeout_s": ("--cell-timeout", args.cell_timeout),
-        "allow_imports": ("--allow-imports", True if args.allow_imports else None),
-        "profile": ("--profile", True if args.profile else None),
-    })  # fmt: skip
-    options = RunOptions(out_dir=args.out, device=args.device, resume=args.resume, run_id=args.run_id,
-                         shard=args.shard, inline=args.inline)  # fmt: skip
+    suite = with_overrides(
+        suite,
+        {
+            "threads": ("--threads", args.threads),
+            "cell_timeout_s": ("--cell-timeout", args.cell_timeout),
+            "allow_imports": ("--allow-imports", True if args.allow_imports else None),
+            "profile": ("--profile", True if args.profile else None),
+        },
+    )
+    options = RunOptions(
+        out_dir=args.out,
+        device=args.device,
+        resume=args.resume,
+        run_id=args.run_id,
+        shard=args.shard,
+        inline=args.inline,
+    )
     if args.dry_run:
         return _dry_run(suite, options)
     plan = api.plan(suite, options.shard)
@@ -162,8 +232,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         again = ["kdbench", "run", str(args.suite), "--out", str(args.out)]
         again += ["--run-id", args.run_id] if args.run_id else ["--resume"]
         again += ["--device", args.device] if args.device else []
-        print(f"interrupted: {outcome.jobs} jobs stored in {outcome.path}; resume with:\n  {shlex.join(again)}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"interrupted: {outcome.jobs} jobs stored in {outcome.path}; resume with:\n  {shlex.join(again)}",
+            file=sys.stderr,
+        )
         return 130
     print(f"{outcome.jobs} jobs, {outcome.rows} rows -> {outcome.path}")
     stored = any(outcome.path.glob("part-*.parquet"))
@@ -196,7 +268,11 @@ def _dry_run(suite, options) -> int:
             print(f"after the cells, {job.describe()}")
     requested = options.device or suite.backend
     d = detect()
-    here = "available here" if requested in ("auto", "cpu") or d.best == requested else f"NOT available here: {d.describe()}"
+    here = (
+        "available here"
+        if requested in ("auto", "cpu") or d.best == requested
+        else f"NOT available here: {d.describe()}"
+    )
     cells = sum(isinstance(j, CellJob) for j in plan.jobs)
     print(f"{cells} cells, {n_rows} measurements; suite '{suite.name}', backend {requested} ({here})")
     return 0

@@ -16,8 +16,9 @@ class KdbenchError(Exception):
     exit_code = 2
 
 
-def did_you_mean(word: str, choices: Iterable[str], n: int = 3, cutoff: float = 0.6, quote: bool = False,
-                 join: str = "") -> str:  # fmt: skip
+def did_you_mean(
+    word: str, choices: Iterable[str], n: int = 3, cutoff: float = 0.6, quote: bool = False, join: str = ""
+) -> str:
     """'did you mean a, b? ' for the choices close to `word` (each quoted with `quote`, prefixed
     with `join`), else ''."""
     close = difflib.get_close_matches(word, list(choices), n=n, cutoff=cutoff)

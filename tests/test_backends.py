@@ -289,7 +289,7 @@ def test_autocast_disabled_with_warning_uses_first_warning_line(monkeypatch):
             pass
 
         def __enter__(self):
-            warnings.warn("device cannot autocast to this dtype\nmore detail")
+            warnings.warn("device cannot autocast to this dtype\nmore detail", stacklevel=2)
             return self
 
         def __exit__(self, *exc):

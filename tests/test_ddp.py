@@ -187,11 +187,26 @@ def test_kdbench_started_by_torchrun_runs_the_same_engine(tmp_path):
     import sys
 
     suite = tmp_path / "alloc.yaml"
-    suite.write_text(DDP.replace("world_size: [1, 2]", "world_size: [1, 2, 4]")
-                     + "quality: {dataset: digits, epochs: 1, seeds: 1, target: 0.5, max_samples: 400}\n")
+    suite.write_text(
+        DDP.replace("world_size: [1, 2]", "world_size: [1, 2, 4]")
+        + "quality: {dataset: digits, epochs: 1, seeds: 1, target: 0.5, max_samples: 400}\n"
+    )
     out = tmp_path / "res"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "kdbench",
-           "run", str(suite), "--out", str(out), "--no-report", "--profile"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "kdbench",
+        "run",
+        str(suite),
+        "--out",
+        str(out),
+        "--no-report",
+        "--profile",
+    ]
     r = subprocess.run(cmd, cwd=TESTS.parent, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "2 ranks of a torchrun allocation" in r.stdout
@@ -216,9 +231,12 @@ def test_kdbench_started_by_torchrun_runs_the_same_engine(tmp_path):
 
 def test_a_data_parallel_cell_keeps_its_step_when_inference_fails(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))  # passed on to the ranks through PYTHONPATH
-    text = (DDP.replace("student: resnet8}", "student: 'faulty_models:raising_in_eval'}")
-            .replace("world_size: [1, 2]", "world_size: [2]").replace("[3, 16, 16]", "[1, 4, 4]")
-            .replace("teacher: resnet8", "teacher: linear"))  # fmt: skip
+    text = (
+        DDP.replace("student: resnet8}", "student: 'faulty_models:raising_in_eval'}")
+        .replace("world_size: [1, 2]", "world_size: [2]")
+        .replace("[3, 16, 16]", "[1, 4, 4]")
+        .replace("teacher: resnet8", "teacher: linear")
+    )
     (tmp_path / "s.yaml").write_text(text)
     assert main(["run", str(tmp_path / "s.yaml"), "--out", str(tmp_path), "--no-report"]) == 1
     rows = read_results([run_folder(tmp_path).path]).set_index("measurement")
@@ -231,8 +249,11 @@ def test_a_data_parallel_cell_keeps_its_step_when_inference_fails(tmp_path, monk
 
 
 def test_shards_given_one_run_id_write_into_one_folder(tmp_path, capsys):
-    text = (DDP.replace("world_size: [1, 2]", "seed: [0, 1, 2, 3]").replace("[3, 16, 16]", "[1, 4, 4]")
-            .replace("teacher: resnet8, student: resnet8", "teacher: linear, student: linear"))  # fmt: skip
+    text = (
+        DDP.replace("world_size: [1, 2]", "seed: [0, 1, 2, 3]")
+        .replace("[3, 16, 16]", "[1, 4, 4]")
+        .replace("teacher: resnet8, student: resnet8", "teacher: linear, student: linear")
+    )
     (tmp_path / "s.yaml").write_text(text)
     out = tmp_path / "res"
     for i in (1, 2):  # e.g. two tasks of a Slurm job array, on two machines sharing the folder

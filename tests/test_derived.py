@@ -11,8 +11,16 @@ from tests.helpers import as_read
 
 
 def _row(run="r", cell="c", measurement="distill_step", bs=8, median=10.0, **kw):
-    row = {"run_id": run, "cell_id": cell, "cell_label": cell, "measurement": measurement, "status": "ok",
-           "batch_size": bs, "median_ms": median, "precision": "fp32"}  # fmt: skip
+    row = {
+        "run_id": run,
+        "cell_id": cell,
+        "cell_label": cell,
+        "measurement": measurement,
+        "status": "ok",
+        "batch_size": bs,
+        "median_ms": median,
+        "precision": "fp32",
+    }
     row.update(kw)
     return row
 
@@ -40,11 +48,18 @@ def test_speedup_pairs_student_and_teacher_of_the_same_run_cell_and_batch():
 
 def test_scaling_efficiency_pairs_cells_that_differ_only_in_world_size():
     def step(ws, tp, run="r", **cfg):
-        return _row(run=run, cell=f"{run}-{ws}-{tp}", world_size=ws, throughput=tp,
-                    config_json=_config(world_size=ws, **cfg))  # fmt: skip
+        return _row(
+            run=run, cell=f"{run}-{ws}-{tp}", world_size=ws, throughput=tp, config_json=_config(world_size=ws, **cfg)
+        )
 
-    rows = [step(2, 150.0), step(1, 100.0), step(4, 320.0), step(2, 90.0, seed=1), step(1, 50.0, lr=1),
-            step(2, 100.0, run="other")]  # fmt: skip
+    rows = [
+        step(2, 150.0),
+        step(1, 100.0),
+        step(4, 320.0),
+        step(2, 90.0, seed=1),
+        step(1, 50.0, lr=1),
+        step(2, 100.0, run="other"),
+    ]
     got = as_read(rows)["scaling_efficiency"].tolist()
     assert got[0] == pytest.approx(0.75) and got[2] == pytest.approx(0.8)
     assert all(np.isnan([got[1], got[3], got[4], got[5]]))  # no twin at world_size 1 in the same run
@@ -69,10 +84,20 @@ def test_utilisation_against_datasheet_and_measured_ceiling():
 def test_teacher_cache_payback_against_the_live_twin_of_the_same_run():
     rows = [
         _row(cell="live", median=10.0, teacher_mode="live", config_json=_config()),
-        _row(cell="cached", median=7.5, teacher_mode="cached", teacher_cache_ms=101.0,
-             config_json=_config(teacher={"mode": "cached"})),  # fmt: skip
-        _row(cell="slower", median=12.0, teacher_mode="cached", teacher_cache_ms=5.0,
-             config_json=_config(teacher={"mode": "cached"}, seed=1)),  # fmt: skip
+        _row(
+            cell="cached",
+            median=7.5,
+            teacher_mode="cached",
+            teacher_cache_ms=101.0,
+            config_json=_config(teacher={"mode": "cached"}),
+        ),
+        _row(
+            cell="slower",
+            median=12.0,
+            teacher_mode="cached",
+            teacher_cache_ms=5.0,
+            config_json=_config(teacher={"mode": "cached"}, seed=1),
+        ),
         _row(cell="live1", median=11.0, teacher_mode="live", config_json=_config(seed=1)),
     ]
     df = as_read(rows).set_index("cell_id")

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from kdbench.config.plan import cell_id_of, expand, planned_measurements
 from kdbench.config import load_suite
+from kdbench.config.plan import cell_id_of, expand, planned_measurements
 from kdbench.errors import KdbenchError
 
 SUITES = Path(__file__).resolve().parent.parent / "suites"

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from kdbench.errors import KdbenchError
-from kdbench.hw.backends import Backend
 from kdbench.hw import probe
+from kdbench.hw.backends import Backend
 from kdbench.hw.peaks import PEAKS, datasheet_peak
 from kdbench.hw.probe import measure_ceilings, probe_env
 from kdbench.measure import memory, telemetry

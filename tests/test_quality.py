@@ -9,10 +9,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from kdbench.config.schema import QualityConfig
 from kdbench.distill.losses import dkd as dkd_method
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import resolve
-from kdbench.config.schema import QualityConfig
 from kdbench.quality.datasets import load_dataset
 from kdbench.quality.protocol import ROW_KEYS, planned_rows, quality_jobs, run_quality
 from kdbench.report.summaries import markdown_table, summarize_quality
@@ -197,7 +197,7 @@ def two_methods():
 
 
 def test_rows_one_per_model_and_seed(two_methods):
-    rows, log = two_methods
+    rows, _ = two_methods
     assert len(rows) == 2 * (1 + 1 + 2)
     assert all(tuple(r) == ROW_KEYS for r in rows)
     assert all(r["status"] == "ok" and r["error"] is None for r in rows), [r["error"] for r in rows]
@@ -416,8 +416,10 @@ def test_a_quality_job_that_crashes_is_stored_failed_and_the_run_goes_on(tmp_pat
     from tests.helpers import run_folder
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))  # faulty_models, for the worker process
-    text = QUALITY_SUITE.replace("pair: {teacher: resnet8, student: resnet8}",
-                                 "pair: {teacher: resnet8, student: 'faulty_models:segfault_in_training'}")
+    text = QUALITY_SUITE.replace(
+        "pair: {teacher: resnet8, student: resnet8}",
+        "pair: {teacher: resnet8, student: 'faulty_models:segfault_in_training'}",
+    )
     suite = tmp_path / "q.yaml"
     suite.write_text("allow_imports: true\n" + text.replace("method: [kd, dkd]", "method: [kd]"))
     out = tmp_path / "res"

@@ -310,7 +310,7 @@ def test_caching_without_pairs_says_so(tmp_path):
 
 
 def test_top_ops_are_listed_with_escaped_trace_links(report):
-    index, page = report
+    _, page = report
     blocks = re.findall(r'<details class="top-ops">(.*?)</details>', page, re.S)
     assert len(blocks) == 2
     a = next(b for b in blocks if "A live" in b)

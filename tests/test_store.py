@@ -38,9 +38,19 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def _row(i, **kw):
-    row = {"schema_version": 2, "run_id": "r1", "suite": "s", "cell_id": f"c{i}", "measurement": "distill_step",
-           "status": "ok", "batch_size": 8, "median_ms": 1.5 + i, "samples_ms": [1.0, 2.0, 1.5 + i],
-           "timestamp": datetime(2026, 1, 1, tzinfo=UTC), "noisy": False}  # fmt: skip
+    row = {
+        "schema_version": 2,
+        "run_id": "r1",
+        "suite": "s",
+        "cell_id": f"c{i}",
+        "measurement": "distill_step",
+        "status": "ok",
+        "batch_size": 8,
+        "median_ms": 1.5 + i,
+        "samples_ms": [1.0, 2.0, 1.5 + i],
+        "timestamp": datetime(2026, 1, 1, tzinfo=UTC),
+        "noisy": False,
+    }
     row.update(kw)
     return row
 
@@ -55,17 +65,18 @@ def test_readme_documents_every_column_in_order():
 
 def test_required_columns_present_and_derived_ones_not_stored():
     required = (
-        "schema_version run_id suite cell_id measurement status error batch_size teacher student method "
-        "precision teacher_precision backend device_name torch_version n median_ms mean_ms std_ms iqr_ms "
-        "p05_ms p95_ms min_ms max_ms first_ms samples_ms throughput"
+        "schema_version run_id suite cell_id measurement status error batch_size teacher student method precision "
+        "teacher_precision backend device_name torch_version n median_ms mean_ms std_ms iqr_ms p05_ms p95_ms min_ms "
+        "max_ms first_ms samples_ms throughput"
     ).split()
     assert set(required) <= set(STORED_SCHEMA.names)
     assert all(c.doc for c in COLUMNS)
     assert all(c.unit == "ms" for c in COLUMNS if c.name.endswith("_ms"))
     assert {"speedup_vs_teacher", "scaling_efficiency", "mfu", "teacher_cache_payback_steps"} <= set(DERIVED_COLUMNS)
     assert not set(DERIVED_COLUMNS) & set(STORED_SCHEMA.names)
-    assert STORED_SCHEMA.names + list(DERIVED_COLUMNS) == sorted(SCHEMA.names, key=STORED_SCHEMA.names.__contains__,
-                                                                 reverse=True)  # fmt: skip
+    assert STORED_SCHEMA.names + list(DERIVED_COLUMNS) == sorted(
+        SCHEMA.names, key=STORED_SCHEMA.names.__contains__, reverse=True
+    )
 
 
 def test_unknown_or_derived_column_in_a_row_is_a_bug():
@@ -79,7 +90,9 @@ def test_a_run_is_a_folder_of_parts_written_once(tmp_path):
     run = open_run(tmp_path, "s", "suites/s.yaml")
     assert run.path.parent == tmp_path and json.loads((run.path / MANIFEST).read_text())["suite"] == "s"
     run.write_part("c0", [_row(0)])
-    run.write_part("c1", [_row(1), _row(2, cell_id="c1", status="failed", error="boom", median_ms=None, samples_ms=None)])
+    run.write_part(
+        "c1", [_row(1), _row(2, cell_id="c1", status="failed", error="boom", median_ms=None, samples_ms=None)]
+    )
     assert [p.name for p in run.parts()] == ["part-c0.parquet", "part-c1.parquet"]
     assert run.stored_job_ids() == {"c0", "c1"}
     part = pq.read_table(run.part_path("c1"))

@@ -58,7 +58,9 @@ def _validate_sweep(suite: Suite) -> None:
         path = () if axis == CASES else check_axis_name(suite, ("matrix", axis), axis)
         for i, value in enumerate(values):
             if axis == CASES and not isinstance(value, dict):
-                raise suite.error(("matrix", axis, i), f"each case is a mapping of cell keys, not {type(value).__name__}")
+                raise suite.error(
+                    ("matrix", axis, i), f"each case is a mapping of cell keys, not {type(value).__name__}"
+                )
             try:
                 CellDefaults.model_validate(deep_merge(suite.defaults, overlay(axis, value)))
             except ValidationError as exc:
@@ -66,7 +68,9 @@ def _validate_sweep(suite: Suite) -> None:
                     loc = tuple(err["loc"])
                     if loc[: len(path)] == path:
                         at = ("matrix", axis, i) + loc[len(path) :]
-                        raise KdbenchError(f"{where(suite.path, suite.lines, at)}: {describe(err, CellDefaults)}") from None
+                        raise KdbenchError(
+                            f"{where(suite.path, suite.lines, at)}: {describe(err, CellDefaults)}"
+                        ) from None
     for i, entry in enumerate(suite.exclude):
         if not entry:
             raise suite.error(("exclude", i), "is empty and would exclude every cell; give the keys to match")

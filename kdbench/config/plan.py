@@ -170,7 +170,9 @@ def expand(suite: Suite) -> list[Cell]:
             continue
         cell = Cell(index=len(cells), cell_id=cell_id_of(config), config=config)
         if cell.cell_id in seen:
-            raise suite.error(("matrix",), f"two combinations give the same cell ({cell.label}); remove the repeated value")
+            raise suite.error(
+                ("matrix",), f"two combinations give the same cell ({cell.label}); remove the repeated value"
+            )
         seen.add(cell.cell_id)
         cells.append(cell)
     if not cells:
@@ -203,18 +205,22 @@ def check_cell(config: CellConfig, allow_imports: bool, nnodes: int = 1) -> list
         if check(("pair", role), check_model_name, name, allow_imports):
             check(("pair", role), check_model_input, name, config.data.shape)
     if config.world_size > 1 and config.world_size % nnodes:
-        problems.append(
-            (
-                ("world_size",),
-                f"world_size {config.world_size} does not split over launcher.nnodes {nnodes}; use a multiple of nnodes",
-            )
-        )
+        why = f"world_size {config.world_size} does not split over launcher.nnodes {nnodes}; use a multiple of nnodes"
+        problems.append((("world_size",), why))
     if check(("method",), check_method, config.method) and needs_features(config.method):
         feats = config.features
         check(("features",), check_feature_count, feats.teacher, feats.student)
         for role in ("teacher", "student"):
-            check(("features", role), check_feature_paths, role, getattr(config.pair, role), getattr(feats, role),
-                  config.data.num_classes, tuple(config.data.shape), allow_imports)  # fmt: skip
+            check(
+                ("features", role),
+                check_feature_paths,
+                role,
+                getattr(config.pair, role),
+                getattr(feats, role),
+                config.data.num_classes,
+                tuple(config.data.shape),
+                allow_imports,
+            )
     check(("weights",), check_weights, config.method, config.weights)
     return problems
 

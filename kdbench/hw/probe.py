@@ -49,8 +49,16 @@ def measure_ceilings(
     nbytes = copy_bytes or (2**30 if gpu else 64 * 2**20)
     rows = []
     for d in dtypes:
-        row = {"kind": "matmul", "dtype": d, "size": n, "value": None, "unit": "TFLOP/s", "median_ms": None,
-               "p05_ms": None, "error": None}  # fmt: skip
+        row = {
+            "kind": "matmul",
+            "dtype": d,
+            "size": n,
+            "value": None,
+            "unit": "TFLOP/s",
+            "median_ms": None,
+            "p05_ms": None,
+            "error": None,
+        }
         try:
             a = torch.randn(n, n, device=backend.device).to(DTYPES[d])
             b = torch.randn(n, n, device=backend.device).to(DTYPES[d])
@@ -64,8 +72,18 @@ def measure_ceilings(
     src = torch.ones(nbytes, dtype=torch.uint8, device=backend.device)
     dst = torch.empty_like(src)
     median, fast = _times_ms(lambda: dst.copy_(src), backend, min_time_s)
-    rows.append({"kind": "copy", "dtype": "uint8", "size": nbytes, "value": 2 * nbytes / (fast / 1e3) / 1e9,
-                 "unit": "GB/s", "median_ms": median, "p05_ms": fast, "error": None})  # fmt: skip
+    rows.append(
+        {
+            "kind": "copy",
+            "dtype": "uint8",
+            "size": nbytes,
+            "value": 2 * nbytes / (fast / 1e3) / 1e9,
+            "unit": "GB/s",
+            "median_ms": median,
+            "p05_ms": fast,
+            "error": None,
+        }
+    )
     return rows
 
 

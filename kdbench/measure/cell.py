@@ -172,7 +172,9 @@ def distill_row(step: DistillStep, raw: RawTiming, config: CellConfig, x: torch.
         "notes": _notes(d.student_ac, d.teacher_ac, alignment=_alignment_note(x, config)),
     }
     if not math.isfinite(loss):
-        row.update(status=Status.FAILED, error=f"the distillation loss is not finite ({loss}); lower lr or use bf16/fp32")
+        row.update(
+            status=Status.FAILED, error=f"the distillation loss is not finite ({loss}); lower lr or use bf16/fp32"
+        )
     return row
 
 
@@ -204,7 +206,9 @@ def measure_distill_step(
             path = Path(options.trace_dir) / f"{trace_name}.json" if rank == 0 else None
             traced = trace(step, backend, path)
         if row is not None:
-            row.update(profile, **flops, **traced, optimizer_state_bytes=optimizer_state_bytes(step.distiller.optimizer))
+            row.update(
+                profile, **flops, **traced, optimizer_state_bytes=optimizer_state_bytes(step.distiller.optimizer)
+            )
         return row
     finally:
         step.close()
@@ -276,11 +280,23 @@ def measure_cell(
         return None
     rows = [step]
     for bs in config.inference.batch_sizes:
-        rows.append(guarded(Measurement.STUDENT_INFERENCE, bs, backend,
-                            lambda bs=bs: measure_inference(student, "student", bs, config, backend)))  # fmt: skip
+        rows.append(
+            guarded(
+                Measurement.STUDENT_INFERENCE,
+                bs,
+                backend,
+                lambda bs=bs: measure_inference(student, "student", bs, config, backend),
+            )
+        )
         if config.inference.teacher:
-            rows.append(guarded(Measurement.TEACHER_INFERENCE, bs, backend,
-                                lambda bs=bs: measure_inference(teacher, "teacher", bs, config, backend)))  # fmt: skip
+            rows.append(
+                guarded(
+                    Measurement.TEACHER_INFERENCE,
+                    bs,
+                    backend,
+                    lambda bs=bs: measure_inference(teacher, "teacher", bs, config, backend),
+                )
+            )
     params = {"student_params": count_params(student), "teacher_params": count_params(teacher)}
     for row in rows:
         row.update(params)

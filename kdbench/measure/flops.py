@@ -13,9 +13,9 @@ from typing import Any
 
 from torch.utils.flop_counter import FlopCounterMode
 
+
 def count_flops(fn: Callable[[], Any]) -> int:
     """Run `fn` once and return the FLOPs torch's flop counter attributes to it (2 per multiply-add)."""
     with FlopCounterMode(display=False) as counter:
         fn()
     return int(counter.get_total_flops())
-

@@ -122,7 +122,6 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(v.nbytes for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
 
 
-
 def memory_columns(usage: MemoryUsage) -> dict[str, Any]:
     return {
         "memory_kind": usage.kind,

@@ -241,7 +241,6 @@ class TelemetrySampler:
         )
 
 
-
 def telemetry_columns(t: Telemetry) -> dict[str, Any]:
     """Telemetry as result columns; when unavailable, only the reason (no invented numbers)."""
     return {

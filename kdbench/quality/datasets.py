@@ -236,7 +236,6 @@ def load_dataset(cfg: QualityConfig, shape: Iterable[int], seed: int = 0) -> Dat
     return Dataset(x_tr, y_tr.long(), x_te, y_te.long(), int(num_classes))
 
 
-
 def check_quality(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
     """The cheap checks, before anything runs: image cells, and a data folder that exists."""
     for c in configs:

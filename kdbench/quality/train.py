@@ -156,5 +156,3 @@ def ce_step(
         return loss.detach()
 
     return step
-
-

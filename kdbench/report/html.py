@@ -280,17 +280,19 @@ def _caching(df: pd.DataFrame) -> list[dict]:
             payback = "never (cached is not faster)"
         else:
             payback = MISSING
-        out.append({
-            "run_id": r["run_id"],
-            "cell_label": _text(r["cell_label"]),
-            "cached_label": _text(r["cached_label"]),
-            "live": format_ms(r["median_ms_live"]),
-            "cached": format_ms(r["median_ms_cached"]),
-            "saving_ms": format_ms(saving),
-            "saving_pct": f"{saving / r['median_ms_live'] * 100:.1f} %" if r["median_ms_live"] > 0 else MISSING,
-            "one_off": format_ms(r["teacher_cache_ms"]),
-            "payback": payback,
-        })  # fmt: skip
+        out.append(
+            {
+                "run_id": r["run_id"],
+                "cell_label": _text(r["cell_label"]),
+                "cached_label": _text(r["cached_label"]),
+                "live": format_ms(r["median_ms_live"]),
+                "cached": format_ms(r["median_ms_cached"]),
+                "saving_ms": format_ms(saving),
+                "saving_pct": f"{saving / r['median_ms_live'] * 100:.1f} %" if r["median_ms_live"] > 0 else MISSING,
+                "one_off": format_ms(r["teacher_cache_ms"]),
+                "payback": payback,
+            }
+        )
     return out
 
 

@@ -20,8 +20,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import LogFormatter, NullLocator
 
-from kdbench.names import PHASES as STEP_PHASES
 from kdbench.names import INFERENCE, REMAINDER_COLUMN, Measurement, Status
+from kdbench.names import PHASES as STEP_PHASES
 from kdbench.report.summaries import latest
 from kdbench.store.schema import COLUMNS
 

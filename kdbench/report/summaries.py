@@ -93,7 +93,7 @@ def summarize_quality(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def mean_std(mean, std, scale: float = 1.0, fmt=lambda v: f"{v:.1f}", missing: str = "—") -> str:
-    """"mean ± std" (scaled); the mean alone when std is undefined (one seed); ``missing`` without a mean."""
+    """ "mean ± std" (scaled); the mean alone when std is undefined (one seed); ``missing`` without a mean."""
     if mean is None or pd.isna(mean) or not math.isfinite(float(mean)):
         return missing
     text = fmt(float(mean) * scale)

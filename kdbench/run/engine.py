@@ -164,8 +164,9 @@ def _run_allocated(suite: Suite, plan: Plan, backend_name: str, threads: int, op
             return RunOutcome(run_id=folder[0].run_id, path=folder[0].path, follower=True)
         single = InlineWorker(setup) if options.inline else ProcessWorker(setup)
         workers = AllocationWorkers(alloc, setup, single, groups)
-        return _execute(suite, plan, folder[0], backend, workers, f"{alloc.world_size} ranks of a {alloc.source} "
-                        f"allocation")  # fmt: skip
+        return _execute(
+            suite, plan, folder[0], backend, workers, f"{alloc.world_size} ranks of a {alloc.source} allocation"
+        )
     finally:
         dist.destroy_process_group()
 
@@ -264,8 +265,15 @@ def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, work
     extra = " and the quality job" if len(todo) > cells else ""
     logger.info(
         "run %s: %d cells%s of suite '%s' on %s (%s), %s -> %s",
-        folder.run_id, cells, extra, suite.name, backend.name, stamp.env["device_name"], where, folder.path,
-    )  # fmt: skip
+        folder.run_id,
+        cells,
+        extra,
+        suite.name,
+        backend.name,
+        stamp.env["device_name"],
+        where,
+        folder.path,
+    )
     try:
         if not todo:
             return outcome

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ class WorkerSetup:
     backend: Backend
     allow_imports: bool
     threads: int
-    options: MeasureOptions = MeasureOptions()
+    options: MeasureOptions = field(default_factory=MeasureOptions)
     log_level: int = logging.INFO
 
 
@@ -293,13 +293,22 @@ class TorchrunWorker:
         if backend.device_type == "cuda" and per_node > self.gpu_count:
             why = f"world_size {ws} needs {per_node} GPUs on each of {self.launcher.nnodes} node(s); this machine has "
             return failure_rows(job, Status.SKIPPED, why + str(self.gpu_count))
-        rank_setup = WorkerSetup(backend, self.setup.allow_imports, max(1, self.setup.threads // per_node),
-                                 self.setup.options)  # fmt: skip
+        rank_setup = WorkerSetup(
+            backend, self.setup.allow_imports, max(1, self.setup.threads // per_node), self.setup.options
+        )
         with tempfile.TemporaryDirectory(prefix="kdbench-ddp-") as tmp:
             spec, rows_file, log = Path(tmp) / "job.pkl", Path(tmp) / "rows.pkl", Path(tmp) / "output.log"
             spec.write_bytes(pickle.dumps({"job": job, "setup": rank_setup, "timeout_s": timeout}))
-            cmd = [sys.executable, "-m", "torch.distributed.run", *self.torchrun_args(job),
-                   "-m", "kdbench.run.rank", str(spec), str(rows_file)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                *self.torchrun_args(job),
+                "-m",
+                "kdbench.run.rank",
+                str(spec),
+                str(rows_file),
+            ]
             env = {
                 **os.environ,
                 "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
@@ -312,8 +321,12 @@ class TorchrunWorker:
                     proc.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
                     _kill_tree(proc, str(spec))
-                    return failure_rows(job, Status.TIMEOUT, f"the cell exceeded its time-out of {timeout:g} s and "
-                                        f"its {ws} ranks were stopped; last output: {_error_lines(log.read_text())}")  # fmt: skip
+                    return failure_rows(
+                        job,
+                        Status.TIMEOUT,
+                        f"the cell exceeded its time-out of {timeout:g} s and "
+                        f"its {ws} ranks were stopped; last output: {_error_lines(log.read_text())}",
+                    )
                 except BaseException:  # Ctrl-C: leave nothing behind
                     _kill_tree(proc, str(spec))
                     raise

@@ -20,18 +20,20 @@ import pyarrow.parquet as pq
 
 from kdbench.store.files import write_parquet
 
-PROBE_SCHEMA = pa.schema([
-    ("probe_id", pa.string()),
-    ("timestamp", pa.timestamp("us", tz="UTC")),
-    ("kind", pa.string()),
-    ("dtype", pa.string()),
-    ("size", pa.int64()),
-    ("value", pa.float64()),
-    ("unit", pa.string()),
-    ("median_ms", pa.float64()),
-    ("p05_ms", pa.float64()),
-    ("error", pa.string()),
-])
+PROBE_SCHEMA = pa.schema(
+    [
+        ("probe_id", pa.string()),
+        ("timestamp", pa.timestamp("us", tz="UTC")),
+        ("kind", pa.string()),
+        ("dtype", pa.string()),
+        ("size", pa.int64()),
+        ("value", pa.float64()),
+        ("unit", pa.string()),
+        ("median_ms", pa.float64()),
+        ("p05_ms", pa.float64()),
+        ("error", pa.string()),
+    ]
+)
 
 
 def write_probe(rows: list[dict], env: dict[str, Any], out_dir: Path) -> Path:

@@ -150,7 +150,9 @@ def result_files(paths: Iterable[str | Path]) -> list[Path]:
         elif p.is_file():
             files.append(p)
         else:
-            raise KdbenchError(f"{p}: no such file or folder; give run folders, parquet files or folders that hold them")
+            raise KdbenchError(
+                f"{p}: no such file or folder; give run folders, parquet files or folders that hold them"
+            )
     return files
 
 

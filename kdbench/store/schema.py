@@ -57,8 +57,13 @@ COLUMNS: tuple[Column, ...] = (
         ("run_id", _S, "", "unique id of the run; also the name of its folder"),
         ("suite", _S, "", "the suite's `name`"),
         ("suite_file", _S, "", "path of the suite YAML as given to `run`"),
-        ("cell_id", _S, "", "stable hash of the resolved cell config (same cell, same id, in any rerun and on any "
-         "machine); quality rows: the id of the suite's quality job"),
+        (
+            "cell_id",
+            _S,
+            "",
+            "stable hash of the resolved cell config (same cell, same id, in any rerun and on any "
+            "machine); quality rows: the id of the suite's quality job",
+        ),
         ("cell_label", _S, "", "short human label of the cell"),
         ("measurement", _S, "", "`distill_step`, `student_inference`, `teacher_inference` or `quality`"),
         ("status", _S, "", "`ok`, `failed`, `oom`, `timeout` or `skipped`"),
@@ -81,8 +86,12 @@ COLUMNS: tuple[Column, ...] = (
         ("pad_to", _I, "", "classifier width padded to a multiple of this (1: no padding)"),
         ("padded_classes", _I, "", "classifier width after padding (the pad is sliced out of loss and accuracy)"),
         ("world_size", _I, "ranks", "data-parallel ranks"),
-        ("dist_backend", _S, "", "torch.distributed backend of world_size > 1 cells: `gloo` (CPU) or `nccl` "
-         "(CUDA, RCCL on ROCm)"),
+        (
+            "dist_backend",
+            _S,
+            "",
+            "torch.distributed backend of world_size > 1 cells: `gloo` (CPU) or `nccl` (CUDA, RCCL on ROCm)",
+        ),
         ("ddp_bucket_cap_mb", _F, "MiB", "DDP gradient bucket size"),
         ("ddp_gradient_as_bucket_view", _B, "", "DDP gradient_as_bucket_view"),
         ("ddp_static_graph", _B, "", "DDP static_graph"),
@@ -116,19 +125,32 @@ COLUMNS: tuple[Column, ...] = (
         ("min_ms", _F, "ms", "fastest iteration"),
         ("max_ms", _F, "ms", "slowest iteration"),
         ("first_ms", _F, "ms", "the first (cold) iteration, not among the samples"),
-        ("samples_ms", pa.list_(_F), "ms", "every timed iteration, in order (for world_size > 1, each at its "
-         "slowest rank)"),
+        (
+            "samples_ms",
+            pa.list_(_F),
+            "ms",
+            "every timed iteration, in order (for world_size > 1, each at its slowest rank)",
+        ),
         ("rel_iqr", _F, "ratio", "iqr_ms / median_ms"),
         ("noisy", _B, "", "rel_iqr > 0.10: treat the median with care"),
         ("timer", _S, "", "`perf_counter_ns` (host clock) or `device_event` (CUDA/HIP events)"),
-        ("time_to_steady_ms", _F, "ms", "from the cold call's start to the end of the first call within 10 % of the "
-         "median (first_ms is the cold call alone)"),
+        (
+            "time_to_steady_ms",
+            _F,
+            "ms",
+            "from the cold call's start to the end of the first call within 10 % of the "
+            "median (first_ms is the cold call alone)",
+        ),
         ("steady_after_iters", _I, "iterations", "calls (cold one included) until the first steady one"),
     ),
     *_group(
         RESULT,
-        ("throughput", _F, "samples/s", "world_size × batch_size / median time (for world_size > 1, each "
-         "iteration's slowest rank)"),
+        (
+            "throughput",
+            _F,
+            "samples/s",
+            "world_size × batch_size / median time (for world_size > 1, each iteration's slowest rank)",
+        ),
         ("final_loss", _F, "", "distillation loss of the last timed step (distill_step rows; mean over ranks)"),
         ("nonfinite_steps", _I, "steps", "steps whose loss was inf or NaN (all calls, warm-up included)"),
         ("scaler_skips", _I, "steps", "optimizer updates the fp16 GradScaler skipped for inf/NaN gradients"),
@@ -138,25 +160,51 @@ COLUMNS: tuple[Column, ...] = (
         ("teacher_features", _S, "", "teacher module paths whose outputs feature methods compare"),
         ("student_features", _S, "", "student module paths paired with teacher_features"),
         ("student_params", _I, "parameters", "student model parameter count (what serves inference)"),
-        ("adapter_params", _I, "parameters", "parameters of the feature adapters (e.g. FitNet's regressor), "
-         "trained with the student"),
+        (
+            "adapter_params",
+            _I,
+            "parameters",
+            "parameters of the feature adapters (e.g. FitNet's regressor), trained with the student",
+        ),
         ("trainable_params", _I, "parameters", "student + adapter parameters: what the distillation step trains"),
         ("teacher_params", _I, "parameters", "teacher parameter count"),
-        ("flops", _F, "FLOP", "FLOPs of one iteration on one device (torch.utils.flop_counter: matmuls and "
-         "convolutions)"),
+        (
+            "flops",
+            _F,
+            "FLOP",
+            "FLOPs of one iteration on one device (torch.utils.flop_counter: matmuls and convolutions)",
+        ),
         ("teacher_forward_flops", _F, "FLOP", "the teacher forward's share of `flops` (distill_step, live teacher)"),
         ("student_flops", _F, "FLOP", "student forward + backward (+ adapters) share of `flops` (distill_step)"),
-        ("ceiling_tflops", _F, "TFLOP/s", "this device's measured matmul rate at the cell's precision (the newest "
-         "`kdbench probe` when the run started)"),
+        (
+            "ceiling_tflops",
+            _F,
+            "TFLOP/s",
+            "this device's measured matmul rate at the cell's precision (the newest "
+            "`kdbench probe` when the run started)",
+        ),
         ("ceiling_probe_id", _S, "", "the probe the ceiling comes from"),
-        ("memory_kind", _S, "", "`device` (allocator peak, reset before the measurement), `rss_hwm` (kernel "
-         "high-water mark of the worker process, reset before) or `rss` (sampled)"),
-        ("peak_memory_bytes", _I, "bytes", "peak allocated device memory, or the worker's peak resident memory on "
-         "the CPU"),
+        (
+            "memory_kind",
+            _S,
+            "",
+            "`device` (allocator peak, reset before the measurement), `rss_hwm` (kernel "
+            "high-water mark of the worker process, reset before) or `rss` (sampled)",
+        ),
+        (
+            "peak_memory_bytes",
+            _I,
+            "bytes",
+            "peak allocated device memory, or the worker's peak resident memory on the CPU",
+        ),
         ("peak_reserved_bytes", _I, "bytes", "peak memory reserved by the caching allocator (GPUs)"),
         ("memory_growth_bytes", _I, "bytes", "memory at the end of the measurement minus at its start"),
-        ("optimizer_state_bytes", _I, "bytes", "bytes of the optimizer's state tensors after the measurement "
-         "(distill_step)"),
+        (
+            "optimizer_state_bytes",
+            _I,
+            "bytes",
+            "bytes of the optimizer's state tensors after the measurement (distill_step)",
+        ),
         ("telemetry", _S, "", "`pynvml` or `amdsmi` when GPU telemetry was read; else `unavailable: why`"),
         ("power_w_mean", _F, "W", "mean board power over the timed iterations"),
         ("power_w_max", _F, "W", "highest power sample"),
@@ -172,34 +220,58 @@ COLUMNS: tuple[Column, ...] = (
     ),
     *_group(
         DERIVED,
-        ("speedup_vs_teacher", _F, "×", "teacher median / student median at this batch size, same run and cell "
-         "(student_inference rows)"),
-        ("scaling_efficiency", _F, "ratio", "throughput / (world_size × throughput of the same cell at "
-         "world_size 1), when that cell is in the same run"),
+        (
+            "speedup_vs_teacher",
+            _F,
+            "×",
+            "teacher median / student median at this batch size, same run and cell (student_inference rows)",
+        ),
+        (
+            "scaling_efficiency",
+            _F,
+            "ratio",
+            "throughput / (world_size × throughput of the same cell at "
+            "world_size 1), when that cell is in the same run",
+        ),
         ("achieved_tflops", _F, "TFLOP/s", "flops / median time, per device"),
         ("datasheet_device", _S, "", "the accelerator of the peak table this device matched"),
-        ("datasheet_peak_tflops", _F, "TFLOP/s", "vendor dense peak at the cell's precision "
-         "(kdbench.hw.peaks.PEAKS)"),
+        ("datasheet_peak_tflops", _F, "TFLOP/s", "vendor dense peak at the cell's precision (kdbench.hw.peaks.PEAKS)"),
         ("mfu", _F, "ratio", "achieved_tflops / datasheet_peak_tflops"),
         ("ceiling_utilization", _F, "ratio", "achieved_tflops / ceiling_tflops"),
-        ("teacher_cache_saving_ms", _F, "ms", "cached distill_step rows: median of the same cell with a live "
-         "teacher (same run) minus this median"),
-        ("teacher_cache_payback_steps", _I, "steps", "cached distill_step rows: steps after which the saving "
-         "repays teacher_cache_ms (null when caching is not faster)"),
+        (
+            "teacher_cache_saving_ms",
+            _F,
+            "ms",
+            "cached distill_step rows: median of the same cell with a live teacher (same run) minus this median",
+        ),
+        (
+            "teacher_cache_payback_steps",
+            _I,
+            "steps",
+            "cached distill_step rows: steps after which the saving "
+            "repays teacher_cache_ms (null when caching is not faster)",
+        ),
     ),
     *_group(
         QUALITY,
         ("quality_role", _S, "", "quality rows: `teacher`, `scratch` (student trained alone) or `distilled`"),
-        ("quality_dataset", _S, "", "quality rows: the real data set (`digits`, `imagefolder`, `cifar10`, "
-         "`cifar100`)"),
+        ("quality_dataset", _S, "", "quality rows: the real data set (`digits`, `imagefolder`, `cifar10`, `cifar100`)"),
         ("quality_epochs", _I, "epochs", "quality rows: training epochs"),
         ("quality_target", _F, "ratio", "quality rows: the target, as a fraction of the teacher's accuracy"),
         ("accuracy", _F, "ratio", "quality rows: top-1 test accuracy after the last epoch"),
         ("best_accuracy", _F, "ratio", "quality rows: best top-1 test accuracy over the epochs"),
-        ("agreement", _F, "ratio", "quality rows: share of test samples where student and teacher predict the "
-         "same class"),
-        ("time_to_target_s", _F, "s", "quality rows: training wall time until accuracy ≥ target × the teacher's "
-         "(null: not reached)"),
+        (
+            "agreement",
+            _F,
+            "ratio",
+            "quality rows: share of test samples where student and teacher predict the same class",
+        ),
+        (
+            "time_to_target_s",
+            _F,
+            "s",
+            "quality rows: training wall time until accuracy ≥ target × the teacher's (null: not reached)",
+        ),
         ("epochs_to_target", _I, "epochs", "quality rows: epochs until the target was reached"),
         ("train_time_s", _F, "s", "quality rows: total training wall time (evaluation excluded)"),
     ),
@@ -226,14 +298,21 @@ COLUMNS: tuple[Column, ...] = (
         ("cudnn_benchmark", _B, "", "torch.backends.cudnn.benchmark"),
         ("blas_library", _S, "", "torch.backends.cuda.preferred_blas_library() on GPUs"),
         ("cpu_capability", _S, "", "the CPU kernels torch dispatches to (`AVX2`, `AVX512`, ...)"),
-        ("float32_matmul_precision", _S, "", "torch.get_float32_matmul_precision() (`highest` keeps fp32 GEMMs "
-         "exact)"),
+        ("float32_matmul_precision", _S, "", "torch.get_float32_matmul_precision() (`highest` keeps fp32 GEMMs exact)"),
         ("tf32_matmul", _B, "", "torch.backends.cuda.matmul.allow_tf32"),
         ("tf32_cudnn", _B, "", "torch.backends.cudnn.allow_tf32"),
-        ("miopen_cache_warm", _B, "", "ROCm: MIOpen's find-db or kernel cache held entries when the run started "
-         "(null elsewhere)"),
-        ("tunableop_cache_warm", _B, "", "TunableOp enabled and its results file present when the run started "
-         "(null when disabled)"),
+        (
+            "miopen_cache_warm",
+            _B,
+            "",
+            "ROCm: MIOpen's find-db or kernel cache held entries when the run started (null elsewhere)",
+        ),
+        (
+            "tunableop_cache_warm",
+            _B,
+            "",
+            "TunableOp enabled and its results file present when the run started (null when disabled)",
+        ),
         ("env_knobs", _S, "", "JSON of speed-changing environment variables (MIOPEN_*, PYTORCH_TUNABLEOP_*, ...)"),
     ),
 )
