@@ -199,6 +199,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from kdbench import api
     from kdbench.config import with_overrides
     from kdbench.run.engine import RunOptions
+    from kdbench.store.results import RunFolder
 
     suite = api.load_suite(args.suite)
     suite = with_overrides(
@@ -238,7 +239,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
         return 130
     print(f"{outcome.jobs} jobs, {outcome.rows} rows -> {outcome.path}")
-    stored = any(outcome.path.glob("part-*.parquet"))
+    stored = bool(RunFolder(outcome.path).parts())
     if outcome.quality:
         print(api.quality_table([outcome.path]), end="")
     if not args.no_report and stored:

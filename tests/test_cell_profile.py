@@ -21,6 +21,7 @@ from kdbench.measure.timing import RawTiming
 from kdbench.models import build_model
 from kdbench.names import PHASES, REMAINDER_COLUMN
 from kdbench.store import read_results
+from kdbench.store.schema import ENVIRONMENT_COLUMNS
 from tests.helpers import make_config, run_folder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -209,6 +210,8 @@ def test_environment_record_has_the_speed_knobs():
     assert env["float32_matmul_precision"] == torch.get_float32_matmul_precision()
     assert env["miopen_cache_warm"] is None  # not a ROCm build
     assert env["device_name"] and env["cpu_threads"] == torch.get_num_threads()
+    # the schema's environment group is exactly what is captured (the report's environment table shows it)
+    assert sorted(env) == sorted(ENVIRONMENT_COLUMNS)
 
 
 SUITE = """

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from kdbench.config.schema import CellConfig, Suite
 from kdbench.config.yaml_errors import sub_model, unknown_key_hint, validation_error
+from kdbench.distill.losses import METHODS, check_method, check_weights, method_parts, needs_features
 from kdbench.errors import KdbenchError
 from kdbench.names import Measurement
 
@@ -105,8 +106,6 @@ def check_axis_name(suite: Suite, loc: tuple, key: str) -> tuple[str, ...]:
 
 def used_methods(config: CellConfig) -> list:
     """The registered methods among the terms of the cell's method (unknown terms are the checks' to report)."""
-    from kdbench.distill.losses import METHODS, method_parts
-
     return [METHODS[p] for p in method_parts(config.method) if p in METHODS]
 
 
@@ -116,8 +115,6 @@ def config_dict(config: CellConfig) -> dict[str, Any]:
     A kd cell does not depend on `at.beta`, so sweeping it there gives the same
     cell (and the plan says so) instead of copies with different ids.
     """
-    from kdbench.distill.losses import METHODS
-
     out = config.model_dump(mode="json")
     used = used_methods(config)
     for name in set(METHODS) - {m.name for m in used}:
@@ -187,7 +184,6 @@ def check_cell(config: CellConfig, allow_imports: bool, nnodes: int = 1) -> list
     """What cannot run in a cell, as (setting path, message): unknown models or methods, input
     shapes a model cannot take, feature paths a model lacks, impossible rank layouts."""
     from kdbench.distill.hooks import check_feature_count, check_feature_paths
-    from kdbench.distill.losses import check_method, check_weights, needs_features
     from kdbench.models import check_model_input, check_model_name
 
     problems: list[tuple[tuple[str, ...], str]] = []

@@ -45,6 +45,28 @@ def make_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, **kwargs)
 
 
+def backward_and_update(
+    loss: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    between: Callable[[], Any] | None = None,
+) -> None:
+    """Backward, then the optimizer step: through the GradScaler when there is one (fp16), which
+    scales the loss and skips an update whose gradients are not finite.  ``between`` runs after
+    the backward (the step's phase stamp)."""
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        if between is not None:
+            between()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        if between is not None:
+            between()
+        optimizer.step()
+
+
 def freeze(teacher: nn.Module) -> nn.Module:
     """eval() (batch-norm statistics stay put) and no gradients; no optimizer ever sees it."""
     teacher.eval()
@@ -203,15 +225,7 @@ class Distiller:
         )
         stamp()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-            stamp()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            loss.backward()
-            stamp()
-            self.optimizer.step()
+        backward_and_update(loss, self.optimizer, self.scaler, between=stamp)
         stamp()
         self.steps += 1
         loss = loss.detach()

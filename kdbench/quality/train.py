@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdbench.config.schema import QualityConfig
+from kdbench.distill.step import backward_and_update
 from kdbench.hw.backends import AutocastChoice, Backend, grad_scaler
 
 EVAL_BATCH = 512
@@ -146,13 +147,7 @@ def ce_step(
             logits = model(x)
         loss = F.cross_entropy(logits.float(), y)
         optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            optimizer.step()
+        backward_and_update(loss, optimizer, scaler)
         return loss.detach()
 
     return step
