@@ -239,12 +239,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
         return 130
     print(f"{outcome.jobs} jobs, {outcome.rows} rows -> {outcome.path}")
+    if outcome.aborted:
+        print(
+            f"kdbench: the run stopped after {outcome.aborted}\n  its rows are stored; continue after it with: "
+            f"kdbench run {shlex.quote(str(args.suite))} --out {shlex.quote(str(args.out))} --resume",
+            file=sys.stderr,
+        )
     stored = bool(RunFolder(outcome.path).parts())
     if outcome.quality:
         print(api.quality_table([outcome.path]), end="")
     if not args.no_report and stored:
         print(f"report -> {api.render([outcome.path], args.report_dir)}")
-    if outcome.failed:
+    if outcome.failed or outcome.aborted:
         print(f"{len(outcome.failed)} job(s) had failures:", file=sys.stderr)
         for label in outcome.failed:
             print(f"  {label}", file=sys.stderr)

@@ -95,3 +95,41 @@ class RaisesInEval(nn.Module):
 
 def raising_in_eval(num_classes, in_shape):
     return RaisesInEval(num_classes, in_shape)
+
+
+class OnRankWithSeed(nn.Module):
+    """Raises on data-parallel rank 1 for the cell of seed 0 only (the seed is read from the weights' RNG:
+    kdbench seeds the model with the cell's seed before building it)."""
+
+    def __init__(self, num_classes, in_shape):
+        super().__init__()
+        seed0 = torch.initial_seed() == 0
+        fault = "raise" if seed0 and os.environ.get("RANK") == "1" else "none"
+        self.inner = Faulty(num_classes, in_shape, fault)
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def raising_rank1_seed0(num_classes, in_shape):
+    return OnRankWithSeed(num_classes, in_shape)
+
+
+class ChattyJob:
+    """A job (kdbench.run.jobs protocol) that logs every 10 ms and never finishes."""
+
+    job_id, label, world_size, precision = "chatty", "chatty job", 1, None
+
+    def planned(self):
+        return [{"measurement": "distill_step", "batch_size": 1}]
+
+    def columns(self, backend_name):
+        return {}
+
+    def run(self, ctx):
+        import logging
+
+        log = logging.getLogger("kdbench.tests.chatty")
+        while True:
+            log.info("still busy")
+            time.sleep(0.01)

@@ -266,3 +266,46 @@ def test_shards_given_one_run_id_write_into_one_folder(tmp_path, capsys):
     capsys.readouterr()
     assert main(["run", str(tmp_path / "s.yaml"), "--out", str(out), "--run-id", "sweep", "--no-report"]) == 0
     assert "4 of 4 jobs already stored, 0 to go" in capsys.readouterr().out
+
+
+def test_a_data_parallel_cell_that_fails_inside_an_allocation_is_stored_and_resume_goes_on(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    # seed 0: a rank raises inside the step's collectives; seed 1: a good cell after it
+    pair = "teacher: linear, student: 'faulty_models:raising_rank1_seed0'"
+    text = (
+        DDP.replace("world_size: [1, 2]", "world_size: [2]\n  seed: [0, 1]")
+        .replace("[3, 16, 16]", "[1, 4, 4]")
+        .replace("teacher: resnet8, student: resnet8", pair)
+    )
+    suite = tmp_path / "alloc.yaml"
+    suite.write_text(text)
+    out = tmp_path / "res"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "kdbench",
+        "run",
+        str(suite),
+        "--out",
+        str(out),
+        "--no-report",
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    first = subprocess.run(cmd, cwd=TESTS.parent, capture_output=True, text=True, timeout=600, env=env)
+    assert first.returncode != 0  # the allocation stops: its ranks no longer agree on where they are
+    assert "the run stopped after" in first.stderr and "--resume" in first.stderr, first.stderr[-2000:]
+    df = read_results([run_folder(out).path])
+    assert set(df["seed"]) == {0} and (df["status"] == "failed").all()  # the failed cell is stored
+    assert "injected failure" in df["error"].iloc[0] or "Connection" in df["error"].iloc[0], df["error"].iloc[0]
+    again = subprocess.run([*cmd, "--resume"], cwd=TESTS.parent, capture_output=True, text=True, timeout=600, env=env)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]  # what it ran succeeded
+    df = read_results([run_folder(out).path])
+    steps = df[df.measurement == "distill_step"].set_index("seed")
+    assert steps.loc[1, "status"] == "ok" and steps.loc[0, "status"] == "failed"

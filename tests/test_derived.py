@@ -65,6 +65,16 @@ def test_scaling_efficiency_pairs_cells_that_differ_only_in_world_size():
     assert all(np.isnan([got[1], got[3], got[4], got[5]]))  # no twin at world_size 1 in the same run
 
 
+def test_scaling_twin_ignores_ddp_options_a_single_device_cell_does_not_have():
+    single = json.loads(_config(world_size=1))  # a world_size 1 cell's config has no ddp options
+    double = {**single, "world_size": 2, "ddp": {"bucket_cap_mb": 10.0, "static_graph": True}}
+    rows = [
+        _row(cell="one", world_size=1, throughput=100.0, config_json=json.dumps(single)),
+        _row(cell="two", world_size=2, throughput=180.0, config_json=json.dumps(double)),
+    ]
+    assert as_read(rows)["scaling_efficiency"].tolist()[1] == pytest.approx(0.9)
+
+
 def test_utilisation_against_datasheet_and_measured_ceiling():
     rows = [
         _row(median=10.0, flops=1e12, device_name="NVIDIA H100 80GB HBM3", precision="bf16", ceiling_tflops=500.0),

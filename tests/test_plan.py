@@ -210,3 +210,28 @@ def test_object_constructing_tags_and_alias_bombs_are_refused(tmp_path):
     )
     with pytest.raises(KdbenchError, match="aliases expand"):
         load_suite(write(tmp_path, bomb))
+
+
+def test_settings_a_cell_does_not_use_give_the_same_cell_once(tmp_path, caplog):
+    # ddp options do not touch a world_size 1 cell, nor at.beta a kd cell: one cell each, said once
+    text = BASE.split("matrix:")[0] + (
+        "  pair: {teacher: resnet20, student: resnet8}\n"
+        "matrix:\n  world_size: [1, 2]\n  ddp.static_graph: [false, true]\n  method: [kd, at]\n  at.beta: [10, 1000]\n"
+    )
+    with caplog.at_level("INFO", logger="kdbench"):
+        cells = expand(load_suite(write(tmp_path, text)))
+    keys = [(c.config.world_size, c.config.ddp.static_graph, c.config.method, c.config.at.beta) for c in cells]
+    assert keys == [
+        (1, False, "kd", 10.0),
+        (1, False, "at", 10.0),
+        (1, False, "at", 1000.0),
+        (2, False, "kd", 10.0),
+        (2, False, "at", 10.0),
+        (2, False, "at", 1000.0),
+        (2, True, "kd", 10.0),
+        (2, True, "at", 10.0),
+        (2, True, "at", 1000.0),
+    ]
+    assert "7 combination(s) of the matrix repeat a planned cell" in caplog.text
+    ids = {c.cell_id for c in cells}
+    assert len(ids) == 9

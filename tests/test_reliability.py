@@ -172,3 +172,21 @@ def test_ctrl_c_keeps_stored_cells_and_prints_the_resume_command(tmp_path):
     assert "--resume" in err and "Traceback" not in err
     stored = set(_stored_cells(out))
     assert 1 <= len(stored) <= 4
+
+
+def test_a_job_that_keeps_logging_still_times_out_and_its_lines_reach_the_parent(monkeypatch):
+    from kdbench.hw.backends import resolve
+    from kdbench.run.workers import ProcessWorker, WorkerSetup
+    from tests.helpers import log_lines
+
+    monkeypatch.syspath_prepend(str(TESTS))  # faulty_models, for the worker process too
+    from faulty_models import ChattyJob
+
+    worker = ProcessWorker(WorkerSetup(resolve("cpu"), False, 1))
+    try:
+        with log_lines() as lines:
+            result = worker.run(ChattyJob(), timeout_s=3.0)  # returns: the lines do not starve the time-out
+    finally:
+        worker.close()
+    assert [r["status"] for r in result.rows] == ["timeout"] and "3 s" in result.rows[0]["error"]
+    assert lines.count("still busy") > 10

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,8 @@ from kdbench.config.yaml_errors import sub_model, unknown_key_hint, validation_e
 from kdbench.distill.losses import METHODS, check_method, check_weights, method_parts, needs_features
 from kdbench.errors import KdbenchError
 from kdbench.names import Measurement
+
+logger = logging.getLogger(__name__)
 
 CASES = "cases"  # the matrix axis whose values are whole partial cells (several keys at once)
 
@@ -112,8 +115,8 @@ def used_methods(config: CellConfig) -> list:
 def config_dict(config: CellConfig) -> dict[str, Any]:
     """The resolved config, without the settings of methods the cell does not use.
 
-    A kd cell does not depend on `at.beta`, so sweeping it there gives the same
-    cell (and the plan says so) instead of copies with different ids.
+    A kd cell does not depend on `at.beta` (nor a world_size 1 cell on `ddp`), so sweeping
+    it there gives the same cell (and the plan says so) instead of copies with different ids.
     """
     out = config.model_dump(mode="json")
     used = used_methods(config)
@@ -121,6 +124,8 @@ def config_dict(config: CellConfig) -> dict[str, Any]:
         out.pop(name, None)
     if not any(m.cls.needs_features for m in used):
         out.pop("features", None)
+    if config.world_size == 1:
+        out.pop("ddp", None)  # DDP options do not touch a single-device cell
     return out
 
 
@@ -153,6 +158,7 @@ def expand(suite: Suite) -> list[Cell]:
     axes = list(suite.matrix)
     cells: list[Cell] = []
     seen: set[str] = set()
+    repeats = 0
     for combo in itertools.product(*(suite.matrix[a] for a in axes)):
         raw = dict(suite.defaults)
         for axis, value in zip(axes, combo):
@@ -167,13 +173,19 @@ def expand(suite: Suite) -> list[Cell]:
             continue
         cell = Cell(index=len(cells), cell_id=cell_id_of(config), config=config)
         if cell.cell_id in seen:
-            raise suite.error(
-                ("matrix",), f"two combinations give the same cell ({cell.label}); remove the repeated value"
-            )
+            repeats += 1
+            continue
         seen.add(cell.cell_id)
         cells.append(cell)
     if not cells:
         raise suite.error(("exclude",), "excludes every cell, so there is nothing to run; loosen the exclude entries")
+    if repeats:
+        logger.info(
+            "%d combination(s) of the matrix repeat a planned cell: they differ from it only in settings it does not "
+            "use (ddp at world_size 1, the parameters of a method it does not use) or repeat a value; each cell is "
+            "planned once",
+            repeats,
+        )
     for cell in cells:
         for key, message in check_cell(cell.config, suite.allow_imports, suite.launcher.nnodes):
             raise suite.error(suite.locate(*key), message)

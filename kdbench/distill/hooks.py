@@ -65,11 +65,6 @@ def canonical(t: torch.Tensor, nhwc: bool = False) -> torch.Tensor:
     return t.flatten(1)
 
 
-def kind_of(t: torch.Tensor) -> str:
-    """`map`, `seq` or `vec` for a canonical feature."""
-    return {4: "map", 3: "seq"}.get(t.dim(), "vec")
-
-
 def _module(model: nn.Module, path: str, role: str) -> nn.Module:
     try:
         return model.get_submodule(path)

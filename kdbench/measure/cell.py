@@ -22,6 +22,7 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +139,8 @@ def phase_columns(step: DistillStep, raw: RawTiming) -> Row:
     """Median of each phase over the timed iterations, and of what the phases leave out of the step.
 
     Read right after the timed loop: any later call of the step (FLOP counting, tracing)
-    adds stamps of its own."""
+    adds stamps of its own.  ``raw`` is this process's own timing (under data parallelism
+    the phases are rank 0's, and so is the step time they are taken from)."""
     phases = step.phase_ms(len(raw.samples_ms))
     if not phases:
         return {}
@@ -148,8 +150,11 @@ def phase_columns(step: DistillStep, raw: RawTiming) -> Row:
     return row
 
 
-def distill_row(step: DistillStep, raw: RawTiming, config: CellConfig, x: torch.Tensor, loss: float) -> Row:
-    """The distill_step row of a timed step; failed when the loss is not finite."""
+def distill_row(
+    step: DistillStep, raw: RawTiming, config: CellConfig, x: torch.Tensor, loss: float, local: RawTiming | None = None
+) -> Row:
+    """The distill_step row of a timed step; failed when the loss is not finite.  ``local`` is this
+    process's own timing when ``raw`` was gathered from data-parallel ranks (the phases come from it)."""
     d = step.distiller
     row = {
         "measurement": Measurement.DISTILL_STEP,
@@ -167,7 +172,7 @@ def distill_row(step: DistillStep, raw: RawTiming, config: CellConfig, x: torch.
         "teacher_features": ",".join(d.paths.teacher) if d.paths else None,
         "student_features": ",".join(d.paths.student) if d.paths else None,
         "teacher_cache_ms": step.cache_ms,
-        **phase_columns(step, raw),
+        **phase_columns(step, local or raw),
         **_layout(d.student, x, config),
         "notes": _notes(d.student_ac, d.teacher_ac, alignment=_alignment_note(x, config)),
     }
@@ -197,9 +202,10 @@ def measure_distill_step(
     try:
         raw, profile = timed_with_profile(step, config, backend, config.batch_size, dp)
         loss = float(step.last_loss) if step.last_loss is not None else math.nan
+        local = raw
         if dp is not None:
             raw, loss = dp.slowest(raw, backend), dp.mean(loss, backend)
-        row = distill_row(step, raw, config, x, loss) if rank == 0 else None
+        row = distill_row(step, raw, config, x, loss, local) if rank == 0 else None
         flops = step_flops(step)  # every rank: under DDP the counted step runs the collectives
         traced = {}
         if options.trace_dir:  # every rank runs the traced calls; rank 0 writes the trace
@@ -279,24 +285,11 @@ def measure_cell(
         dp.barrier()  # rank 0 measures inference alone
         return None
     rows = [step]
-    for bs in config.inference.batch_sizes:
-        rows.append(
-            guarded(
-                Measurement.STUDENT_INFERENCE,
-                bs,
-                backend,
-                lambda bs=bs: measure_inference(student, "student", bs, config, backend),
-            )
-        )
-        if config.inference.teacher:
-            rows.append(
-                guarded(
-                    Measurement.TEACHER_INFERENCE,
-                    bs,
-                    backend,
-                    lambda bs=bs: measure_inference(teacher, "teacher", bs, config, backend),
-                )
-            )
+    models = {Measurement.STUDENT_INFERENCE: ("student", student), Measurement.TEACHER_INFERENCE: ("teacher", teacher)}
+    for measurement, bs in planned_measurements(config)[1:]:  # inference, in the planned order
+        role, model = models[measurement]
+        measure = partial(measure_inference, model, role, bs, config, backend)
+        rows.append(guarded(measurement, bs, backend, measure))
     params = {"student_params": count_params(student), "teacher_params": count_params(teacher)}
     for row in rows:
         row.update(params)

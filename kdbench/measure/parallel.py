@@ -71,11 +71,15 @@ class DataParallel:
         return replace(raw, first_ms=first_ms, warmup_ms=[*probe.warmup_ms, *probe.samples_ms, raw.first_ms])
 
     def slowest(self, raw: RawTiming, backend: Backend) -> RawTiming:
-        """``raw`` with each timed iteration at its slowest rank (gathered from every rank)."""
-        mine = torch.tensor(raw.samples_ms, dtype=torch.float64, device=backend.device)
+        """``raw`` with every call (cold, warm-up, timed) at its slowest rank, gathered from every rank:
+        the iterations of a data-parallel step end together."""
+        calls = [raw.first_ms, *raw.warmup_ms, *raw.samples_ms]  # the same count on every rank
+        mine = torch.tensor(calls, dtype=torch.float64, device=backend.device)
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(everyone, mine, group=self.group)
-        return replace(raw, samples_ms=torch.stack(everyone).max(dim=0).values.tolist())
+        slowest = torch.stack(everyone).max(dim=0).values.tolist()
+        n = len(raw.warmup_ms)
+        return replace(raw, first_ms=slowest[0], warmup_ms=slowest[1 : n + 1], samples_ms=slowest[n + 1 :])
 
     def mean(self, value: float, backend: Backend) -> float:
         total = torch.tensor([value], dtype=torch.float64, device=backend.device)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -28,6 +29,7 @@ from kdbench.store.schema import COLUMNS
 DPI = 110
 NOISY_NOTE = "IQR/median > 10 %"
 _UNITS = {c.name: c.unit for c in COLUMNS}
+_INTEGER = {c.name for c in COLUMNS if pa.types.is_integer(c.type)}
 _PRECISION_ORDER = {"fp32": 0, "tf32": 1, "bf16": 2, "fp16": 3}
 # Config columns that, when they vary among plotted rows, become part of a bar's label.
 _VARIANT_COLUMNS = ("method", "teacher_precision", "memory_format", "world_size", "alignment", "pad_to", "seed")
@@ -92,7 +94,8 @@ def _add_variant(df: pd.DataFrame, extra: tuple[str, ...] = ()) -> pd.DataFrame:
     df["variant"] = df["precision"]
     for col in varying:
         template = _SHORT.get(col, col + "={}")
-        df["variant"] += ", " + df[col].astype("string").fillna("?").map(template.format)
+        values = df[col].astype("Int64") if col in _INTEGER else df[col]  # 2, not 2.0, when a null made it float
+        df["variant"] += ", " + values.astype("string").fillna("?").map(template.format)
     return df
 
 

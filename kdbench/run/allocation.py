@@ -14,6 +14,7 @@ ends the whole allocation (that is how torchrun and srun work); ``--resume`` pic
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -24,9 +25,12 @@ import torch.distributed as dist
 
 from kdbench.config.plan import Cell
 from kdbench.errors import KdbenchError
+from kdbench.measure.failures import error_text, status_of
 from kdbench.names import Status
 from kdbench.run.jobs import CellJob, Job, failure_rows
-from kdbench.run.workers import JobResult, WorkerContext, WorkerSetup
+from kdbench.run.workers import STARTUP_TIMEOUT_S, JobResult, WorkerContext, WorkerSetup
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = "29500"
 _STOP = None
@@ -75,7 +79,13 @@ def subgroups(alloc: Allocation, cells: list[Cell]) -> dict[int, Any]:
     return {n: dist.new_group(list(range(n))) for n in sizes}
 
 
-def _data_parallel_cell(alloc: Allocation, cell: Cell, ctx: WorkerContext, groups: dict[int, Any]):
+def group_timeout_s(cell_timeout_s: float) -> float:
+    """How long a rank waits in a collective: the other ranks may be running a whole job on rank 0
+    (a worker that first has to start, then the job's time-out, then being stopped)."""
+    return cell_timeout_s + STARTUP_TIMEOUT_S + 120
+
+
+def _data_parallel_cell(cell: Cell, ctx: WorkerContext, groups: dict[int, Any]):
     """This rank's part of a data-parallel cell: the cell's rows on rank 0, None elsewhere."""
     from kdbench.measure.cell import measure_cell
     from kdbench.measure.parallel import DataParallel
@@ -100,8 +110,17 @@ class AllocationWorkers:
             why = f"world_size {ws} exceeds this allocation's {self.alloc.world_size} ranks"
             result = JobResult(failure_rows(job, Status.SKIPPED, why), 0.0)
         elif ws > 1 and isinstance(job, CellJob):
-            rows = _data_parallel_cell(self.alloc, job.cell, self.ctx, self.groups)
-            result = JobResult(rows or [], time.perf_counter() - start)
+            try:
+                rows = _data_parallel_cell(job.cell, self.ctx, self.groups)
+                result = JobResult(rows or [], time.perf_counter() - start)
+            except Exception as exc:
+                # A rank failed inside the cell's collectives (this one, or another that then left the group):
+                # the ranks no longer agree on where they are, so the cell is stored as failed and the run
+                # stops; `--resume` goes on after it.
+                status = Status.TIMEOUT if "timed out" in str(exc).lower() else status_of(exc)
+                rows = failure_rows(job, status, error_text(exc))
+                result = JobResult(rows, time.perf_counter() - start, fatal=error_text(exc))
+                return result  # no barrier: the other ranks are not where this one is
         else:
             result = self.single.run(job, timeout_s)
         dist.barrier()
@@ -127,5 +146,12 @@ def follow(alloc: Allocation, setup: WorkerSetup, cells: list[Cell], groups: dic
             return
         cell = by_id.get(message[0])  # the quality job is not a cell: nothing to do here
         if cell is not None and 1 < cell.config.world_size <= alloc.world_size and alloc.rank < cell.config.world_size:
-            _data_parallel_cell(alloc, cell, ctx, groups)
+            try:
+                _data_parallel_cell(cell, ctx, groups)
+            except Exception as exc:
+                # Leave the group: rank 0's collectives then fail too, and it stores the cell as failed.
+                logger.error(
+                    "rank %d: %s failed: %s; leaving the run to rank 0", alloc.rank, cell.label, error_text(exc)
+                )
+                return
         dist.barrier()

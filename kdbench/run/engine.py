@@ -71,6 +71,7 @@ class RunOutcome:
     failed: list[str] = field(default_factory=list)  # labels of jobs with a failed/oom/timeout row
     interrupted: bool = False
     follower: bool = False  # a rank other than 0 of an allocation: rank 0 stores and reports
+    aborted: str | None = None  # why the run stopped before its last job (its failure is stored)
     quality: bool = False  # the quality job ran (and stored its rows) in this invocation
     timings: list[JobTiming] = field(default_factory=list)
 
@@ -147,26 +148,35 @@ def _run_allocated(suite: Suite, plan: Plan, backend_name: str, threads: int, op
     """Every rank of an allocation calls this; rank 0 runs the engine, the others follow it."""
     import torch.distributed as dist
 
-    from kdbench.run.allocation import AllocationWorkers, export_env, follow, subgroups
+    from kdbench.run.allocation import AllocationWorkers, export_env, follow, group_timeout_s, subgroups
     from kdbench.run.rank import join_process_group
     from kdbench.run.workers import InlineWorker, ProcessWorker
 
     export_env(alloc)
     torch.set_num_threads(threads)
-    backend = join_process_group(backend_name, alloc.local_rank, suite.cell_timeout_s + 600)
+    backend = join_process_group(backend_name, alloc.local_rank, group_timeout_s(suite.cell_timeout_s))
     try:
-        folder = [_open(suite, options) if alloc.rank == 0 else None]
-        dist.broadcast_object_list(folder, src=0)  # every rank measures with the same options
-        setup = _setup(suite, backend, threads, folder[0])
+        opened: list[Any] = [None]
+        if alloc.rank == 0:
+            try:
+                opened[0] = _open(suite, options)
+            except KdbenchError as exc:
+                opened[0] = exc  # the other ranks stop too, rather than wait for a run that never comes
+        dist.broadcast_object_list(opened, src=0)  # every rank measures with the same options
+        if isinstance(opened[0], Exception):
+            if alloc.rank == 0:
+                raise opened[0]
+            return RunOutcome(run_id="", path=options.out_dir, follower=True)
+        folder: RunFolder = opened[0]
+        setup = _setup(suite, backend, threads, folder)
         groups = subgroups(alloc, plan.cells)
         if alloc.rank != 0:
             follow(alloc, setup, plan.cells, groups)
-            return RunOutcome(run_id=folder[0].run_id, path=folder[0].path, follower=True)
+            return RunOutcome(run_id=folder.run_id, path=folder.path, follower=True)
         single = InlineWorker(setup) if options.inline else ProcessWorker(setup)
         workers = AllocationWorkers(alloc, setup, single, groups)
-        return _execute(
-            suite, plan, folder[0], backend, workers, f"{alloc.world_size} ranks of a {alloc.source} allocation"
-        )
+        where = f"{alloc.world_size} ranks of a {alloc.source} allocation"
+        return _execute(suite, plan, folder, backend, workers, where)
     finally:
         dist.destroy_process_group()
 
@@ -249,32 +259,33 @@ class Progress:
 
 
 def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, workers: Any, where: str) -> RunOutcome:
-    stored = folder.stored_job_ids()
-    todo = [job for job in plan.jobs if job.job_id not in stored]
     outcome = RunOutcome(run_id=folder.run_id, path=folder.path)
-    if stored:
+    try:  # whatever happens, the workers are closed (inside an allocation that releases the other ranks)
+        stored = folder.stored_job_ids()
+        todo = [job for job in plan.jobs if job.job_id not in stored]
+        if stored:
+            done = len(plan.jobs) - len(todo)
+            logger.info(
+                "resuming run %s: %d of %d jobs already stored, %d to go",
+                folder.run_id,
+                done,
+                len(plan.jobs),
+                len(todo),
+            )
+        stamp = Stamper(suite, backend, folder)
+        cells = sum(isinstance(j, CellJob) for j in todo)
+        extra = " and the quality job" if len(todo) > cells else ""
         logger.info(
-            "resuming run %s: %d of %d jobs already stored, %d to go",
+            "run %s: %d cells%s of suite '%s' on %s (%s), %s -> %s",
             folder.run_id,
-            len(plan.jobs) - len(todo),
-            len(plan.jobs),
-            len(todo),
+            cells,
+            extra,
+            suite.name,
+            backend.name,
+            stamp.env["device_name"],
+            where,
+            folder.path,
         )
-    stamp = Stamper(suite, backend, folder)
-    cells = sum(isinstance(j, CellJob) for j in todo)
-    extra = " and the quality job" if len(todo) > cells else ""
-    logger.info(
-        "run %s: %d cells%s of suite '%s' on %s (%s), %s -> %s",
-        folder.run_id,
-        cells,
-        extra,
-        suite.name,
-        backend.name,
-        stamp.env["device_name"],
-        where,
-        folder.path,
-    )
-    try:
         if not todo:
             return outcome
         if stamp.ceiling:
@@ -302,6 +313,9 @@ def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, work
                     outcome.failed.append(job.label)
             outcome.timings.append(JobTiming(job.job_id, job.label, time.perf_counter() - start, result.seconds))
             progress.done(job, rows)
+            if result.fatal:  # stored; but the run cannot go on (an allocation whose ranks lost step)
+                outcome.aborted = f"{job.label}: {result.fatal}"
+                break
     except KeyboardInterrupt:
         outcome.interrupted = True
     finally:

@@ -9,6 +9,7 @@ ranks, and the parent stores the cell as failed with the error lines.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import sys
@@ -43,6 +44,7 @@ def main(argv: list[str]) -> int:
     spec_file, rows_file = map(Path, argv)
     spec = pickle.loads(spec_file.read_bytes())
     job, setup = spec["job"], spec["setup"]
+    logging.basicConfig(level=setup.log_level, format="%(message)s")  # into torchrun's output (the parent's log file)
     torch.set_num_threads(setup.threads)
     backend = join_process_group(setup.backend.name, int(os.environ["LOCAL_RANK"]), spec["timeout_s"])
     try:

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,7 @@ class WorkerContext:
 class JobResult:
     rows: list[Row]
     seconds: float  # wall time of the job in its worker (failed starts and deaths: as seen by the engine)
+    fatal: str | None = None  # the job's rows are stored, but the run cannot go on (see AllocationWorkers)
 
 
 def execute(job: Job, ctx: WorkerContext) -> JobResult:
@@ -102,9 +103,9 @@ class _PipeHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.conn.send(("log", record.levelno, record.name, record.getMessage()))
-        except (OSError, ValueError):
-            pass
+            self.conn.send(("log", record.levelno, record.name, self.format(record)))  # with any traceback
+        except Exception:
+            self.handleError(record)
 
 
 def _serve(conn: Any, setup: WorkerSetup) -> None:
@@ -127,6 +128,12 @@ def _serve(conn: Any, setup: WorkerSetup) -> None:
             return
         result = execute(job, ctx)
         conn.send(("rows", result.rows, result.seconds))
+
+
+def _log(message: tuple) -> None:
+    """A worker's ("log", level, logger, text) message, logged here."""
+    if message[0] == "log":
+        logging.getLogger(message[2]).log(message[1], message[3])
 
 
 def _death_reason(exitcode: int | None) -> str:
@@ -172,7 +179,8 @@ class ProcessWorker:
             self._kill()
             raise RuntimeError(f"the worker process did not start within {STARTUP_TIMEOUT_S:.0f} s")
         try:
-            parent.recv()
+            while (message := parent.recv())[0] != "ready":
+                _log(message)
         except EOFError:
             code = proc.exitcode
             self._kill()
@@ -207,11 +215,10 @@ class ProcessWorker:
                     message = self.conn.recv()
                 except (EOFError, OSError):  # the pipe closed: the worker is dying
                     return failed(Status.FAILED, self._died())
-                if message[0] == "log":
-                    logging.getLogger(message[2]).log(message[1], message[3])
-                    continue
-                return JobResult(message[1], message[2])
-            if not self.proc.is_alive():
+                if message[0] == "rows":
+                    return JobResult(message[1], message[2])
+                _log(message)
+            elif not self.proc.is_alive():
                 return failed(Status.FAILED, self._died())
             if deadline is not None and time.monotonic() > deadline:
                 self._kill()
@@ -281,9 +288,9 @@ class TorchrunWorker:
             ]
         return [*args, f"--nproc-per-node={per_node}", "--max-restarts=0", *la.extra_args]
 
-    def run(self, job: Job, timeout_s: float | None = None) -> JobResult:
+    def run(self, job: Job, timeout_s: float) -> JobResult:
         start = time.perf_counter()
-        rows = self._rows(job, timeout_s or 3600.0)
+        rows = self._rows(job, timeout_s)
         return JobResult(rows, time.perf_counter() - start)
 
     def _rows(self, job: Job, timeout: float) -> list[Row]:
@@ -293,9 +300,7 @@ class TorchrunWorker:
         if backend.device_type == "cuda" and per_node > self.gpu_count:
             why = f"world_size {ws} needs {per_node} GPUs on each of {self.launcher.nnodes} node(s); this machine has "
             return failure_rows(job, Status.SKIPPED, why + str(self.gpu_count))
-        rank_setup = WorkerSetup(
-            backend, self.setup.allow_imports, max(1, self.setup.threads // per_node), self.setup.options
-        )
+        rank_setup = replace(self.setup, threads=max(1, self.setup.threads // per_node))
         with tempfile.TemporaryDirectory(prefix="kdbench-ddp-") as tmp:
             spec, rows_file, log = Path(tmp) / "job.pkl", Path(tmp) / "rows.pkl", Path(tmp) / "output.log"
             spec.write_bytes(pickle.dumps({"job": job, "setup": rank_setup, "timeout_s": timeout}))

@@ -30,7 +30,7 @@ from kdbench.hw.peaks import datasheet_peak
 from kdbench.names import PRECISIONS, Measurement, Status
 from kdbench.store.schema import COLUMNS
 
-WORLD_SIZE = (("world_size",),)
+WORLD_SIZE = (("world_size",), ("ddp",))  # a world_size 1 cell has no DDP options to compare
 TEACHER_MODE = (("teacher", "mode"),)
 
 
