@@ -443,10 +443,27 @@ class ConstantClock:
 
 
 def test_ceiling_arithmetic_on_a_fixed_clock():
-    backend = SimpleNamespace(name="cpu", device=torch.device("cpu"), device_type="cpu", clock=ConstantClock)
+    backend = SimpleNamespace(
+        name="cpu", device=torch.device("cpu"), device_type="cpu", clock=ConstantClock, synchronize=lambda: None
+    )
     rows = measure_ceilings(backend, dtypes=("fp32",), matmul_n=64, copy_bytes=1000, min_time_s=0)
     assert rows[0]["median_ms"] == 4.0 and rows[0]["value"] == pytest.approx(2 * 64**3 / 0.004 / 1e12)
     assert rows[1]["median_ms"] == 4.0 and rows[1]["value"] == pytest.approx(2 * 1000 / 0.004 / 1e9)
+
+
+def test_a_dtype_the_device_emulates_slowly_is_probed_at_a_smaller_size(cpu, monkeypatch):
+    # fp16 matmuls that take n^3 x 2.4e-9 s: 0.04 s at 256, 0.32 s at 512, 2.6 s at 1024 (over the 0.5 s budget)
+    mm = torch.mm
+
+    def slow_fp16(a, b):
+        if a.dtype == torch.float16:
+            time.sleep(a.shape[0] ** 3 * 2.4e-9)
+        return mm(a, b)
+
+    monkeypatch.setattr(torch, "mm", slow_fp16)
+    rows = measure_ceilings(cpu, dtypes=("fp32", "fp16"), matmul_n=1024, copy_bytes=4096, min_time_s=0, max_call_s=0.5)
+    assert [(r["dtype"], r["size"]) for r in rows[:2]] == [("fp32", 1024), ("fp16", 512)]
+    assert rows[1]["value"] == pytest.approx(2 * 512**3 / (rows[1]["p05_ms"] / 1e3) / 1e12)
 
 
 def test_unsupported_dtype_gives_an_error_row(cpu, monkeypatch):

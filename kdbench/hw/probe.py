@@ -8,6 +8,7 @@ reports its cells' share of them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,26 @@ from kdbench.hw.backends import DTYPES, Backend
 from kdbench.hw.environment import capture
 from kdbench.measure.stats import summarize
 from kdbench.measure.timing import timed_loop
+
+SLOW_CALL_S = 2.0  # a dtype whose n x n matmul would take longer per call is probed at a smaller n
+
+
+def _matmul_size(dtype: torch.dtype, n: int, backend: Backend, max_call_s: float) -> int:
+    """``n``, or the largest power-of-two fraction of it whose matmul is predicted to take at most
+    ``max_call_s``, from one call at a small size: a dtype the device only emulates (fp16 on many
+    CPUs runs hundreds of times slower) would otherwise keep the probe busy for many minutes."""
+    small = min(n, 256)
+    a = torch.randn(small, small, device=backend.device).to(dtype)
+    torch.mm(a, a)  # the first call may set things up
+    backend.synchronize()
+    start = time.perf_counter()
+    torch.mm(a, a)
+    backend.synchronize()
+    rate = 2 * small**3 / max(time.perf_counter() - start, 1e-9)  # FLOP/s at the small size
+    size = n
+    while size > small and 2 * size**3 / rate > max_call_s:
+        size //= 2
+    return size
 
 
 def _times_ms(fn: Callable[[], Any], backend: Backend, min_time_s: float) -> tuple[float, float]:
@@ -33,6 +54,7 @@ def measure_ceilings(
     matmul_n: int | None = None,
     copy_bytes: int | None = None,
     min_time_s: float = 0.3,
+    max_call_s: float = SLOW_CALL_S,
 ) -> list[dict]:
     """Achievable dense-matmul TFLOP/s per dtype (2n^3 FLOPs per n x n @ n x n) and copy
     bandwidth in GB/s (read + write: 2 x bytes per dst.copy_(src)) on `backend`.
@@ -40,7 +62,8 @@ def measure_ceilings(
     A ceiling is what the device can do, so `value` comes from the fast end of the timed
     iterations (their 5th percentile, `p05_ms`), which a busy or drifting machine drags
     down less than the median (`median_ms`, kept beside it).  A dtype the device cannot
-    multiply gives value None and an `error`."""
+    multiply gives value None and an `error`; one it multiplies very slowly is measured at a
+    smaller n (:func:`_matmul_size`; the row's `size` says which)."""
     unknown = [d for d in dtypes if d not in DTYPES]
     if unknown:
         raise KdbenchError(f"unknown dtype(s) {unknown}; use {', '.join(DTYPES)}")
@@ -60,10 +83,11 @@ def measure_ceilings(
             "error": None,
         }
         try:
-            a = torch.randn(n, n, device=backend.device).to(DTYPES[d])
-            b = torch.randn(n, n, device=backend.device).to(DTYPES[d])
+            size = _matmul_size(DTYPES[d], n, backend, max_call_s)
+            a = torch.randn(size, size, device=backend.device).to(DTYPES[d])
+            b = torch.randn(size, size, device=backend.device).to(DTYPES[d])
             median, fast = _times_ms(lambda a=a, b=b: torch.mm(a, b), backend, min_time_s)
-            row.update(median_ms=median, p05_ms=fast, value=2 * n**3 / (fast / 1e3) / 1e12)
+            row.update(size=size, median_ms=median, p05_ms=fast, value=2 * size**3 / (fast / 1e3) / 1e12)
         except (RuntimeError, TypeError, NotImplementedError) as exc:
             row["error"] = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         finally:
