@@ -59,5 +59,5 @@ PHASES: tuple[Phase, ...] = (
 )
 REMAINDER_COLUMN = "phase_remainder_ms"  # step time minus the sum of its phases
 
-PRECISIONS = ("fp32", "fp16", "bf16")
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")  # fp32 is IEEE fp32 on every vendor; tf32 only when asked
 MEMORY_FORMATS = ("contiguous", "channels_last")

@@ -337,3 +337,107 @@ def test_grad_scaler_on_cpu():
     bf16 = choose_autocast(CPU, "bf16")
     assert grad_scaler(CPU, bf16) is None
     assert grad_scaler(CPU, AutocastChoice("fp16", False, torch.float16, "off")) is None
+
+
+# --- fp32 means IEEE fp32; tf32 only when asked (simulated GPUs) ----------------------------------
+
+FAKE_ROCM = Backend("rocm", torch.device("cuda", 0))
+
+
+def _props(monkeypatch, **props):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(**props))
+
+
+@pytest.mark.parametrize(
+    "backend, props, env, problem",
+    [
+        (CPU, {}, {}, "the CPU has none"),
+        (FAKE_GPU, {"major": 9, "minor": 0}, {}, ""),  # H100/H200
+        (FAKE_GPU, {"major": 8, "minor": 0}, {}, ""),  # A100
+        (FAKE_GPU, {"major": 7, "minor": 5}, {}, "compute capability 8.0), not 7.5"),  # T4
+        (FAKE_ROCM, {"gcnArchName": "gfx942:sramecc+:xnack-"}, {"HIPBLASLT_ALLOW_TF32": "1"}, ""),  # MI300X
+        (FAKE_ROCM, {"gcnArchName": "gfx942:sramecc+:xnack-"}, {}, "HIPBLASLT_ALLOW_TF32=1"),
+        (FAKE_ROCM, {"gcnArchName": "gfx90a:sramecc+:xnack-"}, {"HIPBLASLT_ALLOW_TF32": "1"}, "this one is gfx90a"),
+    ],
+)
+def test_where_tf32_can_run(monkeypatch, backend, props, env, problem):
+    _props(monkeypatch, **props)
+    monkeypatch.delenv("HIPBLASLT_ALLOW_TF32", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    choice = choose_autocast(backend, "tf32")
+    assert choice.applied is False and choice.dtype is None  # fp32 tensors: no autocast
+    if problem:
+        assert problem in choice.skip and choice.tf32 is False  # the cell is skipped, saying why
+    else:
+        assert choice.skip == "" and choice.tf32 is True
+
+
+def test_fp32_and_16_bit_precisions_run_in_ieee_fp32():
+    for precision in ("fp32", "bf16", "fp16"):
+        choice = choose_autocast(CPU, precision)
+        assert choice.tf32 is False and choice.skip == ""
+
+
+@pytest.fixture
+def restore_math_flags():
+    before = backends.math_flags()
+    yield
+    backends.set_math_mode(before["tf32_matmul"])
+
+
+def test_math_mode_sets_both_switches_and_restores_them(restore_math_flags):
+    backends.set_math_mode(False)
+    assert backends.math_flags()["tf32_matmul"] is False and backends.math_flags()["tf32_cudnn"] is False
+    with backends.math_mode(True):
+        flags = backends.math_flags()
+        assert flags["tf32_matmul"] is True and flags["tf32_cudnn"] is True
+        if backends.NEW_FP32_API:  # torch >= 2.9: the one API, never mixed with allow_tf32
+            assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+            assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+    assert backends.math_flags()["tf32_matmul"] is False and backends.math_flags()["tf32_cudnn"] is False
+
+
+def test_cudnn_tf32_default_is_not_what_an_fp32_cell_runs_with(restore_math_flags):
+    # torch's default turns cuDNN's TF32 on (so NVIDIA "fp32" convolutions would be TF32); a measurement
+    # sets IEEE and records it
+    from kdbench.config.plan import Cell
+    from kdbench.measure.cell import measure_cell
+    from kdbench.models import ModelCache
+    from tests.helpers import make_config
+
+    backends.set_math_mode(True)  # as an inherited default would have it
+    config = make_config(
+        pair={"teacher": "linear", "student": "linear"},
+        data={"shape": [1, 4, 4], "num_classes": 4},
+        inference={"batch_sizes": [2]},
+    )
+    rows = measure_cell(Cell(0, "c", config), CPU, ModelCache())
+    assert [r["status"] for r in rows] == ["ok"] * 3
+    assert all(r["tf32_matmul"] is False and r["tf32_cudnn"] is False for r in rows)
+
+
+def test_a_tf32_cell_on_the_cpu_is_skipped_with_the_reason():
+    from kdbench.config.plan import Cell
+    from kdbench.measure.cell import measure_cell
+    from kdbench.models import ModelCache
+    from tests.helpers import make_config
+
+    for field in ("precision", "teacher_precision"):
+        config = make_config(
+            **{field: "tf32"},
+            pair={"teacher": "linear", "student": "linear"},
+            data={"shape": [1, 4, 4], "num_classes": 4},
+        )
+        rows = measure_cell(Cell(0, "c", config), CPU, ModelCache())
+        assert [r["status"] for r in rows] == ["skipped"] * 5
+        assert all("tf32 is a GPU math mode" in r["error"] for r in rows)
+
+
+def test_bf16_only_by_emulation_runs_in_fp32_with_a_note(monkeypatch):
+    # T4/V100: torch.cuda.is_bf16_supported() is True by emulation unless asked for hardware support
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    choice = choose_autocast(FAKE_GPU, "bf16")
+    assert choice.applied is False and "no bf16 arithmetic" in choice.note and "fp32" in choice.note

@@ -207,7 +207,9 @@ def test_kernel_cache_state_is_read_from_the_documented_places(tmp_path):
 def test_environment_record_has_the_speed_knobs():
     env = capture(CPU)
     assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-    assert env["float32_matmul_precision"] == torch.get_float32_matmul_precision()
+    from kdbench.hw.backends import math_flags
+
+    assert env["float32_matmul_precision"] == math_flags()["float32_matmul_precision"]
     assert env["miopen_cache_warm"] is None  # not a ROCm build
     assert env["device_name"] and env["cpu_threads"] == torch.get_num_threads()
     # the schema's environment group is exactly what is captured (the report's environment table shows it)

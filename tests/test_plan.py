@@ -164,7 +164,7 @@ def test_seed_suite_setups():
         (BASE.replace("batch_size: 8", "batch_size: 0"), ["defaults.batch_size", "greater than or equal to 1"]),
         (
             BASE.replace("[fp32, bf16, fp16]", "[fp32, fp8]"),
-            [":10:", "matrix.precision[1]", "'fp32', 'fp16' or 'bf16'"],
+            [":10:", "matrix.precision[1]", "'fp32', 'tf32', 'fp16' or 'bf16'"],
         ),
         (BASE.replace("resnet20", "resnt20"), ["matrix.pair.student", "unknown model 'resnt20'", "resnet20"]),
         (BASE.replace("precision:", "precison:"), ["matrix.precison", "did you mean 'precision'"]),

@@ -126,9 +126,29 @@ def test_peak_table_shape_and_unknown_dtype():
         "L4",
         "T4",
     }
-    assert all(set(v) == {"fp32", "fp16", "bf16"} for v in PEAKS.values())
-    with pytest.raises(KdbenchError, match="unknown dtype 'tf32'"):
-        datasheet_peak("NVIDIA L4", "tf32")
+    assert all(set(v) == {"fp32", "tf32", "fp16", "bf16"} for v in PEAKS.values())
+    with pytest.raises(KdbenchError, match="unknown dtype 'fp8'"):
+        datasheet_peak("NVIDIA L4", "fp8")
+
+
+@pytest.mark.parametrize(
+    "name, tf32",
+    [
+        ("NVIDIA H200", 494.7),
+        ("NVIDIA H100 80GB HBM3", 494.7),
+        ("NVIDIA H100 PCIe", 378.0),
+        ("NVIDIA A100-SXM4-80GB", 156.0),
+        ("NVIDIA L4", 60.0),
+        ("AMD Instinct MI300X", 653.7),
+    ],
+)
+def test_tf32_peaks_are_the_tensor_core_figures_above_fp32(name, tf32):
+    device, peak = datasheet_peak(name, "tf32")
+    assert peak == pytest.approx(tf32) and peak > datasheet_peak(name, "fp32")[1]
+
+
+def test_devices_without_tf32_have_no_tf32_peak():
+    assert datasheet_peak("Tesla T4", "tf32") is None and datasheet_peak("AMD Instinct MI210", "tf32") is None
 
 
 # --------------------------------------------------------------------------- memory

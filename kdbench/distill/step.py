@@ -20,6 +20,7 @@ peak of the next measurement in the same worker (torchdistill's ``clean_modules`
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ from torch import nn
 from kdbench.config.schema import CellConfig, OptimizerConfig
 from kdbench.distill.hooks import FeaturePaths, FeatureTap, resolve_paths
 from kdbench.distill.losses import DistillLoss, LossInputs, needs_features
-from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_scaler
+from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_scaler, math_mode
 from kdbench.hw.layout import place_aligned, place_model, unpad
 from kdbench.measure.timing import Clock
 from kdbench.names import PHASES
@@ -137,6 +138,7 @@ class Distiller:
         self.device_type = backend.device_type
         self.student_ac: AutocastChoice = choose_autocast(backend, config.precision)
         self.teacher_ac: AutocastChoice = choose_autocast(backend, config.teacher_precision)
+        self._switch_math = self.teacher_ac.tf32 != self.student_ac.tf32
         self.paths: FeaturePaths | None = None
         self.t_tap = s_tap = None
         shapes = None
@@ -199,7 +201,10 @@ class Distiller:
         self.optimizer.zero_grad(set_to_none=True)
 
     def teacher_outputs(self, x: torch.Tensor) -> TeacherOutputs:
-        with torch.no_grad(), self.teacher_ac.context(self.device_type):
+        # The step runs in the student's fp32 math mode (set around the measurement); a teacher at
+        # another (tf32 vs IEEE) switches for its forward alone: host-side flags, no device work.
+        math = math_mode(self.teacher_ac.tf32) if self._switch_math else contextlib.nullcontext()
+        with torch.no_grad(), self.teacher_ac.context(self.device_type), math:
             logits = self.teacher(x)
         return TeacherOutputs(logits, self.t_tap.take() if self.t_tap is not None else [])
 

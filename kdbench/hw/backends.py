@@ -10,16 +10,19 @@ unit tests can simulate a ROCm, CUDA or CPU-only build by monkeypatching torch.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kdbench.errors import KdbenchError
 from kdbench.measure.timing import Clock, EventClock, HostClock
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# The tensors' dtype of each precision; tf32 keeps fp32 tensors and turns the TF32 math mode on.
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -111,14 +114,100 @@ def resolve(requested: str, detected: Detected | None = None) -> Backend:
 # --------------------------------------------------------------------------- precision
 
 
+# --- the fp32 math mode -------------------------------------------------------------------
+#
+# "fp32" is IEEE fp32 on every vendor: cuDNN's TF32 switch is on by default on NVIDIA (so fp32
+# convolutions would run on TF32 tensor cores there) while TF32 is opt-in on ROCm.  kdbench sets
+# the switches for every measurement instead of inheriting them: IEEE for every precision but
+# tf32, TF32 for tf32.  torch >= 2.9 has one API (`fp32_precision`), older releases another
+# (`allow_tf32`); the two must not be mixed in one process.
+
+NEW_FP32_API = hasattr(torch.backends, "fp32_precision")
+
+
+def set_math_mode(tf32: bool) -> None:
+    """TF32 (True) or IEEE fp32 (False) for fp32 matmuls and cuDNN/MIOpen convolutions."""
+    if NEW_FP32_API:
+        mode = "tf32" if tf32 else "ieee"
+        torch.backends.cuda.matmul.fp32_precision = mode
+        torch.backends.cudnn.conv.fp32_precision = mode
+        torch.backends.cudnn.rnn.fp32_precision = mode
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
+def math_flags() -> dict[str, Any]:
+    """The effective fp32 math switches, as result columns (read through the API in use)."""
+    if NEW_FP32_API:
+        matmul = torch.backends.cuda.matmul.fp32_precision
+        if matmul == "none":  # inherits the legacy setting, which the new API leaves alone
+            matmul = _legacy_matmul_precision()
+        return {
+            "tf32_matmul": matmul in ("tf32", "high", "medium"),
+            "tf32_cudnn": torch.backends.cudnn.conv.fp32_precision == "tf32",
+            "float32_matmul_precision": matmul,
+        }
+    return {
+        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+        "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+
+
+def _legacy_matmul_precision() -> str:
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:  # torch refuses to answer once the two APIs disagree
+        return "none"
+
+
+@contextlib.contextmanager
+def math_mode(tf32: bool):
+    """The block runs in the given fp32 math mode; the switches are restored after it."""
+    if NEW_FP32_API:
+        keys = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn)
+        before = [k.fp32_precision for k in keys]
+    else:
+        before = [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32]
+    set_math_mode(tf32)
+    try:
+        yield
+    finally:
+        if NEW_FP32_API:
+            for key, value in zip(keys, before):
+                key.fp32_precision = value
+        else:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def tf32_problem(backend: Backend) -> str:
+    """'' when ``backend`` can run TF32, else why not (then a tf32 cell is skipped with the reason)."""
+    if backend.device_type != "cuda":
+        return "tf32 is a GPU math mode (TF32 tensor cores); the CPU has none"
+    props = torch.cuda.get_device_properties(backend.device)
+    if backend.name == "rocm":
+        arch = (getattr(props, "gcnArchName", "") or "").split(":")[0]
+        if not arch.startswith(("gfx94", "gfx95")):
+            return f"tf32 (XF32) needs an MI300-class GPU (gfx942/gfx950); this one is {arch or 'unknown'}"
+        if os.environ.get("HIPBLASLT_ALLOW_TF32") != "1":
+            return "tf32 on ROCm needs HIPBLASLT_ALLOW_TF32=1 in the environment (torch then runs GEMMs in XF32)"
+        return ""
+    if props.major < 8:
+        return f"tf32 needs an NVIDIA Ampere or newer GPU (compute capability 8.0), not {props.major}.{props.minor}"
+    return ""
+
+
 @dataclass(frozen=True)
 class AutocastChoice:
-    """How a precision is realised on a backend."""
+    """How a precision is realised on a backend: autocast to a 16-bit dtype, or fp32 in a math mode."""
 
     precision: str
-    applied: bool  # autocast is on (False for fp32, and where the dtype is unsupported)
+    applied: bool  # autocast is on (False for fp32 and tf32, and where the dtype is unsupported)
     dtype: torch.dtype | None
     note: str = ""  # why autocast was not applied, when precision asked for it
+    tf32: bool = False  # fp32 work (all of it for tf32; what autocast leaves in fp32 otherwise) in TF32
+    skip: str = ""  # this backend cannot run the precision at all: the cell is skipped, saying why
 
     def context(self, device_type: str) -> AbstractContextManager:
         if not self.applied:
@@ -144,16 +233,29 @@ def _autocast_works(device_type: str, dtype: torch.dtype) -> str:
 
 
 def choose_autocast(backend: Backend, precision: str) -> AutocastChoice:
-    """fp32 runs plainly; fp16/bf16 run under torch.amp.autocast where the backend supports it."""
+    """fp32 runs plainly (IEEE); tf32 runs fp32 tensors in the TF32 math mode where the GPU has it (and
+    is skipped elsewhere); fp16/bf16 run under torch.amp.autocast where the backend supports them."""
     if precision == "fp32":
         return AutocastChoice(precision, applied=False, dtype=None)
+    if precision == "tf32":
+        problem = tf32_problem(backend)
+        note = "XF32 for GEMMs; MIOpen convolutions stay IEEE fp32 on torch releases without TF32 convolutions"
+        return AutocastChoice(precision, False, None, note if backend.name == "rocm" else "", not problem, problem)
     dtype = DTYPES[precision]
-    if backend.device_type == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
-        return AutocastChoice(precision, False, dtype, "this GPU does not support bf16; ran in fp32")
+    # bf16 in hardware: not the emulation torch.cuda.is_bf16_supported() also accepts (T4, V100)
+    if backend.device_type == "cuda" and precision == "bf16" and not _bf16_in_hardware():
+        return AutocastChoice(precision, False, dtype, "this GPU has no bf16 arithmetic; ran in fp32")
     problem = _autocast_works(backend.device_type, dtype)
     if problem:
         return AutocastChoice(precision, False, dtype, f"{problem}; ran in fp32")
     return AutocastChoice(precision, True, dtype)
+
+
+def _bf16_in_hardware() -> bool:
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # torch < 2.4 has no emulation to exclude
+        return torch.cuda.is_bf16_supported()
 
 
 def needs_grad_scaler(choice: AutocastChoice) -> bool:

@@ -14,7 +14,7 @@ import psutil
 import torch
 
 import kdbench
-from kdbench.hw.backends import Backend, detect
+from kdbench.hw.backends import Backend, detect, math_flags
 
 # Environment variables that change speed; recorded with every row.
 KNOB_PREFIXES = ("MIOPEN_", "PYTORCH_TUNABLEOP_", "HIP_", "ROCM_", "CUDA_", "CUBLAS", "NCCL_", "RCCL_")
@@ -115,12 +115,7 @@ def _speed_knobs() -> dict[str, Any]:
         capability = torch.backends.cpu.get_cpu_capability()
     except (AttributeError, RuntimeError):
         capability = None
-    return {
-        "cpu_capability": capability,
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
-        "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
-    }
+    return {"cpu_capability": capability, **math_flags()}  # each measurement records its own flags too
 
 
 def _device_facts(backend: Backend) -> dict[str, Any]:

@@ -11,7 +11,8 @@ import re
 from kdbench.errors import KdbenchError
 from kdbench.names import PRECISIONS
 
-# Dense peak TFLOP/s (sparsity figures halved back to dense).  fp16/bf16 are the matrix
+# Dense peak TFLOP/s (sparsity figures halved back to dense).  tf32 is the TF32 tensor-core
+# figure (XF32 on MI300X; None where the device has no such mode).  fp16/bf16 are the matrix
 # (Tensor Core / Matrix Core) figures.  fp32 is the plain, non-tensor FP32 figure:
 # - NVIDIA: the non-Tensor-Core FP32 number; torch's fp32 matmul does not use TF32
 #   unless torch.backends.cuda.matmul.allow_tf32 is set.
@@ -21,29 +22,29 @@ from kdbench.names import PRECISIONS
 #   On MI300X the matrix and vector FP32 figures are equal.
 PEAKS: dict[str, dict[str, float | None]] = {
     # AMD Instinct MI300X datasheet / amd.com MI300X product page: FP32 vector 163.4,
-    # FP16 and BF16 1307.4 (2614.9 with sparsity).
-    "MI300X": {"fp32": 163.4, "fp16": 1307.4, "bf16": 1307.4},
+    # TF32 653.7 (1307.4 with sparsity), FP16 and BF16 1307.4 (2614.9 with sparsity).
+    "MI300X": {"fp32": 163.4, "tf32": 653.7, "fp16": 1307.4, "bf16": 1307.4},
     # AMD Instinct MI250X datasheet / amd.com MI250X page, whole card (2 GCDs): FP32 vector
-    # 47.9, FP16/BF16 383.0.  Each GCD is its own torch device, so half of the card.  torch
+    # 47.9, FP16/BF16 383.0; CDNA2 has no TF32/XF32.  Each GCD is its own torch device, so half of the card.  torch
     # names MI250 and MI250X alike ("MI250X/MI250"); an MI250 (45.3 / 362.1) is ~5% slower.
-    "MI250X (per GCD)": {"fp32": 47.9 / 2, "fp16": 383.0 / 2, "bf16": 383.0 / 2},
+    "MI250X (per GCD)": {"fp32": 47.9 / 2, "tf32": None, "fp16": 383.0 / 2, "bf16": 383.0 / 2},
     # AMD Instinct MI210 datasheet / amd.com MI210 page: FP32 vector 22.6, FP16/BF16 181.0.
-    "MI210": {"fp32": 22.6, "fp16": 181.0, "bf16": 181.0},
-    # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): FP32 67, FP16/BF16 1,979 with
-    # sparsity.  Same GH100 SXM5 compute as H100 SXM, whose dense figure is 989.4.
-    "H200 SXM": {"fp32": 67.0, "fp16": 989.4, "bf16": 989.4},
+    "MI210": {"fp32": 22.6, "tf32": None, "fp16": 181.0, "bf16": 181.0},
+    # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): FP32 67, TF32 989 and FP16/BF16 1,979
+    # with sparsity.  Same GH100 SXM5 compute as H100 SXM, whose dense figure is 989.4.
+    "H200 SXM": {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
     # NVIDIA H100 Tensor Core GPU datasheet and "NVIDIA H100 Tensor Core GPU Architecture"
-    # whitepaper (SXM5): FP32 67, FP16/BF16 989.4 dense (1,979 with sparsity).
-    "H100 SXM": {"fp32": 67.0, "fp16": 989.4, "bf16": 989.4},
-    # Same datasheet / whitepaper, H100 PCIe: FP32 51, FP16/BF16 756 dense (1,513 sparse).
-    "H100 PCIe": {"fp32": 51.0, "fp16": 756.0, "bf16": 756.0},
-    # NVIDIA A100 Tensor Core GPU datasheet: FP32 19.5, FP16/BF16 312 (624 sparse);
+    # whitepaper (SXM5): FP32 67, TF32 494.7 and FP16/BF16 989.4 dense (989 / 1,979 with sparsity).
+    "H100 SXM": {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
+    # Same datasheet / whitepaper, H100 PCIe: FP32 51, TF32 378 and FP16/BF16 756 dense (756 / 1,513 sparse).
+    "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "fp16": 756.0, "bf16": 756.0},
+    # NVIDIA A100 Tensor Core GPU datasheet: FP32 19.5, TF32 156 (312 sparse), FP16/BF16 312 (624 sparse);
     # the same for 40GB and 80GB, PCIe and SXM.
-    "A100": {"fp32": 19.5, "fp16": 312.0, "bf16": 312.0},
-    # NVIDIA L4 Tensor Core GPU datasheet: FP32 30.3, FP16/BF16 242 with sparsity -> 121.
-    "L4": {"fp32": 30.3, "fp16": 121.0, "bf16": 121.0},
-    # NVIDIA T4 Tensor Core GPU datasheet: FP32 8.1, mixed-precision FP16 65; Turing has no bf16.
-    "T4": {"fp32": 8.1, "fp16": 65.0, "bf16": None},
+    "A100": {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0},
+    # NVIDIA L4 Tensor Core GPU datasheet: FP32 30.3, TF32 120 and FP16/BF16 242 with sparsity -> 60 and 121.
+    "L4": {"fp32": 30.3, "tf32": 60.0, "fp16": 121.0, "bf16": 121.0},
+    # NVIDIA T4 Tensor Core GPU datasheet: FP32 8.1, mixed-precision FP16 65; Turing has no bf16 or TF32.
+    "T4": {"fp32": 8.1, "tf32": None, "fp16": 65.0, "bf16": None},
 }
 
 # Whole-name patterns (lower case, spaces collapsed) for what torch.cuda.get_device_name

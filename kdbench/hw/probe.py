@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kdbench.errors import KdbenchError
-from kdbench.hw.backends import DTYPES, Backend
+from kdbench.hw.backends import DTYPES, Backend, math_mode, tf32_problem
 from kdbench.hw.environment import capture
 from kdbench.measure.stats import summarize
 from kdbench.measure.timing import timed_loop
@@ -50,7 +50,7 @@ def _times_ms(fn: Callable[[], Any], backend: Backend, min_time_s: float) -> tup
 
 def measure_ceilings(
     backend: Backend,
-    dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16"),
+    dtypes: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16"),
     matmul_n: int | None = None,
     copy_bytes: int | None = None,
     min_time_s: float = 0.3,
@@ -62,8 +62,9 @@ def measure_ceilings(
     A ceiling is what the device can do, so `value` comes from the fast end of the timed
     iterations (their 5th percentile, `p05_ms`), which a busy or drifting machine drags
     down less than the median (`median_ms`, kept beside it).  A dtype the device cannot
-    multiply gives value None and an `error`; one it multiplies very slowly is measured at a
-    smaller n (:func:`_matmul_size`; the row's `size` says which)."""
+    multiply gives value None and an `error` (tf32 on the CPU, or on a GPU without TF32); one it
+    multiplies very slowly is measured at a smaller n (:func:`_matmul_size`; the row's `size`
+    says which).  fp32 is measured in IEEE fp32 and tf32 in the TF32 math mode, as cells run them."""
     unknown = [d for d in dtypes if d not in DTYPES]
     if unknown:
         raise KdbenchError(f"unknown dtype(s) {unknown}; use {', '.join(DTYPES)}")
@@ -82,11 +83,17 @@ def measure_ceilings(
             "p05_ms": None,
             "error": None,
         }
+        problem = tf32_problem(backend) if d == "tf32" else ""
+        if problem:
+            row["error"] = problem
+            rows.append(row)
+            continue
         try:
-            size = _matmul_size(DTYPES[d], n, backend, max_call_s)
-            a = torch.randn(size, size, device=backend.device).to(DTYPES[d])
-            b = torch.randn(size, size, device=backend.device).to(DTYPES[d])
-            median, fast = _times_ms(lambda a=a, b=b: torch.mm(a, b), backend, min_time_s)
+            with math_mode(d == "tf32"):  # fp32 is IEEE fp32, as every cell runs it
+                size = _matmul_size(DTYPES[d], n, backend, max_call_s)
+                a = torch.randn(size, size, device=backend.device).to(DTYPES[d])
+                b = torch.randn(size, size, device=backend.device).to(DTYPES[d])
+                median, fast = _times_ms(lambda a=a, b=b: torch.mm(a, b), backend, min_time_s)
             row.update(size=size, median_ms=median, p05_ms=fast, value=2 * size**3 / (fast / 1e3) / 1e12)
         except (RuntimeError, TypeError, NotImplementedError) as exc:
             row["error"] = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -32,10 +32,10 @@ from torch import nn
 from kdbench.config.plan import Cell, planned_measurements
 from kdbench.config.schema import CellConfig
 from kdbench.distill.step import DistillStep
-from kdbench.hw.backends import Backend, choose_autocast
+from kdbench.hw.backends import Backend, choose_autocast, math_flags, math_mode
 from kdbench.hw.data import synthetic_batch
 from kdbench.hw.layout import pad_classifier, padded_width, place_model, verify_memory_format
-from kdbench.measure.failures import failure_row
+from kdbench.measure.failures import error_text, failure_row, status_of
 from kdbench.measure.flops import count_flops
 from kdbench.measure.memory import MemoryMeter, memory_columns, optimizer_state_bytes
 from kdbench.measure.parallel import DataParallel
@@ -200,21 +200,22 @@ def measure_distill_step(
     x, y = synthetic_batch(config, config.batch_size, backend.device, config.seed + rank)
     step = DistillStep(teacher, student, x, y, config, backend, wrap=dp.wrapper(config, backend) if dp else None)
     try:
-        raw, profile = timed_with_profile(step, config, backend, config.batch_size, dp)
-        loss = float(step.last_loss) if step.last_loss is not None else math.nan
-        local = raw
-        if dp is not None:
-            raw, loss = dp.slowest(raw, backend), dp.mean(loss, backend)
-        row = distill_row(step, raw, config, x, loss, local) if rank == 0 else None
-        flops = step_flops(step)  # every rank: under DDP the counted step runs the collectives
-        traced = {}
-        if options.trace_dir:  # every rank runs the traced calls; rank 0 writes the trace
-            path = Path(options.trace_dir) / f"{trace_name}.json" if rank == 0 else None
-            traced = trace(step, backend, path)
+        with math_mode(step.distiller.student_ac.tf32):  # IEEE fp32 unless the cell asked for tf32
+            raw, profile = timed_with_profile(step, config, backend, config.batch_size, dp)
+            loss = float(step.last_loss) if step.last_loss is not None else math.nan
+            local = raw
+            if dp is not None:
+                raw, loss = dp.slowest(raw, backend), dp.mean(loss, backend)
+            row = distill_row(step, raw, config, x, loss, local) if rank == 0 else None
+            flops = step_flops(step)  # every rank: under DDP the counted step runs the collectives
+            traced = {}
+            if options.trace_dir:  # every rank runs the traced calls; rank 0 writes the trace
+                path = Path(options.trace_dir) / f"{trace_name}.json" if rank == 0 else None
+                traced = trace(step, backend, path)
+            flags = math_flags()
         if row is not None:
-            row.update(
-                profile, **flops, **traced, optimizer_state_bytes=optimizer_state_bytes(step.distiller.optimizer)
-            )
+            row.update(profile, **flops, **traced, **flags)
+            row["optimizer_state_bytes"] = optimizer_state_bytes(step.distiller.optimizer)
         return row
     finally:
         step.close()
@@ -230,18 +231,27 @@ def measure_inference(model: nn.Module, role: str, batch_size: int, config: Cell
         with torch.inference_mode(), choice.context(backend.device_type):
             model(x)
 
-    raw, profile = timed_with_profile(forward, config, backend, batch_size)
+    with math_mode(choice.tf32):
+        raw, profile = timed_with_profile(forward, config, backend, batch_size)
+        flops, flags = count_flops(forward), math_flags()
     return {
         "measurement": Measurement(f"{role}_inference"),
         "batch_size": batch_size,
         "status": Status.OK,
         **timing_columns(raw, 1, batch_size),
         **profile,
-        "flops": count_flops(forward),
+        **flags,
+        "flops": flops,
         "autocast": choice.applied,
         **_layout(model, x, config),
         "notes": _notes(choice, alignment=_alignment_note(x, config)),
     }
+
+
+def failure_rows(config: CellConfig, status: Status, error: str) -> list[Row]:
+    """Every planned row of the cell, marked."""
+    planned = planned_measurements(config)
+    return [{"measurement": m, "batch_size": bs, "status": status, "error": error} for m, bs in planned]
 
 
 def guarded(measurement: str, batch_size: int, backend: Backend, fn: Callable[[], Row]) -> Row:
@@ -268,12 +278,16 @@ def measure_cell(
 ) -> list[Row] | None:
     """The cell's rows, one per planned measurement (None on data-parallel ranks other than 0)."""
     config = cell.config
+    choices = [choose_autocast(backend, p) for p in (config.precision, config.teacher_precision)]
+    skip = next((c.skip for c in choices if c.skip), None)
+    if skip:  # every rank sees the same, before any collective
+        return None if dp is not None and not dp.root else failure_rows(config, Status.SKIPPED, skip)
     try:
         teacher, student = model_pair(config, backend, cache)
     except Exception as exc:
         if dp is not None:
             raise
-        return [failure_row(m, bs, exc) for m, bs in planned_measurements(config)]
+        return failure_rows(config, status_of(exc), error_text(exc))
     guard = guarded if dp is None else _collective
     step = guard(
         Measurement.DISTILL_STEP,

@@ -46,7 +46,7 @@ from torch import nn
 
 from kdbench.config.schema import CellConfig, QualityConfig, TeacherConfig
 from kdbench.distill.step import Distiller, make_optimizer
-from kdbench.hw.backends import Backend, choose_autocast
+from kdbench.hw.backends import Backend, choose_autocast, math_mode
 from kdbench.hw.layout import memory_format_of, place_model
 from kdbench.measure.failures import error_text
 from kdbench.models import ModelCache
@@ -244,7 +244,8 @@ class _Run:
                 optimizer = make_optimizer(model.parameters(), cell.optimizer)
                 choice = choose_autocast(self.backend, cell.precision)
                 step = ce_step(model, optimizer, choice, self.backend)
-                out = fit(step, model, optimizer, self.data(cell), self.cfg, self.backend, entry.seed, choice)
+                with math_mode(choice.tf32):
+                    out = fit(step, model, optimizer, self.data(cell), self.cfg, self.backend, entry.seed, choice)
                 if role == "teacher":
                     out.model = model
                 logger.info("  quality seed %d: %s %s: %s", entry.seed, role, name, _describe(out))
@@ -260,13 +261,18 @@ class _Run:
         distiller = Distiller(copy.deepcopy(teacher.model), student, cell, self.backend, data.x_train[:2])
         try:
             step, model, opt = distiller.train_step, distiller.student, distiller.optimizer
-            return fit(step, model, opt, data, self.cfg, self.backend, entry.seed, distiller.student_ac)
+            with math_mode(distiller.student_ac.tf32):
+                return fit(step, model, opt, data, self.cfg, self.backend, entry.seed, distiller.student_ac)
         finally:
             distiller.close()
 
     def execute(self, entry: Entry) -> dict[str, Any]:
         """Train (or recall) what ``entry`` needs and return its row."""
         row = entry.row(self.cfg)
+        c = entry.config
+        skip = next((s for p in {c.precision, c.teacher_precision} if (s := choose_autocast(self.backend, p).skip)), "")
+        if skip:  # a precision this backend cannot run (tf32 on the CPU)
+            return {**row, "status": Status.SKIPPED, "error": skip}
         if entry.role == "teacher":
             teacher = self.train_ce(entry, "teacher")
             return _fill(row, self.cfg, teacher, teacher)

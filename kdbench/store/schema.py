@@ -76,7 +76,7 @@ COLUMNS: tuple[Column, ...] = (
         ("teacher", _S, "", "teacher model name"),
         ("student", _S, "", "student model name"),
         ("method", _S, "", "distillation method (`kd`, ...)"),
-        ("precision", _S, "", "student precision: `fp32`, `fp16` or `bf16`"),
+        ("precision", _S, "", "student precision: `fp32` (IEEE), `tf32`, `fp16` or `bf16`"),
         ("teacher_precision", _S, "", "teacher forward precision in the distillation step"),
         ("batch_size", _I, "samples", "batch size of this measurement (per rank)"),
         ("backend", _S, "", "backend the cell ran on: `cpu`, `cuda` or `rocm`"),
@@ -298,9 +298,27 @@ COLUMNS: tuple[Column, ...] = (
         ("cudnn_benchmark", _B, "", "torch.backends.cudnn.benchmark"),
         ("blas_library", _S, "", "torch.backends.cuda.preferred_blas_library() on GPUs"),
         ("cpu_capability", _S, "", "the CPU kernels torch dispatches to (`AVX2`, `AVX512`, ...)"),
-        ("float32_matmul_precision", _S, "", "torch.get_float32_matmul_precision() (`highest` keeps fp32 GEMMs exact)"),
-        ("tf32_matmul", _B, "", "torch.backends.cuda.matmul.allow_tf32"),
-        ("tf32_cudnn", _B, "", "torch.backends.cudnn.allow_tf32"),
+        (
+            "float32_matmul_precision",
+            _S,
+            "",
+            "the fp32 matmul setting the measurement ran with: `ieee` or `tf32` "
+            "(torch.backends.cuda.matmul.fp32_precision), or on torch < 2.9 torch.get_float32_matmul_precision() "
+            "(`highest` keeps fp32 GEMMs exact)",
+        ),
+        (
+            "tf32_matmul",
+            _B,
+            "",
+            "fp32 matmuls ran in TF32 (read in the worker, for this measurement: only `tf32` cells set it)",
+        ),
+        (
+            "tf32_cudnn",
+            _B,
+            "",
+            "fp32 cuDNN/MIOpen convolutions ran in TF32 (read in the worker, for this "
+            "measurement; torch's own default is on, kdbench sets it off but for `tf32` cells)",
+        ),
         (
             "miopen_cache_warm",
             _B,
