@@ -137,3 +137,28 @@ def test_twin_key_drops_only_the_compared_settings():
 def test_derive_on_an_empty_frame_adds_the_columns():
     df = derive(pd.DataFrame({"status": pd.Series(dtype=object)}))
     assert {"speedup_vs_teacher", "mfu", "teacher_cache_payback_steps"} <= set(df.columns) and df.empty
+
+
+def test_a_step_that_mixes_precisions_is_measured_against_both_peaks():
+    # H200: fp32 67, bf16 989.4 TFLOP/s.  40 % of the step's FLOPs are the fp32 teacher's forward.
+    mixed = _row(
+        cell="mixed",
+        median=10.0,
+        flops=1e12,
+        teacher_forward_flops=4e11,
+        precision="bf16",
+        teacher_precision="fp32",
+        device_name="NVIDIA H200",
+        ceiling_tflops=800.0,
+        teacher_ceiling_tflops=55.0,
+    )
+    cached = {**mixed, "cell_id": "cached", "teacher_forward_flops": None}  # no teacher forward in the step
+    inference = {**mixed, "cell_id": "inf", "measurement": "teacher_inference"}  # one precision
+    rows = as_read([mixed, cached, inference]).set_index("cell_id")
+    effective = 1e12 / (4e11 / 67.0 + 6e11 / 989.4)  # ≈ 152 TFLOP/s, far below the bf16 peak
+    assert rows.loc["mixed", "datasheet_peak_tflops"] == pytest.approx(effective)
+    assert rows.loc["mixed", "mfu"] == pytest.approx(100.0 / effective)
+    assert rows.loc["mixed", "ceiling_utilization"] == pytest.approx(100.0 / (1e12 / (4e11 / 55.0 + 6e11 / 800.0)))
+    assert rows.loc["cached", "datasheet_peak_tflops"] == pytest.approx(989.4)
+    assert rows.loc["inf", "datasheet_peak_tflops"] == pytest.approx(989.4)
+    assert rows.loc["inf", "ceiling_utilization"] == pytest.approx(100.0 / 800.0)

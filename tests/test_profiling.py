@@ -143,7 +143,7 @@ def test_peak_table_shape_and_unknown_dtype():
     ],
 )
 def test_tf32_peaks_are_the_tensor_core_figures_above_fp32(name, tf32):
-    device, peak = datasheet_peak(name, "tf32")
+    _, peak = datasheet_peak(name, "tf32")
     assert peak == pytest.approx(tf32) and peak > datasheet_peak(name, "fp32")[1]
 
 

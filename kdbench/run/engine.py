@@ -203,7 +203,7 @@ class Stamper:
             "device": str(self.backend.device),
             **job.columns(self.backend.name),
             **self.env,
-            **(ceiling_columns(self.ceiling, job.precision) if job.precision else {}),
+            **(ceiling_columns(self.ceiling, job.precision, job.teacher_precision) if job.precision else {}),
             "timestamp": datetime.now(UTC),
         }
         return [{**identity, **row} for row in rows]

@@ -46,6 +46,10 @@ class CellJob:
     def precision(self) -> str:
         return self.cell.config.precision
 
+    @property
+    def teacher_precision(self) -> str:
+        return self.cell.config.teacher_precision
+
     def planned(self) -> list[Row]:
         return [{"measurement": m, "batch_size": bs} for m, bs in planned_measurements(self.cell.config)]
 
@@ -87,7 +91,7 @@ class QualityJob:
         return f"quality ({q.dataset}, {q.seeds} seed{'s' if q.seeds > 1 else ''})"
 
     world_size = 1
-    precision = None
+    precision = teacher_precision = None
 
     def describe(self) -> str:
         q = self.quality

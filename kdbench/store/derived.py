@@ -9,7 +9,9 @@ it would mean rewriting earlier parts whenever a later one arrives:
   times the throughput of the *twin* cell at world_size 1 in the same run;
 * ``achieved_tflops``, ``datasheet_device``, ``datasheet_peak_tflops``, ``mfu`` and
   ``ceiling_utilization``: FLOPs per median time against the datasheet peak table
-  (:mod:`kdbench.hw.peaks`) and the probe ceiling stored on the row;
+  (:mod:`kdbench.hw.peaks`) and the probe ceiling stored on the row; a step whose live
+  teacher runs at another precision than its student against both precisions' peaks
+  (:func:`effective_peak`);
 * ``teacher_cache_saving_ms`` and ``teacher_cache_payback_steps`` (cached
   distill_step rows): against the twin cell with a live teacher in the same run.
 
@@ -117,25 +119,48 @@ def _scaling(df: pd.DataFrame, ok: pd.Series) -> None:
     )
 
 
+def _peaks(devices: pd.Series, precisions: pd.Series) -> tuple[list, np.ndarray]:
+    """Per row: the datasheet device matched (or None) and its dense peak at the precision (NaN if none)."""
+    keys = list(zip(devices.fillna(""), precisions))
+    table = {k: datasheet_peak(str(k[0]), k[1]) if k[1] in PRECISIONS else None for k in set(keys)}
+    matched = [table[k] for k in keys]
+    return [m[0] if m else None for m in matched], np.array([m[1] if m else np.nan for m in matched], dtype=float)
+
+
+def effective_peak(flops, teacher_flops, student_peak, teacher_peak):
+    """The rate a step whose teacher forward (``teacher_flops`` of ``flops``) runs at one peak and the rest
+    at another reaches at both peaks: total FLOPs over the time each part needs at its own peak
+    (a FLOP-weighted harmonic mean).  NaN where either peak is unknown."""
+    return flops / (teacher_flops / teacher_peak + (flops - teacher_flops) / student_peak)
+
+
 def _utilisation(df: pd.DataFrame, ok: pd.Series) -> None:
     rows = df[ok & df["flops"].gt(0) & df["median_ms"].gt(0)]
     if rows.empty:
         return
-    achieved = rows["flops"].astype(float) / (rows["median_ms"].astype(float) / 1e3) / 1e12
+    flops = rows["flops"].to_numpy(dtype=float)
+    achieved = flops / (rows["median_ms"].to_numpy(dtype=float) / 1e3) / 1e12
     df.loc[rows.index, "achieved_tflops"] = achieved
-    keys = list(zip(rows["device_name"].fillna(""), rows["precision"]))
-    peaks = {k: datasheet_peak(str(k[0]), k[1]) if k[1] in PRECISIONS else None for k in set(keys)}
-    matched = [peaks[k] for k in keys]
-    has = np.array([m is not None for m in matched])
-    if has.any():
-        index = rows.index[has]
-        peak = np.array([m[1] for m in matched if m is not None], dtype=float)
-        df.loc[index, "datasheet_device"] = [m[0] for m in matched if m is not None]
-        df.loc[index, "datasheet_peak_tflops"] = peak
-        df.loc[index, "mfu"] = achieved[has].to_numpy() / peak
-    ceiling = rows["ceiling_tflops"].astype(float)
-    measured = ceiling.gt(0)
-    df.loc[rows.index[measured.to_numpy()], "ceiling_utilization"] = (achieved / ceiling)[measured].to_numpy()
+    # A distillation step whose live teacher runs at another precision than the student is measured
+    # against both precisions' peaks, each for its own share of the FLOPs.
+    teacher_flops = rows["teacher_forward_flops"].to_numpy(dtype=float)
+    mixed = (
+        rows["measurement"].eq(Measurement.DISTILL_STEP).to_numpy()
+        & (teacher_flops > 0)
+        & rows["teacher_precision"].notna().to_numpy()
+        & rows["teacher_precision"].ne(rows["precision"]).to_numpy()
+    )
+    devices, peak = _peaks(rows["device_name"], rows["precision"])
+    _, teacher_peak = _peaks(rows["device_name"], rows["teacher_precision"])
+    peak = np.where(mixed, effective_peak(flops, teacher_flops, peak, teacher_peak), peak)
+    known = ~np.isnan(peak)
+    df.loc[rows.index[known], "datasheet_device"] = [d for d, k in zip(devices, known) if k]
+    df.loc[rows.index, "datasheet_peak_tflops"] = peak
+    df.loc[rows.index, "mfu"] = achieved / peak
+    ceiling = rows["ceiling_tflops"].to_numpy(dtype=float)
+    teacher_ceiling = rows["teacher_ceiling_tflops"].to_numpy(dtype=float)
+    ceiling = np.where(mixed, effective_peak(flops, teacher_flops, ceiling, teacher_ceiling), ceiling)
+    df.loc[rows.index, "ceiling_utilization"] = np.where(ceiling > 0, achieved / ceiling, np.nan)
 
 
 def _cache_payback(df: pd.DataFrame, ok: pd.Series) -> None:

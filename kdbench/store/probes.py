@@ -80,7 +80,13 @@ def latest_ceiling(out_dir: Path, device_name: str, backend_name: str) -> dict[s
     return out
 
 
-def ceiling_columns(ceiling: dict[str, Any] | None, precision: str | None) -> dict[str, Any]:
-    """The probe's matmul ceiling at ``precision`` as the row columns ``ceiling_tflops``/``ceiling_probe_id``."""
-    value = (ceiling or {}).get(f"matmul_{precision}")
-    return {"ceiling_tflops": value, "ceiling_probe_id": ceiling["probe_id"]} if value else {}
+def ceiling_columns(ceiling: dict[str, Any] | None, precision: str | None, teacher_precision: str | None = None):
+    """The probe's matmul ceilings at the student's and the teacher's precision, as row columns."""
+    if not ceiling:
+        return {}
+    values = {
+        "ceiling_tflops": ceiling.get(f"matmul_{precision}"),
+        "teacher_ceiling_tflops": ceiling.get(f"matmul_{teacher_precision}"),
+    }
+    found = {k: v for k, v in values.items() if v}
+    return {**found, "ceiling_probe_id": ceiling["probe_id"]} if found else {}

@@ -183,6 +183,13 @@ COLUMNS: tuple[Column, ...] = (
             "this device's measured matmul rate at the cell's precision (the newest "
             "`kdbench probe` when the run started)",
         ),
+        (
+            "teacher_ceiling_tflops",
+            _F,
+            "TFLOP/s",
+            "the same probe's matmul rate at the teacher's precision (for "
+            "a step whose teacher runs at another precision)",
+        ),
         ("ceiling_probe_id", _S, "", "the probe the ceiling comes from"),
         (
             "memory_kind",
@@ -235,9 +242,21 @@ COLUMNS: tuple[Column, ...] = (
         ),
         ("achieved_tflops", _F, "TFLOP/s", "flops / median time, per device"),
         ("datasheet_device", _S, "", "the accelerator of the peak table this device matched"),
-        ("datasheet_peak_tflops", _F, "TFLOP/s", "vendor dense peak at the cell's precision (kdbench.hw.peaks.PEAKS)"),
+        (
+            "datasheet_peak_tflops",
+            _F,
+            "TFLOP/s",
+            "vendor dense peak at the cell's precision "
+            "(kdbench.hw.peaks.PEAKS); for a distill_step whose live teacher runs at another precision, flops / "
+            "(teacher_forward_flops / teacher's peak + the rest / student's peak)",
+        ),
         ("mfu", _F, "ratio", "achieved_tflops / datasheet_peak_tflops"),
-        ("ceiling_utilization", _F, "ratio", "achieved_tflops / ceiling_tflops"),
+        (
+            "ceiling_utilization",
+            _F,
+            "ratio",
+            "achieved_tflops / ceiling_tflops (mixed steps: the ceilings of both precisions, weighted alike)",
+        ),
         (
             "teacher_cache_saving_ms",
             _F,
