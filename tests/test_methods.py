@@ -131,17 +131,24 @@ def test_at_loss_matches_hand_computation(form):
     assert got == pytest.approx(1000.0 / 2 * total, rel=1e-5)
 
 
-def test_at_average_pools_the_larger_map_to_the_smaller():
+def test_at_pools_the_larger_feature_before_forming_its_attention_map():
+    # As RepDistiller and mdistiller compute it: pool the feature, then square and average the channels
     g = torch.Generator().manual_seed(1)
-    big = torch.randn(1, 3, 4, 4, generator=g)
-    small = torch.randn(1, 2, 2, 2, generator=g)
-    # The 4x4 attention map pooled 2x2 -> 2x2, then compared: the same as comparing by hand.
-    pooled = torch.nn.functional.avg_pool2d(attention_map(big, 2.0)[:, None], 2)[:, 0]
-    qs = torch.nn.functional.normalize(pooled.flatten(1), dim=1)
-    qt = torch.nn.functional.normalize(attention_map(small, 2.0).flatten(1), dim=1)
-    want = 1.0 / 2 * (qs - qt).pow(2).mean().item()
+    big = torch.randn(2, 3, 8, 8, generator=g)
+    small = torch.randn(2, 5, 4, 4, generator=g)
+    pooled = big.reshape(2, 3, 4, 2, 4, 2).mean(dim=(3, 5))  # 2x2 average pooling written out
+
+    def q(f):
+        a = (f * f).mean(dim=1).reshape(f.shape[0], -1)
+        return a / a.norm(dim=1, keepdim=True)
+
+    want = 1.0 / 2 * (q(pooled) - q(small)).pow(2).mean().item()
     assert at_loss([big], [small], beta=1.0).item() == pytest.approx(want, rel=1e-5)
     assert at_loss([small], [big], beta=1.0).item() == pytest.approx(want, rel=1e-5)
+    # pooling the attention map instead (what kdbench did before) gives another value
+    old = torch.nn.functional.avg_pool2d(attention_map(big, 2.0)[:, None], 2)[:, 0].flatten(1)
+    old = 1.0 / 2 * (old / old.norm(dim=1, keepdim=True) - q(small)).pow(2).mean().item()
+    assert abs(old - want) > 1e-3 * want
 
 
 def test_at_of_identical_features_is_zero_and_refuses_flat_vectors():

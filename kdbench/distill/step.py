@@ -37,8 +37,11 @@ from kdbench.measure.timing import Clock
 from kdbench.names import PHASES
 
 
-def make_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    kwargs = {} if cfg.weight_decay is None else {"weight_decay": cfg.weight_decay}
+def make_optimizer(params, cfg: OptimizerConfig, fused: bool = False) -> torch.optim.Optimizer:
+    """The student's optimizer; ``fused`` asks for torch's fused implementation (one kernel per step)."""
+    kwargs: dict[str, Any] = {} if cfg.weight_decay is None else {"weight_decay": cfg.weight_decay}
+    if fused:
+        kwargs["fused"] = True
     if cfg.name == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, **kwargs)
     if cfg.name == "adam":
@@ -163,14 +166,28 @@ class Distiller:
         place_model(self.trainee.adapters, example.device, config.memory_format, len(config.data.shape) == 3)
         self.trainee.train()
         self.model = wrap(self.trainee) if wrap is not None else self.trainee
-        self.optimizer = make_optimizer(self.trainee.parameters(), config.optimizer)
         self.scaler = grad_scaler(backend, self.student_ac)
+        self.optimizer, self.optimizer_note = self._optimizer(config, backend)
         self.steps = 0  # train_step calls (DKD's warm-up counts them)
         # Updates actually applied (a GradScaler skips those with inf/NaN gradients).  The hook holds the
         # counter, not this Distiller: no reference cycle keeps a finished cell's tensors alive.
         self._updates = _Counter()
         self.optimizer.register_step_post_hook(self._updates.count)
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=example.device)
+
+    def _optimizer(self, config: CellConfig, backend: Backend) -> tuple[torch.optim.Optimizer, str]:
+        """With a GradScaler on a GPU, a non-fused optimizer makes the scaler read found_inf on the host every
+        step (a host-device sync bf16 and fp32 steps do not have); a fused one checks it on the device."""
+        params = list(self.trainee.parameters())
+        if self.scaler is None or backend.device_type != "cuda":
+            return make_optimizer(params, config.optimizer), ""
+        try:
+            optimizer = make_optimizer(params, config.optimizer, fused=True)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            note = f"the GradScaler syncs host and device every step: no fused {config.optimizer.name} here ({why})"
+            return make_optimizer(params, config.optimizer), note
+        return optimizer, f"fused {config.optimizer.name}, so the GradScaler's step needs no host-device sync"
 
     @property
     def optimizer_steps(self) -> int:

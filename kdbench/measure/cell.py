@@ -105,8 +105,8 @@ def timing_columns(raw: RawTiming, world_size: int, batch_size: int) -> Row:
 # --------------------------------------------------------------------------- row parts
 
 
-def _notes(*choices, alignment: str | None = None) -> str | None:
-    notes = [f"{c.precision}: {c.note}" for c in choices if c.note] + ([alignment] if alignment else [])
+def _notes(*choices, alignment: str | None = None, extra: str = "") -> str | None:
+    notes = [f"{c.precision}: {c.note}" for c in choices if c.note] + [n for n in (extra, alignment) if n]
     return "; ".join(dict.fromkeys(notes)) or None
 
 
@@ -174,7 +174,7 @@ def distill_row(
         "teacher_cache_ms": step.cache_ms,
         **phase_columns(step, local or raw),
         **_layout(d.student, x, config),
-        "notes": _notes(d.student_ac, d.teacher_ac, alignment=_alignment_note(x, config)),
+        "notes": _notes(d.student_ac, d.teacher_ac, alignment=_alignment_note(x, config), extra=d.optimizer_note),
     }
     if not math.isfinite(loss):
         row.update(

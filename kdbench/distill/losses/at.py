@@ -2,7 +2,8 @@
 mdistiller's ``AT``).
 
 loss = beta/2 * sum over paired layers of d(Q_s, Q_t) + CE, with Q the normalised
-attention map mean_c |A|^p of a feature.
+attention map mean_c |A|^p of a feature; features of different sizes are average-pooled
+to the smaller size before their maps are formed, as the reference implementations do.
 """
 
 from __future__ import annotations
@@ -31,16 +32,18 @@ def attention_map(feature: torch.Tensor, p: float) -> torch.Tensor:
     return feature.float().abs().pow(p).mean(dim=1)
 
 
-def _match_spatial(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Average-pool the larger of two attention maps to the smaller one's size."""
-    if a.shape[1:] == b.shape[1:]:
-        return a, b
-    if a.dim() == b.dim() == 3:  # 2-D maps
-        size = (min(a.shape[1], b.shape[1]), min(a.shape[2], b.shape[2]))
-        return F.adaptive_avg_pool2d(a[:, None], size)[:, 0], F.adaptive_avg_pool2d(b[:, None], size)[:, 0]
-    a, b = a.flatten(1), b.flatten(1)  # a map against tokens: compare as sequences
-    n = min(a.shape[1], b.shape[1])
-    return F.adaptive_avg_pool1d(a[:, None], n)[:, 0], F.adaptive_avg_pool1d(b[:, None], n)[:, 0]
+def _match_features(fs: torch.Tensor, ft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The larger of two features average-pooled to the smaller one's spatial size, before the attention
+    maps are formed (as RepDistiller's and mdistiller's AT do).  Maps pool in 2-D (each side to the
+    smaller of the two); a map against tokens, or tokens of two lengths, pool as sequences."""
+    if fs.shape[2:] == ft.shape[2:]:
+        return fs, ft
+    if fs.dim() == ft.dim() == 4:
+        size = (min(fs.shape[2], ft.shape[2]), min(fs.shape[3], ft.shape[3]))
+        return F.adaptive_avg_pool2d(fs, size), F.adaptive_avg_pool2d(ft, size)
+    fs, ft = fs.flatten(2), ft.flatten(2)  # (N, C, positions)
+    n = min(fs.shape[2], ft.shape[2])
+    return F.adaptive_avg_pool1d(fs, n), F.adaptive_avg_pool1d(ft, n)
 
 
 def at_loss(
@@ -52,8 +55,9 @@ def at_loss(
 ) -> torch.Tensor:
     """beta/2 * sum over layers of the distance between normalised attention maps Q.
 
-    Q = normalise(flatten(mean_c |A|^p)).  `code`: mean((Qs - Qt)^2) over batch and
-    positions (Zagoruyko's code); `paper`: the L2 norm ||Qs - Qt||_2, averaged over the batch.
+    Q = normalise(flatten(mean_c |A|^p)), of features pooled to a common size first
+    (:func:`_match_features`).  `code`: mean((Qs - Qt)^2) over batch and positions
+    (Zagoruyko's code); `paper`: the L2 norm ||Qs - Qt||_2, averaged over the batch.
     """
     total = student_feats[0].new_zeros((), dtype=torch.float32)
     for fs, ft in zip(student_feats, teacher_feats):
@@ -62,9 +66,9 @@ def at_loss(
                 "method at needs spatial features (maps or tokens), got flat vectors; "
                 "name other modules with features.teacher / features.student"
             )
-        a_s, a_t = _match_spatial(attention_map(fs, p), attention_map(ft, p))
-        q_s = F.normalize(a_s.flatten(1), dim=1)
-        q_t = F.normalize(a_t.flatten(1), dim=1)
+        fs, ft = _match_features(fs, ft)
+        q_s = F.normalize(attention_map(fs, p).flatten(1), dim=1)
+        q_t = F.normalize(attention_map(ft, p).flatten(1), dim=1)
         diff = q_s - q_t
         total = total + (diff.pow(2).mean() if form == "code" else diff.norm(dim=1).mean())
     return beta / 2 * total

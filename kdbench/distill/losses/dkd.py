@@ -8,7 +8,6 @@ classes, each times T^2 and averaged over the batch.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from pydantic import Field
 
 from kdbench.config.base import Strict
@@ -29,9 +28,11 @@ def _target_split(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
     z = logits.float() / temperature
     n, c = z.shape
     total = torch.logsumexp(z, dim=-1)
-    target_mask = F.one_hot(targets, c).bool()
     z_target = z.gather(1, targets[:, None]).squeeze(1)
-    others = z[~target_mask].view(n, c - 1)
+    # The non-target logits in class order, gathered by index: boolean-mask indexing would make the
+    # host wait for the device (its output size is data-dependent) in every step.
+    rest = torch.arange(c - 1, device=z.device).expand(n, c - 1)
+    others = z.gather(1, rest + (rest >= targets[:, None]))
     log_others_sum = torch.logsumexp(others, dim=-1)
     log_p_target = z_target - total
     log_p_rest = log_others_sum - total  # log(1 - p_t) without forming 1 - p_t
