@@ -221,20 +221,48 @@ def test_cpu_meter_result_before_exit_is_an_error(cpu):
         MemoryMeter(cpu).result()
 
 
-def test_cuda_meter_reads_allocator_counters(monkeypatch):
+def test_cuda_meter_reads_allocator_counters_after_clearing_what_earlier_work_left(monkeypatch):
+    import gc
+
     calls = []
     allocated = iter([1_000, 5_000])  # at entry, at exit
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("gc") or 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append(("reset", d)))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: next(allocated))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: calls.append(("max_alloc", d)) or 9_000)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: 12_000)
     with MemoryMeter(CUDA0) as meter:
-        assert calls == [("reset", torch.device("cuda", 0))]
+        # unreferenced cycles collected, the device idle, the cache emptied, and only then the peak reset
+        assert calls == ["gc", "sync", "empty_cache", ("reset", torch.device("cuda", 0))]
     usage = meter.result()
-    assert usage == memory.MemoryUsage("device", 9_000, 12_000, 4_000)
+    assert usage == memory.MemoryUsage("device", 9_000, 12_000, 4_000, 8_000)  # footprint: peak - at entry
     assert calls[-1] == ("max_alloc", torch.device("cuda", 0))
     assert meter.allocated_before == 1_000 and meter.rss_before is None
     assert _rss_threads() == []
+
+
+def test_a_finished_step_leaves_nothing_behind_for_the_next_measurement(monkeypatch):
+    # What made a GPU inference measured after a step peak higher than one measured before it:
+    # a Distiller <-> optimizer reference cycle, stale gradients and forgotten feature hooks.
+    import weakref
+
+    from kdbench.measure.cell import measure_distill_step
+    from kdbench.models import build_model
+    from tests.helpers import make_config
+
+    optimizers = []
+    adamw = torch.optim.AdamW
+    monkeypatch.setattr(torch.optim, "AdamW", lambda *a, **k: optimizers.append(adamw(*a, **k)) or optimizers[-1])
+    config = make_config(pair={"teacher": "resnet8", "student": "resnet8"}, method="kd+at")
+    teacher, student = build_model("resnet8", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16))
+    row = measure_distill_step(teacher, student, config, Backend("cpu", torch.device("cpu")))
+    assert row["status"] == "ok" and row["memory_footprint_bytes"] is not None
+    gone = weakref.ref(optimizers.pop())  # its state (two moments per weight) goes with the step
+    assert gone() is None  # freed by reference counting alone: no cycle waits for the collector
+    assert all(p.grad is None for p in student.parameters())
+    assert not any(m._forward_hooks for m in [*teacher.modules(), *student.modules()])
 
 
 def test_optimizer_state_bytes_adamw():

@@ -1,13 +1,16 @@
 """Memory of one measurement: the peak and the growth inside a ``with`` block.
 
-On GPUs the caching allocator's peak counters (exact, tensor memory only); on the
-CPU the kernel's high-water mark of this process (VmHWM, reset at entry through
-/proc/self/clear_refs), or where that is unavailable RSS sampled from a thread (a
-sampled maximum: a spike shorter than the interval can be missed).
+Before the block, garbage is collected (and on GPUs the allocator's cache emptied), so
+nothing an earlier measurement left behind counts.  On GPUs the caching allocator's peak
+counters (exact, tensor memory only); on the CPU the kernel's high-water mark of this
+process (VmHWM, reset at entry through /proc/self/clear_refs), or where that is
+unavailable RSS sampled from a thread (a sampled maximum: a spike shorter than the
+interval can be missed).
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +27,7 @@ class MemoryUsage:
     peak_bytes: int  # max RSS sampled / torch.cuda.max_memory_allocated
     peak_reserved_bytes: int | None  # torch.cuda.max_memory_reserved (None for rss)
     growth_bytes: int  # at exit minus at entry (RSS, or memory_allocated)
+    footprint_bytes: int  # the peak minus what was in use at entry: what this measurement needed
 
 
 def _hwm_bytes() -> int | None:
@@ -74,9 +78,14 @@ class MemoryMeter:
         return self.backend.device_type == "cuda"
 
     def __enter__(self) -> MemoryMeter:
+        # What earlier measurements left unreferenced (cycles included) goes first, so the peak is this one's.
+        gc.collect()
         if self._gpu:
-            torch.cuda.reset_peak_memory_stats(self.backend.device)
-            self.allocated_before = int(torch.cuda.memory_allocated(self.backend.device))
+            device = self.backend.device
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()  # the pool earlier measurements grew: max_memory_reserved starts from here
+            torch.cuda.reset_peak_memory_stats(device)
+            self.allocated_before = int(torch.cuda.memory_allocated(device))
             return self
         self.rss_before = self._peak = self._proc.memory_info().rss
         self._hwm = _reset_hwm()
@@ -94,22 +103,25 @@ class MemoryMeter:
     def __exit__(self, *exc: Any) -> None:
         device = self.backend.device
         if self._gpu:
+            peak = int(torch.cuda.max_memory_allocated(device))
             self._usage = MemoryUsage(
                 kind="device",
-                peak_bytes=int(torch.cuda.max_memory_allocated(device)),
+                peak_bytes=peak,
                 peak_reserved_bytes=int(torch.cuda.max_memory_reserved(device)),
                 growth_bytes=int(torch.cuda.memory_allocated(device)) - self.allocated_before,
+                footprint_bytes=peak - self.allocated_before,
             )
             return
         rss_after = self._proc.memory_info().rss
         if self._hwm:
-            peak = _hwm_bytes() or rss_after
-            self._usage = MemoryUsage("rss_hwm", max(peak, rss_after), None, rss_after - self.rss_before)
+            peak = max(_hwm_bytes() or rss_after, rss_after)
+            self._usage = MemoryUsage("rss_hwm", peak, None, rss_after - self.rss_before, peak - self.rss_before)
             return
         self._stop.set()
         self._thread.join()
         self._thread = None
-        self._usage = MemoryUsage("rss", max(self._peak, rss_after), None, rss_after - self.rss_before)
+        peak = max(self._peak, rss_after)
+        self._usage = MemoryUsage("rss", peak, None, rss_after - self.rss_before, peak - self.rss_before)
 
     def result(self) -> MemoryUsage:
         if self._usage is None:
@@ -128,4 +140,5 @@ def memory_columns(usage: MemoryUsage) -> dict[str, Any]:
         "peak_memory_bytes": usage.peak_bytes,
         "peak_reserved_bytes": usage.peak_reserved_bytes,
         "memory_growth_bytes": usage.growth_bytes,
+        "memory_footprint_bytes": usage.footprint_bytes,
     }

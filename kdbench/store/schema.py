@@ -207,6 +207,14 @@ COLUMNS: tuple[Column, ...] = (
         ("peak_reserved_bytes", _I, "bytes", "peak memory reserved by the caching allocator (GPUs)"),
         ("memory_growth_bytes", _I, "bytes", "memory at the end of the measurement minus at its start"),
         (
+            "memory_footprint_bytes",
+            _I,
+            "bytes",
+            "peak_memory_bytes minus the memory in use when the measurement "
+            "started: what the measurement itself needed (garbage collected and, on GPUs, the allocator's cache "
+            "emptied first)",
+        ),
+        (
             "optimizer_state_bytes",
             _I,
             "bytes",
