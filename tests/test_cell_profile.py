@@ -155,8 +155,8 @@ def test_simulated_nvml_readings_flow_into_energy_per_step():
         def nvmlShutdown(self):
             pass
 
-        def nvmlDeviceGetHandleByIndex(self, i):
-            return i
+        def nvmlDeviceGetHandleByUUID(self, uuid):
+            return uuid
 
         def nvmlDeviceGetPowerUsage(self, h):
             return 300_000  # mW
@@ -170,15 +170,18 @@ def test_simulated_nvml_readings_flow_into_energy_per_step():
         def nvmlDeviceGetUtilizationRates(self, h):
             return type("U", (), {"gpu": 95})()
 
-    sampler = TelemetrySampler(Backend("cuda", torch.device("cuda", 0)), library=FakeNvml())
+    from kdbench.measure.telemetry import DeviceIds
+
+    sampler = TelemetrySampler(Backend("cuda", torch.device("cuda", 0)), library=FakeNvml(), ids=DeviceIds("u-1"))
     with sampler:
         pass
     # Replace the samples with a known trace: 300 W throughout, timed window 10.0 .. 12.0 s.
     sampler.samples = [(t, 300.0, 1800.0, 70.0, 95.0) for t in (9.0, 10.0, 10.5, 11.0, 12.0, 13.0)]
     raw = RawTiming(50.0, [100.0] * 20, "device_event", window_s=(10.0, 12.0))
     cols = telemetry_columns(sampler.result(len(raw.samples_ms), 64, raw.window_s))
-    assert cols["telemetry"] == "pynvml"
+    assert cols["telemetry"] == "pynvml" and cols["telemetry_device"] == "GPU-u-1"
     assert cols["energy_per_step_j"] == pytest.approx(300.0 * 2.0 / 20)  # 600 J over 20 steps
+    assert cols["energy_source"] == "sampled power"  # this fake has no energy counter
     assert cols["samples_per_joule"] == pytest.approx(20 * 64 / 600.0)
     assert cols["power_w_mean"] == 300.0 and cols["clock_mhz_mean"] == 1800.0
     assert cols["temperature_c_max"] == 70.0 and cols["gpu_util_pct_mean"] == 95.0

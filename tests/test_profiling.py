@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import mmap
 import re
-import sys
 import threading
 import time
 from datetime import UTC, datetime
@@ -281,8 +280,17 @@ def test_optimizer_state_bytes_adamw():
 
 # --------------------------------------------------------------------------- telemetry
 
+IDS = telemetry.DeviceIds(uuid="8a2f0c4e-1111-2222-3333-444455556666", bdf="0000:3b:00.0")
 
-def fake_nvml(power_mw=250_000, init_error=None, handle_error=None, missing=()):
+
+@pytest.fixture(autouse=True)
+def fresh_readers():
+    telemetry._READERS.clear()  # readers live for a process; every test gets its own
+    yield
+    telemetry._READERS.clear()
+
+
+def fake_nvml(power_mw=250_000, init_error=None, uuid_error=None, missing=(), energy_mj=None):
     log = []
 
     def init():
@@ -290,21 +298,27 @@ def fake_nvml(power_mw=250_000, init_error=None, handle_error=None, missing=()):
             raise init_error
         log.append("init")
 
-    def handle(i):
-        if handle_error:
-            raise handle_error
-        log.append(("handle", i))
-        return f"h{i}"
+    def by_uuid(uuid):
+        if uuid_error:
+            raise uuid_error
+        log.append(("uuid", uuid))
+        return f"h-{uuid}"
+
+    def by_pci(bdf):
+        log.append(("pci", bdf))
+        return f"h-{bdf}"
 
     lib = SimpleNamespace(
         NVML_CLOCK_GRAPHICS=0,
         NVML_TEMPERATURE_GPU=0,
         nvmlInit=init,
-        nvmlDeviceGetHandleByIndex=handle,
+        nvmlDeviceGetHandleByUUID=by_uuid,
+        nvmlDeviceGetHandleByPciBusId_v2=by_pci,
         nvmlDeviceGetPowerUsage=lambda h: power_mw() if callable(power_mw) else power_mw,
         nvmlDeviceGetClockInfo=lambda h, kind: 1980 if kind == 0 else -1,
         nvmlDeviceGetTemperature=lambda h, kind: 61 if kind == 0 else -1,
         nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=97, memory=40),
+        nvmlDeviceGetTotalEnergyConsumption=lambda h: energy_mj() if callable(energy_mj) else energy_mj,
         nvmlShutdown=lambda: log.append("shutdown"),
         log=log,
     )
@@ -313,9 +327,9 @@ def fake_nvml(power_mw=250_000, init_error=None, handle_error=None, missing=()):
     return lib
 
 
-def test_nvml_constant_power_energy():
-    lib = fake_nvml()
-    with TelemetrySampler(CUDA0, interval_s=0.01, library=lib) as s:
+def test_nvml_constant_power_energy_from_samples_where_there_is_no_counter():
+    lib = fake_nvml(missing=("nvmlDeviceGetTotalEnergyConsumption",))
+    with TelemetrySampler(CUDA0, interval_s=0.01, library=lib, ids=IDS) as s:
         time.sleep(0.15)
     t = s.result(steps=10, samples_per_step=32)
     assert t.available and t.reason is None
@@ -323,24 +337,82 @@ def test_nvml_constant_power_energy():
     assert (t.mean_power_w, t.max_power_w, t.mean_clock_mhz, t.max_temp_c, t.mean_util_pct) == (250, 250, 1980, 61, 97)
     assert s.duration_s == pytest.approx(s.samples[-1][0] - s.samples[0][0])
     assert s.duration_s > 0
-    assert t.energy_j == pytest.approx(250 * s.duration_s, rel=0.05)
+    assert t.energy_j == pytest.approx(250 * s.duration_s, rel=0.05) and t.energy_source == "sampled power"
     assert t.energy_per_step_j == pytest.approx(t.energy_j / 10)
     assert t.samples_per_joule == pytest.approx(10 * 32 / t.energy_j)
-    assert lib.log[:2] == ["init", ("handle", 0)] and lib.log[-1] == "shutdown"
+    assert lib.log == ["init", ("uuid", "GPU-" + IDS.uuid)]  # found by UUID, never by index
+    assert t.device == "GPU-" + IDS.uuid
     assert not any(th.name == "kdbench-telemetry" for th in threading.enumerate())
 
 
-def test_energy_is_the_trapezoid_over_entry_and_exit_samples(monkeypatch):
+def test_the_device_is_matched_by_uuid_then_pci_address_never_by_index():
+    lib = fake_nvml(uuid_error=RuntimeError("NVML_ERROR_NOT_FOUND"))
+    with TelemetrySampler(Backend("cuda", torch.device("cuda", 0)), interval_s=3600, library=lib, ids=IDS) as s:
+        pass
+    assert lib.log == ["init", ("pci", "0000:3b:00.0")] and s.result(1, 1).device == "0000:3b:00.0"
+    telemetry._READERS.clear()
+    lost = fake_nvml(uuid_error=RuntimeError("NVML_ERROR_NOT_FOUND"))
+    with TelemetrySampler(CUDA0, library=lost, ids=telemetry.DeviceIds(uuid="x", bdf=None)) as s:
+        pass
+    t = s.result(1, 1)
+    assert t.available is False and "no NVML device has torch's UUID x" in t.reason and _all_numbers_none(t)
+
+
+def test_energy_is_the_counter_difference_at_the_window_edges(monkeypatch):
+    counter = iter([1_000.0, 601_000.0])  # mJ at the window's start and end: 600 J
+    lib = fake_nvml(energy_mj=lambda: next(counter))
+    with TelemetrySampler(CUDA0, interval_s=0.01, library=lib, ids=IDS) as s:
+        start, end = s.on_window
+        start()
+        time.sleep(0.05)
+        end()
+    t = s.result(steps=20, samples_per_step=64)
+    assert t.energy_source == "counter" and t.energy_j == pytest.approx(600.0)
+    assert t.energy_per_step_j == pytest.approx(30.0) and t.samples_per_joule == pytest.approx(20 * 64 / 600)
+    assert 0.04 < t.window_s < 5 and "under 5 s" in t.note  # short: flagged
+    cols = telemetry.telemetry_columns(t)
+    assert cols["energy_source"] == "counter" and cols["energy_window_s"] == t.window_s
+
+
+def test_the_timed_loop_reads_the_counter_after_the_synchronisations():
+    from kdbench.measure.timing import timed_loop
+
+    log = []
+
+    class Clock:
+        name = "fake"
+
+        def stamp(self):
+            return 0
+
+        def elapsed_ms(self, a, b):
+            return 1.0
+
+        def sync(self):
+            log.append("sync")
+
+    timed_loop(
+        lambda: log.append("call"),
+        Clock(),
+        warmup=1,
+        min_iters=2,
+        min_time_s=0,
+        max_iters=2,
+        on_window=(lambda: log.append("start"), lambda: log.append("end")),
+    )
+    assert log == ["call", "sync", "call", "sync", "start", "call", "call", "sync", "end"]
+
+
+def test_energy_from_samples_is_the_trapezoid_over_entry_and_exit_samples(monkeypatch):
     clock = iter([10.0, 12.0])  # entry sample at t=10 s, exit sample at t=12 s
     monkeypatch.setattr(telemetry.time, "perf_counter", lambda: next(clock))
     power = iter([100_000, 300_000])  # 100 W, then 300 W
     lib = fake_nvml(power_mw=lambda: next(power))
-    with TelemetrySampler(Backend("cuda", torch.device("cuda", 3)), interval_s=3600, library=lib) as s:
+    with TelemetrySampler(Backend("cuda", torch.device("cuda", 3)), interval_s=3600, library=lib, ids=IDS) as s:
         pass
     t = s.result(steps=4, samples_per_step=8)
-    assert ("handle", 3) in lib.log
     assert t.n_samples == 2 and s.duration_s == 2.0
-    assert t.energy_j == 400.0  # (100 + 300) / 2 W * 2 s
+    assert t.energy_j == 400.0 and t.energy_source == "sampled power"  # (100 + 300) / 2 W * 2 s
     assert t.mean_power_w == 200.0 and t.max_power_w == 300.0
     assert t.energy_per_step_j == 100.0
     assert t.samples_per_joule == 32 / 400
@@ -348,14 +420,14 @@ def test_energy_is_the_trapezoid_over_entry_and_exit_samples(monkeypatch):
 
 def test_nvml_missing_metric_is_none_not_invented():
     lib = fake_nvml(missing=("nvmlDeviceGetTemperature",))
-    with TelemetrySampler(CUDA0, interval_s=3600, library=lib) as s:
+    with TelemetrySampler(CUDA0, interval_s=3600, library=lib, ids=IDS) as s:
         pass
     t = s.result(1, 1)
     assert t.available and t.max_temp_c is None
     assert t.mean_power_w == 250 and t.mean_clock_mhz == 1980
 
 
-def fake_amdsmi(log):
+def fake_amdsmi(log, bdfs=("0000:c1:00.0", "0000:3b:00.0"), power=(250, 400)):
     def temp(h, sensor, metric):
         if sensor == "hotspot":
             raise RuntimeError("AMDSMI_STATUS_NOT_SUPPORTED")
@@ -367,38 +439,52 @@ def fake_amdsmi(log):
         AmdSmiTemperatureType=SimpleNamespace(EDGE="edge", HOTSPOT="hotspot"),
         AmdSmiTemperatureMetric=SimpleNamespace(CURRENT="current"),
         amdsmi_init=lambda: log.append("init"),
-        amdsmi_get_processor_handles=lambda: ["gpu0", "gpu1"],
+        amdsmi_get_processor_handles=lambda: [0, 1],  # amdsmi's order, not HIP's
+        amdsmi_get_gpu_device_bdf=lambda h: bdfs[h].upper(),
+        amdsmi_get_gpu_device_uuid=lambda h: f"uuid-{h}",
         # MI200-style: current_socket_power unsupported ("N/A"), the average is reported
         amdsmi_get_power_info=lambda h: {
             "current_socket_power": "N/A",
-            "average_socket_power": 250,
+            "average_socket_power": power[h],
             "power_limit": 500,
         },
         amdsmi_get_clock_info=lambda h, kind: {"clk": 2100 if kind == "gfx" else 1300, "min_clk": 500},
         amdsmi_get_temp_metric=temp,
         amdsmi_get_gpu_activity=lambda h: {"gfx_activity": 88, "umc_activity": 20, "mm_activity": "N/A"},
+        amdsmi_get_energy_count=lambda h: {"energy_accumulator": 2_000_000, "counter_resolution": 15.3},
         amdsmi_shut_down=lambda: log.append("shutdown"),
     )
 
 
-def test_amdsmi_constant_power_energy():
+def test_amdsmi_reads_the_gpu_torch_uses_found_by_pci_address():
     log = []
-    with TelemetrySampler(ROCM0, interval_s=0.01, library=fake_amdsmi(log)) as s:
+    # torch's device is PCI 0000:3b:00.0, amdsmi's second processor
+    with TelemetrySampler(ROCM0, interval_s=0.01, library=fake_amdsmi(log), ids=IDS) as s:
         time.sleep(0.1)
     t = s.result(steps=5, samples_per_step=16)
-    assert t.available and t.n_samples >= 2
-    assert (t.mean_power_w, t.mean_clock_mhz, t.max_temp_c, t.mean_util_pct) == (250, 2100, 55, 88)
-    assert t.energy_j == pytest.approx(250 * s.duration_s, rel=0.05)
-    assert t.energy_per_step_j == pytest.approx(t.energy_j / 5)
-    assert t.samples_per_joule == pytest.approx(5 * 16 / t.energy_j)
-    assert log == ["init", "shutdown"]
+    assert t.available and t.n_samples >= 2 and t.device == "0000:3B:00.0"
+    assert (t.mean_power_w, t.mean_clock_mhz, t.max_temp_c, t.mean_util_pct) == (400, 2100, 55, 88)
+    assert t.energy_j == pytest.approx(400 * s.duration_s, rel=0.05)  # no window marked: the samples
+    assert log == ["init"]  # amdsmi stays initialised for the process: its shut-down is process-wide
+
+
+def test_amdsmi_energy_counter_in_microjoule_counts():
+    log = []
+    counts = iter([1_000_000, 1_500_000])
+    lib = fake_amdsmi(log)
+    lib.amdsmi_get_energy_count = lambda h: {"energy_accumulator": next(counts), "counter_resolution": 15.3}
+    with TelemetrySampler(ROCM0, interval_s=3600, library=lib, ids=IDS) as s:
+        start, end = s.on_window
+        start()
+        end()
+    assert s.result(10, 1).energy_j == pytest.approx(500_000 * 15.3e-6)
 
 
 def test_amdsmi_old_clock_key():
     log = []
     lib = fake_amdsmi(log)
     lib.amdsmi_get_clock_info = lambda h, kind: {"cur_clk": 1700, "max_clk": 2100}
-    with TelemetrySampler(ROCM0, interval_s=3600, library=lib) as s:
+    with TelemetrySampler(ROCM0, interval_s=3600, library=lib, ids=IDS) as s:
         pass
     assert s.result(1, 1).mean_clock_mhz == 1700
 
@@ -430,7 +516,7 @@ def test_cpu_backend_has_no_telemetry(cpu):
 
 def test_init_failure_is_reported_not_raised():
     lib = fake_nvml(init_error=RuntimeError("NVML Shared Library Not Found"))
-    with TelemetrySampler(CUDA0, library=lib) as s:
+    with TelemetrySampler(CUDA0, library=lib, ids=IDS) as s:
         pass
     t = s.result(1, 1)
     assert t.available is False
@@ -438,17 +524,14 @@ def test_init_failure_is_reported_not_raised():
     assert _all_numbers_none(t)
 
 
-def test_handle_failure_shuts_the_library_down():
-    lib = fake_nvml(handle_error=RuntimeError("Invalid Argument"))
-    with TelemetrySampler(CUDA0, library=lib) as s:
-        pass
-    assert s.result(1, 1).reason == "pynvml initialisation failed: Invalid Argument"
-    assert lib.log == ["init", "shutdown"]
+@pytest.mark.parametrize("error", [ImportError("no module"), KeyError("libamd_smi.so"), OSError("bad ELF")])
+def test_a_library_that_does_not_import_is_reported(monkeypatch, error):
+    # amdsmi without its shared library raises KeyError or OSError at import, not ImportError
+    def broken(name, *args, **kwargs):
+        raise error
 
-
-def test_library_not_importable(monkeypatch):
-    monkeypatch.setitem(sys.modules, "amdsmi", None)  # makes `import amdsmi` raise ImportError
-    with TelemetrySampler(ROCM0) as s:
+    monkeypatch.setattr(telemetry.importlib, "import_module", broken)
+    with TelemetrySampler(ROCM0, ids=IDS) as s:
         pass
     t = s.result(1, 1)
     assert t.available is False and t.reason.startswith("amdsmi is not importable")

@@ -69,23 +69,31 @@ def model_pair(config: CellConfig, backend: Backend, cache: ModelCache) -> tuple
 # --------------------------------------------------------------------------- timing
 
 
-def _time(fn: Callable[[], Any], config: CellConfig, backend: Backend, dp: DataParallel | None) -> RawTiming:
+def _time(
+    fn: Callable[[], Any], config: CellConfig, backend: Backend, dp: DataParallel | None, on_window=None
+) -> RawTiming:
     if dp is not None:
-        return dp.timed(fn, config, backend)
+        return dp.timed(fn, config, backend, on_window)
     t = config.timing
     return timed_loop(
-        fn, backend.clock(), warmup=t.warmup, min_iters=t.min_iters, min_time_s=t.min_time_s, max_iters=t.max_iters
+        fn,
+        backend.clock(),
+        warmup=t.warmup,
+        min_iters=t.min_iters,
+        min_time_s=t.min_time_s,
+        max_iters=t.max_iters,
+        on_window=on_window,
     )
 
 
 def timed_with_profile(
     fn: Callable[[], Any], config: CellConfig, backend: Backend, batch_size: int, dp: DataParallel | None = None
-) -> tuple[RawTiming, Row]:
-    """The timed loop, with memory and (on GPUs) telemetry watched over it."""
+) -> tuple[RawTiming, Row, str]:
+    """The timed loop, with memory and (on GPUs) telemetry watched over it; and a note on them."""
     with MemoryMeter(backend) as memory, TelemetrySampler(backend) as telemetry:
-        raw = _time(fn, config, backend, dp)
+        raw = _time(fn, config, backend, dp, telemetry.on_window)
     tele = telemetry.result(len(raw.samples_ms), batch_size, raw.window_s)
-    return raw, {**memory_columns(memory.result()), **telemetry_columns(tele)}
+    return raw, {**memory_columns(memory.result()), **telemetry_columns(tele)}, tele.note
 
 
 def timing_columns(raw: RawTiming, world_size: int, batch_size: int) -> Row:
@@ -105,8 +113,8 @@ def timing_columns(raw: RawTiming, world_size: int, batch_size: int) -> Row:
 # --------------------------------------------------------------------------- row parts
 
 
-def _notes(*choices, alignment: str | None = None, extra: str = "") -> str | None:
-    notes = [f"{c.precision}: {c.note}" for c in choices if c.note] + [n for n in (extra, alignment) if n]
+def _notes(*choices, alignment: str | None = None, extra: tuple[str, ...] = ()) -> str | None:
+    notes = [f"{c.precision}: {c.note}" for c in choices if c.note] + [n for n in (*extra, alignment) if n]
     return "; ".join(dict.fromkeys(notes)) or None
 
 
@@ -151,7 +159,13 @@ def phase_columns(step: DistillStep, raw: RawTiming) -> Row:
 
 
 def distill_row(
-    step: DistillStep, raw: RawTiming, config: CellConfig, x: torch.Tensor, loss: float, local: RawTiming | None = None
+    step: DistillStep,
+    raw: RawTiming,
+    config: CellConfig,
+    x: torch.Tensor,
+    loss: float,
+    local: RawTiming | None = None,
+    note: str = "",
 ) -> Row:
     """The distill_step row of a timed step; failed when the loss is not finite.  ``local`` is this
     process's own timing when ``raw`` was gathered from data-parallel ranks (the phases come from it)."""
@@ -174,7 +188,9 @@ def distill_row(
         "teacher_cache_ms": step.cache_ms,
         **phase_columns(step, local or raw),
         **_layout(d.student, x, config),
-        "notes": _notes(d.student_ac, d.teacher_ac, alignment=_alignment_note(x, config), extra=d.optimizer_note),
+        "notes": _notes(
+            d.student_ac, d.teacher_ac, alignment=_alignment_note(x, config), extra=(d.optimizer_note, note)
+        ),
     }
     if not math.isfinite(loss):
         row.update(
@@ -201,12 +217,12 @@ def measure_distill_step(
     step = DistillStep(teacher, student, x, y, config, backend, wrap=dp.wrapper(config, backend) if dp else None)
     try:
         with math_mode(step.distiller.student_ac.tf32):  # IEEE fp32 unless the cell asked for tf32
-            raw, profile = timed_with_profile(step, config, backend, config.batch_size, dp)
+            raw, profile, note = timed_with_profile(step, config, backend, config.batch_size, dp)
             loss = float(step.last_loss) if step.last_loss is not None else math.nan
             local = raw
             if dp is not None:
                 raw, loss = dp.slowest(raw, backend), dp.mean(loss, backend)
-            row = distill_row(step, raw, config, x, loss, local) if rank == 0 else None
+            row = distill_row(step, raw, config, x, loss, local, note) if rank == 0 else None
             flops = step_flops(step)  # every rank: under DDP the counted step runs the collectives
             traced = {}
             if options.trace_dir:  # every rank runs the traced calls; rank 0 writes the trace
@@ -232,7 +248,7 @@ def measure_inference(model: nn.Module, role: str, batch_size: int, config: Cell
             model(x)
 
     with math_mode(choice.tf32):
-        raw, profile = timed_with_profile(forward, config, backend, batch_size)
+        raw, profile, note = timed_with_profile(forward, config, backend, batch_size)
         flops, flags = count_flops(forward), math_flags()
     return {
         "measurement": Measurement(f"{role}_inference"),
@@ -244,7 +260,7 @@ def measure_inference(model: nn.Module, role: str, batch_size: int, config: Cell
         "flops": flops,
         "autocast": choice.applied,
         **_layout(model, x, config),
-        "notes": _notes(choice, alignment=_alignment_note(x, config)),
+        "notes": _notes(choice, alignment=_alignment_note(x, config), extra=(note,)),
     }
 
 

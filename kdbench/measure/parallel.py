@@ -56,7 +56,7 @@ class DataParallel:
 
         return wrap
 
-    def timed(self, fn: Callable[[], Any], config: CellConfig, backend: Backend) -> RawTiming:
+    def timed(self, fn: Callable[[], Any], config: CellConfig, backend: Backend, on_window=None) -> RawTiming:
         """The timed loop with one iteration count on every rank: the cold call, the warm-up and one
         probe call tell each rank how many iterations its `min_time_s` needs; all take the largest."""
         t = config.timing
@@ -66,7 +66,7 @@ class DataParallel:
         agreed = torch.tensor([min(wanted, t.max_iters), probe.first_ms], dtype=torch.float64, device=backend.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
         n, first_ms = int(agreed[0].item()), float(agreed[1].item())
-        raw = timed_loop(fn, clock, warmup=0, min_iters=n, min_time_s=0.0, max_iters=n)
+        raw = timed_loop(fn, clock, warmup=0, min_iters=n, min_time_s=0.0, max_iters=n, on_window=on_window)
         # The probe call and this loop's own first call were warm: they count as warm-up.
         return replace(raw, first_ms=first_ms, warmup_ms=[*probe.warmup_ms, *probe.samples_ms, raw.first_ms])
 

@@ -1,8 +1,17 @@
-"""GPU telemetry over a timed block: power, graphics clock, temperature, utilisation, energy.
+"""GPU telemetry over a timed block: power, graphics clock, temperature, kernel activity, energy.
 
-:class:`TelemetrySampler` polls ``pynvml`` (CUDA) or ``amdsmi`` (ROCm) from a thread
-and integrates power over time into energy.  Readings are what the driver reports
-(NVML's power is a ~1 s average on recent GPUs), so short blocks are smeared.
+The device is the one torch measures on, matched in ``pynvml`` (CUDA) or ``amdsmi``
+(ROCm) by its UUID or PCI address (:func:`device_ids`), never by torch's index: NVML and
+amdsmi number the physical GPUs, torch the visible ones (``CUDA_VISIBLE_DEVICES``,
+per-task binding), and amdsmi's order can differ from HIP's even without masks.  The id
+used is stored with the rows.
+
+Energy comes from the hardware counters read at the edges of the timed window, right
+after its synchronisations (NVML's total energy consumption, amdsmi's energy count);
+sampled power is integrated only where there is no counter.  A thread samples power,
+clock, temperature and activity for their means and maxima; what the driver reports is
+smoothed (NVML's power is a ~1 s average on recent GPUs), so figures over windows shorter
+than :data:`SHORT_WINDOW_S` are flagged as rough.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import numpy as np
 
 from kdbench.hw.backends import Backend
 
+SHORT_WINDOW_S = 5.0  # energy over a shorter timed window is flagged: counter granularity, power averaging
 _SENTINELS = {0xFFFF, 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF}  # "not supported" in amdsmi/NVML structs
 
 
@@ -35,17 +45,58 @@ def _read(getter: Callable[[], Any]) -> float | None:
         return None
 
 
-class _Nvml:
-    """pynvml (nvidia-ml-py): power in mW, clocks in MHz, temperature in C, utilisation in %."""
+@dataclass(frozen=True)
+class DeviceIds:
+    """How the management libraries can find torch's device: its UUID and its PCI address."""
 
-    def __init__(self, lib: Any, index: int):
+    uuid: str | None = None  # as torch reports it, without NVML's "GPU-" prefix
+    bdf: str | None = None  # PCI domain:bus:device.function, e.g. "0000:3b:00.0"
+
+
+def device_ids(backend: Backend) -> DeviceIds:
+    """The UUID and PCI address of ``backend``'s GPU, as torch sees it."""
+    import torch
+
+    props = torch.cuda.get_device_properties(backend.device)
+    uuid = str(getattr(props, "uuid", "") or "") or None
+    bus = getattr(props, "pci_bus_id", None)
+    bdf = None
+    if bus is not None:
+        bdf = f"{getattr(props, 'pci_domain_id', 0):04x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+    return DeviceIds(uuid, bdf)
+
+
+def _same_bdf(a: str | None, b: str | None) -> bool:
+    """PCI addresses compared whatever the domain width and case ("00000000:3B:00.0" == "0000:3b:00.0")."""
+    if not a or not b:
+        return False
+    (da, rest_a), (db, rest_b) = a.lower().split(":", 1), b.lower().split(":", 1)
+    return int(da, 16) == int(db, 16) and rest_a == rest_b
+
+
+class _Nvml:
+    """pynvml (nvidia-ml-py): power in mW, clocks in MHz, temperature in C, activity in %, energy in mJ."""
+
+    name = "pynvml"
+
+    def __init__(self, lib: Any, ids: DeviceIds):
         self.lib = lib
         lib.nvmlInit()
-        try:
-            self.handle = lib.nvmlDeviceGetHandleByIndex(index)
-        except BaseException:
-            lib.nvmlShutdown()
-            raise
+        self.handle, self.matched = None, None
+        if ids.uuid:
+            uuid = ids.uuid if ids.uuid.startswith(("GPU-", "MIG-")) else f"GPU-{ids.uuid}"
+            try:
+                self.handle, self.matched = lib.nvmlDeviceGetHandleByUUID(uuid), uuid
+            except Exception:
+                pass
+        if self.handle is None and ids.bdf:
+            get = getattr(lib, "nvmlDeviceGetHandleByPciBusId_v2", None) or lib.nvmlDeviceGetHandleByPciBusId
+            try:
+                self.handle, self.matched = get(ids.bdf), ids.bdf
+            except Exception:
+                pass
+        if self.handle is None:
+            raise LookupError(f"no NVML device has torch's UUID {ids.uuid} or PCI address {ids.bdf}")
 
     def sample(self) -> tuple[float | None, ...]:
         lib, h = self.lib, self.handle
@@ -57,22 +108,29 @@ class _Nvml:
             _read(lambda: lib.nvmlDeviceGetUtilizationRates(h).gpu),
         )
 
-    def close(self) -> None:
-        self.lib.nvmlShutdown()
+    def energy_mj(self) -> float | None:
+        """The energy counter since the driver loaded (Volta and newer), in mJ."""
+        return _read(lambda: self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle))
 
 
 class _AmdSmi:
-    """amdsmi: power in W, clock in MHz, temperature in C, gfx activity in %.  Key names
-    moved between ROCm releases, so each reading tries the documented alternatives."""
+    """amdsmi: power in W, clock in MHz, temperature in C, gfx activity in %, energy in µJ counts.  Key
+    names moved between ROCm releases, so each reading tries the documented alternatives."""
 
-    def __init__(self, lib: Any, index: int):
+    name = "amdsmi"
+
+    def __init__(self, lib: Any, ids: DeviceIds):
         self.lib = lib
         lib.amdsmi_init()
-        try:
-            self.handle = lib.amdsmi_get_processor_handles()[index]
-        except BaseException:
-            lib.amdsmi_shut_down()
-            raise
+        self.handle, self.matched = None, None
+        for handle in lib.amdsmi_get_processor_handles():
+            bdf = _read_str(lambda h=handle: lib.amdsmi_get_gpu_device_bdf(h))
+            uuid = _read_str(lambda h=handle: lib.amdsmi_get_gpu_device_uuid(h))
+            if _same_bdf(bdf, ids.bdf) or (uuid and ids.uuid and uuid.lower() == ids.uuid.lower()):
+                self.handle, self.matched = handle, bdf or uuid
+                break
+        if self.handle is None:
+            raise LookupError(f"no amdsmi device has torch's PCI address {ids.bdf} or UUID {ids.uuid}")
 
     def _power(self) -> float | None:
         # current_socket_power: MI300+; average_socket_power: MI200 and earlier; socket_power: ROCm 7.
@@ -106,8 +164,29 @@ class _AmdSmi:
             _read(lambda: self.lib.amdsmi_get_gpu_activity(self.handle)["gfx_activity"]),
         )
 
-    def close(self) -> None:
-        self.lib.amdsmi_shut_down()
+    def energy_mj(self) -> float | None:
+        """The energy accumulator times its resolution (µJ per count), in mJ ("power" before ROCm 6.4)."""
+
+        def read() -> float | None:
+            info = self.lib.amdsmi_get_energy_count(self.handle)
+            count = _num(info.get("energy_accumulator", info.get("power")))
+            resolution = _num(info.get("counter_resolution"))
+            return count * resolution / 1000 if count is not None and resolution is not None else None
+
+        return _read(read)
+
+
+def _read_str(getter: Callable[[], Any]) -> str | None:
+    try:
+        value = getter()
+    except Exception:
+        return None
+    return str(value) if value else None
+
+
+# One reader per library, device and process: amdsmi's init is process-wide and not reference-counted
+# (one shut-down would tear it down for everyone), and enumerating GPUs is slow on big nodes.
+_READERS: dict[tuple[str, int, DeviceIds], _Nvml | _AmdSmi] = {}
 
 
 @dataclass(frozen=True)
@@ -120,40 +199,53 @@ class Telemetry:
     mean_clock_mhz: float | None = None
     max_temp_c: float | None = None
     mean_util_pct: float | None = None
-    energy_j: float | None = None  # trapezoidal integral of power over the block
+    energy_j: float | None = None  # over the timed window
     energy_per_step_j: float | None = None
     samples_per_joule: float | None = None
     source: str | None = None  # "pynvml" or "amdsmi"
+    device: str | None = None  # the UUID or PCI address the library matched
+    energy_source: str | None = None  # "counter" (hardware energy counter) or "sampled power"
+    window_s: float | None = None  # the timed window the energy covers
 
     @classmethod
     def unavailable(cls, reason: str, n_samples: int = 0) -> Telemetry:
         return cls(False, reason, n_samples)
 
+    @property
+    def note(self) -> str:
+        """A caveat for the row's notes: energy over a window too short to trust."""
+        if self.energy_j is None or self.window_s is None or self.window_s >= SHORT_WINDOW_S:
+            return ""
+        return (
+            f"energy over a {self.window_s:.2g} s window (under {SHORT_WINDOW_S:g} s: the counters' granularity and "
+            "the driver's power averaging make it rough; raise timing.min_time_s)"
+        )
+
 
 class TelemetrySampler:
-    """Poll GPU power, clock, temperature and utilisation during a `with` block.
+    """Watch the GPU during a `with` block: samples every `interval_s` from a thread (and at entry and
+    exit), and the energy counter at the edges of the timed window (:meth:`on_window`).
 
-    Samples are taken at entry, every `interval_s` from a daemon thread, and at exit.
-    Device index = ``backend.device.index or 0``.  NVML and amdsmi number all physical
-    GPUs, ignoring CUDA_/HIP_VISIBLE_DEVICES, so under a remapping the index can name
-    another GPU.  `library` replaces the imported pynvml/amdsmi module (tests).
+    `library` replaces the imported pynvml/amdsmi module and `ids` torch's device ids (tests).
     """
 
-    def __init__(self, backend: Backend, interval_s: float = 0.05, library: Any = None):
+    def __init__(self, backend: Backend, interval_s: float = 0.05, library: Any = None, ids: DeviceIds | None = None):
         self.backend = backend
         self.interval_s = interval_s
         self.library = library
+        self.ids = ids
         self.available = False
         self.reason: str | None = None
         self.samples: list[tuple[float, float | None, float | None, float | None, float | None]] = []
         self.duration_s: float | None = None
         self.source: str | None = None
+        self.energy_marks: list[tuple[float, float | None]] = []  # (perf_counter, mJ) at the window's edges
         self._reader: _Nvml | _AmdSmi | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def _open(self) -> None:
-        self.available, self.reason, self.samples, self.duration_s = False, None, [], None
+        self.available, self.reason, self.samples, self.duration_s, self.energy_marks = False, None, [], None, []
         if self.backend.device_type != "cuda":
             self.reason = f"no GPU telemetry on the {self.backend.name} backend"
             return
@@ -161,11 +253,15 @@ class TelemetrySampler:
         self.source = module
         try:
             lib = self.library if self.library is not None else importlib.import_module(module)
-        except ImportError as exc:
-            self.reason = f"{module} is not importable ({exc})"
+        except Exception as exc:  # amdsmi without its library raises KeyError or OSError, not ImportError
+            self.reason = f"{module} is not importable ({type(exc).__name__}: {exc})"
             return
         try:
-            self._reader = reader(lib, self.backend.device.index or 0)
+            ids = self.ids or device_ids(self.backend)
+            key = (module, id(lib), ids)
+            if key not in _READERS:
+                _READERS[key] = reader(lib, ids)
+            self._reader = _READERS[key]
         except Exception as exc:
             self.reason = f"{module} initialisation failed: {exc}"
             return
@@ -177,6 +273,15 @@ class TelemetrySampler:
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             self._sample()
+
+    def _mark(self) -> None:
+        if self.available:
+            self.energy_marks.append((time.perf_counter(), self._reader.energy_mj()))
+
+    @property
+    def on_window(self) -> tuple[Callable[[], None], Callable[[], None]]:
+        """The callbacks :func:`kdbench.measure.timing.timed_loop` calls at the window's edges."""
+        return self._mark, self._mark
 
     def __enter__(self) -> TelemetrySampler:
         self._open()
@@ -193,37 +298,45 @@ class TelemetrySampler:
         self._stop.set()
         self._thread.join()
         self._thread = None
-        try:
-            self._sample()
-        finally:
-            self._reader.close()
+        self._sample()
         self.duration_s = self.samples[-1][0] - self.samples[0][0]
 
     def result(self, steps: int, samples_per_step: int, window: tuple[float, float] | None = None) -> Telemetry:
         """Summaries of the samples; energy per step and samples per joule for `steps` steps.
 
         `window` (perf_counter seconds, e.g. ``RawTiming.window_s``) keeps only the samples
-        taken while the `steps` timed steps ran, so cold and warm-up calls stay out.
+        taken while the `steps` timed steps ran, so cold and warm-up calls stay out.  Energy
+        is the counter's difference between the window's edges where both were read.
         """
         if not self.available:
             return Telemetry.unavailable(self.reason or "no telemetry")
         samples = self.samples if window is None else [s for s in self.samples if window[0] <= s[0] <= window[1]]
-        if len(samples) < 2:
+        counter = None
+        if len(self.energy_marks) == 2 and None not in (self.energy_marks[0][1], self.energy_marks[1][1]):
+            (t0, e0), (t1, e1) = self.energy_marks
+            counter = ((e1 - e0) / 1000, t1 - t0)  # J, s
+        if len(samples) < 2 and counter is None:
             return Telemetry.unavailable(
-                f"{len(samples)} telemetry sample(s) in the timed region; time a longer region (timing.min_time_s)",
+                f"{len(samples)} telemetry sample(s) in the timed region and no energy counter; time a longer "
+                "region (timing.min_time_s)",
                 len(samples),
             )
-        table = np.array(samples, dtype=float)  # None (unread) becomes NaN
+        table = np.array(samples, dtype=float).reshape(-1, 5)  # None (unread) becomes NaN
         power, clock, temp, util = (table[:, i] for i in range(1, 5))
 
         def mean(xs: np.ndarray) -> float | None:
-            return float(np.nanmean(xs)) if not np.isnan(xs).all() else None
+            return float(np.nanmean(xs)) if xs.size and not np.isnan(xs).all() else None
 
         def peak(xs: np.ndarray) -> float | None:
-            return float(np.nanmax(xs)) if not np.isnan(xs).all() else None
+            return float(np.nanmax(xs)) if xs.size and not np.isnan(xs).all() else None
 
-        read = ~np.isnan(power)
-        energy = float(np.trapezoid(power[read], table[read, 0])) if read.sum() >= 2 else None
+        if counter is not None:
+            energy, energy_source, span = counter[0], "counter", counter[1]
+        else:
+            read = ~np.isnan(power)
+            energy = float(np.trapezoid(power[read], table[read, 0])) if read.sum() >= 2 else None
+            energy_source = "sampled power" if energy is not None else None
+            span = (window[1] - window[0]) if window is not None else self.duration_s
         positive = energy is not None and energy > 0
         return Telemetry(
             source=self.source,
@@ -238,6 +351,9 @@ class TelemetrySampler:
             energy_j=energy,
             energy_per_step_j=energy / steps if positive and steps > 0 else None,
             samples_per_joule=steps * samples_per_step / energy if positive else None,
+            device=self._reader.matched,
+            energy_source=energy_source if positive else None,
+            window_s=span,
         )
 
 
@@ -245,6 +361,7 @@ def telemetry_columns(t: Telemetry) -> dict[str, Any]:
     """Telemetry as result columns; when unavailable, only the reason (no invented numbers)."""
     return {
         "telemetry": t.source if t.available else f"unavailable: {t.reason}",
+        "telemetry_device": t.device,
         "power_w_mean": t.mean_power_w,
         "power_w_max": t.max_power_w,
         "clock_mhz_mean": t.mean_clock_mhz,
@@ -252,4 +369,6 @@ def telemetry_columns(t: Telemetry) -> dict[str, Any]:
         "gpu_util_pct_mean": t.mean_util_pct,
         "energy_per_step_j": t.energy_per_step_j,
         "samples_per_joule": t.samples_per_joule,
+        "energy_source": t.energy_source,
+        "energy_window_s": t.window_s if t.energy_source else None,
     }

@@ -93,9 +93,13 @@ def timed_loop(
     min_iters: int,
     min_time_s: float,
     max_iters: int,
+    on_window: tuple[Callable[[], Any], Callable[[], Any]] | None = None,
 ) -> RawTiming:
     """Time `fn`: one cold call, `warmup` untimed calls, then timed calls until both
-    `min_iters` and `min_time_s` are reached (or `max_iters`)."""
+    `min_iters` and `min_time_s` are reached (or `max_iters`).
+
+    ``on_window`` (start, end) are called at the edges of the timed window, right after the
+    synchronisations that open and close it (e.g. to read an energy counter there)."""
     start = clock.stamp()
     fn()
     end = clock.stamp()
@@ -107,6 +111,8 @@ def timed_loop(
         fn()
         warm.append((start, clock.stamp()))
     clock.sync()
+    if on_window is not None:
+        on_window[0]()
     marks: list[tuple[Any, Any]] = []
     window_start = time.perf_counter()
     deadline = window_start + min_time_s
@@ -119,6 +125,8 @@ def timed_loop(
             break
     clock.sync()
     window = (window_start, time.perf_counter())
+    if on_window is not None:
+        on_window[1]()
     return RawTiming(
         first, [clock.elapsed_ms(a, b) for a, b in marks], clock.name, [clock.elapsed_ms(a, b) for a, b in warm], window
     )

@@ -221,13 +221,34 @@ COLUMNS: tuple[Column, ...] = (
             "bytes of the optimizer's state tensors after the measurement (distill_step)",
         ),
         ("telemetry", _S, "", "`pynvml` or `amdsmi` when GPU telemetry was read; else `unavailable: why`"),
+        (
+            "telemetry_device",
+            _S,
+            "",
+            "the GPU the telemetry was read from: the NVML UUID or PCI address that matched "
+            "torch's device (never its index)",
+        ),
         ("power_w_mean", _F, "W", "mean board power over the timed iterations"),
         ("power_w_max", _F, "W", "highest power sample"),
         ("clock_mhz_mean", _F, "MHz", "mean graphics clock"),
         ("temperature_c_max", _F, "°C", "highest GPU temperature sample"),
-        ("gpu_util_pct_mean", _F, "%", "mean GPU utilisation as the driver reports it"),
-        ("energy_per_step_j", _F, "J", "energy of the timed iterations / their number (power integrated over time)"),
+        (
+            "gpu_util_pct_mean",
+            _F,
+            "%",
+            "mean share of time some kernel was running, as the driver reports it "
+            "(NVML `utilization.gpu`, amdsmi `gfx_activity`): kernel activity, not how busy the GPU's units were",
+        ),
+        ("energy_per_step_j", _F, "J", "energy of the timed iterations / their number"),
         ("samples_per_joule", _F, "samples/J", "samples processed per joule"),
+        (
+            "energy_source",
+            _S,
+            "",
+            "`counter`: the GPU's energy counter read at the timed window's edges (NVML total "
+            "energy, amdsmi energy count); `sampled power`: power samples integrated where there is no counter",
+        ),
+        ("energy_window_s", _F, "s", "the window the energy covers; under 5 s the figure is rough (notes say so)"),
         ("trace_file", _S, "", "torch.profiler Chrome trace of the cell's step (`profile: true` or --profile)"),
         ("top_ops", _S, "", "JSON: the traced step's top operators by self time (ms per step)"),
         ("data_ptr_mod64", _I, "bytes", "input batch's realised data_ptr() % 64 (labels are placed alike)"),
