@@ -133,3 +133,20 @@ class ChattyJob:
         while True:
             log.info("still busy")
             time.sleep(0.01)
+
+
+class DeviceError(nn.Module):
+    """Raises what a poisoned CUDA context raises (an illegal memory access) in the distillation step."""
+
+    def __init__(self, num_classes, in_shape):
+        super().__init__()
+        self.inner = Faulty(num_classes, in_shape, "none")
+
+    def forward(self, x):
+        if self.training:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return self.inner(x)
+
+
+def device_error(num_classes, in_shape):
+    return DeviceError(num_classes, in_shape)

@@ -441,3 +441,17 @@ def test_bf16_only_by_emulation_runs_in_fp32_with_a_note(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     choice = choose_autocast(FAKE_GPU, "bf16")
     assert choice.applied is False and "no bf16 arithmetic" in choice.note and "fp32" in choice.note
+
+
+@pytest.mark.parametrize("count, local_rank, index", [(8, 3, 3), (1, 3, 0), (1, 0, 0), (4, 0, 0)])
+def test_a_rank_uses_the_gpu_it_sees(monkeypatch, count, local_rank, index):
+    # per-task binding (one visible GPU per rank) shows each rank its GPU as cuda:0
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    assert backends.device_of("cuda", local_rank) == torch.device("cuda", index)
+
+
+def test_a_rank_that_sees_some_but_not_its_gpu_is_told_what_to_change(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(KdbenchError, match="local rank 3 sees 2 GPUs"):
+        backends.device_of("rocm", 3)
+    assert backends.device_of("cpu", 5) == torch.device("cpu")

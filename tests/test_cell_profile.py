@@ -301,3 +301,20 @@ def test_phase_stamps_add_no_sync_inside_the_step_and_are_read_after():
     phases = step.phase_ms(3)  # the last three calls
     assert clock.log[-1] == "sync" and clock.log.count("sync") == 1
     assert all(v == [1.0, 1.0, 1.0] for v in phases.values())  # consecutive stamps, one apart
+
+
+def test_a_profiler_that_cannot_start_costs_the_trace_not_the_row(tmp_path, monkeypatch):
+    import torch.profiler
+
+    from kdbench.measure.cell import MeasureOptions, measure_distill_step
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("CUPTI_ERROR_INSUFFICIENT_PRIVILEGES\nmore")
+
+    monkeypatch.setattr(torch.profiler, "profile", refused)
+    config = make_config(pair={"teacher": "linear", "student": "linear"}, data={"shape": [1, 4, 4], "num_classes": 4})
+    teacher, student = build_model("linear", 4, (1, 4, 4)), build_model("linear", 4, (1, 4, 4))
+    row = measure_distill_step(teacher, student, config, CPU, MeasureOptions(trace_dir=str(tmp_path)))
+    assert row["status"] == "ok" and row["median_ms"] > 0 and row["flops"] > 0
+    assert row["trace_error"] == "the profiler failed: RuntimeError: CUPTI_ERROR_INSUFFICIENT_PRIVILEGES"
+    assert "trace_file" not in row and not list(tmp_path.iterdir())

@@ -190,3 +190,42 @@ def test_a_job_that_keeps_logging_still_times_out_and_its_lines_reach_the_parent
         worker.close()
     assert [r["status"] for r in result.rows] == ["timeout"] and "3 s" in result.rows[0]["error"]
     assert lines.count("still busy") > 10
+
+
+def test_a_device_error_is_stored_and_the_next_job_gets_a_fresh_worker(monkeypatch):
+    # After an illegal address or a device-side assert the process's CUDA/HIP context is unusable:
+    # the worker stores the job's rows, then ends, and the next job starts a new one.
+    from kdbench.config.plan import Cell
+    from kdbench.hw.backends import resolve
+    from kdbench.run.jobs import CellJob
+    from kdbench.run.workers import ProcessWorker, WorkerSetup
+    from tests.helpers import make_config
+
+    monkeypatch.syspath_prepend(str(TESTS))
+    shape = {"shape": [1, 4, 4], "num_classes": 4}
+    bad = make_config(pair={"teacher": "linear", "student": "faulty_models:device_error"}, data=shape)
+    good = make_config(pair={"teacher": "linear", "student": "linear"}, data=shape)
+    worker = ProcessWorker(WorkerSetup(resolve("cpu"), True, 1))
+    try:
+        first = worker.run(CellJob(Cell(0, "bad", bad)), timeout_s=120)
+        second = worker.run(CellJob(Cell(1, "good", good)), timeout_s=120)
+    finally:
+        worker.close()
+    step = first.rows[0]
+    assert step["status"] == "failed" and "illegal memory access" in step["error"]
+    assert [r["status"] for r in first.rows[1:]] == ["ok"] * 4  # inference trains nothing: it still ran
+    assert all(r["status"] == "ok" for r in second.rows)
+    assert worker.started == 2  # the poisoned worker ended after storing its rows
+
+
+def test_device_errors_are_told_from_ordinary_failures():
+    import torch
+
+    from kdbench.measure.failures import device_fatal
+
+    assert device_fatal(RuntimeError("CUDA error: device-side assert triggered"))
+    assert device_fatal(RuntimeError("HIP error: hipErrorIllegalAddress"))
+    assert not device_fatal(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not device_fatal(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    if hasattr(torch, "AcceleratorError"):
+        assert device_fatal(torch.AcceleratorError("unspecified launch failure"))

@@ -81,8 +81,20 @@ def dist_backend_for(backend_name: str) -> str:
 
 
 def device_of(backend_name: str, local_rank: int = 0) -> torch.device:
-    """The device a (rank of a) run on ``backend_name`` uses: the CPU, or the GPU of its local rank."""
-    return torch.device("cpu") if backend_name == "cpu" else torch.device("cuda", local_rank)
+    """The device a (rank of a) run on ``backend_name`` uses: the CPU, or the GPU of its local rank among
+    the GPUs it sees; a rank bound to one GPU of its own (Slurm's --gpus-per-task, a per-task
+    CUDA_/HIP_VISIBLE_DEVICES) sees only that one, as cuda:0."""
+    if backend_name == "cpu":
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank < count:
+        return torch.device("cuda", local_rank)
+    if count == 1:
+        return torch.device("cuda", 0)
+    raise KdbenchError(
+        f"local rank {local_rank} sees {count} GPUs: give each rank one GPU of its own, or every rank all of "
+        "the node's GPUs (then local rank i takes GPU i)"
+    )
 
 
 @contextlib.contextmanager

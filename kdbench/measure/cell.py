@@ -18,6 +18,7 @@ the rows; the other ranks return None.
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 from collections.abc import Callable
@@ -35,7 +36,7 @@ from kdbench.distill.step import DistillStep
 from kdbench.hw.backends import Backend, choose_autocast, math_flags, math_mode
 from kdbench.hw.data import synthetic_batch
 from kdbench.hw.layout import pad_classifier, padded_width, place_model, verify_memory_format
-from kdbench.measure.failures import error_text, failure_row, status_of
+from kdbench.measure.failures import device_fatal, device_lost, error_text, failure_row, note_device_lost, status_of
 from kdbench.measure.flops import count_flops
 from kdbench.measure.memory import MemoryMeter, memory_columns, optimizer_state_bytes
 from kdbench.measure.parallel import DataParallel
@@ -275,9 +276,21 @@ def guarded(measurement: str, batch_size: int, backend: Backend, fn: Callable[[]
     try:
         return fn()
     except Exception as exc:
-        if backend.device_type == "cuda":
+        if device_fatal(exc):
+            note_device_lost(exc)  # the worker stores this job's rows, then ends (the next job gets a fresh one)
+        row = failure_row(measurement, batch_size, exc)
+    release(backend)  # after the handler: the traceback no longer pins the failed frames' tensors
+    return row
+
+
+def release(backend: Backend) -> None:
+    """Free what a failed measurement left: collect it, and return the device's cached blocks."""
+    gc.collect()
+    if backend.device_type == "cuda" and not device_lost():
+        try:
             torch.cuda.empty_cache()
-        return failure_row(measurement, batch_size, exc)
+        except RuntimeError:
+            pass
 
 
 def _collective(measurement: str, batch_size: int, backend: Backend, fn: Callable[[], Row | None]) -> Row | None:

@@ -8,6 +8,40 @@ import torch
 
 from kdbench.names import Status
 
+# Errors after which the process's CUDA/HIP context is unusable: every later call fails with them.
+_FATAL_TEXT = (
+    "CUDA error",
+    "HIP error",
+    "hipError",
+    "cudaError",
+    "device-side assert",
+    "illegal memory access",
+    "CUBLAS_STATUS_EXECUTION_FAILED",
+    "unspecified launch failure",
+    "miopenStatusInternalError",
+)
+_device_lost: list[str] = []
+
+
+def device_fatal(exc: BaseException) -> bool:
+    """An error that leaves the device context poisoned (torch >= 2.8 raises AcceleratorError for them)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _FATAL_TEXT)
+
+
+def note_device_lost(exc: BaseException) -> None:
+    """Remember that this process's device context is lost: its worker must end after this job."""
+    _device_lost.append(error_text(exc))
+
+
+def device_lost() -> str | None:
+    """The error that poisoned this process's device context, if one did."""
+    return _device_lost[0] if _device_lost else None
+
 
 def status_of(exc: BaseException) -> Status:
     return Status.OOM if isinstance(exc, torch.OutOfMemoryError) else Status.FAILED

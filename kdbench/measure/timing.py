@@ -53,7 +53,7 @@ class EventClock:
 
     def stamp(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the stream the measured work runs on
         return event
 
     def elapsed_ms(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:

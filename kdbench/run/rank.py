@@ -27,9 +27,11 @@ from kdbench.store.files import write_atomic
 def join_process_group(backend_name: str, local_rank: int, timeout_s: float) -> Backend:
     """This rank's backend on its device (the GPU of its local rank), in the env:// process group."""
     device = device_of(backend_name, local_rank)
+    kwargs = {}
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(dist_backend_for(backend_name), timeout=timedelta(seconds=timeout_s))
+        kwargs["device_id"] = device  # NCCL/RCCL bind to it at once (torch >= 2.3), not at the first collective
+    dist.init_process_group(dist_backend_for(backend_name), timeout=timedelta(seconds=timeout_s), **kwargs)
     return Backend(name=backend_name, device=device)
 
 

@@ -34,7 +34,7 @@ import torch
 from kdbench.config.schema import LauncherConfig
 from kdbench.hw.backends import Backend
 from kdbench.measure.cell import MeasureOptions
-from kdbench.measure.failures import error_text
+from kdbench.measure.failures import device_fatal, device_lost, error_text, note_device_lost
 from kdbench.models import ModelCache
 from kdbench.names import Status
 from kdbench.run.jobs import CellJob, Job, Row, failure_rows
@@ -79,6 +79,8 @@ def execute(job: Job, ctx: WorkerContext) -> JobResult:
     try:
         rows = job.run(ctx)
     except Exception as exc:
+        if device_fatal(exc):
+            note_device_lost(exc)
         rows = failure_rows(job, Status.FAILED, error_text(exc))
     return JobResult(rows, time.perf_counter() - start)
 
@@ -117,6 +119,8 @@ def _serve(conn: Any, setup: WorkerSetup) -> None:
     root.setLevel(setup.log_level)
     root.propagate = False
     torch.set_num_threads(setup.threads)
+    if setup.backend.device_type == "cuda":
+        torch.cuda.set_device(setup.backend.device)  # events record on this device's current stream
     ctx = WorkerContext(setup)
     conn.send(("ready", os.getpid()))
     while True:
@@ -127,7 +131,10 @@ def _serve(conn: Any, setup: WorkerSetup) -> None:
         if job is None:
             return
         result = execute(job, ctx)
-        conn.send(("rows", result.rows, result.seconds))
+        ending = device_lost() is not None  # a device error poisoned this context: a fresh worker for the next job
+        conn.send(("rows", result.rows, result.seconds, ending))
+        if ending:
+            return
 
 
 def _log(message: tuple) -> None:
@@ -152,7 +159,14 @@ class InlineWorker:
         self.ctx = WorkerContext(setup)
 
     def run(self, job: Job, timeout_s: float | None = None) -> JobResult:
-        return execute(job, self.ctx)
+        result = execute(job, self.ctx)
+        if device_lost():
+            logger.warning(
+                "the device context of this process is lost (%s): later jobs will fail; run without "
+                "--inline to give each a fresh worker",
+                device_lost(),
+            )
+        return result
 
     def close(self) -> None:
         pass
@@ -216,6 +230,9 @@ class ProcessWorker:
                 except (EOFError, OSError):  # the pipe closed: the worker is dying
                     return failed(Status.FAILED, self._died())
                 if message[0] == "rows":
+                    if message[3]:  # the worker ends after this job: wait for it, so the next job starts a new one
+                        self.proc.join(30)
+                        self._kill()
                     return JobResult(message[1], message[2])
                 _log(message)
             elif not self.proc.is_alive():

@@ -250,7 +250,19 @@ COLUMNS: tuple[Column, ...] = (
         ),
         ("energy_window_s", _F, "s", "the window the energy covers; under 5 s the figure is rough (notes say so)"),
         ("trace_file", _S, "", "torch.profiler Chrome trace of the cell's step (`profile: true` or --profile)"),
-        ("top_ops", _S, "", "JSON: the traced step's top operators by self time (ms per step)"),
+        (
+            "top_ops",
+            _S,
+            "",
+            "JSON: the traced step's top operators by self time (ms per step): device kernels on "
+            "GPUs, CPU operators on the CPU",
+        ),
+        (
+            "trace_error",
+            _S,
+            "",
+            "why the profiler trace is missing (it could not start or write); the timed row stands",
+        ),
         ("data_ptr_mod64", _I, "bytes", "input batch's realised data_ptr() % 64 (labels are placed alike)"),
         ("memory_format_verified", _B, "", "the input and every 4-D weight are contiguous in `memory_format`"),
     ),
