@@ -455,3 +455,43 @@ def test_a_rank_that_sees_some_but_not_its_gpu_is_told_what_to_change(monkeypatc
     with pytest.raises(KdbenchError, match="local rank 3 sees 2 GPUs"):
         backends.device_of("rocm", 3)
     assert backends.device_of("cpu", 5) == torch.device("cpu")
+
+
+def test_a_rocm_device_is_recorded_by_its_architecture_family_and_compute_units(monkeypatch):
+    from kdbench.hw.environment import _device_facts
+
+    _props(
+        monkeypatch,
+        name="AMD Instinct MI300X",
+        gcnArchName="gfx942:sramecc+:xnack-",
+        multi_processor_count=38,  # a CPX partition
+        total_memory=24 << 30,
+    )
+    facts = _device_facts(FAKE_ROCM)
+    assert facts["device_arch"] == "gfx942" and facts["device_arch_full"] == "gfx942:sramecc+:xnack-"
+    assert facts["device_compute_units"] == 38 and facts["device_memory_bytes"] == 24 << 30
+    _props(monkeypatch, name="NVIDIA H200", major=9, minor=0, multi_processor_count=132, total_memory=141 << 30)
+    assert _device_facts(FAKE_GPU)["device_arch"] == "sm_90"
+
+
+@pytest.mark.parametrize(
+    "hip, memory_format, env, noted",
+    [
+        ("6.2.41133", "channels_last", {}, True),
+        ("6.2.41133", "channels_last", {"PYTORCH_MIOPEN_SUGGEST_NHWC": "1"}, False),
+        ("6.2.41133", "contiguous", {}, False),
+        (None, "channels_last", {}, False),  # CUDA: cuDNN takes NHWC as it comes
+    ],
+)
+def test_channels_last_on_rocm_says_whether_miopen_was_asked_for_nhwc(monkeypatch, hip, memory_format, env, noted):
+    from kdbench.config.schema import CellConfig
+    from kdbench.measure.cell import layout_note
+
+    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
+    monkeypatch.delenv("PYTORCH_MIOPEN_SUGGEST_NHWC", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    config = CellConfig(pair={"teacher": "resnet8", "student": "resnet8"}, memory_format=memory_format)
+    note = layout_note(config, "cuda")
+    assert ("PYTORCH_MIOPEN_SUGGEST_NHWC=1" in note) is noted
+    assert layout_note(config, "cpu") == ""

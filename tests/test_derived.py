@@ -162,3 +162,10 @@ def test_a_step_that_mixes_precisions_is_measured_against_both_peaks():
     assert rows.loc["cached", "datasheet_peak_tflops"] == pytest.approx(989.4)
     assert rows.loc["inf", "datasheet_peak_tflops"] == pytest.approx(989.4)
     assert rows.loc["inf", "ceiling_utilization"] == pytest.approx(100.0 / 800.0)
+
+
+def test_a_partitioned_gpu_is_measured_against_its_share_of_the_chip():
+    row = _row(median=10.0, flops=1e11, device_name="AMD Instinct MI300X", precision="bf16", device_compute_units=38)
+    got = as_read([row]).iloc[0]
+    assert got["datasheet_device"] == "MI300X (38 of 304 CUs)"
+    assert got["mfu"] == pytest.approx(10.0 / (1307.4 * 38 / 304))

@@ -614,6 +614,36 @@ def test_unsupported_dtype_gives_an_error_row(cpu, monkeypatch):
         measure_ceilings(cpu, dtypes=("fp8",))
 
 
+def test_a_copy_the_device_cannot_hold_is_an_error_row_not_the_end_of_the_probe(cpu, monkeypatch):
+    real_ones = torch.ones
+
+    def ones(n, **kw):
+        if kw.get("dtype") is torch.uint8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB\ndetails")
+        return real_ones(n, **kw)
+
+    monkeypatch.setattr(torch, "ones", ones)
+    rows = measure_ceilings(cpu, dtypes=("fp32",), matmul_n=32, copy_bytes=4096, min_time_s=0)
+    assert rows[0]["error"] is None and rows[0]["value"] > 0  # the matmul row is kept
+    assert rows[1]["kind"] == "copy" and rows[1]["value"] is None
+    assert rows[1]["error"] == "CUDA out of memory. Tried to allocate 1.00 GiB"
+
+
+@pytest.mark.parametrize("device_type, expected", [("cuda", 2.0), ("cpu", 0.5)])
+def test_probe_runs_long_enough_for_sustained_clocks_on_gpus(monkeypatch, device_type, expected):
+    from kdbench.hw import probe as probe_module
+
+    seen = []
+    monkeypatch.setattr(probe_module, "_times_ms", lambda fn, backend, min_time_s: seen.append(min_time_s) or (1, 1))
+    backend = SimpleNamespace(
+        name="x", device=torch.device("cpu"), device_type=device_type, clock=ConstantClock, synchronize=lambda: None
+    )
+    measure_ceilings(backend, dtypes=("fp32",), matmul_n=32, copy_bytes=64)
+    assert seen == [expected, expected]
+    measure_ceilings(backend, dtypes=("fp32",), matmul_n=32, copy_bytes=64, min_time_s=0.1)
+    assert seen[2:] == [0.1, 0.1]
+
+
 def _rows(fp32, bf16=None, copy=100.0):
     rows = [
         {
@@ -715,3 +745,35 @@ def test_latest_ceiling_without_probes(tmp_path):
 def test_probe_env_adds_backend(cpu, monkeypatch):
     monkeypatch.setattr(probe, "capture", lambda b: {"device_name": "Some CPU", "device_count": 0})
     assert probe_env(cpu) == {"device_name": "Some CPU", "device_count": 0, "backend": "cpu"}
+
+
+def test_a_partitioned_mi300x_gets_its_share_of_the_peak():
+    # CPX mode: each of 8 partitions shows 38 of the 304 CUs under the full card's name
+    assert datasheet_peak("AMD Instinct MI300X", "bf16", units=38) == (
+        "MI300X (38 of 304 CUs)",
+        pytest.approx(1307.4 / 8),
+    )
+    assert datasheet_peak("AMD Instinct MI300X", "bf16", units=152)[1] == pytest.approx(1307.4 / 2)  # DPX
+    assert datasheet_peak("AMD Instinct MI300X", "bf16", units=304) == ("MI300X", pytest.approx(1307.4))
+    assert datasheet_peak("NVIDIA H200", "fp32", units=132) == ("H200 SXM", pytest.approx(67.0))
+
+
+def test_an_empty_rocm_name_is_named_by_its_architecture():
+    assert datasheet_peak("", "bf16", units=304, arch="gfx942:sramecc+:xnack-") == ("MI300X", pytest.approx(1307.4))
+    assert datasheet_peak("AMD Radeon Graphics", "fp32", units=110, arch="gfx90a")[0] == "MI250X (per GCD)"
+    assert datasheet_peak("AMD Radeon Graphics", "fp32", units=104, arch="gfx90a")[0] == "MI210"
+    assert datasheet_peak("AMD Radeon Graphics", "fp32", units=60, arch="gfx1100") is None
+
+
+def test_amdsmi_power_from_the_metrics_table_where_the_power_cap_is_missing():
+    log = []
+    lib = fake_amdsmi(log)
+
+    def no_cap(h):
+        raise RuntimeError("AMDSMI_STATUS_NOT_SUPPORTED: power cap")
+
+    lib.amdsmi_get_power_info = no_cap
+    lib.amdsmi_get_gpu_metrics_info = lambda h: {"current_socket_power": 321, "temperature_hotspot": 70}
+    with TelemetrySampler(ROCM0, interval_s=3600, library=lib, ids=IDS) as s:
+        pass
+    assert s.result(1, 1).mean_power_w == 321

@@ -60,12 +60,22 @@ def _row(label: str, measurement: str, batch_size: int, median_ms: float, **extr
 def _rows() -> list[dict]:
     """Per cell: a distill step and student/teacher inference at batch 1 and 64.
 
-    The first cell's distill step is noisy; the second cell's teacher failed at batch 64
+    The first cell's distill step is noisy, the second's launch-bound; the second cell's teacher failed at batch 64
     (null statistics, an error holding a script tag, so no speed-up for that batch).
     """
     rows = []
     for i, label in enumerate(CELLS):
-        rows.append(_row(label, "distill_step", 64, 40.0 + 10 * i, noisy=i == 0, iqr_ms=8.0 if i == 0 else 1.0))
+        rows.append(
+            _row(
+                label,
+                "distill_step",
+                64,
+                40.0 + 10 * i,
+                noisy=i == 0,
+                iqr_ms=8.0 if i == 0 else 1.0,
+                launch_bound=i == 1,
+            )
+        )
         for bs in (1, 64):
             student = STUDENT_MEDIAN if (i, bs) == (0, 1) else 0.5 * bs**0.5 + i
             if (i, bs) == (1, 64):
@@ -125,6 +135,13 @@ def test_noisy_row_is_marked(report):
     (row,) = _table_rows(page, "run-a", "distill_step")
     assert "⚠ noisy" in row
     assert all("⚠ noisy" not in r for r in _table_rows(page, "run-b"))
+
+
+def test_launch_bound_row_is_marked(report):
+    _, page = report
+    (row,) = _table_rows(page, "run-b", "distill_step")
+    assert ">launch-bound<" in row and "⚠ noisy" not in row
+    assert all(">launch-bound<" not in r for r in _table_rows(page, "run-a"))
 
 
 def test_environment_shows_both_runs(report):

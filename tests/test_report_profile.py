@@ -105,6 +105,7 @@ def _step_rows(out_dir) -> list[dict]:
         samples_per_joule=25.6,
         nonfinite_steps=0,
         scaler_skips=0,
+        window_throughput=64 / 10.0 * 1000 * 0.97,  # 3 %: within the noise, no warning
         trace_file=str(out_dir / "traces" / "a.json"),
         top_ops=json.dumps(
             [
@@ -145,6 +146,9 @@ def _step_rows(out_dir) -> list[dict]:
         config_json=_config("live"),
         teacher_mode="live",
         **_phases(3.0, 2.0, 0.5, 3.0, 1.0, -0.5),
+        launch_bound=True,
+        energy_window_s=1.5,
+        window_throughput=64 / 9.0 * 1000 * 0.9,  # the window sustained 10 % less than the median says
     )
     return [a, b, c, d]
 
@@ -289,6 +293,11 @@ def test_profile_table_formats_phases_and_flags_the_remainder(report):
         "25.6",
     )
     assert a["warnings"] == "" and b["warnings"] == "2 non-finite steps1 GradScaler skip"
+    assert d["warnings"] == (
+        "window 10% below the median's throughput: gaps or stalls"
+        "launch-bound: measures the host, not the GPU"
+        "energy over 1.5 s: rough"
+    )
     assert (b["J/step"], b["samples/J"], b["MFU"], b["memory"]) == ("—", "—", "—", "—")
     (a_tr,) = [tr for tr in re.findall(r'<tr class="profile-row">.*?</tr>', page, re.S) if "A live" in tr]
     assert 'title="measured ceiling 617 TFLOP/s, probe probe-42"' in a_tr

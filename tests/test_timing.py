@@ -213,6 +213,7 @@ def fake_cuda(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
     return state
 
 
@@ -235,29 +236,30 @@ def test_event_clock_timed_loop(fake_cuda):
 
     log = fake_cuda["log"]
     syncs = [i for i, e in enumerate(log) if e == ("sync",)]
-    # one sync after the cold call, one after warm-up, one after the timed loop
-    assert len(syncs) == 3
-    assert fake_cuda["sync_devices"] == [device] * 3
+    # one sync after the cold call, one after each warm-up call (each starts on an idle device, so the
+    # host's time to issue it is its own), one after the timed loop
+    assert len(syncs) == 4
+    assert fake_cuda["sync_devices"] == [device] * 4
 
     calls = [i for i, e in enumerate(log) if e == ("call",)]
     assert len(calls) == 1 + 2 + 4
     cold, warm, timed = calls[0], calls[1:3], calls[3:]
-    assert cold < syncs[0] < warm[0]
-    assert warm[-1] < syncs[1] < timed[0]
-    assert timed[-1] < syncs[2]
+    assert cold < syncs[0] < warm[0] < syncs[1] < warm[1] < syncs[2] < timed[0]
+    assert timed[-1] < syncs[3]
     # no sync between the iterations of the timed loop
     assert not [s for s in syncs if timed[0] < s < timed[-1]]
 
     assert r.warmup_ms == [5.0, 5.0]
+    assert len(r.host_ms) == 2 and all(h >= 0 for h in r.host_ms)
     elapsed = [i for i, e in enumerate(log) if e[0] == "elapsed"]
     assert len(elapsed) == 1 + 2 + 4
     # every event is read only after a sync that follows its recording:
     # the cold call's pair after the first sync, the timed pairs after the last one
     assert syncs[0] < elapsed[0] < warm[0]
-    assert all(i > syncs[2] for i in elapsed[1:])
-    timed_records = [i for i, e in enumerate(log) if e[0] == "record" and i > syncs[1]]
+    assert all(i > syncs[3] for i in elapsed[1:])
+    timed_records = [i for i, e in enumerate(log) if e[0] == "record" and i > syncs[2]]
     assert len(timed_records) == 2 * 4
-    assert max(timed_records) < syncs[2] < min(elapsed[1:])
+    assert max(timed_records) < syncs[3] < min(elapsed[1:])
 
 
 def test_event_clock_reads_after_recording(fake_cuda):
@@ -285,3 +287,32 @@ def test_timed_window_brackets_the_timed_calls():
     t = FakeTime(scripted(1))
     r = timed_loop(t.fn, FakeClock(t), warmup=1, min_iters=2, min_time_s=0, max_iters=10)
     assert r.window_s is not None and r.window_s[0] <= r.window_s[1]
+
+
+def test_launch_bound_when_issuing_a_call_costs_the_host_what_the_device_needs():
+    from kdbench.measure.timing import RawTiming
+
+    samples = [1.0, 1.0, 1.1]
+    assert RawTiming(5.0, samples, "device_event", host_ms=[0.95, 0.97]).launch_bound(1.0) is True
+    assert RawTiming(5.0, samples, "device_event", host_ms=[0.2, 0.3]).launch_bound(1.0) is False
+    assert RawTiming(5.0, samples, "perf_counter_ns").launch_bound(1.0) is None  # host time is all there is
+
+
+def test_host_clocks_add_no_syncs_or_host_stamps_to_the_warm_up():
+    t = FakeTime(scripted(1))
+    r = timed_loop(t.fn, FakeClock(t), warmup=3, min_iters=2, min_time_s=0, max_iters=10)
+    assert r.host_ms == [] and len(r.warmup_ms) == 3
+
+
+def test_window_throughput_counts_the_gaps_the_median_leaves_out():
+    from kdbench.measure.cell import timing_columns
+    from kdbench.measure.timing import RawTiming
+
+    # four 10 ms iterations in a 50 ms window: 10 ms of gaps between them
+    raw = RawTiming(30.0, [10.0] * 4, "perf_counter_ns", window_s=(100.0, 100.05))
+    cols = timing_columns(raw, world_size=2, batch_size=8)
+    assert cols["throughput"] == pytest.approx(2 * 8 / 0.010)
+    assert cols["window_ms"] == pytest.approx(50.0)
+    assert cols["window_throughput"] == pytest.approx(2 * 8 * 4 / 0.050)
+    assert cols["host_ms"] is None and cols["launch_bound"] is None
+    assert timing_columns(RawTiming(30.0, [10.0], "perf_counter_ns"), 1, 8)["window_throughput"] is None

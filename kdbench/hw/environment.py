@@ -17,10 +17,28 @@ import kdbench
 from kdbench.hw.backends import Backend, detect, math_flags
 
 # Environment variables that change speed; recorded with every row.
-KNOB_PREFIXES = ("MIOPEN_", "PYTORCH_TUNABLEOP_", "HIP_", "ROCM_", "CUDA_", "CUBLAS", "NCCL_", "RCCL_")
+KNOB_PREFIXES = (
+    "MIOPEN_",
+    "PYTORCH_TUNABLEOP_",
+    "PYTORCH_MIOPEN_",
+    "HIP_",
+    "ROCM_",
+    "HSA_",
+    "HIPBLASLT_",
+    "ROCBLAS_",
+    "CUDA_",
+    "CUBLAS",
+    "TORCH_CUDNN_",
+    "NCCL_",
+    "RCCL_",
+    "TORCH_NCCL_",
+)
 KNOB_NAMES = (
     "TORCH_BLAS_PREFER_HIPBLASLT",
-    "PYTORCH_MIOPEN_SUGGEST_NHWC",
+    "TORCH_BLAS_PREFER_CUBLASLT",
+    "NVIDIA_TF32_OVERRIDE",
+    "GPU_MAX_HW_QUEUES",
+    "AMD_SERIALIZE_KERNEL",
     "PYTORCH_CUDA_ALLOC_CONF",
     "PYTORCH_HIP_ALLOC_CONF",
     "OMP_NUM_THREADS",
@@ -121,15 +139,19 @@ def _speed_knobs() -> dict[str, Any]:
 def _device_facts(backend: Backend) -> dict[str, Any]:
     if backend.device_type == "cuda":
         props = torch.cuda.get_device_properties(backend.device)
-        arch = getattr(props, "gcnArchName", "") if backend.name == "rocm" else f"sm_{props.major}{props.minor}"
+        full = getattr(props, "gcnArchName", "") if backend.name == "rocm" else f"sm_{props.major}{props.minor}"
         return {
             "device_name": props.name,
-            "device_arch": arch or None,
+            "device_arch": full.split(":")[0] or None,  # "gfx942:sramecc+:xnack-" groups as gfx942
+            "device_arch_full": full or None,
+            "device_compute_units": int(props.multi_processor_count),
             "device_memory_bytes": int(props.total_memory),
         }
     return {
         "device_name": cpu_model(),
         "device_arch": platform.machine(),
+        "device_arch_full": platform.machine(),
+        "device_compute_units": None,
         "device_memory_bytes": int(psutil.virtual_memory().total),
     }
 
@@ -146,6 +168,8 @@ def capture(backend: Backend) -> dict[str, Any]:
             blas = str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1]
         except (AttributeError, RuntimeError):
             blas = None
+        if backend.name == "rocm":  # torch names the libraries after CUDA's on ROCm too
+            blas = {"Cublas": "rocBLAS", "Cublaslt": "hipBLASLt"}.get(blas, blas)
     return {
         **_device_facts(backend),
         "device_count": d.gpu_count,

@@ -63,14 +63,45 @@ _NAME_PATTERNS: tuple[tuple[str, str], ...] = (
 )
 
 
-def datasheet_peak(device_name: str, dtype: str) -> tuple[str, float] | None:
-    """(canonical name, dense peak TFLOP/s) for a GPU name as torch reports it; None for
-    CPUs, unknown devices, and dtypes the device lacks."""
+# The full chip's compute units (AMD CUs, NVIDIA SMs) behind each peak.  A device with fewer (an
+# MI300X in CPX or DPX compute-partition mode shows 38 or 152 of its 304 CUs under the full card's
+# name) gets the peak scaled to its share.
+FULL_UNITS: dict[str, int] = {
+    "MI300X": 304,
+    "MI250X (per GCD)": 110,
+    "MI210": 104,
+    "H200 SXM": 132,
+    "H100 SXM": 132,
+    "H100 PCIe": 114,
+    "A100": 108,
+    "L4": 58,
+    "T4": 40,
+}
+
+# ROCm releases and virtual functions where the marketing name is empty or generic: the
+# architecture (and the CU count, where one architecture has several parts) names the part.
+_ARCH_FALLBACK: tuple[tuple[str, int | None, str], ...] = (
+    ("gfx942", None, "MI300X"),  # MI325X shares MI300X's compute and peaks
+    ("gfx90a", 110, "MI250X (per GCD)"),
+    ("gfx90a", 104, "MI210"),
+)
+
+
+def datasheet_peak(
+    device_name: str, dtype: str, units: int | None = None, arch: str | None = None
+) -> tuple[str, float] | None:
+    """(name, dense peak TFLOP/s) for a GPU as torch reports it; None for CPUs, unknown devices, and
+    dtypes the device lacks.  ``units`` (compute units torch sees) scales the peak of a partitioned
+    device; ``arch`` names the part where the name does not."""
     if dtype not in PRECISIONS:
         raise KdbenchError(f"unknown dtype '{dtype}'; use {', '.join(PRECISIONS)}")
     name = " ".join(device_name.lower().split())
-    for pattern, canonical in _NAME_PATTERNS:
-        if re.fullmatch(pattern, name):
-            peak = PEAKS[canonical][dtype]
-            return (canonical, peak) if peak is not None else None
-    return None
+    canonical = next((c for pattern, c in _NAME_PATTERNS if re.fullmatch(pattern, name)), None)
+    if canonical is None and arch:
+        canonical = next((c for a, cus, c in _ARCH_FALLBACK if arch.split(":")[0] == a and cus in (None, units)), None)
+    if canonical is None or PEAKS[canonical][dtype] is None:
+        return None
+    peak, full = PEAKS[canonical][dtype], FULL_UNITS[canonical]
+    if units and 0 < units < full:
+        return f"{canonical} ({units} of {full} CUs)", peak * units / full
+    return canonical, peak

@@ -20,24 +20,30 @@ from kdbench.hw.environment import capture
 from kdbench.measure.stats import summarize
 from kdbench.measure.timing import timed_loop
 
+GPU_MIN_TIME_S = 2.0  # long enough for sustained, not boost, clocks
+CPU_MIN_TIME_S = 0.5
 SLOW_CALL_S = 2.0  # a dtype whose n x n matmul would take longer per call is probed at a smaller n
 
 
 def _matmul_size(dtype: torch.dtype, n: int, backend: Backend, max_call_s: float) -> int:
-    """``n``, or the largest power-of-two fraction of it whose matmul is predicted to take at most
-    ``max_call_s``, from one call at a small size: a dtype the device only emulates (fp16 on many
-    CPUs runs hundreds of times slower) would otherwise keep the probe busy for many minutes."""
-    small = min(n, 256)
-    a = torch.randn(small, small, device=backend.device).to(dtype)
-    torch.mm(a, a)  # the first call may set things up
-    backend.synchronize()
-    start = time.perf_counter()
-    torch.mm(a, a)
-    backend.synchronize()
-    rate = 2 * small**3 / max(time.perf_counter() - start, 1e-9)  # FLOP/s at the small size
-    size = n
-    while size > small and 2 * size**3 / rate > max_call_s:
-        size //= 2
+    """``n``, or a smaller size whose matmul takes at most ``max_call_s``: a dtype the device only
+    emulates (fp16 on many CPUs runs hundreds of times slower) would otherwise keep the probe busy
+    for many minutes.  The size doubles from 256 while a call at the next size, predicted from one
+    timed call at this one, fits; each prediction comes from a size close to it, since small
+    matmuls run far below the device's rate and would understate what larger ones reach."""
+    size = min(n, 256)
+    while size < n:
+        a = torch.randn(size, size, device=backend.device).to(dtype)
+        torch.mm(a, a)  # the first call at a size may set things up
+        backend.synchronize()
+        start = time.perf_counter()
+        torch.mm(a, a)
+        backend.synchronize()
+        elapsed = time.perf_counter() - start
+        bigger = min(2 * size, n)
+        if elapsed * (bigger / size) ** 3 > max_call_s:
+            break
+        size = bigger
     return size
 
 
@@ -53,7 +59,7 @@ def measure_ceilings(
     dtypes: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16"),
     matmul_n: int | None = None,
     copy_bytes: int | None = None,
-    min_time_s: float = 0.3,
+    min_time_s: float | None = None,
     max_call_s: float = SLOW_CALL_S,
 ) -> list[dict]:
     """Achievable dense-matmul TFLOP/s per dtype (2n^3 FLOPs per n x n @ n x n) and copy
@@ -64,13 +70,19 @@ def measure_ceilings(
     down less than the median (`median_ms`, kept beside it).  A dtype the device cannot
     multiply gives value None and an `error` (tf32 on the CPU, or on a GPU without TF32); one it
     multiplies very slowly is measured at a smaller n (:func:`_matmul_size`; the row's `size`
-    says which).  fp32 is measured in IEEE fp32 and tf32 in the TF32 math mode, as cells run them."""
+    says which).  fp32 is measured in IEEE fp32 and tf32 in the TF32 math mode, as cells run them.
+
+    Each measurement runs for at least ``min_time_s`` (default 2 s on GPUs, whose boost clocks fall
+    under a sustained GEMM, and 0.5 s on the CPU).  A copy the device cannot hold gives an error row
+    too: no failure ends the probe."""
     unknown = [d for d in dtypes if d not in DTYPES]
     if unknown:
         raise KdbenchError(f"unknown dtype(s) {unknown}; use {', '.join(DTYPES)}")
     gpu = backend.device_type == "cuda"
     n = matmul_n or (8192 if gpu else 2048)
     nbytes = copy_bytes or (2**30 if gpu else 64 * 2**20)
+    if min_time_s is None:
+        min_time_s = GPU_MIN_TIME_S if gpu else CPU_MIN_TIME_S
     rows = []
     for d in dtypes:
         row = {
@@ -100,21 +112,26 @@ def measure_ceilings(
         finally:
             a = b = None
         rows.append(row)
-    src = torch.ones(nbytes, dtype=torch.uint8, device=backend.device)
-    dst = torch.empty_like(src)
-    median, fast = _times_ms(lambda: dst.copy_(src), backend, min_time_s)
-    rows.append(
-        {
-            "kind": "copy",
-            "dtype": "uint8",
-            "size": nbytes,
-            "value": 2 * nbytes / (fast / 1e3) / 1e9,
-            "unit": "GB/s",
-            "median_ms": median,
-            "p05_ms": fast,
-            "error": None,
-        }
-    )
+    copy = {
+        "kind": "copy",
+        "dtype": "uint8",
+        "size": nbytes,
+        "value": None,
+        "unit": "GB/s",
+        "median_ms": None,
+        "p05_ms": None,
+        "error": None,
+    }
+    try:
+        src = torch.ones(nbytes, dtype=torch.uint8, device=backend.device)
+        dst = torch.empty_like(src)
+        median, fast = _times_ms(lambda: dst.copy_(src), backend, min_time_s)
+        copy.update(median_ms=median, p05_ms=fast, value=2 * nbytes / (fast / 1e3) / 1e9)
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        copy["error"] = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    finally:
+        src = dst = None
+    rows.append(copy)
     return rows
 
 

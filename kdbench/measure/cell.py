@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,12 +101,17 @@ def timed_with_profile(
 def timing_columns(raw: RawTiming, world_size: int, batch_size: int) -> Row:
     summary = summarize(raw.samples_ms)
     steady = raw.time_to_steady()
+    window_ms = (raw.window_s[1] - raw.window_s[0]) * 1e3 if raw.window_s else None
     return {
+        "host_ms": statistics.median(raw.host_ms) if raw.host_ms else None,
+        "launch_bound": raw.launch_bound(summary.median_ms),
+        "window_ms": window_ms,
         **summary.as_row(),
         "first_ms": raw.first_ms,
         "samples_ms": raw.samples_ms,
         "timer": raw.clock,
         "throughput": world_size * batch_size / (summary.median_ms / 1e3) if summary.median_ms > 0 else None,
+        "window_throughput": (world_size * batch_size * len(raw.samples_ms) / (window_ms / 1e3) if window_ms else None),
         "time_to_steady_ms": steady[0] if steady else None,
         "steady_after_iters": steady[1] if steady else None,
     }
@@ -114,9 +120,27 @@ def timing_columns(raw: RawTiming, world_size: int, batch_size: int) -> Row:
 # --------------------------------------------------------------------------- row parts
 
 
+LAUNCH_BOUND = (
+    "launch-bound: issuing a call costs the host about as long as the device runs it, so this measures Python "
+    "and kernel launches, not the GPU"
+)
+
+
 def _notes(*choices, alignment: str | None = None, extra: tuple[str, ...] = ()) -> str | None:
     notes = [f"{c.precision}: {c.note}" for c in choices if c.note] + [n for n in (*extra, alignment) if n]
     return "; ".join(dict.fromkeys(notes)) or None
+
+
+def layout_note(config: CellConfig, device_type: str) -> str:
+    """ROCm: PyTorch hands MIOpen NCHW tensors unless PYTORCH_MIOPEN_SUGGEST_NHWC=1, so a channels_last
+    cell measures layout conversions around NCHW kernels (the strides still verify)."""
+    rocm = device_type == "cuda" and bool(getattr(torch.version, "hip", None))
+    if not rocm or config.memory_format != "channels_last" or os.environ.get("PYTORCH_MIOPEN_SUGGEST_NHWC") == "1":
+        return ""
+    return (
+        "channels_last on ROCm without PYTORCH_MIOPEN_SUGGEST_NHWC=1: MIOpen runs NCHW kernels with layout "
+        "conversions around them (set it, and PYTORCH_MIOPEN_SUGGEST_NHWC_BATCHNORM=1, for NHWC kernels)"
+    )
 
 
 def _alignment_note(x: torch.Tensor, config: CellConfig) -> str | None:
@@ -171,11 +195,13 @@ def distill_row(
     """The distill_step row of a timed step; failed when the loss is not finite.  ``local`` is this
     process's own timing when ``raw`` was gathered from data-parallel ranks (the phases come from it)."""
     d = step.distiller
+    timing = timing_columns(raw, config.world_size, config.batch_size)
+    launch = LAUNCH_BOUND if timing["launch_bound"] else ""
     row = {
         "measurement": Measurement.DISTILL_STEP,
         "batch_size": config.batch_size,
         "status": Status.OK,
-        **timing_columns(raw, config.world_size, config.batch_size),
+        **timing,
         "final_loss": loss,
         "autocast": d.student_ac.applied,
         "teacher_autocast": d.teacher_ac.applied,
@@ -190,7 +216,10 @@ def distill_row(
         **phase_columns(step, local or raw),
         **_layout(d.student, x, config),
         "notes": _notes(
-            d.student_ac, d.teacher_ac, alignment=_alignment_note(x, config), extra=(d.optimizer_note, note)
+            d.student_ac,
+            d.teacher_ac,
+            alignment=_alignment_note(x, config),
+            extra=(launch, d.optimizer_note, note, layout_note(config, x.device.type)),
         ),
     }
     if not math.isfinite(loss):
@@ -251,17 +280,23 @@ def measure_inference(model: nn.Module, role: str, batch_size: int, config: Cell
     with math_mode(choice.tf32):
         raw, profile, note = timed_with_profile(forward, config, backend, batch_size)
         flops, flags = count_flops(forward), math_flags()
+    timing = timing_columns(raw, 1, batch_size)
+    launch = LAUNCH_BOUND if timing["launch_bound"] else ""
     return {
         "measurement": Measurement(f"{role}_inference"),
         "batch_size": batch_size,
         "status": Status.OK,
-        **timing_columns(raw, 1, batch_size),
+        **timing,
         **profile,
         **flags,
         "flops": flops,
         "autocast": choice.applied,
         **_layout(model, x, config),
-        "notes": _notes(choice, alignment=_alignment_note(x, config), extra=(note,)),
+        "notes": _notes(
+            choice,
+            alignment=_alignment_note(x, config),
+            extra=(launch, note, layout_note(config, backend.device_type)),
+        ),
     }
 
 

@@ -68,7 +68,8 @@ class DataParallel:
         n, first_ms = int(agreed[0].item()), float(agreed[1].item())
         raw = timed_loop(fn, clock, warmup=0, min_iters=n, min_time_s=0.0, max_iters=n, on_window=on_window)
         # The probe call and this loop's own first call were warm: they count as warm-up.
-        return replace(raw, first_ms=first_ms, warmup_ms=[*probe.warmup_ms, *probe.samples_ms, raw.first_ms])
+        warmup_ms = [*probe.warmup_ms, *probe.samples_ms, raw.first_ms]
+        return replace(raw, first_ms=first_ms, warmup_ms=warmup_ms, host_ms=probe.host_ms)
 
     def slowest(self, raw: RawTiming, backend: Backend) -> RawTiming:
         """``raw`` with every call (cold, warm-up, timed) at its slowest rank, gathered from every rank:

@@ -134,9 +134,18 @@ class _AmdSmi:
 
     def _power(self) -> float | None:
         # current_socket_power: MI300+; average_socket_power: MI200 and earlier; socket_power: ROCm 7.
-        info = self.lib.amdsmi_get_power_info(self.handle)
-        values = (_num(info.get(k)) for k in ("current_socket_power", "average_socket_power", "socket_power"))
-        return next((v for v in values if v is not None), None)
+        # amdsmi_get_power_info reads the power cap last and raises where a VF or container has none,
+        # although the power was read: the GPU metrics table has it too.
+        keys = ("current_socket_power", "average_socket_power", "socket_power")
+        for source in (self.lib.amdsmi_get_power_info, getattr(self.lib, "amdsmi_get_gpu_metrics_info", None)):
+            try:
+                info = source(self.handle) if source is not None else {}
+            except Exception:
+                continue
+            value = next((v for v in (_num(info.get(k)) for k in keys) if v is not None), None)
+            if value is not None:
+                return value
+        return None
 
     def _clock(self) -> float | None:
         info = self.lib.amdsmi_get_clock_info(self.handle, self.lib.AmdSmiClkType.GFX)

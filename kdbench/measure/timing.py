@@ -32,6 +32,7 @@ class HostClock:
     """The host's monotonic clock: right for the CPU, where work is synchronous."""
 
     name = "perf_counter_ns"
+    host = True  # what it times is host time already
 
     def stamp(self) -> int:
         return time.perf_counter_ns()
@@ -47,6 +48,7 @@ class EventClock:
     """Device events recorded on the current stream; read after synchronising."""
 
     name = "device_event"
+    host = False
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -70,6 +72,15 @@ class RawTiming:
     clock: str
     warmup_ms: list[float] = field(default_factory=list)  # the untimed warm-up calls, in order
     window_s: tuple[float, float] | None = None  # host perf_counter() at the start and end of the timed calls
+    host_ms: list[float] = field(default_factory=list)  # device clocks: host time to issue each warm-up call
+
+    def launch_bound(self, median_ms: float) -> bool | None:
+        """Whether issuing a call costs the host about as long as the device needs to run it (>= 90 %):
+        then the device waits for Python and kernel launches, and the cell measures those, not the
+        device.  None without host times (host clocks: there host time is all there is)."""
+        if not self.host_ms:
+            return None
+        return statistics.median(self.host_ms) >= 0.9 * median_ms
 
     def time_to_steady(self, tolerance: float = 0.10) -> tuple[float, int] | None:
         """(ms, calls) from the cold call's start until the end of the first call within
@@ -99,18 +110,29 @@ def timed_loop(
     `min_iters` and `min_time_s` are reached (or `max_iters`).
 
     ``on_window`` (start, end) are called at the edges of the timed window, right after the
-    synchronisations that open and close it (e.g. to read an energy counter there)."""
+    synchronisations that open and close it (e.g. to read an energy counter there).
+
+    With a device clock each warm-up call starts on an idle device and the host's time to
+    issue it is kept (``host_ms``): what the host costs per call, apart from the device's
+    work, which tells launch-bound calls apart (:meth:`RawTiming.launch_bound`)."""
     start = clock.stamp()
     fn()
     end = clock.stamp()
     clock.sync()
     first = clock.elapsed_ms(start, end)
     warm: list[tuple[Any, Any]] = []
+    host: list[float] = []
+    issue = not getattr(clock, "host", True)
     for _ in range(warmup):
+        began = time.perf_counter_ns()
         start = clock.stamp()
         fn()
         warm.append((start, clock.stamp()))
-    clock.sync()
+        if issue:
+            host.append((time.perf_counter_ns() - began) / 1e6)
+            clock.sync()  # the next call starts on an idle device too
+    if not (issue and warmup):  # else the last warm-up call's sync stands
+        clock.sync()
     if on_window is not None:
         on_window[0]()
     marks: list[tuple[Any, Any]] = []
@@ -127,6 +149,5 @@ def timed_loop(
     window = (window_start, time.perf_counter())
     if on_window is not None:
         on_window[1]()
-    return RawTiming(
-        first, [clock.elapsed_ms(a, b) for a, b in marks], clock.name, [clock.elapsed_ms(a, b) for a, b in warm], window
-    )
+    samples = [clock.elapsed_ms(a, b) for a, b in marks]
+    return RawTiming(first, samples, clock.name, [clock.elapsed_ms(a, b) for a, b in warm], window, host)

@@ -31,6 +31,7 @@ _STATUS_ORDER = tuple(Status)
 _MEASUREMENT_ORDER = {m: i for i, m in enumerate(Measurement)}
 ENV_COLUMNS = ("backend", *ENVIRONMENT_COLUMNS)
 REMAINDER_LIMIT = 0.10  # |remainder| above this share of the median: the phases do not account for the step
+STALL_GAP = 0.05  # window throughput this far below the median-based one: the window had gaps or stalls
 MIB = 2**20
 
 _TEMPLATES = Environment(
@@ -191,6 +192,7 @@ def _measurements(df: pd.DataFrame) -> list[dict]:
             "throughput": format_int(r.throughput),
             "speedup": format_speedup(r.speedup_vs_teacher),
             "noisy": bool(r.noisy_),
+            "launch_bound": r.launch_bound is True,
             "error": _truncate(r.error),
         }
         for r in df.itertuples(index=False)
@@ -243,6 +245,14 @@ def _profile(df: pd.DataFrame) -> list[dict]:
         for column, what in (("nonfinite_steps", "non-finite step"), ("scaler_skips", "GradScaler skip")):
             if pd.notna(r[column]) and r[column] != 0:
                 warnings.append(f"{int(r[column])} {what}{'s' if r[column] != 1 else ''}")
+        if pd.notna(r["window_throughput"]) and pd.notna(r["throughput"]) and r["throughput"] > 0:
+            gap = 1 - r["window_throughput"] / r["throughput"]
+            if gap > STALL_GAP:
+                warnings.append(f"window {gap:.0%} below the median's throughput: gaps or stalls")
+        if r["launch_bound"] is True:
+            warnings.append("launch-bound: measures the host, not the GPU")
+        if pd.notna(r["energy_window_s"]) and r["energy_window_s"] < 5:
+            warnings.append(f"energy over {r['energy_window_s']:.2g} s: rough")
         out.append(
             {
                 "run_id": r["run_id"],

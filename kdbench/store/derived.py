@@ -119,10 +119,20 @@ def _scaling(df: pd.DataFrame, ok: pd.Series) -> None:
     )
 
 
-def _peaks(devices: pd.Series, precisions: pd.Series) -> tuple[list, np.ndarray]:
-    """Per row: the datasheet device matched (or None) and its dense peak at the precision (NaN if none)."""
-    keys = list(zip(devices.fillna(""), precisions))
-    table = {k: datasheet_peak(str(k[0]), k[1]) if k[1] in PRECISIONS else None for k in set(keys)}
+def _peaks(rows: pd.DataFrame, precision: str) -> tuple[list, np.ndarray]:
+    """Per row: the datasheet device matched (or None) and its dense peak at the row's ``precision``
+    column (NaN if none), scaled to the compute units the row's device had."""
+    units = rows.get("device_compute_units", pd.Series(np.nan, index=rows.index))
+    arch = rows.get("device_arch", pd.Series(None, index=rows.index, dtype=object))
+    keys = list(zip(rows["device_name"].fillna(""), rows[precision], units, arch))
+
+    def peak(name, p, cus, a):
+        if p not in PRECISIONS:
+            return None
+        cus = int(cus) if isinstance(cus, (int, float, np.integer, np.floating)) and cus == cus else None
+        return datasheet_peak(str(name), p, cus, a if isinstance(a, str) else None)
+
+    table = {k: peak(*k) for k in set(keys)}
     matched = [table[k] for k in keys]
     return [m[0] if m else None for m in matched], np.array([m[1] if m else np.nan for m in matched], dtype=float)
 
@@ -150,8 +160,8 @@ def _utilisation(df: pd.DataFrame, ok: pd.Series) -> None:
         & rows["teacher_precision"].notna().to_numpy()
         & rows["teacher_precision"].ne(rows["precision"]).to_numpy()
     )
-    devices, peak = _peaks(rows["device_name"], rows["precision"])
-    _, teacher_peak = _peaks(rows["device_name"], rows["teacher_precision"])
+    devices, peak = _peaks(rows, "precision")
+    _, teacher_peak = _peaks(rows, "teacher_precision")
     peak = np.where(mixed, effective_peak(flops, teacher_flops, peak, teacher_peak), peak)
     known = ~np.isnan(peak)
     df.loc[rows.index[known], "datasheet_device"] = [d for d, k in zip(devices, known) if k]

@@ -142,6 +142,27 @@ COLUMNS: tuple[Column, ...] = (
             "median (first_ms is the cold call alone)",
         ),
         ("steady_after_iters", _I, "iterations", "calls (cold one included) until the first steady one"),
+        (
+            "host_ms",
+            _F,
+            "ms",
+            "GPUs: median host time to issue one warm-up call on an idle device (Python, "
+            "dispatch and kernel launches), apart from the device's work",
+        ),
+        (
+            "launch_bound",
+            _B,
+            "",
+            "GPUs: host_ms >= 0.9 x median_ms: the device waits for the host, so the row "
+            "measures Python and launch overhead rather than the GPU (notes say so); null on the CPU",
+        ),
+        (
+            "window_ms",
+            _F,
+            "ms",
+            "host wall time of the whole timed window, gaps between iterations included (the "
+            "samples are the iterations alone)",
+        ),
     ),
     *_group(
         RESULT,
@@ -150,6 +171,14 @@ COLUMNS: tuple[Column, ...] = (
             _F,
             "samples/s",
             "world_size × batch_size / median time (for world_size > 1, each iteration's slowest rank)",
+        ),
+        (
+            "window_throughput",
+            _F,
+            "samples/s",
+            "world_size × batch_size × n / window_ms: what the timed window sustained, with the gaps "
+            "and stalls (GC pauses, allocator calls, throttling) that the median leaves out; the "
+            "report flags a row whose window throughput is over 5 % below its throughput",
         ),
         ("final_loss", _F, "", "distillation loss of the last timed step (distill_step rows; mean over ranks)"),
         ("nonfinite_steps", _I, "steps", "steps whose loss was inf or NaN (all calls, warm-up included)"),
@@ -339,6 +368,20 @@ COLUMNS: tuple[Column, ...] = (
         ENVIRONMENT,
         ("device_name", _S, "", "GPU name, or the CPU model for cpu cells"),
         ("device_arch", _S, "", "GPU architecture (`gfx942`, `sm_90`, ...); CPU machine type for cpu"),
+        (
+            "device_arch_full",
+            _S,
+            "",
+            "the architecture string as torch reports it (ROCm: with its feature suffix, "
+            "e.g. `gfx942:sramecc+:xnack-`)",
+        ),
+        (
+            "device_compute_units",
+            _I,
+            "",
+            "the GPU's compute units (CUs on AMD, SMs on NVIDIA): fewer than the "
+            "full chip's on a partitioned MI300X (CPX/DPX), whose peaks are scaled to them",
+        ),
         ("device_count", _I, "", "visible GPUs (0 on a CPU-only machine)"),
         ("device_memory_bytes", _I, "bytes", "total memory of the device (host RAM for cpu)"),
         ("driver_version", _S, "", "GPU driver version where readable"),
