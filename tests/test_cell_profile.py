@@ -318,3 +318,25 @@ def test_a_profiler_that_cannot_start_costs_the_trace_not_the_row(tmp_path, monk
     assert row["status"] == "ok" and row["median_ms"] > 0 and row["flops"] > 0
     assert row["trace_error"] == "the profiler failed: RuntimeError: CUPTI_ERROR_INSUFFICIENT_PRIVILEGES"
     assert "trace_file" not in row and not list(tmp_path.iterdir())
+
+
+def test_driver_version_from_the_driver_files_or_the_in_box_kernel(monkeypatch):
+    import platform
+    from pathlib import Path
+
+    from kdbench.hw.environment import driver_version
+
+    files = {"/proc/driver/nvidia/version": "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar 5"}
+
+    def read_text(self, *a, **k):
+        if str(self) in files:
+            return files[str(self)]
+        raise OSError("no such file")
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    monkeypatch.setattr(Path, "is_dir", lambda self: str(self) == "/sys/module/amdgpu")
+    assert driver_version("cuda") == "550.54.15"
+    assert driver_version("rocm") == f"in-box amdgpu (kernel {platform.release()})"  # no DKMS version file
+    files["/sys/module/amdgpu/version"] = "6.8.5"
+    assert driver_version("rocm") == "6.8.5"
+    assert driver_version("cpu") is None

@@ -93,6 +93,9 @@ def driver_version(build: str) -> str | None:
             nums = [w for w in words if w[:1].isdigit() and "." in w]
             return nums[0] if nums else text.splitlines()[0]
         return text
+    if build == "rocm" and Path("/sys/module/amdgpu").is_dir():
+        # the amdgpu that ships with the kernel has no version file of its own: the kernel names it
+        return f"in-box amdgpu (kernel {platform.release()})"
     return None
 
 
