@@ -15,6 +15,15 @@ from tests.helpers import run_folder
 
 TESTS = Path(__file__).resolve().parent
 
+
+def _torchrun_run(suite: Path, out: Path) -> list[str]:
+    """`kdbench run` as two ranks of one torchrun allocation on this machine."""
+    import sys
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    return [*torchrun, "-m", "kdbench", "run", str(suite), "--out", str(out), "--no-report"]
+
+
 DDP = """
 name: ddp
 backend: cpu
@@ -184,7 +193,6 @@ def test_detect_allocation_from_torchrun_and_slurm_environments():
 def test_kdbench_started_by_torchrun_runs_the_same_engine(tmp_path):
     # One engine, whoever started the ranks: --profile and the quality block behave as in a plain run.
     import subprocess
-    import sys
 
     suite = tmp_path / "alloc.yaml"
     suite.write_text(
@@ -192,21 +200,7 @@ def test_kdbench_started_by_torchrun_runs_the_same_engine(tmp_path):
         + "quality: {dataset: digits, epochs: 1, seeds: 1, target: 0.5, max_samples: 400}\n"
     )
     out = tmp_path / "res"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "kdbench",
-        "run",
-        str(suite),
-        "--out",
-        str(out),
-        "--no-report",
-        "--profile",
-    ]
+    cmd = [*_torchrun_run(suite, out), "--profile"]
     r = subprocess.run(cmd, cwd=TESTS.parent, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "2 ranks of a torchrun allocation" in r.stdout
@@ -271,7 +265,6 @@ def test_shards_given_one_run_id_write_into_one_folder(tmp_path, capsys):
 def test_a_data_parallel_cell_that_fails_inside_an_allocation_is_stored_and_resume_goes_on(tmp_path):
     import os
     import subprocess
-    import sys
 
     # seed 0: a rank raises inside the step's collectives; seed 1: a good cell after it
     pair = "teacher: linear, student: 'faulty_models:raising_rank1_seed0'"
@@ -283,20 +276,7 @@ def test_a_data_parallel_cell_that_fails_inside_an_allocation_is_stored_and_resu
     suite = tmp_path / "alloc.yaml"
     suite.write_text(text)
     out = tmp_path / "res"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "kdbench",
-        "run",
-        str(suite),
-        "--out",
-        str(out),
-        "--no-report",
-    ]
+    cmd = _torchrun_run(suite, out)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     first = subprocess.run(cmd, cwd=TESTS.parent, capture_output=True, text=True, timeout=600, env=env)
     assert first.returncode != 0  # the allocation stops: its ranks no longer agree on where they are

@@ -777,3 +777,26 @@ def test_amdsmi_power_from_the_metrics_table_where_the_power_cap_is_missing():
     with TelemetrySampler(ROCM0, interval_s=3600, library=lib, ids=IDS) as s:
         pass
     assert s.result(1, 1).mean_power_w == 321
+
+
+def test_a_frozen_worker_still_collects_what_measurements_leave():
+    # In a fresh process (freezing is for the life of a process): the imports are hidden from the
+    # collector, and a reference cycle made afterwards is still collected.
+    import subprocess
+    import sys
+
+    code = """
+import gc, weakref
+from kdbench.measure.memory import freeze_imports
+freeze_imports()
+frozen = gc.get_freeze_count()
+class Node: pass
+a, b = Node(), Node()
+a.other, b.other = b, a
+alive = weakref.ref(a)
+del a, b
+gc.collect()
+print(frozen, alive() is None, len(gc.get_objects()) < frozen)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert int(out[0]) > 100_000 and out[1:] == ["True", "True"]

@@ -52,6 +52,26 @@ def _reset_hwm() -> bool:
     return _hwm_bytes() is not None
 
 
+def freeze_imports() -> None:
+    """Hide what is alive now from the garbage collector, once per measuring process, after its imports.
+
+    The ``gc.collect()`` before each measurement (:class:`MemoryMeter`) would otherwise scan torch's and
+    the other modules' objects every time, several hundred thousand: 150 ms a collection on this
+    machine, three per cell, which made a sweep of tiny cells 13x slower.  Frozen objects are still
+    freed by reference counting; only cycles among them would never be collected, and imports make
+    none that matter.  What the measurements create later is collected as before.
+
+    The modules every cell imports on first use (torch._dynamo, through the optimizers; torchvision's
+    models and PIL, through the model registry) are imported first, so that they are frozen too: they
+    hold most of the objects (a collection after one tiny cell scanned 141 000 objects in 65 ms
+    without them, 18 000 in 4 ms with them)."""
+    import torch._dynamo  # noqa: F401
+    import torchvision.models  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
+
+
 class MemoryMeter:
     """Peak and growth of memory inside a `with` block, on `backend`'s device.
 

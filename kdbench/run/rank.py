@@ -38,6 +38,7 @@ def join_process_group(backend_name: str, local_rank: int, timeout_s: float) -> 
 @record
 def main(argv: list[str]) -> int:
     from kdbench.measure.cell import measure_cell
+    from kdbench.measure.memory import freeze_imports
     from kdbench.measure.parallel import DataParallel
     from kdbench.models import ModelCache
     from kdbench.run.workers import die_with_parent
@@ -51,6 +52,7 @@ def main(argv: list[str]) -> int:
     backend = join_process_group(setup.backend.name, int(os.environ["LOCAL_RANK"]), spec["timeout_s"])
     try:
         cache = ModelCache(allow_imports=setup.allow_imports)
+        freeze_imports()
         rows = measure_cell(job.cell, backend, cache, setup.options, dp=DataParallel())
     finally:
         dist.destroy_process_group()

@@ -35,6 +35,7 @@ from kdbench.config.schema import LauncherConfig
 from kdbench.hw.backends import Backend
 from kdbench.measure.cell import MeasureOptions
 from kdbench.measure.failures import device_fatal, device_lost, error_text, note_device_lost
+from kdbench.measure.memory import freeze_imports
 from kdbench.models import ModelCache
 from kdbench.names import Status
 from kdbench.run.jobs import CellJob, Job, Row, failure_rows
@@ -63,6 +64,7 @@ class WorkerContext:
         self.backend = setup.backend
         self.options = setup.options
         self.cache = ModelCache(allow_imports=setup.allow_imports)
+        freeze_imports()  # each measurement's gc.collect() then scans only what measurements made
 
 
 @dataclass(frozen=True)
