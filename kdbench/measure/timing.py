@@ -52,10 +52,15 @@ class EventClock:
 
     def __init__(self, device: torch.device):
         self.device = device
+        # The stream the measured work runs on, looked up at the first stamp and kept: a stamp inside a
+        # timed loop is then only an event and its record (launch-bound cells feel every microsecond).
+        self._stream: torch.cuda.Stream | None = None
 
     def stamp(self) -> torch.cuda.Event:
+        if self._stream is None:
+            self._stream = torch.cuda.current_stream(self.device)
         event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))  # the stream the measured work runs on
+        event.record(self._stream)
         return event
 
     def elapsed_ms(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:

@@ -129,7 +129,7 @@ def _peaks(rows: pd.DataFrame, precision: str) -> tuple[list, np.ndarray]:
     def peak(name, p, cus, a):
         if p not in PRECISIONS:
             return None
-        cus = int(cus) if isinstance(cus, (int, float, np.integer, np.floating)) and cus == cus else None
+        cus = int(cus) if pd.notna(cus) else None
         return datasheet_peak(str(name), p, cus, a if isinstance(a, str) else None)
 
     table = {k: peak(*k) for k in set(keys)}
