@@ -15,6 +15,9 @@ def test_hand_computed_small_sample():
     assert s.iqr_ms == 2.0  # p75 = 4, p25 = 2 (linear interpolation)
     assert s.p05_ms == pytest.approx(1.2)  # 1 + 0.05 * 4 * (2 - 1)
     assert s.p95_ms == pytest.approx(80.8)  # 4 + 0.8 * (100 - 4)
+    assert (s.p25_ms, s.p75_ms) == (2.0, 4.0)
+    assert s.p90_ms == pytest.approx(61.6)  # 4 + 0.6 * (100 - 4)
+    assert s.p99_ms == pytest.approx(96.16)  # 4 + 0.96 * (100 - 4)
     assert s.std_ms == pytest.approx(np.sqrt(((np.array([1, 2, 3, 4, 100]) - 22.0) ** 2).sum() / 4))
     assert s.rel_iqr == pytest.approx(2 / 3)
     assert s.noisy
@@ -30,6 +33,9 @@ def test_equals_numpy_on_random_samples():
     assert s.iqr_ms == pytest.approx(np.percentile(raw, 75) - np.percentile(raw, 25))
     assert s.p05_ms == pytest.approx(np.percentile(raw, 5))
     assert s.p95_ms == pytest.approx(np.percentile(raw, 95))
+    for q in (25, 75, 90, 99):
+        assert getattr(s, f"p{q}_ms") == pytest.approx(np.percentile(raw, q))
+    assert s.iqr_ms == pytest.approx(s.p75_ms - s.p25_ms)
     assert (s.min_ms, s.max_ms) == (raw.min(), raw.max())
 
 

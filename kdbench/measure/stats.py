@@ -18,7 +18,11 @@ class Summary:
     std_ms: float
     iqr_ms: float
     p05_ms: float
+    p25_ms: float
+    p75_ms: float
+    p90_ms: float
     p95_ms: float
+    p99_ms: float
     min_ms: float
     max_ms: float
     rel_iqr: float
@@ -29,12 +33,12 @@ class Summary:
 
 
 def summarize(samples_ms: Sequence[float]) -> Summary:
-    """Median, IQR (p75 - p25), p5/p95, mean, std (ddof=1), min, max; percentiles by
-    numpy's default linear interpolation."""
+    """Median, IQR (p75 - p25), p5/p25/p75/p90/p95/p99, mean, std (ddof=1), min, max; percentiles
+    by numpy's default linear interpolation."""
     a = np.asarray(samples_ms, dtype=np.float64)
     if a.size == 0:
         raise ValueError("no samples to summarize")
-    p05, p25, p50, p75, p95 = np.percentile(a, [5, 25, 50, 75, 95])
+    p05, p25, p50, p75, p90, p95, p99 = np.percentile(a, [5, 25, 50, 75, 90, 95, 99])
     iqr = float(p75 - p25)
     rel = iqr / float(p50) if p50 > 0 else float("inf")
     return Summary(
@@ -44,7 +48,11 @@ def summarize(samples_ms: Sequence[float]) -> Summary:
         std_ms=float(a.std(ddof=1)) if a.size > 1 else 0.0,
         iqr_ms=iqr,
         p05_ms=float(p05),
+        p25_ms=float(p25),
+        p75_ms=float(p75),
+        p90_ms=float(p90),
         p95_ms=float(p95),
+        p99_ms=float(p99),
         min_ms=float(a.min()),
         max_ms=float(a.max()),
         rel_iqr=rel,
