@@ -5,7 +5,7 @@
     outcome = api.run_suite(suite, api.RunOptions(out_dir=Path("results")))
     api.render([outcome.path], "reports")
 
-``render`` and ``quality_table`` read parquet only and never import torch; the others
+``render``, ``compare`` and ``quality_table`` read parquet only and never import torch; the others
 import it when called.
 """
 
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kdbench.config.schema import Suite
+    from kdbench.report.compare import Comparison
     from kdbench.run.engine import Plan, RunOptions, RunOutcome
 
 
@@ -46,6 +47,17 @@ def render(results: Iterable[str | Path], out_dir: str | Path, title: str | None
     from kdbench.store import read_results
 
     return render_report(read_results(results), out_dir, title)
+
+
+def compare(base: str | Path, new: str | Path, threshold: float = 0.05, confidence: float = 0.95) -> Comparison:
+    """NEW against BASE (each a run folder or result file), cell by cell: :mod:`kdbench.report.compare`.
+    ``threshold`` is a fraction (0.05: 5 %); ``.exit_code`` is 1 when a measurement regressed."""
+    from kdbench.report.compare import compare_frames
+    from kdbench.store import read_results
+
+    return compare_frames(
+        read_results([base]), read_results([new]), threshold, confidence, base_label=str(base), new_label=str(new)
+    )
 
 
 def quality_table(results: Iterable[str | Path]) -> str:

@@ -27,6 +27,7 @@ EPILOG = """examples:
   kdbench run suites/cuda.yaml --device cpu   run a GPU suite on the CPU
   kdbench run suites/cuda.yaml --shard 2/4 --run-id sweep1   one of four machines, all into results/sweep1/
   kdbench report results/ --out reports/      one report over every run in results/
+  kdbench compare results/RUN_A results/RUN_B  is B slower than A? exit 1 on a significant regression
 """
 
 
@@ -152,6 +153,34 @@ def _parser() -> argparse.ArgumentParser:
         "results", nargs="+", type=Path, help="run folders, parquet files, or folders searched for them (e.g. results/)"
     )
     rep.add_argument("--out", type=Path, default=Path("reports"), help="report folder (default: reports/)")
+
+    cmp = sub.add_parser(
+        "compare",
+        help="NEW against BASE, cell by cell: ratio of medians with a confidence interval; exit 1 on a regression",
+        description="Compare two runs cell by cell (cells match by cell_id, on any machine). Per timed "
+        "measurement: the ratio NEW/BASE of the medians with a bootstrap confidence interval (between "
+        "repeats when the runs have `repeat: N`). A change is significant when the interval excludes 1 and "
+        "the ratio passes the threshold. Exit 0: no significant regression; 1: a regression or a measurement "
+        "that failed in NEW only; 2: bad input.",
+    )
+    cmp.add_argument("base", type=Path, help="the baseline: a run folder or result file")
+    cmp.add_argument("new", type=Path, help="the run to judge: a run folder or result file")
+    cmp.add_argument(
+        "--threshold",
+        type=_number(float, "--threshold", 0, 99.9),
+        default=5.0,
+        metavar="PCT",
+        help="smallest change that counts, in percent of the base median (default: 5)",
+    )
+    cmp.add_argument(
+        "--confidence",
+        type=_number(float, "--confidence", 0.5, 0.9999),
+        default=0.95,
+        metavar="C",
+        help="confidence level of the intervals (default: 0.95)",
+    )
+    cmp.add_argument("--format", choices=["text", "markdown", "json", "csv"], default="text", help="output format")
+    cmp.add_argument("--out", type=Path, default=None, metavar="FILE", help="write the comparison here, not stdout")
 
     sub.add_parser("env", help="show the backend, devices and software kdbench detects")
 
@@ -292,6 +321,24 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from kdbench import api
+    from kdbench.report.compare import render
+    from kdbench.store.files import write_text
+
+    cmp = api.compare(args.base, args.new, args.threshold / 100, args.confidence)
+    text = render(cmp, args.format)
+    if args.out is None:
+        print(text, end="")
+    else:
+        write_text(text, args.out)
+        verdict = f"{len(cmp.bad)} regression(s)" if cmp.bad else "no significant regression"
+        print(f"{verdict}; comparison -> {args.out}")
+    for c in cmp.bad:
+        print(f"regressed: {c.name}: {c.note or f'x{c.ratio:.3f}'}", file=sys.stderr)
+    return cmp.exit_code
+
+
 def _cmd_env(_args: argparse.Namespace) -> int:
     from kdbench.hw.environment import describe_lines
 
@@ -342,6 +389,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": _cmd_run,
     "report": _cmd_report,
+    "compare": _cmd_compare,
     "env": _cmd_env,
     "probe": _cmd_probe,
     "list": _cmd_list,

@@ -65,6 +65,13 @@ COLUMNS: tuple[Column, ...] = (
             "machine); quality rows: the id of the suite's quality job",
         ),
         ("cell_label", _S, "", "short human label of the cell"),
+        (
+            "repeat",
+            _I,
+            "",
+            "which of the cell's measurements in fresh worker processes this row is: 1..N with the "
+            "suite's `repeat: N` (null in runs stored before repeats: read as 1)",
+        ),
         ("measurement", _S, "", "`distill_step`, `student_inference`, `teacher_inference` or `quality`"),
         ("status", _S, "", "`ok`, `failed`, `oom`, `timeout` or `skipped`"),
         ("error", _S, "", "why the measurement failed or was skipped (null when ok)"),
