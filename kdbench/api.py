@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kdbench.config.budgets import BudgetCheck
     from kdbench.config.schema import Suite
     from kdbench.report.compare import Comparison
     from kdbench.run.engine import Plan, RunOptions, RunOutcome
@@ -41,12 +42,33 @@ def run_suite(suite: Suite, options: RunOptions | None = None, plan: Plan | None
     return run_suite(suite, options or RunOptions(), plan)
 
 
-def render(results: Iterable[str | Path], out_dir: str | Path, title: str | None = None) -> Path:
-    """The HTML/PNG report of result files, run folders or folders of runs; the page's path."""
+def render(
+    results: Iterable[str | Path],
+    out_dir: str | Path,
+    title: str | None = None,
+    baseline: str | Path | None = None,
+    threshold: float = 0.05,
+) -> Path:
+    """The HTML/PNG report of result files, run folders or folders of runs; the page's path.
+
+    With ``baseline`` (a run folder or result file), every run is compared with it (its rows are drawn
+    too); without, every run after the first is compared with the first when they share cells (the
+    same suite on two machines).  Budgets stored with the runs are checked and shown."""
+    import pandas as pd
+
     from kdbench.report import render_report
+    from kdbench.report.compare import side_by_side
     from kdbench.store import read_results
 
-    return render_report(read_results(results), out_dir, title)
+    results = list(results)
+    df = read_results(results)
+    base = None
+    if baseline is not None:
+        base = read_results([baseline])
+        df = pd.concat([base, df[~df["run_id"].isin(set(base["run_id"]))]], ignore_index=True)
+        results.append(baseline)
+    comparisons = side_by_side(df, base, threshold)
+    return render_report(df, out_dir, title, comparisons, budget_checks(results))
 
 
 def compare(base: str | Path, new: str | Path, threshold: float = 0.05, confidence: float = 0.95) -> Comparison:
@@ -58,6 +80,20 @@ def compare(base: str | Path, new: str | Path, threshold: float = 0.05, confiden
     return compare_frames(
         read_results([base]), read_results([new]), threshold, confidence, base_label=str(base), new_label=str(new)
     )
+
+
+def budget_checks(results: Iterable[str | Path]) -> list[BudgetCheck]:
+    """Every budget check of the runs in ``results``: each run against the budgets its manifest stored."""
+    from kdbench.config.budgets import budgets_of, check
+    from kdbench.store import read_results
+    from kdbench.store.results import result_files, run_budgets
+
+    results = list(results)
+    stored = run_budgets(result_files(results))
+    if not stored:
+        return []
+    df = read_results(results)
+    return [c for run_id, raw in stored.items() for c in check(df[df["run_id"].eq(run_id)], budgets_of(raw))]
 
 
 def quality_table(results: Iterable[str | Path]) -> str:

@@ -28,6 +28,7 @@ EPILOG = """examples:
   kdbench run suites/cuda.yaml --shard 2/4 --run-id sweep1   one of four machines, all into results/sweep1/
   kdbench report results/ --out reports/      one report over every run in results/
   kdbench compare results/RUN_A results/RUN_B  is B slower than A? exit 1 on a significant regression
+  kdbench export results/RUN --format pytest-benchmark --out run.json   for `pytest-benchmark compare`
 """
 
 
@@ -136,6 +137,14 @@ def _parser() -> argparse.ArgumentParser:
         "share 1), e.g. one task of a Slurm job array",
     )
     run.add_argument(
+        "--repeat",
+        type=_number(int, "--repeat", 1, 100),
+        default=None,
+        metavar="N",
+        help="measure every cell N times, in rounds (each cell once per round), each round in fresh worker "
+        "processes, so `kdbench compare` sees the run-to-run noise; as `repeat: N` (default: the suite's, 1)",
+    )
+    run.add_argument(
         "--profile",
         action="store_true",
         help="also write a torch.profiler Chrome trace of each cell's step (a separate pass after "
@@ -153,6 +162,21 @@ def _parser() -> argparse.ArgumentParser:
         "results", nargs="+", type=Path, help="run folders, parquet files, or folders searched for them (e.g. results/)"
     )
     rep.add_argument("--out", type=Path, default=Path("reports"), help="report folder (default: reports/)")
+    rep.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        metavar="BASE",
+        help="a run folder or result file to compare every run with (a table and a forest plot per run); "
+        "without it, runs after the first are compared with the first when they share cells",
+    )
+    rep.add_argument(
+        "--threshold",
+        type=_number(float, "--threshold", 0, 99.9),
+        default=5.0,
+        metavar="PCT",
+        help="smallest change that counts in the comparisons, in percent (default: 5)",
+    )
 
     cmp = sub.add_parser(
         "compare",
@@ -181,6 +205,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     cmp.add_argument("--format", choices=["text", "markdown", "json", "csv"], default="text", help="output format")
     cmp.add_argument("--out", type=Path, default=None, metavar="FILE", help="write the comparison here, not stdout")
+
+    exp = sub.add_parser(
+        "export",
+        help="write result rows as csv, json, or pytest-benchmark's JSON (for `pytest-benchmark compare`)",
+    )
+    exp.add_argument("results", nargs="+", type=Path, help="run folders, parquet files, or folders holding them")
+    exp.add_argument(
+        "--format",
+        choices=["csv", "json", "pytest-benchmark"],
+        default="csv",
+        help="csv/json: every row and column; pytest-benchmark: its saved-run JSON, one benchmark per timed "
+        "row, one machine per file (default: csv)",
+    )
+    exp.add_argument("--out", type=Path, default=None, metavar="FILE", help="write here instead of stdout")
 
     sub.add_parser("env", help="show the backend, devices and software kdbench detects")
 
@@ -238,6 +276,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             "cell_timeout_s": ("--cell-timeout", args.cell_timeout),
             "allow_imports": ("--allow-imports", True if args.allow_imports else None),
             "profile": ("--profile", True if args.profile else None),
+            "repeat": ("--repeat", args.repeat),
         },
     )
     options = RunOptions(
@@ -279,12 +318,26 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(api.quality_table([outcome.path]), end="")
     if not args.no_report and stored:
         print(f"report -> {api.render([outcome.path], args.report_dir)}")
+    missed = _budgets(api.budget_checks([outcome.path]) if stored else [])
     if outcome.failed or outcome.aborted:
         print(f"{len(outcome.failed)} job(s) had failures:", file=sys.stderr)
         for label in outcome.failed:
             print(f"  {label}", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if outcome.failed or outcome.aborted or missed else 0
+
+
+def _budgets(checks) -> int:
+    """Print the budget checks (missed ones to stderr); the number missed."""
+    from kdbench.config.budgets import format_value, where_text
+
+    if not checks:
+        return 0
+    missed = [c for c in checks if not c.met]
+    print(f"budgets: {len(checks) - len(missed)} of {len(checks)} checks met")
+    for c in missed:
+        value = format_value(c.value, c.stat) + (f" ({c.note})" if c.note else "")
+        print(f"  MISSED {c.budget}: {where_text(c)}: {value}", file=sys.stderr)
+    return len(missed)
 
 
 def _dry_run(suite, options) -> int:
@@ -296,6 +349,8 @@ def _dry_run(suite, options) -> int:
     plan = api.plan(suite, options.shard)
     n_rows = 0
     for job in plan.jobs:
+        if isinstance(job, CellJob) and job.repeat > 1:
+            continue  # the same cells again, in later rounds
         if isinstance(job, CellJob):
             n_rows += len(planned_measurements(job.cell.config))
             inf = ",".join(str(b) for b in job.cell.config.inference.batch_sizes) or "-"
@@ -309,15 +364,16 @@ def _dry_run(suite, options) -> int:
         if requested in ("auto", "cpu") or d.best == requested
         else f"NOT available here: {d.describe()}"
     )
-    cells = sum(isinstance(j, CellJob) for j in plan.jobs)
-    print(f"{cells} cells, {n_rows} measurements; suite '{suite.name}', backend {requested} ({here})")
+    cells = sum(isinstance(j, CellJob) and j.repeat == 1 for j in plan.jobs)
+    times = f" x {suite.repeat} repeats" if suite.repeat > 1 else ""
+    print(f"{cells} cells, {n_rows} measurements{times}; suite '{suite.name}', backend {requested} ({here})")
     return 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from kdbench import api
 
-    print(f"report -> {api.render(args.results, args.out)}")
+    print(f"report -> {api.render(args.results, args.out, baseline=args.baseline, threshold=args.threshold / 100)}")
     return 0
 
 
@@ -337,6 +393,18 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     for c in cmp.bad:
         print(f"regressed: {c.name}: {c.note or f'x{c.ratio:.3f}'}", file=sys.stderr)
     return cmp.exit_code
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from kdbench.report.export import write_export
+    from kdbench.store import read_results
+
+    text = write_export(read_results(args.results), args.format, args.out)
+    if args.out is None:
+        print(text, end="")
+    else:
+        print(f"{args.format} -> {args.out}")
+    return 0
 
 
 def _cmd_env(_args: argparse.Namespace) -> int:
@@ -390,6 +458,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": _cmd_run,
     "report": _cmd_report,
     "compare": _cmd_compare,
+    "export": _cmd_export,
     "env": _cmd_env,
     "probe": _cmd_probe,
     "list": _cmd_list,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime
 from io import StringIO
 from pathlib import Path
@@ -189,3 +190,25 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
     assert code == 2 and "holds 2 runs" in err
     code, _, err = _cli(capsys, base, base, "--threshold", "-3")
     assert code == 2 and "--threshold" in err
+
+
+def test_the_report_compares_with_a_baseline_regressions_first(tmp_path):
+    from kdbench import api
+
+    base = _run(tmp_path / "res", "base", _rows("base"))
+    new = _run(
+        tmp_path / "res", "new", _rows("new", {("cell-b", "distill_step"): 1.5, ("cell-a", "distill_step"): 0.6})
+    )
+    page = api.render([new], tmp_path / "rep", baseline=base).read_text()
+    section = page.split('<h2 id="compare-1">')[1].split("<h2")[0]
+    assert "Comparison: new against base" in section and "1 regression</span>" in section
+    verdicts = re.findall(r'<tr class="compare-row[^"]*"><td>(?:<span class="\w+">)?(\w+)', section)
+    assert verdicts == ["regressed", "improved"]  # the unchanged are counted, not listed
+    assert "4 unchanged" in section and "1.500" in section
+    assert (tmp_path / "rep" / "compare_1.png").stat().st_size > 10_000
+    assert 'src="compare_1.png"' in section
+    # Without a baseline, two runs that share cells (the same suite on two machines) compare the same way.
+    other = _run(tmp_path / "res", "other", [{**r, "device_name": "gpu-y"} for r in _rows("other")])
+    page = api.render([tmp_path / "res" / "base", other], tmp_path / "rep2").read_text()
+    assert "Comparison: other against base" in page and "different devices: cpu-x vs gpu-y" in page
+    assert "compare-2" not in page

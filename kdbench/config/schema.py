@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, create_model, field_validator, model_validator
 
 from kdbench.config.base import Strict
+from kdbench.config.budgets import Budget
 from kdbench.config.yaml_errors import Lines, where
 from kdbench.distill.losses import METHODS
 from kdbench.errors import KdbenchError
@@ -216,6 +217,8 @@ class Suite(Strict):
     allow_imports: bool = False
     cell_timeout_s: float = Field(3600.0, gt=0, le=7 * 86_400)
     profile: bool = False  # a torch.profiler trace of every cell's step (as --profile)
+    repeat: int = Field(1, ge=1, le=100)  # measure every cell this many times, each round in fresh workers
+    budgets: list[Budget] = Field(default_factory=list)  # absolute limits: a missed one makes `run` exit 1
     quality: QualityConfig | None = None  # opt-in accuracy run on real data (kdbench.quality.protocol)
     launcher: LauncherConfig = LauncherConfig()
     defaults: dict[str, Any] = Field(default_factory=dict)

@@ -387,3 +387,35 @@ def render(cmp: Comparison, fmt: str) -> str:
     if fmt not in formats:
         raise KdbenchError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
     return formats[fmt](cmp)
+
+
+def side_by_side(
+    df: pd.DataFrame, base: pd.DataFrame | None = None, threshold: float = 0.05, confidence: float = 0.95
+) -> list[Comparison]:
+    """The report's comparisons: every run of ``df`` against ``base`` (one run), or, without a base, every
+    run after the first (by its first measurement) against the first, e.g. the same suite on two machines.
+    Runs with no timed cell in common with the base are left out (a given base must share cells with one)."""
+    if df.empty or "run_id" not in df:
+        return []
+    order = df.groupby("run_id")["timestamp"].min().sort_values(kind="stable").index.tolist()
+    given = base is not None
+    if base is None:
+        if len(order) < 2:
+            return []
+        base = df[df["run_id"].eq(order[0])]
+    else:
+        _timed(base, "--baseline")  # one run, with timed rows: else the user's mistake
+    base_ids = set(base["run_id"].dropna())
+    base_label = ", ".join(sorted(base_ids))
+    out = []
+    for run_id in order:
+        if run_id in base_ids:
+            continue
+        try:
+            new = df[df["run_id"].eq(run_id)]
+            out.append(compare_frames(base, new, threshold, confidence, base_label, str(run_id)))
+        except KdbenchError:  # a run of other cells, or of quality rows only: nothing to compare
+            continue
+    if given and not out:
+        raise KdbenchError(f"--baseline {base_label}: no other run of the results has a timed cell in common with it")
+    return out

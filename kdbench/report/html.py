@@ -21,7 +21,7 @@ from jinja2 import Environment, FileSystemLoader
 
 from kdbench.errors import KdbenchError
 from kdbench.names import PHASES, Measurement, Status
-from kdbench.report.plots import NOISY_NOTE, draw_charts, draw_phases, draw_quality_front
+from kdbench.report.plots import NOISY_NOTE, draw_charts, draw_forest, draw_phases, draw_quality_front
 from kdbench.report.summaries import caching_pairs, latest_steps, mean_std, summarize_quality
 from kdbench.store.schema import COLUMN_NAMES, ENVIRONMENT_COLUMNS
 
@@ -42,11 +42,19 @@ _TEMPLATES = Environment(
 )
 
 
-def render_report(df: pd.DataFrame, out_dir: str | Path, title: str | None = None) -> Path:
+def render_report(
+    df: pd.DataFrame,
+    out_dir: str | Path,
+    title: str | None = None,
+    comparisons: list | None = None,
+    budgets: list | None = None,
+) -> Path:
     """Write ``index.html`` and its charts into ``out_dir`` (created if needed); return the page's path.
 
     ``df`` holds result rows as :func:`kdbench.store.schema.read_results` returns them; columns
-    it lacks are treated as null.  ``title`` defaults to the suites' names.
+    it lacks are treated as null.  ``title`` defaults to the suites' names.  ``comparisons``
+    (:class:`kdbench.report.compare.Comparison`) each get a table and a forest plot;
+    ``budgets`` (:class:`kdbench.config.budgets.BudgetCheck`) a table of met and missed limits.
     """
     if df.empty:
         raise KdbenchError("no measurements to report: the results are empty; run `kdbench run SUITE` first")
@@ -61,6 +69,8 @@ def render_report(df: pd.DataFrame, out_dir: str | Path, title: str | None = Non
     page = _TEMPLATES.get_template("index.html.j2").render(
         title=title or ("kdbench — " + ", ".join(suites) if suites else "kdbench report"),
         runs=_runs(df),
+        comparisons=_comparisons(comparisons or [], out_dir),
+        budgets=_budget_rows(budgets or []),
         n_cells=df["cell_id"].nunique(),
         n_rows=len(df),
         status_counts=_status_counts(df),
@@ -158,6 +168,60 @@ def _runs(df: pd.DataFrame) -> list[dict]:
         }
         for run_id, rows in df.groupby("run_id", sort=True)
     ]
+
+
+def _comparisons(comparisons: list, out_dir: Path) -> list[dict]:
+    from kdbench.report.compare import BAD, Verdict
+
+    out = []
+    for i, cmp in enumerate(comparisons):
+        listed = [c for c in cmp.changes if c.verdict != Verdict.UNCHANGED]
+        out.append(
+            {
+                "base": cmp.base,
+                "new": cmp.new,
+                "threshold": f"{cmp.threshold:.0%}",
+                "confidence": f"{cmp.confidence:.0%}",
+                "chart": draw_forest(cmp, out_dir, f"compare_{i + 1}.png"),
+                "regressions": len(cmp.bad),
+                "unchanged": len(cmp.changes) - len(listed),
+                "notes": cmp.notes(),
+                "rows": [
+                    {
+                        "verdict": str(c.verdict),
+                        "bad": c.verdict in BAD,
+                        "good": c.verdict in (Verdict.IMPROVED, Verdict.FIXED),
+                        "cell_label": c.cell_label,
+                        "measurement": c.measurement,
+                        "batch_size": MISSING if c.batch_size is None else c.batch_size,
+                        "base": format_ms(c.base_median_ms),
+                        "new": format_ms(c.new_median_ms),
+                        "ratio": MISSING if c.ratio is None else f"{c.ratio:.3f}",
+                        "interval": MISSING if c.ratio is None else f"{c.ci_low:.3f} – {c.ci_high:.3f}",
+                        "note": _truncate(c.note),
+                    }
+                    for c in listed
+                ],
+            }
+        )
+    return out
+
+
+def _budget_rows(checks: list) -> list[dict]:
+    from kdbench.config.budgets import format_value, where_text
+
+    rows = [
+        {
+            "budget": c.budget,
+            "run_id": c.run_id,
+            "where": where_text(c),
+            "value": format_value(c.value, c.stat),
+            "met": c.met,
+            "note": _truncate(c.note),
+        }
+        for c in checks
+    ]
+    return sorted(rows, key=lambda r: r["met"])  # missed first
 
 
 def _status_counts(df: pd.DataFrame) -> dict[str, int]:

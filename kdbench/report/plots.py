@@ -11,6 +11,7 @@ chart is the exception: it places each trained model at its own measured latency
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pyarrow as pa
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
-from matplotlib.ticker import LogFormatter, NullLocator
+from matplotlib.ticker import FuncFormatter, LogFormatter, NullLocator
 
 from kdbench.names import INFERENCE, REMAINDER_COLUMN, Measurement, Status
 from kdbench.names import PHASES as STEP_PHASES
@@ -508,5 +509,62 @@ def draw_quality_front(df: pd.DataFrame, out_dir: Path) -> Chart:
             "run where there is one (the median of the medians when several cells measured it). Students: colour "
             "by model, marker by method (scratch: trained without a teacher); teachers: black stars. Up and to the "
             "left is better." + note
+        ),
+    )
+
+
+# --- comparisons ---------------------------------------------------------------------
+
+FOREST_ROWS = 60  # the most changed measurements a forest plot shows
+_RATIO_TICKS = (0.1, 0.2, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
+_VERDICT_COLOR = {"regressed": "#b3261e", "improved": "#1b7f3b", "unchanged": "0.45"}
+
+
+def draw_forest(cmp, out_dir: Path, name: str) -> Chart:
+    """A forest plot of a :class:`kdbench.report.compare.Comparison`: per measurement, the ratio NEW/BASE and
+    its interval on a log axis, 1 and the threshold band marked; regressions at the top."""
+    title = f"{cmp.new.label} against {cmp.base.label}"
+    rated = [c for c in cmp.changes if c.ratio is not None]
+    if not rated:
+        return _skipped(title, "no measurement was ok on both sides")
+    changed = [c for c in rated if str(c.verdict) != "unchanged"]
+    same = sorted((c for c in rated if str(c.verdict) == "unchanged"), key=lambda c: -abs(math.log(c.ratio)))
+    shown = (changed + same)[:FOREST_ROWS]
+    fig = Figure(figsize=(9.0, 1.2 + 0.28 * len(shown)), layout="constrained")
+    ax = fig.subplots()
+    t = cmp.threshold
+    ax.axvspan(1 - t, 1 + t, color="0.9", zorder=0, label=f"threshold ±{t:.0%}")
+    ax.axvline(1.0, color="0.3", linewidth=0.8)
+    for y, c in enumerate(shown):
+        color = _VERDICT_COLOR.get(str(c.verdict), "0.45")
+        ax.errorbar(
+            c.ratio,
+            y,
+            xerr=[[c.ratio - c.ci_low], [c.ci_high - c.ratio]],
+            fmt="o",
+            color=color,
+            markersize=4,
+            capsize=2,
+        )
+    ax.set_yticks(range(len(shown)), [c.name for c in shown], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    low, high = ax.get_xlim()
+    ax.set_xticks([v for v in _RATIO_TICKS if low <= v <= high] or [1.0])
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel(f"ratio NEW / BASE of medians ({cmp.confidence:.0%} interval; > 1: slower)")
+    ax.grid(axis="x", alpha=0.3, which="both")
+    handles = [Patch(color=v, label=k) for k, v in _VERDICT_COLOR.items()]
+    handles.append(Patch(color="0.9", label=f"threshold ±{t:.0%}"))
+    ax.legend(handles=handles, fontsize=8, loc="lower right")
+    more = f" The {len(rated) - len(shown)} least changed measurements are left out." if len(rated) > len(shown) else ""
+    return Chart(
+        title=title,
+        file=_save(fig, out_dir, name),
+        caption=(
+            "Each measurement's ratio of medians, NEW over BASE, with its confidence interval "
+            f"(bootstrap; between repeats when the runs have repeats). Red: slower beyond ±{t:.0%} with an interval "
+            f"above 1; green: faster alike; grey: unchanged. The grey band is the threshold.{more}"
         ),
     )

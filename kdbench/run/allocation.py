@@ -103,7 +103,7 @@ class AllocationWorkers:
 
     def run(self, job: Job, timeout_s: float | None) -> JobResult:
         self.in_step = True
-        dist.broadcast_object_list([job.job_id], src=0)
+        dist.broadcast_object_list([job.cell_id], src=0)
         start = time.perf_counter()
         ws = job.world_size
         if ws > self.alloc.world_size:
@@ -126,6 +126,13 @@ class AllocationWorkers:
         dist.barrier()
         self.in_step = False
         return result
+
+    def fresh(self) -> None:  # the ranks' own processes live as long as the allocation
+        self.single.fresh()
+
+    @property
+    def isolated(self) -> bool:
+        return self.single.isolated
 
     def close(self) -> None:
         try:

@@ -86,7 +86,11 @@ def plan_jobs(suite: Suite, shard: tuple[int, int] | None = None) -> Plan:
     """The suite's jobs; KdbenchError for anything that cannot run (checked before anything does)."""
     cells = expand(suite)
     share = shard_cells(cells, *shard) if shard else cells
-    jobs: list[Job] = [CellJob(c) for c in share]
+    # Repeats are interleaved in rounds, as asv's `rounds`: every cell once, then every cell again, each
+    # round in fresh worker processes, so a repeat sees a new process (and the machine at another time).
+    n = suite.repeat
+    jobs: list[Job] = [CellJob(c, r, n) for r in range(1, n + 1) for c in share]
+    check_budgets(suite, cells)
     if suite.quality is not None:
         from kdbench.quality.datasets import check_quality
 
@@ -97,6 +101,33 @@ def plan_jobs(suite: Suite, shard: tuple[int, int] | None = None) -> Plan:
         if shard is None or shard[0] == 1:
             jobs.append(QualityJob.of(suite.quality, cells, suite.allow_imports))
     return Plan(cells, jobs)
+
+
+def check_budgets(suite: Suite, cells: list[Cell]) -> None:
+    """A budget that no planned measurement matches is a mistake in the suite (a typo in ``where``, a batch
+    size the cells do not measure): say so before anything runs."""
+    if not suite.budgets:
+        return
+    import pandas as pd
+
+    from kdbench.config.budgets import select
+    from kdbench.config.plan import planned_measurements
+    from kdbench.run.jobs import config_columns
+
+    planned = pd.DataFrame(
+        [
+            {**config_columns(c.config, "cpu"), "measurement": str(m), "batch_size": bs}
+            for c in cells
+            for m, bs in planned_measurements(c.config)
+        ]
+    )
+    for i, budget in enumerate(suite.budgets):
+        if select(planned, budget).empty:
+            raise suite.error(
+                ("budgets", i),
+                f"'{budget.describe()}' matches no measurement of the plan; check its measurement, batch_size "
+                "(a step's is the cell's batch_size, inference's are inference.batch_sizes) and where",
+            )
 
 
 def resolve_backend(suite: Suite, options: RunOptions) -> Backend:
@@ -128,12 +159,15 @@ def run_suite(suite: Suite, options: RunOptions = RunOptions(), plan: Plan | Non
 
 
 def _open(suite: Suite, options: RunOptions) -> RunFolder:
-    if options.resume and not options.run_id:
+    budgets = [b.model_dump(mode="json", exclude_none=True) for b in suite.budgets]
+    run_id = options.run_id
+    if options.resume and not run_id:
         folder = newest_run(options.out_dir, suite.name)
-        if folder is not None:
-            return folder
-        logger.info("nothing of suite '%s' in %s to resume; starting a new run", suite.name, options.out_dir)
-    return open_run(options.out_dir, suite.name, str(suite.path), options.run_id)
+        if folder is None:
+            logger.info("nothing of suite '%s' in %s to resume; starting a new run", suite.name, options.out_dir)
+        else:
+            run_id = folder.run_id
+    return open_run(options.out_dir, suite.name, str(suite.path), run_id, budgets)
 
 
 def _setup(suite: Suite, backend: Backend, threads: int, folder: RunFolder):
@@ -197,7 +231,7 @@ class Stamper:
             "run_id": self.folder.run_id,
             "suite": self.suite.name,
             "suite_file": str(self.suite.path),
-            "cell_id": job.job_id,
+            "cell_id": job.cell_id,
             "cell_label": job.label,
             "backend": self.backend.name,
             "device": str(self.backend.device),
@@ -249,7 +283,7 @@ class Progress:
 
     def done(self, job: Job, rows: list[Row]) -> None:
         self.seen += 1
-        head = f"[{self.seen}/{self.total}] {job.label}"
+        head = f"[{self.seen}/{self.total}] {job.progress_label}"
         if not rows:
             logger.info("%s: measured with the other nodes; the node that ran global rank 0 stores its rows", head)
             return
@@ -298,9 +332,21 @@ def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, work
         if suite.profile:
             logger.info("profiler traces -> %s", folder.path.parent / TRACES_DIR / folder.run_id)
         progress = Progress(len(todo))
+        if suite.repeat > 1:
+            logger.info(
+                "%d repeats of every cell, in rounds%s",
+                suite.repeat,
+                ", each round in a fresh worker process"
+                if workers.isolated
+                else ", all in this process (--inline): the repeats share one process",
+            )
+        round_ = None
         for job in todo:
             if isinstance(job, QualityJob):
                 logger.info("%s", job.describe())
+            if round_ is not None and job.repeat != round_:
+                workers.fresh()  # a new round of repeats starts in new worker processes
+            round_ = job.repeat
             start = time.perf_counter()
             result = workers.run(job, suite.cell_timeout_s)
             rows = stamp(job, result.rows) if result.rows else []
@@ -310,11 +356,13 @@ def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, work
                 outcome.rows += len(rows)
                 outcome.quality |= isinstance(job, QualityJob)
                 if any(r["status"] in FAILURES for r in rows):
-                    outcome.failed.append(job.label)
-            outcome.timings.append(JobTiming(job.job_id, job.label, time.perf_counter() - start, result.seconds))
+                    outcome.failed.append(job.progress_label)
+            outcome.timings.append(
+                JobTiming(job.job_id, job.progress_label, time.perf_counter() - start, result.seconds)
+            )
             progress.done(job, rows)
             if result.fatal:  # stored; but the run cannot go on (an allocation whose ranks lost step)
-                outcome.aborted = f"{job.label}: {result.fatal}"
+                outcome.aborted = f"{job.progress_label}: {result.fatal}"
                 break
     except KeyboardInterrupt:
         outcome.interrupted = True

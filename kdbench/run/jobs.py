@@ -29,10 +29,21 @@ Row = dict[str, Any]
 @dataclass(frozen=True)
 class CellJob:
     cell: Cell
+    repeat: int = 1  # which of the suite's `repeat` measurements of the cell (1..N)
+    repeats: int = 1  # N
 
     @property
     def job_id(self) -> str:
+        """The cell's id; later repeats add ``-r<k>``, so raising ``repeat`` and resuming runs only the new ones."""
+        return self.cell.cell_id if self.repeat == 1 else f"{self.cell.cell_id}-r{self.repeat}"
+
+    @property
+    def cell_id(self) -> str:
         return self.cell.cell_id
+
+    @property
+    def progress_label(self) -> str:
+        return self.label if self.repeats == 1 else f"{self.label} (repeat {self.repeat}/{self.repeats})"
 
     @property
     def label(self) -> str:
@@ -54,7 +65,7 @@ class CellJob:
         return [{"measurement": m, "batch_size": bs} for m, bs in planned_measurements(self.cell.config)]
 
     def columns(self, backend_name: str) -> Row:
-        return config_columns(self.cell.config, backend_name)
+        return {**config_columns(self.cell.config, backend_name), "repeat": self.repeat}
 
     def run(self, ctx: WorkerContext) -> list[Row]:
         from kdbench.measure.cell import measure_cell
@@ -92,6 +103,15 @@ class QualityJob:
 
     world_size = 1
     precision = teacher_precision = None
+    repeat = 1  # the quality block runs once, whatever the suite's `repeat`
+
+    @property
+    def cell_id(self) -> str:
+        return self.job_id
+
+    @property
+    def progress_label(self) -> str:
+        return self.label
 
     def describe(self) -> str:
         q = self.quality

@@ -156,6 +156,8 @@ def _death_reason(exitcode: int | None) -> str:
 class InlineWorker:
     """Run jobs in this process."""
 
+    isolated = False  # jobs share the caller's process
+
     def __init__(self, setup: WorkerSetup):
         torch.set_num_threads(setup.threads)
         self.ctx = WorkerContext(setup)
@@ -170,12 +172,17 @@ class InlineWorker:
             )
         return result
 
+    def fresh(self) -> None:
+        """Jobs run in this process: a repeat cannot start a new one (the engine warns)."""
+
     def close(self) -> None:
         pass
 
 
 class ProcessWorker:
     """Run jobs in a reusable child process; replace it when it dies or hangs."""
+
+    isolated = True
 
     def __init__(self, setup: WorkerSetup):
         self.setup = setup
@@ -242,6 +249,10 @@ class ProcessWorker:
             if deadline is not None and time.monotonic() > deadline:
                 self._kill()
                 return failed(Status.TIMEOUT, f"the job exceeded its time-out of {timeout_s:g} s and was stopped")
+
+    def fresh(self) -> None:
+        """End the worker process: the next job starts a new one (a repeat round of the suite)."""
+        self.close()
 
     def _died(self) -> str:
         self.proc.join(5)
@@ -375,6 +386,13 @@ class LocalWorkers:
 
     def run(self, job: Job, timeout_s: float | None) -> JobResult:
         return (self.parallel if job.world_size > 1 else self.single).run(job, timeout_s)
+
+    def fresh(self) -> None:  # torchrun starts new ranks for every job anyway
+        self.single.fresh()
+
+    @property
+    def isolated(self) -> bool:
+        return self.single.isolated
 
     def close(self) -> None:
         self.single.close()

@@ -4,7 +4,7 @@ Each needs rows other than its own, or a table that is not a measurement, so sto
 it would mean rewriting earlier parts whenever a later one arrives:
 
 * ``speedup_vs_teacher`` (student_inference rows): the teacher's median over the
-  student's at the same batch size, in the same run and cell;
+  student's at the same batch size, in the same run, cell and repeat;
 * ``scaling_efficiency`` (distill_step, world_size > 1): throughput over world_size
   times the throughput of the *twin* cell at world_size 1 in the same run;
 * ``achieved_tflops``, ``datasheet_device``, ``datasheet_peak_tflops``, ``mfu`` and
@@ -79,7 +79,7 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
 
 def speedups(rows: list[dict]) -> dict[int, float]:
     """The student's speed-up over its teacher per batch size, among one job's stamped rows."""
-    columns = ["run_id", "cell_id", "batch_size", "measurement", "status", "median_ms"]
+    columns = ["run_id", "cell_id", "repeat", "batch_size", "measurement", "status", "median_ms"]
     df = pd.DataFrame([{c: r.get(c) for c in columns} for r in rows], columns=columns)
     df["median_ms"] = pd.to_numeric(df["median_ms"], errors="coerce")
     df["speedup_vs_teacher"] = np.nan
@@ -89,8 +89,9 @@ def speedups(rows: list[dict]) -> dict[int, float]:
 
 
 def _speedups(df: pd.DataFrame, ok: pd.Series) -> None:
-    key = ["run_id", "cell_id", "batch_size"]
-    inference = df[ok & df["median_ms"].gt(0)]
+    key = ["run_id", "cell_id", "_repeat", "batch_size"]  # a repeat's student against the same repeat's teacher
+    repeat = df["repeat"].fillna(1) if "repeat" in df else pd.Series(1, index=df.index)
+    inference = df[ok & df["median_ms"].gt(0)].assign(_repeat=repeat)
     teacher = inference[inference["measurement"].eq(Measurement.TEACHER_INFERENCE)]
     teacher = teacher.drop_duplicates(key, keep="last").set_index(key)["median_ms"]
     students = inference[inference["measurement"].eq(Measurement.STUDENT_INFERENCE)]

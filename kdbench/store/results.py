@@ -76,6 +76,10 @@ class RunFolder:
         except (OSError, ValueError):
             return {}
 
+    def budgets(self) -> list[dict[str, Any]]:
+        """The budgets the run was measured against (the suite's ``budgets:``, as JSON)."""
+        return list(self.manifest().get("budgets") or [])
+
     def part_path(self, job_id: str) -> Path:
         return self.path / f"{PART_PREFIX}{job_id}{PART_SUFFIX}"
 
@@ -91,11 +95,14 @@ class RunFolder:
         return write_parquet(rows_to_table(rows), self.part_path(job_id))
 
 
-def open_run(out_dir: Path, suite_name: str, suite_file: str, run_id: str | None = None) -> RunFolder:
+def open_run(
+    out_dir: Path, suite_name: str, suite_file: str, run_id: str | None = None, budgets: list[dict] | None = None
+) -> RunFolder:
     """The run folder ``out_dir/run_id`` (a new id when None), created with its manifest if new.
 
     An existing folder continues (shards of one sweep share a run id); it must hold a
-    run of the same suite.
+    run of the same suite.  ``budgets`` (the suite's, as JSON) are kept in the manifest for
+    the report; a continued run takes the budgets it is continued with.
     """
     folder = RunFolder(Path(out_dir) / (check_run_id(run_id) if run_id else new_run_id(suite_name)))
     if folder.path.exists() and not folder.path.is_dir():
@@ -106,6 +113,9 @@ def open_run(out_dir: Path, suite_name: str, suite_file: str, run_id: str | None
             raise KdbenchError(
                 f"{folder.path} holds a run of suite '{other}', not '{suite_name}'; give another --run-id"
             )
+        manifest = folder.manifest()
+        if (budgets or []) != manifest.get("budgets", []):
+            write_text(json.dumps({**manifest, "budgets": budgets or []}, indent=2) + "\n", folder.path / MANIFEST)
         return folder
     import kdbench
 
@@ -117,6 +127,7 @@ def open_run(out_dir: Path, suite_name: str, suite_file: str, run_id: str | None
         "created": datetime.now(UTC).isoformat(),
         "schema_version": SCHEMA_VERSION,
         "kdbench_version": kdbench.__version__,
+        "budgets": budgets or [],
     }
     write_text(json.dumps(manifest, indent=2) + "\n", folder.path / MANIFEST)
     return folder
@@ -154,6 +165,16 @@ def result_files(paths: Iterable[str | Path]) -> list[Path]:
                 f"{p}: no such file or folder; give run folders, parquet files or folders that hold them"
             )
     return files
+
+
+def run_budgets(files: Iterable[Path]) -> dict[str, list[dict[str, Any]]]:
+    """Per run id: the budgets stored in the manifest of the run folder each result file lies in."""
+    found: dict[str, list[dict[str, Any]]] = {}
+    for folder in {RunFolder(Path(f).parent) for f in files}:
+        manifest = folder.manifest()
+        if manifest.get("budgets"):
+            found[str(manifest.get("run_id") or folder.run_id)] = list(manifest["budgets"])
+    return found
 
 
 def read_table(files: list[Path]) -> pa.Table:
