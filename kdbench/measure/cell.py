@@ -34,7 +34,7 @@ from torch import nn
 from kdbench.config.plan import Cell, planned_measurements
 from kdbench.config.schema import CellConfig
 from kdbench.distill.step import DistillStep
-from kdbench.hw.backends import Backend, choose_autocast, math_flags, math_mode
+from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, math_flags, math_mode
 from kdbench.hw.data import synthetic_batch
 from kdbench.hw.layout import pad_classifier, padded_width, place_model, verify_memory_format
 from kdbench.measure.failures import device_fatal, device_lost, error_text, failure_row, note_device_lost, status_of
@@ -58,14 +58,18 @@ class MeasureOptions:
     trace_dir: str | None = None  # write a torch.profiler Chrome trace of each cell's step here
 
 
+def cell_model(name: str, config: CellConfig, backend: Backend, cache: ModelCache) -> nn.Module:
+    """A fresh copy of model ``name`` as the cell uses it: its classifier padded, on the device in the
+    cell's memory format."""
+    model = cache.get(name, config.data.num_classes, tuple(config.data.shape), config.seed)
+    pad_classifier(model, config.data.num_classes, config.pad_to)  # before the memory format: new weights
+    return place_model(model, backend.device, config.memory_format, len(config.data.shape) == 3)
+
+
 def model_pair(config: CellConfig, backend: Backend, cache: ModelCache) -> tuple[nn.Module, nn.Module]:
     """Fresh copies of the cell's teacher and student, on the device in the cell's memory format."""
-    models = []
-    for name in (config.pair.teacher, config.pair.student):
-        model = cache.get(name, config.data.num_classes, tuple(config.data.shape), config.seed)
-        pad_classifier(model, config.data.num_classes, config.pad_to)  # before the memory format: new weights
-        models.append(place_model(model, backend.device, config.memory_format, len(config.data.shape) == 3))
-    return models[0], models[1]
+    teacher = cell_model(config.pair.teacher, config, backend, cache)
+    return teacher, cell_model(config.pair.student, config, backend, cache)
 
 
 # --------------------------------------------------------------------------- timing
@@ -267,16 +271,26 @@ def measure_distill_step(
         step.close()
 
 
-def measure_inference(model: nn.Module, role: str, batch_size: int, config: CellConfig, backend: Backend) -> Row:
-    """Forward latency in eval() under inference_mode, at the cell's precision."""
+def inference_forward(
+    model: nn.Module, batch_size: int, config: CellConfig, backend: Backend
+) -> tuple[Callable[[], Any], torch.Tensor, AutocastChoice]:
+    """The call inference measurements time: ``model`` (put in eval()) on a fixed synthetic batch, under
+    inference_mode and the cell's precision; with that batch and the precision's choice.  Time it
+    inside ``math_mode(choice.tf32)``."""
     x, _ = synthetic_batch(config, batch_size, backend.device, config.seed + 1)
     choice = choose_autocast(backend, config.precision)
     model.eval()
 
-    def forward() -> None:
+    def forward() -> Any:
         with torch.inference_mode(), choice.context(backend.device_type):
-            model(x)
+            return model(x)
 
+    return forward, x, choice
+
+
+def measure_inference(model: nn.Module, role: str, batch_size: int, config: CellConfig, backend: Backend) -> Row:
+    """Forward latency in eval() under inference_mode, at the cell's precision."""
+    forward, x, choice = inference_forward(model, batch_size, config, backend)
     with math_mode(choice.tf32):
         raw, profile, note = timed_with_profile(forward, config, backend, batch_size)
         flops, flags = count_flops(forward), math_flags()

@@ -122,7 +122,8 @@ def check_budgets(suite: Suite, cells: list[Cell]) -> None:
         ]
     )
     for i, budget in enumerate(suite.budgets):
-        if select(planned, budget).empty:
+        known = {k: v for k, v in budget.where.items() if k in planned}  # backend, autocast...: known after the run
+        if select(planned, budget.model_copy(update={"where": known})).empty:
             raise suite.error(
                 ("budgets", i),
                 f"'{budget.describe()}' matches no measurement of the plan; check its measurement, batch_size "

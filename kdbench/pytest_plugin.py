@@ -1,0 +1,270 @@
+"""pytest plugin: benchmark your own teacher/student pair with pytest-benchmark, measured as `kdbench run` measures it.
+
+Registered through the ``pytest11`` entry point, so installing kdbench makes the ``kdbench``
+fixture available in every pytest session (it needs pytest-benchmark).  A test asks for it and
+measures one thing::
+
+    def test_step(kdbench):
+        kdbench.step({"pair": {"teacher": "resnet20", "student": "resnet8"}, "batch_size": 32})
+
+    def test_student(kdbench):
+        kdbench.inference({"pair": {"teacher": "resnet20", "student": "resnet8"}}, batch_size=1)
+
+``config`` holds the keys of a suite's ``defaults`` (one cell: no matrix), validated as
+`kdbench run` validates a suite; ``module:callable`` user models are allowed (the test file is
+user code already).  The cell's models, batch, distillation step, math mode and autocast are
+built by the same functions :mod:`kdbench.measure.cell` uses, so the timed call is the one a
+``kdbench run`` of that cell times.  What differs is the timer: pytest-benchmark times each call
+on the host, so on GPUs the call ends with a device synchronize (a no-op on the CPU) and each
+round's time is the device's time for that call, plus the synchronize's return.
+
+Loading this module must cost nothing in sessions that never use the fixture: it imports
+pytest only; torch and kdbench's measuring code are imported when the fixture's methods run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import pytest
+
+if TYPE_CHECKING:
+    from kdbench.config.plan import Cell
+    from kdbench.hw.backends import AutocastChoice, Backend
+    from kdbench.models import ModelCache
+
+ROLES = ("student", "teacher")
+
+
+def _fail(message: str) -> NoReturn:
+    """Fail the test with kdbench's one-line message, without a traceback (it is the config's fault)."""
+    pytest.fail(f"kdbench: {message}", pytrace=False)
+
+
+def cell_of(config: Mapping[str, Any]) -> Cell:
+    """The one cell ``config`` (the keys of a suite's ``defaults``) describes, validated and checked as
+    `kdbench run` checks a suite's cells; KdbenchError says what to change."""
+    from pydantic import ValidationError
+
+    from kdbench.config.plan import expand
+    from kdbench.config.schema import Suite
+    from kdbench.errors import KdbenchError
+
+    if not isinstance(config, Mapping):
+        raise KdbenchError(
+            f"config must be a dict of cell settings (the keys of a suite's `defaults`), not {type(config).__name__}"
+        )
+    try:
+        suite = Suite(name="pytest", defaults=dict(config), allow_imports=True).located(Path("config"), {})
+    except ValidationError as exc:
+        raise KdbenchError(f"config: {exc.errors()[0]['msg']}") from None
+    cell = expand(suite)[0]  # no matrix: exactly one cell
+    if cell.config.world_size != 1:
+        raise KdbenchError(
+            f"config: world_size {cell.config.world_size}: the kdbench fixture measures one device; "
+            "measure data-parallel cells with `kdbench run` (torchrun)"
+        )
+    return cell
+
+
+class KdbenchFixture:
+    """What the ``kdbench`` fixture returns: :meth:`step` or :meth:`inference`, once per test."""
+
+    def __init__(self, benchmark: Any, cache: Callable[[], ModelCache]):
+        self.benchmark = benchmark
+        self._cache = cache
+        self._used: str | None = None
+        self._backend: Backend | None = None
+        self._closers: list[Callable[[], None]] = []
+
+    # ------------------------------------------------------------------ measurements
+
+    def step(
+        self, config: Mapping[str, Any], device: str = "auto", rounds: int | None = None, warmup_rounds: int = 3
+    ) -> float:
+        """Benchmark the cell's distillation step (teacher forward, student forward, loss, backward,
+        optimizer update on one fixed batch of ``batch_size``); returns the loss of the last call.
+
+        ``rounds=None`` lets pytest-benchmark choose the rounds (``--benchmark-min-rounds``,
+        ``--benchmark-max-time``) after ``warmup_rounds`` untimed calls; an int runs
+        ``benchmark.pedantic`` with exactly that many rounds of one call each."""
+        self._claim("step", rounds, warmup_rounds)
+        from kdbench.distill.step import DistillStep
+        from kdbench.hw.backends import math_mode
+        from kdbench.hw.data import synthetic_batch
+        from kdbench.measure.cell import model_pair
+        from kdbench.names import Measurement
+
+        cell, backend = self._prepare(config, device)
+        c = cell.config
+
+        def build() -> DistillStep:
+            teacher, student = model_pair(c, backend, self._cache())
+            x, y = synthetic_batch(c, c.batch_size, backend.device, c.seed)
+            return DistillStep(teacher, student, x, y, c, backend)
+
+        step = self._build(build)
+        self._closers.append(step.close)
+        d = step.distiller
+        self._record(cell, backend, Measurement.DISTILL_STEP, c.batch_size, d.student_ac, d.teacher_ac)
+        with math_mode(d.student_ac.tf32):  # IEEE fp32 unless the cell asks for tf32, as `kdbench run`
+            self._run(step, backend, rounds, warmup_rounds)
+        loss = float(step.last_loss) if step.last_loss is not None else math.nan
+        self.benchmark.extra_info["final_loss"] = loss
+        if not math.isfinite(loss):
+            _fail(f"the distillation loss is not finite ({loss}); lower optimizer.lr or use bf16/fp32")
+        return loss
+
+    def inference(
+        self,
+        config: Mapping[str, Any],
+        batch_size: int = 1,
+        model: str = "student",
+        device: str = "auto",
+        rounds: int | None = None,
+        warmup_rounds: int = 3,
+    ) -> Any:
+        """Benchmark the student's (``model="teacher"``: the teacher's) forward on a fixed batch of
+        ``batch_size``, in eval() under inference_mode at the cell's precision; returns the output of
+        the last call.  ``rounds`` and ``warmup_rounds`` as for :meth:`step`."""
+        self._claim("inference", rounds, warmup_rounds)
+        if model not in ROLES:
+            _fail(f"model={model!r}: use 'student' or 'teacher'")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            _fail(f"batch_size={batch_size!r}: use a positive int")
+        from kdbench.hw.backends import math_mode
+        from kdbench.measure.cell import cell_model, inference_forward
+        from kdbench.names import Measurement
+
+        cell, backend = self._prepare(config, device)
+        c = cell.config
+        net = self._build(lambda: cell_model(getattr(c.pair, model), c, backend, self._cache()))
+        forward, _x, choice = inference_forward(net, batch_size, c, backend)
+        self._record(cell, backend, Measurement(f"{model}_inference"), batch_size, choice)
+        self.benchmark.extra_info["model"] = getattr(c.pair, model)
+        with math_mode(choice.tf32):
+            return self._run(forward, backend, rounds, warmup_rounds)
+
+    # ------------------------------------------------------------------ parts
+
+    def _claim(self, what: str, rounds: int | None, warmup_rounds: int) -> None:
+        if self._used is not None:
+            _fail(
+                f"this test already measured with kdbench.{self._used}(); pytest-benchmark times one thing per "
+                "test: put each measurement in a test of its own (or parametrize)"
+            )
+        self._used = what
+        if rounds is not None and (isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1):
+            _fail(f"rounds={rounds!r}: use a positive int, or None to let pytest-benchmark choose")
+        if isinstance(warmup_rounds, bool) or not isinstance(warmup_rounds, int) or warmup_rounds < 0:
+            _fail(f"warmup_rounds={warmup_rounds!r}: use an int >= 0")
+
+    def _prepare(self, config: Mapping[str, Any], device: str) -> tuple[Cell, Backend]:
+        """The validated cell and the backend; skips the test where the backend cannot run the cell's
+        precisions (as `kdbench run` stores the cell as skipped)."""
+        from kdbench.errors import KdbenchError
+        from kdbench.hw.backends import choose_autocast, resolve
+
+        try:
+            cell = cell_of(config)
+            backend = resolve(device)
+        except KdbenchError as exc:
+            _fail(str(exc))
+        self._backend = backend
+        c = cell.config
+        for precision in (c.precision, c.teacher_precision):
+            skip = choose_autocast(backend, precision).skip
+            if skip:
+                pytest.skip(f"kdbench: {skip}")
+        return cell, backend
+
+    def _build(self, build: Callable[[], Any]) -> Any:
+        from kdbench.errors import KdbenchError
+
+        try:
+            return build()
+        except KdbenchError as exc:  # a user model that cannot be imported or built, feature paths, ...
+            _fail(str(exc))
+
+    def _record(
+        self, cell: Cell, backend: Backend, measurement: str, batch_size: int, *choices: AutocastChoice
+    ) -> None:
+        """What was measured, in the benchmark's ``extra_info`` (kept in ``--benchmark-json`` and saved runs)."""
+        from kdbench.hw.environment import _device_facts
+
+        c = cell.config
+        notes = [f"{ch.precision}: {ch.note}" for ch in choices if ch.note]
+        self.benchmark.extra_info.update(
+            {
+                "cell_id": cell.cell_id,
+                "cell": cell.label,
+                "measurement": str(measurement),
+                "batch_size": batch_size,
+                "precision": c.precision,
+                "teacher_precision": c.teacher_precision,
+                "autocast": choices[0].applied,
+                "backend": backend.name,
+                "device_name": _device_facts(backend)["device_name"],
+                "notes": "; ".join(dict.fromkeys(notes)) or None,
+            }
+        )
+        if self.benchmark.group is None:  # a @pytest.mark.benchmark(group=...) of the test wins
+            self.benchmark.group = str(measurement)
+
+    def _run(self, fn: Callable[[], Any], backend: Backend, rounds: int | None, warmup_rounds: int) -> Any:
+        """Hand ``fn`` to pytest-benchmark; on GPUs each call ends with a device synchronize, so the
+        host's time of a call is the device's time for it."""
+        if backend.device_type == "cuda":
+
+            def call() -> Any:
+                out = fn()
+                backend.synchronize()
+                return out
+        else:
+            call = fn
+        backend.synchronize()  # placing the models and the batch: every call starts on an idle device
+        if rounds is not None:
+            return self.benchmark.pedantic(call, rounds=rounds, warmup_rounds=warmup_rounds, iterations=1)
+        if self.benchmark.enabled:  # pytest-benchmark warms up only with --benchmark-warmup
+            for _ in range(warmup_rounds):
+                call()
+        return self.benchmark(call)
+
+    def close(self) -> None:
+        """After the test: free the step's hooks and gradients, and on GPUs the device memory the test's
+        models and tensors held (the next test's peak starts from an empty device)."""
+        for close in reversed(self._closers):
+            close()
+        self._closers.clear()
+        if self._backend is not None and self._backend.device_type == "cuda":
+            from kdbench.measure.cell import release
+
+            release(self._backend)  # gc.collect and empty_cache: ~0.2 s, spent on GPUs only
+
+
+@pytest.fixture(scope="session")
+def _kdbench_model_cache() -> Callable[[], ModelCache]:
+    """One model cache for the session (each model built once, handed out as fresh copies), made on first use."""
+    made: list[ModelCache] = []
+
+    def get() -> ModelCache:
+        if not made:
+            from kdbench.models import ModelCache
+
+            made.append(ModelCache(allow_imports=True))
+        return made[0]
+
+    return get
+
+
+@pytest.fixture
+def kdbench(benchmark: Any, _kdbench_model_cache: Callable[[], ModelCache]):
+    """Benchmark a cell's distillation step (``kdbench.step(config)``) or a model's inference
+    (``kdbench.inference(config, batch_size=1)``) with pytest-benchmark, as `kdbench run` measures
+    it; ``config`` holds the keys of a suite's ``defaults``.  One measurement per test."""
+    fixture = KdbenchFixture(benchmark, _kdbench_model_cache)
+    yield fixture
+    fixture.close()
