@@ -236,12 +236,14 @@ def _measurements(df: pd.DataFrame) -> list[dict]:
     Quality rows time nothing; they have their own section.
     """
     df = df[df["measurement"].ne(Measurement.QUALITY)]
-    df = df.assign(order_=df["measurement"].map(_MEASUREMENT_ORDER), noisy_=df["noisy"].eq(True))
-    df = df.sort_values(["run_id", "cell_label", "order_", "batch_size"], na_position="last")
+    repeats = pd.to_numeric(df["repeat"], errors="coerce")
+    shown = repeats.where(repeats.groupby(df["run_id"]).transform("max").gt(1))  # only in runs with repeats
+    df = df.assign(order_=df["measurement"].map(_MEASUREMENT_ORDER), noisy_=df["noisy"].eq(True), rep_=shown)
+    df = df.sort_values(["run_id", "cell_label", "order_", "batch_size", "repeat"], na_position="last")
     return [
         {
             "run_id": r.run_id,
-            "cell_label": _text(r.cell_label),
+            "cell_label": _text(r.cell_label) + (f" (repeat {int(r.repeat)})" if pd.notna(r.rep_) else ""),
             "measurement": _text(r.measurement),
             "status": _text(r.status),
             "ok": r.status == Status.OK,
