@@ -55,6 +55,14 @@ def _number(kind: type, flag: str, low: float | None = None, high: float | None 
     return parse
 
 
+def _out_file(text: str) -> Path:
+    """An --out FILE: not an existing folder (its own folders are created when written)."""
+    path = Path(text)
+    if path.is_dir():
+        raise KdbenchError(f"--out {text}: is a folder; give a file name, e.g. {path / 'compare.md'}")
+    return path
+
+
 def _shard(text: str) -> tuple[int, int]:
     from kdbench.config.plan import parse_shard
 
@@ -204,7 +212,9 @@ def _parser() -> argparse.ArgumentParser:
         help="confidence level of the intervals (default: 0.95)",
     )
     cmp.add_argument("--format", choices=["text", "markdown", "json", "csv"], default="text", help="output format")
-    cmp.add_argument("--out", type=Path, default=None, metavar="FILE", help="write the comparison here, not stdout")
+    cmp.add_argument(
+        "--out", type=_out_file, default=None, metavar="FILE", help="write the comparison here, not stdout"
+    )
 
     exp = sub.add_parser(
         "export",
@@ -218,7 +228,7 @@ def _parser() -> argparse.ArgumentParser:
         help="csv/json: every row and column; pytest-benchmark: its saved-run JSON, one benchmark per timed "
         "row, one machine per file (default: csv)",
     )
-    exp.add_argument("--out", type=Path, default=None, metavar="FILE", help="write here instead of stdout")
+    exp.add_argument("--out", type=_out_file, default=None, metavar="FILE", help="write here instead of stdout")
 
     sub.add_parser("env", help="show the backend, devices and software kdbench detects")
 

@@ -14,6 +14,12 @@ ratio from a bootstrap of the raw samples (:func:`ratio_interval`).
   as the iterations inside each (a two-level, "cluster" bootstrap): the interval holds
   the variation *between* processes.
 
+The intervals are *simultaneous*: ``confidence`` (0.95) holds for all the measurements of
+a comparison together, each interval being at 1 − (1 − confidence)/m for m measurements
+(Bonferroni).  A gate asks one question — "is anything slower?" — of every measurement,
+and twenty 95 % intervals would exclude 1 somewhere in about two comparisons of three
+where nothing changed.
+
 A measurement *regressed* when the interval lies wholly above 1 **and** the ratio
 exceeds 1 + threshold; it *improved* when the interval lies wholly below 1 and the ratio
 is under 1 − threshold; otherwise it is unchanged.  A measurement that is ok in BASE
@@ -36,7 +42,8 @@ from kdbench.names import Measurement, Status
 
 TIMED = (Measurement.DISTILL_STEP, Measurement.STUDENT_INFERENCE, Measurement.TEACHER_INFERENCE)
 KEY = ("cell_id", "measurement", "batch_size")
-N_BOOT = 5000
+N_BOOT = 5000  # bootstrap draws at least; more when simultaneous intervals reach far into the tails
+MAX_BOOT = 100_000
 FORMATS = ("text", "markdown", "json", "csv")
 
 
@@ -92,8 +99,18 @@ class Comparison:
     base: Side
     new: Side
     threshold: float
-    confidence: float
+    confidence: float  # for all the measurements together
     changes: list[Change] = field(default_factory=list)
+
+    @property
+    def rated(self) -> int:
+        """Measurements with a ratio (ok on both sides): the m of the simultaneous intervals."""
+        return sum(c.ratio is not None for c in self.changes)
+
+    @property
+    def each(self) -> float:
+        """The confidence of each interval: 1 - (1 - confidence) / m."""
+        return 1 - (1 - self.confidence) / max(1, self.rated)
 
     @property
     def bad(self) -> list[Change]:
@@ -244,8 +261,12 @@ def compare_frames(
     result = Comparison(_side(b, base_label), _side(n, new_label), threshold, confidence)
     groups_b = dict(iter(b.groupby(list(KEY), dropna=False, sort=False)))
     groups_n = dict(iter(n.groupby(list(KEY), dropna=False, sort=False)))
-    for key in dict.fromkeys([*groups_b, *groups_n]):
-        result.changes.append(_change(key, groups_b.get(key), groups_n.get(key), threshold, confidence))
+    keys = list(dict.fromkeys([*groups_b, *groups_n]))
+    ok = {key: (_ok(groups_b.get(key)), _ok(groups_n.get(key))) for key in keys}
+    m = sum(bool(gb) and bool(gn) for gb, gn in ok.values())
+    each = 1 - (1 - confidence) / max(1, m)  # simultaneous over the m measurements with a ratio
+    for key in keys:
+        result.changes.append(_change(key, groups_b.get(key), groups_n.get(key), *ok[key], threshold, each))
     result.changes.sort(key=_rank)
     return result
 
@@ -255,21 +276,33 @@ def _rank(c: Change) -> tuple:
     return (_ORDER[c.verdict], worst, c.cell_label, c.measurement, c.batch_size or 0)
 
 
-def _change(key: tuple, b: pd.DataFrame | None, n: pd.DataFrame | None, threshold: float, confidence: float) -> Change:
+def _ok(rows: pd.DataFrame | None) -> list[np.ndarray]:
+    return [] if rows is None else _samples(rows[rows["status"].eq(Status.OK)])
+
+
+def _change(
+    key: tuple,
+    b: pd.DataFrame | None,
+    n: pd.DataFrame | None,
+    gb: list[np.ndarray],
+    gn: list[np.ndarray],
+    threshold: float,
+    confidence: float,
+) -> Change:
     cell_id, measurement, bs = key
     label = str((n if n is not None else b)["cell_label"].iloc[-1])
     common = dict(cell_id=cell_id, cell_label=label, measurement=str(measurement), batch_size=_int(bs))
     if b is None or n is None:
         return Change(**common, verdict=Verdict.ONLY_NEW if b is None else Verdict.ONLY_BASE)
-    ok_b, ok_n = b[b["status"].eq(Status.OK)], n[n["status"].eq(Status.OK)]
-    gb, gn = _samples(ok_b), _samples(ok_n)
     counts = dict(base_repeats=len(gb), new_repeats=len(gn))
     if not gb or not gn:
         why = _error(n if not gn else b)
         verdict = Verdict.BOTH_FAILED if not gb and not gn else Verdict.FAILED if not gn else Verdict.FIXED
         medians = dict(base_median_ms=centre(gb) if gb else None, new_median_ms=centre(gn) if gn else None)
         return Change(**common, verdict=verdict, **medians, **counts, note=why)
-    ratio, low, high = ratio_interval(gb, gn, confidence, seed=_seed(key))
+    tail = (1 - confidence) / 2
+    n_boot = min(MAX_BOOT, max(N_BOOT, math.ceil(20 / tail)))  # some 20 draws beyond each end of the interval
+    ratio, low, high = ratio_interval(gb, gn, confidence, n_boot=n_boot, seed=_seed(key))
     lost = [
         f"{side}: {len(rows) - len(g)} of {len(rows)} repeats failed"
         for side, rows, g in (("base", b, gb), ("new", n, gn))
@@ -326,8 +359,9 @@ def _header(cmp: Comparison) -> list[str]:
     return [
         f"BASE {side(cmp.base)}",
         f"NEW  {side(cmp.new)}",
-        f"ratio NEW/BASE of medians, {cmp.confidence:.0%} interval; significant when the interval excludes 1 "
-        f"and the ratio is beyond ±{cmp.threshold:.0%}: {summary}",
+        f"ratio NEW/BASE of medians with {cmp.confidence:.0%} simultaneous intervals ({cmp.rated} measurements, "
+        f"each at {cmp.each:.4g}); significant when the interval excludes 1 and the ratio is beyond "
+        f"±{cmp.threshold:.0%}: {summary}",
         *(f"note: {n}" for n in cmp.notes()),
     ]
 
@@ -369,6 +403,7 @@ def format_json(cmp: Comparison) -> str:
         "new": asdict(cmp.new),
         "threshold": cmp.threshold,
         "confidence": cmp.confidence,
+        "confidence_each": cmp.each,
         "regressions": len(cmp.bad),
         "exit_code": cmp.exit_code,
         "notes": cmp.notes(),

@@ -182,6 +182,8 @@ def _comparisons(comparisons: list, out_dir: Path) -> list[dict]:
                 "new": cmp.new,
                 "threshold": f"{cmp.threshold:.0%}",
                 "confidence": f"{cmp.confidence:.0%}",
+                "each": f"{cmp.each:.4g}",
+                "rated": cmp.rated,
                 "chart": draw_forest(cmp, out_dir, f"compare_{i + 1}.png"),
                 "regressions": len(cmp.bad),
                 "unchanged": len(cmp.changes) - len(listed),

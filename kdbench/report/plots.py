@@ -553,7 +553,7 @@ def draw_forest(cmp, out_dir: Path, name: str) -> Chart:
     ax.set_xticks([v for v in _RATIO_TICKS if low <= v <= high] or [1.0])
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
     ax.xaxis.set_minor_locator(NullLocator())
-    ax.set_xlabel(f"ratio NEW / BASE of medians ({cmp.confidence:.0%} interval; > 1: slower)")
+    ax.set_xlabel(f"ratio NEW / BASE of medians ({cmp.confidence:.0%} simultaneous intervals; > 1: slower)")
     ax.grid(axis="x", alpha=0.3, which="both")
     handles = [Patch(color=v, label=k) for k, v in _VERDICT_COLOR.items()]
     handles.append(Patch(color="0.9", label=f"threshold ±{t:.0%}"))
@@ -564,7 +564,8 @@ def draw_forest(cmp, out_dir: Path, name: str) -> Chart:
         file=_save(fig, out_dir, name),
         caption=(
             "Each measurement's ratio of medians, NEW over BASE, with its confidence interval "
-            f"(bootstrap; between repeats when the runs have repeats). Red: slower beyond ±{t:.0%} with an interval "
+            f"(bootstrap; between repeats when the runs have repeats; {cmp.confidence:.0%} for all "
+            f"{cmp.rated} together). Red: slower beyond ±{t:.0%} with an interval "
             f"above 1; green: faster alike; grey: unchanged. The grey band is the threshold.{more}"
         ),
     )
