@@ -75,6 +75,16 @@ def _run_id(text: str) -> str:
     return check_run_id(text)
 
 
+def _threshold(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--threshold",
+        type=_number(float, "--threshold", 0, 99.9),
+        default=5.0,
+        metavar="PCT",
+        help="smallest change that counts, in percent of the base median (default: 5)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="kdbench",
@@ -178,13 +188,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a run folder or result file to compare every run with (a table and a forest plot per run); "
         "without it, runs after the first are compared with the first when they share cells",
     )
-    rep.add_argument(
-        "--threshold",
-        type=_number(float, "--threshold", 0, 99.9),
-        default=5.0,
-        metavar="PCT",
-        help="smallest change that counts in the comparisons, in percent (default: 5)",
-    )
+    _threshold(rep)
 
     cmp = sub.add_parser(
         "compare",
@@ -197,13 +201,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     cmp.add_argument("base", type=Path, help="the baseline: a run folder or result file")
     cmp.add_argument("new", type=Path, help="the run to judge: a run folder or result file")
-    cmp.add_argument(
-        "--threshold",
-        type=_number(float, "--threshold", 0, 99.9),
-        default=5.0,
-        metavar="PCT",
-        help="smallest change that counts, in percent of the base median (default: 5)",
-    )
+    _threshold(cmp)
     cmp.add_argument(
         "--confidence",
         type=_number(float, "--confidence", 0.5, 0.9999),
