@@ -31,6 +31,16 @@ from kdbench.names import Measurement
 logger = logging.getLogger(__name__)
 
 CASES = "cases"  # the matrix axis whose values are whole partial cells (several keys at once)
+# The levers (suite key: its default); a cell pulls a lever when its value differs from the default.
+LEVER_DEFAULTS = {
+    "compile": "off",
+    "compile_teacher": False,
+    "graphs": False,
+    "optimizer.impl": "default",
+    "conv_autotune": False,
+    "tunableop": False,
+    "inference.runtime": "eager",
+}
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,20 @@ class Cell:
             parts.append(f"ws{c.world_size}")
         if c.seed != 0:
             parts.append(f"seed{c.seed}")
+        if c.compile != "off":
+            parts.append(f"compile-{c.compile}")
+        if c.compile_teacher:
+            parts.append("compile-teacher")
+        if c.optimizer.impl != "default":
+            parts.append(c.optimizer.impl)
+        if c.conv_autotune:
+            parts.append("conv-autotune")
+        if c.tunableop:
+            parts.append("tunableop")
+        if c.graphs:
+            parts.append("graphs")
+        if c.inference.runtime != "eager":
+            parts.append(f"serve-{c.inference.runtime}")
         return " ".join(parts)
 
 
@@ -126,6 +150,14 @@ def config_dict(config: CellConfig) -> dict[str, Any]:
         out.pop("features", None)
     if config.world_size == 1:
         out.pop("ddp", None)  # DDP options do not touch a single-device cell
+    # A lever at its default is left out, so cells that pull none keep the ids they had before levers existed.
+    for key, default in LEVER_DEFAULTS.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.get(p, {})
+        if node.get(leaf, default) == default:
+            node.pop(leaf, None)
     return out
 
 

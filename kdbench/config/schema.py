@@ -28,6 +28,17 @@ from kdbench.names import MEMORY_FORMATS, PRECISIONS
 Precision = Literal[PRECISIONS]  # type: ignore[valid-type]
 MemoryFormat = Literal[MEMORY_FORMATS]  # type: ignore[valid-type]
 BackendName = Literal["auto", "cpu", "cuda", "rocm"]
+CompileMode = Literal["off", "default", "reduce-overhead", "max-autotune"]
+Runtime = Literal["eager", "compile", "onnxruntime", "int8"]
+
+
+def _on_off(value: Any, on: str) -> Any:
+    """YAML reads `off`/`on` as booleans: as a mode, False is "off" and True is ``on``."""
+    if value is False:
+        return "off"
+    if value is True:
+        return on
+    return value
 
 
 class Pair(Strict):
@@ -64,6 +75,7 @@ class OptimizerConfig(Strict):
     lr: float = Field(1e-4, gt=0, le=10)
     weight_decay: float | None = Field(None, ge=0, le=1)
     momentum: float = Field(0.9, ge=0, lt=1)
+    impl: Literal["default", "foreach", "fused"] = "default"  # torch's implementation of the update
 
 
 class TimingConfig(Strict):
@@ -82,6 +94,7 @@ class TimingConfig(Strict):
 class InferenceConfig(Strict):
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 32], max_length=64)
     teacher: bool = True
+    runtime: Runtime = "eager"  # how the student is served: eager, torch.compile, ONNX Runtime, int8 (CPU)
 
     @field_validator("batch_sizes")
     @classmethod
@@ -122,6 +135,17 @@ class _CellBase(Strict):
     world_size: int = Field(1, ge=1, le=1024)
     ddp: DDPConfig = DDPConfig()
     seed: int = Field(0, ge=0, le=2**63 - 1)
+    # Levers (kdbench.measure.levers): each at its default is left out of the cell's identity.
+    compile: CompileMode = "off"  # type: ignore[valid-type]  # torch.compile of the student (step and inference)
+    compile_teacher: bool = False  # torch.compile of the teacher's forward too
+    graphs: bool = False  # CUDA/HIP graph replay of the student's inference (GPUs)
+    conv_autotune: bool = False  # torch.backends.cudnn.benchmark: cuDNN / MIOpen algorithm search (GPUs)
+    tunableop: bool = False  # PyTorch TunableOp GEMM tuning (GPUs)
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_on_off(cls, v: Any) -> Any:
+        return _on_off(v, "default")
 
     @field_validator("alignment")
     @classmethod

@@ -38,15 +38,24 @@ from kdbench.names import PHASES
 
 
 def make_optimizer(params, cfg: OptimizerConfig, fused: bool = False) -> torch.optim.Optimizer:
-    """The student's optimizer; ``fused`` asks for torch's fused implementation (one kernel per step)."""
+    """The student's optimizer in ``cfg.impl``: torch's default choice, ``foreach`` (one multi-tensor kernel
+    per operation) or ``fused`` (one kernel per step); ``fused`` asks for the fused one whatever ``cfg.impl``
+    says (a GPU GradScaler needs it to skip its host sync)."""
     kwargs: dict[str, Any] = {} if cfg.weight_decay is None else {"weight_decay": cfg.weight_decay}
-    if fused:
+    if fused or cfg.impl == "fused":
         kwargs["fused"] = True
+    elif cfg.impl == "foreach":
+        kwargs["foreach"] = True
     if cfg.name == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, **kwargs)
     if cfg.name == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, **kwargs)
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, **kwargs)
+
+
+def compile_mode(setting: str) -> str | None:
+    """torch.compile's ``mode`` for a cell's ``compile`` setting ("off" with compile_teacher: the default)."""
+    return None if setting in ("off", "default") else setting
 
 
 def backward_and_update(
@@ -166,6 +175,11 @@ class Distiller:
         place_model(self.trainee.adapters, example.device, config.memory_format, len(config.data.shape) == 3)
         self.trainee.train()
         self.model = wrap(self.trainee) if wrap is not None else self.trainee
+        self._teacher = self.teacher
+        if config.compile != "off":  # the student's forward and backward (AOTAutograd); loss and update stay eager
+            self.model = torch.compile(self.model, mode=compile_mode(config.compile))
+        if config.compile_teacher:
+            self._teacher = torch.compile(self.teacher, mode=compile_mode(config.compile))
         self.scaler = grad_scaler(backend, self.student_ac)
         self.optimizer, self.optimizer_note = self._optimizer(config, backend)
         self.steps = 0  # train_step calls (DKD's warm-up counts them)
@@ -179,8 +193,8 @@ class Distiller:
         """With a GradScaler on a GPU, a non-fused optimizer makes the scaler read found_inf on the host every
         step (a host-device sync bf16 and fp32 steps do not have); a fused one checks it on the device."""
         params = list(self.trainee.parameters())
-        if self.scaler is None or backend.device_type != "cuda":
-            return make_optimizer(params, config.optimizer), ""
+        if self.scaler is None or backend.device_type != "cuda" or config.optimizer.impl != "default":
+            return make_optimizer(params, config.optimizer), ""  # an asked-for impl is kept, sync or not
         try:
             optimizer = make_optimizer(params, config.optimizer, fused=True)
         except (RuntimeError, ValueError, TypeError) as exc:
@@ -222,7 +236,7 @@ class Distiller:
         # another (tf32 vs IEEE) switches for its forward alone: host-side flags, no device work.
         math = math_mode(self.teacher_ac.tf32) if self._switch_math else contextlib.nullcontext()
         with torch.no_grad(), self.teacher_ac.context(self.device_type), math:
-            logits = self.teacher(x)
+            logits = self._teacher(x)
         return TeacherOutputs(logits, self.t_tap.take() if self.t_tap is not None else [])
 
     def train_step(

@@ -32,6 +32,7 @@ KNOB_PREFIXES = (
     "NCCL_",
     "RCCL_",
     "TORCH_NCCL_",
+    "TORCHINDUCTOR_",  # compile: the inductor cache dir, compile threads, max-autotune settings
 )
 KNOB_NAMES = (
     "TORCH_BLAS_PREFER_HIPBLASLT",

@@ -18,6 +18,7 @@ the rows; the other ranks return None.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -39,8 +40,10 @@ from kdbench.hw.data import synthetic_batch
 from kdbench.hw.layout import pad_classifier, padded_width, place_model, verify_memory_format
 from kdbench.measure.failures import device_fatal, device_lost, error_text, failure_row, note_device_lost, status_of
 from kdbench.measure.flops import count_flops
+from kdbench.measure.levers import LeverWatch, device_levers, eager, skip_reason, tunableop_file
 from kdbench.measure.memory import MemoryMeter, memory_columns, optimizer_state_bytes
 from kdbench.measure.parallel import DataParallel
+from kdbench.measure.runtimes import LeverSkip, Served, serve
 from kdbench.measure.stats import summarize
 from kdbench.measure.telemetry import TelemetrySampler, telemetry_columns
 from kdbench.measure.timing import RawTiming, timed_loop
@@ -56,6 +59,7 @@ class MeasureOptions:
     """How a worker measures, beyond the cell's config (not part of the cell's identity)."""
 
     trace_dir: str | None = None  # write a torch.profiler Chrome trace of each cell's step here
+    run_dir: str | None = None  # the run's folder: TunableOp's results file is kept there
 
 
 def cell_model(name: str, config: CellConfig, backend: Backend, cache: ModelCache) -> nn.Module:
@@ -93,11 +97,18 @@ def _time(
 
 
 def timed_with_profile(
-    fn: Callable[[], Any], config: CellConfig, backend: Backend, batch_size: int, dp: DataParallel | None = None
+    fn: Callable[[], Any],
+    config: CellConfig,
+    backend: Backend,
+    batch_size: int,
+    dp: DataParallel | None = None,
+    watch: LeverWatch | None = None,
 ) -> tuple[RawTiming, Row, str]:
-    """The timed loop, with memory and (on GPUs) telemetry watched over it; and a note on them."""
+    """The timed loop, with memory and (on GPUs) telemetry watched over it, and the levers' counters
+    (``watch``); and a note on them."""
     with MemoryMeter(backend) as memory, TelemetrySampler(backend) as telemetry:
-        raw = _time(fn, config, backend, dp, telemetry.on_window)
+        on_window = watch.chain(telemetry.on_window) if watch is not None else telemetry.on_window
+        raw = _time(fn, config, backend, dp, on_window)
     tele = telemetry.result(len(raw.samples_ms), batch_size, raw.window_s)
     return raw, {**memory_columns(memory.result()), **telemetry_columns(tele)}, tele.note
 
@@ -248,23 +259,26 @@ def measure_distill_step(
     """The distill_step row (None on data-parallel ranks other than 0, which only take part)."""
     rank = dp.rank if dp is not None else 0
     x, y = synthetic_batch(config, config.batch_size, backend.device, config.seed + rank)
+    watch = LeverWatch(config)  # before the step is built: it resets torch._dynamo
     step = DistillStep(teacher, student, x, y, config, backend, wrap=dp.wrapper(config, backend) if dp else None)
+    tunable = tunableop_file(options.run_dir, str(backend.device)) if config.tunableop else None
     try:
-        with math_mode(step.distiller.student_ac.tf32):  # IEEE fp32 unless the cell asked for tf32
-            raw, profile, note = timed_with_profile(step, config, backend, config.batch_size, dp)
+        with math_mode(step.distiller.student_ac.tf32), device_levers(config, backend, tunable) as lever_row:
+            raw, profile, note = timed_with_profile(step, config, backend, config.batch_size, dp, watch)
             loss = float(step.last_loss) if step.last_loss is not None else math.nan
             local = raw
             if dp is not None:
                 raw, loss = dp.slowest(raw, backend), dp.mean(loss, backend)
             row = distill_row(step, raw, config, x, loss, local, note) if rank == 0 else None
-            flops = step_flops(step)  # every rank: under DDP the counted step runs the collectives
+            with eager() if watch.compiled else contextlib.nullcontext():  # the same ops, counted eagerly
+                flops = step_flops(step)  # every rank: under DDP the counted step runs the collectives
             traced = {}
             if options.trace_dir:  # every rank runs the traced calls; rank 0 writes the trace
                 path = Path(options.trace_dir) / f"{trace_name}.json" if rank == 0 else None
                 traced = trace(step, backend, path)
             flags = math_flags()
         if row is not None:
-            row.update(profile, **flops, **traced, **flags)
+            row.update(profile, **flops, **traced, **flags, **lever_row, **watch.columns(raw, row["median_ms"]))
             row["optimizer_state_bytes"] = optimizer_state_bytes(step.distiller.optimizer)
         return row
     finally:
@@ -288,12 +302,31 @@ def inference_forward(
     return forward, x, choice
 
 
+def served_columns(served: Served) -> Row:
+    check = served.check
+    return {
+        "one_off_ms": served.one_off_ms,
+        "one_off_kind": served.one_off_kind,
+        "graph_breaks": served.graph_breaks,
+        "compiled_graphs": served.compiled_graphs,
+        "output_check": check.text() if check is not None else None,
+        "output_max_abs_diff": check.max_abs_diff if check is not None else None,
+        "output_top1_agreement": check.top1_agreement if check is not None else None,
+    }
+
+
 def measure_inference(model: nn.Module, role: str, batch_size: int, config: CellConfig, backend: Backend) -> Row:
-    """Forward latency in eval() under inference_mode, at the cell's precision."""
+    """Forward latency in eval() under inference_mode, at the cell's precision; the student served by the
+    cell's ``inference.runtime`` (and replayed from a graph with ``graphs``), its outputs checked against
+    eager's first (:mod:`kdbench.measure.runtimes`).  The teacher is served eagerly."""
     forward, x, choice = inference_forward(model, batch_size, config, backend)
+    served = None
+    if role == "student" and (config.inference.runtime != "eager" or config.graphs):
+        served = serve(model, x, config.inference.runtime, config, backend, graphs=config.graphs)
     with math_mode(choice.tf32):
-        raw, profile, note = timed_with_profile(forward, config, backend, batch_size)
-        flops, flags = count_flops(forward), math_flags()
+        timed = served.forward if served is not None else forward
+        raw, profile, note = timed_with_profile(timed, config, backend, batch_size)
+        flops, flags = count_flops(forward), math_flags()  # the model's FLOPs, counted on its eager forward
     timing = timing_columns(raw, 1, batch_size)
     launch = LAUNCH_BOUND if timing["launch_bound"] else ""
     return {
@@ -305,11 +338,13 @@ def measure_inference(model: nn.Module, role: str, batch_size: int, config: Cell
         **flags,
         "flops": flops,
         "autocast": choice.applied,
+        "runtime": served.runtime if served is not None else "eager",
+        **(served_columns(served) if served is not None else {}),
         **_layout(model, x, config),
         "notes": _notes(
             choice,
             alignment=_alignment_note(x, config),
-            extra=(launch, note, layout_note(config, backend.device_type)),
+            extra=(launch, note, layout_note(config, backend.device_type), *(served.notes if served else ())),
         ),
     }
 
@@ -324,6 +359,8 @@ def guarded(measurement: str, batch_size: int, backend: Backend, fn: Callable[[]
     """``fn()``'s row, or a failure row when it raises: a failing measurement is a result, not a crash."""
     try:
         return fn()
+    except LeverSkip as exc:  # a lever this backend lacks: skipped, with the reason
+        row = {"measurement": measurement, "batch_size": batch_size, "status": Status.SKIPPED, "error": str(exc)}
     except Exception as exc:
         if device_fatal(exc):
             note_device_lost(exc)  # the worker stores this job's rows, then ends (the next job gets a fresh one)
@@ -357,7 +394,7 @@ def measure_cell(
     """The cell's rows, one per planned measurement (None on data-parallel ranks other than 0)."""
     config = cell.config
     choices = [choose_autocast(backend, p) for p in (config.precision, config.teacher_precision)]
-    skip = next((c.skip for c in choices if c.skip), None)
+    skip = next((c.skip for c in choices if c.skip), None) or skip_reason(config, backend)
     if skip:  # every rank sees the same, before any collective
         return None if dp is not None and not dp.root else failure_rows(config, Status.SKIPPED, skip)
     try:

@@ -79,6 +79,7 @@ def render_report(
         profile=_profile(df),
         remainder_limit=f"{REMAINDER_LIMIT * 100:.0f} %",
         caching=_caching(df),
+        levers=_levers(df),
         top_ops=_top_ops(df, out_dir),
         has_quality=has_quality,
         quality=_quality(df) if has_quality else [],
@@ -204,6 +205,46 @@ def _comparisons(comparisons: list, out_dir: Path) -> list[dict]:
                     }
                     for c in listed
                 ],
+            }
+        )
+    return out
+
+
+def _levers(df: pd.DataFrame) -> list[dict]:
+    """The rows that paid a one-off cost for their levers, with the break-even against the same
+    measurement without levers (derived columns), by run and cell."""
+    rows = df[df["one_off_ms"].notna() & df["status"].eq(Status.OK)]
+    rows = rows.assign(order_=rows["measurement"].map(_MEASUREMENT_ORDER))
+    out = []
+    for r in rows.sort_values(["run_id", "cell_label", "order_", "batch_size"]).itertuples(index=False):
+        gain = r.lever_gain_ms
+        share = gain / r.lever_baseline_ms if pd.notna(gain) and r.lever_baseline_ms else None
+        if pd.isna(gain):
+            verdict = "no twin without levers in this run"
+        elif gain <= 0:
+            verdict = "never: not faster"
+        else:
+            verdict = format_int(r.break_even_steps)
+        out.append(
+            {
+                "run_id": r.run_id,
+                "cell_label": _text(r.cell_label),
+                "measurement": _text(r.measurement)
+                + (f" bs{int(r.batch_size)}" if r.measurement != Measurement.DISTILL_STEP else ""),
+                "runtime": _text(r.runtime) if pd.notna(r.runtime) else MISSING,
+                "kind": _text(r.one_off_kind),
+                "one_off_s": format_sig(r.one_off_ms / 1e3),
+                "baseline": format_ms(r.lever_baseline_ms),
+                "median": format_ms(r.median_ms),
+                "gain": format_ms(gain),
+                "gain_pct": format_percent(share) if share is not None else MISSING,
+                "break_even": verdict,
+                "check": _text(r.output_check) if pd.notna(r.output_check) else "",
+                "compile": MISSING
+                if pd.isna(r.graph_breaks)
+                else f"{int(r.graph_breaks)} breaks, {int(r.compiled_graphs)} graphs, {int(r.recompiles)} recompiles"
+                if pd.notna(r.recompiles)
+                else f"{int(r.graph_breaks)} breaks",
             }
         )
     return out

@@ -176,7 +176,8 @@ def _setup(suite: Suite, backend: Backend, threads: int, folder: RunFolder):
 
     trace_dir = str(folder.path.parent / TRACES_DIR / folder.run_id) if suite.profile else None
     level = logging.getLogger("kdbench").getEffectiveLevel()
-    return WorkerSetup(backend, suite.allow_imports, threads, MeasureOptions(trace_dir=trace_dir), level)
+    options = MeasureOptions(trace_dir=trace_dir, run_dir=str(folder.path))
+    return WorkerSetup(backend, suite.allow_imports, threads, options, level)
 
 
 def _run_allocated(suite: Suite, plan: Plan, backend_name: str, threads: int, options: RunOptions, alloc):

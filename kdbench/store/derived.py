@@ -13,7 +13,10 @@ it would mean rewriting earlier parts whenever a later one arrives:
   teacher runs at another precision than its student against both precisions' peaks
   (:func:`effective_peak`);
 * ``teacher_cache_saving_ms`` and ``teacher_cache_payback_steps`` (cached
-  distill_step rows): against the twin cell with a live teacher in the same run.
+  distill_step rows): against the twin cell with a live teacher in the same run;
+* ``lever_baseline_ms``, ``lever_gain_ms`` and ``break_even_steps`` (rows with a
+  ``one_off_ms``: compile, tuning, capture, export): against the same measurement of the
+  twin cell that pulls no lever, in the same run.
 
 Two cells are *twins* when their resolved configs (``config_json``) are equal but for
 the settings being compared (:func:`twin_key`).
@@ -34,6 +37,15 @@ from kdbench.store.schema import COLUMNS
 
 WORLD_SIZE = (("world_size",), ("ddp",))  # a world_size 1 cell has no DDP options to compare
 TEACHER_MODE = (("teacher", "mode"),)
+LEVERS = (  # a cell's config stores a lever only when it is pulled (kdbench.config.plan.config_dict)
+    ("compile",),
+    ("compile_teacher",),
+    ("graphs",),
+    ("optimizer", "impl"),
+    ("conv_autotune",),
+    ("tunableop",),
+    ("inference", "runtime"),
+)
 
 
 def twin_key(config_json: str | None, drop: tuple[tuple[str, ...], ...]) -> str | None:
@@ -74,6 +86,7 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     _scaling(df, ok)
     _utilisation(df, ok)
     _cache_payback(df, ok)
+    _break_even(df, ok)
     return df
 
 
@@ -186,4 +199,27 @@ def _cache_payback(df: pd.DataFrame, ok: pd.Series) -> None:
     df.loc[cached.index, "teacher_cache_payback_steps"] = [
         np.nan if (steps_ := payback_steps(one_off, s)) is None else float(steps_)
         for one_off, s in zip(cached["teacher_cache_ms"], saving)
+    ]
+
+
+def _break_even(df: pd.DataFrame, ok: pd.Series) -> None:
+    rows = df[ok & df["config_json"].notna() & df["median_ms"].gt(0)]
+    if rows.empty or not df["one_off_ms"].notna().any():
+        return
+    bare = rows["config_json"].map(lambda j: twin_key(j, ()))
+    keys = rows["config_json"].map(lambda j: twin_key(j, LEVERS))
+    where = rows["run_id"].astype(str) + "\0" + rows["measurement"].astype(str) + "\0" + rows["batch_size"].astype(str)
+    key = where + "\0" + keys.astype(str)
+    plain = rows[bare.eq(keys) & keys.notna()]  # cells that pull no lever
+    base = plain.assign(key=key[plain.index]).drop_duplicates("key", keep="last").set_index("key")["median_ms"]
+    pulled = rows[rows["one_off_ms"].notna() & bare.ne(keys)]
+    if pulled.empty or base.empty:
+        return
+    baseline = base.reindex(key[pulled.index]).to_numpy(dtype=float)
+    gain = baseline - pulled["median_ms"].to_numpy(dtype=float)
+    df.loc[pulled.index, "lever_baseline_ms"] = baseline
+    df.loc[pulled.index, "lever_gain_ms"] = gain
+    df.loc[pulled.index, "break_even_steps"] = [
+        np.nan if (n := payback_steps(one_off, g)) is None else float(n)
+        for one_off, g in zip(pulled["one_off_ms"], gain)
     ]

@@ -118,6 +118,23 @@ COLUMNS: tuple[Column, ...] = (
         ("autocast", _B, "", "whether torch.amp.autocast was applied to the measured forward"),
         ("teacher_autocast", _B, "", "whether autocast was applied to the teacher forward of the step"),
         ("grad_scaler", _B, "", "whether a GradScaler scaled the loss (fp16 steps)"),
+        (
+            "compile",
+            _S,
+            "",
+            "lever: torch.compile mode of the student (`off`, `default`, `reduce-overhead`, `max-autotune`)",
+        ),
+        ("compile_teacher", _B, "", "lever: the teacher's forward compiled too"),
+        ("graphs", _B, "", "lever: the student's inference replayed from a CUDA/HIP graph"),
+        ("optimizer_impl", _S, "", "lever: the optimizer's implementation (`default`, `foreach`, `fused`)"),
+        ("conv_autotune", _B, "", "lever: torch.backends.cudnn.benchmark (cuDNN / MIOpen algorithm search)"),
+        ("tunableop", _B, "", "lever: PyTorch TunableOp GEMM tuning"),
+        (
+            "runtime",
+            _S,
+            "",
+            "inference rows: how the model was served (`eager`, `compile`, `onnxruntime`, `int8`, `+ graphs`)",
+        ),
         ("config_json", _S, "", "the whole resolved cell config as JSON"),
     ),
     *_group(
@@ -197,6 +214,33 @@ COLUMNS: tuple[Column, ...] = (
         *((p.column, _F, "ms", f"median {p.doc}") for p in PHASES),
         (REMAINDER_COLUMN, _F, "ms", "median of step time − sum of its phases (Python overhead between stamps)"),
         ("teacher_cache_ms", _F, "ms", "one-off time to compute the cached teacher outputs (teacher.mode cached)"),
+        (
+            "one_off_ms",
+            _F,
+            "ms",
+            "the levers' one-off cost for this measurement: compile, algorithm search or GEMM tuning (the cold "
+            "and warm-up calls minus as many steady calls), graph capture, ONNX export and session creation, "
+            "quantization",
+        ),
+        ("one_off_kind", _S, "", "what one_off_ms paid for"),
+        ("graph_breaks", _I, "", "torch.compile: graph breaks torch._dynamo counted"),
+        ("compiled_graphs", _I, "", "torch.compile: graphs compiled"),
+        (
+            "recompiles",
+            _I,
+            "",
+            "torch.compile: frames compiled inside the timed window (non-zero: the samples include compiling)",
+        ),
+        (
+            "output_check",
+            _S,
+            "",
+            "inference rows served by another runtime: its outputs against eager's on the same batch, checked "
+            "before timing (`ok: ...` or `MISMATCH: ...`)",
+        ),
+        ("output_max_abs_diff", _F, "", "largest |runtime output − eager output| over the batch's logits"),
+        ("output_top1_agreement", _F, "ratio", "share of samples whose top-1 class matches eager's"),
+        ("tunableop_file", _S, "", "TunableOp's results file (kept beside the results)"),
         ("teacher_features", _S, "", "teacher module paths whose outputs feature methods compare"),
         ("student_features", _S, "", "student module paths paired with teacher_features"),
         ("student_params", _I, "parameters", "student model parameter count (what serves inference)"),
@@ -350,6 +394,20 @@ COLUMNS: tuple[Column, ...] = (
             "steps",
             "cached distill_step rows: steps after which the saving "
             "repays teacher_cache_ms (null when caching is not faster)",
+        ),
+        (
+            "lever_baseline_ms",
+            _F,
+            "ms",
+            "rows with a one-off cost: the median of the same measurement of the same cell without its levers "
+            "(same run)",
+        ),
+        ("lever_gain_ms", _F, "ms", "lever_baseline_ms − median_ms: what the levers save per call"),
+        (
+            "break_even_steps",
+            _I,
+            "calls",
+            "calls (steps, or inference calls) after which lever_gain_ms repays one_off_ms (null: never)",
         ),
     ),
     *_group(

@@ -1,0 +1,534 @@
+"""How a model is served for an inference measurement, what serving it costs once, and whether it still agrees.
+
+:func:`serve` turns a model (on the device, in the cell's memory format) and the fixed
+input batch into :class:`Served`: the one call an inference measurement times, the
+runtime's one-off cost, and an :class:`OutputCheck` of that call's output against the
+eager model's.  The eager reference is computed first, in the cell's precision and fp32
+math mode; every other runtime is checked against it before :func:`serve` returns.  A
+disagreement beyond the tolerance does not raise: the check is stored with the row
+(``ok=False``).  A lever that cannot run here raises :class:`LeverSkip` (the row is
+stored as skipped, with its one-line reason); anything else that goes wrong raises an
+ordinary exception (a failed row).
+
+Runtimes
+--------
+``eager``
+    Today's forward: ``eval()``, ``torch.inference_mode`` and the cell's autocast.  No
+    one-off cost, no check.
+
+``compile``
+    ``torch.compile(model, mode=...)`` (mode ``default`` is ``mode=None``), called as eager
+    is.  ``torch._dynamo.reset()`` runs first, so another cell's (or the distillation
+    step's) compiled graphs do not make the compile look free; it also drops them.
+    One-off: the excess of the first three calls over a steady call (the first call
+    compiles; with ``reduce-overhead`` the CUDA graph trees record during the next ones),
+    timed with the backend's clock.  Inductor's on-disk FX graph cache survives the reset:
+    when it served graphs the one-off is that of a warm cache, and a note says so.  Graph
+    breaks (``torch._dynamo.utils.counters["graph_break"]``) and compiled graphs
+    (``counters["stats"]["unique_graphs"]``) are reported.
+
+``onnxruntime``
+    The model exported by ``torch.onnx.export`` (the dynamo exporter, opset 18; the
+    TorchScript exporter when that fails, with a note) at the batch's fixed shape, and
+    served by an ``onnxruntime.InferenceSession``: CPUExecutionProvider on the CPU (with
+    torch's intra-op thread count), CUDAExecutionProvider on CUDA (run on torch's current
+    stream, TF32 only for a tf32 cell, input and output bound to device memory with IO
+    binding), MIGraphXExecutionProvider or ROCMExecutionProvider on ROCm (numpy input:
+    the host/device copies are inside the timed call, and a note says so).  The export is
+    fp32: a bf16/fp16 cell is skipped rather than served at a precision it did not ask
+    for.  One-off: export plus session creation (wall clock), plus the first run's excess
+    over a steady run (where a provider compiles, e.g. MIGraphX).  ONNX Runtime missing,
+    or without the backend's provider, skips the row, naming what to install.
+
+``int8``
+    ``torch.ao.quantization.quantize_dynamic`` of a CPU copy of the model: Linear layers
+    get int8 weights, activations are quantized per call.  CPU only (a GPU backend skips:
+    these are fbgemm/x86 kernels), and fp32 cells only (int8 replaces the precision; a
+    bf16/fp16 cell is skipped rather than measured as something else).  Convolutions stay
+    fp32: torch's dynamically quantized Conv2d warns of poor accuracy and is no faster,
+    and static int8 convolutions need calibration data, so the note says what was
+    quantized.  One-off: the quantization time.  Checked loosely (0.1 relative), with
+    the top-1 agreement reported.
+
+Graphs (``graphs=True``)
+    The eager or compiled forward, warmed up on a side stream, captured once into a
+    ``torch.cuda.CUDAGraph`` (a HIP graph on ROCm) and replayed; the served call replays
+    it and returns the captured output tensor.  Autocast's weight-cast cache is off for
+    graphed forwards (cached casts would be freed under the graph).  One-off: the capture
+    (plus the compile, for compile + graphs).  GPUs only; ONNX Runtime and int8 are not
+    replayed, and ``reduce-overhead`` already replays CUDA graphs: these combinations skip.
+
+Tolerances are relative to the largest eager logit: fp32 1e-3, tf32 1e-2, bf16/fp16 5e-2,
+int8 0.1.  Outputs are compared in float32 on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, math_mode
+
+RUNTIMES = ("eager", "compile", "onnxruntime", "int8")
+REPLAYABLE = ("eager", "compile")  # the runtimes a CUDA/HIP graph can capture
+ONNX_OPSET = 18
+GRAPH_WARMUP = 3  # forwards on the side stream before the capture
+COMPILE_FIRST_CALLS = 3  # calls whose excess over a steady call is the compile's one-off cost
+STEADY_CALLS = 3
+
+# Relative to max |eager output|: the largest |runtime - eager| that still agrees.
+RELATIVE_TOLERANCE = {"fp32": 1e-3, "tf32": 1e-2, "bf16": 5e-2, "fp16": 5e-2}
+INT8_TOLERANCE = 0.1
+
+ONNX_INSTALL = "pip install 'kdbench[onnx]'"
+# The ONNX Runtime providers of each backend, in order of preference, and what to install for them.
+ORT_PROVIDERS = {
+    "cpu": ("CPUExecutionProvider",),
+    "cuda": ("CUDAExecutionProvider",),
+    "rocm": ("MIGraphXExecutionProvider", "ROCMExecutionProvider"),  # ROCm EP: deprecated by ONNX Runtime
+}
+ORT_INSTALL = {
+    "cpu": ONNX_INSTALL,
+    "cuda": "pip install onnxruntime-gpu (in place of onnxruntime)",
+    "rocm": "install onnxruntime-migraphx (or onnxruntime-rocm) for this ROCm release, in place of onnxruntime",
+}
+
+
+class LeverSkip(Exception):
+    """The lever cannot run here (a GPU-only lever on the CPU, a missing ONNX Runtime provider, int8 on a GPU):
+    the row is stored as skipped with this reason."""
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    """A runtime's output against the eager model's, on the same batch."""
+
+    max_abs_diff: float  # max |runtime output - eager output| over the batch's logits (float32)
+    top1_agreement: float  # share of samples whose argmax agrees with eager
+    tolerance: float  # the tolerance used: absolute, the relative tolerance times max |eager output|
+    ok: bool  # max_abs_diff <= tolerance (top-1 agreement is reported, not required: near-ties may flip)
+
+    def text(self) -> str:
+        verdict, sign = ("ok", "≤") if self.ok else ("MISMATCH", ">")
+        return (
+            f"{verdict}: max |Δ| {self.max_abs_diff:.1e} {sign} {self.tolerance:.1e}, "
+            f"top-1 agreement {self.top1_agreement * 100:.3g} %"
+        )
+
+
+@dataclass
+class Served:
+    """One way of serving a model: the call to time, and what it cost and changed."""
+
+    forward: Callable[[], Any]  # one inference call, to be timed as today's forward is
+    runtime: str  # "eager", "compile", "onnxruntime", "int8" (+ " + graphs" when replayed from a graph)
+    one_off_ms: float | None  # export + session, quantization, compile, graph capture; None for eager
+    one_off_kind: str | None  # e.g. "torch.compile (default)", "ONNX export + session", "CUDA graph capture"
+    check: OutputCheck | None  # None for eager
+    notes: list[str] = field(default_factory=list)  # caveats: what was quantized, the provider used, ...
+    graph_breaks: int | None = None  # compile: torch._dynamo graph breaks during the compile
+    compiled_graphs: int | None = None  # compile: graphs dynamo compiled
+
+
+# --------------------------------------------------------------------------- checking
+
+
+def _logits(out: Any) -> torch.Tensor:
+    """A model's output as one float32 host tensor: the tensor itself, a tuple's or list's first
+    element, a dict's "logits" (else its first value), or a numpy array (ONNX Runtime)."""
+    if isinstance(out, (tuple, list)):
+        return _logits(out[0])
+    if isinstance(out, dict):
+        return _logits(out["logits"] if "logits" in out else next(iter(out.values())))
+    if not isinstance(out, torch.Tensor):
+        out = torch.from_numpy(out)
+    return out.detach().to("cpu", torch.float32)
+
+
+def compare_outputs(out: Any, reference: Any, relative: float) -> OutputCheck:
+    """``out`` against the eager ``reference``: agreement within ``relative`` times max |reference|."""
+    ref, got = _logits(reference), _logits(out)
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    tolerance = relative * max(scale, 1e-6)
+    if ref.shape != got.shape:
+        return OutputCheck(float("inf"), 0.0, tolerance, False)
+    diff = float((got - ref).abs().max()) if ref.numel() else 0.0
+    rows = (ref.shape[0], -1) if ref.dim() >= 2 else (1, -1)
+    agree = (ref.reshape(rows).argmax(1) == got.reshape(rows).argmax(1)).float().mean()
+    return OutputCheck(diff, float(agree), tolerance, diff <= tolerance)
+
+
+def relative_tolerance(runtime: str, precision: str) -> float:
+    return INT8_TOLERANCE if runtime == "int8" else RELATIVE_TOLERANCE[precision]
+
+
+# --------------------------------------------------------------------------- forwards and timing
+
+
+def _autocast(choice: AutocastChoice, device_type: str, graphed: bool) -> contextlib.AbstractContextManager:
+    """The precision's autocast; without the weight-cast cache for a graphed forward (the cache is freed
+    when autocast exits, under a graph that still reads it)."""
+    if graphed and choice.applied:
+        return torch.amp.autocast(device_type=device_type, dtype=choice.dtype, cache_enabled=False)
+    return choice.context(device_type)
+
+
+def _forward(
+    model: Callable[[torch.Tensor], Any], x: torch.Tensor, choice: AutocastChoice, backend: Backend, graphed=False
+) -> Callable[[], Any]:
+    """The eager call, as :func:`kdbench.measure.cell.inference_forward` makes it."""
+
+    def forward() -> Any:
+        with torch.inference_mode(), _autocast(choice, backend.device_type, graphed):
+            return model(x)
+
+    return forward
+
+
+def _call_ms(fn: Callable[[], Any], backend: Backend) -> tuple[float, Any]:
+    """One call of ``fn`` timed with the backend's clock (device events on GPUs), and its result."""
+    clock = backend.clock()
+    backend.synchronize()
+    start = clock.stamp()
+    out = fn()
+    end = clock.stamp()
+    clock.sync()
+    return clock.elapsed_ms(start, end), out
+
+
+def _excess_ms(fn: Callable[[], Any], backend: Backend, first_calls: int) -> tuple[float, Any]:
+    """How much longer the first ``first_calls`` calls took than a steady call (median of the next few),
+    and the first call's result."""
+    first = [_call_ms(fn, backend) for _ in range(first_calls)]
+    steady = statistics.median(_call_ms(fn, backend)[0] for _ in range(STEADY_CALLS))
+    return sum(max(ms - steady, 0.0) for ms, _ in first), first[0][1]
+
+
+def _wall_ms(start: float) -> float:
+    return (time.perf_counter() - start) * 1e3
+
+
+# --------------------------------------------------------------------------- compile
+
+
+@dataclass
+class _Built:
+    forward: Callable[[], Any]
+    one_off_ms: float | None
+    one_off_kind: str | None
+    notes: list[str]
+    graph_breaks: int | None = None
+    compiled_graphs: int | None = None
+
+
+def _compile(model: nn.Module, x, choice, backend, mode: str, graphed: bool) -> _Built:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, mode=None if mode == "default" else mode)
+    forward = _forward(compiled, x, choice, backend, graphed)
+    one_off, _ = _excess_ms(forward, backend, COMPILE_FIRST_CALLS)
+    breaks = int(sum(counters["graph_break"].values()))
+    graphs = int(counters["stats"]["unique_graphs"])
+    notes = []
+    if breaks:
+        notes.append(f"compile: {breaks} graph break{'s' if breaks > 1 else ''}")
+    cached = int(counters["inductor"]["fxgraph_cache_hit"])
+    if cached:
+        notes.append(
+            f"compile: Inductor's on-disk cache served {cached} graph{'s' if cached > 1 else ''}; "
+            "the one-off cost is that of a warm cache"
+        )
+    if mode == "reduce-overhead" and backend.device_type == "cpu":
+        notes.append("compile: reduce-overhead's CUDA graphs do nothing on the CPU")
+    return _Built(forward, one_off, f"torch.compile ({mode})", notes, breaks, graphs)
+
+
+# --------------------------------------------------------------------------- onnxruntime
+
+
+def ort_providers(backend_name: str, available: list[str] | tuple[str, ...]) -> list[str]:
+    """The ONNX Runtime execution provider for ``backend_name`` among ``available``
+    (``onnxruntime.get_available_providers()``): CPU, CUDA, or on ROCm MIGraphX, else the ROCm provider.
+    LeverSkip, naming what to install, when this ONNX Runtime has none of them."""
+    wanted = ORT_PROVIDERS[backend_name]
+    for provider in wanted:
+        if provider in available:
+            return [provider]
+    names = " or ".join(wanted)
+    have = ", ".join(available) or "none"
+    raise LeverSkip(f"onnxruntime: no {names} in this ONNX Runtime (it has {have}); {ORT_INSTALL[backend_name]}")
+
+
+def _import_onnxruntime():
+    try:
+        return importlib.import_module("onnxruntime")
+    except ImportError as exc:
+        raise LeverSkip(f"onnxruntime: ONNX Runtime is not installed ({exc}); {ONNX_INSTALL}") from None
+
+
+def export_onnx(model: nn.Module, x: torch.Tensor, path: Path) -> str:
+    """Export ``model`` at ``x``'s fixed shape to ``path`` with the dynamo exporter, or the TorchScript one
+    when that fails; the note naming the exporter used.
+
+    Both run in the TF32 math mode: torch.export reads cuDNN's TF32 switch through the legacy API, which
+    raises while the new API holds IEEE fp32 (kdbench's fp32 math mode).  An export runs no kernels whose
+    results are kept, and the ONNX graph carries no math mode."""
+    try:
+        with warnings.catch_warnings(), math_mode(True):
+            warnings.simplefilter("ignore")
+            torch.onnx.export(model, (x,), str(path), dynamo=True, opset_version=ONNX_OPSET, verbose=False)
+        return f"ONNX: dynamo exporter, opset {ONNX_OPSET}"
+    except Exception as exc:
+        first = f"{type(exc).__name__}: {_first_line(exc)}"
+    path.unlink(missing_ok=True)
+    try:
+        with warnings.catch_warnings(), math_mode(True):
+            warnings.simplefilter("ignore")
+            torch.onnx.export(model, (x,), str(path), dynamo=False, opset_version=ONNX_OPSET)
+    except Exception as exc:
+        raise RuntimeError(f"ONNX export failed with both exporters: dynamo ({first}); torchscript ({exc})") from exc
+    return (
+        f"ONNX: the dynamo exporter failed ({first[:200]}); exported with the TorchScript exporter, opset {ONNX_OPSET}"
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    """The exception's first line; for torch.onnx's TorchExportError, the summary of the error behind it."""
+    cause = exc.__cause__ if exc.__cause__ is not None and "torch.export" in str(exc) else exc
+    return next((line.strip() for line in str(cause).splitlines() if line.strip()), type(cause).__name__)
+
+
+def _provider_options(provider: str, backend: Backend, choice: AutocastChoice) -> dict[str, str]:
+    if provider != "CUDAExecutionProvider":
+        return {}
+    index = backend.device.index if backend.device.index is not None else torch.cuda.current_device()
+    return {
+        "device_id": str(index),
+        "user_compute_stream": str(torch.cuda.current_stream(backend.device).cuda_stream),  # the timed stream
+        "use_tf32": "1" if choice.tf32 else "0",  # ONNX Runtime's default is TF32: IEEE fp32 unless tf32
+    }
+
+
+def _onnxruntime(model: nn.Module, x: torch.Tensor, choice: AutocastChoice, backend: Backend) -> _Built:
+    if choice.precision in ("bf16", "fp16"):
+        raise LeverSkip(
+            "onnxruntime: the student is exported in fp32; bf16/fp16 cells are not served by ONNX Runtime here"
+        )
+    ort = _import_onnxruntime()
+    provider = ort_providers(backend.name, ort.get_available_providers())[0]
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # errors only
+    notes = []
+    if backend.device_type == "cpu":
+        options.intra_op_num_threads = torch.get_num_threads()
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kdbench-onnx-") as folder:
+        path = Path(folder) / "model.onnx"
+        notes.append(export_onnx(model, x, path))
+        session = ort.InferenceSession(
+            str(path), sess_options=options, providers=[(provider, _provider_options(provider, backend, choice))]
+        )
+    setup_ms = _wall_ms(start)
+    used = session.get_providers()
+    if not used or used[0] != provider:
+        raise LeverSkip(
+            f"onnxruntime: {provider} is in this ONNX Runtime but did not start (missing GPU libraries?); "
+            f"the session fell back to {', '.join(used) or 'nothing'}"
+        )
+    threads = f", {options.intra_op_num_threads} threads (torch's)" if backend.device_type == "cpu" else ""
+    notes.append(f"onnxruntime {ort.__version__}: {provider}{threads}")
+    name, out_name = session.get_inputs()[0].name, session.get_outputs()[0].name
+    if backend.name == "cuda":
+        forward = _io_bound(session, name, out_name, x, backend)
+    else:
+        feed = {name: x.detach().contiguous().cpu().numpy()}
+
+        def forward() -> Any:
+            return session.run([out_name], feed)[0]
+
+        if backend.device_type != "cpu":
+            notes.append("onnxruntime: numpy input, so the host/device copies of input and output are timed too")
+    first_ms, _ = _excess_ms(forward, backend, 1)
+    return _Built(forward, setup_ms + first_ms, "ONNX export + session", notes)
+
+
+def _io_bound(session, name: str, out_name: str, x: torch.Tensor, backend: Backend) -> Callable[[], Any]:
+    """``session``'s run with input and output bound to device memory (no host copies in the timed call)."""
+    import numpy as np
+
+    index = backend.device.index or 0
+    x = x.detach().contiguous()
+    shape = [int(d) if isinstance(d, int) else -1 for d in session.get_outputs()[0].shape]
+    if any(d < 0 for d in shape):  # symbolic dimensions: read the shape from one run
+        shape = list(session.run([out_name], {name: x.cpu().numpy()})[0].shape)
+    out = torch.empty(shape, dtype=torch.float32, device=backend.device)
+    binding = session.io_binding()
+    binding.bind_input(name, "cuda", index, np.float32, list(x.shape), x.data_ptr())
+    binding.bind_output(out_name, "cuda", index, np.float32, shape, out.data_ptr())
+
+    def forward() -> torch.Tensor:
+        session.run_with_iobinding(binding)
+        return out
+
+    forward.keep = (x, out, binding)  # type: ignore[attr-defined]  # the bound memory lives with the call
+    return forward
+
+
+# --------------------------------------------------------------------------- int8
+
+
+def _int8(model: nn.Module, x: torch.Tensor, choice: AutocastChoice, backend: Backend) -> _Built:
+    if backend.device_type != "cpu":
+        raise LeverSkip(
+            f"int8: dynamic int8 quantization runs on the CPU only (fbgemm/x86 kernels), not on {backend.name}"
+        )
+    if choice.precision != "fp32":
+        raise LeverSkip(f"int8: int8 replaces the cell's precision; measure it in an fp32 cell, not {choice.precision}")
+    quantize = getattr(getattr(torch.ao, "quantization", None), "quantize_dynamic", None)
+    if quantize is None:
+        raise LeverSkip("int8: this torch has no torch.ao.quantization.quantize_dynamic (removed; see torchao)")
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's and quantized tensors' deprecation warnings
+        quantized = quantize(copy.deepcopy(model).cpu(), {nn.Linear}, dtype=torch.qint8)
+    one_off = _wall_ms(start)
+    quantized.eval()
+    convs = sum(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+    notes = [f"int8: dynamic quantization of {linears} Linear layer{'s' if linears != 1 else ''}"]
+    if not linears:
+        notes = ["int8: the model has no Linear layers, so nothing was quantized (it runs in fp32)"]
+    if convs:
+        notes.append(
+            "int8: convolutions stay fp32 (dynamic quantization covers Linear layers; static int8 "
+            "convolutions need calibration)"
+        )
+    return _Built(_forward(quantized, x, choice, backend), one_off, "int8 quantization", notes)
+
+
+# --------------------------------------------------------------------------- graphs
+
+
+def capture_graph(forward: Callable[[], Any], backend: Backend) -> tuple[Callable[[], Any], float]:
+    """``forward`` warmed up on a side stream, then captured into a CUDA (HIP) graph; the call that replays
+    it and returns the captured output, and the capture time in ms."""
+    device = backend.device
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for _ in range(GRAPH_WARMUP):
+            forward()
+    current.wait_stream(side)
+    backend.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    start = time.perf_counter()
+    with torch.cuda.graph(graph):
+        out = forward()
+    backend.synchronize()
+    capture_ms = _wall_ms(start)
+
+    def replay() -> Any:
+        graph.replay()
+        return out
+
+    replay.graph = graph  # type: ignore[attr-defined]
+    return replay, capture_ms
+
+
+def _graph_problem(runtime: str, compile_mode: str, backend: Backend) -> str:
+    if runtime not in REPLAYABLE:
+        return f"graphs: only eager and compile forwards are replayed from a CUDA/HIP graph, not {runtime}"
+    if backend.device_type != "cuda":
+        return "graphs: CUDA/HIP graphs need a GPU; this cell runs on the CPU"
+    if runtime == "compile" and compile_mode == "reduce-overhead":
+        return "graphs: compile mode reduce-overhead already replays CUDA graphs (CUDA graph trees)"
+    return ""
+
+
+# --------------------------------------------------------------------------- serve
+
+
+def serve(
+    model: nn.Module,
+    x: torch.Tensor,
+    runtime: str,
+    config,
+    backend: Backend,
+    compile_mode: str | None = None,
+    graphs: bool = False,
+) -> Served:
+    """``model`` served by ``runtime`` on the fixed batch ``x`` (see the module docstring): the call to time,
+    its one-off cost and its output checked against eager.  ``compile_mode`` defaults to the cell's
+    ``compile`` ("default" when that is "off").  Time the call inside ``math_mode(choice.tf32)``."""
+    if runtime not in RUNTIMES:
+        raise ValueError(f"unknown runtime {runtime!r}; one of {', '.join(RUNTIMES)}")
+    mode = compile_mode if compile_mode not in (None, "off") else config.compile
+    mode = "default" if mode == "off" else mode
+    choice = choose_autocast(backend, config.precision)
+    if choice.skip:
+        raise LeverSkip(choice.skip)
+    problem = _graph_problem(runtime, mode, backend) if graphs else ""
+    if problem:
+        raise LeverSkip(problem)
+    model.eval()
+    with math_mode(choice.tf32):
+        eager = _forward(model, x, choice, backend, graphed=graphs)
+        reference = _logits(eager()).clone()  # first, before any runtime is built (a copy: outputs may alias)
+        if runtime == "eager":
+            built = _Built(eager, None, None, [])
+        elif runtime == "compile":
+            built = _compile(model, x, choice, backend, mode, graphs)
+        elif runtime == "onnxruntime":
+            built = _onnxruntime(model, x, choice, backend)
+        else:
+            built = _int8(model, x, choice, backend)
+        name = runtime
+        if graphs:
+            built = _graphed(built, backend, choice)
+            name += " + graphs"
+        check = None
+        if runtime != "eager" or graphs:
+            out = built.forward()
+            backend.synchronize()
+            check = compare_outputs(out, reference, relative_tolerance(runtime, choice.precision))
+    return Served(
+        forward=built.forward,
+        runtime=name,
+        one_off_ms=built.one_off_ms,
+        one_off_kind=built.one_off_kind,
+        check=check,
+        notes=built.notes,
+        graph_breaks=built.graph_breaks,
+        compiled_graphs=built.compiled_graphs,
+    )
+
+
+def _graphed(built: _Built, backend: Backend, choice: AutocastChoice) -> _Built:
+    replay, capture_ms = capture_graph(built.forward, backend)
+    kind = f"{'HIP' if backend.name == 'rocm' else 'CUDA'} graph capture"
+    notes = list(built.notes)
+    if choice.applied:
+        notes.append("graphs: autocast's weight-cast cache is off, as graph capture needs")
+    return _Built(
+        replay,
+        (built.one_off_ms or 0.0) + capture_ms,
+        f"{built.one_off_kind} + {kind}" if built.one_off_kind else kind,
+        notes,
+        built.graph_breaks,
+        built.compiled_graphs,
+    )
