@@ -20,6 +20,7 @@ GPU-only levers on the CPU make the cell ``skipped`` with a reason (:func:`skip_
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,11 +163,15 @@ def _counters():
 
 @contextlib.contextmanager
 def eager() -> Iterator[None]:
-    """Compiled callables run eagerly inside (FLOP counting traces the eager ops, which are the same)."""
+    """Compiled callables run eagerly inside (FLOP counting traces the eager ops, which are the same).
+    The FLOP counter's module tracker hooks every module globally meanwhile, which torch.compile warns
+    of: harmless here, so not shown."""
     stance = getattr(torch.compiler, "set_stance", None)
-    if stance is None:  # torch < 2.6
-        with torch._dynamo.config.patch(disable=True):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        if stance is None:  # torch < 2.6
+            with torch._dynamo.config.patch(disable=True):
+                yield
+            return
+        with stance("force_eager"):
             yield
-        return
-    with stance("force_eager"):
-        yield
