@@ -261,9 +261,8 @@ def measure_distill_step(
     x, y = synthetic_batch(config, config.batch_size, backend.device, config.seed + rank)
     watch = LeverWatch(config)  # before the step is built: it resets torch._dynamo
     step = DistillStep(teacher, student, x, y, config, backend, wrap=dp.wrapper(config, backend) if dp else None)
-    tunable = tunableop_file(options.run_dir, str(backend.device)) if config.tunableop else None
     try:
-        with math_mode(step.distiller.student_ac.tf32), device_levers(config, backend, tunable) as lever_row:
+        with math_mode(step.distiller.student_ac.tf32):
             raw, profile, note = timed_with_profile(step, config, backend, config.batch_size, dp, watch)
             loss = float(step.last_loss) if step.last_loss is not None else math.nan
             local = raw
@@ -278,7 +277,7 @@ def measure_distill_step(
                 traced = trace(step, backend, path)
             flags = math_flags()
         if row is not None:
-            row.update(profile, **flops, **traced, **flags, **lever_row, **watch.columns(raw, row["median_ms"]))
+            row.update(profile, **flops, **traced, **flags, **watch.columns(raw, row["median_ms"]))
             row["optimizer_state_bytes"] = optimizer_state_bytes(step.distiller.optimizer)
         return row
     finally:
@@ -403,25 +402,31 @@ def measure_cell(
         if dp is not None:
             raise
         return failure_rows(config, status_of(exc), error_text(exc))
-    guard = guarded if dp is None else _collective
-    step = guard(
-        Measurement.DISTILL_STEP,
-        config.batch_size,
-        backend,
-        lambda: measure_distill_step(teacher, student, config, backend, options, cell.cell_id, dp),
-    )
-    if dp is not None and not dp.root:
-        dp.barrier()  # rank 0 measures inference alone
-        return None
-    rows = [step]
-    models = {Measurement.STUDENT_INFERENCE: ("student", student), Measurement.TEACHER_INFERENCE: ("teacher", teacher)}
-    for measurement, bs in planned_measurements(config)[1:]:  # inference, in the planned order
-        role, model = models[measurement]
-        measure = partial(measure_inference, model, role, bs, config, backend)
-        rows.append(guarded(measurement, bs, backend, measure))
+    # Device-wide levers (cudnn.benchmark, TunableOp) hold for the cell: its step and its inference.
+    tunable = tunableop_file(options.run_dir, str(backend.device)) if config.tunableop else None
+    with device_levers(config, backend, tunable) as lever_row:
+        guard = guarded if dp is None else _collective
+        step = guard(
+            Measurement.DISTILL_STEP,
+            config.batch_size,
+            backend,
+            lambda: measure_distill_step(teacher, student, config, backend, options, cell.cell_id, dp),
+        )
+        if dp is not None and not dp.root:
+            dp.barrier()  # rank 0 measures inference alone
+            return None
+        rows = [step]
+        models = {
+            Measurement.STUDENT_INFERENCE: ("student", student),
+            Measurement.TEACHER_INFERENCE: ("teacher", teacher),
+        }
+        for measurement, bs in planned_measurements(config)[1:]:  # inference, in the planned order
+            role, model = models[measurement]
+            measure = partial(measure_inference, model, role, bs, config, backend)
+            rows.append(guarded(measurement, bs, backend, measure))
     params = {"student_params": count_params(student), "teacher_params": count_params(teacher)}
     for row in rows:
-        row.update(params)
+        row.update(params, **lever_row)
     if dp is not None:
         dp.barrier()
     return rows

@@ -7,7 +7,7 @@
   ``torch._dynamo``'s counters, and frames compiled inside the timed window are counted
   as recompiles (a timed loop that recompiles measures the compiler).
 * ``optimizer.impl``: ``default``, ``foreach`` or ``fused`` (:func:`kdbench.distill.step.make_optimizer`).
-* ``conv_autotune``: ``torch.backends.cudnn.benchmark`` around the measurement: cuDNN's
+* ``conv_autotune``: ``torch.backends.cudnn.benchmark`` around the cell's measurements: cuDNN's
   algorithm search on NVIDIA, MIOpen's on ROCm (its find mode and databases come from the
   ``MIOPEN_*`` environment, recorded in ``env_knobs``); the search happens in the first calls.
 * ``tunableop``: PyTorch's TunableOp GEMM tuning (``torch.cuda.tunable``) on ROCm and CUDA,
@@ -60,7 +60,7 @@ def tunableop_file(results_dir: str | None, device_name: str) -> Path | None:
 
 @contextlib.contextmanager
 def device_levers(config: CellConfig, backend: Backend, tunable_path: Path | None = None) -> Iterator[dict]:
-    """The cell's device-wide levers set for one measurement and restored after it; yields the columns
+    """The cell's device-wide levers set for its measurements and restored after them; yields the columns
     that record them (filled in when the block ends)."""
     row: dict[str, Any] = {}
     if backend.device_type != "cuda":
