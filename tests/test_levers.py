@@ -270,3 +270,34 @@ def test_levers_run_end_to_end_on_the_cpu(tmp_path, capsys):
     assert foreach.status == "ok" and pd.isna(foreach.one_off_ms)
     table = (tmp_path / "rep" / "index.html").read_text().split('<h2 id="levers">')[1].split("</table>")[0]
     assert table.count('class="lever-row"') == 4  # compile step, and the three served runtimes
+
+
+def test_a_compile_failure_is_the_rows_error_and_the_cell_goes_on(monkeypatch):
+    def broken(model, mode=None):
+        def call(*args, **kwargs):
+            raise RuntimeError("InductorError: C++ compile error: g++ not found")
+
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    config = make_config(
+        compile="default",
+        pair={"teacher": "linear", "student": "linear"},
+        data={"shape": [1, 4, 4], "num_classes": 4},
+        inference={"batch_sizes": [2, 4], "teacher": False, "runtime": "compile"},
+    )
+    rows = measure_cell(Cell(0, "c", config), CPU, ModelCache())
+    assert [(r["measurement"], r["status"]) for r in rows] == [
+        ("distill_step", "failed"),
+        ("student_inference", "failed"),
+        ("student_inference", "failed"),
+    ]
+    assert all("g++ not found" in r["error"] for r in rows)
+    eager = make_config(
+        compile="default",
+        pair={"teacher": "linear", "student": "linear"},
+        data={"shape": [1, 4, 4], "num_classes": 4},
+        inference={"batch_sizes": [2], "teacher": False},
+    )
+    step, served = measure_cell(Cell(1, "d", eager), CPU, ModelCache())
+    assert step["status"] == "failed" and served["status"] == "ok"  # the eager student still serves
