@@ -316,3 +316,104 @@ def test_window_throughput_counts_the_gaps_the_median_leaves_out():
     assert cols["window_throughput"] == pytest.approx(2 * 8 * 4 / 0.050)
     assert cols["host_ms"] is None and cols["launch_bound"] is None
     assert timing_columns(RawTiming(30.0, [10.0], "perf_counter_ns"), 1, 8)["window_throughput"] is None
+
+
+# --------------------------------------------------------------------------- adaptive stopping, time budget
+
+
+def test_a_tight_median_stops_at_min_iters_and_min_time(monkeypatch):
+    """Constant 10 ms calls: the median's interval has width 0 as soon as it can be bounded."""
+    t = FakeTime([50, 7] + [10] * 1000)
+    monkeypatch.setattr(timing.time, "perf_counter", t.perf_counter)
+    r = timed_loop(
+        t.fn, FakeClock(t), warmup=1, min_iters=8, min_time_s=0.05, max_iters=1000, target_rel_ci=0.02, max_time_s=5.0
+    )
+    assert len(r.samples_ms) == 8  # min_iters (80 ms) also covers min_time_s: stops there, not earlier
+
+
+def test_a_wide_median_extends_until_the_interval_is_narrow_enough(monkeypatch):
+    """Alternating 10/14 ms calls: the median's 95 % interval spans both values (40 % wide) until the
+    order statistics bounding it both fall on one value; that needs far more than min_iters."""
+    rng = __import__("random").Random(3)
+    stream = [rng.choice([10, 10, 10, 14]) for _ in range(5000)]
+    t = FakeTime([50, 7] + stream)
+    monkeypatch.setattr(timing.time, "perf_counter", t.perf_counter)
+    r = timed_loop(
+        t.fn, FakeClock(t), warmup=1, min_iters=8, min_time_s=0.0, max_iters=5000, target_rel_ci=0.02, max_time_s=3600
+    )
+    n = len(r.samples_ms)
+    assert 8 < n < 5000
+    assert timing.relative_ci(r.samples_ms) <= 0.02
+    assert timing.relative_ci(r.samples_ms[: n - max(4, n // 9) - 1]) > 0.02  # the previous check was too wide
+
+
+def test_max_time_s_caps_a_median_that_never_settles(monkeypatch):
+    """Calls alternating 10 and 30 ms: the interval stays wide; the loop stops at max_time_s."""
+    t = FakeTime([50, 7] + [10, 30] * 1000)
+    monkeypatch.setattr(timing.time, "perf_counter", t.perf_counter)
+    r = timed_loop(
+        t.fn, FakeClock(t), warmup=1, min_iters=4, min_time_s=0.0, max_iters=10_000, target_rel_ci=0.001, max_time_s=1.0
+    )
+    assert 1000 <= sum(r.samples_ms) < 1100 and len(r.samples_ms) < 60
+
+
+def test_without_a_target_the_interval_is_never_read():
+    t = FakeTime(scripted(1))
+    clock = FakeClock(t)
+    timed_loop(t.fn, clock, warmup=1, min_iters=30, min_time_s=0, max_iters=1000)
+    assert clock.syncs == 3  # after the cold call, before and after the window: no check syncs
+
+
+def test_a_cold_call_over_budget_shrinks_the_counts_and_says_so():
+    assert timing.fit_budget(1.0, warmup=3, min_iters=10, budget_s=60.0) is None
+    warmup, iters, note = timing.fit_budget(10.0, warmup=3, min_iters=20, budget_s=60.0)
+    assert (warmup, iters) == (1, 4)  # 5 calls fit in the 50 s left: 1 warm-up, 4 timed
+    assert "cold call took 10 s" in note and "warm-up 3 -> 1" in note and "timed calls 20 -> 4" in note
+    t = FakeTime([400_000, 7, 7] + [10] * 10)  # a cold call of 400 s against a 60 s budget
+    r = timed_loop(t.fn, FakeClock(t), warmup=2, min_iters=20, min_time_s=1.0, max_iters=100, budget_s=60.0)
+    assert r.samples_ms == [400_000.0] and t.calls == 1
+    assert "the cold call is the only sample" in r.note
+
+
+def test_progress_is_told_at_most_every_few_seconds(monkeypatch):
+    t = FakeTime([3000] + [3000] * 4 + [3000] * 10)  # 3 s calls
+    monkeypatch.setattr(timing.time, "perf_counter", t.perf_counter)
+    told = []
+    timed_loop(
+        t.fn, FakeClock(t), warmup=4, min_iters=10, min_time_s=0, max_iters=10, progress=lambda *a: told.append(a)
+    )
+    assert 3 <= len(told) <= 5  # 45 s of calls, a line at most every 10 s
+    assert told[0][0] == "warm-up" and told[-1][0] == "timed" and told[-1][3] == pytest.approx(3.0)
+
+
+def test_median_ci_against_the_exact_binomial_interval():
+    from scipy import stats
+
+    from kdbench.measure.stats import median_ci
+
+    for n in (6, 10, 25, 100, 999):
+        low, high = median_ci(list(range(n)))  # a sample's value is its 0-based rank
+        exact = int(stats.binom.ppf(0.025, n, 0.5)) - 1  # the exact lower order statistic, 0-based
+        assert abs(low - max(exact, 0)) <= 1 and high == n - 1 - low
+    assert median_ci([1.0] * 5) == (float("-inf"), float("inf"))
+
+
+def test_the_wall_time_split_adds_up(monkeypatch):
+    from kdbench.run import engine
+    from kdbench.run.workers import PROCESS_START
+
+    now = [1000.0]
+    monkeypatch.setattr(engine.time, "time", lambda: now[0])
+    monkeypatch.setattr("psutil.Process.create_time", lambda self: 990.0)  # 10 s before the run
+    wall = engine.WallSplit()
+    now[0] += 30.0
+    wall.job(20.0, 17.0, {"warm-up": 4.0, "measuring": 10.0, "FLOP counting": 1.0, PROCESS_START: 2.5}, 0.5)
+    split = wall.finish()
+    assert split["total"] == 40.0
+    assert sum(v for k, v in split.items() if k != "total") == pytest.approx(40.0)
+    assert split["worker, other"] == 2.0  # 17 s in the worker, 15 s of it in categories
+    assert split[PROCESS_START] == 2.5 and split["writing"] == 0.5
+    assert split["engine and pipe"] == pytest.approx(20.0 - 17.0 - 2.5 - 0.5 + 10.0)  # the job's rest + outside jobs
+    line = engine.WallSplit.line(split)
+    assert line.startswith("wall time 40.0 s: start-up, imports and plan 10.0 s (25%)")
+    assert line.endswith("warming up or measuring: 35%")

@@ -41,6 +41,12 @@ LEVER_DEFAULTS = {
     "tunableop": False,
     "inference.runtime": "eager",
 }
+IDENTITY_DEFAULTS = {
+    **LEVER_DEFAULTS,
+    "timing.target_rel_ci": None,
+    "timing.max_time_s": 10.0,
+    "timing.cell_budget_s": None,
+}
 
 
 @dataclass(frozen=True)
@@ -150,8 +156,9 @@ def config_dict(config: CellConfig) -> dict[str, Any]:
         out.pop("features", None)
     if config.world_size == 1:
         out.pop("ddp", None)  # DDP options do not touch a single-device cell
-    # A lever at its default is left out, so cells that pull none keep the ids they had before levers existed.
-    for key, default in LEVER_DEFAULTS.items():
+    # A lever (or a later timing setting) at its default is left out, so cells that use none keep the ids
+    # they had before it existed.
+    for key, default in IDENTITY_DEFAULTS.items():
         node = out
         *parents, leaf = key.split(".")
         for p in parents:

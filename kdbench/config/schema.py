@@ -83,6 +83,13 @@ class TimingConfig(Strict):
     min_iters: int = Field(10, ge=1, le=1_000_000)
     min_time_s: float = Field(1.0, ge=0, le=86_400)
     max_iters: int = Field(10_000, ge=1, le=10_000_000)
+    # Go on past min_iters/min_time_s while the median's 95 % interval is wider than this share of it,
+    # up to max_time_s of timed calls; null: stop at min_iters and min_time_s.
+    target_rel_ci: float | None = Field(None, gt=0, lt=1)
+    max_time_s: float = Field(10.0, gt=0, le=86_400)
+    # A measurement whose cold call says it would outlast this shrinks its counts to fit (null: the
+    # backend's default, CELL_BUDGET_S; 0 would never fit, so it is > 0).
+    cell_budget_s: float | None = Field(None, gt=0, le=7 * 86_400)
 
     @model_validator(mode="after")
     def _order(self) -> TimingConfig:

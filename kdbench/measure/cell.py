@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import math
 import os
 import statistics
@@ -38,6 +39,7 @@ from kdbench.distill.step import DistillStep
 from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, math_flags, math_mode
 from kdbench.hw.data import synthetic_batch
 from kdbench.hw.layout import pad_classifier, padded_width, place_model, verify_memory_format
+from kdbench.measure import walltime
 from kdbench.measure.failures import device_fatal, device_lost, error_text, failure_row, note_device_lost, status_of
 from kdbench.measure.flops import count_flops
 from kdbench.measure.levers import LeverWatch, device_levers, eager, skip_reason, tunableop_file
@@ -46,7 +48,7 @@ from kdbench.measure.parallel import DataParallel
 from kdbench.measure.runtimes import LeverSkip, Served, serve
 from kdbench.measure.stats import summarize
 from kdbench.measure.telemetry import TelemetrySampler, telemetry_columns
-from kdbench.measure.timing import RawTiming, timed_loop
+from kdbench.measure.timing import Progress, RawTiming, timed_loop
 from kdbench.measure.trace import trace
 from kdbench.models import ModelCache, count_params
 from kdbench.names import PHASES, REMAINDER_COLUMN, Measurement, Status
@@ -79,8 +81,39 @@ def model_pair(config: CellConfig, backend: Backend, cache: ModelCache) -> tuple
 # --------------------------------------------------------------------------- timing
 
 
+CELL_BUDGET_S = {"cpu": 300.0}  # a cell's default time budget per backend (none on GPUs)
+logger = logging.getLogger(__name__)
+
+
+def measurement_budget_s(config: CellConfig, backend: Backend) -> float | None:
+    """A measurement's share of its cell's time budget (``timing.cell_budget_s``, else the backend's)."""
+    budget = config.timing.cell_budget_s or CELL_BUDGET_S.get(backend.name)
+    return budget / len(planned_measurements(config)) if budget else None
+
+
+def _progress(what: str) -> Progress:
+    def tell(phase: str, done: int, planned: int, per_call_s: float) -> None:
+        left = max(planned - done, 0) * per_call_s
+        logger.info(
+            "  ... %s: %s %d/%d, %.3g s per call, ~%.0f s left of this measurement",
+            what,
+            phase,
+            done,
+            planned,
+            per_call_s,
+            left,
+        )
+
+    return tell
+
+
 def _time(
-    fn: Callable[[], Any], config: CellConfig, backend: Backend, dp: DataParallel | None, on_window=None
+    fn: Callable[[], Any],
+    config: CellConfig,
+    backend: Backend,
+    dp: DataParallel | None,
+    on_window=None,
+    what: str = "",
 ) -> RawTiming:
     if dp is not None:
         return dp.timed(fn, config, backend, on_window)
@@ -93,6 +126,10 @@ def _time(
         min_time_s=t.min_time_s,
         max_iters=t.max_iters,
         on_window=on_window,
+        target_rel_ci=t.target_rel_ci,
+        max_time_s=t.max_time_s,
+        budget_s=measurement_budget_s(config, backend),
+        progress=_progress(what),
     )
 
 
@@ -103,12 +140,16 @@ def timed_with_profile(
     batch_size: int,
     dp: DataParallel | None = None,
     watch: LeverWatch | None = None,
+    what: str = "",
 ) -> tuple[RawTiming, Row, str]:
     """The timed loop, with memory and (on GPUs) telemetry watched over it, and the levers' counters
     (``watch``); and a note on them."""
     with MemoryMeter(backend) as memory, TelemetrySampler(backend) as telemetry:
         on_window = watch.chain(telemetry.on_window) if watch is not None else telemetry.on_window
-        raw = _time(fn, config, backend, dp, on_window)
+        raw = _time(fn, config, backend, dp, on_window, what)
+    walltime.add(walltime.WARMUP, raw.warmup_s)
+    if raw.window_s:
+        walltime.add(walltime.MEASURING, raw.window_s[1] - raw.window_s[0])
     tele = telemetry.result(len(raw.samples_ms), batch_size, raw.window_s)
     return raw, {**memory_columns(memory.result()), **telemetry_columns(tele)}, tele.note
 
@@ -234,7 +275,7 @@ def distill_row(
             d.student_ac,
             d.teacher_ac,
             alignment=_alignment_note(x, config),
-            extra=(launch, d.optimizer_note, note, layout_note(config, x.device.type)),
+            extra=(launch, d.optimizer_note, note, layout_note(config, x.device.type), raw.note or ""),
         ),
     }
     if not math.isfinite(loss):
@@ -263,18 +304,23 @@ def measure_distill_step(
     step = DistillStep(teacher, student, x, y, config, backend, wrap=dp.wrapper(config, backend) if dp else None)
     try:
         with math_mode(step.distiller.student_ac.tf32):
-            raw, profile, note = timed_with_profile(step, config, backend, config.batch_size, dp, watch)
+            what = f"{config.pair.teacher}->{config.pair.student} {config.precision} distill_step"
+            raw, profile, note = timed_with_profile(step, config, backend, config.batch_size, dp, watch, what)
             loss = float(step.last_loss) if step.last_loss is not None else math.nan
             local = raw
             if dp is not None:
                 raw, loss = dp.slowest(raw, backend), dp.mean(loss, backend)
             row = distill_row(step, raw, config, x, loss, local, note) if rank == 0 else None
-            with eager() if watch.compiled else contextlib.nullcontext():  # the same ops, counted eagerly
-                flops = step_flops(step)  # every rank: under DDP the counted step runs the collectives
+            if raw.note:  # over its time budget: no extra step to count FLOPs
+                flops = {}
+            else:
+                with eager() if watch.compiled else contextlib.nullcontext(), walltime.spent(walltime.FLOPS):
+                    flops = step_flops(step)  # every rank: under DDP the counted step runs the collectives
             traced = {}
             if options.trace_dir:  # every rank runs the traced calls; rank 0 writes the trace
                 path = Path(options.trace_dir) / f"{trace_name}.json" if rank == 0 else None
-                traced = trace(step, backend, path)
+                with walltime.spent(walltime.PROFILING):
+                    traced = trace(step, backend, path)
             flags = math_flags()
         if row is not None:
             row.update(profile, **flops, **traced, **flags, **watch.columns(raw, row["median_ms"]))
@@ -301,6 +347,18 @@ def inference_forward(
     return forward, x, choice
 
 
+_FLOPS: dict[tuple, int] = {}  # this worker's inference FLOP counts: identical models and inputs count once
+
+
+def inference_flops(forward: Callable[[], Any], model: str, batch_size: int, config: CellConfig) -> int:
+    """The FLOPs of ``model``'s eager forward at ``batch_size`` (the same at every precision), counted once
+    per worker process for each model, classifier width and input."""
+    key = (model, config.data.num_classes, config.pad_to, tuple(config.data.shape), batch_size, config.seed)
+    if key not in _FLOPS:
+        _FLOPS[key] = count_flops(forward)
+    return _FLOPS[key]
+
+
 def served_columns(served: Served) -> Row:
     check = served.check
     return {
@@ -321,11 +379,15 @@ def measure_inference(model: nn.Module, role: str, batch_size: int, config: Cell
     forward, x, choice = inference_forward(model, batch_size, config, backend)
     served = None
     if role == "student" and (config.inference.runtime != "eager" or config.graphs):
-        served = serve(model, x, config.inference.runtime, config, backend, graphs=config.graphs)
+        with walltime.spent(walltime.LEVERS):
+            served = serve(model, x, config.inference.runtime, config, backend, graphs=config.graphs)
     with math_mode(choice.tf32):
         timed = served.forward if served is not None else forward
-        raw, profile, note = timed_with_profile(timed, config, backend, batch_size)
-        flops, flags = count_flops(forward), math_flags()  # the model's FLOPs, counted on its eager forward
+        what = f"{config.pair.teacher}->{config.pair.student} {config.precision} {role}_inference bs{batch_size}"
+        raw, profile, note = timed_with_profile(timed, config, backend, batch_size, what=what)
+        flags = math_flags()
+        with walltime.spent(walltime.FLOPS):
+            flops = None if raw.note else inference_flops(forward, getattr(config.pair, role), batch_size, config)
     timing = timing_columns(raw, 1, batch_size)
     launch = LAUNCH_BOUND if timing["launch_bound"] else ""
     return {
@@ -343,7 +405,13 @@ def measure_inference(model: nn.Module, role: str, batch_size: int, config: Cell
         "notes": _notes(
             choice,
             alignment=_alignment_note(x, config),
-            extra=(launch, note, layout_note(config, backend.device_type), *(served.notes if served else ())),
+            extra=(
+                launch,
+                note,
+                layout_note(config, backend.device_type),
+                raw.note or "",
+                *(served.notes if served else ()),
+            ),
         ),
     }
 
@@ -389,15 +457,18 @@ def measure_cell(
     cache: ModelCache,
     options: MeasureOptions = MeasureOptions(),
     dp: DataParallel | None = None,
+    skip_teacher: tuple[int, ...] = (),
 ) -> list[Row] | None:
-    """The cell's rows, one per planned measurement (None on data-parallel ranks other than 0)."""
+    """The cell's rows, one per planned measurement (None on data-parallel ranks other than 0), but the
+    teacher inference at the batch sizes in ``skip_teacher`` (the engine reuses an earlier cell's)."""
     config = cell.config
     choices = [choose_autocast(backend, p) for p in (config.precision, config.teacher_precision)]
     skip = next((c.skip for c in choices if c.skip), None) or skip_reason(config, backend)
     if skip:  # every rank sees the same, before any collective
         return None if dp is not None and not dp.root else failure_rows(config, Status.SKIPPED, skip)
     try:
-        teacher, student = model_pair(config, backend, cache)
+        with walltime.spent(walltime.MODELS):
+            teacher, student = model_pair(config, backend, cache)
     except Exception as exc:
         if dp is not None:
             raise
@@ -421,6 +492,8 @@ def measure_cell(
             Measurement.TEACHER_INFERENCE: ("teacher", teacher),
         }
         for measurement, bs in planned_measurements(config)[1:]:  # inference, in the planned order
+            if measurement == Measurement.TEACHER_INFERENCE and bs in skip_teacher:
+                continue
             role, model = models[measurement]
             measure = partial(measure_inference, model, role, bs, config, backend)
             rows.append(guarded(measurement, bs, backend, measure))

@@ -9,6 +9,7 @@ host-device sync inside the loop.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -78,6 +79,8 @@ class RawTiming:
     warmup_ms: list[float] = field(default_factory=list)  # the untimed warm-up calls, in order
     window_s: tuple[float, float] | None = None  # host perf_counter() at the start and end of the timed calls
     host_ms: list[float] = field(default_factory=list)  # device clocks: host time to issue each warm-up call
+    note: str | None = None  # why the loop ran other counts than asked (a time budget shrank them)
+    warmup_s: float = 0.0  # host wall time of the cold and warm-up calls
 
     def launch_bound(self, median_ms: float) -> bool | None:
         """Whether issuing a call costs the host about as long as the device needs to run it (>= 90 %):
@@ -101,6 +104,30 @@ class RawTiming:
         return None
 
 
+PROGRESS_EVERY_S = 10.0  # a long measurement reports its progress at most this often
+
+
+Progress = Callable[[str, int, int, float], None]  # (phase, calls done, calls planned, seconds per call)
+
+
+def fit_budget(first_s: float, warmup: int, min_iters: int, budget_s: float) -> tuple[int, int, str] | None:
+    """Counts that fit what is left of ``budget_s`` after a cold call of ``first_s`` (the cold call
+    is the estimate of every later one: an overestimate, as later calls are warm), or None when the
+    asked ones fit.  0 timed calls: not even one more fits, and the cold call is the only sample."""
+    left = budget_s - first_s
+    if first_s * (warmup + min_iters) <= left:
+        return None
+    calls = math.floor(max(left, 0.0) / first_s)
+    new_warmup = min(warmup, calls // 4)
+    new_iters = max(0, min(min_iters, calls - new_warmup))
+    what = f"timed calls {min_iters} -> {new_iters}" if new_iters else "no timed call: the cold call is the only sample"
+    note = (
+        f"shrunk to fit a {budget_s:.3g} s time budget (timing.cell_budget_s over the cell's measurements): "
+        f"the cold call took {first_s:.3g} s, so warm-up {warmup} -> {new_warmup}, {what}; FLOPs not counted"
+    )
+    return new_warmup, new_iters, note
+
+
 def timed_loop(
     fn: Callable[[], Any],
     clock: Clock,
@@ -110,9 +137,24 @@ def timed_loop(
     min_time_s: float,
     max_iters: int,
     on_window: tuple[Callable[[], Any], Callable[[], Any]] | None = None,
+    target_rel_ci: float | None = None,
+    max_time_s: float | None = None,
+    budget_s: float | None = None,
+    progress: Progress | None = None,
 ) -> RawTiming:
     """Time `fn`: one cold call, `warmup` untimed calls, then timed calls until both
     `min_iters` and `min_time_s` are reached (or `max_iters`).
+
+    With ``target_rel_ci`` the timed calls go on past that point while the 95 % confidence
+    interval of their median is wider than ``target_rel_ci`` × the median, up to
+    ``max_time_s`` of timed calls (or `max_iters`).  The interval is checked after every
+    eighth or so of the calls made (a geometric schedule: O(log n) checks); with a device
+    clock a check reads the events recorded so far, after a synchronize between two calls,
+    never inside one.
+
+    With ``budget_s``, the cold call's time estimates the rest: when the asked counts would not
+    fit in the budget they shrink to fit (``note`` says so).  ``progress`` is called at most
+    every ``PROGRESS_EVERY_S`` during a long measurement.
 
     ``on_window`` (start, end) are called at the edges of the timed window, right after the
     synchronisations that open and close it (e.g. to read an energy counter there).
@@ -120,15 +162,34 @@ def timed_loop(
     With a device clock each warm-up call starts on an idle device and the host's time to
     issue it is kept (``host_ms``): what the host costs per call, apart from the device's
     work, which tells launch-bound calls apart (:meth:`RawTiming.launch_bound`)."""
+    began_warmup = time.perf_counter()
     start = clock.stamp()
     fn()
     end = clock.stamp()
     clock.sync()
     first = clock.elapsed_ms(start, end)
+    note = None
+    if budget_s is not None:
+        fitted = fit_budget(first / 1e3, warmup, min_iters, budget_s)
+        if fitted is not None:
+            warmup, min_iters, note = fitted
+            if min_iters == 0:  # not even one more call fits: the cold call stands for the measurement
+                return RawTiming(first, [first], clock.name, [], None, [], note, time.perf_counter() - began_warmup)
+            max_iters, min_time_s, target_rel_ci = min_iters, 0.0, None
+    per_call = max(first / 1e3, 1e-9)
+    shown = time.perf_counter()
+
+    def tell(phase: str, done: int, planned: int) -> None:
+        nonlocal shown
+        now = time.perf_counter()
+        if progress is not None and now - shown >= PROGRESS_EVERY_S:
+            shown = now
+            progress(phase, done, planned, per_call)
+
     warm: list[tuple[Any, Any]] = []
     host: list[float] = []
     issue = not getattr(clock, "host", True)
-    for _ in range(warmup):
+    for i in range(warmup):
         began = time.perf_counter_ns()
         start = clock.stamp()
         fn()
@@ -136,23 +197,49 @@ def timed_loop(
         if issue:
             host.append((time.perf_counter_ns() - began) / 1e6)
             clock.sync()  # the next call starts on an idle device too
+        tell("warm-up", i + 1, warmup)
     if not (issue and warmup):  # else the last warm-up call's sync stands
         clock.sync()
+    warmup_s = time.perf_counter() - began_warmup
     if on_window is not None:
         on_window[0]()
     marks: list[tuple[Any, Any]] = []
     window_start = time.perf_counter()
     deadline = window_start + min_time_s
+    cap = window_start + max_time_s if max_time_s is not None else math.inf
+    next_check = min_iters
     while True:
         start = clock.stamp()
         fn()
         marks.append((start, clock.stamp()))
         n = len(marks)
-        if n >= max_iters or (n >= min_iters and time.perf_counter() >= deadline):
+        if n >= max_iters:
             break
+        now = time.perf_counter()
+        if n >= min_iters and now >= deadline:
+            if target_rel_ci is None or now >= cap:
+                break
+            if n >= next_check:  # is the median known well enough? (geometric schedule)
+                next_check = n + max(4, n // 8)
+                clock.sync()
+                if relative_ci([clock.elapsed_ms(a, b) for a, b in marks]) <= target_rel_ci:
+                    break
+        if progress is not None:
+            per_call = (now - window_start) / n
+            tell("timed", n, max(min_iters, n))
     clock.sync()
     window = (window_start, time.perf_counter())
     if on_window is not None:
         on_window[1]()
     samples = [clock.elapsed_ms(a, b) for a, b in marks]
-    return RawTiming(first, samples, clock.name, [clock.elapsed_ms(a, b) for a, b in warm], window, host)
+    warm_ms = [clock.elapsed_ms(a, b) for a, b in warm]
+    return RawTiming(first, samples, clock.name, warm_ms, window, host, note, warmup_s)
+
+
+def relative_ci(samples_ms: list[float]) -> float:
+    """Width of the median's 95 % confidence interval over the median (inf with too few samples)."""
+    from kdbench.measure.stats import median_ci
+
+    low, high = median_ci(samples_ms)
+    median = statistics.median(samples_ms)
+    return (high - low) / median if median > 0 and math.isfinite(high - low) else math.inf

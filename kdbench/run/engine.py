@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,49 @@ class JobTiming:
     worker_s: float  # inside the worker, running the job
 
 
+class WallSplit:
+    """Where the run's wall time went, from the start of this process: the workers' categories
+    (:mod:`kdbench.measure.walltime`), their process starts, writing, and the rest, which makes it
+    add up.  Warming up and measuring are the share that measures; the rest is the harness's."""
+
+    MEASURES = ("warm-up", "measuring")
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.start = time.time()
+        self.before = max(0.0, self.start - psutil.Process().create_time())  # interpreter start and imports
+        self.seconds: dict[str, float] = {"start-up, imports and plan": self.before}
+
+    def add(self, category: str, seconds: float) -> None:
+        self.seconds[category] = self.seconds.get(category, 0.0) + max(0.0, seconds)
+
+    def job(self, wall_s: float, worker_s: float, split: dict[str, float], writing_s: float) -> None:
+        from kdbench.run.workers import PROCESS_START
+
+        split = dict(split)
+        started = split.pop(PROCESS_START, 0.0)
+        for category, seconds in split.items():
+            self.add(category, seconds)
+        self.add(PROCESS_START, started)
+        self.add("worker, other", worker_s - sum(split.values()))
+        self.add("writing", writing_s)
+        self.add("engine and pipe", wall_s - worker_s - started - writing_s)
+
+    def finish(self) -> dict[str, float]:
+        total = self.before + time.time() - self.start
+        self.add("engine and pipe", total - sum(self.seconds.values()))  # set-up before the first job, close
+        return {k: round(v, 3) for k, v in self.seconds.items() if v > 0.0005} | {"total": round(total, 3)}
+
+    @classmethod
+    def line(cls, split: dict[str, float]) -> str:
+        total = split["total"]
+        parts = sorted(((k, v) for k, v in split.items() if k != "total"), key=lambda kv: -kv[1])
+        shown = ", ".join(f"{k} {v:.1f} s ({v / total:.0%})" for k, v in parts)
+        measuring = sum(split.get(k, 0.0) for k in cls.MEASURES) / total if total else 0.0
+        return f"wall time {total:.1f} s: {shown}; warming up or measuring: {measuring:.0%}"
+
+
 @dataclass
 class RunOutcome:
     run_id: str
@@ -74,6 +117,7 @@ class RunOutcome:
     aborted: str | None = None  # why the run stopped before its last job (its failure is stored)
     quality: bool = False  # the quality job ran (and stored its rows) in this invocation
     timings: list[JobTiming] = field(default_factory=list)
+    wall: dict[str, float] = field(default_factory=dict)  # WallSplit.finish() of this invocation
 
 
 @dataclass(frozen=True)
@@ -131,6 +175,24 @@ def check_budgets(suite: Suite, cells: list[Cell]) -> None:
             )
 
 
+def warn_slow_cells(plan: Plan, backend: Backend) -> None:
+    """One line per cell whose precision is known to run far slower than fp32 here, before anything runs."""
+    from kdbench.hw.backends import slow_precision
+    from kdbench.measure.cell import CELL_BUDGET_S
+
+    for job in plan.jobs:
+        if not isinstance(job, CellJob) or job.repeat != 1:
+            continue
+        c = job.cell.config
+        why = next(
+            filter(None, (slow_precision(backend, p) for p in dict.fromkeys((c.precision, c.teacher_precision)))), None
+        )
+        if why:
+            budget = c.timing.cell_budget_s or CELL_BUDGET_S.get(backend.name)
+            fit = f"its counts shrink to fit its {budget:g} s time budget" if budget else "no time budget bounds it"
+            logger.warning("cell %d, %s: %s; %s (timing.cell_budget_s)", job.cell.index + 1, job.label, why, fit)
+
+
 def resolve_backend(suite: Suite, options: RunOptions) -> Backend:
     requested = options.device or suite.backend
     try:
@@ -144,6 +206,7 @@ def run_suite(suite: Suite, options: RunOptions = RunOptions(), plan: Plan | Non
     are stored as soon as it finishes."""
     plan = plan or plan_jobs(suite, options.shard)
     backend = resolve_backend(suite, options)
+    warn_slow_cells(plan, backend)
     threads = suite.threads or torch.get_num_threads()
     from kdbench.run.allocation import detect_allocation
 
@@ -294,8 +357,35 @@ class Progress:
         logger.info("%s: %s  | %s elapsed, ~%s left", head, summary_line(rows), _fmt_s(elapsed), _fmt_s(left))
 
 
+REUSED = "measured_in_cell"
+
+
+def _with_reused(job: CellJob, rows: list[Row], reuse: dict, measured: dict) -> list[Row]:
+    """The job's rows with the teacher inference rows it reused (copies of the earlier cell's, saying so)
+    in their planned places; its own ok teacher rows become the reference for later cells."""
+    keys = job.teacher_keys()
+    if not rows:
+        return rows
+    out = list(rows)
+    have = {(str(r["measurement"]), r.get("batch_size")) for r in rows}  # a failed cell planned them all
+    for bs, (cell_id, label, ref) in reuse.items():
+        if (str(Measurement.TEACHER_INFERENCE), bs) in have:
+            continue
+        note = f"reused: this teacher inference was measured once in this run, in cell {label} ({cell_id})"
+        notes = "; ".join(n for n in (ref.get("notes"), note) if n)
+        out.append({**ref, "notes": notes, REUSED: cell_id})
+    for row in rows:
+        if row["measurement"] == Measurement.TEACHER_INFERENCE and row.get("status") == Status.OK:
+            key = keys.get(row["batch_size"])
+            if key is not None and key not in measured:
+                measured[key] = (job.cell_id, job.label, {k: v for k, v in row.items() if k != REUSED})
+    order = {(str(m), bs): i for i, (m, bs) in enumerate(job.planned_order())}
+    return sorted(out, key=lambda r: order.get((str(r["measurement"]), r.get("batch_size")), len(order)))
+
+
 def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, workers: Any, where: str) -> RunOutcome:
     outcome = RunOutcome(run_id=folder.run_id, path=folder.path)
+    wall = WallSplit()
     try:  # whatever happens, the workers are closed (inside an allocation that releases the other ranks)
         stored = folder.stored_job_ids()
         todo = [job for job in plan.jobs if job.job_id not in stored]
@@ -343,6 +433,7 @@ def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, work
                 else ", all in this process (--inline): the repeats share one process",
             )
         round_ = None
+        measured: dict[tuple, tuple[str, str, Row]] = {}  # teacher key -> (cell_id, label, worker row)
         for job in todo:
             if isinstance(job, QualityJob):
                 logger.info("%s", job.describe())
@@ -350,8 +441,16 @@ def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, work
                 workers.fresh()  # a new round of repeats starts in new worker processes
             round_ = job.repeat
             start = time.perf_counter()
+            reuse = {}
+            if isinstance(job, CellJob) and job.world_size == 1:
+                reuse = {bs: measured[key] for bs, key in job.teacher_keys().items() if key in measured}
+                job = replace(job, reuse_teacher=tuple(reuse))
             result = workers.run(job, suite.cell_timeout_s)
-            rows = stamp(job, result.rows) if result.rows else []
+            written = time.perf_counter()
+            worker_rows = result.rows
+            if isinstance(job, CellJob):
+                worker_rows = _with_reused(job, worker_rows, reuse, measured)
+            rows = stamp(job, worker_rows) if worker_rows else []
             if rows:
                 folder.write_part(job.job_id, rows)
                 outcome.jobs += 1
@@ -359,9 +458,11 @@ def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, work
                 outcome.quality |= isinstance(job, QualityJob)
                 if any(r["status"] in FAILURES for r in rows):
                     outcome.failed.append(job.progress_label)
+            writing = time.perf_counter() - written
             outcome.timings.append(
                 JobTiming(job.job_id, job.progress_label, time.perf_counter() - start, result.seconds)
             )
+            wall.job(time.perf_counter() - start, result.seconds, result.split, writing)
             progress.done(job, rows)
             if result.fatal:  # stored; but the run cannot go on (an allocation whose ranks lost step)
                 outcome.aborted = f"{job.progress_label}: {result.fatal}"
@@ -370,4 +471,8 @@ def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, work
         outcome.interrupted = True
     finally:
         workers.close()
+        if outcome.timings:
+            outcome.wall = wall.finish()
+            logger.info("%s", WallSplit.line(outcome.wall))
+            folder.add_wall_time(outcome.wall)
     return outcome

@@ -31,6 +31,28 @@ class CellJob:
     cell: Cell
     repeat: int = 1  # which of the suite's `repeat` measurements of the cell (1..N)
     repeats: int = 1  # N
+    reuse_teacher: tuple[int, ...] = ()  # batch sizes whose teacher inference an earlier cell measured
+
+    def teacher_keys(self) -> dict[int, tuple]:
+        """Per inference batch size, what makes this cell's teacher inference the same measurement as
+        another's: the teacher model, its input and placement, the device levers, the repeat."""
+        c = self.cell.config
+        if not c.inference.teacher:
+            return {}
+        same = (
+            c.pair.teacher,
+            c.precision,
+            tuple(c.data.shape),
+            c.data.num_classes,
+            c.pad_to,
+            c.memory_format,
+            c.alignment,
+            c.seed,
+            c.conv_autotune,
+            c.tunableop,
+            self.repeat,
+        )
+        return {bs: (*same, bs) for bs in c.inference.batch_sizes}
 
     @property
     def job_id(self) -> str:
@@ -62,7 +84,10 @@ class CellJob:
         return self.cell.config.teacher_precision
 
     def planned(self) -> list[Row]:
-        return [{"measurement": m, "batch_size": bs} for m, bs in planned_measurements(self.cell.config)]
+        return [{"measurement": m, "batch_size": bs} for m, bs in self.planned_order()]
+
+    def planned_order(self) -> list[tuple[str, int]]:
+        return planned_measurements(self.cell.config)
 
     def columns(self, backend_name: str) -> Row:
         return {**config_columns(self.cell.config, backend_name), "repeat": self.repeat}
@@ -70,7 +95,7 @@ class CellJob:
     def run(self, ctx: WorkerContext) -> list[Row]:
         from kdbench.measure.cell import measure_cell
 
-        return measure_cell(self.cell, ctx.backend, ctx.cache, ctx.options) or []
+        return measure_cell(self.cell, ctx.backend, ctx.cache, ctx.options, skip_teacher=self.reuse_teacher) or []
 
 
 @dataclass(frozen=True)
@@ -129,9 +154,11 @@ class QualityJob:
         return {}  # each quality row names its own teacher, student, method, seed and precision
 
     def run(self, ctx: WorkerContext) -> list[Row]:
+        from kdbench.measure.walltime import QUALITY, spent
         from kdbench.quality.protocol import run_quality
 
-        return run_quality(self.quality, list(self.configs), ctx.backend, allow_imports=self.allow_imports)
+        with spent(QUALITY):
+            return run_quality(self.quality, list(self.configs), ctx.backend, allow_imports=self.allow_imports)
 
 
 Job = CellJob | QualityJob

@@ -43,6 +43,7 @@ from kdbench.run.jobs import CellJob, Job, Row, failure_rows
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0  # importing torch on a cold, busy machine can take minutes
+PROCESS_START = "worker start and imports"
 _POLL_S = 0.2
 
 
@@ -72,11 +73,15 @@ class JobResult:
     rows: list[Row]
     seconds: float  # wall time of the job in its worker (failed starts and deaths: as seen by the engine)
     fatal: str | None = None  # the job's rows are stored, but the run cannot go on (see AllocationWorkers)
+    split: dict[str, float] = field(default_factory=dict)  # where the worker's seconds went (measure.walltime)
 
 
 def execute(job: Job, ctx: WorkerContext) -> JobResult:
     """Run ``job``; an exception it lets through (a bug, or a data-set error of the quality job) fails
     every row it planned, with the error."""
+    from kdbench.measure import walltime
+
+    walltime.take()
     start = time.perf_counter()
     try:
         rows = job.run(ctx)
@@ -84,7 +89,7 @@ def execute(job: Job, ctx: WorkerContext) -> JobResult:
         if device_fatal(exc):
             note_device_lost(exc)
         rows = failure_rows(job, Status.FAILED, error_text(exc))
-    return JobResult(rows, time.perf_counter() - start)
+    return JobResult(rows, time.perf_counter() - start, split=walltime.take())
 
 
 def die_with_parent() -> None:
@@ -134,7 +139,7 @@ def _serve(conn: Any, setup: WorkerSetup) -> None:
             return
         result = execute(job, ctx)
         ending = device_lost() is not None  # a device error poisoned this context: a fresh worker for the next job
-        conn.send(("rows", result.rows, result.seconds, ending))
+        conn.send(("rows", result.rows, result.seconds, ending, result.split))
         if ending:
             return
 
@@ -224,12 +229,15 @@ class ProcessWorker:
         def failed(status: Status, error: str) -> JobResult:
             return JobResult(failure_rows(job, status, error), time.perf_counter() - start)
 
+        started: dict[str, float] = {}
         if self.proc is None or not self.proc.is_alive():
             self._kill()
+            began = time.perf_counter()
             try:
                 self._start()
             except RuntimeError as exc:
                 return failed(Status.FAILED, str(exc))
+            started[PROCESS_START] = time.perf_counter() - began
         self.conn.send(job)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
@@ -242,7 +250,7 @@ class ProcessWorker:
                     if message[3]:  # the worker ends after this job: wait for it, so the next job starts a new one
                         self.proc.join(30)
                         self._kill()
-                    return JobResult(message[1], message[2])
+                    return JobResult(message[1], message[2], split={**message[4], **started})
                 _log(message)
             elif not self.proc.is_alive():
                 return failed(Status.FAILED, self._died())

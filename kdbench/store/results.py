@@ -76,6 +76,12 @@ class RunFolder:
         except (OSError, ValueError):
             return {}
 
+    def add_wall_time(self, split: dict[str, float]) -> None:
+        """Keep an invocation's wall-time split in the manifest (a resumed run adds one more)."""
+        manifest = self.manifest()
+        manifest["wall_time"] = [*manifest.get("wall_time", []), split]
+        write_text(json.dumps(manifest, indent=2) + "\n", self.path / MANIFEST)
+
     def budgets(self) -> list[dict[str, Any]]:
         """The budgets the run was measured against (the suite's ``budgets:``, as JSON)."""
         return list(self.manifest().get("budgets") or [])

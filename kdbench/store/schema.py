@@ -76,6 +76,13 @@ COLUMNS: tuple[Column, ...] = (
         ("status", _S, "", "`ok`, `failed`, `oom`, `timeout` or `skipped`"),
         ("error", _S, "", "why the measurement failed or was skipped (null when ok)"),
         ("notes", _S, "", "caveats of an ok row, e.g. why autocast was not applied at the asked precision"),
+        (
+            "measured_in_cell",
+            _S,
+            "",
+            "a teacher_inference row reused from the first cell of the run that measured the same teacher at "
+            "the same precision, batch, input, placement and repeat: that cell's cell_id (null: measured here)",
+        ),
         ("timestamp", pa.timestamp("us", tz="UTC"), "UTC", "when the measurement was stored"),
     ),
     *_group(
@@ -160,6 +167,14 @@ COLUMNS: tuple[Column, ...] = (
             "every timed iteration, in order (for world_size > 1, each at its slowest rank)",
         ),
         ("rel_iqr", _F, "ratio", "iqr_ms / median_ms"),
+        (
+            "median_ci_low_ms",
+            _F,
+            "ms",
+            "lower end of the median's 95 % confidence interval (distribution-free, from order statistics; "
+            "null under 6 samples)",
+        ),
+        ("median_ci_high_ms", _F, "ms", "upper end of the median's 95 % confidence interval"),
         ("noisy", _B, "", "rel_iqr > 0.10: treat the median with care"),
         ("timer", _S, "", "`perf_counter_ns` (host clock) or `device_event` (CUDA/HIP events)"),
         (

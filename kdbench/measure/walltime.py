@@ -1,0 +1,46 @@
+"""Where a worker's wall time goes: seconds per category, taken per job and summed by the engine.
+
+The categories are the run's wall-time split (:class:`kdbench.run.engine.WallSplit`): model
+building, warm-up (cold and warm-up calls), measuring (the timed windows), FLOP counting,
+profiling passes, levers' one-off work (exports, compiles of served models), quality
+training.  What a job spends outside them shows as the worker's "other".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+
+MODELS, WARMUP, MEASURING, FLOPS, PROFILING, LEVERS, QUALITY = (
+    "model building",
+    "warm-up",
+    "measuring",
+    "FLOP counting",
+    "profiling",
+    "lever set-up",
+    "quality",
+)
+_SPENT: dict[str, float] = defaultdict(float)
+
+
+def add(category: str, seconds: float) -> None:
+    _SPENT[category] += seconds
+
+
+@contextlib.contextmanager
+def spent(category: str) -> Iterator[None]:
+    """Count the block's wall time to ``category``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _SPENT[category] += time.perf_counter() - start
+
+
+def take() -> dict[str, float]:
+    """The seconds counted since the last take, by category (and start afresh)."""
+    out = dict(_SPENT)
+    _SPENT.clear()
+    return out
