@@ -417,3 +417,17 @@ def test_the_wall_time_split_adds_up(monkeypatch):
     line = engine.WallSplit.line(split)
     assert line.startswith("wall time 40.0 s: start-up, imports and plan 10.0 s (25%)")
     assert line.endswith("warming up or measuring: 35%")
+
+
+def test_the_time_left_leaves_out_the_first_cells_start_up(monkeypatch, caplog):
+    from kdbench.run import engine
+
+    now = [0.0]
+    monkeypatch.setattr(engine.time, "monotonic", lambda: now[0])
+    progress = engine.Progress(4)
+    job = type("J", (), {"progress_label": "cell"})()
+    row = [{"status": "ok", "measurement": "quality"}]
+    now[0] = 10.0  # the first cell: 8 s of worker start and model building, 2 s of measuring
+    with caplog.at_level("INFO", logger="kdbench"):
+        progress.done(job, row, once_s=8.0)
+    assert "10s elapsed, ~6s left" in caplog.text  # 3 cells x 2 s, not 3 x 10 s

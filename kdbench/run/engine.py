@@ -341,19 +341,23 @@ def summary_line(rows: list[Row]) -> str:
 
 
 class Progress:
-    """One line per finished job: its figures, the count done, the time elapsed and an estimate of what is left."""
+    """One line per finished job: its figures, the count done, the time elapsed and an estimate of what is left.
+
+    The estimate leaves out what a job paid once, not per cell (a worker's start and imports, building
+    a model the cache then keeps): the first cell's start-up would otherwise multiply into every later one."""
 
     def __init__(self, total: int):
-        self.total, self.seen, self.started = total, 0, time.monotonic()
+        self.total, self.seen, self.started, self.once = total, 0, time.monotonic(), 0.0
 
-    def done(self, job: Job, rows: list[Row]) -> None:
+    def done(self, job: Job, rows: list[Row], once_s: float = 0.0) -> None:
         self.seen += 1
+        self.once += once_s
         head = f"[{self.seen}/{self.total}] {job.progress_label}"
         if not rows:
             logger.info("%s: measured with the other nodes; the node that ran global rank 0 stores its rows", head)
             return
         elapsed = time.monotonic() - self.started
-        left = elapsed / self.seen * (self.total - self.seen)
+        left = max(0.0, elapsed - self.once) / self.seen * (self.total - self.seen)
         logger.info("%s: %s  | %s elapsed, ~%s left", head, summary_line(rows), _fmt_s(elapsed), _fmt_s(left))
 
 
@@ -434,6 +438,9 @@ def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, work
             )
         round_ = None
         measured: dict[tuple, tuple[str, str, Row]] = {}  # teacher key -> (cell_id, label, worker row)
+        from kdbench.measure.walltime import MODELS
+        from kdbench.run.workers import PROCESS_START
+
         for job in todo:
             if isinstance(job, QualityJob):
                 logger.info("%s", job.describe())
@@ -463,7 +470,7 @@ def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, work
                 JobTiming(job.job_id, job.progress_label, time.perf_counter() - start, result.seconds)
             )
             wall.job(time.perf_counter() - start, result.seconds, result.split, writing)
-            progress.done(job, rows)
+            progress.done(job, rows, result.split.get(PROCESS_START, 0.0) + result.split.get(MODELS, 0.0))
             if result.fatal:  # stored; but the run cannot go on (an allocation whose ranks lost step)
                 outcome.aborted = f"{job.progress_label}: {result.fatal}"
                 break
