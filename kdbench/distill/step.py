@@ -246,8 +246,10 @@ class Distiller:
         cached: TeacherOutputs | None = None,
         clock: Clock | None = None,
         marks: list | None = None,
+        indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One step; with `clock`, the six phase-boundary stamps are appended to `marks`."""
+        """One step; with `clock`, the six phase-boundary stamps are appended to `marks`.  ``indices``: the
+        batch's sample indices in its data set (quality training; methods with a memory bank use them)."""
         stamp = (lambda: marks.append(clock.stamp())) if clock is not None and marks is not None else (lambda: None)
         stamp()
         t = cached if cached is not None else self.teacher_outputs(x)
@@ -257,7 +259,7 @@ class Distiller:
         stamp()
         n = self.config.data.num_classes  # a padded classifier's extra columns stay out of the loss
         loss = self.loss_fn(
-            LossInputs(unpad(s_logits, n), unpad(t.logits, n), y, s_feats, t.feats, adapted, self.steps)
+            LossInputs(unpad(s_logits, n), unpad(t.logits, n), y, s_feats, t.feats, adapted, self.steps, indices)
         )
         stamp()
         self.optimizer.zero_grad(set_to_none=True)

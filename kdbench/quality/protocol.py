@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from kdbench.config.schema import CellConfig, QualityConfig, TeacherConfig
+from kdbench.distill.losses import method_parts
 from kdbench.distill.step import Distiller, make_optimizer
 from kdbench.hw.backends import Backend, choose_autocast, math_mode
 from kdbench.hw.layout import memory_format_of, place_model
@@ -257,10 +258,15 @@ class _Run:
     def distil(self, entry: Entry, teacher: Trained) -> Trained:
         cell = self.cell(entry.config, entry.seed)
         data = self.data(cell)
+        cell = bank_sized(cell, len(data.x_train))
         student = self.model(cell.pair.student, cell, "student")
         distiller = Distiller(copy.deepcopy(teacher.model), student, cell, self.backend, data.x_train[:2])
         try:
-            step, model, opt = distiller.train_step, distiller.student, distiller.optimizer
+            model, opt = distiller.student, distiller.optimizer
+
+            def step(x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+                return distiller.train_step(x, y, indices=indices)
+
             with math_mode(distiller.student_ac.tf32):
                 return fit(step, model, opt, data, self.cfg, self.backend, entry.seed, distiller.student_ac)
         finally:
@@ -316,3 +322,12 @@ def run_quality(
     devices = [backend.device] if backend.device_type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # the caller's random state is left as it was
         return [run.execute(entry) for entry in quality_plan(cfg, jobs)]
+
+
+def bank_sized(cell: CellConfig, n_train: int) -> CellConfig:
+    """A CRD cell's memory bank sized to the training set (one entry per sample, indexed by the samples'
+    data-set indices), with at most n_train - 1 negatives per sample."""
+    if "crd" not in method_parts(cell.method):
+        return cell
+    crd = cell.crd.model_copy(update={"n_data": n_train, "nce_k": min(cell.crd.nce_k, max(1, n_train - 1))})
+    return cell.model_copy(update={"crd": crd})

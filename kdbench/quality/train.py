@@ -99,7 +99,7 @@ def fit(
     seed: int,
     choice: AutocastChoice,
 ) -> Trained:
-    """`cfg.epochs` epochs of `step(x, y)` over mini-batches shuffled by a generator seeded with `seed`.
+    """`cfg.epochs` epochs of `step(x, y, indices)` over mini-batches shuffled by a generator seeded with `seed`.
 
     A cosine schedule anneals `optimizer`'s learning rate over all steps.  Only the
     steps are timed; the evaluation after each epoch is not.
@@ -122,7 +122,7 @@ def fit(
         perm = perm.to(device)
         for i in range(steps):
             idx = perm[i * bs : (i + 1) * bs]
-            loss = step(data.x_train[idx].contiguous(memory_format=data.fmt), data.y_train[idx])
+            loss = step(data.x_train[idx].contiguous(memory_format=data.fmt), data.y_train[idx], idx)
             schedule.step()
         backend.synchronize()
         seconds += time.perf_counter() - start
@@ -142,7 +142,7 @@ def ce_step(
     """One cross-entropy step (loss in FP32; a GradScaler for fp16), as teachers and scratch students train."""
     scaler = grad_scaler(backend, choice)
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def step(x: torch.Tensor, y: torch.Tensor, _indices: torch.Tensor | None = None) -> torch.Tensor:
         with choice.context(backend.device_type):
             logits = model(x)
         loss = F.cross_entropy(logits.float(), y)

@@ -33,6 +33,7 @@ class LossInputs:
     teacher_feats: list[torch.Tensor] = field(default_factory=list)
     adapted: dict[str, torch.Tensor] = field(default_factory=dict)  # a term's adapter output, by method name
     step: int = 0
+    indices: torch.Tensor | None = None  # the batch's sample indices in its data set (None: a fixed batch)
 
 
 class Term(nn.Module):
@@ -43,8 +44,9 @@ class Term(nn.Module):
     needs_features: ClassVar[bool] = False
     ce_weight: float = 1.0
 
-    def adapter(self) -> tuple[int, nn.Module] | None:
-        """(feature index, module) applied to the student's feature inside the student's forward.
+    def adapter(self) -> tuple[int | slice, nn.Module] | None:
+        """(feature index, module) applied to the student's feature inside the student's forward (a slice
+        hands the module a list of features, e.g. every paired one for ReviewKD's fusion).
 
         The student side owns it (``step.Trainee``): it trains with the student, counts
         in its parameters and, under DDP, has its gradients reduced with the student's.
