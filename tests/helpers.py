@@ -25,6 +25,27 @@ def make_config(**overrides) -> CellConfig:
     return CellConfig.model_validate(raw)
 
 
+def make_step(config: CellConfig, models=None):
+    """The cell's DistillStep on the CPU: its pair built from seed 0 (or ``models``), its fixed batch."""
+    import torch
+
+    from kdbench.distill.step import DistillStep
+    from kdbench.hw.backends import resolve
+    from kdbench.hw.data import synthetic_batch
+    from kdbench.models import build_model
+
+    if models is None:
+        torch.manual_seed(0)
+        shape = tuple(config.data.shape)
+        models = (
+            build_model(config.pair.teacher, config.data.num_classes, shape),
+            build_model(config.pair.student, config.data.num_classes, shape),
+        )
+    cpu = resolve("cpu")
+    x, y = synthetic_batch(config, config.batch_size, cpu.device, 0)
+    return DistillStep(models[0], models[1], x, y, config, cpu)
+
+
 def run_folder(out: Path) -> RunFolder:
     """The one run folder a test's `kdbench run --out out` made."""
     runs = [RunFolder(p) for p in Path(out).iterdir() if (p / MANIFEST).is_file()]

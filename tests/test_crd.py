@@ -10,12 +10,9 @@ from torch import nn
 from kdbench.distill.losses import LossInputs
 from kdbench.distill.losses.crd import CRD, CRDParams, contrast_idx_for, crd_loss, init_bank, momentum_update
 from kdbench.distill.losses.kd import kd_kl
-from kdbench.distill.step import DistillStep
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import resolve
-from kdbench.hw.data import synthetic_batch
-from kdbench.models import build_model
-from tests.helpers import make_config
+from tests.helpers import make_config, make_step
 
 CPU = resolve("cpu")
 
@@ -215,10 +212,7 @@ def _step(method, precision="fp32", mode="live", **extra):
         teacher={"mode": mode},
         crd={"nce_k": 64, "n_data": 128, **extra},
     )
-    torch.manual_seed(0)
-    teacher, student = build_model("resnet8", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16))
-    x, y = synthetic_batch(config, config.batch_size, CPU.device, 0)
-    return DistillStep(teacher, student, x, y, config, CPU)
+    return make_step(config)
 
 
 @pytest.mark.parametrize("mode", ["live", "cached"])

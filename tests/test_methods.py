@@ -13,12 +13,10 @@ from kdbench.distill.losses.at import at_loss, attention_map
 from kdbench.distill.losses.dkd import dkd_parts
 from kdbench.distill.losses.fitnet import regressor
 from kdbench.distill.losses.kd import kd_kl
-from kdbench.distill.step import DistillStep
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import resolve
-from kdbench.hw.data import synthetic_batch
 from kdbench.models import build_model
-from tests.helpers import make_config
+from tests.helpers import make_config, make_step
 
 CPU = resolve("cpu")
 
@@ -291,15 +289,7 @@ def test_default_lists_pair_on_their_deepest_stages_explicit_lists_must_match():
 def _step(config, mode=None, models=None):
     if mode:
         config = config.model_copy(update={"teacher": config.teacher.model_copy(update={"mode": mode})})
-    if models is None:
-        torch.manual_seed(0)
-        shape = tuple(config.data.shape)
-        models = (
-            build_model(config.pair.teacher, config.data.num_classes, shape),
-            build_model(config.pair.student, config.data.num_classes, shape),
-        )
-    x, y = synthetic_batch(config, config.batch_size, CPU.device, 0)
-    return DistillStep(models[0], models[1], x, y, config, CPU)
+    return make_step(config, models)
 
 
 def test_fitnet_gradients_reach_student_and_adapter_only():

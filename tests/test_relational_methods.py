@@ -14,11 +14,8 @@ import torch.nn.functional as F
 from kdbench.distill.losses import METHODS, DistillLoss, LossInputs
 from kdbench.distill.losses.dist import dist_parts
 from kdbench.distill.losses.rkd import rkd_parts
-from kdbench.distill.step import DistillStep
 from kdbench.hw.backends import resolve
-from kdbench.hw.data import synthetic_batch
-from kdbench.models import build_model
-from tests.helpers import make_config
+from tests.helpers import make_config, make_step
 
 CPU = resolve("cpu")
 
@@ -224,11 +221,7 @@ def test_kd_plus_dist_adds_the_terms_with_kds_ce_weight():
 
 
 def _step(method, precision, mode):
-    config = make_config(method=method, precision=precision, teacher={"mode": mode})
-    torch.manual_seed(0)
-    teacher, student = build_model("resnet8", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16))
-    x, y = synthetic_batch(config, config.batch_size, CPU.device, 0)
-    return DistillStep(teacher, student, x, y, config, CPU)
+    return make_step(make_config(method=method, precision=precision, teacher={"mode": mode}))
 
 
 STEP_METHODS = ["rkd", "dist", "kd+dist", "rkd+dist"]

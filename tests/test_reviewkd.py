@@ -11,12 +11,10 @@ from kdbench.distill.hooks import FeaturePaths
 from kdbench.distill.losses import METHODS, DistillLoss, LossInputs
 from kdbench.distill.losses.kd import kd_kl
 from kdbench.distill.losses.reviewkd import ReviewFusion, ReviewKD, ReviewKDParams, hcl_loss
-from kdbench.distill.step import DistillStep
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import resolve
-from kdbench.hw.data import synthetic_batch
 from kdbench.models import build_model
-from tests.helpers import make_config
+from tests.helpers import make_config, make_step
 
 CPU = resolve("cpu")
 
@@ -216,15 +214,7 @@ def test_non_square_maps_review_to_the_teachers_shapes():
 
 
 def _step(config, models=None):
-    if models is None:
-        torch.manual_seed(0)
-        shape = tuple(config.data.shape)
-        models = (
-            build_model(config.pair.teacher, config.data.num_classes, shape),
-            build_model(config.pair.student, config.data.num_classes, shape),
-        )
-    x, y = synthetic_batch(config, config.batch_size, CPU.device, 0)
-    return DistillStep(models[0], models[1], x, y, config, CPU)
+    return make_step(config, models)
 
 
 @pytest.mark.parametrize("mode", ["live", "cached"])
