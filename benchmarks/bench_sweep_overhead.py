@@ -5,11 +5,15 @@ inference batch size) runs through the real engine and worker process.  For ever
 cell the engine records its wall time (from handing it to the worker until its part
 is stored) and the time the worker spent running it; their difference is the
 harness's overhead for that cell: the pipe, stamping, the parquet part, the progress
-line.  The median overhead of the last hundred cells must be at most 1.2 times that
-of the first hundred (a run that rewrote one file per cell grew from about 60 ms to
-about 100 ms here).  And a tiny cell must cost at most 100 ms in all (median over the
-last hundred): about 30 ms here, while a full garbage collection of torch's objects
-before each measurement once made it 500 ms without changing the ratio.  The figures
+line.  The lower quartile of the overhead of the last hundred cells must be at most
+1.2 times that of the first hundred (a run that rewrote one file per cell grew from
+about 60 ms to about 100 ms here).  The lower quartile, not the median: a cost that
+grows with the run shifts every cell, while the shared machine's passing slowdowns only
+inflate some (one CI run read block medians of 9.6, 9.9, 13.6, 10.0, 9.3, 9.1, 9.7 and
+13.0 ms per fifty cells: a median ratio of 1.29 with lower quartiles of 9.06 and 8.90 ms).
+And a tiny cell must cost at most 100 ms in all (median over the last hundred): about
+30 ms here, while a full garbage collection of torch's objects before each measurement
+once made it 500 ms without changing the ratio.  The figures
 are printed, attached to pytest-benchmark's record and written to
 benchmarks/.results/sweep_overhead.json.
 """
@@ -27,6 +31,15 @@ from kdbench.store import read_results
 
 CELLS = 400
 BLOCK = 100
+
+
+def quartile(values: list[float]) -> float:
+    """The lower quartile (numpy's linear interpolation)."""
+    import numpy as np
+
+    return float(np.percentile(values, 25))
+
+
 LIMIT = 1.2
 CELL_LIMIT_MS = 100.0  # median wall time of a tiny cell, worker included
 OUT = Path(__file__).resolve().parent / ".results" / "sweep_overhead.json"
@@ -56,13 +69,15 @@ def test_cost_per_cell_does_not_grow_with_the_run(benchmark, report_line, tmp_pa
     overhead_ms = [(t.wall_s - t.worker_s) * 1e3 for t in timings]
     wall_ms = [t.wall_s * 1e3 for t in timings]
     first, last = overhead_ms[1:BLOCK], overhead_ms[-BLOCK:]  # the first cell also starts the worker process
-    ratio = statistics.median(last) / statistics.median(first)
+    ratio = quartile(last) / quartile(first)
     result = {
         "cells": CELLS,
         "overhead_ms_median_first_100": statistics.median(first),
         "overhead_ms_median_last_100": statistics.median(last),
         "overhead_ms_mean_first_100": statistics.fmean(first),
         "overhead_ms_mean_last_100": statistics.fmean(last),
+        "overhead_ms_p25_first_100": quartile(first),
+        "overhead_ms_p25_last_100": quartile(last),
         "ratio_last_to_first": ratio,
         "limit": LIMIT,
         "wall_ms_median_first_100": statistics.median(wall_ms[1:BLOCK]),
@@ -75,8 +90,9 @@ def test_cost_per_cell_does_not_grow_with_the_run(benchmark, report_line, tmp_pa
     assert len(read_results([outcome.path])) == 3 * CELLS  # every row stored once
     report_line(f"sweep of {CELLS} tiny cells (linear -> linear, 20 iterations), engine overhead per cell:")
     report_line(
-        f"  median {result['overhead_ms_median_first_100']:.1f} ms over cells 2-100, "
-        f"{result['overhead_ms_median_last_100']:.1f} ms over the last 100 (ratio {ratio:.3f}, must be <= {LIMIT}); "
+        f"  lower quartile {result['overhead_ms_p25_first_100']:.1f} ms over cells 2-100, "
+        f"{result['overhead_ms_p25_last_100']:.1f} ms over the last 100 (ratio {ratio:.3f}, must be <= {LIMIT}); "
+        f"medians {result['overhead_ms_median_first_100']:.1f} / {result['overhead_ms_median_last_100']:.1f} ms; "
         f"means {result['overhead_ms_mean_first_100']:.1f} / {result['overhead_ms_mean_last_100']:.1f} ms"
     )
     report_line(
