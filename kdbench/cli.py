@@ -207,7 +207,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_number(float, "--confidence", 0.5, 0.9999),
         default=0.95,
         metavar="C",
-        help="confidence level of the intervals (default: 0.95)",
+        help="confidence of the intervals, for all the compared measurements together (default: 0.95)",
     )
     cmp.add_argument("--format", choices=["text", "markdown", "json", "csv"], default="text", help="output format")
     cmp.add_argument(

@@ -179,9 +179,8 @@ def timed_loop(
     per_call = max(first / 1e3, 1e-9)
     shown = time.perf_counter()
 
-    def tell(phase: str, done: int, planned: int) -> None:
+    def tell(phase: str, done: int, planned: int, now: float) -> None:
         nonlocal shown
-        now = time.perf_counter()
         if progress is not None and now - shown >= PROGRESS_EVERY_S:
             shown = now
             progress(phase, done, planned, per_call)
@@ -197,7 +196,7 @@ def timed_loop(
         if issue:
             host.append((time.perf_counter_ns() - began) / 1e6)
             clock.sync()  # the next call starts on an idle device too
-        tell("warm-up", i + 1, warmup)
+        tell("warm-up", i + 1, warmup, time.perf_counter())
     if not (issue and warmup):  # else the last warm-up call's sync stands
         clock.sync()
     warmup_s = time.perf_counter() - began_warmup
@@ -226,7 +225,7 @@ def timed_loop(
                     break
         if progress is not None:
             per_call = (now - window_start) / n
-            tell("timed", n, max(min_iters, n))
+            tell("timed", n, max(min_iters, n), now)  # the clock read above: nothing more between calls
     clock.sync()
     window = (window_start, time.perf_counter())
     if on_window is not None:
