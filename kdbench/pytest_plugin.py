@@ -14,9 +14,27 @@ measures one thing::
 `kdbench run` validates a suite; ``module:callable`` user models are allowed (the test file is
 user code already).  The cell's models, batch, distillation step, math mode and autocast are
 built by the same functions :mod:`kdbench.measure.cell` uses, so the timed call is the one a
-``kdbench run`` of that cell times.  What differs is the timer: pytest-benchmark times each call
-on the host, so on GPUs the call ends with a device synchronize (a no-op on the CPU) and each
-round's time is the device's time for that call, plus the synchronize's return.
+``kdbench run`` of that cell times, levers included:
+
+* a cell ``kdbench run`` stores as skipped is skipped, with the same reason: a precision the
+  backend cannot run, or a GPU-only lever (``graphs``, ``conv_autotune``, ``tunableop``) on the CPU;
+* the device-wide levers ``conv_autotune`` (cudnn.benchmark) and ``tunableop`` (TunableOp) are set
+  around the measurement and restored after it (:func:`kdbench.measure.levers.device_levers`);
+  TunableOp's results file is kept in the session's pytest temporary folder
+  (``<basetemp>/kdbench/tunableop-<device>.csv``: one per device kind, shared by the session's
+  tests as a run's cells share theirs), and its path lands in ``extra_info["tunableop_file"]``;
+* the student's inference is served by the cell's ``inference.runtime`` (eager, compile,
+  onnxruntime, int8) and replayed from a CUDA/HIP graph with ``graphs``
+  (:func:`kdbench.measure.runtimes.serve`); the teacher is served eagerly, as `kdbench run`
+  serves it.  The served output is checked against eager's before timing: a mismatch fails the
+  test, a runtime that cannot run here (``LeverSkip``) skips it.  ``extra_info`` carries the
+  ``runtime``, its ``one_off_ms`` / ``one_off_kind`` and the ``output_check``.
+
+What differs is the timer: pytest-benchmark times each call on the host, so on GPUs the call ends
+with a device synchronize (a no-op on the CPU) and each round's time is the device's time for that
+call, plus the synchronize's return.  One-off costs paid in the first calls (compile, algorithm
+search, TunableOp tuning) fall in the untimed warm-up rounds (``warmup_rounds``: keep it above 0
+for such levers); `kdbench run` reports them as ``one_off_ms``, the fixture does so for served runtimes.
 
 Loading this module must cost nothing in sessions that never use the fixture: it imports
 pytest only; torch and kdbench's measuring code are imported when the fixture's methods run.
@@ -24,8 +42,9 @@ pytest only; torch and kdbench's measuring code are imported when the fixture's 
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -73,9 +92,15 @@ def cell_of(config: Mapping[str, Any]) -> Cell:
 class KdbenchFixture:
     """What the ``kdbench`` fixture returns: :meth:`step` or :meth:`inference`, once per test."""
 
-    def __init__(self, benchmark: Any, cache: Callable[[], ModelCache]):
+    def __init__(
+        self,
+        benchmark: Any,
+        cache: Callable[[], ModelCache],
+        tunable_dir: Callable[[], str | Path | None] = lambda: None,
+    ):
         self.benchmark = benchmark
         self._cache = cache
+        self._tunable_dir = tunable_dir  # where TunableOp's results file is kept (None: not kept)
         self._used: str | None = None
         self._backend: Backend | None = None
         self._closers: list[Callable[[], None]] = []
@@ -90,28 +115,32 @@ class KdbenchFixture:
 
         ``rounds=None`` lets pytest-benchmark choose the rounds (``--benchmark-min-rounds``,
         ``--benchmark-max-time``) after ``warmup_rounds`` untimed calls; an int runs
-        ``benchmark.pedantic`` with exactly that many rounds of one call each."""
+        ``benchmark.pedantic`` with exactly that many rounds of one call each.  The cell's
+        ``compile``, ``optimizer.impl``, ``conv_autotune`` and ``tunableop`` hold as in `kdbench run`."""
         self._claim("step", rounds, warmup_rounds)
         from kdbench.distill.step import DistillStep
         from kdbench.hw.backends import math_mode
         from kdbench.hw.data import synthetic_batch
         from kdbench.measure.cell import model_pair
+        from kdbench.measure.levers import LeverWatch
         from kdbench.names import Measurement
 
         cell, backend = self._prepare(config, device)
         c = cell.config
+        teacher, student = self._build(lambda: model_pair(c, backend, self._cache()))
 
         def build() -> DistillStep:
-            teacher, student = model_pair(c, backend, self._cache())
             x, y = synthetic_batch(c, c.batch_size, backend.device, c.seed)
+            LeverWatch(c)  # as `kdbench run`: a compiled cell starts from a reset torch._dynamo
             return DistillStep(teacher, student, x, y, c, backend)
 
-        step = self._build(build)
-        self._closers.append(step.close)
-        d = step.distiller
-        self._record(cell, backend, Measurement.DISTILL_STEP, c.batch_size, d.student_ac, d.teacher_ac)
-        with math_mode(d.student_ac.tf32):  # IEEE fp32 unless the cell asks for tf32, as `kdbench run`
-            self._run(step, backend, rounds, warmup_rounds)
+        with self._levers(cell, backend):  # the step is built and timed under the cell's device levers
+            step = self._build(build)
+            self._closers.append(step.close)
+            d = step.distiller
+            self._record(cell, backend, Measurement.DISTILL_STEP, c.batch_size, d.student_ac, d.teacher_ac)
+            with math_mode(d.student_ac.tf32):  # IEEE fp32 unless the cell asks for tf32, as `kdbench run`
+                self._run(step, backend, rounds, warmup_rounds)
         loss = float(step.last_loss) if step.last_loss is not None else math.nan
         self.benchmark.extra_info["final_loss"] = loss
         if not math.isfinite(loss):
@@ -129,24 +158,49 @@ class KdbenchFixture:
     ) -> Any:
         """Benchmark the student's (``model="teacher"``: the teacher's) forward on a fixed batch of
         ``batch_size``, in eval() under inference_mode at the cell's precision; returns the output of
-        the last call.  ``rounds`` and ``warmup_rounds`` as for :meth:`step`."""
+        the last call (a numpy array for ``onnxruntime`` off CUDA).  ``rounds`` and ``warmup_rounds``
+        as for :meth:`step`.
+
+        The student is served as `kdbench run` serves it: by the cell's ``inference.runtime``, replayed
+        from a CUDA/HIP graph with ``graphs``, its output checked against eager's before timing (a
+        MISMATCH fails the test; a runtime that cannot run here skips it).  The teacher is served
+        eagerly.  ``extra_info`` records ``runtime``, ``one_off_ms``, ``one_off_kind`` and ``output_check``."""
         self._claim("inference", rounds, warmup_rounds)
         if model not in ROLES:
             _fail(f"model={model!r}: use 'student' or 'teacher'")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             _fail(f"batch_size={batch_size!r}: use a positive int")
         from kdbench.hw.backends import math_mode
-        from kdbench.measure.cell import cell_model, inference_forward
+        from kdbench.measure.cell import cell_model, inference_forward, served_columns
+        from kdbench.measure.runtimes import LeverSkip, serve
         from kdbench.names import Measurement
 
         cell, backend = self._prepare(config, device)
         c = cell.config
         net = self._build(lambda: cell_model(getattr(c.pair, model), c, backend, self._cache()))
-        forward, _x, choice = inference_forward(net, batch_size, c, backend)
-        self._record(cell, backend, Measurement(f"{model}_inference"), batch_size, choice)
-        self.benchmark.extra_info["model"] = getattr(c.pair, model)
-        with math_mode(choice.tf32):
-            return self._run(forward, backend, rounds, warmup_rounds)
+        info = self.benchmark.extra_info
+        with self._levers(cell, backend):  # serving (export, compile, capture) and timing, as `kdbench run`
+            forward, x, choice = inference_forward(net, batch_size, c, backend)
+            self._record(cell, backend, Measurement(f"{model}_inference"), batch_size, choice)
+            info["model"] = getattr(c.pair, model)
+            info["runtime"] = "eager"
+            if model == "student" and (c.inference.runtime != "eager" or c.graphs):
+                try:
+                    served = serve(net, x, c.inference.runtime, c, backend, graphs=c.graphs)
+                except LeverSkip as exc:  # `kdbench run` stores the row as skipped, with this reason
+                    pytest.skip(f"kdbench: {exc}")
+                info["runtime"] = served.runtime
+                info.update(served_columns(served))
+                notes = [n for n in (info.get("notes"), *served.notes) if n]
+                info["notes"] = "; ".join(dict.fromkeys(notes)) or None
+                if served.check is not None and not served.check.ok:
+                    _fail(
+                        f"the student served by {served.runtime} does not compute what eager does "
+                        f"({served.check.text()}); measure a runtime whose output agrees"
+                    )
+                forward = served.forward
+            with math_mode(choice.tf32):
+                return self._run(forward, backend, rounds, warmup_rounds)
 
     # ------------------------------------------------------------------ parts
 
@@ -164,9 +218,10 @@ class KdbenchFixture:
 
     def _prepare(self, config: Mapping[str, Any], device: str) -> tuple[Cell, Backend]:
         """The validated cell and the backend; skips the test where the backend cannot run the cell's
-        precisions (as `kdbench run` stores the cell as skipped)."""
+        precisions or its levers (GPU-only levers on the CPU), as `kdbench run` stores the cell as skipped."""
         from kdbench.errors import KdbenchError
         from kdbench.hw.backends import choose_autocast, resolve
+        from kdbench.measure.levers import skip_reason
 
         try:
             cell = cell_of(config)
@@ -179,7 +234,26 @@ class KdbenchFixture:
             skip = choose_autocast(backend, precision).skip
             if skip:
                 pytest.skip(f"kdbench: {skip}")
+        skip = skip_reason(c, backend)
+        if skip:
+            pytest.skip(f"kdbench: {skip}")
         return cell, backend
+
+    @contextlib.contextmanager
+    def _levers(self, cell: Cell, backend: Backend) -> Iterator[None]:
+        """The cell's device-wide levers (cudnn.benchmark, TunableOp) set inside, restored after, as
+        `kdbench run` holds them around a cell's measurements; TunableOp's results file is kept in the
+        folder ``tunable_dir`` gives (the session's pytest temporary folder), its path in ``extra_info``."""
+        from kdbench.measure.levers import device_levers, tunableop_file
+
+        c = cell.config
+        tunable = None
+        if c.tunableop:
+            folder = self._tunable_dir()
+            tunable = tunableop_file(str(folder) if folder is not None else None, str(backend.device))
+        with device_levers(c, backend, tunable) as lever_row:
+            yield
+        self.benchmark.extra_info.update(lever_row)  # filled in when the levers' block ends
 
     def _build(self, build: Callable[[], Any]) -> Any:
         from kdbench.errors import KdbenchError
@@ -261,10 +335,11 @@ def _kdbench_model_cache() -> Callable[[], ModelCache]:
 
 
 @pytest.fixture
-def kdbench(benchmark: Any, _kdbench_model_cache: Callable[[], ModelCache]):
+def kdbench(benchmark: Any, _kdbench_model_cache: Callable[[], ModelCache], tmp_path_factory: pytest.TempPathFactory):
     """Benchmark a cell's distillation step (``kdbench.step(config)``) or a model's inference
     (``kdbench.inference(config, batch_size=1)``) with pytest-benchmark, as `kdbench run` measures
-    it; ``config`` holds the keys of a suite's ``defaults``.  One measurement per test."""
-    fixture = KdbenchFixture(benchmark, _kdbench_model_cache)
+    it; ``config`` holds the keys of a suite's ``defaults``.  One measurement per test.  TunableOp's
+    results (``tunableop: true``) are kept in ``kdbench/`` of the session's pytest base temporary folder."""
+    fixture = KdbenchFixture(benchmark, _kdbench_model_cache, lambda: tmp_path_factory.getbasetemp() / "kdbench")
     yield fixture
     fixture.close()

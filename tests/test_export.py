@@ -124,6 +124,62 @@ def test_stats_as_pytest_benchmark_computes_them(n):
     assert _stats([float(v) for v in data]) == {**ref.as_dict(), "data": ref.data, "iterations": 1}
 
 
+# Data sets for the field-by-field comparison with pytest_benchmark.stats.Stats: every count of rounds that
+# changes its quartile method, outliers on one side and on both, ties, and data exactly on a Tukey fence.
+STATS_DATA = {
+    "n1": [0.5],
+    "n2": [1.0, 3.0],
+    "n3 outlier above": [1.0, 2.0, 100.0],
+    "n4 outlier above": [1.0, 2.0, 3.0, 50.0],
+    "n5 both sides": [1.2, 1.1, 0.001, 9.0, 1.0],
+    "n7 both sides": [10.0, 10.5, 11.0, 10.25, 0.5, 10.75, 40.0],
+    "n10 both sides": [5.0, 5.1, 5.2, 5.3, 5.4, 5.5, 5.6, 5.7, 0.1, 90.0],
+    "all tied": [2.0, 2.0, 2.0, 2.0, 2.0],
+    "ties at the ends": [1.0, 1.0, 1.0, 5.0, 5.0, 5.0],
+    "ties beyond the fences": [0.0, 0.0, 12.0, 12.0, 12.0, 14.0, 14.0, 14.0, 30.0, 30.0],
+    "on both fences": [17.0, 12.0, 9.0, 12.0, 14.0, 12.0, 14.0, 14.0],  # q1 12, q3 14: fences 9 and 17
+    "just beyond both fences": [17.0 + 2**-40, 12.0, 9.0 - 2**-40, 12.0, 14.0, 12.0, 14.0, 14.0],
+    "on the upper fence, odd": [1.0, 11.0, 2.0, 1.0, 3.0],  # method 3: q1 1, q3 5, upper fence 11
+    "just beyond the upper fence, odd": [1.0, 11.0 + 2**-40, 2.0, 1.0, 3.0],
+}
+
+
+@pytest.mark.parametrize("name", list(STATS_DATA))
+def test_every_stats_field_as_pytest_benchmark_computes_it(name):
+    from pytest_benchmark.stats import Stats
+
+    data = STATS_DATA[name]
+    ref = Stats()
+    for v in data:
+        ref.update(v)
+    ours = _stats(list(data))
+    assert set(Stats.fields) <= set(ours)
+    for field in Stats.fields:
+        assert ours[field] == getattr(ref, field), (field, ours[field], getattr(ref, field))
+    assert (ours["data"], ours["iterations"]) == (data, 1)
+
+
+def test_the_tukey_data_are_the_extremes_within_the_fences():
+    """ld15iqr / hd15iqr: the lowest and highest data within Q1 - 1.5 IQR and Q3 + 1.5 IQR, fences included."""
+    both = _stats(STATS_DATA["n10 both sides"])  # q1 5.1, q3 5.6: fences 4.35 and 6.35
+    assert (both["ld15iqr"], both["hd15iqr"], both["iqr_outliers"]) == (5.0, 5.7, 2)
+    fences = _stats(STATS_DATA["on both fences"])
+    assert (fences["q1"], fences["q3"], fences["iqr"]) == (12.0, 14.0, 2.0)
+    assert (fences["ld15iqr"], fences["hd15iqr"], fences["iqr_outliers"]) == (9.0, 17.0, 0)  # on a fence: within
+    beyond = _stats(STATS_DATA["just beyond both fences"])
+    assert (beyond["ld15iqr"], beyond["hd15iqr"], beyond["iqr_outliers"]) == (12.0, 14.0, 2)
+    ties = _stats(STATS_DATA["ties beyond the fences"])  # q1 12, q3 14: fences 9 and 17
+    assert (ties["ld15iqr"], ties["hd15iqr"], ties["iqr_outliers"]) == (12.0, 14.0, 4)
+    assert _stats([0.5])["ld15iqr"] == _stats([0.5])["hd15iqr"] == 0.5
+    tied = _stats(STATS_DATA["all tied"])
+    assert (tied["iqr"], tied["ld15iqr"], tied["hd15iqr"], tied["iqr_outliers"]) == (0.0, 2.0, 2.0, 0)
+    odd = _stats(STATS_DATA["on the upper fence, odd"])
+    assert (odd["q1"], odd["q3"], odd["hd15iqr"], odd["iqr_outliers"]) == (1.0, 5.0, 11.0, 0)
+    odd_beyond = _stats(STATS_DATA["just beyond the upper fence, odd"])
+    assert (odd_beyond["hd15iqr"], odd_beyond["iqr_outliers"]) == (3.0, 1)
+    assert _stats(STATS_DATA["n3 outlier above"])["hd15iqr"] == 100.0  # q1 1.25, q3 75.5: within the fence
+
+
 def _load_with_pytest_benchmark(path: Path) -> list[dict]:
     """The benchmarks of ``path`` as `pytest-benchmark compare` loads them (FileStorage.load_benchmarks)."""
     from pytest_benchmark.logger import Logger

@@ -13,10 +13,16 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
+import kdbench.measure.levers as levers
 from kdbench.config.load import load_suite
 from kdbench.config.plan import expand
 from kdbench.errors import KdbenchError
+from kdbench.hw.backends import Backend
+from kdbench.measure.levers import tunableop_file
+from kdbench.measure.timing import HostClock
+from kdbench.models import ModelCache
 from kdbench.pytest_plugin import cell_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,3 +164,186 @@ def test_gpu_calls_end_with_a_synchronize(device_type, rounds):
         assert all(b == "sync" for a, b in itertools.pairwise(events) if a == "call")
     else:
         assert "sync" not in events
+
+
+# --------------------------------------------------------------------------- levers and runtimes
+
+SMALL = {"pair": PAIR, "data": {"shape": [3, 16, 16], "num_classes": 10}, "batch_size": 4}
+
+
+def test_inference_is_served_by_the_cells_runtime_and_gpu_levers_skip_on_the_cpu(tmp_path):
+    """One session: onnxruntime and int8 students are timed as `kdbench run` serves them (runtime and output check
+    in extra_info), the teacher stays eager, a served student that disagrees with eager fails in one line, and
+    GPU-only levers skip on the CPU with run's reason."""
+    (tmp_path / "test_levers_user.py").write_text(
+        textwrap.dedent(
+            f"""
+            import numpy as np
+            import torch
+
+            import kdbench.measure.runtimes as runtimes
+
+            SMALL = {SMALL!r}
+            INT8 = {{**SMALL, "inference": {{"runtime": "int8"}}}}
+
+            def test_onnxruntime(kdbench):
+                out = kdbench.inference({{**SMALL, "inference": {{"runtime": "onnxruntime"}}}}, device="cpu", rounds=2)
+                assert isinstance(out, np.ndarray) and out.shape == (1, 10)  # ONNX Runtime's output, not torch's
+
+            def test_int8(kdbench):
+                out = kdbench.inference(INT8, device="cpu", rounds=2)
+                assert isinstance(out, torch.Tensor) and out.shape == (1, 10)
+
+            def test_teacher_is_eager(kdbench):
+                kdbench.inference(INT8, model="teacher", device="cpu", rounds=2)
+
+            def test_mismatch(kdbench, monkeypatch):
+                wrong = runtimes.OutputCheck(max_abs_diff=3.0, top1_agreement=0.5, tolerance=1e-3, ok=False)
+                monkeypatch.setattr(runtimes, "compare_outputs", lambda *args: wrong)
+                kdbench.inference(INT8, device="cpu", rounds=2)
+
+            def test_graphs_on_the_cpu(kdbench):
+                kdbench.inference({{**SMALL, "graphs": True}}, device="cpu", rounds=2)
+
+            def test_conv_autotune_on_the_cpu(kdbench):
+                kdbench.step({{**SMALL, "conv_autotune": True}}, device="cpu", rounds=2)
+            """
+        )
+    )
+    out = tmp_path / "out.json"
+    quiet = ["-W", "ignore::pytest_benchmark.logger.PytestBenchmarkWarning"]  # test_mismatch fails before timing
+    proc = _pytest(["test_levers_user.py", "-rs", "--benchmark-json", str(out), *quiet], tmp_path)
+    text = proc.stdout
+    assert proc.returncode == 1, text + proc.stderr
+    assert "1 failed, 3 passed, 2 skipped" in text, text
+    lines = text.splitlines()
+    mismatch = (
+        "kdbench: the student served by int8 does not compute what eager does (MISMATCH: max |Δ| 3.0e+00 > "
+        "1.0e-03, top-1 agreement 50 %); measure a runtime whose output agrees"
+    )
+    assert mismatch in lines, text
+    assert "Traceback" not in text
+    graphs = "kdbench: graphs: CUDA/HIP graphs capture GPU work: there is no graph to replay on the CPU"
+    assert f"{graphs} (run it with --device cuda or rocm)" in text, text
+    assert "kdbench: conv_autotune sets cudnn.benchmark, the cuDNN/MIOpen algorithm search: GPUs only" in text, text
+
+    benchmarks = {b["name"]: b for b in json.loads(out.read_text())["benchmarks"]}
+    assert sorted(benchmarks) == ["test_int8", "test_onnxruntime", "test_teacher_is_eager"]
+    onnx, int8, teacher = (
+        benchmarks[n]["extra_info"] for n in ("test_onnxruntime", "test_int8", "test_teacher_is_eager")
+    )
+    assert onnx["runtime"] == "onnxruntime" and onnx["one_off_kind"] == "ONNX export + session"
+    assert int8["runtime"] == "int8" and int8["one_off_kind"] == "int8 quantization"
+    for info in (onnx, int8):
+        assert info["measurement"] == "student_inference" and info["model"] == "resnet8"
+        assert info["one_off_ms"] > 0
+        assert info["output_check"].startswith("ok: max |Δ| ") and "top-1 agreement" in info["output_check"]
+        assert 0 <= info["output_max_abs_diff"] < 1 and 0 <= info["output_top1_agreement"] <= 1
+    assert "onnxruntime " in onnx["notes"] and "CPUExecutionProvider" in onnx["notes"]
+    assert "int8: dynamic quantization of 1 Linear layer" in int8["notes"]
+    assert (teacher["measurement"], teacher["model"], teacher["runtime"]) == ("teacher_inference", "resnet20", "eager")
+    assert "output_check" not in teacher and "one_off_ms" not in teacher
+
+
+class _SimulatedGpu(Backend):
+    """A CUDA backend as the plugin sees it (device type "cuda"), computing on the CPU: no GPU needed."""
+
+    @property
+    def device_type(self) -> str:
+        return "cuda"
+
+    def clock(self):
+        return HostClock()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _FakeTunable:
+    """torch.cuda.tunable, recording its calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *args: self.calls.append((name, *args))
+
+
+class _RecordingBenchmark(_FakeBenchmark):
+    """The fake benchmark, with extra_info and group, recording the device levers each timed call ran under."""
+
+    group = None
+
+    def __init__(self, events, tunable):
+        super().__init__(events)
+        self.extra_info = {}
+        self.tunable = tunable
+
+    def pedantic(self, target, rounds, warmup_rounds, iterations):
+        self.events.append((torch.backends.cudnn.benchmark, ("enable", True) in self.tunable.calls))
+        return super().pedantic(target, rounds, warmup_rounds, iterations)
+
+
+@pytest.mark.parametrize("what", ["step", "inference"])
+def test_device_levers_hold_around_the_benchmark_on_a_simulated_gpu(what, monkeypatch, tmp_path):
+    """On a (simulated) GPU, step() and inference() time the call inside device_levers: cudnn.benchmark on
+    for conv_autotune, TunableOp enabled with its file in the fixture's folder; both restored after."""
+    import kdbench.hw.backends as backends
+    import kdbench.hw.environment as environment
+    from kdbench.pytest_plugin import KdbenchFixture
+
+    gpu = _SimulatedGpu("cuda", torch.device("cpu"))
+    tunable = _FakeTunable()
+    monkeypatch.setattr(backends, "resolve", lambda requested: gpu)
+    monkeypatch.setattr(environment, "_device_facts", lambda backend: {"device_name": "simulated"})
+    monkeypatch.setattr(torch.cuda, "tunable", tunable, raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    entered = []
+    real = levers.device_levers
+
+    def watched(config, backend, tunable_path=None):
+        entered.append((config.conv_autotune, config.tunableop, backend.device_type, tunable_path))
+        return real(config, backend, tunable_path)
+
+    monkeypatch.setattr(levers, "device_levers", watched)
+    events: list = []
+    bench = _RecordingBenchmark(events, tunable)
+    fixture = KdbenchFixture(bench, cache=ModelCache, tunable_dir=lambda: tmp_path / "kdbench")
+    config = {**SMALL, "conv_autotune": True, "tunableop": True}
+    getattr(fixture, what)(config, device="cuda", rounds=2, warmup_rounds=1)
+    fixture.close()
+
+    path = tunableop_file(str(tmp_path / "kdbench"), str(gpu.device))
+    assert path == tmp_path / "kdbench" / "tunableop-cpu.csv"
+    assert entered == [(True, True, "cuda", path)]
+    assert events[0] == (True, True)  # timed with cudnn.benchmark on and TunableOp enabled
+    assert events.count("timing") == 1
+    assert tunable.calls == [
+        ("enable", True),
+        ("tuning_enable", True),
+        ("set_filename", str(path)),
+        ("write_file",),
+        ("enable", False),
+    ]
+    assert torch.backends.cudnn.benchmark is False  # restored
+    assert bench.extra_info["tunableop_file"] == str(path)
+    assert bench.extra_info["backend"] == "cuda" and bench.extra_info["device_name"] == "simulated"
+    assert bench.extra_info["measurement"] == ("distill_step" if what == "step" else "student_inference")
+
+
+def test_no_device_levers_without_them_on_a_simulated_gpu(monkeypatch):
+    """conv_autotune off is set, not inherited (as `kdbench run`): cudnn.benchmark is off for the timed call."""
+    import kdbench.hw.backends as backends
+    import kdbench.hw.environment as environment
+    from kdbench.pytest_plugin import KdbenchFixture
+
+    monkeypatch.setattr(backends, "resolve", lambda requested: _SimulatedGpu("cuda", torch.device("cpu")))
+    monkeypatch.setattr(environment, "_device_facts", lambda backend: {"device_name": "simulated"})
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    tunable = _FakeTunable()
+    monkeypatch.setattr(torch.cuda, "tunable", tunable, raising=False)
+    events: list = []
+    bench = _RecordingBenchmark(events, tunable)
+    KdbenchFixture(bench, cache=ModelCache).inference(SMALL, device="cuda", rounds=1, warmup_rounds=0)
+    assert events[0] == (False, False) and tunable.calls == []
+    assert torch.backends.cudnn.benchmark is True and "tunableop_file" not in bench.extra_info

@@ -168,8 +168,11 @@ def test_abf_review_equals_the_reference_composition_with_the_same_weights():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("step,ramp", [(0, 0.25), (1, 0.5), (3, 1.0), (9, 1.0)])
-def test_the_term_equals_weight_warmup_hcl_of_the_reference_review(step, ramp):
+# (training epoch, step, ramp): the ramp counts epochs (1-based), whatever the step; no epoch (a timing cell): full.
+@pytest.mark.parametrize(
+    "epoch,step,ramp", [(1, 0, 0.25), (2, 0, 0.5), (2, 900, 0.5), (4, 3, 1.0), (9, 0, 1.0), (None, 0, 1.0)]
+)
+def test_the_term_equals_weight_warmup_hcl_of_the_reference_review(epoch, step, ramp):
     params = ReviewKDParams(weight=5.0, mid_channels=16, warmup=4)
     torch.manual_seed(0)
     term = ReviewKD(params, FeaturePaths(teacher=T_SHAPES, student=S_SHAPES))
@@ -178,9 +181,8 @@ def test_the_term_equals_weight_warmup_hcl_of_the_reference_review(step, ramp):
     ref = _ref_copy(fusion, S_SHAPES, T_SHAPES, 16)
     adapted = fusion(feats[index])
     logits = torch.zeros(4, 10)
-    got = term(
-        LossInputs(logits, logits, torch.zeros(4, dtype=torch.long), feats, teacher, {"reviewkd": adapted}, step)
-    )
+    y = torch.zeros(4, dtype=torch.long)
+    got = term(LossInputs(logits, logits, y, feats, teacher, {"reviewkd": adapted}, step, epoch=epoch))
     want = 5.0 * ramp * ref_hcl(ref_review(ref, feats, [s[2] for s in S_SHAPES], [t[2] for t in T_SHAPES]), teacher)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
 
@@ -192,6 +194,85 @@ def test_defaults_are_the_references():
     term = ReviewKD(p, FeaturePaths(teacher=wide, student=wide))
     assert term.adapter()[1].abfs[0].conv1[0].out_channels == 512  # the references' cap
     assert term.ce_weight == 1.0
+
+
+def mdistiller_ramp(epoch: int, warmup_epochs: int = 20) -> float:
+    """mdistiller/distillers/ReviewKD.py: ``min(kwargs["epoch"] / self.warmup_epochs, 1.0)``, its trainer's epochs
+    counted from 1 (``epoch = 1; while epoch < EPOCHS + 1``), CFG.REVIEWKD.WARMUP_EPOCHS = 20."""
+    return min(epoch / warmup_epochs, 1.0)
+
+
+def test_the_warmup_counts_epochs_of_a_quality_training(monkeypatch):
+    """Quality training (kdbench.quality.train.fit driving Distiller.train_step, as the protocol's distil does): the
+    term's share of its weight in each epoch is mdistiller's ramp at that epoch, the same for every step of it."""
+    from kdbench.config.schema import QualityConfig
+    from kdbench.distill.step import Distiller
+    from kdbench.quality.train import DeviceData, fit
+
+    seen: list[tuple[int | None, float]] = []
+    forward = ReviewKD.forward
+
+    def watched(self, inp):
+        out = forward(self, inp)
+        full = self.weight * hcl_loss(inp.adapted["reviewkd"], inp.teacher_feats)
+        seen.append((inp.epoch, float(out.detach() / full.detach())))
+        return out
+
+    monkeypatch.setattr(ReviewKD, "forward", watched)
+    cell = make_config(method="reviewkd", data={"kind": "synthetic", "shape": [3, 8, 8], "num_classes": 4})
+    assert cell.reviewkd.warmup == 20  # the default: mdistiller's WARMUP_EPOCHS
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 3, 8, 8, generator=g), torch.randint(0, 4, (12,), generator=g)
+    data = DeviceData(x[:8], y[:8], x[8:], y[8:], 4, torch.contiguous_format)
+    teacher, student = build_model("resnet8", 4, (3, 8, 8)), build_model("resnet8", 4, (3, 8, 8))
+    distiller = Distiller(teacher, student, cell, CPU, data.x_train[:2])
+    cfg = QualityConfig(epochs=25, batch_size=4, lr=0.01)
+
+    def step(xb, yb, indices=None):
+        return distiller.train_step(xb, yb, indices=indices)
+
+    try:
+        trained = fit(step, distiller.student, distiller.optimizer, data, cfg, CPU, 0, distiller.student_ac)
+    finally:
+        distiller.close()
+    assert len(trained.history) == 25
+    assert [e for e, _ in seen] == [e for e in range(1, 26) for _ in range(2)]  # 2 steps per epoch, epochs 1..25
+    ramps = dict(seen)
+    for epoch in (1, 10, 20, 25):
+        assert ramps[epoch] == pytest.approx(mdistiller_ramp(epoch), rel=1e-6), epoch
+    assert (ramps[1], ramps[10], ramps[20], ramps[25]) == pytest.approx((0.05, 0.5, 1.0, 1.0), rel=1e-6)
+    assert all(r == pytest.approx(ramps[e], rel=1e-6) for e, r in seen)  # one ramp per epoch
+
+
+def test_a_timing_cell_runs_the_term_at_full_weight(monkeypatch):
+    """A fixed batch has no epochs: every call of the timed step, the first included, sees epoch None (full weight)."""
+    seen = []
+    forward = ReviewKD.forward
+    monkeypatch.setattr(ReviewKD, "forward", lambda self, inp: seen.append(inp.epoch) or forward(self, inp))
+    step = _step(make_config(method="reviewkd"))
+    for _ in range(3):
+        step()
+    assert seen == [None, None, None]
+
+
+def test_training_epoch_reaches_the_loss_inputs_and_ends_with_its_block():
+    from kdbench.distill.losses.registry import training_epoch
+
+    logits, y = torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)
+    assert LossInputs(logits, logits, y).epoch is None
+    with training_epoch(3):
+        assert LossInputs(logits, logits, y).epoch == 3
+        assert LossInputs(logits, logits, y, epoch=7).epoch == 7  # given explicitly, it wins
+        with training_epoch(4):
+            assert LossInputs(logits, logits, y).epoch == 4
+        assert LossInputs(logits, logits, y).epoch == 3
+    assert LossInputs(logits, logits, y).epoch is None
+
+
+def test_a_warmup_in_steps_is_refused_with_the_unit():
+    assert ReviewKDParams(warmup=0).warmup == 0 and ReviewKDParams(warmup=10_000).warmup == 10_000
+    with pytest.raises(ValueError, match=r"reviewkd.warmup counts epochs .* not steps: at most 10000 .* got 20000"):
+        ReviewKDParams(warmup=20_000)
 
 
 def test_token_and_vector_features_are_refused_with_the_fix():

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdbench.config.schema import QualityConfig
+from kdbench.distill.losses.registry import training_epoch
 from kdbench.distill.step import backward_and_update
 from kdbench.hw.backends import AutocastChoice, Backend, grad_scaler
 
@@ -102,7 +103,8 @@ def fit(
     """`cfg.epochs` epochs of `step(x, y, indices)` over mini-batches shuffled by a generator seeded with `seed`.
 
     A cosine schedule anneals `optimizer`'s learning rate over all steps.  Only the
-    steps are timed; the evaluation after each epoch is not.
+    steps are timed; the evaluation after each epoch is not.  The steps of epoch e
+    (1-based) run inside ``training_epoch(e)``: the loss terms that count epochs see it.
     """
     torch.manual_seed(seed)  # anything random inside the model (dropout) starts the same way
     n = len(data.x_train)
@@ -115,15 +117,16 @@ def fit(
     seconds = 0.0
     loss = None
     preds = torch.empty(0, dtype=torch.int64)
-    for _ in range(cfg.epochs):
+    for epoch in range(1, cfg.epochs + 1):  # 1-based, as mdistiller's trainer (and Trained.reach) count
         perm = torch.randperm(n, generator=order)
         backend.synchronize()
         start = time.perf_counter()
         perm = perm.to(device)
-        for i in range(steps):
-            idx = perm[i * bs : (i + 1) * bs]
-            loss = step(data.x_train[idx].contiguous(memory_format=data.fmt), data.y_train[idx], idx)
-            schedule.step()
+        with training_epoch(epoch):  # the loss terms see the epoch (ReviewKD's warm-up counts epochs)
+            for i in range(steps):
+                idx = perm[i * bs : (i + 1) * bs]
+                loss = step(data.x_train[idx].contiguous(memory_format=data.fmt), data.y_train[idx], idx)
+                schedule.step()
         backend.synchronize()
         seconds += time.perf_counter() - start
         preds = predict(model, data.x_test, choice, backend, data.fmt)

@@ -80,7 +80,12 @@ def _csv(df: pd.DataFrame) -> str:
 
 
 def _stats(data: list[float]) -> dict[str, Any]:
-    """pytest-benchmark's statistics of ``data`` (seconds), computed as pytest_benchmark.stats.Stats does."""
+    """pytest-benchmark's statistics of ``data`` (seconds), computed as pytest_benchmark.stats.Stats does.
+
+    ``ld15iqr`` / ``hd15iqr`` are the lowest / highest datum within the Tukey fences (Q1 - 1.5 IQR,
+    Q3 + 1.5 IQR; a datum on a fence is within), as pytest-benchmark computes them since 5.3.1 (the
+    version these files declare).  Releases before 5.3.1 returned the first datum *above* the upper
+    fence as ``hd15iqr`` when there was one (their ``ld15iqr`` was already this one)."""
     n, s = len(data), sorted(data)
     if n == 1:
         q1 = q3 = s[0]

@@ -10,8 +10,10 @@ adding a method touches its own file only.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -21,10 +23,26 @@ from torch import nn
 
 from kdbench.errors import KdbenchError, did_you_mean
 
+# The training epoch the steps run in (1-based), set by a loop that trains over epochs (the quality
+# protocol, :func:`kdbench.quality.train.fit`); None outside one: a timing cell's fixed batch has no epochs.
+_EPOCH: ContextVar[int | None] = ContextVar("kdbench_training_epoch", default=None)
+
+
+@contextlib.contextmanager
+def training_epoch(epoch: int) -> Iterator[None]:
+    """The steps inside run in training epoch ``epoch`` (1-based, as mdistiller's trainer counts): every
+    :class:`LossInputs` made inside carries it, so a term whose schedule counts epochs (ReviewKD's warm-up)
+    follows the epochs of a real training without the step's code knowing of them."""
+    token = _EPOCH.set(epoch)
+    try:
+        yield
+    finally:
+        _EPOCH.reset(token)
+
 
 @dataclass
 class LossInputs:
-    """What a step hands the loss: logits, labels, features, and the step's index."""
+    """What a step hands the loss: logits, labels, features, the step's index, and the training epoch."""
 
     student_logits: torch.Tensor
     teacher_logits: torch.Tensor
@@ -34,6 +52,8 @@ class LossInputs:
     adapted: dict[str, torch.Tensor] = field(default_factory=dict)  # a term's adapter output, by method name
     step: int = 0
     indices: torch.Tensor | None = None  # the batch's sample indices in its data set (None: a fixed batch)
+    # The 1-based training epoch (inside :func:`training_epoch`: quality training); None: no epochs (a timing cell).
+    epoch: int | None = field(default_factory=_EPOCH.get)
 
 
 class Term(nn.Module):

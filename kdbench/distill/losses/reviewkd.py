@@ -1,7 +1,7 @@
 """ReviewKD: Chen et al. 2021, "Distilling Knowledge via Knowledge Review" (CVPR; dvlab-research/ReviewKD's
 ``CIFAR-100/model/reviewkd.py`` and mdistiller's ``ReviewKD``).
 
-loss = weight * min(step / warmup, 1) * sum_i HCL(ABF-fused student feature i, teacher feature i) + CE.
+loss = weight * min(epoch / warmup, 1) * sum_i HCL(ABF-fused student feature i, teacher feature i) + CE.
 
 The student's paired features are reviewed from the deepest to the shallowest: the
 deepest goes through its ABF alone (1x1 conv to ``mid`` channels + BN, then 3x3 conv
@@ -12,12 +12,20 @@ the teacher's spatial size and mapped to the teacher's channels.  HCL is the MSE
 full size plus the MSEs after adaptive average pooling to 4, 2 and 1 (each only when
 smaller than the map), weighted 1, 1/2, 1/4, 1/8 and divided by the sum of the weights.
 
-Defaults (the references'): weight 1.0 and warm-up 20 (mdistiller ``CFG.REVIEWKD``:
-``REVIEWKD_WEIGHT 1.0``, ``WARMUP_EPOCHS 20``; dvlab's ``--kd-warm-up 20``; kdbench counts
-the warm-up in steps, as for DKD; the references' CIFAR scripts set weight 5.0 for
-resnet32x4 -> resnet8x4, 0.6 for resnet56 -> resnet20), CE weight 1.0, and mid channels
-``min(512, channels of the student's deepest feature)`` (``mid_channel = min(512,
-in_channels[-1])`` in both; 256 for resnet8x4).
+Defaults (the references'): weight 1.0 and warm-up 20 epochs (mdistiller ``CFG.REVIEWKD``:
+``REVIEWKD_WEIGHT 1.0``, ``WARMUP_EPOCHS 20``; dvlab's ``--kd-warm-up 20``; the references'
+CIFAR scripts set weight 5.0 for resnet32x4 -> resnet8x4, 0.6 for resnet56 -> resnet20), CE
+weight 1.0, and mid channels ``min(512, channels of the student's deepest feature)``
+(``mid_channel = min(512, in_channels[-1])`` in both; 256 for resnet8x4).
+
+The warm-up counts epochs, as mdistiller's: ``min(epoch / warmup, 1)`` with the first epoch 1
+(its trainer counts ``epoch = 1 .. EPOCHS``), so the term has 1/20 of its weight in the first
+epoch and all of it from epoch 20 on.  (dvlab's CIFAR ``train.py`` counts ``for epoch in
+range(epochs)`` from 0: there the first epoch has weight 0 and full weight comes one epoch
+later.)  The epoch comes from ``LossInputs.epoch``, which the quality training sets
+(:func:`kdbench.distill.losses.registry.training_epoch`).  A timing cell's fixed batch has no
+epochs (``epoch`` None): it runs the term at full weight, as the bulk of a training after the
+warm-up does; the step's cost does not depend on the ramp's value.
 
 Differences from the references: the reviewed levels are the paired features kdbench
 captures (``features.teacher`` / ``features.student``); the references add the pooled
@@ -36,7 +44,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, field_validator
 from torch import nn
 
 from kdbench.config.base import Strict
@@ -44,6 +52,7 @@ from kdbench.distill.losses.registry import LossInputs, Term, register_method
 from kdbench.errors import KdbenchError
 
 MAX_MID_CHANNELS = 512  # the references' cap: mid_channel = min(512, in_channels[-1])
+MAX_WARMUP_EPOCHS = 10_000  # the most epochs a quality training runs (QualityConfig.epochs)
 HCL_LEVELS = (4, 2, 1)  # the pooled sizes of HCL
 
 
@@ -52,7 +61,20 @@ class ReviewKDParams(Strict):
 
     weight: float = Field(1.0, ge=0, le=1e7)
     mid_channels: int | None = Field(None, ge=1, le=8192)  # null: min(512, the student's deepest channels)
-    warmup: int = Field(20, ge=0, le=10_000_000)  # steps over which the term ramps up linearly from 0
+    # Epochs of a training over which the term ramps up linearly, min(epoch / warmup, 1) with the first epoch 1
+    # (mdistiller's WARMUP_EPOCHS); 0: no ramp.  Quality training counts its epochs; a timing cell (a fixed
+    # batch, no epochs) runs the term at full weight, as after the warm-up: a step costs the same at any ramp.
+    warmup: int = Field(20, ge=0)
+
+    @field_validator("warmup")
+    @classmethod
+    def _epochs(cls, v: int) -> int:
+        if v > MAX_WARMUP_EPOCHS:
+            raise ValueError(
+                f"reviewkd.warmup counts epochs (mdistiller's WARMUP_EPOCHS, 20), not steps: at most "
+                f"{MAX_WARMUP_EPOCHS} (quality.epochs' limit), got {v}"
+            )
+        return v
 
 
 def hcl_loss(student_feats: list[torch.Tensor], teacher_feats: list[torch.Tensor]) -> torch.Tensor:
@@ -146,7 +168,7 @@ def _check_maps(shapes) -> None:
 @register_method(
     "reviewkd",
     ReviewKDParams,
-    doc="Chen et al. 2021: weight*min(step/warmup,1)*sum HCL(ABF-fused student features, teacher features) + CE",
+    doc="Chen et al. 2021: weight*min(epoch/warmup,1)*sum HCL(ABF-fused student features, teacher features) + CE",
 )
 class ReviewKD(Term):
     needs_features = True
@@ -165,5 +187,12 @@ class ReviewKD(Term):
 
     def forward(self, inp: LossInputs) -> torch.Tensor:
         fused: list[torch.Tensor] = inp.adapted["reviewkd"]  # type: ignore[assignment]
-        ramp = min((inp.step + 1) / self.warmup, 1.0) if self.warmup else 1.0
-        return self.weight * ramp * hcl_loss(fused, inp.teacher_feats)
+        return self.weight * warmup_ramp(inp.epoch, self.warmup) * hcl_loss(fused, inp.teacher_feats)
+
+
+def warmup_ramp(epoch: int | None, warmup: int) -> float:
+    """The term's share of its weight in training epoch ``epoch`` (1-based): min(epoch / warmup, 1), as
+    mdistiller's ReviewKD; 1 without a warm-up, and for a timing cell (``epoch`` None: no epochs)."""
+    if epoch is None or not warmup:
+        return 1.0
+    return min(epoch / warmup, 1.0)
