@@ -582,19 +582,57 @@ def test_ceiling_arithmetic_on_a_fixed_clock():
     assert rows[1]["median_ms"] == 4.0 and rows[1]["value"] == pytest.approx(2 * 1000 / 0.004 / 1e9)
 
 
-def test_a_dtype_the_device_emulates_slowly_is_probed_at_a_smaller_size(cpu, monkeypatch):
-    # fp16 matmuls that take n^3 x 2.4e-9 s: 0.04 s at 256, 0.32 s at 512, 2.6 s at 1024 (over the 0.5 s budget)
-    mm = torch.mm
+class FakeTime:
+    """A simulated clock, read by ``timer`` (seconds) and by ``clock()`` (a timing Clock of it, each of
+    whose stamps takes a microsecond: a byte copy, which the fakes leave real, takes that long)."""
 
-    def slow_fp16(a, b):
-        if a.dtype == torch.float16:
-            time.sleep(a.shape[0] ** 3 * 2.4e-9)
-        return mm(a, b)
+    name = "fake"
+    host = True
 
-    monkeypatch.setattr(torch, "mm", slow_fp16)
-    rows = measure_ceilings(cpu, dtypes=("fp32", "fp16"), matmul_n=1024, copy_bytes=4096, min_time_s=0, max_call_s=0.5)
+    def __init__(self):
+        self.now = 0.0
+
+    def timer(self):
+        return self.now
+
+    def clock(self):
+        return self
+
+    def stamp(self):
+        self.now += 1e-6
+        return self.now
+
+    def elapsed_ms(self, a, b):
+        return (b - a) * 1e3
+
+    def sync(self):
+        pass
+
+
+def test_a_dtype_the_device_emulates_slowly_is_probed_at_a_smaller_size(monkeypatch):
+    # simulated matmuls: fp16 takes n^3 x 2.4e-9 s (0.04 s at 256, 0.32 s at 512, 2.6 s at 1024: over the
+    # 0.5 s budget), fp32 a hundredth of that; no real fp16 (or fp32) matmul runs, whatever the CPU
+    fake = FakeTime()
+    calls = []
+
+    def mm(a, b):
+        n = a.shape[0]
+        calls.append((a.dtype, n))
+        fake.now += n**3 * (2.4e-9 if a.dtype == torch.float16 else 2.4e-11)
+        return torch.zeros(n, b.shape[1], dtype=a.dtype)
+
+    monkeypatch.setattr(torch, "mm", mm)
+    backend = SimpleNamespace(
+        name="cpu", device=torch.device("cpu"), device_type="cpu", clock=fake.clock, synchronize=lambda: None
+    )
+    rows = measure_ceilings(
+        backend, dtypes=("fp32", "fp16"), matmul_n=1024, copy_bytes=4096, min_time_s=0, max_call_s=0.5, timer=fake.timer
+    )
     assert [(r["dtype"], r["size"]) for r in rows[:2]] == [("fp32", 1024), ("fp16", 512)]
+    assert {n for dtype, n in calls if dtype == torch.float16} == {256, 512}  # never a 1024 fp16 call
+    assert rows[1]["p05_ms"] == pytest.approx(512**3 * 2.4e-9 * 1e3, rel=1e-3)
     assert rows[1]["value"] == pytest.approx(2 * 512**3 / (rows[1]["p05_ms"] / 1e3) / 1e12)
+    assert rows[0]["value"] == pytest.approx(2 / 2.4e-11 / 1e12, rel=1e-3)  # 2n^3 FLOPs in n^3 x 2.4e-11 s
 
 
 def test_unsupported_dtype_gives_an_error_row(cpu, monkeypatch):

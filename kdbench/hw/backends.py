@@ -244,20 +244,14 @@ def _autocast_works(device_type: str, dtype: torch.dtype) -> str:
     return ""
 
 
-def slow_precision(backend: Backend, precision: str) -> str | None:
-    """Why ``precision`` is known to run far slower than fp32 on ``backend`` (None: it is not).  Flags are
-    not enough: a CPU may report AVX512-FP16 and oneDNN fp16 support and still run fp16 autocast ~76x
-    slower than fp32 (measured on an AMD EPYC)."""
-    if backend.device_type == "cpu" and precision == "fp16":
-        return "fp16 autocast on a CPU runs tens to hundreds of times slower than fp32 (no native fp16 matmuls)"
-    if backend.device_type == "cuda" and precision == "bf16" and not getattr(torch.version, "hip", None):
-        try:
-            native = torch.cuda.is_bf16_supported(including_emulation=False)
-        except (TypeError, RuntimeError, AssertionError):
-            return None
-        if not native:
-            return "bf16 on this GPU is emulated (no native bf16 before compute capability 8.0)"
-    return None
+def slow_precision(backend: Backend, precision: str, probes_dir: Any = None) -> str | None:
+    """Why ``precision`` runs far slower than fp32 on ``backend`` (None: it does not), from a probe, a
+    cached or a quick measurement on the CPU, or the flag rule on a GPU without a probe: flags alone
+    mislead (see :mod:`kdbench.hw.speed`, which this wraps)."""
+    from kdbench.hw.speed import dtype_slowdown
+
+    found = dtype_slowdown(backend, precision, probes_dir)
+    return found.describe() if found is not None and found.slow else None
 
 
 def choose_autocast(backend: Backend, precision: str) -> AutocastChoice:

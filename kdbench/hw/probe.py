@@ -25,21 +25,24 @@ CPU_MIN_TIME_S = 0.5
 SLOW_CALL_S = 2.0  # a dtype whose n x n matmul would take longer per call is probed at a smaller n
 
 
-def _matmul_size(dtype: torch.dtype, n: int, backend: Backend, max_call_s: float) -> int:
+def _matmul_size(
+    dtype: torch.dtype, n: int, backend: Backend, max_call_s: float, timer: Callable[[], float] = time.perf_counter
+) -> int:
     """``n``, or a smaller size whose matmul takes at most ``max_call_s``: a dtype the device only
     emulates (fp16 on many CPUs runs hundreds of times slower) would otherwise keep the probe busy
     for many minutes.  The size doubles from 256 while a call at the next size, predicted from one
     timed call at this one, fits; each prediction comes from a size close to it, since small
-    matmuls run far below the device's rate and would understate what larger ones reach."""
+    matmuls run far below the device's rate and would understate what larger ones reach.  ``timer``
+    reads seconds (tests give a simulated one)."""
     size = min(n, 256)
     while size < n:
         a = torch.randn(size, size, device=backend.device).to(dtype)
         torch.mm(a, a)  # the first call at a size may set things up
         backend.synchronize()
-        start = time.perf_counter()
+        start = timer()
         torch.mm(a, a)
         backend.synchronize()
-        elapsed = time.perf_counter() - start
+        elapsed = timer() - start
         bigger = min(2 * size, n)
         if elapsed * (bigger / size) ** 3 > max_call_s:
             break
@@ -61,6 +64,7 @@ def measure_ceilings(
     copy_bytes: int | None = None,
     min_time_s: float | None = None,
     max_call_s: float = SLOW_CALL_S,
+    timer: Callable[[], float] = time.perf_counter,
 ) -> list[dict]:
     """Achievable dense-matmul TFLOP/s per dtype (2n^3 FLOPs per n x n @ n x n) and copy
     bandwidth in GB/s (read + write: 2 x bytes per dst.copy_(src)) on `backend`.
@@ -70,7 +74,8 @@ def measure_ceilings(
     down less than the median (`median_ms`, kept beside it).  A dtype the device cannot
     multiply gives value None and an `error` (tf32 on the CPU, or on a GPU without TF32); one it
     multiplies very slowly is measured at a smaller n (:func:`_matmul_size`; the row's `size`
-    says which).  fp32 is measured in IEEE fp32 and tf32 in the TF32 math mode, as cells run them.
+    says which; ``timer`` times the calls that choose it).  fp32 is measured in IEEE fp32 and tf32 in
+    the TF32 math mode, as cells run them.
 
     Each measurement runs for at least ``min_time_s`` (default 2 s on GPUs, whose boost clocks fall
     under a sustained GEMM, and 0.5 s on the CPU).  A copy the device cannot hold gives an error row
@@ -102,7 +107,7 @@ def measure_ceilings(
             continue
         try:
             with math_mode(d == "tf32"):  # fp32 is IEEE fp32, as every cell runs it
-                size = _matmul_size(DTYPES[d], n, backend, max_call_s)
+                size = _matmul_size(DTYPES[d], n, backend, max_call_s, timer)
                 a = torch.randn(size, size, device=backend.device).to(DTYPES[d])
                 b = torch.randn(size, size, device=backend.device).to(DTYPES[d])
                 median, fast = _times_ms(lambda a=a, b=b: torch.mm(a, b), backend, min_time_s)

@@ -1,0 +1,236 @@
+"""How much slower a precision runs than fp32 here (kdbench.hw.speed): from a probe, a cache or a quick
+measurement, on simulated machines only (a fake clock and a fake matmul: no real fp16 work, nothing
+that depends on this machine's speed)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kdbench.hw import speed
+from kdbench.hw.backends import DTYPES, Backend, slow_precision
+from kdbench.hw.speed import (
+    SLOW_FACTOR,
+    default_cache_file,
+    device_name,
+    dtype_slowdown,
+    skip_reason_for_slow,
+    slow_cell_warnings,
+    slow_precisions,
+)
+from kdbench.store.probes import write_probe
+
+CPU = Backend("cpu", torch.device("cpu"))
+GPU = Backend("cuda", torch.device("cuda", 0))
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    """Every test's cache in a folder of its own, never the user's ~/.cache."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("KDBENCH_CACHE_DIR", str(folder))
+    return folder
+
+
+class Machine:
+    """A simulated CPU: an n x n matmul of a dtype takes n^3 x its cost in seconds, on a fake clock."""
+
+    def __init__(self, **cost_per_n3):
+        self.cost = {DTYPES[k]: v for k, v in cost_per_n3.items()}
+        self.now = 0.0
+        self.calls: list[tuple[str, int]] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        n = a.shape[0]
+        self.calls.append((str(a.dtype).removeprefix("torch."), n))
+        self.now += n**3 * self.cost[a.dtype]
+        return torch.zeros(n, b.shape[1], dtype=a.dtype)  # nothing computed
+
+    def kw(self) -> dict:
+        return {"clock": self.clock, "matmul": self.matmul}
+
+
+FP32 = 1e-10  # s per n^3: 1.7 ms for a 256 x 256 fp32 matmul
+
+
+def _probe(folder, name, backend_name, **tflops):
+    rows = [
+        {"kind": "matmul", "dtype": d, "size": 2048, "value": v, "unit": "TFLOP/s", "median_ms": 1.0, "p05_ms": 1.0}
+        for d, v in tflops.items()
+    ]
+    path = write_probe(rows, {"device_name": name, "backend": backend_name}, folder)
+    return path.stem
+
+
+def test_fp32_and_tf32_have_no_slowdown():
+    m = Machine(fp32=FP32)
+    assert dtype_slowdown(CPU, "fp32", **m.kw()) is None
+    assert dtype_slowdown(CPU, "tf32", **m.kw()) is None
+    assert m.calls == []
+
+
+def test_a_probe_of_this_device_gives_the_ratio_of_its_ceilings(tmp_path):
+    probes = tmp_path / "probes"
+    _probe(probes, "some other CPU", "cpu", fp32=1.0, bf16=0.5)
+    probe_id = _probe(probes, device_name(CPU), "cpu", fp32=1.0, bf16=0.125, fp16=0.02)
+    m = Machine(fp32=FP32, bf16=FP32, fp16=FP32)
+    found = dtype_slowdown(CPU, "bf16", probes, **m.kw())
+    assert (found.factor, found.source, dict(found.sizes)) == (8.0, f"probe {probe_id}", {"fp32": 2048, "bf16": 2048})
+    assert (
+        found.slow and found.describe() == f"bf16 runs 8.0x slower than fp32 here (2048x2048 matmuls, probe {probe_id})"
+    )
+    assert dtype_slowdown(CPU, "fp16", probes, **m.kw()).factor == pytest.approx(50.0)
+    assert m.calls == []  # nothing measured
+
+
+def test_a_probe_without_the_dtype_or_of_another_device_leaves_it_to_a_measurement(tmp_path):
+    probes = tmp_path / "probes"
+    _probe(probes, device_name(CPU), "cpu", fp32=1.0)  # bf16 failed in the probe
+    _probe(probes, "some other CPU", "cpu", fp32=1.0, bf16=0.125)
+    m = Machine(fp32=FP32, bf16=2 * FP32)
+    found = dtype_slowdown(CPU, "bf16", probes, **m.kw())
+    assert found.source == "measured now" and found.factor == pytest.approx(2.0) and not found.slow
+
+
+def test_the_measurement_is_cached_per_machine_and_not_repeated(cache_dir):
+    m = Machine(fp32=FP32, bf16=8 * FP32)
+    first = dtype_slowdown(CPU, "bf16", **m.kw())
+    assert first.source == "measured now" and first.factor == pytest.approx(8.0)
+    assert dict(first.sizes) == {"bf16": 256, "fp32": 256}
+    # one warm-up call and three timed ones per dtype, all at 256
+    assert m.calls == [("bfloat16", 256)] * 4 + [("float32", 256)] * 4
+    made = len(m.calls)
+
+    again = dtype_slowdown(CPU, "bf16", **m.kw())
+    assert len(m.calls) == made  # read back, not measured
+    assert again.source == "cached measurement" and again.factor == pytest.approx(8.0)
+    assert again.describe() == "bf16 runs 8.0x slower than fp32 here (a 256x256 matmul, cached measurement)"
+
+    data = json.loads(default_cache_file().read_text())
+    assert default_cache_file().parent == cache_dir and not list(cache_dir.glob(".*.tmp"))  # written atomically
+    (machine,) = data["machines"].values()
+    assert machine["device_name"] == device_name(CPU) and machine["torch"] == torch.__version__
+    assert machine["threads"] == torch.get_num_threads()
+    assert machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert machine["precisions"]["bf16"]["factor"] == pytest.approx(8.0)
+
+    other_threads = 1 if torch.get_num_threads() != 1 else 2  # another key: measured again, and kept beside
+    before = torch.get_num_threads()
+    assert dtype_slowdown(CPU, "bf16", threads=other_threads, **m.kw()).source == "measured now"
+    assert torch.get_num_threads() == before and len(m.calls) == 2 * made
+    assert len(json.loads(default_cache_file().read_text())["machines"]) == 2
+
+
+def test_a_cache_that_cannot_be_written_still_measures_once_per_process(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    m = Machine(fp32=FP32, fp16=50 * FP32)
+    cache_file = blocker / "dtype_speed.json"  # its folder is a file
+    assert dtype_slowdown(CPU, "fp16", cache_file=cache_file, **m.kw()).source == "measured now"
+    made = len(m.calls)
+    assert dtype_slowdown(CPU, "fp16", cache_file=cache_file, **m.kw()).factor == pytest.approx(50.0)
+    assert len(m.calls) == made
+
+
+def test_a_slow_bf16_gives_one_warning_line_and_a_fast_one_none(tmp_path):
+    slow = Machine(fp32=FP32, bf16=8 * FP32)
+    lines = slow_cell_warnings(["fp32", "bf16", "fp32", "bf16"], CPU, tmp_path / "no-probes", **slow.kw())
+    assert lines == [
+        "bf16 runs 8.0x slower than fp32 here (a 256x256 matmul, measured now): its cells will take about that much "
+        "longer"
+    ]
+    assert len(slow.calls) == 8  # measured once for the two bf16 mentions
+
+    fast = Machine(fp32=FP32, bf16=FP32 / 2)  # avx512_bf16: twice as fast as fp32
+    assert slow_cell_warnings(["bf16"], CPU, cache_file=tmp_path / "fast.json", **fast.kw()) == []
+    found = dtype_slowdown(CPU, "bf16", cache_file=tmp_path / "fast.json", **fast.kw())
+    assert found.describe() == "bf16 runs 2.0x faster than fp32 here (a 256x256 matmul, cached measurement)"
+
+
+def test_slow_factor_is_the_threshold():
+    at = Machine(fp32=FP32, bf16=(SLOW_FACTOR + 0.01) * FP32, fp16=(SLOW_FACTOR - 0.01) * FP32)
+    assert list(slow_precisions(["fp16", "bf16"], CPU, **at.kw())) == ["bf16"]
+
+
+def test_the_skip_reason_names_the_factor_the_source_and_the_way_to_measure_anyway():
+    slow = Machine(fp32=FP32, bf16=8 * FP32)
+    found = slow_precisions(["bf16"], CPU, **slow.kw())["bf16"]
+    reason = skip_reason_for_slow("bf16", found)
+    assert "\n" not in reason
+    assert "8.0x slower than fp32" in reason and "measured now" in reason
+    assert "slow_precisions: skip" in reason and "slow_precisions: measure" in reason
+
+
+def test_a_dtype_whose_first_call_is_very_slow_is_measured_at_a_smaller_size():
+    # bf16 emulated: 0.4 s for a 256 x 256 matmul, 80x fp32; the measurement would take ~1.6 s at 256
+    m = Machine(fp32=FP32, bf16=80 * 3e-10)
+    found = dtype_slowdown(CPU, "bf16", **m.kw())
+    size = found.sizes["bf16"]
+    assert speed.MIN_N <= size < 256 and size % 8 == 0 and found.sizes["fp32"] == size
+    assert m.calls.count(("bfloat16", 256)) == 1  # only the first call ran at 256
+    assert [c for c in m.calls if c[0] == "bfloat16"][1:] == [("bfloat16", size)] * 4
+    assert [c for c in m.calls if c[0] == "float32"] == [("float32", size)] * 4
+    assert found.factor == pytest.approx(240.0)  # 80 x 3e-10 over 1e-10
+    assert m.now < 1.0  # all of it in well under a second of (simulated) time
+    assert found.describe().startswith(f"bf16 runs 240x slower than fp32 here (a {size}x{size} matmul, measured now)")
+
+
+def test_a_dtype_the_cpu_cannot_multiply_has_no_figure():
+    m = Machine(fp32=FP32)
+
+    def no_fp16(a, b):
+        if a.dtype == torch.float16:
+            raise RuntimeError("\"addmm_impl_cpu_\" not implemented for 'Half'")
+        return m.matmul(a, b)
+
+    assert dtype_slowdown(CPU, "fp16", clock=m.clock, matmul=no_fp16) is None
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A simulated NVIDIA GPU, compute capability 7.0 (bf16 only by emulation) unless told otherwise."""
+    props = SimpleNamespace(name="Tesla V100-SXM2-32GB", major=7, minor=0)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(
+        torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation or props.major >= 8
+    )
+    return props
+
+
+def test_a_gpu_without_a_probe_keeps_the_flag_rule_and_measures_nothing(gpu, tmp_path):
+    m = Machine(fp32=FP32, bf16=FP32, fp16=FP32)
+    found = dtype_slowdown(GPU, "bf16", tmp_path / "probes", **m.kw())
+    assert found.factor is None and found.source == "flags" and found.slow
+    assert "before compute capability 8.0" in found.reason
+    (line,) = slow_cell_warnings(["bf16", "fp16"], GPU, tmp_path / "probes", **m.kw())
+    assert line.startswith("bf16 runs far slower than fp32 here (bf16 on this GPU is emulated")
+    assert "`kdbench probe` measures it" in line and line.endswith("its cells will take much longer")
+    assert dtype_slowdown(GPU, "fp16", tmp_path / "probes", **m.kw()) is None
+    gpu.major = 8  # an A100: native bf16
+    assert dtype_slowdown(GPU, "bf16", tmp_path / "probes", **m.kw()) is None
+    assert m.calls == [] and not default_cache_file().exists()  # no measurement, no CUDA work, no cache
+
+
+def test_a_gpu_probe_wins_over_the_flag_rule(gpu, tmp_path):
+    probes = tmp_path / "probes"
+    probe_id = _probe(probes, gpu.name, "cuda", fp32=14.0, bf16=3.5, fp16=112.0)
+    m = Machine(fp32=FP32)
+    found = dtype_slowdown(GPU, "bf16", probes, **m.kw())
+    assert (found.factor, found.source) == (4.0, f"probe {probe_id}")
+    fp16 = dtype_slowdown(GPU, "fp16", probes, **m.kw())
+    assert fp16.factor == pytest.approx(0.125) and not fp16.slow
+    assert m.calls == []
+
+
+def test_slow_precision_wraps_the_figure(monkeypatch):
+    m = Machine(fp32=FP32, bf16=8 * FP32)
+    dtype_slowdown(CPU, "bf16", **m.kw())  # into the cache, which slow_precision then reads
+    assert slow_precision(CPU, "bf16") == "bf16 runs 8.0x slower than fp32 here (a 256x256 matmul, cached measurement)"
+    assert slow_precision(CPU, "fp32") is None
