@@ -1,7 +1,11 @@
 """kdbench: benchmark and profile knowledge distillation in PyTorch."""
 
-from kdbench.errors import KdbenchError
+import time
+
+STARTED = time.time()  # when the interpreter first imported kdbench: where a run's wall-time split begins
+
+from kdbench.errors import KdbenchError  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["KdbenchError", "__version__"]
+__all__ = ["STARTED", "KdbenchError", "__version__"]

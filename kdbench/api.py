@@ -28,18 +28,21 @@ def load_suite(path: str | Path) -> Suite:
     return load(path)
 
 
-def plan(suite: Suite, shard: tuple[int, int] | None = None) -> Plan:
-    """The jobs a run of ``suite`` would run (its cells, then the quality job), checked; nothing runs."""
-    from kdbench.run.engine import plan_jobs
+def plan(suite: Suite, shard: tuple[int, int] | None = None, device: str | None = None) -> Plan:
+    """The jobs a run of ``suite`` would run (its cells, then the quality job), checked; nothing runs.
+    ``device`` overrides the suite's backend, as ``run --device`` does."""
+    from kdbench.run.engine import plan_jobs, planned_backend
 
-    return plan_jobs(suite, shard)
+    return plan_jobs(suite, shard, planned_backend(suite, device))
 
 
-def run_suite(suite: Suite, options: RunOptions | None = None, plan: Plan | None = None) -> RunOutcome:
+def run_suite(
+    suite: Suite, options: RunOptions | None = None, plan: Plan | None = None, close: bool = True
+) -> RunOutcome:
     """Run the suite (see :func:`kdbench.run.engine.run_suite`)."""
     from kdbench.run.engine import RunOptions, run_suite
 
-    return run_suite(suite, options or RunOptions(), plan)
+    return run_suite(suite, options or RunOptions(), plan, close)
 
 
 def render(
@@ -59,6 +62,7 @@ def render(
     from kdbench.report import render_report
     from kdbench.report.compare import side_by_side
     from kdbench.store import read_results
+    from kdbench.store.results import run_states
 
     results = list(results)
     df = read_results(results)
@@ -67,18 +71,35 @@ def render(
         base = read_results([baseline])
         df = pd.concat([base, df[~df["run_id"].isin(set(base["run_id"]))]], ignore_index=True)
         results.append(baseline)
-    comparisons = side_by_side(df, base, threshold)
-    return render_report(df, out_dir, title, comparisons, budget_checks(results))
+    states = run_states(results)
+    comparisons = side_by_side(df, base, threshold, states=states)
+    return render_report(df, out_dir, title, comparisons, budget_checks(results), states, threshold)
 
 
-def compare(base: str | Path, new: str | Path, threshold: float = 0.05, confidence: float = 0.95) -> Comparison:
+def compare(
+    base: str | Path, new: str | Path, threshold: float = 0.05, confidence: float = 0.95, policy=None
+) -> Comparison:
     """NEW against BASE (each a run folder or result file), cell by cell: :mod:`kdbench.report.compare`.
-    ``threshold`` is a fraction (0.05: 5 %); ``.exit_code`` is 1 when a measurement regressed."""
+    ``threshold`` is a fraction (0.05: 5 %); ``policy`` (:class:`kdbench.report.compare.Policy`) what else
+    fails the gate; ``.exit_code`` is 1 when a measurement fails it."""
     from kdbench.report.compare import compare_frames
     from kdbench.store import read_results
+    from kdbench.store.results import run_states
+
+    def state(path):
+        states = list(run_states([path]).values())
+        return states[0] if len(states) == 1 else None
 
     return compare_frames(
-        read_results([base]), read_results([new]), threshold, confidence, base_label=str(base), new_label=str(new)
+        read_results([base]),
+        read_results([new]),
+        threshold,
+        confidence,
+        base_label=str(base),
+        new_label=str(new),
+        policy=policy,
+        base_state=state(base),
+        new_state=state(new),
     )
 
 

@@ -192,12 +192,16 @@ def _parser() -> argparse.ArgumentParser:
 
     cmp = sub.add_parser(
         "compare",
-        help="NEW against BASE, cell by cell: ratio of medians with a confidence interval; exit 1 on a regression",
+        help="NEW against BASE, cell by cell: ratio of the centres with an interval between repeats; exit 1 on a "
+        "regression",
         description="Compare two runs cell by cell (cells match by cell_id, on any machine). Per timed "
-        "measurement: the ratio NEW/BASE of the medians with a bootstrap confidence interval (between "
-        "repeats when the runs have `repeat: N`). A change is significant when the interval excludes 1 and "
-        "the ratio passes the threshold. Exit 0: no significant regression; 1: a regression or a measurement "
-        "that failed in NEW only; 2: bad input.",
+        "measurement: the ratio NEW/BASE of the centres (geometric mean of the repeats' medians) with a t-interval "
+        "between repeats (each repeat a fresh worker process: `repeat: N` or `run --repeat N`), simultaneous over "
+        "the measurements judged, so that two runs of one suite with nothing changed fail the gate in at most "
+        "1 - C of comparisons. A change is significant when the interval excludes 1 and the ratio passes the "
+        "threshold. A measurement with a single repeat on each side is not judged (the noise from run to run is "
+        "unknown), nor are thin or skipped rows. Exit 0: nothing fails the gate; 1: a regression, a measurement "
+        "that failed in NEW, a failed NEW repeat, or a cell an incomplete NEW run never stored; 2: bad input.",
     )
     cmp.add_argument("base", type=Path, help="the baseline: a run folder or result file")
     cmp.add_argument("new", type=Path, help="the run to judge: a run folder or result file")
@@ -207,7 +211,25 @@ def _parser() -> argparse.ArgumentParser:
         type=_number(float, "--confidence", 0.5, 0.9999),
         default=0.95,
         metavar="C",
-        help="confidence of the intervals, for all the compared measurements together (default: 0.95)",
+        help="confidence of the intervals, for all the judged measurements together (default: 0.95)",
+    )
+    cmp.add_argument(
+        "--gate-single-repeat",
+        action="store_true",
+        help="judge measurements that have one repeat on each side on the noise within one process; that "
+        "understates the noise between runs, so two runs of the same suite fail the gate most of the time "
+        "(see the README's Verdicts section)",
+    )
+    cmp.add_argument(
+        "--allow-partial",
+        action="store_true",
+        help="judge an incomplete NEW run, or one whose repeats partly failed, on what it has: cells it has not "
+        "stored and failed repeats are listed but do not fail the gate",
+    )
+    cmp.add_argument(
+        "--fail-on-skipped",
+        action="store_true",
+        help="a measurement ok in BASE and skipped in NEW (e.g. a runtime missing there) fails the gate",
     )
     cmp.add_argument("--format", choices=["text", "markdown", "json", "csv"], default="text", help="output format")
     cmp.add_argument(
@@ -274,7 +296,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from kdbench import api
     from kdbench.config import with_overrides
     from kdbench.run.engine import RunOptions
-    from kdbench.store.results import RunFolder
 
     suite = api.load_suite(args.suite)
     suite = with_overrides(
@@ -297,12 +318,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
     if args.dry_run:
         return _dry_run(suite, options)
-    plan = api.plan(suite, options.shard)
+    plan = api.plan(suite, options.shard, options.device)
     if not plan.jobs:
         i, n = options.shard
         print(f"shard {i}/{n} of suite '{suite.name}' holds no cells; nothing to run")
         return 0
-    outcome = api.run_suite(suite, options, plan)
+    outcome = api.run_suite(suite, options, plan, close=False)
+    try:
+        return _after_run(args, outcome)
+    finally:
+        outcome.close()  # the wall-time split ends after the report and the budget checks
+
+
+def _after_run(args: argparse.Namespace, outcome) -> int:
+    """What `run` does once the jobs are done: say how it ended, render the report, check the budgets."""
+    import time
+
+    from kdbench import api
+    from kdbench.store.results import RunFolder
+
     if outcome.follower:
         return 0  # rank 0 stores, reports and sets the exit code
     if outcome.interrupted:
@@ -325,8 +359,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if outcome.quality:
         print(api.quality_table([outcome.path]), end="")
     if not args.no_report and stored:
+        began = time.perf_counter()
         print(f"report -> {api.render([outcome.path], args.report_dir)}")
+        outcome.spent("report", time.perf_counter() - began)
+    began = time.perf_counter()
     missed = _budgets(api.budget_checks([outcome.path]) if stored else [])
+    outcome.spent("budget checks", time.perf_counter() - began)
     if outcome.failed or outcome.aborted:
         print(f"{len(outcome.failed)} job(s) had failures:", file=sys.stderr)
         for label in outcome.failed:
@@ -335,16 +373,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _budgets(checks) -> int:
-    """Print the budget checks (missed ones to stderr); the number missed."""
-    from kdbench.config.budgets import format_value, where_text
+    """Print the budget checks (misses to stderr); the number missed (failed measurements included)."""
+    from kdbench.config.budgets import OUTCOMES, format_value, where_text
 
     if not checks:
         return 0
-    missed = [c for c in checks if not c.met]
-    print(f"budgets: {len(checks) - len(missed)} of {len(checks)} checks met")
+    missed = [c for c in checks if c.missed]
+    counts = ", ".join(f"{n} {o}" for o in OUTCOMES if (n := sum(c.outcome == o for c in checks)) and o != "met")
+    met = sum(c.met for c in checks)
+    print(f"budgets: {met} of {len(checks)} checks met" + (f" ({counts})" if counts else ""))
     for c in missed:
         value = format_value(c.value, c.stat) + (f" ({c.note})" if c.note else "")
-        print(f"  MISSED {c.budget}: {where_text(c)}: {value}", file=sys.stderr)
+        print(f"  {c.outcome.upper()} {c.budget}: {where_text(c)}: {value}", file=sys.stderr)
     return len(missed)
 
 
@@ -354,7 +394,7 @@ def _dry_run(suite, options) -> int:
     from kdbench.hw.backends import detect
     from kdbench.run.jobs import CellJob
 
-    plan = api.plan(suite, options.shard)
+    plan = api.plan(suite, options.shard, options.device)
     n_rows = 0
     for job in plan.jobs:
         if isinstance(job, CellJob) and job.repeat > 1:
@@ -375,6 +415,13 @@ def _dry_run(suite, options) -> int:
     cells = sum(isinstance(j, CellJob) and j.repeat == 1 for j in plan.jobs)
     times = f" x {suite.repeat} repeats" if suite.repeat > 1 else ""
     print(f"{cells} cells, {n_rows} measurements{times}; suite '{suite.name}', backend {requested} ({here})")
+    if here == "available here":  # the plan-time warnings a run would print (slow precisions)
+        from kdbench.hw.backends import resolve
+        from kdbench.run.engine import warn_slow_cells
+        from kdbench.store.results import PROBES_DIR
+
+        skip = suite.slow_precisions == "skip"
+        warn_slow_cells(plan, resolve(requested), options.out_dir / PROBES_DIR, suite.threads, skip)
     return 0
 
 
@@ -387,19 +434,20 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from kdbench import api
-    from kdbench.report.compare import render
+    from kdbench.report.compare import Policy
+    from kdbench.report.compare_format import render, verdict_line
     from kdbench.store.files import write_text
 
-    cmp = api.compare(args.base, args.new, args.threshold / 100, args.confidence)
+    policy = Policy(args.gate_single_repeat, args.allow_partial, args.fail_on_skipped)
+    cmp = api.compare(args.base, args.new, args.threshold / 100, args.confidence, policy)
     text = render(cmp, args.format)
     if args.out is None:
         print(text, end="")
     else:
         write_text(text, args.out)
-        verdict = f"{len(cmp.bad)} regression(s)" if cmp.bad else "no significant regression"
-        print(f"{verdict}; comparison -> {args.out}")
+        print(f"{verdict_line(cmp)}; comparison -> {args.out}")
     for c in cmp.bad:
-        print(f"regressed: {c.name}: {c.note or f'x{c.ratio:.3f}'}", file=sys.stderr)
+        print(f"{c.verdict}: {c.name}: {c.note or f'x{c.ratio:.3f}'}", file=sys.stderr)
     return cmp.exit_code
 
 

@@ -150,3 +150,22 @@ class DeviceError(nn.Module):
 
 def device_error(num_classes, in_shape):
     return DeviceError(num_classes, in_shape)
+
+
+class SpendsThenHangs:
+    """A job (kdbench.run.jobs protocol) that counts time into the wall-time split, then never finishes."""
+
+    job_id, label, world_size, precision = "spends", "spends then hangs", 1, None
+
+    def planned(self):
+        return [{"measurement": "distill_step", "batch_size": 1}]
+
+    def columns(self, backend_name):
+        return {}
+
+    def run(self, ctx):
+        from kdbench.measure import walltime
+
+        walltime.add(walltime.MODELS, 1.5)
+        walltime.add(walltime.WARMUP, 0.25)
+        time.sleep(3600)

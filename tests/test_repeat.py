@@ -49,7 +49,10 @@ def test_two_back_to_back_runs_with_three_repeats_compare_as_unchanged(tmp_path,
     assert sorted(timed.groupby(["cell_id", "measurement"])["repeat"].apply(sorted).tolist()) == [[1, 2, 3]] * 4
     assert timed["status"].eq("ok").all() and timed["speedup_vs_teacher"].isna().all()
     capsys.readouterr()
-    code = main(["compare", str(run_folder(tmp_path / "a").path), str(run_folder(tmp_path / "b").path)])
+    a, b = str(run_folder(tmp_path / "a").path), str(run_folder(tmp_path / "b").path)
+    # At 99.9 % for the whole comparison a false alarm is a 1-in-1000 event (at 95 %, up to 1 in 20 of such
+    # pairs could fail: that is the guarantee, not a bug), so this checks the pipeline without being flaky.
+    code = main(["compare", a, b, "--confidence", "0.999"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "3 repeat(s)" in out and "no significant regression" in out
+    assert "3 repeat(s); complete" in out and "no significant regression in 4 judged measurement(s)" in out

@@ -245,6 +245,7 @@ def report(tmp_path_factory):
 PROFILE_HEADER = [
     "run_id",
     "cell_label",
+    "repeats",
     "median",
     "teacher fwd",
     "student fwd",

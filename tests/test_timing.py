@@ -364,15 +364,53 @@ def test_without_a_target_the_interval_is_never_read():
     assert clock.syncs == 3  # after the cold call, before and after the window: no check syncs
 
 
-def test_a_cold_call_over_budget_shrinks_the_counts_and_says_so():
-    assert timing.fit_budget(1.0, warmup=3, min_iters=10, budget_s=60.0) is None
-    warmup, iters, note = timing.fit_budget(10.0, warmup=3, min_iters=20, budget_s=60.0)
-    assert (warmup, iters) == (1, 4)  # 5 calls fit in the 50 s left: 1 warm-up, 4 timed
-    assert "cold call took 10 s" in note and "warm-up 3 -> 1" in note and "timed calls 20 -> 4" in note
+def test_a_compile_in_the_cold_call_does_not_shrink_the_later_calls(monkeypatch):
+    """N4: a 40 s cold call (a compile) in a 60 s budget, then 50 ms calls: the warm calls say what later
+    calls cost, so the measurement gets its warm-up and min_iters timed calls, not thin."""
+    t = FakeTime([40_000] + [50] * 200)
+    monkeypatch.setattr(timing.time, "perf_counter", t.perf_counter)
+    r = timed_loop(t.fn, FakeClock(t), warmup=3, min_iters=20, min_time_s=1.0, max_iters=1000, budget_s=60.0)
+    assert len(r.warmup_ms) == 3 and len(r.samples_ms) == 20
+    assert not r.thin and r.note is None
+    assert r.cold_s == pytest.approx(40.0) and r.cold_excess_ms(50.0) == pytest.approx(40_000 - 50)
+
+
+def test_the_budget_bounds_the_whole_measurement_and_a_shrunk_one_is_thin(monkeypatch):
+    """N5: min_time_s and the interval target stop at the budget, and calls that do not fit shrink the
+    counts: 1 s calls, a 10 s budget, min_iters 20."""
+    t = FakeTime([2000] + [1000] * 200)
+    monkeypatch.setattr(timing.time, "perf_counter", t.perf_counter)
+    r = timed_loop(
+        t.fn,
+        FakeClock(t),
+        warmup=3,
+        min_iters=20,
+        min_time_s=30.0,
+        max_iters=1000,
+        target_rel_ci=0.001,
+        max_time_s=60.0,
+        budget_s=10.0,
+    )
+    assert t.now_ms <= 10_000  # cold 2 s + 1 warm-up (3 + 20 calls do not fit) + 7 timed calls
+    assert (len(r.warmup_ms), len(r.samples_ms)) == (1, 7)
+    assert r.thin and "warm-up 3 -> 1" in r.note and "timed calls 20 -> 7: thin" in r.note
+    assert "the cold call took 2 s" in r.note
+
+
+def test_a_cold_call_over_the_budget_still_gets_one_warm_sample(monkeypatch):
     t = FakeTime([400_000, 7, 7] + [10] * 10)  # a cold call of 400 s against a 60 s budget
+    monkeypatch.setattr(timing.time, "perf_counter", t.perf_counter)
     r = timed_loop(t.fn, FakeClock(t), warmup=2, min_iters=20, min_time_s=1.0, max_iters=100, budget_s=60.0)
-    assert r.samples_ms == [400_000.0] and t.calls == 1
-    assert "the cold call is the only sample" in r.note
+    assert r.warmup_ms == [7.0] and r.samples_ms == [7.0] and t.calls == 3
+    assert r.thin and r.first_ms == 400_000.0
+    assert "timed calls 20 -> 1: thin" in r.note
+
+
+def test_without_a_budget_nothing_is_thin(monkeypatch):
+    t = FakeTime([400_000] + [10] * 30)
+    monkeypatch.setattr(timing.time, "perf_counter", t.perf_counter)
+    r = timed_loop(t.fn, FakeClock(t), warmup=2, min_iters=20, min_time_s=0.0, max_iters=100)
+    assert len(r.samples_ms) == 20 and not r.thin and r.note is None
 
 
 def test_progress_is_told_at_most_every_few_seconds(monkeypatch):
@@ -404,7 +442,7 @@ def test_the_wall_time_split_adds_up(monkeypatch):
 
     now = [1000.0]
     monkeypatch.setattr(engine.time, "time", lambda: now[0])
-    monkeypatch.setattr("psutil.Process.create_time", lambda self: 990.0)  # 10 s before the run
+    monkeypatch.setattr("kdbench.STARTED", 990.0)  # kdbench imported 10 s before the run
     wall = engine.WallSplit()
     now[0] += 30.0
     wall.job(20.0, 17.0, {"warm-up": 4.0, "measuring": 10.0, "FLOP counting": 1.0, PROCESS_START: 2.5}, 0.5)

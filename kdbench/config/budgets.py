@@ -10,10 +10,12 @@ have given values::
       - {measurement: distill_step, stat: peak_memory_bytes, max: 8.0e9}
       - {measurement: student_inference, stat: throughput, min: 2000, where: {precision: bf16}}
 
-Every matching measurement is checked: its value is the median over the cell's ok
-repeats.  A matching measurement that failed misses its budget.  ``kdbench run`` prints
-every missed budget and exits 1; the report shows each check.  Torch-free: the report
-checks the budgets a run stored in its manifest.
+Every matching measurement is checked: its value is the centre over the cell's ok repeats
+(the geometric mean, as :mod:`kdbench.repeats` pools them for compare).  Each check has an
+outcome: ``met``, ``missed``, ``failed`` (the measurement failed: a miss too), ``skipped``
+(it cannot run here: not a miss) or ``thin`` (a time budget shrank it below ``min_iters``:
+too few calls to judge, not a miss).  ``kdbench run`` prints every miss and exits 1; the
+report shows each check.  Torch-free: the report checks the budgets a run stored with it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from pydantic import Field, field_validator, model_validator
 
 from kdbench.config.base import Strict
 from kdbench.errors import did_you_mean
-from kdbench.names import Status
+from kdbench.names import FAILURES, Status
+from kdbench.repeats import centre
 from kdbench.store.schema import COLUMNS, CONFIG, DERIVED, RESULT, STATISTICS
 
 _NUMERIC = ("int", "double", "float", "int32", "int64")
@@ -93,6 +96,10 @@ class Budget(Strict):
         return (self.max is None or value <= self.max) and (self.min is None or value >= self.min)
 
 
+OUTCOMES = ("missed", "failed", "thin", "skipped", "met")  # in the order the report lists them
+MISSES = ("missed", "failed")  # outcomes that make `kdbench run` exit 1
+
+
 @dataclass(frozen=True)
 class BudgetCheck:
     budget: str  # Budget.describe()
@@ -102,9 +109,18 @@ class BudgetCheck:
     cell_id: str
     cell_label: str
     batch_size: int | None
-    value: float | None  # median over the ok repeats; None when none is ok
-    met: bool
+    value: float | None  # the centre over the ok, not thin repeats; None when there is none
+    outcome: str  # one of OUTCOMES
     note: str = ""
+
+    @property
+    def met(self) -> bool:
+        return self.outcome == "met"
+
+    @property
+    def missed(self) -> bool:
+        """A miss: over (or under) the limit, or the measurement failed."""
+        return self.outcome in MISSES
 
 
 def select(df: pd.DataFrame, budget: Budget) -> pd.DataFrame:
@@ -120,11 +136,13 @@ def select(df: pd.DataFrame, budget: Budget) -> pd.DataFrame:
 def check(df: pd.DataFrame, budgets: list[Budget]) -> list[BudgetCheck]:
     """Every (budget, measurement) check on ``df``'s rows, in budget order."""
     checks = []
+    thin_column = df["thin"] if "thin" in df else pd.Series(False, index=df.index)
     for budget in budgets:
         rows = select(df, budget)
         for (run_id, cell_id, bs), group in rows.groupby(["run_id", "cell_id", "batch_size"], dropna=False, sort=False):
             ok = group[group["status"].eq(Status.OK)]
-            values = pd.to_numeric(ok[budget.stat], errors="coerce").dropna() if budget.stat in ok else pd.Series()
+            judged = ok[~thin_column[ok.index].eq(True)]
+            values = pd.to_numeric(judged[budget.stat], errors="coerce").dropna() if budget.stat in ok else pd.Series()
             common = dict(
                 budget=budget.describe(),
                 stat=budget.stat,
@@ -135,16 +153,28 @@ def check(df: pd.DataFrame, budgets: list[Budget]) -> list[BudgetCheck]:
                 batch_size=None if pd.isna(bs) else int(bs),
             )
             if values.empty:
-                why = "no ok measurement" if ok.empty else f"{budget.stat} was not measured"
-                bad = group[~group["status"].eq(Status.OK)]
-                if not bad.empty:
-                    why = f"{bad['status'].iloc[-1]}: {' '.join(str(bad['error'].iloc[-1] or '').split())[:120]}"
-                checks.append(BudgetCheck(**common, value=None, met=False, note=why))
+                checks.append(BudgetCheck(**common, value=None, **_unjudged(group, ok, judged, budget.stat)))
                 continue
-            value = float(values.median())
-            repeats = f"median of {len(values)} repeats" if len(values) > 1 else ""
-            checks.append(BudgetCheck(**common, value=value, met=budget.holds(value), note=repeats))
+            value = centre(values.tolist())
+            repeats = f"centre of {len(values)} repeats" if len(values) > 1 else ""
+            outcome = "met" if budget.holds(value) else "missed"
+            checks.append(BudgetCheck(**common, value=value, outcome=outcome, note=repeats))
     return checks
+
+
+def _unjudged(group: pd.DataFrame, ok: pd.DataFrame, judged: pd.DataFrame, stat: str) -> dict:
+    """The outcome and note of a check with no value to judge."""
+    failed = group[group["status"].isin(list(FAILURES))]
+    if not failed.empty:
+        why = f"{failed['status'].iloc[-1]}: {' '.join(str(failed['error'].iloc[-1] or '').split())[:120]}"
+        return {"outcome": "failed", "note": why}
+    if not ok.empty and judged.empty:
+        return {"outcome": "thin", "note": "shrunk by the time budget below min_iters: too few calls to judge"}
+    if ok.empty:
+        skipped = group[group["status"].eq(Status.SKIPPED)]
+        why = " ".join(str(skipped["error"].iloc[-1] or "").split())[:120] if not skipped.empty else ""
+        return {"outcome": "skipped", "note": f"skipped: {why}" if why else "skipped"}
+    return {"outcome": "missed", "note": f"{stat} was not measured"}
 
 
 def where_text(c: BudgetCheck) -> str:

@@ -249,6 +249,9 @@ class Suite(Strict):
     cell_timeout_s: float = Field(3600.0, gt=0, le=7 * 86_400)
     profile: bool = False  # a torch.profiler trace of every cell's step (as --profile)
     repeat: int = Field(1, ge=1, le=100)  # measure every cell this many times, each round in fresh workers
+    # A precision measured at least 3x slower than fp32 here (kdbench.hw.speed): `measure` warns and measures
+    # its cells; `skip` stores them as skipped, saying how much slower, so a quick suite stays quick.
+    slow_precisions: Literal["measure", "skip"] = "measure"
     budgets: list[Budget] = Field(default_factory=list)  # absolute limits: a missed one makes `run` exit 1
     quality: QualityConfig | None = None  # opt-in accuracy run on real data (kdbench.quality.protocol)
     launcher: LauncherConfig = LauncherConfig()

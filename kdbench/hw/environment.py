@@ -65,17 +65,36 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _git(folder: Path, *args: str) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(
+            ["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def git_commit() -> str | None:
     root = Path(kdbench.__file__).resolve().parent.parent
     if not (root / ".git").exists():
         return None
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
+    out = _git(root, "rev-parse", "HEAD")
+    return (out.stdout.strip() or None) if out is not None else None
+
+
+def suite_commit(suite_path: str | Path | None) -> str | None:
+    """The git commit of the repository the suite file lies in (12 hex digits, ``+dirty`` when its work
+    tree has uncommitted changes), or None outside a git repository: what a history of runs of one
+    suite is labelled by (the user's own code, which is not kdbench's ``git_commit``)."""
+    if suite_path is None:
         return None
-    return out.stdout.strip() or None
+    folder = Path(suite_path).resolve().parent
+    out = _git(folder, "rev-parse", "--short=12", "HEAD")
+    if out is None or out.returncode != 0 or not out.stdout.strip():
+        return None
+    dirty = _git(folder, "status", "--porcelain", "--untracked-files=no")
+    flag = "+dirty" if dirty is not None and dirty.returncode == 0 and dirty.stdout.strip() else ""
+    return out.stdout.strip() + flag
 
 
 def driver_version(build: str) -> str | None:

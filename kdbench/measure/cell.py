@@ -42,7 +42,14 @@ from kdbench.hw.layout import pad_classifier, padded_width, place_model, verify_
 from kdbench.measure import walltime
 from kdbench.measure.failures import device_fatal, device_lost, error_text, failure_row, note_device_lost, status_of
 from kdbench.measure.flops import count_flops
-from kdbench.measure.levers import LeverWatch, device_levers, eager, skip_reason, tunableop_file
+from kdbench.measure.levers import (
+    LeverWatch,
+    device_levers,
+    eager,
+    quiesce_compile_workers,
+    skip_reason,
+    tunableop_file,
+)
 from kdbench.measure.memory import MemoryMeter, memory_columns, optimizer_state_bytes
 from kdbench.measure.parallel import DataParallel
 from kdbench.measure.runtimes import LeverSkip, Served, serve
@@ -147,6 +154,7 @@ def timed_with_profile(
     with MemoryMeter(backend) as memory, TelemetrySampler(backend) as telemetry:
         on_window = watch.chain(telemetry.on_window) if watch is not None else telemetry.on_window
         raw = _time(fn, config, backend, dp, on_window, what)
+    walltime.add(walltime.COLD, raw.cold_s)
     walltime.add(walltime.WARMUP, raw.warmup_s)
     if raw.window_s:
         walltime.add(walltime.MEASURING, raw.window_s[1] - raw.window_s[0])
@@ -163,7 +171,9 @@ def timing_columns(raw: RawTiming, world_size: int, batch_size: int) -> Row:
         "launch_bound": raw.launch_bound(summary.median_ms),
         "window_ms": window_ms,
         **summary.as_row(),
+        "thin": raw.thin,
         "first_ms": raw.first_ms,
+        "cold_excess_ms": raw.cold_excess_ms(summary.median_ms),
         "samples_ms": raw.samples_ms,
         "timer": raw.clock,
         "throughput": world_size * batch_size / (summary.median_ms / 1e3) if summary.median_ms > 0 else None,
@@ -381,6 +391,8 @@ def measure_inference(model: nn.Module, role: str, batch_size: int, config: Cell
     if role == "student" and (config.inference.runtime != "eager" or config.graphs):
         with walltime.spent(walltime.LEVERS):
             served = serve(model, x, config.inference.runtime, config, backend, graphs=config.graphs)
+            if config.inference.runtime == "compile":
+                quiesce_compile_workers()  # inductor's worker pool would start up while this is timed
     with math_mode(choice.tf32):
         timed = served.forward if served is not None else forward
         what = f"{config.pair.teacher}->{config.pair.student} {config.precision} {role}_inference bs{batch_size}"
@@ -390,6 +402,9 @@ def measure_inference(model: nn.Module, role: str, batch_size: int, config: Cell
             flops = None if raw.note else inference_flops(forward, getattr(config.pair, role), batch_size, config)
     timing = timing_columns(raw, 1, batch_size)
     launch = LAUNCH_BOUND if timing["launch_bound"] else ""
+    served_row = served_columns(served) if served is not None else {}
+    if served_row.get("one_off_ms") is not None:  # what serving this way paid once: the build and its cold calls
+        served_row["one_off_ms"] += timing["cold_excess_ms"]
     return {
         "measurement": Measurement(f"{role}_inference"),
         "batch_size": batch_size,
@@ -400,7 +415,7 @@ def measure_inference(model: nn.Module, role: str, batch_size: int, config: Cell
         "flops": flops,
         "autocast": choice.applied,
         "runtime": served.runtime if served is not None else "eager",
-        **(served_columns(served) if served is not None else {}),
+        **served_row,
         **_layout(model, x, config),
         "notes": _notes(
             choice,
@@ -446,11 +461,6 @@ def release(backend: Backend) -> None:
             pass
 
 
-def _collective(measurement: str, batch_size: int, backend: Backend, fn: Callable[[], Row | None]) -> Row | None:
-    """A data-parallel measurement: an exception ends the rank (see the module docstring)."""
-    return fn()
-
-
 def measure_cell(
     cell: Cell,
     backend: Backend,
@@ -476,12 +486,12 @@ def measure_cell(
     # Device-wide levers (cudnn.benchmark, TunableOp) hold for the cell: its step and its inference.
     tunable = tunableop_file(options.run_dir, str(backend.device)) if config.tunableop else None
     with device_levers(config, backend, tunable) as lever_row:
-        guard = guarded if dp is None else _collective
-        step = guard(
-            Measurement.DISTILL_STEP,
-            config.batch_size,
-            backend,
-            lambda: measure_distill_step(teacher, student, config, backend, options, cell.cell_id, dp),
+        measure_step = partial(measure_distill_step, teacher, student, config, backend, options, cell.cell_id, dp)
+        # A data-parallel step that raises ends the rank (see the module docstring): it is not guarded.
+        step = (
+            guarded(Measurement.DISTILL_STEP, config.batch_size, backend, measure_step)
+            if dp is None
+            else measure_step()
         )
         if dp is not None and not dp.root:
             dp.barrier()  # rank 0 measures inference alone

@@ -80,7 +80,19 @@ class RawTiming:
     window_s: tuple[float, float] | None = None  # host perf_counter() at the start and end of the timed calls
     host_ms: list[float] = field(default_factory=list)  # device clocks: host time to issue each warm-up call
     note: str | None = None  # why the loop ran other counts than asked (a time budget shrank them)
-    warmup_s: float = 0.0  # host wall time of the cold and warm-up calls
+    warmup_s: float = 0.0  # host wall time of the warm-up calls
+    planned_iters: int = 0  # the timed calls asked for (min_iters): fewer makes the measurement thin
+    cold_s: float = 0.0  # host wall time of the cold call (compiles, autotuning, first-use set-up)
+
+    @property
+    def thin(self) -> bool:
+        """Fewer timed calls than asked (a time budget stopped the loop): kept and shown, never judged."""
+        return len(self.samples_ms) < self.planned_iters
+
+    def cold_excess_ms(self, median_ms: float) -> float:
+        """What the cold and warm-up calls cost beyond as many median calls: paid once per measurement."""
+        calls = [self.first_ms, *self.warmup_ms]
+        return max(0.0, sum(calls) - len(calls) * median_ms)
 
     def launch_bound(self, median_ms: float) -> bool | None:
         """Whether issuing a call costs the host about as long as the device needs to run it (>= 90 %):
@@ -110,22 +122,17 @@ PROGRESS_EVERY_S = 10.0  # a long measurement reports its progress at most this 
 Progress = Callable[[str, int, int, float], None]  # (phase, calls done, calls planned, seconds per call)
 
 
-def fit_budget(first_s: float, warmup: int, min_iters: int, budget_s: float) -> tuple[int, int, str] | None:
-    """Counts that fit what is left of ``budget_s`` after a cold call of ``first_s`` (the cold call
-    is the estimate of every later one: an overestimate, as later calls are warm), or None when the
-    asked ones fit.  0 timed calls: not even one more fits, and the cold call is the only sample."""
-    left = budget_s - first_s
-    if first_s * (warmup + min_iters) <= left:
+def budget_note(budget_s: float, warmup: int, warm_done: int, min_iters: int, timed: int, cold_s: float) -> str | None:
+    """What a time budget did to a measurement's counts, or None when it left them as asked."""
+    if warm_done >= warmup and timed >= min_iters:
         return None
-    calls = math.floor(max(left, 0.0) / first_s)
-    new_warmup = min(warmup, calls // 4)
-    new_iters = max(0, min(min_iters, calls - new_warmup))
-    what = f"timed calls {min_iters} -> {new_iters}" if new_iters else "no timed call: the cold call is the only sample"
-    note = (
-        f"shrunk to fit a {budget_s:.3g} s time budget (timing.cell_budget_s over the cell's measurements): "
-        f"the cold call took {first_s:.3g} s, so warm-up {warmup} -> {new_warmup}, {what}; FLOPs not counted"
+    parts = [f"warm-up {warmup} -> {warm_done}"] if warm_done < warmup else []
+    if timed < min_iters:
+        parts.append(f"timed calls {min_iters} -> {timed}: thin, so compare, budgets and break-even leave it out")
+    return (
+        f"shrunk to fit a {budget_s:.3g} s time budget (timing.cell_budget_s over the cell's measurements; the cold "
+        f"call took {cold_s:.3g} s, later calls estimated from the warm ones): {', '.join(parts)}; FLOPs not counted"
     )
-    return new_warmup, new_iters, note
 
 
 def timed_loop(
@@ -152,9 +159,15 @@ def timed_loop(
     clock a check reads the events recorded so far, after a synchronize between two calls,
     never inside one.
 
-    With ``budget_s``, the cold call's time estimates the rest: when the asked counts would not
-    fit in the budget they shrink to fit (``note`` says so).  ``progress`` is called at most
-    every ``PROGRESS_EVERY_S`` during a long measurement.
+    ``budget_s`` bounds the whole measurement, cold call included: every later call is estimated
+    from the latest warm call (never from the cold call, which pays compiles and autotuning), the
+    warm-up stops where the rest of it and ``min_iters`` timed calls would not fit, and the timed
+    calls stop where the next one would pass the budget (``min_time_s``, ``max_time_s`` and
+    ``target_rel_ci`` within it).  The first warm-up call and the first timed call are always made,
+    so the measurement has a warm estimate and a sample: the budget may be passed by those two calls
+    (and, as it must, by a cold call longer than the budget).  Fewer timed calls
+    than ``min_iters`` make the result thin (:attr:`RawTiming.thin`; ``note`` says so).
+    ``progress`` is called at most every ``PROGRESS_EVERY_S`` during a long measurement.
 
     ``on_window`` (start, end) are called at the edges of the timed window, right after the
     synchronisations that open and close it (e.g. to read an energy counter there).
@@ -162,21 +175,15 @@ def timed_loop(
     With a device clock each warm-up call starts on an idle device and the host's time to
     issue it is kept (``host_ms``): what the host costs per call, apart from the device's
     work, which tells launch-bound calls apart (:meth:`RawTiming.launch_bound`)."""
-    began_warmup = time.perf_counter()
+    began = time.perf_counter()
+    budget_end = began + budget_s if budget_s is not None else math.inf
     start = clock.stamp()
     fn()
     end = clock.stamp()
     clock.sync()
     first = clock.elapsed_ms(start, end)
-    note = None
-    if budget_s is not None:
-        fitted = fit_budget(first / 1e3, warmup, min_iters, budget_s)
-        if fitted is not None:
-            warmup, min_iters, note = fitted
-            if min_iters == 0:  # not even one more call fits: the cold call stands for the measurement
-                return RawTiming(first, [first], clock.name, [], None, [], note, time.perf_counter() - began_warmup)
-            max_iters, min_time_s, target_rel_ci = min_iters, 0.0, None
-    per_call = max(first / 1e3, 1e-9)
+    cold_s = time.perf_counter() - began
+    per_call = max(first / 1e3, 1e-9)  # seconds per call: the cold call's until a warm one is seen
     shown = time.perf_counter()
 
     def tell(phase: str, done: int, planned: int, now: float) -> None:
@@ -188,24 +195,33 @@ def timed_loop(
     warm: list[tuple[Any, Any]] = []
     host: list[float] = []
     issue = not getattr(clock, "host", True)
+    warm_began = time.perf_counter()
     for i in range(warmup):
-        began = time.perf_counter_ns()
+        # the first warm call always runs: it tells what later calls cost, which the cold call does not
+        if i and (warmup - i + min_iters) * per_call > budget_end - time.perf_counter():
+            break
+        began_call = time.perf_counter()
         start = clock.stamp()
         fn()
         warm.append((start, clock.stamp()))
         if issue:
-            host.append((time.perf_counter_ns() - began) / 1e6)
+            host.append((time.perf_counter() - began_call) * 1e3)
             clock.sync()  # the next call starts on an idle device too
-        tell("warm-up", i + 1, warmup, time.perf_counter())
-    if not (issue and warmup):  # else the last warm-up call's sync stands
+        elif budget_s is not None:
+            clock.sync()
+        now = time.perf_counter()
+        if issue or budget_s is not None:  # synchronised: the wall time is the call's
+            per_call = max(now - began_call, 1e-9)
+        tell("warm-up", i + 1, warmup, now)
+    if not (issue and warm):  # else the last warm-up call's sync stands
         clock.sync()
-    warmup_s = time.perf_counter() - began_warmup
+    warmup_s = time.perf_counter() - warm_began
     if on_window is not None:
         on_window[0]()
     marks: list[tuple[Any, Any]] = []
     window_start = time.perf_counter()
-    deadline = window_start + min_time_s
-    cap = window_start + max_time_s if max_time_s is not None else math.inf
+    deadline = min(window_start + min_time_s, budget_end)
+    cap = min(window_start + max_time_s if max_time_s is not None else math.inf, budget_end)
     next_check = min_iters
     while True:
         start = clock.stamp()
@@ -215,6 +231,9 @@ def timed_loop(
         if n >= max_iters:
             break
         now = time.perf_counter()
+        per_call = (now - window_start) / n
+        if now + per_call > budget_end:  # the next call would pass the budget
+            break
         if n >= min_iters and now >= deadline:
             if target_rel_ci is None or now >= cap:
                 break
@@ -223,16 +242,15 @@ def timed_loop(
                 clock.sync()
                 if relative_ci([clock.elapsed_ms(a, b) for a, b in marks]) <= target_rel_ci:
                     break
-        if progress is not None:
-            per_call = (now - window_start) / n
-            tell("timed", n, max(min_iters, n), now)  # the clock read above: nothing more between calls
+        tell("timed", n, max(min_iters, n), now)  # the clock read above: nothing more between calls
     clock.sync()
     window = (window_start, time.perf_counter())
     if on_window is not None:
         on_window[1]()
     samples = [clock.elapsed_ms(a, b) for a, b in marks]
     warm_ms = [clock.elapsed_ms(a, b) for a, b in warm]
-    return RawTiming(first, samples, clock.name, warm_ms, window, host, note, warmup_s)
+    note = budget_note(budget_s, warmup, len(warm), min_iters, len(samples), cold_s) if budget_s else None
+    return RawTiming(first, samples, clock.name, warm_ms, window, host, note, warmup_s, min_iters, cold_s)
 
 
 def relative_ci(samples_ms: list[float]) -> float:

@@ -1,7 +1,8 @@
 """Where a worker's wall time goes: seconds per category, taken per job and summed by the engine.
 
 The categories are the run's wall-time split (:class:`kdbench.run.engine.WallSplit`): model
-building, warm-up (cold and warm-up calls), measuring (the timed windows), FLOP counting,
+building, cold calls (compiles, autotuning, first-use set-up), warm-up (the warm-up calls),
+measuring (the timed windows), FLOP counting,
 profiling passes, levers' one-off work (exports, compiles of served models), quality
 training.  What a job spends outside them shows as the worker's "other".
 """
@@ -13,8 +14,9 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 
-MODELS, WARMUP, MEASURING, FLOPS, PROFILING, LEVERS, QUALITY = (
+MODELS, COLD, WARMUP, MEASURING, FLOPS, PROFILING, LEVERS, QUALITY = (
     "model building",
+    "cold calls",
     "warm-up",
     "measuring",
     "FLOP counting",
@@ -23,10 +25,23 @@ MODELS, WARMUP, MEASURING, FLOPS, PROFILING, LEVERS, QUALITY = (
     "quality",
 )
 _SPENT: dict[str, float] = defaultdict(float)
+_LISTENER: list = []  # a worker process's hook: told the totals whenever a category grows
+
+
+def listen(tell) -> None:
+    """Have ``tell(totals)`` called with the seconds so far whenever a category grows (a worker sends them
+    to the engine, which keeps the last ones of a job that times out)."""
+    _LISTENER[:] = [tell]
+
+
+def _told() -> None:
+    for tell in _LISTENER:
+        tell(dict(_SPENT))
 
 
 def add(category: str, seconds: float) -> None:
     _SPENT[category] += seconds
+    _told()
 
 
 @contextlib.contextmanager
@@ -37,6 +52,7 @@ def spent(category: str) -> Iterator[None]:
         yield
     finally:
         _SPENT[category] += time.perf_counter() - start
+        _told()
 
 
 def take() -> dict[str, float]:

@@ -1,65 +1,96 @@
-"""Verdicts: a NEW run against a BASE run, measurement by measurement, with a confidence interval.
+"""Verdicts: a NEW run against a BASE run, measurement by measurement.
 
-Cells are matched by ``cell_id`` (a hash of the resolved cell config, not of the
-machine), so the same suite run on two machines, two drivers or two commits compares
-cell by cell.  Each timed measurement (key: cell, measurement, batch size) yields a
-:class:`Change`: the ratio NEW/BASE of the medians, and a confidence interval of that
-ratio from a bootstrap of the raw samples (:func:`ratio_interval`).
+Cells are matched by ``cell_id`` (a hash of the resolved cell config, not of the machine),
+so the same suite run on two machines, two drivers or two commits compares cell by cell.
+Each timed measurement (key: cell, measurement, batch size) gets one :class:`Change` with a
+:class:`Verdict`.  The statistics are :mod:`kdbench.repeats`' (a repeat, measured in a fresh
+worker process, is the unit; the centre of a side is the geometric mean of its repeats'
+medians); this module matches the two sides and decides; :mod:`kdbench.report.compare_format`
+writes the result out.
 
-* With one repeat per side, the bootstrap resamples the iterations: the interval shows
-  the noise *within* one process, which understates the noise from run to run
-  (a note says so).
-* With repeats (``repeat: N``, each in a fresh worker process), the centre of a side is
-  the median of its repeats' medians, and the bootstrap resamples the repeats as well
-  as the iterations inside each (a two-level, "cluster" bootstrap): the interval holds
-  the variation *between* processes.
+**The guarantee.** A measurement is *regressed* when its interval of NEW/BASE lies wholly
+above 1 **and** the ratio exceeds 1 + threshold (*improved*: below 1 and under 1 − threshold).
+The intervals are t-intervals between repeats, *simultaneous* over the m measurements judged
+(Bonferroni: each at 1 − (1 − C)/m), so that when nothing changed, the chance that any
+measurement of the comparison is called regressed or improved is at most 1 − C.  Each
+measurement's variance is taken as at least the comparison's median one (a measurement that
+happens to look quiet in three repeats is not trusted to be quieter than the others), which
+only widens intervals.  ``tests/test_compare.py`` shows the family-wise rate by simulation at
+2, 3, 5 and 10 repeats per side.
 
-The intervals are *simultaneous*: ``confidence`` (0.95) holds for all the measurements of
-a comparison together, each interval being at 1 − (1 − confidence)/m for m measurements
-(Bonferroni).  A gate asks one question — "is anything slower?" — of every measurement,
-and twenty 95 % intervals would exclude 1 somewhere in about two comparisons of three
-where nothing changed.
+**What is not judged.** With one repeat on each side no interval can hold the run-to-run noise
+(the between-process variance is unknown): those measurements are *not judged* and do not fail
+the gate, unless :attr:`Policy.gate_single_repeat` judges them on the iterations of one
+process (a within-process bootstrap that calls two identical runs different most of the
+time).  Rows thinned by a time budget (``thin``), skipped rows and rows of cells that an
+incomplete NEW run has not stored yet are their own outcomes.
 
-A measurement *regressed* when the interval lies wholly above 1 **and** the ratio
-exceeds 1 + threshold; it *improved* when the interval lies wholly below 1 and the ratio
-is under 1 − threshold; otherwise it is unchanged.  A measurement that is ok in BASE
-but failed in NEW counts as a regression too.  Torch-free: it reads DataFrames only.
+**What fails the gate** (exit 1): a regression; a measurement ok in BASE that failed (or ran
+out of memory, or timed out) in NEW; a NEW repeat that failed or is missing from an incomplete
+NEW run, and a cell that an incomplete NEW run never stored (:attr:`Policy.allow_partial`
+judges what is there instead); a measurement ok in BASE and skipped in NEW only with
+:attr:`Policy.fail_on_skipped`.  Torch-free: it reads DataFrames only.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import numpy as np
 import pandas as pd
 
 from kdbench.errors import KdbenchError
-from kdbench.names import Measurement, Status
+from kdbench.names import FAILURES, Measurement, Status
+from kdbench.repeats import RatioInterval, bootstrap_ratio, centre, median_log_variance, simultaneous_t
 
 TIMED = (Measurement.DISTILL_STEP, Measurement.STUDENT_INFERENCE, Measurement.TEACHER_INFERENCE)
 KEY = ("cell_id", "measurement", "batch_size")
-N_BOOT = 5000  # bootstrap draws at least; more when simultaneous intervals reach far into the tails
-MAX_BOOT = 100_000
-FORMATS = ("text", "markdown", "json", "csv")
+# Environment columns whose difference between the sides changes what the figures mean: named at the top.
+ENVIRONMENT = (
+    "backend",
+    "device_name",
+    "cpu_threads",
+    "torch_version",
+    "cuda_version",
+    "hip_version",
+    "cudnn_version",
+    "driver_version",
+    "hostname",
+)
 
 
 class Verdict(StrEnum):
     REGRESSED = "regressed"  # significantly slower, beyond the threshold
-    FAILED = "failed"  # ok in BASE, failed (or oom, timeout) in NEW
+    FAILED = "failed"  # ok in BASE, failed (or oom, timeout) in NEW; or a NEW repeat failed
+    MISSING = "missing"  # in BASE, and planned but not stored (yet) by an incomplete NEW run
     IMPROVED = "improved"  # significantly faster, beyond the threshold
     FIXED = "fixed"  # failed in BASE, ok in NEW
     UNCHANGED = "unchanged"  # within noise or within the threshold
+    UNJUDGED = "not judged"  # one repeat per side: the run-to-run noise is unknown
+    THIN = "thin"  # a side's rows were shrunk by a time budget: too few calls to judge
+    SKIPPED = "skipped"  # skipped in NEW (or on both sides): cannot run there
     BOTH_FAILED = "both failed"
     ONLY_BASE = "only in base"
     ONLY_NEW = "only in new"
 
 
-BAD = (Verdict.REGRESSED, Verdict.FAILED)  # verdicts that make `compare` exit 1
 _ORDER = {v: i for i, v in enumerate(Verdict)}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What may fail the gate beyond regressions and failures (the command line's options)."""
+
+    gate_single_repeat: bool = False  # judge one-repeat sides on their within-process interval
+    allow_partial: bool = False  # judge an incomplete NEW run, or one with failed repeats, on what it has
+    fail_on_skipped: bool = False  # a measurement ok in BASE and skipped in NEW fails the gate
+
+    def bad(self) -> tuple[Verdict, ...]:
+        """The verdicts that make `compare` exit 1 under this policy."""
+        bad = [Verdict.REGRESSED, Verdict.FAILED, Verdict.MISSING]
+        return tuple(bad + [Verdict.SKIPPED] if self.fail_on_skipped else bad)
 
 
 @dataclass(frozen=True)
@@ -69,13 +100,15 @@ class Change:
     measurement: str
     batch_size: int | None
     verdict: Verdict
-    base_median_ms: float | None = None
+    base_median_ms: float | None = None  # the centre of a side: geometric mean of its repeats' medians
     new_median_ms: float | None = None
-    ratio: float | None = None  # NEW / BASE of the centres (medians; medians of repeat medians)
+    ratio: float | None = None  # NEW / BASE of the centres
     ci_low: float | None = None
     ci_high: float | None = None
-    base_repeats: int = 0  # ok repeats on each side
+    base_repeats: int = 0  # repeats judged on each side (ok, not thin)
     new_repeats: int = 0
+    method: str = ""  # how the interval was made (empty: none)
+    gated: bool = False  # the interval took part in the verdict (and in the m of the simultaneous intervals)
     note: str = ""
 
     @property
@@ -86,12 +119,18 @@ class Change:
 
 @dataclass(frozen=True)
 class Side:
-    """One side of a comparison: which run and machine it is."""
+    """One side of a comparison: which run, machine and software it is, and whether it is complete."""
 
     label: str  # the path as given
     run_ids: tuple[str, ...]
     devices: tuple[str, ...]
     repeats: int  # the most repeats of any measurement
+    environment: dict[str, tuple[str, ...]] = field(default_factory=dict)  # ENVIRONMENT column -> values
+    state: object | None = None  # kdbench.store.results.RunState, when the side is a run folder
+
+    @property
+    def incomplete(self) -> bool:
+        return getattr(self.state, "complete", None) is False
 
 
 @dataclass
@@ -99,101 +138,68 @@ class Comparison:
     base: Side
     new: Side
     threshold: float
-    confidence: float  # for all the measurements together
+    confidence: float  # for all the judged measurements together
+    policy: Policy = field(default_factory=Policy)
     changes: list[Change] = field(default_factory=list)
+    reused: int = 0  # teacher inference copies judged once, at the cell that measured them
 
     @property
     def rated(self) -> int:
-        """Measurements with a ratio (ok on both sides): the m of the simultaneous intervals."""
-        return sum(c.ratio is not None for c in self.changes)
+        """Measurements whose interval was judged: the m of the simultaneous intervals."""
+        return sum(c.gated for c in self.changes)
 
     @property
     def each(self) -> float:
-        """The confidence of each interval: 1 - (1 - confidence) / m."""
+        """The confidence of each judged interval: 1 - (1 - confidence) / m."""
         return 1 - (1 - self.confidence) / max(1, self.rated)
 
     @property
     def bad(self) -> list[Change]:
-        return [c for c in self.changes if c.verdict in BAD]
+        bad = self.policy.bad()
+        return [c for c in self.changes if c.verdict in bad]
 
     @property
     def exit_code(self) -> int:
         return 1 if self.bad else 0
 
+    def count(self, verdict: Verdict) -> int:
+        return sum(c.verdict == verdict for c in self.changes)
+
     def notes(self) -> list[str]:
         notes = []
-        if self.base.repeats <= 1 or self.new.repeats <= 1:
+        unjudged = self.count(Verdict.UNJUDGED)
+        if unjudged:
             notes.append(
-                "one side has a single repeat: its interval shows the noise within one process, which understates "
-                "run-to-run noise; run with `repeat: 3` (or --repeat 3) for verdicts you can gate on"
+                f"{unjudged} measurement(s) have a single repeat on each side: one process's iterations cannot show "
+                "the noise from run to run, so they are not judged and do not fail the gate; run both sides with "
+                "--repeat 3 (or `repeat: 3`) for verdicts, or pass --gate-single-repeat to judge them on the "
+                "within-process interval (two runs of the same suite then differ most of the time)"
             )
-        if set(self.base.devices) != set(self.new.devices):
-            notes.append(f"different devices: {', '.join(self.base.devices)} vs {', '.join(self.new.devices)}")
+        elif self.policy.gate_single_repeat and (self.base.repeats <= 1 or self.new.repeats <= 1):
+            notes.append(
+                "--gate-single-repeat: single-repeat measurements are judged on the noise within one process, "
+                "which understates the noise from run to run: expect false alarms"
+            )
+        for side, name in ((self.base, "BASE"), (self.new, "NEW")):
+            if side.state is not None and getattr(side.state, "complete", None) is not True:
+                notes.append(f"{name} is {side.state.describe()}")
+        if self.new.incomplete and self.policy.allow_partial:
+            notes.append("--allow-partial: the cells the incomplete NEW run has not stored are listed, not failed")
+        for column, label in (("device_name", "devices"), *((c, c) for c in ENVIRONMENT if c != "device_name")):
+            b, n = self.base.environment.get(column, ()), self.new.environment.get(column, ())
+            if b and n and set(b) != set(n):
+                notes.append(f"different {label}: {', '.join(b)} vs {', '.join(n)}")
+        if self.reused:
+            notes.append(
+                f"{self.reused} reused teacher inference copies are judged once, at the cell that measured them"
+            )
+        thin = self.count(Verdict.THIN)
+        if thin:
+            notes.append(
+                f"{thin} measurement(s) are thin (a time budget shrank them below min_iters): not judged; raise "
+                "timing.cell_budget_s or lower their counts"
+            )
         return notes
-
-
-# --------------------------------------------------------------------------- statistics
-
-
-def _median_draws(x: np.ndarray, size: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """Draws of the median of a bootstrap resample of ``x`` (n values, with replacement), without
-    building the resamples.
-
-    The k-th smallest of n draws from the empirical distribution is ``sorted(x)[ceil(n U) - 1]``
-    with U the k-th smallest of n uniforms, which is Beta(k, n + 1 - k); for even n the next
-    order statistic is U + (1 - U) Beta(1, n - k).  So each draw costs O(1), not O(n).
-    """
-    s = np.sort(x)
-    n = s.size
-    if n == 1:
-        return np.full(size, s[0])
-
-    def at(u: np.ndarray) -> np.ndarray:
-        return s[np.clip(np.ceil(u * n).astype(np.int64) - 1, 0, n - 1)]
-
-    k = (n + 1) // 2
-    u = rng.beta(k, n + 1 - k, size)
-    if n % 2:
-        return at(u)
-    v = u + (1 - u) * rng.beta(1, n - k, size)
-    return (at(u) + at(v)) / 2
-
-
-def centre(groups: list[np.ndarray]) -> float:
-    """The centre of one side: the median of its repeats' medians (the median, with one repeat)."""
-    return float(np.median([np.median(g) for g in groups]))
-
-
-def bootstrap_centres(groups: list[np.ndarray], n_boot: int, rng: np.random.Generator) -> np.ndarray:
-    """``n_boot`` bootstrap draws of :func:`centre`: the repeats resampled with replacement, and each
-    chosen repeat's iterations resampled too (each draw independent)."""
-    r = len(groups)
-    draws = np.stack([_median_draws(g, (n_boot, r), rng) for g in groups])  # (repeat, draw, slot)
-    if r == 1:
-        return draws[0, :, 0]
-    pick = rng.integers(0, r, size=(n_boot, r))
-    chosen = draws[pick, np.arange(n_boot)[:, None], np.arange(r)[None, :]]
-    return np.median(chosen, axis=1)
-
-
-def ratio_interval(
-    base: list[np.ndarray], new: list[np.ndarray], confidence: float = 0.95, n_boot: int = N_BOOT, seed: int = 0
-) -> tuple[float, float, float]:
-    """NEW/BASE of the centres and its percentile-bootstrap interval at ``confidence``."""
-    rng = np.random.default_rng(seed)
-    ratio = centre(new) / centre(base)
-    boot = bootstrap_centres(new, n_boot, rng) / bootstrap_centres(base, n_boot, rng)
-    alpha = (1 - confidence) / 2
-    low, high = np.quantile(boot, [alpha, 1 - alpha])
-    return ratio, float(low), float(high)
-
-
-def verdict_of(ratio: float, low: float, high: float, threshold: float) -> Verdict:
-    if low > 1 and ratio > 1 + threshold:
-        return Verdict.REGRESSED
-    if high < 1 and ratio < 1 - threshold:
-        return Verdict.IMPROVED
-    return Verdict.UNCHANGED
 
 
 # --------------------------------------------------------------------------- matching
@@ -216,27 +222,71 @@ def _timed(df: pd.DataFrame, label: str) -> pd.DataFrame:
         raise KdbenchError(f"{label}: holds {len(runs)} runs ({shown}); give one run folder on each side")
     rows["batch_size"] = rows["batch_size"].astype("Int64")
     rows["repeat"] = rows["repeat"].fillna(1).astype(int) if "repeat" in rows else 1
+    rows["thin_"] = rows["thin"].eq(True) if "thin" in rows else False
+    copies = rows["measured_in_cell"] if "measured_in_cell" in rows else pd.Series(None, index=rows.index)
+    rows["source_"] = copies.where(copies.notna() & copies.ne(rows["cell_id"]), None)
     return rows
 
 
-def _side(rows: pd.DataFrame, label: str) -> Side:
+def _side(rows: pd.DataFrame, label: str, state) -> Side:
     devices = tuple(dict.fromkeys(rows["device_name"].dropna().astype(str))) if "device_name" in rows else ()
     ok = rows[rows["status"].eq(Status.OK)]
     repeats = int(ok.groupby(list(KEY), dropna=False).size().max()) if not ok.empty else 0
-    return Side(label, tuple(sorted(rows["run_id"].dropna().unique())), devices, repeats)
+    env = {c: tuple(dict.fromkeys(map(str, rows[c].dropna()))) for c in ENVIRONMENT if c in rows}
+    return Side(label, tuple(sorted(rows["run_id"].dropna().unique())), devices, repeats, env, state)
 
 
-def _samples(rows: pd.DataFrame) -> list[np.ndarray]:
-    """The ok repeats' raw samples (a row without samples contributes its median alone)."""
-    groups = []
-    for samples, median in zip(rows["samples_ms"], rows["median_ms"]):
-        a = np.asarray(samples if samples is not None else [], dtype=float)
+@dataclass
+class _Measured:
+    """One side of one measurement, sorted by what its rows say."""
+
+    rows: pd.DataFrame
+    medians: list[float]  # the judged repeats' medians (ok, not thin)
+    floor: float  # the mean sampling variance of their log medians
+    samples: list[np.ndarray]  # the judged repeats' raw samples
+    ok: int  # ok rows (thin included)
+    thin: int
+    failed: int
+    skipped: int
+
+    @property
+    def copies_only(self) -> bool:
+        return bool(self.rows["source_"].notna().all())
+
+
+def _measured(rows: pd.DataFrame | None) -> _Measured | None:
+    if rows is None:
+        return None
+    ok = rows[rows["status"].eq(Status.OK)]
+    judged = ok[~ok["thin_"]].sort_values("repeat")
+    medians, samples, floors = [], [], []
+    for raw, median in zip(judged["samples_ms"], judged["median_ms"]):
+        a = np.asarray(raw if raw is not None else [], dtype=float)
         a = a[np.isfinite(a)]
         if a.size == 0 and pd.notna(median):
             a = np.array([float(median)])
-        if a.size:
-            groups.append(a)
-    return groups
+        if a.size and np.median(a) > 0:
+            medians.append(float(np.median(a)))
+            samples.append(a)
+            floors.append(median_log_variance(a))
+    return _Measured(
+        rows,
+        medians,
+        float(np.mean(floors)) if floors else 0.0,
+        samples,
+        ok=len(ok),
+        thin=int(ok["thin_"].sum()),
+        failed=int(rows["status"].isin(list(FAILURES)).sum()),
+        skipped=int(rows["status"].eq(Status.SKIPPED).sum()),
+    )
+
+
+def _reason(rows: pd.DataFrame, statuses) -> str:
+    bad = rows[rows["status"].isin(list(statuses))]
+    if bad.empty:
+        return ""
+    r = bad.iloc[-1]
+    return f"{r['status']}: {' '.join(str(r.get('error') or '').split())[:160]}"
 
 
 def compare_frames(
@@ -246,8 +296,13 @@ def compare_frames(
     confidence: float = 0.95,
     base_label: str = "BASE",
     new_label: str = "NEW",
+    policy: Policy | None = None,
+    base_state=None,
+    new_state=None,
 ) -> Comparison:
-    """NEW against BASE, every timed measurement of either side (see the module docstring)."""
+    """NEW against BASE, every timed measurement of either side (see the module docstring).  The states
+    (:class:`kdbench.store.results.RunState`) say which jobs each run planned and stored."""
+    policy = policy or Policy()
     if not 0 <= threshold < 1:
         raise KdbenchError(f"--threshold: must be a percentage from 0 to 100 (exclusive), got {threshold * 100:g}")
     if not 0.5 <= confidence < 1:
@@ -258,17 +313,153 @@ def compare_frames(
             f"{base_label} and {new_label} have no cell in common (cells match by cell_id, the hash of the "
             "resolved cell config): compare runs of the same suite"
         )
-    result = Comparison(_side(b, base_label), _side(n, new_label), threshold, confidence)
-    groups_b = dict(iter(b.groupby(list(KEY), dropna=False, sort=False)))
-    groups_n = dict(iter(n.groupby(list(KEY), dropna=False, sort=False)))
+    result = Comparison(_side(b, base_label, base_state), _side(n, new_label, new_state), threshold, confidence, policy)
+    groups_b = {k: _measured(g) for k, g in b.groupby(list(KEY), dropna=False, sort=False)}
+    groups_n = {k: _measured(g) for k, g in n.groupby(list(KEY), dropna=False, sort=False)}
     keys = list(dict.fromkeys([*groups_b, *groups_n]))
-    ok = {key: (_ok(groups_b.get(key)), _ok(groups_n.get(key))) for key in keys}
-    m = sum(bool(gb) and bool(gn) for gb, gn in ok.values())
-    each = 1 - (1 - confidence) / max(1, m)  # simultaneous over the m measurements with a ratio
+    keys = [k for k in keys if not _judged_elsewhere(k, groups_b, groups_n, result)]
+    plans = {k: _plan(k, groups_b.get(k), groups_n.get(k), result) for k in keys}
+    # The intervals: between repeats where there are any (simultaneous over every judged measurement, the
+    # within-process ones of --gate-single-repeat included); within one process per side otherwise.
+    judged = [k for k, p in plans.items() if p.gated or p.shown]
+    family = [(plans[k].b.medians, plans[k].n.medians, max(plans[k].b.floor, plans[k].n.floor)) for k in judged]
+    size = sum(plans[k].gated for k in judged)
+    between = dict(zip(judged, simultaneous_t(family, confidence, size)))
+    each = 1 - (1 - confidence) / max(1, size)
     for key in keys:
-        result.changes.append(_change(key, groups_b.get(key), groups_n.get(key), *ok[key], threshold, each))
+        plan = plans[key]
+        interval = between.get(key) or (
+            bootstrap_ratio(plan.b.samples[0], plan.n.samples[0], each, seed=_seed(key)) if key in between else None
+        )
+        result.changes.append(_finish(key, plan, interval, threshold))
     result.changes.sort(key=_rank)
     return result
+
+
+def _judged_elsewhere(key: tuple, groups_b: dict, groups_n: dict, result: Comparison) -> bool:
+    """A reused teacher inference copy on both sides, whose measuring cell both sides hold: judged there, once."""
+    gb, gn = groups_b.get(key), groups_n.get(key)
+    if gb is None or gn is None or not (gb.copies_only and gn.copies_only):
+        return False
+    _, measurement, bs = key
+    sources = {(s, measurement, bs) for g in (gb, gn) for s in g.rows["source_"].dropna()}
+    if all(s in groups_b and s in groups_n for s in sources):
+        result.reused += 1
+        return True
+    return False
+
+
+@dataclass
+class _Plan:
+    """What one measurement's comparison will be: its verdict when it is decided without statistics, else
+    how its interval is to be made."""
+
+    b: _Measured | None
+    n: _Measured | None
+    verdict: Verdict | None = None  # decided already
+    note: str = ""
+    gated: bool = False  # an interval decides: t between repeats, or (asked) the within-process bootstrap
+    shown: bool = False  # an interval is shown, not judged (one repeat per side)
+
+
+def _plan(key: tuple, b: _Measured | None, n: _Measured | None, result: Comparison) -> _Plan:
+    policy, state = result.policy, result.new.state
+    cell_id = key[0]
+    if n is None:
+        missing = getattr(state, "missing_repeats", lambda _c: [])(cell_id)
+        if result.new.incomplete and missing:
+            return _Plan(b, n, Verdict.MISSING, f"NEW is incomplete: cell not stored (repeats {_list(missing)})")
+        return _Plan(b, n, Verdict.ONLY_BASE)
+    if b is None:
+        return _Plan(b, n, Verdict.ONLY_NEW)
+    base_ok, new_ok = b.ok > 0, n.ok > 0
+    if not new_ok:
+        if n.failed:
+            if not base_ok and b.failed:
+                return _Plan(b, n, Verdict.BOTH_FAILED, _reason(n.rows, FAILURES))
+            return _Plan(b, n, Verdict.FAILED, _reason(n.rows, FAILURES))
+        why = _reason(n.rows, (Status.SKIPPED,))
+        return _Plan(b, n, Verdict.SKIPPED, why if base_ok else f"skipped on both sides; {why}")
+    if not base_ok:
+        if b.failed:
+            return _Plan(b, n, Verdict.FIXED, "BASE " + _reason(b.rows, FAILURES))
+        return _Plan(b, n, Verdict.ONLY_NEW, "BASE " + _reason(b.rows, (Status.SKIPPED,)))
+    notes = []
+    missing = getattr(state, "missing_repeats", lambda _c: [])(cell_id) if result.new.incomplete else []
+    lost = n.failed + len(missing)
+    if lost:
+        what = [f"{n.failed} failed ({_reason(n.rows, FAILURES)})"] if n.failed else []
+        what += [f"{len(missing)} not stored (repeats {_list(missing)}: NEW is incomplete)"] if missing else []
+        text = f"NEW repeats: {n.ok} ok, " + ", ".join(what)
+        if not policy.allow_partial:
+            return _Plan(b, n, Verdict.FAILED, text + "; --allow-partial judges the ok ones")
+        notes.append(text + "; judged on the ok ones (--allow-partial)")
+    if b.failed:
+        notes.append(f"BASE repeats: {b.failed} failed")
+    for side, m in (("BASE", b), ("NEW", n)):
+        if m.thin:
+            notes.append(f"{side}: {m.thin} thin repeat(s) left out")
+    if not b.medians or not n.medians:
+        return _Plan(b, n, Verdict.THIN, "; ".join(notes))
+    plan = _Plan(b, n, note="; ".join(notes))
+    if len(b.medians) + len(n.medians) >= 3 or policy.gate_single_repeat:
+        plan.gated = True
+    else:
+        plan.shown = True
+    return plan
+
+
+def _finish(key: tuple, plan: _Plan, interval: RatioInterval | None, threshold: float) -> Change:
+    cell_id, measurement, bs = key
+    rows = (plan.n if plan.n is not None else plan.b).rows
+    common = dict(
+        cell_id=cell_id,
+        cell_label=str(rows["cell_label"].iloc[-1]),
+        measurement=str(measurement),
+        batch_size=None if bs is None or pd.isna(bs) else int(bs),
+    )
+    b, n = plan.b, plan.n
+    counts = dict(
+        base_repeats=len(b.medians) if b is not None else 0, new_repeats=len(n.medians) if n is not None else 0
+    )
+    medians = dict(
+        base_median_ms=_centre(b),
+        new_median_ms=_centre(n),
+    )
+    if plan.verdict is not None or interval is None:
+        return Change(**common, verdict=plan.verdict or Verdict.UNJUDGED, **medians, **counts, note=plan.note)
+    verdict = verdict_of(interval, threshold) if plan.gated else Verdict.UNJUDGED
+    note = plan.note
+    if interval.method == "bootstrap" and plan.gated:
+        note = "; ".join(x for x in (note, "judged on the within-process interval (--gate-single-repeat)") if x)
+    return Change(
+        **common,
+        verdict=verdict,
+        **medians,
+        ratio=interval.ratio,
+        ci_low=interval.low,
+        ci_high=interval.high,
+        **counts,
+        method=interval.describe(),
+        gated=plan.gated,
+        note=note,
+    )
+
+
+def _centre(m: _Measured | None) -> float | None:
+    return centre(m.medians) if m is not None and m.medians else None
+
+
+def verdict_of(interval: RatioInterval, threshold: float) -> Verdict:
+    if interval.low > 1 and interval.ratio > 1 + threshold:
+        return Verdict.REGRESSED
+    if interval.high < 1 and interval.ratio < 1 - threshold:
+        return Verdict.IMPROVED
+    return Verdict.UNCHANGED
+
+
+def _list(values: list[int]) -> str:
+    return ", ".join(map(str, values))
 
 
 def _rank(c: Change) -> tuple:
@@ -276,162 +467,21 @@ def _rank(c: Change) -> tuple:
     return (_ORDER[c.verdict], worst, c.cell_label, c.measurement, c.batch_size or 0)
 
 
-def _ok(rows: pd.DataFrame | None) -> list[np.ndarray]:
-    return [] if rows is None else _samples(rows[rows["status"].eq(Status.OK)])
-
-
-def _change(
-    key: tuple,
-    b: pd.DataFrame | None,
-    n: pd.DataFrame | None,
-    gb: list[np.ndarray],
-    gn: list[np.ndarray],
-    threshold: float,
-    confidence: float,
-) -> Change:
-    cell_id, measurement, bs = key
-    label = str((n if n is not None else b)["cell_label"].iloc[-1])
-    common = dict(cell_id=cell_id, cell_label=label, measurement=str(measurement), batch_size=_int(bs))
-    if b is None or n is None:
-        return Change(**common, verdict=Verdict.ONLY_NEW if b is None else Verdict.ONLY_BASE)
-    counts = dict(base_repeats=len(gb), new_repeats=len(gn))
-    if not gb or not gn:
-        why = _error(n if not gn else b)
-        verdict = Verdict.BOTH_FAILED if not gb and not gn else Verdict.FAILED if not gn else Verdict.FIXED
-        medians = dict(base_median_ms=centre(gb) if gb else None, new_median_ms=centre(gn) if gn else None)
-        return Change(**common, verdict=verdict, **medians, **counts, note=why)
-    tail = (1 - confidence) / 2
-    n_boot = min(MAX_BOOT, max(N_BOOT, math.ceil(20 / tail)))  # some 20 draws beyond each end of the interval
-    ratio, low, high = ratio_interval(gb, gn, confidence, n_boot=n_boot, seed=_seed(key))
-    lost = [
-        f"{side}: {len(rows) - len(g)} of {len(rows)} repeats failed"
-        for side, rows, g in (("base", b, gb), ("new", n, gn))
-        if len(g) < len(rows)
-    ]
-    return Change(
-        **common,
-        verdict=verdict_of(ratio, low, high, threshold),
-        base_median_ms=centre(gb),
-        new_median_ms=centre(gn),
-        ratio=ratio,
-        ci_low=low,
-        ci_high=high,
-        **counts,
-        note="; ".join(lost),
-    )
-
-
-def _int(v) -> int | None:
-    return None if v is None or pd.isna(v) else int(v)
-
-
-def _error(rows: pd.DataFrame) -> str:
-    bad = rows[~rows["status"].eq(Status.OK)]
-    if bad.empty:
-        return ""
-    r = bad.iloc[-1]
-    return f"{r['status']}: {' '.join(str(r.get('error') or '').split())[:160]}"
-
-
-# --------------------------------------------------------------------------- output
-
-
-def _ms(x) -> str:
-    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4g}"
-
-
-def _ratio(c: Change) -> str:
-    if c.ratio is None:
-        return "—"
-    return f"{c.ratio:.3f} [{c.ci_low:.3f}, {c.ci_high:.3f}]"
-
-
-def records(cmp: Comparison) -> list[dict]:
-    return [{**asdict(c), "verdict": str(c.verdict)} for c in cmp.changes]
-
-
-def _header(cmp: Comparison) -> list[str]:
-    def side(s: Side) -> str:
-        return f"{s.label} (run {', '.join(s.run_ids)}; {', '.join(s.devices) or '?'}; {s.repeats} repeat(s))"
-
-    counts = {v: sum(c.verdict == v for c in cmp.changes) for v in Verdict}
-    summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
-    return [
-        f"BASE {side(cmp.base)}",
-        f"NEW  {side(cmp.new)}",
-        f"ratio NEW/BASE of medians with {cmp.confidence:.0%} simultaneous intervals ({cmp.rated} measurements, "
-        f"each at {cmp.each:.4g}); significant when the interval excludes 1 and the ratio is beyond "
-        f"±{cmp.threshold:.0%}: {summary}",
-        *(f"note: {n}" for n in cmp.notes()),
-    ]
-
-
-def format_text(cmp: Comparison) -> str:
-    lines = _header(cmp)
-    for verdict in Verdict:
-        changes = [c for c in cmp.changes if c.verdict == verdict]
-        if not changes or verdict == Verdict.UNCHANGED:
-            continue
-        lines.append(f"\n{str(verdict).upper()} ({len(changes)}){', worst first' if verdict in BAD else ''}:")
-        for c in changes:
-            times = f"{_ms(c.base_median_ms)} -> {_ms(c.new_median_ms)} ms" if c.ratio is not None else ""
-            extra = "  ".join(x for x in (times, _ratio(c) if c.ratio is not None else "", c.note) if x)
-            lines.append(f"  {c.name}  {extra}".rstrip())
-    unchanged = sum(c.verdict == Verdict.UNCHANGED for c in cmp.changes)
-    lines.append(f"\n{unchanged} measurement(s) unchanged")
-    lines.append("verdict: " + (f"{len(cmp.bad)} regression(s)" if cmp.bad else "no significant regression"))
-    return "\n".join(lines) + "\n"
-
-
-def format_markdown(cmp: Comparison) -> str:
-    lines = [f"- {h}" for h in _header(cmp)]
-    lines += [
-        "",
-        "| verdict | cell | measurement | batch | base median (ms) | new median (ms) | ratio [interval] | note |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for c in cmp.changes:
-        cells = [str(c.verdict), c.cell_label, c.measurement, "" if c.batch_size is None else str(c.batch_size)]
-        cells += [_ms(c.base_median_ms), _ms(c.new_median_ms), _ratio(c), c.note]
-        lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def format_json(cmp: Comparison) -> str:
-    doc = {
-        "base": asdict(cmp.base),
-        "new": asdict(cmp.new),
-        "threshold": cmp.threshold,
-        "confidence": cmp.confidence,
-        "confidence_each": cmp.each,
-        "regressions": len(cmp.bad),
-        "exit_code": cmp.exit_code,
-        "notes": cmp.notes(),
-        "changes": records(cmp),
-    }
-    return json.dumps(doc, indent=2) + "\n"
-
-
-def format_csv(cmp: Comparison) -> str:
-    columns = [f.name for f in Change.__dataclass_fields__.values()]
-    return pd.DataFrame(records(cmp), columns=columns).to_csv(index=False)
-
-
-def render(cmp: Comparison, fmt: str) -> str:
-    formats = {"text": format_text, "markdown": format_markdown, "json": format_json, "csv": format_csv}
-    if fmt not in formats:
-        raise KdbenchError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
-    return formats[fmt](cmp)
-
-
 def side_by_side(
-    df: pd.DataFrame, base: pd.DataFrame | None = None, threshold: float = 0.05, confidence: float = 0.95
+    df: pd.DataFrame,
+    base: pd.DataFrame | None = None,
+    threshold: float = 0.05,
+    confidence: float = 0.95,
+    states: dict | None = None,
+    policy: Policy | None = None,
 ) -> list[Comparison]:
     """The report's comparisons: every run of ``df`` against ``base`` (one run), or, without a base, every
     run after the first (by its first measurement) against the first, e.g. the same suite on two machines.
-    Runs with no timed cell in common with the base are left out (a given base must share cells with one)."""
+    Runs with no timed cell in common with the base are left out (a given base must share cells with one).
+    ``states`` (run id -> RunState) say which runs are complete."""
     if df.empty or "run_id" not in df:
         return []
+    states = states or {}
     order = df.groupby("run_id")["timestamp"].min().sort_values(kind="stable").index.tolist()
     given = base is not None
     if base is None:
@@ -442,13 +492,18 @@ def side_by_side(
         _timed(base, "--baseline")  # one run, with timed rows: else the user's mistake
     base_ids = set(base["run_id"].dropna())
     base_label = ", ".join(sorted(base_ids))
+    base_state = states.get(base_label)
     out = []
     for run_id in order:
         if run_id in base_ids:
             continue
         try:
             new = df[df["run_id"].eq(run_id)]
-            out.append(compare_frames(base, new, threshold, confidence, base_label, str(run_id)))
+            out.append(
+                compare_frames(
+                    base, new, threshold, confidence, base_label, str(run_id), policy, base_state, states.get(run_id)
+                )
+            )
         except KdbenchError:  # a run of other cells, or of quality rows only: nothing to compare
             continue
     if given and not out:

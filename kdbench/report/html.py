@@ -21,8 +21,16 @@ from jinja2 import Environment, FileSystemLoader
 
 from kdbench.errors import KdbenchError
 from kdbench.names import PHASES, Measurement, Status
-from kdbench.report.plots import NOISY_NOTE, draw_charts, draw_forest, draw_phases, draw_quality_front
-from kdbench.report.summaries import caching_pairs, latest_steps, mean_std, summarize_quality
+from kdbench.report.plots import (
+    NOISY_NOTE,
+    THIN_NOTE,
+    draw_charts,
+    draw_forest,
+    draw_history,
+    draw_phases,
+    draw_quality_front,
+)
+from kdbench.report.summaries import caching_pairs, latest_steps, mean_std, pooled, summarize_quality
 from kdbench.store.schema import COLUMN_NAMES, ENVIRONMENT_COLUMNS
 
 MISSING = "—"
@@ -48,13 +56,17 @@ def render_report(
     title: str | None = None,
     comparisons: list | None = None,
     budgets: list | None = None,
+    states: dict | None = None,
+    threshold: float = 0.05,
 ) -> Path:
     """Write ``index.html`` and its charts into ``out_dir`` (created if needed); return the page's path.
 
     ``df`` holds result rows as :func:`kdbench.store.schema.read_results` returns them; columns
     it lacks are treated as null.  ``title`` defaults to the suites' names.  ``comparisons``
     (:class:`kdbench.report.compare.Comparison`) each get a table and a forest plot;
-    ``budgets`` (:class:`kdbench.config.budgets.BudgetCheck`) a table of met and missed limits.
+    ``budgets`` (:class:`kdbench.config.budgets.BudgetCheck`) a table of their outcomes;
+    ``states`` (run id -> :class:`kdbench.store.results.RunState`) say which runs are complete.
+    A suite with several runs gets its history (each compared with the one before at ``threshold``).
     """
     if df.empty:
         raise KdbenchError("no measurements to report: the results are empty; run `kdbench run SUITE` first")
@@ -64,11 +76,13 @@ def render_report(
     out_dir.mkdir(parents=True, exist_ok=True)
     df = df.reindex(columns=list(dict.fromkeys([*COLUMN_NAMES, *df.columns]))).reset_index(drop=True)
     df["run_id"] = df["run_id"].fillna("?")
+    states = states or {}
     suites = sorted(df["suite"].dropna().unique())
     has_quality = bool(df["measurement"].eq(Measurement.QUALITY).any())
     page = _TEMPLATES.get_template("index.html.j2").render(
         title=title or ("kdbench — " + ", ".join(suites) if suites else "kdbench report"),
-        runs=_runs(df),
+        runs=_runs(df, states),
+        histories=_histories(df, out_dir, threshold, states),
         comparisons=_comparisons(comparisons or [], out_dir),
         budgets=_budget_rows(budgets or []),
         n_cells=df["cell_id"].nunique(),
@@ -87,6 +101,7 @@ def render_report(
         measurements=_measurements(df),
         environments=_environments(df),
         noisy_note=NOISY_NOTE,
+        thin_note=THIN_NOTE,
         error_chars=ERROR_CHARS,
     )
     index = out_dir / "index.html"
@@ -155,28 +170,49 @@ def _values(series: pd.Series) -> str:
 # --- page sections -----------------------------------------------------------------
 
 
-def _runs(df: pd.DataFrame) -> list[dict]:
+def _runs(df: pd.DataFrame, states: dict) -> list[dict]:
+    out = []
+    for run_id, rows in df.groupby("run_id", sort=True):
+        state = states.get(run_id)
+        repeats = pd.to_numeric(rows["repeat"], errors="coerce").max()
+        out.append(
+            {
+                "run_id": run_id,
+                "suite": _values(rows["suite"]),
+                "commit": _values(rows["suite_commit"]) or MISSING,
+                "first": _timestamp(rows["timestamp"].min()),
+                "last": _timestamp(rows["timestamp"].max()),
+                "hostname": _values(rows["hostname"]),
+                "device_name": _values(rows["device_name"]),
+                "backend": _values(rows["backend"]),
+                "repeats": 1 if pd.isna(repeats) else int(repeats),
+                "n_rows": len(rows),
+                "state": MISSING if state is None else state.describe(),
+                "incomplete": state is not None and state.complete is False,
+            }
+        )
+    return out
+
+
+def _histories(df: pd.DataFrame, out_dir: Path, threshold: float, states: dict) -> list[dict]:
     return [
         {
-            "run_id": run_id,
-            "suite": _values(rows["suite"]),
-            "first": _timestamp(rows["timestamp"].min()),
-            "last": _timestamp(rows["timestamp"].max()),
-            "hostname": _values(rows["hostname"]),
-            "device_name": _values(rows["device_name"]),
-            "backend": _values(rows["backend"]),
-            "n_rows": len(rows),
+            "chart": chart,
+            "runs": [{"run_id": r.run_id, "label": r.label, "failing": r.failing, "verdict": r.verdict} for r in runs],
         }
-        for run_id, rows in df.groupby("run_id", sort=True)
+        for chart, runs in draw_history(df, out_dir, threshold, states)
     ]
 
 
 def _comparisons(comparisons: list, out_dir: Path) -> list[dict]:
-    from kdbench.report.compare import BAD, Verdict
+    from kdbench.report.compare import Verdict
+    from kdbench.report.compare_format import verdict_line
 
+    quiet = (Verdict.UNCHANGED, Verdict.UNJUDGED)
     out = []
     for i, cmp in enumerate(comparisons):
-        listed = [c for c in cmp.changes if c.verdict != Verdict.UNCHANGED]
+        bad = cmp.policy.bad()
+        listed = [c for c in cmp.changes if c.verdict not in quiet]
         out.append(
             {
                 "base": cmp.base,
@@ -186,13 +222,16 @@ def _comparisons(comparisons: list, out_dir: Path) -> list[dict]:
                 "each": f"{cmp.each:.4g}",
                 "rated": cmp.rated,
                 "chart": draw_forest(cmp, out_dir, f"compare_{i + 1}.png"),
-                "regressions": len(cmp.bad),
-                "unchanged": len(cmp.changes) - len(listed),
+                "regressions": cmp.count(Verdict.REGRESSED),
+                "failing": len(cmp.bad),
+                "verdict": verdict_line(cmp),
+                "unchanged": cmp.count(Verdict.UNCHANGED),
+                "unjudged": cmp.count(Verdict.UNJUDGED),
                 "notes": cmp.notes(),
                 "rows": [
                     {
                         "verdict": str(c.verdict),
-                        "bad": c.verdict in BAD,
+                        "bad": c.verdict in bad,
                         "good": c.verdict in (Verdict.IMPROVED, Verdict.FIXED),
                         "cell_label": c.cell_label,
                         "measurement": c.measurement,
@@ -200,7 +239,8 @@ def _comparisons(comparisons: list, out_dir: Path) -> list[dict]:
                         "base": format_ms(c.base_median_ms),
                         "new": format_ms(c.new_median_ms),
                         "ratio": MISSING if c.ratio is None else f"{c.ratio:.3f}",
-                        "interval": MISSING if c.ratio is None else f"{c.ci_low:.3f} – {c.ci_high:.3f}",
+                        "interval": MISSING if c.ci_low is None else f"{c.ci_low:.3f} – {c.ci_high:.3f}",
+                        "repeats": f"{c.base_repeats} / {c.new_repeats}",
                         "note": _truncate(c.note),
                     }
                     for c in listed
@@ -211,20 +251,30 @@ def _comparisons(comparisons: list, out_dir: Path) -> list[dict]:
 
 
 def _levers(df: pd.DataFrame) -> list[dict]:
-    """The rows that paid a one-off cost for their levers, with the break-even against the same
-    measurement without levers (derived columns), by run and cell."""
-    rows = df[df["one_off_ms"].notna() & df["status"].eq(Status.OK)]
+    """The cells that paid a one-off cost for their levers, with the break-even against the same
+    measurement without levers (derived columns, pooled over matched repeats), by run and cell."""
+    rows = pooled(df)
+    rows = rows[rows["one_off_ms"].notna()]
     rows = rows.assign(order_=rows["measurement"].map(_MEASUREMENT_ORDER))
     out = []
     for r in rows.sort_values(["run_id", "cell_label", "order_", "batch_size"]).itertuples(index=False):
         gain = r.lever_gain_ms
         share = gain / r.lever_baseline_ms if pd.notna(gain) and r.lever_baseline_ms else None
-        if pd.isna(gain):
+        if r.thin is True:
+            verdict = "thin: not judged"
+        elif pd.isna(gain):
             verdict = "no twin without levers in this run"
         elif gain <= 0:
             verdict = "never: not faster"
         else:
             verdict = format_int(r.break_even_steps)
+        if pd.notna(r.lever_gain_low_ms) and r.thin is not True:
+            low = format_int(r.break_even_low_steps) if pd.notna(r.break_even_low_steps) else "never"
+            high = format_int(r.break_even_high_steps) if pd.notna(r.break_even_high_steps) else "never"
+            span = f"{low} – {high}"
+            gain_range = f"{format_ms(r.lever_gain_low_ms)} – {format_ms(r.lever_gain_high_ms)}"
+        else:
+            span = gain_range = MISSING
         out.append(
             {
                 "run_id": r.run_id,
@@ -234,11 +284,15 @@ def _levers(df: pd.DataFrame) -> list[dict]:
                 "runtime": _text(r.runtime) if pd.notna(r.runtime) else MISSING,
                 "kind": _text(r.one_off_kind),
                 "one_off_s": format_sig(r.one_off_ms / 1e3),
+                "net_s": format_sig(None if pd.isna(r.lever_one_off_net_ms) else r.lever_one_off_net_ms / 1e3),
+                "repeats": int(r.repeats),
                 "baseline": format_ms(r.lever_baseline_ms),
                 "median": format_ms(r.median_ms),
                 "gain": format_ms(gain),
+                "gain_range": gain_range,
                 "gain_pct": format_percent(share) if share is not None else MISSING,
                 "break_even": verdict,
+                "break_even_range": span,
                 "check": _text(r.output_check) if pd.notna(r.output_check) else "",
                 "compile": MISSING
                 if pd.isna(r.graph_breaks)
@@ -251,7 +305,7 @@ def _levers(df: pd.DataFrame) -> list[dict]:
 
 
 def _budget_rows(checks: list) -> list[dict]:
-    from kdbench.config.budgets import format_value, where_text
+    from kdbench.config.budgets import OUTCOMES, format_value, where_text
 
     rows = [
         {
@@ -260,11 +314,13 @@ def _budget_rows(checks: list) -> list[dict]:
             "where": where_text(c),
             "value": format_value(c.value, c.stat),
             "met": c.met,
+            "missed": c.missed,
+            "outcome": c.outcome,
             "note": _truncate(c.note),
         }
         for c in checks
     ]
-    return sorted(rows, key=lambda r: r["met"])  # missed first
+    return sorted(rows, key=lambda r: OUTCOMES.index(r["outcome"]))  # misses first, then thin, skipped, met
 
 
 def _status_counts(df: pd.DataFrame) -> dict[str, int]:
@@ -281,7 +337,12 @@ def _measurements(df: pd.DataFrame) -> list[dict]:
     df = df[df["measurement"].ne(Measurement.QUALITY)]
     repeats = pd.to_numeric(df["repeat"], errors="coerce")
     shown = repeats.where(repeats.groupby(df["run_id"]).transform("max").gt(1))  # only in runs with repeats
-    df = df.assign(order_=df["measurement"].map(_MEASUREMENT_ORDER), noisy_=df["noisy"].eq(True), rep_=shown)
+    df = df.assign(
+        order_=df["measurement"].map(_MEASUREMENT_ORDER),
+        noisy_=df["noisy"].eq(True),
+        thin_=df["thin"].eq(True),
+        rep_=shown,
+    )
     df = df.sort_values(["run_id", "cell_label", "order_", "batch_size", "repeat"], na_position="last")
     return [
         {
@@ -301,6 +362,7 @@ def _measurements(df: pd.DataFrame) -> list[dict]:
             "throughput": format_int(r.throughput),
             "speedup": format_speedup(r.speedup_vs_teacher),
             "noisy": bool(r.noisy_),
+            "thin": bool(r.thin_),
             "launch_bound": r.launch_bound is True,
             "error": _truncate(r.error),
         }
@@ -328,9 +390,12 @@ def _remainder(rem, median) -> tuple[str, bool | None]:
 
 
 def _profile(df: pd.DataFrame) -> list[dict]:
-    """Per ok distill_step cell: its phases, cold start, compute rate, memory and energy, formatted."""
+    """Per ok distill_step cell: its phases, cold start, compute rate, memory and energy, formatted (its
+    repeats pooled as compare centres them)."""
     out = []
-    for r in latest_steps(df).to_dict("records"):
+    steps = pooled(df)
+    steps = steps[steps["measurement"].eq(Measurement.DISTILL_STEP)].sort_values(["run_id", "cell_label"])
+    for r in steps.to_dict("records"):
         remainder, bad = _remainder(r["phase_remainder_ms"], r["median_ms"])
         steady = format_sig(r["time_to_steady_ms"])
         if steady != MISSING and pd.notna(r["steady_after_iters"]):
@@ -360,6 +425,8 @@ def _profile(df: pd.DataFrame) -> list[dict]:
                 warnings.append(f"window {gap:.0%} below the median's throughput: gaps or stalls")
         if r["launch_bound"] is True:
             warnings.append("launch-bound: measures the host, not the GPU")
+        if r["thin"] is True:
+            warnings.append(THIN_NOTE)
         if pd.notna(r["energy_window_s"]) and r["energy_window_s"] < 5:
             warnings.append(f"energy over {r['energy_window_s']:.2g} s: rough")
         out.append(
@@ -367,6 +434,7 @@ def _profile(df: pd.DataFrame) -> list[dict]:
                 "run_id": r["run_id"],
                 "cell_label": _text(r["cell_label"]),
                 "median": format_ms(r["median_ms"]),
+                "repeats": int(r["repeats"]),
                 "phases": [format_ms(r[p.column]) for p in PHASES],
                 "remainder": remainder,
                 "remainder_bad": bad,

@@ -24,7 +24,7 @@ from matplotlib.ticker import FuncFormatter, LogFormatter, NullLocator
 
 from kdbench.names import INFERENCE, REMAINDER_COLUMN, Measurement, Status
 from kdbench.names import PHASES as STEP_PHASES
-from kdbench.report.summaries import latest
+from kdbench.report.summaries import pooled
 from kdbench.store.schema import COLUMNS
 
 DPI = 110
@@ -32,19 +32,50 @@ NOISY_NOTE = "IQR/median > 10 %"
 _UNITS = {c.name: c.unit for c in COLUMNS}
 _INTEGER = {c.name for c in COLUMNS if pa.types.is_integer(c.type)}
 _PRECISION_ORDER = {"fp32": 0, "tf32": 1, "bf16": 2, "fp16": 3}
-# Config columns that, when they vary among plotted rows, become part of a bar's label.
-_VARIANT_COLUMNS = ("method", "teacher_precision", "memory_format", "world_size", "alignment", "pad_to", "seed")
+# Config columns that, when they vary among plotted rows, become part of a bar's label; cells that still share
+# a label (a setting no column shows) get their cell id's first digits, so no two cells ever share a bar.
+_VARIANT_COLUMNS = (
+    "method",
+    "teacher_precision",
+    "teacher_mode",
+    "memory_format",
+    "world_size",
+    "alignment",
+    "pad_to",
+    "seed",
+    "data_shape",
+    "num_classes",
+    "optimizer",
+    "optimizer_impl",
+    "lr",
+    "kd_temperature",
+    "kd_alpha",
+    "method_params",
+    "compile",
+    "compile_teacher",
+    "graphs",
+    "conv_autotune",
+    "tunableop",
+)
 # Compact spellings of varying config values in chart labels; others show as `column=value`.
 _SHORT = {
     "teacher_precision": "teacher-{}",
+    "teacher_mode": "teacher-{}",
     "memory_format": "{}",
     "world_size": "ws{}",
     "alignment": "align{}",
     "pad_to": "pad{}",
     "seed": "seed{}",
     "method": "{}",
+    "data_shape": "{}",
+    "optimizer": "{}",
+    "optimizer_impl": "{}",
+    "compile": "compile-{}",
+    "runtime": "serve-{}",
 }
 _NOISY_HATCH = "///"
+_THIN_HATCH = ".."
+THIN_NOTE = "thin: shrunk by the time budget, not judged"
 
 
 @dataclass(frozen=True)
@@ -63,9 +94,9 @@ def axis_label(text: str, column: str) -> str:
 
 
 def draw_charts(df: pd.DataFrame, out_dir: Path) -> list[Chart]:
-    """Draw the timing charts of the report into ``out_dir`` (quality rows, which time nothing, left out)."""
-    df = _with_keys(df)
-    ok = df[df["status"].eq(Status.OK) & df["median_ms"].notna() & df["measurement"].ne(Measurement.QUALITY)]
+    """Draw the timing charts of the report into ``out_dir`` (quality rows, which time nothing, left out):
+    one bar or point per cell, its repeats pooled as ``compare`` centres them."""
+    ok = _with_keys(pooled(df))
     return [
         _distill_step(ok[ok["measurement"].eq(Measurement.DISTILL_STEP)], out_dir),
         _inference_latency(ok[ok["measurement"].isin(INFERENCE)], out_dir),
@@ -85,18 +116,24 @@ def _with_keys(df: pd.DataFrame) -> pd.DataFrame:
         df["source"] += " · run " + df["run_id"].fillna("?")
     df["precision"] = df["precision"].fillna("?")
     df["is_noisy"] = df["noisy"].eq(True)
+    df["is_thin"] = df["thin"].eq(True) if "thin" in df else False
     return df
 
 
-def _add_variant(df: pd.DataFrame, extra: tuple[str, ...] = ()) -> pd.DataFrame:
-    """Add ``variant``: the precision, plus ``col=value`` for config columns that vary."""
+def _add_variant(df: pd.DataFrame, extra: tuple[str, ...] = (), within: tuple[str, ...] = ()) -> pd.DataFrame:
+    """Add ``variant``: the precision, plus ``col=value`` for config columns that vary; cells of one
+    ``within`` group (e.g. source and pair) that would still share a variant get their cell id's start."""
     df = df.copy()
-    varying = [c for c in (*_VARIANT_COLUMNS, *extra) if df[c].nunique(dropna=False) > 1]
+    varying = [c for c in (*_VARIANT_COLUMNS, *extra) if c in df and df[c].nunique(dropna=False) > 1]
     df["variant"] = df["precision"]
     for col in varying:
         template = _SHORT.get(col, col + "={}")
         values = df[col].astype("Int64") if col in _INTEGER else df[col]  # 2, not 2.0, when a null made it float
         df["variant"] += ", " + values.astype("string").fillna("?").map(template.format)
+    if within:
+        group = [*within, "variant"]
+        shared = df.groupby(group, dropna=False)["cell_id"].transform("nunique").gt(1)
+        df.loc[shared, "variant"] += " #" + df.loc[shared, "cell_id"].astype(str).str[:6]
     return df
 
 
@@ -113,6 +150,18 @@ def _colors(keys: list[str]) -> dict[str, tuple]:
     """A stable tab10/tab20 colour per key."""
     cmap = colormaps["tab10" if len(keys) <= 10 else "tab20"]
     return {k: cmap(i % cmap.N) for i, k in enumerate(keys)}
+
+
+def _spread(rows: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """(below, above) the centre for error bars: the centre's interval over repeats where there is one, else
+    the single repeat's p25 to p75 (rows stored before the quartiles: ± IQR/2)."""
+    half = (rows["iqr_ms"] / 2).fillna(0)
+    below = (rows["median_ms"] - rows["p25_ms"]).fillna(half)
+    above = (rows["p75_ms"] - rows["median_ms"]).fillna(half)
+    if "centre_low_ms" in rows:
+        below = (rows["median_ms"] - rows["centre_low_ms"]).fillna(below)
+        above = (rows["centre_high_ms"] - rows["median_ms"]).fillna(above)
+    return below.clip(lower=0, upper=rows["median_ms"]), above.clip(lower=0)
 
 
 def _skipped(title: str, why: str) -> Chart:
@@ -174,20 +223,19 @@ def _distill_step(rows: pd.DataFrame, out_dir: Path) -> Chart:
     title = "Distillation step"
     if rows.empty:
         return _skipped(title, "no successful distill_step measurement")
-    rows = latest(_add_variant(rows, extra=("batch_size",)), ["source", "pair", "variant"]).sort_values("pair")
+    rows = _add_variant(rows, extra=("batch_size",), within=("source", "pair")).sort_values("pair")
     sources = sorted(rows["source"].unique())
     variants = _variant_order(rows["variant"])
     color = _colors(variants)
     n_bars = rows.groupby("source").size().max()
 
     def style(bars):
-        return {"color": color[bars["variant"].iloc[0]], "hatch": [_NOISY_HATCH if n else "" for n in bars["is_noisy"]]}
+        hatch = [_THIN_HATCH if t else _NOISY_HATCH if n else "" for n, t in zip(bars["is_noisy"], bars["is_thin"])]
+        return {"color": color[bars["variant"].iloc[0]], "hatch": hatch}
 
-    def with_iqr(bars):  # error bars from p25 to p75 (rows stored before the quartiles were: ± IQR/2)
-        half = (bars["iqr_ms"] / 2).fillna(0)
-        below = (bars["median_ms"] - bars["p25_ms"]).fillna(half).clip(lower=0, upper=bars["median_ms"])
-        above = (bars["p75_ms"] - bars["median_ms"]).fillna(half).clip(lower=0)
-        return {**style(bars), "yerr": [below, above], "capsize": 3}
+    def with_iqr(bars):  # error bars: the centre's interval over repeats; with one repeat p25 to p75
+        low, high = _spread(bars)
+        return {**style(bars), "yerr": [low, high], "capsize": 3}
 
     fig, facets = _facets(sources, 2, width=min(16.0, max(9.0, 0.7 * n_bars + 5)), height=3.6)
     for (ax_t, ax_q), source in zip(facets, sources):
@@ -198,15 +246,19 @@ def _distill_step(rows: pd.DataFrame, out_dir: Path) -> Chart:
         ax_q.set_ylabel(axis_label("throughput", "throughput"))
     handles = [Patch(facecolor=color[v], edgecolor="0.25", label=v) for v in variants]
     handles.append(Patch(facecolor="white", edgecolor="0.25", hatch=_NOISY_HATCH, label=f"noisy\n({NOISY_NOTE})"))
+    if rows["is_thin"].any():
+        handles.append(Patch(facecolor="white", edgecolor="0.25", hatch=_THIN_HATCH, label=THIN_NOTE))
     fig.legend(handles=handles, loc="outside right upper", fontsize=8)
     return Chart(
         title=title,
         file=_save(fig, out_dir, "distill_step.png"),
         caption=(
-            "Median time of one distillation step (teacher forward, student forward, backward and update) "
-            "per teacher → student pair and precision (left), and the resulting throughput (right). "
-            "Error bars span the interquartile range, from the 25th to the 75th percentile of the "
-            f"timed iterations. Hatched bars are noisy ({NOISY_NOTE})."
+            "Time of one distillation step (teacher forward, student forward, backward and update) per "
+            "teacher → student pair and cell (left), and the resulting throughput (right): one bar per cell, its "
+            "repeats pooled as `kdbench compare` centres them (the geometric mean of the repeats' medians). "
+            "Error bars: the centre's 95 % interval over the repeats; with a single repeat, the interquartile "
+            f"range of its timed iterations. Hatched bars are noisy ({NOISY_NOTE}); dotted ones thin "
+            "(shrunk by the time budget: never judged)."
         ),
     )
 
@@ -216,14 +268,14 @@ def _inference_latency(rows: pd.DataFrame, out_dir: Path) -> Chart:
     rows = rows[rows["batch_size"].notna()]
     if rows.empty:
         return _skipped(title, "no successful student_inference or teacher_inference measurement with a batch size")
-    rows = _add_variant(rows)
+    rows = _add_variant(rows, extra=("runtime",))
     rows["role"] = rows["measurement"].str.removesuffix("_inference")
     rows["model"] = rows["student"].where(rows["role"].eq("student"), rows["teacher"]).fillna("?")
     rows["line"] = rows["role"] + ": " + rows["model"] + " · " + rows["variant"]
     # A teacher measured in several cells (one per student) is one line: the median of its medians.
     points = (
         rows.groupby(["source", "role", "model", "variant", "line", "batch_size"], as_index=False)
-        .agg(median_ms=("median_ms", "median"), is_noisy=("is_noisy", "any"))
+        .agg(median_ms=("median_ms", "median"), is_noisy=("is_noisy", "any"), is_thin=("is_thin", "all"))
         .sort_values("batch_size")
     )
     sources = sorted(points["source"].unique())
@@ -243,6 +295,18 @@ def _inference_latency(rows: pd.DataFrame, out_dir: Path) -> Chart:
                 ms=4,
                 color=color[model],
                 label=line,
+            )
+        thin = here[here["is_thin"]]
+        if len(thin):
+            ax.scatter(
+                thin["batch_size"],
+                thin["median_ms"],
+                s=90,
+                marker="x",
+                color="black",
+                linewidths=1,
+                zorder=3,
+                label=THIN_NOTE,
             )
         noisy = here[here["is_noisy"]]
         if len(noisy):
@@ -271,9 +335,10 @@ def _inference_latency(rows: pd.DataFrame, out_dir: Path) -> Chart:
         title=title,
         file=_save(fig, out_dir, "inference_latency.png"),
         caption=(
-            "Median latency of one inference forward pass against batch size (both axes logarithmic); "
-            "students solid, teachers dashed. A teacher measured in several cells is drawn once, "
-            f"at the median of its medians. Circled points are noisy ({NOISY_NOTE})."
+            "Latency of one inference forward pass against batch size (both axes logarithmic), each "
+            "measurement's repeats pooled as `kdbench compare` centres them; students solid, teachers dashed. "
+            "A teacher measured in several cells is drawn once, at the median of its centres. Circled points "
+            f"are noisy ({NOISY_NOTE}); crossed ones thin (shrunk by the time budget)."
         ),
     )
 
@@ -283,9 +348,8 @@ def _speedup(rows: pd.DataFrame, out_dir: Path) -> Chart:
     rows = rows[rows["batch_size"].notna()]
     if rows.empty:
         return _skipped(title, "no student_inference measurement with a matching teacher_inference")
-    rows = _add_variant(rows)
+    rows = _add_variant(rows, extra=("runtime",), within=("source", "pair", "batch_size"))
     rows["group"] = rows["pair"] + "\n(" + rows["variant"] + ")"
-    rows = latest(rows, ["source", "group", "batch_size"])
     rows = rows.assign(rank=rows["variant"].map(_variant_rank)).sort_values(["pair", "rank"])
     sources = sorted(rows["source"].unique())
     batch_sizes = sorted(rows["batch_size"].unique())
@@ -323,8 +387,8 @@ def _speedup(rows: pd.DataFrame, out_dir: Path) -> Chart:
         title=title,
         file=_save(fig, out_dir, "speedup.png"),
         caption=(
-            "Teacher median latency divided by student median latency at the same batch size and precision, "
-            "per teacher → student pair. Above the dashed line (1×) the student is faster."
+            "Teacher latency divided by student latency at the same batch size and precision, per cell (the "
+            "centres over repeats of each repeat's own speed-up). Above the dashed line (1×) the student is faster."
         ),
     )
 
@@ -341,12 +405,11 @@ _REMAINDER_HATCH = "xx"
 def draw_phases(df: pd.DataFrame, out_dir: Path) -> Chart:
     """``phases.png``: the median step split into its phases, one horizontal bar per distill_step cell."""
     title = "Where the step's time goes"
-    df = _with_keys(df)
-    rows = df[df["measurement"].eq(Measurement.DISTILL_STEP) & df["status"].eq(Status.OK)]
+    df = _with_keys(pooled(df))
+    rows = df[df["measurement"].eq(Measurement.DISTILL_STEP)]
     rows = rows[rows[list(PHASE_COLUMNS)].notna().any(axis=1)]
     if rows.empty:
         return _skipped(title, "no successful distill_step measurement has phase timings")
-    rows = latest(rows, ["source", "run_id", "cell_id", "cell_label"])
     rows = rows.assign(bar=rows["cell_label"].fillna(rows["pair"])).sort_values("bar", ascending=False)
     sources = sorted(rows["source"].unique())
     color = _colors([c for c, _ in PHASES])
@@ -387,7 +450,8 @@ def draw_phases(df: pd.DataFrame, out_dir: Path) -> Chart:
         file=_save(fig, out_dir, "phases.png"),
         caption=(
             "The median of each phase of the distillation step (teacher forward, student forward, loss, "
-            "backward, optimizer), stacked; the grey hatched remainder is the median of step time minus the sum "
+            "backward, optimizer; pooled over repeats as the step's time is), "
+            "stacked; the grey hatched remainder is the median of step time minus the sum "
             "of its phases (Python overhead between the time stamps). The black tick is the median step time: "
             "medians do not add exactly, so the stack may end short of it or past it." + note
         ),
@@ -567,5 +631,128 @@ def draw_forest(cmp, out_dir: Path, name: str) -> Chart:
             f"(bootstrap; between repeats when the runs have repeats; {cmp.confidence:.0%} for all "
             f"{cmp.rated} together). Red: slower beyond ±{t:.0%} with an interval "
             f"above 1; green: faster alike; grey: unchanged. The grey band is the threshold.{more}"
+        ),
+    )
+
+
+# --- history of one suite's runs -----------------------------------------------------
+
+HISTORY_PANELS = (
+    (Measurement.DISTILL_STEP, "distillation step"),
+    (Measurement.STUDENT_INFERENCE, "student inference"),
+    (Measurement.TEACHER_INFERENCE, "teacher inference"),
+)
+HISTORY_KINDS = tuple(m for m, _ in HISTORY_PANELS)
+
+
+@dataclass(frozen=True)
+class HistoryRun:
+    run_id: str
+    label: str  # the suite repository's commit when recorded, else the run's start time
+    failing: int | None  # measurements failing the gate against the previous run (None: the first run)
+    verdict: str  # the comparison with the previous run, in a few words
+
+
+def history_runs(df: pd.DataFrame, threshold: float = 0.05, states: dict | None = None) -> list[HistoryRun]:
+    """The runs of ``df`` (one suite on one machine) in time order, each compared with the one before it as
+    `kdbench compare` would."""
+    from kdbench.errors import KdbenchError
+    from kdbench.report.compare import compare_frames
+    from kdbench.report.compare_format import summary
+
+    rows = df
+    order = rows.groupby("run_id")["timestamp"].min().sort_values(kind="stable").index.tolist()
+    states = states or {}
+    out: list[HistoryRun] = []
+    for i, run_id in enumerate(order):
+        here = rows[rows["run_id"].eq(run_id)]
+        commits = here["suite_commit"].dropna().unique() if "suite_commit" in here else []
+        stamp = here["timestamp"].min()
+        label = str(commits[0])[:12] if len(commits) else (stamp.strftime("%m-%d %H:%M") if pd.notna(stamp) else "?")
+        if i == 0:
+            out.append(HistoryRun(run_id, label, None, "first run"))
+            continue
+        try:
+            before = rows[rows["run_id"].eq(order[i - 1])]
+            cmp = compare_frames(
+                before, here, threshold, base_state=states.get(order[i - 1]), new_state=states.get(run_id)
+            )
+        except KdbenchError as exc:
+            out.append(HistoryRun(run_id, label, None, f"not compared: {exc}"))
+            continue
+        out.append(HistoryRun(run_id, label, len(cmp.bad), summary(cmp)))
+    return out
+
+
+def draw_history(
+    df: pd.DataFrame, out_dir: Path, threshold: float = 0.05, states: dict | None = None
+) -> list[tuple[Chart, list[HistoryRun]]]:
+    """Per suite with two runs or more on one machine (device and backend): each cell's centre (repeats pooled
+    as compare does) with its interval over the runs in time order, one panel per measurement kind, the runs
+    where `kdbench compare` against the previous run fails shaded red (asv's main view).  ``history_<k>.png``.
+    Runs of one suite on other machines are compared side by side, not drawn as a history."""
+    out = []
+    timed = df[df["status"].eq(Status.OK) & df["measurement"].isin(list(HISTORY_KINDS)) & df["suite"].notna()]
+    machine = timed["device_name"].fillna("?") + " (" + timed["backend"].fillna("?") + ")"
+    groups = timed.assign(machine_=machine).groupby(["suite", "machine_"])["run_id"].nunique()
+    for k, (suite, where) in enumerate(sorted(groups[groups > 1].index), 1):
+        ids = timed.loc[timed["suite"].eq(suite) & machine.eq(where), "run_id"].unique()
+        rows = df[df["run_id"].isin(ids)]
+        runs = history_runs(rows, threshold, states)
+        out.append((_history_chart(rows, f"{suite} on {where}", runs, out_dir, f"history_{k}.png"), runs))
+    return out
+
+
+def _history_chart(df: pd.DataFrame, suite: str, runs: list[HistoryRun], out_dir: Path, name: str) -> Chart:
+    title = f"History of suite {suite}"
+    points = pooled(df)
+    if points.empty:
+        return _skipped(title, "no successful timed measurement")
+    x_of = {r.run_id: i for i, r in enumerate(runs)}
+    points = points[points["run_id"].isin(x_of)].assign(x=lambda p: p["run_id"].map(x_of))
+    panels = [(m, what) for m, what in HISTORY_PANELS if points["measurement"].eq(m).any()]
+    fig = Figure(figsize=(11.0, 1.2 + 3.2 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+    for ax, (measurement, what) in zip(axes, panels):
+        here = points[points["measurement"].eq(measurement)].copy()
+        bs = "" if measurement == Measurement.DISTILL_STEP else " bs" + here["batch_size"].astype("Int64").astype(str)
+        here["line"] = here["cell_label"].fillna(here["cell_id"]) + bs
+        lines = sorted(here["line"].unique())
+        color = _colors(lines)
+        for line in lines:
+            pts = here[here["line"].eq(line)].sort_values("x")
+            below, above = _spread(pts)
+            ax.errorbar(
+                pts["x"], pts["median_ms"], yerr=[below, above], marker="o", ms=4, capsize=3, color=color[line],
+                label=line, linewidth=1.2,
+            )  # fmt: skip
+        for r in runs:
+            if r.failing:
+                ax.axvspan(x_of[r.run_id] - 0.35, x_of[r.run_id] + 0.35, color="#b3261e", alpha=0.12, zorder=0)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(LogFormatter())
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+        ax.set_ylabel(axis_label(f"{what}: centre", "median_ms"))
+        ax.set_xticks(range(len(runs)), [r.label for r in runs], rotation=30, ha="right", fontsize=8)
+        ax.set_xlim(-0.5, len(runs) - 0.5)
+        ax.grid(which="both", alpha=0.3)
+        ncols = 1 + len(lines) // 18
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7, borderaxespad=0, ncols=ncols)
+    for r in runs:
+        if r.failing:
+            axes[0].annotate(
+                f"{r.failing} fail", (x_of[r.run_id], 1.0), xycoords=("data", "axes fraction"), ha="center",
+                va="bottom", color="#b3261e", fontsize=8, fontweight="bold",
+            )  # fmt: skip
+    failing = sum(bool(r.failing) for r in runs)
+    return Chart(
+        title=title,
+        file=_save(fig, out_dir, name),
+        caption=(
+            f"The {len(runs)} runs of suite {suite} in time order, labelled by the commit of the suite's own "
+            "repository when it lies in one (else by when the run started). Each line is one measurement of one "
+            "cell: its centre (the geometric mean of the repeats' medians) with the centre's 95 % interval over "
+            "the repeats (one repeat: its interquartile range). Shaded red: the runs where `kdbench compare` "
+            f"against the run before fails the gate ({failing} of {len(runs) - 1} comparisons)."
         ),
     )

@@ -1,18 +1,30 @@
 """Summaries of result rows, as DataFrames: what the report, the CLI and a pandas session tabulate.
 
-Data only (pandas; never torch): the quality table over seeds, the latest row per
-cell, and the live/cached teacher pairs with their pay-back (from the derived columns
-of :mod:`kdbench.store.derived`).
+Data only (pandas; never torch): the quality table over seeds, each measurement's repeats
+pooled as ``compare`` centres them (:func:`pooled`), and the live/cached teacher pairs with
+their pay-back (from the derived columns of :mod:`kdbench.store.derived`).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from kdbench.names import QUALITY_ROLES, Measurement, Status
+from kdbench.repeats import centre_interval, median_log_variance
 from kdbench.store.derived import TEACHER_MODE, twin_key
+from kdbench.store.schema import COLUMNS, DERIVED, RESULT, STATISTICS
+
+POOL_KEY = ["run_id", "cell_id", "measurement", "batch_size"]
+# The figures pooled over repeats: every numeric statistic, result and derived column of a timed row.
+POOLED = tuple(
+    c.name
+    for c in COLUMNS
+    if c.group in (STATISTICS, RESULT, DERIVED) and (pa.types.is_integer(c.type) or pa.types.is_floating(c.type))
+)
 
 SUMMARY_KEYS = ("teacher", "student", "quality_role", "method")
 QUALITY_COLUMNS = (
@@ -42,6 +54,49 @@ def latest_steps(df: pd.DataFrame) -> pd.DataFrame:
     """The ok distill_step rows, the latest per (run, cell), ordered by run and cell label."""
     steps = df[df["measurement"].eq(Measurement.DISTILL_STEP) & df["status"].eq(Status.OK)]
     return latest(steps, ["run_id", "cell_id", "cell_label"]).sort_values(["run_id", "cell_label"], na_position="last")
+
+
+def pooled(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per run, cell, measurement and batch size of the ok timed rows: its repeats pooled as
+    ``compare`` centres them.
+
+    Every numeric figure (median, percentiles, phases, throughput, memory, FLOP rates ...) is the
+    geometric mean over the repeats (the arithmetic mean where a value is not positive); the other
+    columns are the latest repeat's.  Thin repeats (shrunk by a time budget) are left out when the
+    measurement has others; a measurement with thin repeats only keeps them and stays ``thin``.
+    Added: ``repeats`` (how many were pooled) and ``centre_low_ms`` / ``centre_high_ms``, the
+    centre's 95 % t-interval over the repeats (null with one: then p25–p75 of its iterations is
+    the spread to show)."""
+    timed = df[df["status"].eq(Status.OK) & df["measurement"].ne(Measurement.QUALITY) & df["median_ms"].notna()]
+    if timed.empty:
+        return timed.assign(repeats=pd.Series(dtype=int), centre_low_ms=np.nan, centre_high_ms=np.nan)
+    thin = timed["thin"].eq(True) if "thin" in timed else pd.Series(False, index=timed.index)
+    keys = timed[POOL_KEY].astype(str).agg("\0".join, axis=1)
+    has_judged = (~thin).groupby(keys).transform("any")
+    rows = timed[~thin | ~has_judged].sort_values("timestamp", na_position="first")
+    keys = keys[rows.index]
+    last = rows.groupby(keys, sort=False).tail(1)
+    out = last.set_index(keys[last.index])
+    figures: dict[str, pd.Series] = {}
+    for column in (c for c in POOLED if c in rows):
+        values = pd.to_numeric(rows[column], errors="coerce")
+        positive = values.gt(0) | values.isna()
+        logs = np.log(values.where(values.gt(0)))
+        geometric = np.exp(logs.groupby(keys).mean())
+        arithmetic = values.groupby(keys).mean()
+        figures[column] = geometric.where(positive.groupby(keys).all(), arithmetic).reindex(out.index)
+    figures["repeats"] = rows.groupby(keys).size().reindex(out.index).astype(int)
+    figures["n"] = pd.to_numeric(rows["n"], errors="coerce").groupby(keys).sum().reindex(out.index)  # every sample
+    low, high = {}, {}
+    for key, group in rows.groupby(keys, sort=False):
+        if len(group) < 2:
+            continue
+        floor = np.mean([median_log_variance(s) for s in group["samples_ms"] if s is not None] or [0.0])
+        _, low[key], high[key] = centre_interval(group["median_ms"].tolist(), 0.95, floor)
+    figures["centre_low_ms"] = pd.Series(low, dtype=float).reindex(out.index)
+    figures["centre_high_ms"] = pd.Series(high, dtype=float).reindex(out.index)
+    out = pd.concat([out.drop(columns=[c for c in figures if c in out]), pd.DataFrame(figures)], axis=1)
+    return out.reset_index(drop=True)
 
 
 def summarize_quality(df: pd.DataFrame) -> pd.DataFrame:

@@ -18,6 +18,7 @@ The engine never measures: workers do.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -35,7 +36,7 @@ from kdbench.measure.cell import MeasureOptions
 from kdbench.names import FAILURES, Measurement, Status
 from kdbench.run.jobs import CellJob, Job, QualityJob, Row
 from kdbench.store.probes import ceiling_columns, latest_ceiling
-from kdbench.store.results import PROBES_DIR, TRACES_DIR, RunFolder, newest_run, open_run
+from kdbench.store.results import PROBES_DIR, TRACES_DIR, Invocation, RunFolder, newest_run, open_run
 from kdbench.store.schema import SCHEMA_VERSION
 
 logger = logging.getLogger(__name__)
@@ -63,18 +64,22 @@ class JobTiming:
 
 
 class WallSplit:
-    """Where the run's wall time went, from the start of this process: the workers' categories
-    (:mod:`kdbench.measure.walltime`), their process starts, writing, and the rest, which makes it
-    add up.  Warming up and measuring are the share that measures; the rest is the harness's."""
+    """Where the run's wall time went, from the moment the interpreter imported kdbench (``kdbench.STARTED``;
+    not the OS process's creation, which a shell that execs python after other commands would move
+    back): the workers' categories (:mod:`kdbench.measure.walltime`), their process starts, the
+    environment capture, writing, the report and the budget checks, and what is left, which makes it add
+    up.  Warming up and measuring are the share that measures; the cold calls (compiles, autotuning,
+    first-use set-up) and everything else are the harness's or the levers'."""
 
     MEASURES = ("warm-up", "measuring")
 
     def __init__(self) -> None:
-        import psutil
+        import kdbench
 
         self.start = time.time()
-        self.before = max(0.0, self.start - psutil.Process().create_time())  # interpreter start and imports
+        self.before = max(0.0, self.start - kdbench.STARTED)  # imports, suite loading and the plan
         self.seconds: dict[str, float] = {"start-up, imports and plan": self.before}
+        self.total: float | None = None
 
     def add(self, category: str, seconds: float) -> None:
         self.seconds[category] = self.seconds.get(category, 0.0) + max(0.0, seconds)
@@ -94,6 +99,7 @@ class WallSplit:
     def finish(self) -> dict[str, float]:
         total = self.before + time.time() - self.start
         self.add("engine and pipe", total - sum(self.seconds.values()))  # set-up before the first job, close
+        self.total = total
         return {k: round(v, 3) for k, v in self.seconds.items() if v > 0.0005} | {"total": round(total, 3)}
 
     @classmethod
@@ -118,23 +124,53 @@ class RunOutcome:
     quality: bool = False  # the quality job ran (and stored its rows) in this invocation
     timings: list[JobTiming] = field(default_factory=list)
     wall: dict[str, float] = field(default_factory=dict)  # WallSplit.finish() of this invocation
+    stored_jobs: list[str] = field(default_factory=list)  # ids of the jobs this invocation stored
+    split: WallSplit | None = None  # open until close()
+    invocation: Invocation | None = None  # this invocation's record in the run folder
+
+    def spent(self, category: str, seconds: float) -> None:
+        """Count time spent after the jobs (rendering the report, checking budgets) into the split."""
+        if self.split is not None:
+            self.split.add(category, seconds)
+
+    def close(self) -> None:
+        """End the wall-time split (printed, and kept in this invocation's record) and the record: which jobs
+        it stored and how it ended.  Call it once, after whatever follows the jobs (report, budgets)."""
+        if self.split is None:
+            return
+        split, self.split = self.split, None
+        if self.timings:
+            self.wall = split.finish()
+            logger.info("%s", WallSplit.line(self.wall))
+        if self.invocation is not None:
+            self.invocation.finish(
+                stored=self.stored_jobs,
+                interrupted=self.interrupted,
+                aborted=self.aborted,
+                wall_time=self.wall or None,
+            )
 
 
 @dataclass(frozen=True)
 class Plan:
     cells: list[Cell]  # the whole plan (every rank and shard sees the same)
     jobs: list[Job]  # what this invocation runs: its share of the cells, then the quality job
+    job_ids: tuple[str, ...] = ()  # every job of the whole plan (all shards): what a complete run stores
+    shard: tuple[int, int] | None = None
+    skipped: dict[str, str] = field(default_factory=dict)  # job id -> why it is stored as skipped, not run
 
 
-def plan_jobs(suite: Suite, shard: tuple[int, int] | None = None) -> Plan:
-    """The suite's jobs; KdbenchError for anything that cannot run (checked before anything does)."""
+def plan_jobs(suite: Suite, shard: tuple[int, int] | None = None, backend_name: str = "cpu") -> Plan:
+    """The suite's jobs; KdbenchError for anything that cannot run (checked before anything does).
+    ``backend_name`` is where it will run (the budgets' ``where`` may name backend-dependent columns)."""
     cells = expand(suite)
     share = shard_cells(cells, *shard) if shard else cells
     # Repeats are interleaved in rounds, as asv's `rounds`: every cell once, then every cell again, each
     # round in fresh worker processes, so a repeat sees a new process (and the machine at another time).
     n = suite.repeat
     jobs: list[Job] = [CellJob(c, r, n) for r in range(1, n + 1) for c in share]
-    check_budgets(suite, cells)
+    every = [CellJob(c, r, n).job_id for r in range(1, n + 1) for c in cells]
+    check_budgets(suite, cells, backend_name)
     if suite.quality is not None:
         from kdbench.quality.datasets import check_quality
 
@@ -142,12 +178,20 @@ def plan_jobs(suite: Suite, shard: tuple[int, int] | None = None) -> Plan:
             check_quality(suite.quality, [c.config for c in cells])
         except KdbenchError as exc:
             raise suite.error(("quality",), str(exc)) from None
+        quality = QualityJob.of(suite.quality, cells, suite.allow_imports)
+        every.append(quality.job_id)
         if shard is None or shard[0] == 1:
-            jobs.append(QualityJob.of(suite.quality, cells, suite.allow_imports))
-    return Plan(cells, jobs)
+            jobs.append(quality)
+    return Plan(cells, jobs, tuple(every), shard)
 
 
-def check_budgets(suite: Suite, cells: list[Cell]) -> None:
+def planned_backend(suite: Suite, device: str | None) -> str:
+    """The backend name a run will use (``--device``, else the suite's), without touching the device."""
+    requested = device or suite.backend
+    return detect().best if requested == "auto" else requested
+
+
+def check_budgets(suite: Suite, cells: list[Cell], backend_name: str = "cpu") -> None:
     """A budget that no planned measurement matches is a mistake in the suite (a typo in ``where``, a batch
     size the cells do not measure): say so before anything runs."""
     if not suite.budgets:
@@ -160,7 +204,7 @@ def check_budgets(suite: Suite, cells: list[Cell]) -> None:
 
     planned = pd.DataFrame(
         [
-            {**config_columns(c.config, "cpu"), "measurement": str(m), "batch_size": bs}
+            {**config_columns(c.config, backend_name), "backend": backend_name, "measurement": str(m), "batch_size": bs}
             for c in cells
             for m, bs in planned_measurements(c.config)
         ]
@@ -175,22 +219,36 @@ def check_budgets(suite: Suite, cells: list[Cell]) -> None:
             )
 
 
-def warn_slow_cells(plan: Plan, backend: Backend) -> None:
-    """One line per cell whose precision is known to run far slower than fp32 here, before anything runs."""
-    from kdbench.hw.backends import slow_precision
+def warn_slow_cells(plan: Plan, backend: Backend, probes_dir: Path, threads: int | None, skip: bool = False) -> dict:
+    """One line per precision of the plan measured to run far slower than fp32 here (:mod:`kdbench.hw.speed`:
+    the newest probe, a cached or a quick measurement), before anything runs; {precision: Slowdown}."""
+    from kdbench.hw.speed import slow_precisions, warning_line
     from kdbench.measure.cell import CELL_BUDGET_S
 
-    for job in plan.jobs:
-        if not isinstance(job, CellJob) or job.repeat != 1:
-            continue
-        c = job.cell.config
-        why = next(
-            filter(None, (slow_precision(backend, p) for p in dict.fromkeys((c.precision, c.teacher_precision)))), None
-        )
-        if why:
-            budget = c.timing.cell_budget_s or CELL_BUDGET_S.get(backend.name)
-            fit = f"its counts shrink to fit its {budget:g} s time budget" if budget else "no time budget bounds it"
-            logger.warning("cell %d, %s: %s; %s (timing.cell_budget_s)", job.cell.index + 1, job.label, why, fit)
+    cells = [j.cell for j in plan.jobs if isinstance(j, CellJob) and j.repeat == 1]
+    used = [p for c in cells for p in (c.config.precision, c.config.teacher_precision)]
+    slow = slow_precisions(used, backend, probes_dir, threads=threads)
+    for precision, slowdown in slow.items():
+        mine = [c for c in cells if precision in (c.config.precision, c.config.teacher_precision)]
+        if skip:
+            then = f"its {len(mine)} cell(s) are skipped (slow_precisions: skip)"
+        else:
+            budget = mine[0].config.timing.cell_budget_s or CELL_BUDGET_S.get(backend.name)
+            bound = f"each within its {budget:g} s time budget" if budget else "no time budget bounds them"
+            then = f"{len(mine)} cell(s) use it, {bound} (timing.cell_budget_s; `slow_precisions: skip` skips them)"
+        logger.warning("%s; %s", warning_line(slowdown), then)
+    return slow
+
+
+def slow_skip(job: Job, slow: dict) -> str | None:
+    """Why ``job`` is skipped under ``slow_precisions: skip`` (None: it runs)."""
+    from kdbench.hw.speed import skip_reason_for_slow
+
+    if not isinstance(job, CellJob):
+        return None
+    c = job.cell.config
+    precision = next((p for p in (c.precision, c.teacher_precision) if p in slow), None)
+    return skip_reason_for_slow(precision, slow[precision]) if precision else None
 
 
 def resolve_backend(suite: Suite, options: RunOptions) -> Backend:
@@ -201,29 +259,40 @@ def resolve_backend(suite: Suite, options: RunOptions) -> Backend:
         raise KdbenchError(f"{suite.path}: backend {requested}: {exc}") from None
 
 
-def run_suite(suite: Suite, options: RunOptions = RunOptions(), plan: Plan | None = None) -> RunOutcome:
+def run_suite(
+    suite: Suite, options: RunOptions = RunOptions(), plan: Plan | None = None, close: bool = True
+) -> RunOutcome:
     """Run every job of the suite (of ``plan``, when the caller has it) not stored yet; every job's rows
-    are stored as soon as it finishes."""
-    plan = plan or plan_jobs(suite, options.shard)
+    are stored as soon as it finishes.  With ``close=False`` the outcome's wall-time split and
+    invocation record stay open for the caller's own work after the jobs (``outcome.close()``)."""
+    plan = plan or plan_jobs(suite, options.shard, planned_backend(suite, options.device))
     backend = resolve_backend(suite, options)
-    warn_slow_cells(plan, backend)
     threads = suite.threads or torch.get_num_threads()
     from kdbench.run.allocation import detect_allocation
 
     alloc = detect_allocation()
+    if alloc is None or alloc.rank == 0:  # measured once, where the engine runs
+        slow = warn_slow_cells(plan, backend, options.out_dir / PROBES_DIR, threads, suite.slow_precisions == "skip")
+        if suite.slow_precisions == "skip":
+            plan = replace(plan, skipped={j.job_id: why for j in plan.jobs if (why := slow_skip(j, slow))})
     if alloc is not None:
-        return _run_allocated(suite, plan, backend.name, threads, options, alloc)
+        outcome = _run_allocated(suite, plan, backend.name, threads, options, alloc)
+        if close:
+            outcome.close()
+        return outcome
     with thread_count(threads):  # recorded by the environment capture; the workers set their own
         folder = _open(suite, options)
         setup = _setup(suite, backend, threads, folder)
         from kdbench.run.workers import LocalWorkers
 
         workers = LocalWorkers(setup, options.inline, detect().gpu_count, suite.launcher)
-        return _execute(suite, plan, folder, backend, workers, f"{threads} CPU threads")
+        outcome = _execute(suite, plan, folder, backend, workers, f"{threads} CPU threads")
+    if close:
+        outcome.close()
+    return outcome
 
 
 def _open(suite: Suite, options: RunOptions) -> RunFolder:
-    budgets = [b.model_dump(mode="json", exclude_none=True) for b in suite.budgets]
     run_id = options.run_id
     if options.resume and not run_id:
         folder = newest_run(options.out_dir, suite.name)
@@ -231,7 +300,7 @@ def _open(suite: Suite, options: RunOptions) -> RunFolder:
             logger.info("nothing of suite '%s' in %s to resume; starting a new run", suite.name, options.out_dir)
         else:
             run_id = folder.run_id
-    return open_run(options.out_dir, suite.name, str(suite.path), run_id, budgets)
+    return open_run(options.out_dir, suite.name, str(suite.path), run_id)
 
 
 def _setup(suite: Suite, backend: Backend, threads: int, folder: RunFolder):
@@ -284,10 +353,11 @@ class Stamper:
     """Stamps a job's rows with what identifies them: run, suite, job, config, environment, ceiling."""
 
     def __init__(self, suite: Suite, backend: Backend, folder: RunFolder):
-        from kdbench.hw.environment import capture
+        from kdbench.hw.environment import capture, suite_commit
 
         self.suite, self.backend, self.folder = suite, backend, folder
         self.env = capture(backend)
+        self.commit = suite_commit(suite.path)
         self.ceiling = latest_ceiling(folder.path.parent / PROBES_DIR, self.env["device_name"], backend.name)
 
     def __call__(self, job: Job, rows: list[Row]) -> list[Row]:
@@ -296,6 +366,7 @@ class Stamper:
             "run_id": self.folder.run_id,
             "suite": self.suite.name,
             "suite_file": str(self.suite.path),
+            "suite_commit": self.commit,
             "cell_id": job.cell_id,
             "cell_label": job.label,
             "backend": self.backend.name,
@@ -378,7 +449,7 @@ def _with_reused(job: CellJob, rows: list[Row], reuse: dict, measured: dict) -> 
         note = f"reused: this teacher inference was measured once in this run, in cell {label} ({cell_id})"
         notes = "; ".join(n for n in (ref.get("notes"), note) if n)
         out.append({**ref, "notes": notes, REUSED: cell_id})
-    for row in rows:
+    for row in rows if job.world_size == 1 else ():  # a rank's teacher ran beside others: not a reference
         if row["measurement"] == Measurement.TEACHER_INFERENCE and row.get("status") == Status.OK:
             key = keys.get(row["batch_size"])
             if key is not None and key not in measured:
@@ -387,10 +458,33 @@ def _with_reused(job: CellJob, rows: list[Row], reuse: dict, measured: dict) -> 
     return sorted(out, key=lambda r: order.get((str(r["measurement"]), r.get("batch_size")), len(order)))
 
 
+def _invocation(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, commit: str | None) -> Invocation:
+    """This invocation's record: the whole plan's jobs (what a complete run holds), its share, and how it ran."""
+    import socket
+    import sys
+
+    return folder.start_invocation(
+        planned=list(plan.job_ids) or [j.job_id for j in plan.jobs],
+        share=[j.job_id for j in plan.jobs],
+        shard=list(plan.shard) if plan.shard else None,
+        repeats=suite.repeat,
+        backend=backend.name,
+        budgets=[b.model_dump(mode="json", exclude_none=True) for b in suite.budgets],
+        suite_commit=commit,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        argv=sys.argv,
+    )
+
+
 def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, workers: Any, where: str) -> RunOutcome:
-    outcome = RunOutcome(run_id=folder.run_id, path=folder.path)
-    wall = WallSplit()
+    outcome = RunOutcome(run_id=folder.run_id, path=folder.path, split=WallSplit())
+    wall = outcome.split
     try:  # whatever happens, the workers are closed (inside an allocation that releases the other ranks)
+        began = time.perf_counter()
+        stamp = Stamper(suite, backend, folder)
+        wall.add("environment capture", time.perf_counter() - began)
+        outcome.invocation = _invocation(suite, plan, folder, backend, stamp.commit)
         stored = folder.stored_job_ids()
         todo = [job for job in plan.jobs if job.job_id not in stored]
         if stored:
@@ -402,7 +496,6 @@ def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, work
                 len(plan.jobs),
                 len(todo),
             )
-        stamp = Stamper(suite, backend, folder)
         cells = sum(isinstance(j, CellJob) for j in todo)
         extra = " and the quality job" if len(todo) > cells else ""
         logger.info(
@@ -452,7 +545,13 @@ def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, work
             if isinstance(job, CellJob) and job.world_size == 1:
                 reuse = {bs: measured[key] for bs, key in job.teacher_keys().items() if key in measured}
                 job = replace(job, reuse_teacher=tuple(reuse))
-            result = workers.run(job, suite.cell_timeout_s)
+            if job.job_id in plan.skipped:  # stored as skipped without a worker
+                from kdbench.run.jobs import failure_rows
+                from kdbench.run.workers import JobResult
+
+                result = JobResult(failure_rows(job, Status.SKIPPED, plan.skipped[job.job_id]), 0.0)
+            else:
+                result = workers.run(job, suite.cell_timeout_s)
             written = time.perf_counter()
             worker_rows = result.rows
             if isinstance(job, CellJob):
@@ -460,6 +559,7 @@ def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, work
             rows = stamp(job, worker_rows) if worker_rows else []
             if rows:
                 folder.write_part(job.job_id, rows)
+                outcome.stored_jobs.append(job.job_id)
                 outcome.jobs += 1
                 outcome.rows += len(rows)
                 outcome.quality |= isinstance(job, QualityJob)
@@ -478,8 +578,4 @@ def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, work
         outcome.interrupted = True
     finally:
         workers.close()
-        if outcome.timings:
-            outcome.wall = wall.finish()
-            logger.info("%s", WallSplit.line(outcome.wall))
-            folder.add_wall_time(outcome.wall)
     return outcome

@@ -35,10 +35,12 @@ class CellJob:
 
     def teacher_keys(self) -> dict[int, tuple]:
         """Per inference batch size, what makes this cell's teacher inference the same measurement as
-        another's: the teacher model, its input and placement, the device levers, the repeat."""
+        another's: the teacher model, its input and placement, the device levers, how it is timed (the
+        timing settings and its share of the cell's time budget), the world size, the repeat."""
         c = self.cell.config
         if not c.inference.teacher:
             return {}
+        t = c.timing
         same = (
             c.pair.teacher,
             c.precision,
@@ -50,6 +52,9 @@ class CellJob:
             c.seed,
             c.conv_autotune,
             c.tunableop,
+            c.world_size,
+            (t.warmup, t.min_iters, t.min_time_s, t.max_iters, t.target_rel_ci, t.max_time_s, t.cell_budget_s),
+            len(planned_measurements(c)),  # the default budget is shared by the cell's measurements
             self.repeat,
         )
         return {bs: (*same, bs) for bs in c.inference.batch_sizes}
@@ -57,7 +62,9 @@ class CellJob:
     @property
     def job_id(self) -> str:
         """The cell's id; later repeats add ``-r<k>``, so raising ``repeat`` and resuming runs only the new ones."""
-        return self.cell.cell_id if self.repeat == 1 else f"{self.cell.cell_id}-r{self.repeat}"
+        from kdbench.store.results import job_id
+
+        return job_id(self.cell.cell_id, self.repeat)
 
     @property
     def cell_id(self) -> str:

@@ -129,6 +129,9 @@ def _serve(conn: Any, setup: WorkerSetup) -> None:
     if setup.backend.device_type == "cuda":
         torch.cuda.set_device(setup.backend.device)  # events record on this device's current stream
     ctx = WorkerContext(setup)
+    from kdbench.measure import walltime
+
+    walltime.listen(lambda totals: conn.send(("split", totals)))  # a job that times out keeps its split
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -225,9 +228,10 @@ class ProcessWorker:
 
     def run(self, job: Job, timeout_s: float | None = None) -> JobResult:
         start = time.perf_counter()
+        seen: dict[str, float] = {}  # the job's split as the worker last told it
 
         def failed(status: Status, error: str) -> JobResult:
-            return JobResult(failure_rows(job, status, error), time.perf_counter() - start)
+            return JobResult(failure_rows(job, status, error), time.perf_counter() - start, split={**seen, **started})
 
         started: dict[str, float] = {}
         if self.proc is None or not self.proc.is_alive():
@@ -251,6 +255,9 @@ class ProcessWorker:
                         self.proc.join(30)
                         self._kill()
                     return JobResult(message[1], message[2], split={**message[4], **started})
+                if message[0] == "split":
+                    seen = message[1]
+                    continue
                 _log(message)
             elif not self.proc.is_alive():
                 return failed(Status.FAILED, self._died())

@@ -3,23 +3,30 @@
 Each needs rows other than its own, or a table that is not a measurement, so storing
 it would mean rewriting earlier parts whenever a later one arrives:
 
+* ``thin`` where an older row lacks it: fewer timed calls than ``min_iters``;
 * ``speedup_vs_teacher`` (student_inference rows): the teacher's median over the
   student's at the same batch size, in the same run, cell and repeat;
 * ``scaling_efficiency`` (distill_step, world_size > 1): throughput over world_size
-  times the throughput of the *twin* cell at world_size 1 in the same run;
+  times the throughput of the *twin* cell at world_size 1 in the same run and repeat;
 * ``achieved_tflops``, ``datasheet_device``, ``datasheet_peak_tflops``, ``mfu`` and
   ``ceiling_utilization``: FLOPs per median time against the datasheet peak table
   (:mod:`kdbench.hw.peaks`) and the probe ceiling stored on the row; a step whose live
   teacher runs at another precision than its student against both precisions' peaks
   (:func:`effective_peak`);
 * ``teacher_cache_saving_ms`` and ``teacher_cache_payback_steps`` (cached
-  distill_step rows): against the twin cell with a live teacher in the same run;
-* ``lever_baseline_ms``, ``lever_gain_ms`` and ``break_even_steps`` (rows with a
-  ``one_off_ms``: compile, tuning, capture, export): against the same measurement of the
-  twin cell that pulls no lever, in the same run.
+  distill_step rows): against the twin cell with a live teacher in the same run and repeat;
+* ``lever_baseline_ms``, ``lever_gain_ms`` (with ``lever_gain_low_ms`` / ``_high_ms``),
+  ``lever_one_off_net_ms`` and ``break_even_steps`` (with ``break_even_low_steps`` /
+  ``_high_steps``) for rows with a ``one_off_ms`` (compile, tuning, capture, export): against
+  the same measurement of the twin cell that pulls no lever, in the same run, repeat by
+  repeat (two cells of one round ran in the same worker process), pooled over the repeats:
+  the gain's paired t-interval carried into a break-even range, the one-off cost net of the
+  twin's own cold-call excess.
 
 Two cells are *twins* when their resolved configs (``config_json``) are equal but for
-the settings being compared (:func:`twin_key`).
+the settings being compared (:func:`twin_key`); :func:`match_twins` pairs their rows, the one
+matching for scaling, cache pay-back and break-even.  Thin rows (shrunk by a time budget) are
+never matched.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import pyarrow as pa
 
 from kdbench.hw.peaks import datasheet_peak
 from kdbench.names import PRECISIONS, Measurement, Status
+from kdbench.repeats import centre, paired_t
 from kdbench.store.schema import COLUMNS
 
 WORLD_SIZE = (("world_size",), ("ddp",))  # a world_size 1 cell has no DDP options to compare
@@ -81,6 +89,10 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
             df[c.name] = pd.Series(None if text else np.nan, index=df.index, dtype=object if text else float)
     if df.empty or "status" not in df:
         return df
+    if "thin" in df and "n" in df and "min_iters" in df:  # rows stored before `thin`: fewer calls than asked
+        older = df["thin"].isna() & df["n"].notna() & df["min_iters"].notna()
+        df["thin"] = df["thin"].astype(object)
+        df.loc[older, "thin"] = (df.loc[older, "n"] < df.loc[older, "min_iters"]).to_numpy()
     ok = df["status"].eq(Status.OK)
     _speedups(df, ok)
     _scaling(df, ok)
@@ -114,22 +126,38 @@ def _speedups(df: pd.DataFrame, ok: pd.Series) -> None:
     df.loc[students.index, "speedup_vs_teacher"] = t / students["median_ms"].to_numpy(dtype=float)
 
 
-def _twins(df: pd.DataFrame, ok: pd.Series, drop) -> pd.DataFrame:
-    """The ok distill_step rows with a readable config, with their twin ``key`` (run id included)."""
-    steps = df[ok & df["measurement"].eq(Measurement.DISTILL_STEP) & df["config_json"].notna()]
-    keys = steps["config_json"].map(lambda j: twin_key(j, drop))
-    return steps.assign(key=steps["run_id"].astype(str) + "\0" + keys.astype(str))[keys.notna()]
+def match_twins(df: pd.DataFrame, targets: pd.Series, bases: pd.Series, drop) -> pd.Series:
+    """For each row of ``targets`` (a mask), the index of its twin among ``bases``: the row of the same run,
+    measurement, batch size and repeat whose config equals the target's but for the settings at the ``drop``
+    paths.  Only ok rows that are not thin take part; a target without a twin is left out."""
+    usable = df["status"].eq(Status.OK) & ~df.get("thin", pd.Series(False, index=df.index)).eq(True)
+    usable &= df["config_json"].notna()
+    rows = df[usable & (targets | bases)]
+    if rows.empty:
+        return pd.Series(dtype="int64")
+    repeat = rows["repeat"].fillna(1).astype(int).astype(str) if "repeat" in rows else "1"
+    keys = rows["config_json"].map(lambda j: twin_key(j, drop))
+    where = rows["run_id"].astype(str) + "\0" + rows["measurement"].astype(str) + "\0"
+    key = where + rows["batch_size"].astype(str) + "\0" + repeat + "\0" + keys.astype(str)
+    key = key[keys.notna()]
+    base = key[bases[key.index]]
+    base = pd.Series(base.index, index=base.to_numpy())
+    base = base[~base.index.duplicated(keep="last")]
+    target = key[targets[key.index]]
+    twin = base.reindex(target.to_numpy())
+    found = twin.notna().to_numpy()
+    return pd.Series(twin.to_numpy()[found].astype("int64"), index=target.index[found])
 
 
 def _scaling(df: pd.DataFrame, ok: pd.Series) -> None:
-    steps = _twins(df, ok, WORLD_SIZE)
-    single = steps[steps["world_size"].eq(1)].drop_duplicates("key", keep="last").set_index("key")["throughput"]
-    multi = steps[steps["world_size"].gt(1)]
-    if multi.empty or single.empty:
+    step = df["measurement"].eq(Measurement.DISTILL_STEP)
+    twin = match_twins(df, step & df["world_size"].gt(1), step & df["world_size"].eq(1), WORLD_SIZE)
+    if twin.empty:
         return
-    base = single.reindex(multi["key"]).to_numpy(dtype=float)
-    df.loc[multi.index, "scaling_efficiency"] = multi["throughput"].to_numpy(dtype=float) / (
-        multi["world_size"].to_numpy(dtype=float) * base
+    multi = df.loc[twin.index]
+    single = df.loc[twin.to_numpy(), "throughput"].to_numpy(dtype=float)
+    df.loc[twin.index, "scaling_efficiency"] = multi["throughput"].to_numpy(dtype=float) / (
+        multi["world_size"].to_numpy(dtype=float) * single
     )
 
 
@@ -188,38 +216,58 @@ def _utilisation(df: pd.DataFrame, ok: pd.Series) -> None:
 
 
 def _cache_payback(df: pd.DataFrame, ok: pd.Series) -> None:
-    steps = _twins(df, ok, TEACHER_MODE)
-    mode = steps["teacher_mode"].fillna("live")
-    live = steps[mode.eq("live")].drop_duplicates("key", keep="last").set_index("key")["median_ms"]
-    cached = steps[mode.eq("cached")]
-    if cached.empty or live.empty:
+    step = df["measurement"].eq(Measurement.DISTILL_STEP)
+    mode = df["teacher_mode"].fillna("live")
+    twin = match_twins(df, step & mode.eq("cached"), step & mode.eq("live"), TEACHER_MODE)
+    if twin.empty:
         return
-    saving = live.reindex(cached["key"]).to_numpy(dtype=float) - cached["median_ms"].to_numpy(dtype=float)
-    df.loc[cached.index, "teacher_cache_saving_ms"] = saving
-    df.loc[cached.index, "teacher_cache_payback_steps"] = [
+    cached = df.loc[twin.index]
+    saving = df.loc[twin.to_numpy(), "median_ms"].to_numpy(dtype=float) - cached["median_ms"].to_numpy(dtype=float)
+    df.loc[twin.index, "teacher_cache_saving_ms"] = saving
+    df.loc[twin.index, "teacher_cache_payback_steps"] = [
         np.nan if (steps_ := payback_steps(one_off, s)) is None else float(steps_)
         for one_off, s in zip(cached["teacher_cache_ms"], saving)
     ]
 
 
 def _break_even(df: pd.DataFrame, ok: pd.Series) -> None:
-    rows = df[ok & df["config_json"].notna() & df["median_ms"].gt(0)]
-    if rows.empty or not df["one_off_ms"].notna().any():
+    """Per cell that pulls levers with a one-off cost: the gain per call against its twin without levers,
+    repeat by repeat, pooled (mean and paired t-interval), and the calls after which the net one-off cost
+    (its own, minus the twin's cold-call excess) is repaid, with the range the gain's interval allows."""
+    if not df["one_off_ms"].notna().any():
         return
-    bare = rows["config_json"].map(lambda j: twin_key(j, ()))
-    keys = rows["config_json"].map(lambda j: twin_key(j, LEVERS))
-    where = rows["run_id"].astype(str) + "\0" + rows["measurement"].astype(str) + "\0" + rows["batch_size"].astype(str)
-    key = where + "\0" + keys.astype(str)
-    plain = rows[bare.eq(keys) & keys.notna()]  # cells that pull no lever
-    base = plain.assign(key=key[plain.index]).drop_duplicates("key", keep="last").set_index("key")["median_ms"]
-    pulled = rows[rows["one_off_ms"].notna() & bare.ne(keys)]
-    if pulled.empty or base.empty:
+    bare = df["config_json"].map(lambda j: twin_key(j, ()))
+    keys = df["config_json"].map(lambda j: twin_key(j, LEVERS))
+    plain = bare.eq(keys) & keys.notna()  # cells that pull no lever
+    pulled = df["one_off_ms"].notna() & bare.ne(keys) & df["median_ms"].gt(0)
+    twin = match_twins(df, pulled, plain & df["median_ms"].gt(0), LEVERS)
+    if twin.empty:
         return
-    baseline = base.reindex(key[pulled.index]).to_numpy(dtype=float)
-    gain = baseline - pulled["median_ms"].to_numpy(dtype=float)
-    df.loc[pulled.index, "lever_baseline_ms"] = baseline
-    df.loc[pulled.index, "lever_gain_ms"] = gain
-    df.loc[pulled.index, "break_even_steps"] = [
-        np.nan if (n := payback_steps(one_off, g)) is None else float(n)
-        for one_off, g in zip(pulled["one_off_ms"], gain)
-    ]
+    rows = df.loc[twin.index]
+    twins = df.loc[twin.to_numpy()]
+    frame = pd.DataFrame(
+        {
+            "cell": (rows["run_id"].astype(str) + "\0" + rows["cell_id"].astype(str)).to_numpy(),
+            "what": (rows["measurement"].astype(str) + "\0" + rows["batch_size"].astype(str)).to_numpy(),
+            "baseline": twins["median_ms"].to_numpy(dtype=float),
+            "gain": twins["median_ms"].to_numpy(dtype=float) - rows["median_ms"].to_numpy(dtype=float),
+            "net": rows["one_off_ms"].to_numpy(dtype=float) - twins["cold_excess_ms"].fillna(0).to_numpy(dtype=float),
+        },
+        index=rows.index,
+    )
+    for _, group in frame.groupby(["cell", "what"], sort=False):
+        gain, low, high = paired_t(group["gain"].tolist())
+        net = max(0.0, float(group["net"].mean()))
+        values = {
+            "lever_baseline_ms": centre(group["baseline"].tolist()),
+            "lever_gain_ms": gain,
+            "lever_gain_low_ms": low,
+            "lever_gain_high_ms": high,
+            "lever_one_off_net_ms": net,
+            "break_even_steps": payback_steps(net, gain),
+            # the fewest calls: at the largest gain the interval allows; the most: at its smallest (none: never)
+            "break_even_low_steps": payback_steps(net, high) if high is not None else None,
+            "break_even_high_steps": payback_steps(net, low) if low is not None else None,
+        }
+        for column, value in values.items():
+            df.loc[group.index, column] = np.nan if value is None else float(value)

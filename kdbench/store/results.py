@@ -3,6 +3,8 @@
     results/                         --out (default)
       <run id>/                      one run: read it with pandas, pyarrow.dataset or duckdb as one dataset
         _run.json                    the run's suite, file, start time and versions (ignored by parquet readers)
+        _invocations/<id>.json       one file per `kdbench run` into the folder (each shard, each resume): the
+                                     jobs it planned and finished, its budgets and wall-time split
         part-<job id>.parquet        the rows of one cell (or of the quality job), written once, atomically
       probes/  traces/               `kdbench probe` files and profiler traces: not results
 
@@ -10,7 +12,10 @@ Nothing is ever rewritten: a finished job's part appears whole (temporary name, 
 rename) and stays as it is, so the cost of storing a job does not grow with the run,
 a reader never sees half a part, a killed run loses at most the jobs in flight, and
 resuming is listing the parts.  Shards of one sweep given the same run id write into
-one folder (their parts never share a name).
+one folder (their parts never share a name).  Each invocation writes its own record
+(never another's), so concurrent shards cannot lose each other's entries; together
+the records say which jobs the run planned, and so whether it is complete
+(:meth:`RunFolder.state`).
 
 :func:`read_results` reads any mix of run folders, folders of runs, part files and the
 single-file runs of schema version 1, and adds the derived columns
@@ -20,6 +25,7 @@ single-file runs of schema version 1, and adds the derived columns
 from __future__ import annotations
 
 import json
+import os
 import re
 import uuid
 from collections.abc import Iterable
@@ -37,6 +43,7 @@ from kdbench.store.files import write_parquet, write_text
 from kdbench.store.schema import SCHEMA, SCHEMA_VERSION, rows_to_table
 
 MANIFEST = "_run.json"  # "_" and "." names are skipped by pyarrow datasets (and by kdbench's readers)
+INVOCATIONS_DIR = "_invocations"  # one JSON record per `kdbench run` into the folder
 PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
 PROBES_DIR = "probes"  # `kdbench probe` files, under a results folder
 TRACES_DIR = "traces"  # profiler traces, under a results folder
@@ -60,6 +67,73 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
+_JOB_ID = re.compile(r"(?P<cell>.+?)(?:-r(?P<repeat>[0-9]+))?")
+
+
+def job_id(cell_id: str, repeat: int = 1) -> str:
+    """A cell job's id: the cell's id, and ``-r<k>`` for repeats after the first (so raising ``repeat``
+    and resuming runs only the new ones)."""
+    return cell_id if repeat == 1 else f"{cell_id}-r{repeat}"
+
+
+def parse_job_id(job: str) -> tuple[str, int]:
+    """(cell_id, repeat) of a cell job's id (the quality job's id reads as itself, repeat 1)."""
+    m = _JOB_ID.fullmatch(job)
+    return (m["cell"], int(m["repeat"] or 1)) if m else (job, 1)
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What a run folder planned and what it holds: whether it is complete.
+
+    ``planned`` is the union of the jobs every invocation planned (None for a run stored before
+    kdbench kept invocation records, or a bare parquet file: completeness unknown)."""
+
+    run_id: str
+    planned: frozenset[str] | None
+    stored: frozenset[str]
+    invocations: int = 0
+    unfinished: int = 0  # invocations that never wrote their end: still running, or killed
+
+    @property
+    def known(self) -> bool:
+        return self.planned is not None
+
+    @property
+    def missing(self) -> frozenset[str]:
+        """Planned jobs with no stored part."""
+        return frozenset() if self.planned is None else self.planned - self.stored
+
+    @property
+    def complete(self) -> bool | None:
+        return None if self.planned is None else not self.missing
+
+    def missing_repeats(self, cell_id: str) -> list[int]:
+        """The planned repeats of ``cell_id`` this run has not stored."""
+        return sorted(r for c, r in map(parse_job_id, self.missing) if c == cell_id)
+
+    def describe(self) -> str:
+        if self.planned is None:
+            return "completeness unknown (no invocation records: a run stored by an older kdbench, or a bare file)"
+        if not self.missing:
+            return f"complete: {len(self.planned)} of {len(self.planned)} planned jobs stored"
+        how = f"; {self.unfinished} invocation(s) did not finish (killed, or still running)" if self.unfinished else ""
+        return f"INCOMPLETE: {len(self.planned) - len(self.missing)} of {len(self.planned)} planned jobs stored{how}"
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """This invocation's record in a run folder: written when it starts, rewritten (only by it) when it ends."""
+
+    path: Path
+    record: dict[str, Any]
+
+    def finish(self, **fields: Any) -> None:
+        """Add the end of the invocation (finished jobs, wall-time split, how it ended) to its record."""
+        self.record.update(fields, finished=datetime.now(UTC).isoformat())
+        write_text(json.dumps(self.record, indent=2) + "\n", self.path)
+
+
 @dataclass(frozen=True)
 class RunFolder:
     """One run's folder of parts."""
@@ -76,14 +150,44 @@ class RunFolder:
         except (OSError, ValueError):
             return {}
 
-    def add_wall_time(self, split: dict[str, float]) -> None:
-        """Keep an invocation's wall-time split in the manifest (a resumed run adds one more)."""
-        manifest = self.manifest()
-        manifest["wall_time"] = [*manifest.get("wall_time", []), split]
-        write_text(json.dumps(manifest, indent=2) + "\n", self.path / MANIFEST)
+    def start_invocation(self, planned: list[str], share: list[str], **fields: Any) -> Invocation:
+        """Write this invocation's record: every job of the whole plan (``planned``, the same for every
+        shard), the jobs it is to run (``share``), and ``fields`` (shard, repeats, budgets, commit ...)."""
+        now = datetime.now(UTC)
+        name = f"{now:%Y%m%dT%H%M%S%fZ}-{os.getpid()}-{uuid.uuid4().hex[:6]}.json"
+        record = {"started": now.isoformat(), "planned": list(planned), "share": list(share), **fields}
+        path = self.path / INVOCATIONS_DIR / name
+        write_text(json.dumps(record, indent=2) + "\n", path)
+        return Invocation(path, record)
+
+    def invocations(self) -> list[dict[str, Any]]:
+        """Every invocation's record, oldest first."""
+        records = []
+        for path in sorted((self.path / INVOCATIONS_DIR).glob("*.json")):
+            try:
+                records.append(json.loads(path.read_text(encoding="utf-8")))
+            except (OSError, ValueError):
+                continue  # a record being replaced, or not ours
+        return records
+
+    def state(self) -> RunState:
+        """Planned against stored jobs (see :class:`RunState`)."""
+        records = self.invocations()
+        planned = frozenset(j for r in records for j in r.get("planned", [])) if records else None
+        unfinished = sum("finished" not in r for r in records)
+        return RunState(self.run_id, planned, frozenset(self.stored_job_ids()), len(records), unfinished)
+
+    def wall_times(self) -> list[dict[str, float]]:
+        """The wall-time split of each invocation that finished (and those an older kdbench kept in the manifest)."""
+        old = list(self.manifest().get("wall_time") or [])
+        return old + [r["wall_time"] for r in self.invocations() if r.get("wall_time")]
 
     def budgets(self) -> list[dict[str, Any]]:
-        """The budgets the run was measured against (the suite's ``budgets:``, as JSON)."""
+        """The budgets the run was measured against (the suite's ``budgets:``, as JSON): the newest
+        invocation's, else what an older kdbench kept in the manifest."""
+        for record in reversed(self.invocations()):
+            if "budgets" in record:
+                return list(record["budgets"] or [])
         return list(self.manifest().get("budgets") or [])
 
     def part_path(self, job_id: str) -> Path:
@@ -101,14 +205,13 @@ class RunFolder:
         return write_parquet(rows_to_table(rows), self.part_path(job_id))
 
 
-def open_run(
-    out_dir: Path, suite_name: str, suite_file: str, run_id: str | None = None, budgets: list[dict] | None = None
-) -> RunFolder:
+def open_run(out_dir: Path, suite_name: str, suite_file: str, run_id: str | None = None) -> RunFolder:
     """The run folder ``out_dir/run_id`` (a new id when None), created with its manifest if new.
 
     An existing folder continues (shards of one sweep share a run id); it must hold a
-    run of the same suite.  ``budgets`` (the suite's, as JSON) are kept in the manifest for
-    the report; a continued run takes the budgets it is continued with.
+    run of the same suite.  The manifest is written once, when the folder is made; what each
+    invocation planned, its budgets and its wall time go into its own record
+    (:meth:`RunFolder.start_invocation`).
     """
     folder = RunFolder(Path(out_dir) / (check_run_id(run_id) if run_id else new_run_id(suite_name)))
     if folder.path.exists() and not folder.path.is_dir():
@@ -119,9 +222,6 @@ def open_run(
             raise KdbenchError(
                 f"{folder.path} holds a run of suite '{other}', not '{suite_name}'; give another --run-id"
             )
-        manifest = folder.manifest()
-        if (budgets or []) != manifest.get("budgets", []):
-            write_text(json.dumps({**manifest, "budgets": budgets or []}, indent=2) + "\n", folder.path / MANIFEST)
         return folder
     import kdbench
 
@@ -133,7 +233,6 @@ def open_run(
         "created": datetime.now(UTC).isoformat(),
         "schema_version": SCHEMA_VERSION,
         "kdbench_version": kdbench.__version__,
-        "budgets": budgets or [],
     }
     write_text(json.dumps(manifest, indent=2) + "\n", folder.path / MANIFEST)
     return folder
@@ -173,14 +272,26 @@ def result_files(paths: Iterable[str | Path]) -> list[Path]:
     return files
 
 
+def run_folders(files: Iterable[Path]) -> list[RunFolder]:
+    """The run folders (with a manifest) the result files lie in."""
+    folders = {RunFolder(Path(f).parent) for f in files}
+    return sorted((f for f in folders if (f.path / MANIFEST).is_file()), key=lambda f: str(f.path))
+
+
 def run_budgets(files: Iterable[Path]) -> dict[str, list[dict[str, Any]]]:
-    """Per run id: the budgets stored in the manifest of the run folder each result file lies in."""
+    """Per run id: the budgets stored with the run folder each result file lies in."""
     found: dict[str, list[dict[str, Any]]] = {}
-    for folder in {RunFolder(Path(f).parent) for f in files}:
-        manifest = folder.manifest()
-        if manifest.get("budgets"):
-            found[str(manifest.get("run_id") or folder.run_id)] = list(manifest["budgets"])
+    for folder in run_folders(files):
+        budgets = folder.budgets()
+        if budgets:
+            found[str(folder.manifest().get("run_id") or folder.run_id)] = budgets
     return found
+
+
+def run_states(paths: Iterable[str | Path]) -> dict[str, RunState]:
+    """Per run id: the state (planned against stored) of every run folder among ``paths``' result files."""
+    files = result_files(list(paths))
+    return {str(f.manifest().get("run_id") or f.run_id): f.state() for f in run_folders(files)}
 
 
 def read_table(files: list[Path]) -> pa.Table:

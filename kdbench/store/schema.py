@@ -58,6 +58,13 @@ COLUMNS: tuple[Column, ...] = (
         ("suite", _S, "", "the suite's `name`"),
         ("suite_file", _S, "", "path of the suite YAML as given to `run`"),
         (
+            "suite_commit",
+            _S,
+            "",
+            "git commit (12 hex digits, `+dirty` with uncommitted changes) of the repository the suite file lies "
+            "in, when it lies in one: the report's history of a suite's runs is labelled by it",
+        ),
+        (
             "cell_id",
             _S,
             "",
@@ -161,6 +168,13 @@ COLUMNS: tuple[Column, ...] = (
         ("max_ms", _F, "ms", "slowest iteration"),
         ("first_ms", _F, "ms", "the first (cold) iteration, not among the samples"),
         (
+            "cold_excess_ms",
+            _F,
+            "ms",
+            "the cold and warm-up calls minus as many median calls: what this measurement paid once (compile, "
+            "algorithm search, allocator and cache warm-up); a lever's net one-off cost subtracts its twin's",
+        ),
+        (
             "samples_ms",
             pa.list_(_F),
             "ms",
@@ -176,6 +190,13 @@ COLUMNS: tuple[Column, ...] = (
         ),
         ("median_ci_high_ms", _F, "ms", "upper end of the median's 95 % confidence interval"),
         ("noisy", _B, "", "rel_iqr > 0.10: treat the median with care"),
+        (
+            "thin",
+            _B,
+            "",
+            "fewer timed calls than `min_iters` (the time budget stopped the loop; notes say how): kept and "
+            "shown, never judged by compare, budgets or break-even (null in older rows: read as n < min_iters)",
+        ),
         ("timer", _S, "", "`perf_counter_ns` (host clock) or `device_event` (CUDA/HIP events)"),
         (
             "time_to_steady_ms",
@@ -233,9 +254,9 @@ COLUMNS: tuple[Column, ...] = (
             "one_off_ms",
             _F,
             "ms",
-            "the levers' one-off cost for this measurement: compile, algorithm search or GEMM tuning (the cold "
-            "and warm-up calls minus as many steady calls), graph capture, ONNX export and session creation, "
-            "quantization",
+            "the levers' one-off cost for this measurement, all it paid once: compile, algorithm search or GEMM "
+            "tuning (the cold and warm-up calls minus as many steady calls); graph capture, ONNX export and session "
+            "creation, quantization (plus the served model's own cold_excess_ms)",
         ),
         ("one_off_kind", _S, "", "what one_off_ms paid for"),
         ("graph_breaks", _I, "", "torch.compile: graph breaks torch._dynamo counted"),
@@ -414,15 +435,46 @@ COLUMNS: tuple[Column, ...] = (
             "lever_baseline_ms",
             _F,
             "ms",
-            "rows with a one-off cost: the median of the same measurement of the same cell without its levers "
-            "(same run)",
+            "rows with a one-off cost: the centre (geometric mean over repeats) of the same measurement of the same "
+            "cell without its levers, in the same run, each repeat against the twin's same repeat",
         ),
-        ("lever_gain_ms", _F, "ms", "lever_baseline_ms − median_ms: what the levers save per call"),
+        (
+            "lever_gain_ms",
+            _F,
+            "ms",
+            "what the levers save per call: the mean over repeats of the twin's median minus this cell's",
+        ),
+        (
+            "lever_gain_low_ms",
+            _F,
+            "ms",
+            "lower end of the gain's 95 % paired t-interval over repeats (null: one repeat)",
+        ),
+        ("lever_gain_high_ms", _F, "ms", "upper end of the gain's 95 % interval"),
+        (
+            "lever_one_off_net_ms",
+            _F,
+            "ms",
+            "one_off_ms minus the twin's own cold_excess_ms (what the plain cell pays once anyway), mean over repeats",
+        ),
         (
             "break_even_steps",
             _I,
             "calls",
-            "calls (steps, or inference calls) after which lever_gain_ms repays one_off_ms (null: never)",
+            "calls (steps, or inference calls) after which lever_gain_ms repays lever_one_off_net_ms (null: never)",
+        ),
+        (
+            "break_even_low_steps",
+            _I,
+            "calls",
+            "the fewest calls to break even that the gain's interval allows (at lever_gain_high_ms; null: never)",
+        ),
+        (
+            "break_even_high_steps",
+            _I,
+            "calls",
+            "the most calls to break even that the gain's interval allows (at lever_gain_low_ms; null: the interval "
+            "reaches no gain, so possibly never)",
         ),
     ),
     *_group(

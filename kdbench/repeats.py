@@ -1,0 +1,201 @@
+"""How the repeats of one measurement pool into one figure, and how two pools compare: the statistics
+every verdict and every pooled figure of kdbench uses (compare, budgets, break-even, the report).
+
+A measurement (a cell's step, or an inference at one batch size) is measured once per *repeat*, each
+repeat in a fresh worker process (``repeat: N``).  Inside a process the iterations are tight; from one
+process to the next the level moves (allocator state, memory placement, clocks, the machine's other
+load) by more than the iterations of one process can show.  So the repeat is the unit:
+
+* **centre**: the geometric mean of the repeats' medians (with one repeat, its median);
+* **interval of a ratio NEW/BASE**: Student's t on the logs of the repeat medians, with the variance
+  pooled over both sides (df = r_base + r_new − 2) and floored at the sampling variance of one
+  repeat's median (a repeat's median moves at least by its own sampling noise).  With one repeat on
+  each side there is no between-process variance to estimate (df = 0): no interval can hold the
+  run-to-run noise, and :func:`t_ratio` says so by returning None;
+* **within-process interval** (one repeat per side, shown but not gated on unless asked): a percentile
+  bootstrap of the iterations (:func:`bootstrap_ratio`), whose resampled medians are drawn from their
+  order statistics' Beta laws (each draw O(1));
+* **paired interval** (two cells measured in the same repeats, e.g. a lever against its twin): the
+  per-repeat differences' t-interval (:func:`paired_t`, scipy's ``ttest_1samp``).
+
+Torch-free (numpy, scipy): the report and the store use it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# A repeat's median, from n samples of spread s (in logs), varies with variance about (π/2) s² / n: the
+# asymptotic variance of a sample median of normal data.  The spread comes from the MAD, robust to the
+# stray slow iterations every timed loop has.
+_MEDIAN_VARIANCE = math.pi / 2
+_MAD_TO_SIGMA = 1.482602218505602  # 1 / Φ⁻¹(3/4)
+
+
+@dataclass(frozen=True)
+class RatioInterval:
+    """A ratio NEW/BASE of two centres and its confidence interval."""
+
+    ratio: float
+    low: float
+    high: float
+    confidence: float
+    method: str  # "t" (between repeats) or "bootstrap" (the iterations of one process)
+    df: int | None = None  # t's degrees of freedom
+
+    def describe(self) -> str:
+        if self.method == "t":
+            return f"t on log repeat medians, df {self.df}"
+        return "bootstrap of the iterations of one process per side"
+
+
+def centre(values: Sequence[float]) -> float:
+    """The centre of a measurement's repeats: the geometric mean of their values (medians, or any
+    positive statistic); the arithmetic mean when a value is not positive; NaN for none."""
+    a = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    if a.size == 0:
+        return math.nan
+    if a.size == 1:
+        return float(a[0])
+    if (a > 0).all():
+        return float(np.exp(np.log(a).mean()))
+    return float(a.mean())
+
+
+def median_log_variance(samples: Sequence[float]) -> float:
+    """The sampling variance of the log of the median of ``samples`` (0 with fewer than 2 positive ones)."""
+    a = np.asarray(samples, dtype=float)
+    a = a[np.isfinite(a) & (a > 0)]
+    if a.size < 2:
+        return 0.0
+    logs = np.log(a)
+    spread = _MAD_TO_SIGMA * float(np.median(np.abs(logs - np.median(logs))))
+    return _MEDIAN_VARIANCE * spread**2 / a.size
+
+
+def t_ratio(base: Sequence[float], new: Sequence[float], confidence: float, floor: float = 0.0) -> RatioInterval | None:
+    """NEW/BASE of the geometric means of ``new`` and ``base`` (repeat medians, all positive) and its
+    two-sided t-interval at ``confidence``: the difference of the mean logs, the variance pooled over
+    both sides and at least ``floor`` (a variance of one log value), df = len(base) + len(new) − 2.
+    None with fewer than three values in all (df 0: the between-repeat variance is unknown).
+
+    Without a floor it is scipy's ``ttest_ind(log new, log base).confidence_interval`` (a test checks)."""
+    from scipy import stats
+
+    b, n = np.log(np.asarray(base, dtype=float)), np.log(np.asarray(new, dtype=float))
+    df = b.size + n.size - 2
+    if b.size == 0 or n.size == 0 or df < 1:
+        return None
+    diff = float(n.mean() - b.mean())
+    squares = float(((b - b.mean()) ** 2).sum() + ((n - n.mean()) ** 2).sum())
+    variance = max(squares / df, floor)
+    half = float(stats.t.ppf(0.5 + confidence / 2, df)) * math.sqrt(variance * (1 / b.size + 1 / n.size))
+    return RatioInterval(math.exp(diff), math.exp(diff - half), math.exp(diff + half), confidence, "t", df)
+
+
+def pooled_log_variance(base: Sequence[float], new: Sequence[float]) -> float | None:
+    """The between-repeat variance of a measurement's log medians, pooled over both sides (None: df 0)."""
+    b, n = np.log(np.asarray(base, dtype=float)), np.log(np.asarray(new, dtype=float))
+    df = b.size + n.size - 2
+    if b.size == 0 or n.size == 0 or df < 1:
+        return None
+    return float((((b - b.mean()) ** 2).sum() + ((n - n.mean()) ** 2).sum()) / df)
+
+
+def simultaneous_t(
+    family: Sequence[tuple[Sequence[float], Sequence[float], float]], confidence: float, size: int | None = None
+) -> list[RatioInterval | None]:
+    """The t-intervals (:func:`t_ratio`) of a family of measurements, each given as (base repeat medians, new
+    repeat medians, sampling-variance floor), simultaneous at ``confidence``: each at 1 − (1 − confidence)/m
+    (Bonferroni; m = ``size``, else the measurements that have an interval).  Each measurement's variance is
+    at least its floor and at least the family's median pooled variance: with a handful of repeats a
+    measurement's own estimate is often far too small (with 3 + 3 repeats, one in ten is under a third of
+    the truth), and a low estimate is what makes a false alarm.  Flooring only widens intervals."""
+    variances = [v for b, n, _ in family if (v := pooled_log_variance(b, n)) is not None]
+    typical = float(np.median(variances)) if variances else 0.0
+    m = size if size is not None else len(variances)
+    each = 1 - (1 - confidence) / max(1, m)
+    return [t_ratio(b, n, each, floor=max(floor, typical)) for b, n, floor in family]
+
+
+def centre_interval(values: Sequence[float], confidence: float = 0.95, floor: float = 0.0):
+    """(centre, low, high) of one measurement's repeat values: the geometric mean and its t-interval
+    (df = r − 1, the log variance floored at ``floor``); low and high are None with one value."""
+    from scipy import stats
+
+    a = np.asarray([v for v in values if v is not None and math.isfinite(v) and v > 0], dtype=float)
+    if a.size == 0:
+        return math.nan, None, None
+    logs = np.log(a)
+    mid = float(logs.mean())
+    if a.size == 1:
+        return math.exp(mid), None, None
+    variance = max(float(logs.var(ddof=1)), floor)
+    half = float(stats.t.ppf(0.5 + confidence / 2, a.size - 1)) * math.sqrt(variance / a.size)
+    return math.exp(mid), math.exp(mid - half), math.exp(mid + half)
+
+
+def paired_t(differences: Sequence[float], confidence: float = 0.95) -> tuple[float, float | None, float | None]:
+    """(mean, low, high) of per-repeat differences with scipy's one-sample t-interval (df = r − 1);
+    low and high are None with one difference, and equal the mean when every difference is the same."""
+    from scipy import stats
+
+    d = np.asarray([x for x in differences if x is not None and math.isfinite(x)], dtype=float)
+    if d.size == 0:
+        return math.nan, None, None
+    mean = float(d.mean())
+    if d.size == 1:
+        return mean, None, None
+    if np.ptp(d) == 0:
+        return mean, mean, mean
+    low, high = stats.ttest_1samp(d, 0.0).confidence_interval(confidence)
+    return mean, float(low), float(high)
+
+
+# --------------------------------------------------------------------------- within one process
+
+
+def median_draws(x: np.ndarray, size: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Draws of the median of a bootstrap resample of ``x`` (n values, with replacement), without
+    building the resamples.
+
+    The k-th smallest of n draws from the empirical distribution is ``sorted(x)[ceil(n U) - 1]``
+    with U the k-th smallest of n uniforms, which is Beta(k, n + 1 - k); for even n the next
+    order statistic is U + (1 - U) Beta(1, n - k).  So each draw costs O(1), not O(n).
+    """
+    s = np.sort(np.asarray(x, dtype=float))
+    n = s.size
+    if n == 1:
+        return np.full(size, s[0])
+
+    def at(u: np.ndarray) -> np.ndarray:
+        return s[np.clip(np.ceil(u * n).astype(np.int64) - 1, 0, n - 1)]
+
+    k = (n + 1) // 2
+    u = rng.beta(k, n + 1 - k, size)
+    if n % 2:
+        return at(u)
+    v = u + (1 - u) * rng.beta(1, n - k, size)
+    return (at(u) + at(v)) / 2
+
+
+N_BOOT = 5000  # bootstrap draws at least; more when an interval reaches far into the tails
+MAX_BOOT = 100_000
+
+
+def bootstrap_ratio(
+    base: Sequence[float], new: Sequence[float], confidence: float, seed: int = 0, n_boot: int | None = None
+) -> RatioInterval:
+    """NEW/BASE of the medians of two processes' iterations and its percentile-bootstrap interval: the
+    noise within one process per side, which understates the noise from run to run."""
+    tail = (1 - confidence) / 2
+    n_boot = n_boot or min(MAX_BOOT, max(N_BOOT, math.ceil(20 / tail)))  # some 20 draws beyond each end
+    rng = np.random.default_rng(seed)
+    b, n = np.asarray(base, dtype=float), np.asarray(new, dtype=float)
+    boot = median_draws(n, (n_boot,), rng) / median_draws(b, (n_boot,), rng)
+    low, high = np.quantile(boot, [tail, 1 - tail])
+    return RatioInterval(float(np.median(n) / np.median(b)), float(low), float(high), confidence, "bootstrap")
