@@ -212,3 +212,28 @@ def test_two_runs_started_together_get_distinct_ids():
     # a suite name cannot steer the folder out of the results folder
     assert all(i.startswith("my-suite-..-x-20260101T000000Z-") and "/" not in i for i in ids)
     assert all(RunFolder(Path("/r") / i).run_id == i for i in ids)
+
+
+def test_a_row_is_checked_where_it_is_made():
+    """Rows are typed records tied to COLUMNS: a misspelled or derived column, or a value of the wrong type, is
+    an error at the line that writes it, not when the part is stored."""
+    import pickle
+
+    import numpy as np
+
+    from kdbench.schema import Row
+
+    row = Row(measurement="distill_step", batch_size=4, median_ms=np.float64(1.5), n=np.int64(3), noisy=np.True_)
+    row.update(samples_ms=[1.0, 2.0], notes=None)
+    row["thin"] = False
+    assert pickle.loads(pickle.dumps(row)) == row and isinstance(pickle.loads(pickle.dumps(row)), Row)
+    assert isinstance(row | {"status": "ok"}, Row)
+    with pytest.raises(KeyError, match="'medain_ms' is not a column"):
+        Row(medain_ms=1.0)
+    with pytest.raises(KeyError, match="derived at read time"):
+        row["speedup_vs_teacher"] = 2.0
+    with pytest.raises(TypeError, match="batch_size is int64, got float 1.5"):
+        row.update(batch_size=1.5)
+    with pytest.raises(TypeError, match="noisy is bool, got str"):
+        Row(noisy="yes")
+    assert rows_to_table([row]).num_rows == 1

@@ -59,8 +59,7 @@ from kdbench.measure.timing import Progress, RawTiming, timed_loop
 from kdbench.measure.trace import trace
 from kdbench.models import ModelCache, count_params
 from kdbench.names import PHASES, REMAINDER_COLUMN, Measurement, Status
-
-Row = dict[str, Any]
+from kdbench.schema import Row
 
 
 @dataclass(frozen=True)
@@ -263,31 +262,33 @@ def distill_row(
     d = step.distiller
     timing = timing_columns(raw, config.world_size, config.batch_size)
     launch = LAUNCH_BOUND if timing["launch_bound"] else ""
-    row = {
-        "measurement": Measurement.DISTILL_STEP,
-        "batch_size": config.batch_size,
-        "status": Status.OK,
-        **timing,
-        "final_loss": loss,
-        "autocast": d.student_ac.applied,
-        "teacher_autocast": d.teacher_ac.applied,
-        "grad_scaler": d.scaler is not None,
-        "nonfinite_steps": d.nonfinite_steps,
-        "scaler_skips": d.scaler_skips,
-        "adapter_params": d.adapter_params,
-        "trainable_params": count_params(d.trainee),
-        "teacher_features": ",".join(d.paths.teacher) if d.paths else None,
-        "student_features": ",".join(d.paths.student) if d.paths else None,
-        "teacher_cache_ms": step.cache_ms,
-        **phase_columns(step, local or raw),
-        **_layout(d.student, x, config),
-        "notes": _notes(
-            d.student_ac,
-            d.teacher_ac,
-            alignment=_alignment_note(x, config),
-            extra=(launch, d.optimizer_note, note, layout_note(config, x.device.type), raw.note or ""),
-        ),
-    }
+    row = Row(
+        {
+            "measurement": Measurement.DISTILL_STEP,
+            "batch_size": config.batch_size,
+            "status": Status.OK,
+            **timing,
+            "final_loss": loss,
+            "autocast": d.student_ac.applied,
+            "teacher_autocast": d.teacher_ac.applied,
+            "grad_scaler": d.scaler is not None,
+            "nonfinite_steps": d.nonfinite_steps,
+            "scaler_skips": d.scaler_skips,
+            "adapter_params": d.adapter_params,
+            "trainable_params": count_params(d.trainee),
+            "teacher_features": ",".join(d.paths.teacher) if d.paths else None,
+            "student_features": ",".join(d.paths.student) if d.paths else None,
+            "teacher_cache_ms": step.cache_ms,
+            **phase_columns(step, local or raw),
+            **_layout(d.student, x, config),
+            "notes": _notes(
+                d.student_ac,
+                d.teacher_ac,
+                alignment=_alignment_note(x, config),
+                extra=(launch, d.optimizer_note, note, layout_note(config, x.device.type), raw.note or ""),
+            ),
+        }
+    )
     if not math.isfinite(loss):
         row.update(
             status=Status.FAILED, error=f"the distillation loss is not finite ({loss}); lower lr or use bf16/fp32"
@@ -405,36 +406,38 @@ def measure_inference(model: nn.Module, role: str, batch_size: int, config: Cell
     served_row = served_columns(served) if served is not None else {}
     if served_row.get("one_off_ms") is not None:  # what serving this way paid once: the build and its cold calls
         served_row["one_off_ms"] += timing["cold_excess_ms"]
-    return {
-        "measurement": Measurement(f"{role}_inference"),
-        "batch_size": batch_size,
-        "status": Status.OK,
-        **timing,
-        **profile,
-        **flags,
-        "flops": flops,
-        "autocast": choice.applied,
-        "runtime": served.runtime if served is not None else "eager",
-        **served_row,
-        **_layout(model, x, config),
-        "notes": _notes(
-            choice,
-            alignment=_alignment_note(x, config),
-            extra=(
-                launch,
-                note,
-                layout_note(config, backend.device_type),
-                raw.note or "",
-                *(served.notes if served else ()),
+    return Row(
+        {
+            "measurement": Measurement(f"{role}_inference"),
+            "batch_size": batch_size,
+            "status": Status.OK,
+            **timing,
+            **profile,
+            **flags,
+            "flops": flops,
+            "autocast": choice.applied,
+            "runtime": served.runtime if served is not None else "eager",
+            **served_row,
+            **_layout(model, x, config),
+            "notes": _notes(
+                choice,
+                alignment=_alignment_note(x, config),
+                extra=(
+                    launch,
+                    note,
+                    layout_note(config, backend.device_type),
+                    raw.note or "",
+                    *(served.notes if served else ()),
+                ),
             ),
-        ),
-    }
+        }
+    )
 
 
 def failure_rows(config: CellConfig, status: Status, error: str) -> list[Row]:
     """Every planned row of the cell, marked."""
     planned = planned_measurements(config)
-    return [{"measurement": m, "batch_size": bs, "status": status, "error": error} for m, bs in planned]
+    return [Row(measurement=m, batch_size=bs, status=status, error=error) for m, bs in planned]
 
 
 def guarded(measurement: str, batch_size: int, backend: Backend, fn: Callable[[], Row]) -> Row:
@@ -442,7 +445,7 @@ def guarded(measurement: str, batch_size: int, backend: Backend, fn: Callable[[]
     try:
         return fn()
     except LeverSkip as exc:  # a lever this backend lacks: skipped, with the reason
-        row = {"measurement": measurement, "batch_size": batch_size, "status": Status.SKIPPED, "error": str(exc)}
+        row = Row(measurement=measurement, batch_size=batch_size, status=Status.SKIPPED, error=str(exc))
     except Exception as exc:
         if device_fatal(exc):
             note_device_lost(exc)  # the worker stores this job's rows, then ends (the next job gets a fresh one)

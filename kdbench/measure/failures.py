@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from kdbench.names import Status
+from kdbench.schema import Row
 
 # Errors after which the process's CUDA/HIP context is unusable: every later call fails with them.
 _FATAL_TEXT = (
@@ -53,5 +52,5 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:2000]
 
 
-def failure_row(measurement: str, batch_size: int, exc: BaseException) -> dict[str, Any]:
-    return {"measurement": measurement, "batch_size": batch_size, "status": status_of(exc), "error": error_text(exc)}
+def failure_row(measurement: str, batch_size: int, exc: BaseException) -> Row:
+    return Row(measurement=measurement, batch_size=batch_size, status=status_of(exc), error=error_text(exc))

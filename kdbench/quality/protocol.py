@@ -54,6 +54,7 @@ from kdbench.models import ModelCache
 from kdbench.names import Measurement, Status
 from kdbench.quality.datasets import Dataset, load_dataset
 from kdbench.quality.train import DeviceData, Trained, ce_step, fit
+from kdbench.schema import Row
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class Entry:
     def row(self, cfg: QualityConfig) -> dict[str, Any]:
         """The row without results (status ok until told otherwise)."""
         c = self.config
-        row: dict[str, Any] = dict.fromkeys(ROW_KEYS)
+        row = Row(dict.fromkeys(ROW_KEYS))
         row.update(
             measurement=Measurement.QUALITY,
             status=Status.OK,
@@ -278,7 +279,7 @@ class _Run:
         c = entry.config
         skip = next((s for p in {c.precision, c.teacher_precision} if (s := choose_autocast(self.backend, p).skip)), "")
         if skip:  # a precision this backend cannot run (tf32 on the CPU)
-            return {**row, "status": Status.SKIPPED, "error": skip}
+            return row | {"status": Status.SKIPPED, "error": skip}
         if entry.role == "teacher":
             teacher = self.train_ce(entry, "teacher")
             return _fill(row, self.cfg, teacher, teacher)

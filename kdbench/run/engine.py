@@ -34,7 +34,8 @@ from kdbench.errors import KdbenchError
 from kdbench.hw.backends import Backend, detect, resolve, thread_count
 from kdbench.measure.cell import MeasureOptions
 from kdbench.names import FAILURES, Measurement, Status
-from kdbench.run.jobs import CellJob, Job, QualityJob, Row
+from kdbench.run.jobs import CellJob, Job, QualityJob
+from kdbench.schema import Row
 from kdbench.store.probes import ceiling_columns, latest_ceiling
 from kdbench.store.results import PROBES_DIR, TRACES_DIR, Invocation, RunFolder, newest_run, open_run
 from kdbench.store.schema import SCHEMA_VERSION
@@ -376,7 +377,7 @@ class Stamper:
             **(ceiling_columns(self.ceiling, job.precision, job.teacher_precision) if job.precision else {}),
             "timestamp": datetime.now(UTC),
         }
-        return [{**identity, **row} for row in rows]
+        return [Row({**identity, **row}) for row in rows]
 
 
 def _fmt_s(seconds: float) -> str:
@@ -448,12 +449,12 @@ def _with_reused(job: CellJob, rows: list[Row], reuse: dict, measured: dict) -> 
             continue
         note = f"reused: this teacher inference was measured once in this run, in cell {label} ({cell_id})"
         notes = "; ".join(n for n in (ref.get("notes"), note) if n)
-        out.append({**ref, "notes": notes, REUSED: cell_id})
+        out.append(Row(ref, notes=notes, **{REUSED: cell_id}))
     for row in rows if job.world_size == 1 else ():  # a rank's teacher ran beside others: not a reference
         if row["measurement"] == Measurement.TEACHER_INFERENCE and row.get("status") == Status.OK:
             key = keys.get(row["batch_size"])
             if key is not None and key not in measured:
-                measured[key] = (job.cell_id, job.label, {k: v for k, v in row.items() if k != REUSED})
+                measured[key] = (job.cell_id, job.label, Row({k: v for k, v in row.items() if k != REUSED}))
     order = {(str(m), bs): i for i, (m, bs) in enumerate(job.planned_order())}
     return sorted(out, key=lambda r: order.get((str(r["measurement"]), r.get("batch_size")), len(order)))
 

@@ -13,17 +13,16 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kdbench.config.plan import Cell, config_dict, method_params, planned_measurements
 from kdbench.config.schema import CellConfig, QualityConfig
 from kdbench.hw.backends import dist_backend_for
 from kdbench.names import Status
+from kdbench.schema import Row
 
 if TYPE_CHECKING:
     from kdbench.run.workers import WorkerContext
-
-Row = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -91,13 +90,13 @@ class CellJob:
         return self.cell.config.teacher_precision
 
     def planned(self) -> list[Row]:
-        return [{"measurement": m, "batch_size": bs} for m, bs in self.planned_order()]
+        return [Row(measurement=m, batch_size=bs) for m, bs in self.planned_order()]
 
     def planned_order(self) -> list[tuple[str, int]]:
         return planned_measurements(self.cell.config)
 
     def columns(self, backend_name: str) -> Row:
-        return {**config_columns(self.cell.config, backend_name), "repeat": self.repeat}
+        return config_columns(self.cell.config, backend_name) | {"repeat": self.repeat}
 
     def run(self, ctx: WorkerContext) -> list[Row]:
         from kdbench.measure.cell import measure_cell
@@ -173,45 +172,47 @@ Job = CellJob | QualityJob
 
 def failure_rows(job: Job, status: Status, error: str) -> list[Row]:
     """Every row ``job`` would have produced, marked with ``status`` and ``error``."""
-    return [{**row, "status": status, "error": error} for row in job.planned()]
+    return [Row(row, status=status, error=error) for row in job.planned()]
 
 
 def config_columns(config: CellConfig, backend_name: str) -> Row:
     """The result columns that come from a cell's config."""
     parallel = config.world_size > 1
     resolved = config_dict(config)
-    return {
-        "teacher": config.pair.teacher,
-        "student": config.pair.student,
-        "method": config.method,
-        "precision": config.precision,
-        "teacher_precision": config.teacher_precision,
-        "memory_format": config.memory_format,
-        "alignment": config.alignment,
-        "pad_to": config.pad_to,
-        "world_size": config.world_size,
-        "dist_backend": dist_backend_for(backend_name) if parallel else None,
-        "ddp_bucket_cap_mb": config.ddp.bucket_cap_mb if parallel else None,
-        "ddp_gradient_as_bucket_view": config.ddp.gradient_as_bucket_view if parallel else None,
-        "ddp_static_graph": config.ddp.static_graph if parallel else None,
-        "data_kind": config.data.kind,
-        "data_shape": "x".join(map(str, config.data.shape)),
-        "num_classes": config.data.num_classes,
-        "kd_temperature": config.kd.temperature,
-        "kd_alpha": config.kd.alpha,
-        "teacher_mode": config.teacher.mode,
-        "method_params": json.dumps(method_params(config), sort_keys=True),
-        "optimizer": config.optimizer.name,
-        "optimizer_impl": config.optimizer.impl,
-        "compile": config.compile,
-        "compile_teacher": config.compile_teacher,
-        "graphs": config.graphs,
-        "conv_autotune": config.conv_autotune,
-        "tunableop": config.tunableop,
-        "lr": config.optimizer.lr,
-        "seed": config.seed,
-        "warmup": config.timing.warmup,
-        "min_iters": config.timing.min_iters,
-        "min_time_s": config.timing.min_time_s,
-        "config_json": json.dumps(resolved, sort_keys=True),
-    }
+    return Row(
+        {
+            "teacher": config.pair.teacher,
+            "student": config.pair.student,
+            "method": config.method,
+            "precision": config.precision,
+            "teacher_precision": config.teacher_precision,
+            "memory_format": config.memory_format,
+            "alignment": config.alignment,
+            "pad_to": config.pad_to,
+            "world_size": config.world_size,
+            "dist_backend": dist_backend_for(backend_name) if parallel else None,
+            "ddp_bucket_cap_mb": config.ddp.bucket_cap_mb if parallel else None,
+            "ddp_gradient_as_bucket_view": config.ddp.gradient_as_bucket_view if parallel else None,
+            "ddp_static_graph": config.ddp.static_graph if parallel else None,
+            "data_kind": config.data.kind,
+            "data_shape": "x".join(map(str, config.data.shape)),
+            "num_classes": config.data.num_classes,
+            "kd_temperature": config.kd.temperature,
+            "kd_alpha": config.kd.alpha,
+            "teacher_mode": config.teacher.mode,
+            "method_params": json.dumps(method_params(config), sort_keys=True),
+            "optimizer": config.optimizer.name,
+            "optimizer_impl": config.optimizer.impl,
+            "compile": config.compile,
+            "compile_teacher": config.compile_teacher,
+            "graphs": config.graphs,
+            "conv_autotune": config.conv_autotune,
+            "tunableop": config.tunableop,
+            "lr": config.optimizer.lr,
+            "seed": config.seed,
+            "warmup": config.timing.warmup,
+            "min_iters": config.timing.min_iters,
+            "min_time_s": config.timing.min_time_s,
+            "config_json": json.dumps(resolved, sort_keys=True),
+        }
+    )

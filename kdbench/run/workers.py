@@ -38,7 +38,8 @@ from kdbench.measure.failures import device_fatal, device_lost, error_text, note
 from kdbench.measure.memory import freeze_imports
 from kdbench.models import ModelCache
 from kdbench.names import Status
-from kdbench.run.jobs import CellJob, Job, Row, failure_rows
+from kdbench.run.jobs import CellJob, Job, failure_rows
+from kdbench.schema import Row
 
 logger = logging.getLogger(__name__)
 
