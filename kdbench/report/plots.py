@@ -663,12 +663,11 @@ def history_runs(df: pd.DataFrame, threshold: float = 0.05, states: dict | None 
     rows = df
     order = rows.groupby("run_id")["timestamp"].min().sort_values(kind="stable").index.tolist()
     states = states or {}
+    labels = _run_labels(rows, order)
     out: list[HistoryRun] = []
     for i, run_id in enumerate(order):
         here = rows[rows["run_id"].eq(run_id)]
-        commits = here["suite_commit"].dropna().unique() if "suite_commit" in here else []
-        stamp = here["timestamp"].min()
-        label = str(commits[0])[:12] if len(commits) else (stamp.strftime("%m-%d %H:%M") if pd.notna(stamp) else "?")
+        label = labels[run_id]
         if i == 0:
             out.append(HistoryRun(run_id, label, None, "first run"))
             continue
@@ -682,6 +681,24 @@ def history_runs(df: pd.DataFrame, threshold: float = 0.05, states: dict | None 
             continue
         out.append(HistoryRun(run_id, label, len(cmp.bad), summary(cmp)))
     return out
+
+
+def _run_labels(rows: pd.DataFrame, order: list[str]) -> dict[str, str]:
+    """Each run's label: the suite repository's commit where recorded (with the start time when several runs
+    share a commit), else the start time."""
+    labels = {}
+    for run_id in order:
+        here = rows[rows["run_id"].eq(run_id)]
+        commits = here["suite_commit"].dropna().unique() if "suite_commit" in here else []
+        stamp = here["timestamp"].min()
+        when = stamp.strftime("%m-%d %H:%M") if pd.notna(stamp) else "?"
+        labels[run_id] = str(commits[0]) if len(commits) else when
+    counts = pd.Series(list(labels.values())).value_counts()
+    for run_id, label in labels.items():
+        if counts[label] > 1:
+            stamp = rows.loc[rows["run_id"].eq(run_id), "timestamp"].min()
+            labels[run_id] = f"{label[:8]} {stamp.strftime('%H:%M:%S') if pd.notna(stamp) else run_id[-8:]}"
+    return labels
 
 
 def draw_history(

@@ -1,0 +1,97 @@
+"""How often `kdbench compare` cries wolf, and how often it finds a real slowdown: the figures the README's
+Verdicts section quotes, from many synthetic comparisons through compare's own statistics.
+
+    python benchmarks/verdict_calibration.py [--trials 2000] [--out benchmarks/.results/verdicts.json]
+
+A synthetic comparison has m = 20 measurements and r repeats a side.  Each repeat's level moves by the
+process-to-process noise (lognormal with the given spread, or two process states: 30 % of processes 40 %
+slower, the bimodal noise seen on a 2-core VM); each repeat's median by the sampling noise of 30 iterations
+at 2 % spread.  "False alarm" = any measurement called regressed or improved when nothing changed (the
+family-wise rate the confidence bounds); "power" = one cell's step made 1.5x slower is called regressed.
+With one repeat a side compare does not judge; `--gate-single-repeat` judges on the iterations of one
+process, simulated here with 30 samples per side.  Not collected by pytest (it is a calibration, not a test:
+tests/test_compare.py asserts the bounds on smaller draws).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kdbench.repeats import bootstrap_ratio, simultaneous_t  # noqa: E402
+from kdbench.report.compare import Verdict, verdict_of  # noqa: E402
+
+M, WITHIN, N = 20, 0.02, 30
+
+
+def family(rng, r: int, process: float, tails: str):
+    if tails == "two-state":
+        level = np.where(rng.random((2, M, r)) < 0.3, np.log(1.4), 0.0)
+    else:
+        level = rng.normal(0, process, (2, M, r))
+    sampling = WITHIN * np.sqrt(np.pi / 2 / N)
+    medians = np.exp(level + rng.normal(0, sampling, (2, M, r)))
+    return [(medians[0, j], medians[1, j], sampling**2) for j in range(M)]
+
+
+def rates(r: int, process: float, trials: int, tails: str = "normal", slow: float = 1.0, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    alarms = found = 0
+    for _ in range(trials):
+        fam = family(rng, r, process, tails)
+        if slow != 1.0:
+            b, n, f = fam[0]
+            fam[0] = (b, n * slow, f)
+        if r == 1:  # --gate-single-repeat: the within-process bootstrap of each side's iterations
+            each = 1 - 0.05 / M
+            verdicts = []
+            for j, (b, n, _) in enumerate(fam):
+                bs = b[0] * np.exp(rng.normal(0, WITHIN, N))
+                ns = n[0] * np.exp(rng.normal(0, WITHIN, N))
+                verdicts.append(verdict_of(bootstrap_ratio(bs, ns, each, seed=j, n_boot=2000), 0.05))
+        else:
+            verdicts = [verdict_of(iv, 0.05) for iv in simultaneous_t(fam, 0.95)]
+        rest = verdicts[1:] if slow != 1.0 else verdicts
+        alarms += any(v != Verdict.UNCHANGED for v in rest)
+        found += slow != 1.0 and verdicts[0] == Verdict.REGRESSED
+    return alarms / trials, found / trials
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=2000)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / ".results" / "verdicts.json")
+    args = ap.parse_args()
+    table = []
+    for tails, process in (("normal", 0.03), ("normal", 0.10), ("two-state", 0.0)):
+        for r in (1, 2, 3, 5, 10):
+            trials = args.trials // 4 if r == 1 else args.trials
+            false_alarm, _ = rates(r, process, trials, tails, seed=r)
+            power = {s: rates(r, process, trials // 2, tails, slow=s, seed=100 + r)[1] for s in (1.5,)}
+            row = {
+                "noise": tails,
+                "process": process,
+                "repeats": r,
+                "false_alarm": false_alarm,
+                "power_1.5x": power[1.5],
+            }
+            row["note"] = "--gate-single-repeat" if r == 1 else ""
+            table.append(row)
+            print(
+                f"{tails:9s} {process:4.0%} r={r:2d}: false alarm {false_alarm:6.1%} of comparisons, "
+                f"1.5x found {power[1.5]:6.1%} {row['note']}"
+            )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"m": M, "trials": args.trials, "table": table}, indent=2) + "\n")
+    print(f"saved to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
