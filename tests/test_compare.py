@@ -78,7 +78,7 @@ def test_a_run_compared_with_itself_exits_0(tmp_path, capsys):
     cmp = compare_frames(read_results([base]), read_results([base]))
     assert {c.verdict for c in cmp.changes} == {Verdict.UNCHANGED}
     assert all(c.ratio == pytest.approx(1.0) and c.ci_low <= 1 <= c.ci_high for c in cmp.changes)
-    assert all(c.method == "t on log repeat medians, df 4" and c.gated for c in cmp.changes)
+    assert all(c.method.startswith("t on log repeat medians, df ") and c.gated for c in cmp.changes)
 
 
 def test_a_single_repeat_is_not_judged_unless_asked(tmp_path, capsys):
@@ -282,22 +282,26 @@ def test_median_log_variance_is_the_sampling_variance_of_a_median():
 
 def _aa_family(rng, r: int, m: int, process: float, within: float = 0.02, n: int = 30, tails: str = "normal"):
     """One synthetic comparison of m measurements, r repeats a side, nothing changed: each repeat's level
-    moves by the process-to-process noise (lognormal, or heavy-tailed / two-state), its median by the
-    within-process noise of n samples."""
+    moves by the process-to-process noise (lognormal; heavy-tailed; two process states; or mixed: half the
+    measurements at 2 %, half at 12 %), its median by the within-process noise of n samples."""
+    shape = (2, m, r)
     if tails == "normal":
-        level = rng.normal(0, process, (2, m, r))
+        level = rng.normal(0, process, shape)
     elif tails == "t3":
-        level = rng.standard_t(3, (2, m, r)) * process / np.sqrt(3)
+        level = rng.standard_t(3, shape) * process / np.sqrt(3)
+    elif tails == "mixed":
+        level = rng.normal(0, 1, shape) * np.where(np.arange(m) % 2 == 0, 0.02, 0.12)[None, :, None]
     else:  # two process states, 30 % of processes 40 % slower: the bimodal noise seen on a 2-core VM
-        level = np.where(rng.random((2, m, r)) < 0.3, np.log(1.4), 0.0)
+        level = np.where(rng.random(shape) < 0.3, np.log(1.4), 0.0)
     sampling = within * np.sqrt(np.pi / 2 / n)
-    medians = np.exp(level + rng.normal(0, sampling, (2, m, r)))
+    medians = np.exp(level + rng.normal(0, sampling, shape))
     return [(medians[0, j], medians[1, j], sampling**2) for j in range(m)]
 
 
-def _false_alarms(r: int, process: float, trials: int, tails: str = "normal", m: int = 20) -> int:
-    rng = np.random.default_rng(1000 * r + int(process * 100))
-    alarms = 0
+def _false_alarms(r: int, process: float, trials: int, tails: str = "normal", m: int = 20) -> tuple[int, int]:
+    """(comparisons with a false regression: the gate fails; comparisons with a false improvement)."""
+    rng = np.random.default_rng(1000 * r + int(process * 100) + len(tails))
+    regressed = improved = 0
     for _ in range(trials):
         family = _aa_family(rng, r, m, process, tails=tails)
         intervals = simultaneous_t(family, 0.95)
@@ -305,41 +309,70 @@ def _false_alarms(r: int, process: float, trials: int, tails: str = "normal", m:
             assert intervals == [None] * m
             continue
         verdicts = [verdict_of(iv, 0.05) for iv in intervals]
-        alarms += any(v != Verdict.UNCHANGED for v in verdicts)
-    return alarms
+        regressed += Verdict.REGRESSED in verdicts
+        improved += Verdict.IMPROVED in verdicts
+    return regressed, improved
 
 
 @pytest.mark.parametrize("r", [1, 2, 3, 5, 10])
 def test_a_a_comparisons_raise_false_alarms_at_most_at_the_stated_rate(r):
     """Two runs of one suite, nothing changed, 20 measurements, r repeats a side: at 3 % and 10 %
-    process-to-process noise (and with heavy-tailed and two-state noise at 3 repeats) the share of
-    comparisons with any regressed or improved measurement stays within 5 % (binomial margin, 99.9 %)."""
+    process-to-process noise (and with heavy-tailed, two-state and mixed noise at 3 repeats) the share of
+    comparisons whose gate fails (any measurement called regressed) stays within 5 % (binomial margin,
+    99.9 %), and so does the share with any false improvement."""
     trials = 400
     limit = stats.binom.ppf(0.999, trials, 0.05)
-    for process in (0.03, 0.10):
-        assert _false_alarms(r, process, trials) <= limit, (r, process)
+    cases = [("normal", 0.03), ("normal", 0.10)]
     if r == 3:
-        for tails in ("t3", "two-state"):
-            assert _false_alarms(r, 0.05, trials, tails) <= limit, tails
+        cases += [("t3", 0.05), ("two-state", 0.0), ("mixed", 0.0)]
+    for tails, process in cases:
+        regressed, improved = _false_alarms(r, process, trials, tails)
+        assert regressed <= limit and improved <= limit, (r, tails, process, regressed, improved)
+
+
+def test_a_small_family_keeps_the_bound_too():
+    """Six measurements (one small suite): the moderation's prior rests on few variances."""
+    limit = stats.binom.ppf(0.999, 400, 0.05)
+    for tails, process in (("normal", 0.05), ("mixed", 0.0)):
+        assert max(_false_alarms(3, process, 400, tails, m=6)) <= limit, tails
 
 
 def test_a_true_one_and_a_half_times_slowdown_of_one_cell_is_found_at_three_repeats():
-    rng = np.random.default_rng(11)
-    found, trials = 0, 200
-    for _ in range(trials):
-        family = _aa_family(rng, 3, 20, 0.03)
-        base, new, floor = family[0]
-        family[0] = (base, new * 1.5, floor)  # one cell's step, 1.5x slower
-        verdicts = [verdict_of(iv, 0.05) for iv in simultaneous_t(family, 0.95)]
-        found += verdicts[0] == Verdict.REGRESSED and all(v == Verdict.UNCHANGED for v in verdicts[1:])
-    assert found >= 0.95 * trials
+    """At 3 % process-to-process noise nearly always; at 10 % (this 2-core VM's) most of the time."""
+    for process, share in ((0.03, 0.95), (0.10, 0.75)):
+        rng = np.random.default_rng(11)
+        found, trials = 0, 200
+        for _ in range(trials):
+            family = _aa_family(rng, 3, 20, process)
+            base, new, floor = family[0]
+            family[0] = (base, new * 1.5, floor)  # one cell's step, 1.5x slower
+            verdicts = [verdict_of(iv, 0.05) for iv in simultaneous_t(family, 0.95)]
+            found += verdicts[0] == Verdict.REGRESSED and Verdict.REGRESSED not in verdicts[1:]
+        assert found >= share * trials, (process, found)
+
+
+def test_the_moderated_variance_follows_smyths_prior():
+    """fit_prior recovers the scaled inverse-chi-squared law the variances were drawn from (d0 counted half)."""
+    from kdbench.repeats import PRIOR_WEIGHT, fit_prior
+
+    rng = np.random.default_rng(2)
+    s0, d0, d = 0.01, 8.0, 4
+    true = s0 * d0 / rng.chisquare(d0, 4000)  # per-measurement variances from the prior
+    observed = true * rng.chisquare(d, 4000) / d  # each estimated on d degrees of freedom
+    fitted_s0, fitted_d0 = fit_prior(observed, [d] * 4000)
+    assert fitted_s0 == pytest.approx(s0, rel=0.1) and fitted_d0 == pytest.approx(PRIOR_WEIGHT * d0, rel=0.2)
+    equal = 0.01 * rng.chisquare(d, 200) / d  # one variance for all: the prior weighs as much as the data
+    assert fit_prior(equal, [d] * 200) == (pytest.approx(0.01, rel=0.2), 200 * d)
+    assert fit_prior([0.1, 0.2], [4, 4]) == (0.0, 0.0)
 
 
 def test_intervals_are_simultaneous_over_the_judged_measurements():
-    """Each interval is at 1 - (1 - C)/m: with six judged measurements, 95 % for all of them together."""
+    """Each bound is at 1 - (1 - C)/m: with six judged measurements, 95 % for all of them together."""
+    from kdbench.repeats import fit_prior, pooled_log_variance
+
     base, new = _rows("b", repeats=3, spread=0.03), _rows("n", seed=3, repeats=3, spread=0.03)
     cmp = compare_frames(pd.DataFrame(base), pd.DataFrame(new), confidence=0.95)
-    assert cmp.rated == 6 and cmp.each == pytest.approx(1 - 0.05 / 6)
+    assert cmp.rated == 6 and cmp.each == pytest.approx(1 - 2 * 0.05 / 6)  # each bound at 1 - 0.05 / 6
     family = []
     for c in cmp.changes:
         pick = [(r["cell_id"], r["measurement"]) == (c.cell_id, c.measurement) for r in base]
@@ -347,68 +380,10 @@ def test_intervals_are_simultaneous_over_the_judged_measurements():
         medians_n = [np.median(r["samples_ms"]) for r, p in zip(new, pick) if p]
         floors = [median_log_variance(r["samples_ms"]) for rows in (base, new) for r, p in zip(rows, pick) if p]
         family.append((medians_b, medians_n, max(np.mean(floors[:3]), np.mean(floors[3:]))))
-        one = t_ratio(medians_b, medians_n, 0.95)
-        assert c.ci_low < one.low and c.ci_high > one.high  # wider than one 95 % interval
+    prior = fit_prior([pooled_log_variance(b, n) for b, n, _ in family], [4] * 6)
+    typical = float(np.median([pooled_log_variance(b, n) for b, n, _ in family]))
+    for c, (b, n, floor) in zip(cmp.changes, family):
+        one = t_ratio(b, n, 0.95, floor=max(floor, typical), prior=prior)  # the same measurement, alone
+        assert c.ci_low < one.low and c.ci_high > one.high
     for c, iv in zip(cmp.changes, simultaneous_t(family, 0.95)):
         assert (c.ci_low, c.ci_high) == pytest.approx((iv.low, iv.high), rel=1e-9)
-
-
-def test_formats_and_out_file(tmp_path, capsys):
-    base = _run(tmp_path, "base", _rows("base", repeats=2))
-    new = _run(tmp_path, "new", _rows("new", {("cell-a", "distill_step"): 2.0}, repeats=2, seed=1))
-    code, out, _ = _cli(capsys, base, new, "--format", "json")
-    doc = json.loads(out)
-    assert code == doc["exit_code"] == 1 and doc["regressions"] == doc["failing"] == 1
-    assert doc["new"]["complete"] is None and doc["judged"] == 6 and doc["changes"][0]["fails_gate"] is True
-    assert doc["changes"][0]["verdict"] == "regressed" and doc["changes"][0]["ratio"] == pytest.approx(2, rel=0.03)
-    _, out, _ = _cli(capsys, base, new, "--format", "csv")
-    table = pd.read_csv(StringIO(out))
-    assert len(table) == 6 and table.loc[0, "cell_id"] == "cell-a" and table.loc[0, "verdict"] == "regressed"
-    target = tmp_path / "cmp" / "compare.md"
-    code, out, _ = _cli(capsys, base, new, "--format", "markdown", "--out", target)
-    assert code == 1 and "verdict: FAIL, 1 measurement(s) fail the gate; comparison -> " in out
-    text = target.read_text()
-    assert (
-        "| verdict | cell |" in text and "| regressed | resnet56->resnet20 kd fp32 bs32 | distill_step | 32 |" in text
-    )
-
-
-def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
-    base = _run(tmp_path, "base", _rows("base"))
-    other = _run(tmp_path, "other", [{**r, "cell_id": "x" + r["cell_id"]} for r in _rows("other")])
-    code, _, err = _cli(capsys, base, other)
-    assert code == 2 and "no cell in common" in err and len(err.strip().splitlines()) == 1
-    junk = tmp_path.parent / f"{tmp_path.name}-junk.parquet"
-    junk.write_text("not parquet")
-    code, _, err = _cli(capsys, base, junk)
-    assert code == 2 and "not a readable parquet file" in err
-    code, _, err = _cli(capsys, tmp_path, base)  # a folder of two runs
-    assert code == 2 and "holds 2 runs" in err
-    code, _, err = _cli(capsys, base, base, "--threshold", "-3")
-    assert code == 2 and "--threshold" in err
-    code, _, err = _cli(capsys, base, base, "--out", tmp_path)
-    assert code == 2 and "is a folder; give a file name" in err
-
-
-def test_the_report_compares_with_a_baseline_regressions_first(tmp_path):
-    from kdbench import api
-
-    base = _run(tmp_path / "res", "base", _rows("base", repeats=3, spread=0.01))
-    new = _run(
-        tmp_path / "res",
-        "new",
-        _rows("new", {("cell-b", "distill_step"): 1.5, ("cell-a", "distill_step"): 0.6}, repeats=3, seed=1),
-    )
-    page = api.render([new], tmp_path / "rep", baseline=base).read_text()
-    section = page.split('<h2 id="compare-1">')[1].split("<h2")[0]
-    assert "Comparison: new against base" in section and "1 regression</span>" in section
-    verdicts = re.findall(r'<tr class="compare-row[^"]*"><td>(?:<span class="\w+">)?(\w+)', section)
-    assert verdicts == ["regressed", "improved"]  # the unchanged are counted, not listed
-    assert "4 unchanged" in section and re.search(r">1\.(49\d|50\d)<", section)
-    assert (tmp_path / "rep" / "compare_1.png").stat().st_size > 10_000
-    assert 'src="compare_1.png"' in section
-    # Without a baseline, two runs that share cells (the same suite on two machines) compare the same way.
-    other = _run(tmp_path / "res", "other", [{**r, "device_name": "gpu-y"} for r in _rows("other", repeats=3, seed=2)])
-    page = api.render([tmp_path / "res" / "base", other], tmp_path / "rep2").read_text()
-    assert "Comparison: other against base" in page and "different devices: cpu-x vs gpu-y" in page
-    assert "compare-2" not in page

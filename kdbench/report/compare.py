@@ -10,9 +10,11 @@ writes the result out.
 
 **The guarantee.** A measurement is *regressed* when its interval of NEW/BASE lies wholly
 above 1 **and** the ratio exceeds 1 + threshold (*improved*: below 1 and under 1 − threshold).
-The intervals are t-intervals between repeats, *simultaneous* over the m measurements judged
-(Bonferroni: each at 1 − (1 − C)/m), so that when nothing changed, the chance that any
-measurement of the comparison is called regressed or improved is at most 1 − C.  Each
+The intervals are t-intervals between repeats, *simultaneous* over the m measurements judged:
+each one-sided bound at 1 − (1 − C)/m (Bonferroni; shown as a two-sided interval at
+1 − 2(1 − C)/m), so that when nothing changed, the chance that any measurement of the
+comparison is called regressed — that the gate fails — is at most 1 − C (and so is the
+chance of any false improvement).  Each
 measurement's variance is taken as at least the comparison's median one (a measurement that
 happens to look quiet in three repeats is not trusted to be quieter than the others), which
 only widens intervals.  ``tests/test_compare.py`` shows the family-wise rate by simulation at
@@ -43,7 +45,7 @@ import pandas as pd
 
 from kdbench.errors import KdbenchError
 from kdbench.names import FAILURES, Measurement, Status
-from kdbench.repeats import RatioInterval, bootstrap_ratio, centre, median_log_variance, simultaneous_t
+from kdbench.repeats import RatioInterval, bootstrap_ratio, centre, each_level, median_log_variance, simultaneous_t
 
 TIMED = (Measurement.DISTILL_STEP, Measurement.STUDENT_INFERENCE, Measurement.TEACHER_INFERENCE)
 KEY = ("cell_id", "measurement", "batch_size")
@@ -150,8 +152,9 @@ class Comparison:
 
     @property
     def each(self) -> float:
-        """The confidence of each judged interval: 1 - (1 - confidence) / m."""
-        return 1 - (1 - self.confidence) / max(1, self.rated)
+        """The two-sided level of each judged interval: 1 - 2 (1 - confidence) / m (its one-sided bounds at
+        1 - (1 - confidence) / m)."""
+        return each_level(self.confidence, self.rated)
 
     @property
     def bad(self) -> list[Change]:
@@ -325,7 +328,7 @@ def compare_frames(
     family = [(plans[k].b.medians, plans[k].n.medians, max(plans[k].b.floor, plans[k].n.floor)) for k in judged]
     size = sum(plans[k].gated for k in judged)
     between = dict(zip(judged, simultaneous_t(family, confidence, size)))
-    each = 1 - (1 - confidence) / max(1, size)
+    each = each_level(confidence, size)
     for key in keys:
         plan = plans[key]
         interval = between.get(key) or (

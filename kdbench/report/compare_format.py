@@ -56,8 +56,9 @@ def header(cmp: Comparison) -> list[str]:
         f"BASE {side(cmp.base)}",
         f"NEW  {side(cmp.new)}",
         f"ratio NEW/BASE of the centres (geometric mean of the repeats' medians), with t-intervals between repeats "
-        f"simultaneous at {cmp.confidence:.0%} over the {cmp.rated} judged measurement(s) (each at {cmp.each:.4g}); "
-        f"significant when the interval excludes 1 and the ratio is beyond ±{cmp.threshold:.0%}: {summary(cmp)}",
+        f"whose bounds hold at {cmp.confidence:.0%} for the {cmp.rated} judged measurement(s) together (each interval "
+        f"at {cmp.each:.4g}); significant when the interval excludes 1 and the ratio is beyond ±{cmp.threshold:.0%}: "
+        f"{summary(cmp)}",
         *(f"note: {n}" for n in cmp.notes()),
     ]
 
