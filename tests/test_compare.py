@@ -219,8 +219,8 @@ def test_a_killed_new_run_is_incomplete_and_fails_the_gate(tmp_path, capsys):
     code, out, err = _cli(capsys, base, new)
     assert code == 1
     assert "NEW is INCOMPLETE: 4 of 6 planned jobs stored; 1 invocation(s) did not finish" in out
-    assert "FAILED (3)" in out and "2 not stored (repeats 2, 3: NEW is incomplete)" in out
-    assert "failed:" in err
+    assert "MISSING (3) (fail the gate)" in out and "2 not stored (repeats 2, 3: NEW is incomplete)" in out
+    assert "missing:" in err
     code, out, _ = _cli(capsys, base, new, "--allow-partial")
     assert code == 0
     gone = [r for r in rows if r["cell_id"] == "cell-a"]
@@ -387,3 +387,64 @@ def test_intervals_are_simultaneous_over_the_judged_measurements():
         assert c.ci_low < one.low and c.ci_high > one.high
     for c, iv in zip(cmp.changes, simultaneous_t(family, 0.95)):
         assert (c.ci_low, c.ci_high) == pytest.approx((iv.low, iv.high), rel=1e-9)
+
+
+def test_formats_and_out_file(tmp_path, capsys):
+    base = _run(tmp_path, "base", _rows("base", repeats=2))
+    new = _run(tmp_path, "new", _rows("new", {("cell-a", "distill_step"): 2.0}, repeats=2, seed=1))
+    code, out, _ = _cli(capsys, base, new, "--format", "json")
+    doc = json.loads(out)
+    assert code == doc["exit_code"] == 1 and doc["regressions"] == doc["failing"] == 1
+    assert doc["new"]["complete"] is None and doc["judged"] == 6 and doc["changes"][0]["fails_gate"] is True
+    assert doc["changes"][0]["verdict"] == "regressed" and doc["changes"][0]["ratio"] == pytest.approx(2, rel=0.03)
+    _, out, _ = _cli(capsys, base, new, "--format", "csv")
+    table = pd.read_csv(StringIO(out))
+    assert len(table) == 6 and table.loc[0, "cell_id"] == "cell-a" and table.loc[0, "verdict"] == "regressed"
+    target = tmp_path / "cmp" / "compare.md"
+    code, out, _ = _cli(capsys, base, new, "--format", "markdown", "--out", target)
+    assert code == 1 and "verdict: FAIL, 1 measurement(s) fail the gate; comparison -> " in out
+    text = target.read_text()
+    assert (
+        "| verdict | cell |" in text and "| regressed | resnet56->resnet20 kd fp32 bs32 | distill_step | 32 |" in text
+    )
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
+    base = _run(tmp_path, "base", _rows("base"))
+    other = _run(tmp_path, "other", [{**r, "cell_id": "x" + r["cell_id"]} for r in _rows("other")])
+    code, _, err = _cli(capsys, base, other)
+    assert code == 2 and "no cell in common" in err and len(err.strip().splitlines()) == 1
+    junk = tmp_path.parent / f"{tmp_path.name}-junk.parquet"
+    junk.write_text("not parquet")
+    code, _, err = _cli(capsys, base, junk)
+    assert code == 2 and "not a readable parquet file" in err
+    code, _, err = _cli(capsys, tmp_path, base)  # a folder of two runs
+    assert code == 2 and "holds 2 runs" in err
+    code, _, err = _cli(capsys, base, base, "--threshold", "-3")
+    assert code == 2 and "--threshold" in err
+    code, _, err = _cli(capsys, base, base, "--out", tmp_path)
+    assert code == 2 and "is a folder; give a file name" in err
+
+
+def test_the_report_compares_with_a_baseline_regressions_first(tmp_path):
+    from kdbench import api
+
+    base = _run(tmp_path / "res", "base", _rows("base", repeats=3, spread=0.01))
+    new = _run(
+        tmp_path / "res",
+        "new",
+        _rows("new", {("cell-b", "distill_step"): 1.5, ("cell-a", "distill_step"): 0.6}, repeats=3, seed=1),
+    )
+    page = api.render([new], tmp_path / "rep", baseline=base).read_text()
+    section = page.split('<h2 id="compare-1">')[1].split("<h2")[0]
+    assert "Comparison: new against base" in section and "1 regression</span>" in section
+    verdicts = re.findall(r'<tr class="compare-row[^"]*"><td>(?:<span class="\w+">)?(\w+)', section)
+    assert verdicts == ["regressed", "improved"]  # the unchanged are counted, not listed
+    assert "4 unchanged" in section and re.search(r">1\.(49\d|50\d)<", section)
+    assert (tmp_path / "rep" / "compare_1.png").stat().st_size > 10_000
+    assert 'src="compare_1.png"' in section
+    # Without a baseline, two runs that share cells (the same suite on two machines) compare the same way.
+    other = _run(tmp_path / "res", "other", [{**r, "device_name": "gpu-y"} for r in _rows("other", repeats=3, seed=2)])
+    page = api.render([tmp_path / "res" / "base", other], tmp_path / "rep2").read_text()
+    assert "Comparison: other against base" in page and "different devices: cpu-x vs gpu-y" in page
+    assert "compare-2" not in page

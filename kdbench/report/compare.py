@@ -395,7 +395,8 @@ def _plan(key: tuple, b: _Measured | None, n: _Measured | None, result: Comparis
         what += [f"{len(missing)} not stored (repeats {_list(missing)}: NEW is incomplete)"] if missing else []
         text = f"NEW repeats: {n.ok} ok, " + ", ".join(what)
         if not policy.allow_partial:
-            return _Plan(b, n, Verdict.FAILED, text + "; --allow-partial judges the ok ones")
+            verdict = Verdict.FAILED if n.failed else Verdict.MISSING
+            return _Plan(b, n, verdict, text + "; --allow-partial judges the ok ones")
         notes.append(text + "; judged on the ok ones (--allow-partial)")
     if b.failed:
         notes.append(f"BASE repeats: {b.failed} failed")

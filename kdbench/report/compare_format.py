@@ -52,13 +52,13 @@ def header(cmp: Comparison) -> list[str]:
             state = "; INCOMPLETE" if s.incomplete else "; complete" if s.state.complete else ""
         return f"{s.label} (run {', '.join(s.run_ids)}; {', '.join(s.devices) or '?'}; {s.repeats} repeat(s){state})"
 
+    each = f" (each interval at {cmp.each:.4g})" if cmp.rated else ""
     return [
         f"BASE {side(cmp.base)}",
         f"NEW  {side(cmp.new)}",
         f"ratio NEW/BASE of the centres (geometric mean of the repeats' medians), with t-intervals between repeats "
-        f"whose bounds hold at {cmp.confidence:.0%} for the {cmp.rated} judged measurement(s) together (each interval "
-        f"at {cmp.each:.4g}); significant when the interval excludes 1 and the ratio is beyond ±{cmp.threshold:.0%}: "
-        f"{summary(cmp)}",
+        f"whose bounds hold at {cmp.confidence:.0%} for the {cmp.rated} judged measurement(s) together{each}; "
+        f"significant when the interval excludes 1 and the ratio is beyond ±{cmp.threshold:.0%}: {summary(cmp)}",
         *(f"note: {n}" for n in cmp.notes()),
     ]
 
