@@ -242,7 +242,7 @@ def _distill_step(rows: pd.DataFrame, out_dir: Path) -> Chart:
         here = rows[rows["source"].eq(source)]
         _grouped_bars(ax_t, here, "pair", "variant", variants, "median_ms", with_iqr)
         _grouped_bars(ax_q, here.fillna({"throughput": 0}), "pair", "variant", variants, "throughput", style)
-        ax_t.set_ylabel(axis_label("median step time", "median_ms"))
+        ax_t.set_ylabel(axis_label("step time (centre over repeats)", "median_ms"))
         ax_q.set_ylabel(axis_label("throughput", "throughput"))
     handles = [Patch(facecolor=color[v], edgecolor="0.25", label=v) for v in variants]
     handles.append(Patch(facecolor="white", edgecolor="0.25", hatch=_NOISY_HATCH, label=f"noisy\n({NOISY_NOTE})"))
@@ -255,7 +255,7 @@ def _distill_step(rows: pd.DataFrame, out_dir: Path) -> Chart:
         caption=(
             "Time of one distillation step (teacher forward, student forward, backward and update) per "
             "teacher → student pair and cell (left), and the resulting throughput (right): one bar per cell, its "
-            "repeats pooled as `kdbench compare` centres them (the geometric mean of the repeats' medians). "
+            "repeats pooled as kdbench compare centres them (the geometric mean of the repeats' medians). "
             "Error bars: the centre's 95 % interval over the repeats; with a single repeat, the interquartile "
             f"range of its timed iterations. Hatched bars are noisy ({NOISY_NOTE}); dotted ones thin "
             "(shrunk by the time budget: never judged)."
@@ -336,7 +336,7 @@ def _inference_latency(rows: pd.DataFrame, out_dir: Path) -> Chart:
         file=_save(fig, out_dir, "inference_latency.png"),
         caption=(
             "Latency of one inference forward pass against batch size (both axes logarithmic), each "
-            "measurement's repeats pooled as `kdbench compare` centres them; students solid, teachers dashed. "
+            "measurement's repeats pooled as kdbench compare centres them; students solid, teachers dashed. "
             "A teacher measured in several cells is drawn once, at the median of its centres. Circled points "
             f"are noisy ({NOISY_NOTE}); crossed ones thin (shrunk by the time budget)."
         ),
@@ -609,6 +609,7 @@ def draw_forest(cmp, out_dir: Path, name: str) -> Chart:
             color=color,
             markersize=4,
             capsize=2,
+            mfc=color if c.gated else "white",
         )
     ax.set_yticks(range(len(shown)), [c.name for c in shown], fontsize=7)
     ax.invert_yaxis()
@@ -617,7 +618,9 @@ def draw_forest(cmp, out_dir: Path, name: str) -> Chart:
     ax.set_xticks([v for v in _RATIO_TICKS if low <= v <= high] or [1.0])
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
     ax.xaxis.set_minor_locator(NullLocator())
-    ax.set_xlabel(f"ratio NEW / BASE of medians ({cmp.confidence:.0%} simultaneous intervals; > 1: slower)")
+    ax.set_xlabel(
+        f"ratio NEW / BASE of the centres (bounds at {cmp.confidence:.0%} for all {cmp.rated} together; > 1: slower)"
+    )
     ax.grid(axis="x", alpha=0.3, which="both")
     handles = [Patch(color=v, label=k) for k, v in _VERDICT_COLOR.items()]
     handles.append(Patch(color="0.9", label=f"threshold ±{t:.0%}"))
@@ -627,10 +630,11 @@ def draw_forest(cmp, out_dir: Path, name: str) -> Chart:
         title=title,
         file=_save(fig, out_dir, name),
         caption=(
-            "Each measurement's ratio of medians, NEW over BASE, with its confidence interval "
-            f"(bootstrap; between repeats when the runs have repeats; {cmp.confidence:.0%} for all "
-            f"{cmp.rated} together). Red: slower beyond ±{t:.0%} with an interval "
-            f"above 1; green: faster alike; grey: unchanged. The grey band is the threshold.{more}"
+            "Each measurement's ratio of the centres (geometric means of the repeats' medians), NEW over BASE, "
+            f"with its t-interval between repeats (bounds at {cmp.confidence:.0%} for all {cmp.rated} judged "
+            f"measurements together). Red: slower beyond ±{t:.0%} with an interval above 1; green: faster alike; "
+            "grey: unchanged; hollow: one repeat a side, its within-process interval shown but not judged. The grey "
+            f"band is the threshold.{more}"
         ),
     )
 
@@ -655,7 +659,7 @@ class HistoryRun:
 
 def history_runs(df: pd.DataFrame, threshold: float = 0.05, states: dict | None = None) -> list[HistoryRun]:
     """The runs of ``df`` (one suite on one machine) in time order, each compared with the one before it as
-    `kdbench compare` would."""
+    kdbench compare would."""
     from kdbench.errors import KdbenchError
     from kdbench.report.compare import compare_frames
     from kdbench.report.compare_format import summary
@@ -706,7 +710,7 @@ def draw_history(
 ) -> list[tuple[Chart, list[HistoryRun]]]:
     """Per suite with two runs or more on one machine (device and backend): each cell's centre (repeats pooled
     as compare does) with its interval over the runs in time order, one panel per measurement kind, the runs
-    where `kdbench compare` against the previous run fails shaded red (asv's main view).  ``history_<k>.png``.
+    where kdbench compare against the previous run fails shaded red (asv's main view).  ``history_<k>.png``.
     Runs of one suite on other machines are compared side by side, not drawn as a history."""
     out = []
     timed = df[df["status"].eq(Status.OK) & df["measurement"].isin(list(HISTORY_KINDS)) & df["suite"].notna()]
@@ -769,7 +773,7 @@ def _history_chart(df: pd.DataFrame, suite: str, runs: list[HistoryRun], out_dir
             f"The {len(runs)} runs of suite {suite} in time order, labelled by the commit of the suite's own "
             "repository when it lies in one (else by when the run started). Each line is one measurement of one "
             "cell: its centre (the geometric mean of the repeats' medians) with the centre's 95 % interval over "
-            "the repeats (one repeat: its interquartile range). Shaded red: the runs where `kdbench compare` "
+            "the repeats (one repeat: its interquartile range). Shaded red: the runs where kdbench compare "
             f"against the run before fails the gate ({failing} of {len(runs) - 1} comparisons)."
         ),
     )

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from kdbench.measure.stats import NOISY_REL_IQR
 from kdbench.names import QUALITY_ROLES, Measurement, Status
 from kdbench.repeats import centre_interval, median_log_variance
 from kdbench.store.derived import TEACHER_MODE, twin_key
@@ -96,6 +97,8 @@ def pooled(df: pd.DataFrame) -> pd.DataFrame:
     figures["centre_low_ms"] = pd.Series(low, dtype=float).reindex(out.index)
     figures["centre_high_ms"] = pd.Series(high, dtype=float).reindex(out.index)
     out = pd.concat([out.drop(columns=[c for c in figures if c in out]), pd.DataFrame(figures)], axis=1)
+    if "rel_iqr" in out:  # noisy as the pooled figures say, not as the latest repeat did
+        out["noisy"] = out["rel_iqr"].gt(NOISY_REL_IQR).where(out["rel_iqr"].notna(), out["noisy"])
     return out.reset_index(drop=True)
 
 
