@@ -46,6 +46,28 @@ def make_step(config: CellConfig, models=None):
     return DistillStep(models[0], models[1], x, y, config, cpu)
 
 
+def simulated_gpu(name: str = "cuda"):
+    """A GPU backend whose tensors stay on the host: device type cuda, host clock, no-op synchronize (the
+    ``name`` is the backend's: cuda or rocm)."""
+    import torch
+
+    from kdbench.hw.backends import Backend
+    from kdbench.measure.timing import HostClock
+
+    class SimulatedGpu(Backend):
+        @property
+        def device_type(self) -> str:
+            return "cuda"
+
+        def clock(self):
+            return HostClock()
+
+        def synchronize(self) -> None:
+            pass
+
+    return SimulatedGpu(name, torch.device("cpu"))
+
+
 def run_folder(out: Path) -> RunFolder:
     """The one run folder a test's `kdbench run --out out` made."""
     runs = [RunFolder(p) for p in Path(out).iterdir() if (p / MANIFEST).is_file()]

@@ -19,11 +19,10 @@ import kdbench.measure.levers as levers
 from kdbench.config.load import load_suite
 from kdbench.config.plan import expand
 from kdbench.errors import KdbenchError
-from kdbench.hw.backends import Backend
 from kdbench.measure.levers import tunableop_file
-from kdbench.measure.timing import HostClock
 from kdbench.models import ModelCache
 from kdbench.pytest_plugin import cell_of
+from tests.helpers import simulated_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pytest" / "test_my_pair.py"
@@ -245,20 +244,6 @@ def test_inference_is_served_by_the_cells_runtime_and_gpu_levers_skip_on_the_cpu
     assert "output_check" not in teacher and "one_off_ms" not in teacher
 
 
-class _SimulatedGpu(Backend):
-    """A CUDA backend as the plugin sees it (device type "cuda"), computing on the CPU: no GPU needed."""
-
-    @property
-    def device_type(self) -> str:
-        return "cuda"
-
-    def clock(self):
-        return HostClock()
-
-    def synchronize(self) -> None:
-        pass
-
-
 class _FakeTunable:
     """torch.cuda.tunable, recording its calls."""
 
@@ -292,7 +277,7 @@ def test_device_levers_hold_around_the_benchmark_on_a_simulated_gpu(what, monkey
     import kdbench.hw.environment as environment
     from kdbench.pytest_plugin import KdbenchFixture
 
-    gpu = _SimulatedGpu("cuda", torch.device("cpu"))
+    gpu = simulated_gpu("cuda")
     tunable = _FakeTunable()
     monkeypatch.setattr(backends, "resolve", lambda requested: gpu)
     monkeypatch.setattr(environment, "_device_facts", lambda backend: {"device_name": "simulated"})
@@ -337,7 +322,7 @@ def test_no_device_levers_without_them_on_a_simulated_gpu(monkeypatch):
     import kdbench.hw.environment as environment
     from kdbench.pytest_plugin import KdbenchFixture
 
-    monkeypatch.setattr(backends, "resolve", lambda requested: _SimulatedGpu("cuda", torch.device("cpu")))
+    monkeypatch.setattr(backends, "resolve", lambda requested: simulated_gpu("cuda"))
     monkeypatch.setattr(environment, "_device_facts", lambda backend: {"device_name": "simulated"})
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
     tunable = _FakeTunable()

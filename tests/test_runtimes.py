@@ -7,39 +7,20 @@ import contextlib
 import importlib.machinery
 import sys
 import types
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from kdbench.hw.backends import Backend
 from kdbench.hw.data import synthetic_batch
 from kdbench.measure import runtimes
 from kdbench.measure.runtimes import LeverSkip, OutputCheck, compare_outputs, ort_providers, serve
-from kdbench.measure.timing import HostClock
 from kdbench.models import build_model
-from tests.helpers import make_config
+from tests.helpers import make_config, simulated_gpu
 
-
-@dataclass(frozen=True)
-class SimulatedGpu(Backend):
-    """A GPU backend whose tensors stay on the host: device type cuda, host clock, no-op synchronize."""
-
-    @property
-    def device_type(self) -> str:
-        return "cuda"
-
-    def clock(self):
-        return HostClock()
-
-    def synchronize(self) -> None:
-        pass
-
-
-FAKE_CUDA = SimulatedGpu("cuda", torch.device("cpu"))
-FAKE_ROCM = SimulatedGpu("rocm", torch.device("cpu"))
+FAKE_CUDA = simulated_gpu("cuda")
+FAKE_ROCM = simulated_gpu("rocm")
 
 
 def setup(model_name: str = "resnet8", batch: int = 4, **overrides):

@@ -18,13 +18,17 @@ from kdbench.hw.speed import (
     device_name,
     dtype_slowdown,
     skip_reason_for_slow,
-    slow_cell_warnings,
     slow_precisions,
 )
 from kdbench.store.probes import write_probe
 
 CPU = Backend("cpu", torch.device("cpu"))
 GPU = Backend("cuda", torch.device("cuda", 0))
+
+
+def _warnings(precisions, backend, probes_dir=None, **kw) -> list[str]:
+    """The plan-time lines a run prints (kdbench.run.engine.warn_slow_cells): one per slow precision."""
+    return [speed.warning_line(s) for s in speed.slow_precisions(precisions, backend, probes_dir, **kw).values()]
 
 
 @pytest.fixture(autouse=True)
@@ -140,7 +144,7 @@ def test_a_cache_that_cannot_be_written_still_measures_once_per_process(tmp_path
 
 def test_a_slow_bf16_gives_one_warning_line_and_a_fast_one_none(tmp_path):
     slow = Machine(fp32=FP32, bf16=8 * FP32)
-    lines = slow_cell_warnings(["fp32", "bf16", "fp32", "bf16"], CPU, tmp_path / "no-probes", **slow.kw())
+    lines = _warnings(["fp32", "bf16", "fp32", "bf16"], CPU, tmp_path / "no-probes", **slow.kw())
     assert lines == [
         "bf16 runs 8.0x slower than fp32 here (a 256x256 matmul, measured now): its cells will take about that much "
         "longer"
@@ -148,7 +152,7 @@ def test_a_slow_bf16_gives_one_warning_line_and_a_fast_one_none(tmp_path):
     assert len(slow.calls) == 8  # measured once for the two bf16 mentions
 
     fast = Machine(fp32=FP32, bf16=FP32 / 2)  # avx512_bf16: twice as fast as fp32
-    assert slow_cell_warnings(["bf16"], CPU, cache_file=tmp_path / "fast.json", **fast.kw()) == []
+    assert _warnings(["bf16"], CPU, cache_file=tmp_path / "fast.json", **fast.kw()) == []
     found = dtype_slowdown(CPU, "bf16", cache_file=tmp_path / "fast.json", **fast.kw())
     assert found.describe() == "bf16 runs 2.0x faster than fp32 here (a 256x256 matmul, cached measurement)"
 
@@ -209,7 +213,7 @@ def test_a_gpu_without_a_probe_keeps_the_flag_rule_and_measures_nothing(gpu, tmp
     found = dtype_slowdown(GPU, "bf16", tmp_path / "probes", **m.kw())
     assert found.factor is None and found.source == "flags" and found.slow
     assert "before compute capability 8.0" in found.reason
-    (line,) = slow_cell_warnings(["bf16", "fp16"], GPU, tmp_path / "probes", **m.kw())
+    (line,) = _warnings(["bf16", "fp16"], GPU, tmp_path / "probes", **m.kw())
     assert line.startswith("bf16 runs far slower than fp32 here (bf16 on this GPU is emulated")
     assert "`kdbench probe` measures it" in line and line.endswith("its cells will take much longer")
     assert dtype_slowdown(GPU, "fp16", tmp_path / "probes", **m.kw()) is None

@@ -15,7 +15,8 @@ twice as fast as fp32; CPUs that report AVX512-FP16 may still run fp16 matmuls ~
 GPUs are never measured here: that would create a CUDA context in the parent process, which the
 cells' workers must not inherit.  Without a probe a GPU keeps the flag rule (bf16 before compute
 capability 8.0 on NVIDIA).  A precision at least :data:`SLOW_FACTOR` times slower is *slow*: the
-run warns about it before anything runs (:func:`slow_cell_warnings`), or skips its cells
+run warns about it before anything runs (:func:`warning_line`, one per slow precision of
+:func:`slow_precisions`), or skips its cells
 (:func:`skip_reason_for_slow`) under the suite's ``slow_precisions: skip``.
 """
 
@@ -326,24 +327,6 @@ def warning_line(slowdown: Slowdown) -> str:
     that much longer'."""
     longer = "about that much longer" if slowdown.factor is not None else "much longer"
     return f"{slowdown.describe()}: its cells will take {longer}"
-
-
-def slow_cell_warnings(
-    precisions: Iterable[str],
-    backend: Backend,
-    probes_dir: Path | None = None,
-    *,
-    threads: int | None = None,
-    cache_file: Path | None = None,
-    clock: Clock = time.perf_counter,
-    matmul: Matmul = torch.mm,
-) -> list[str]:
-    """One line (:func:`warning_line`) per distinct slow precision among ``precisions`` (the students'
-    and teachers' precisions of the cells about to run), in the order first given."""
-    found = slow_precisions(
-        precisions, backend, probes_dir, threads=threads, cache_file=cache_file, clock=clock, matmul=matmul
-    )
-    return [warning_line(s) for s in found.values()]
 
 
 def skip_reason_for_slow(precision: str, slowdown: Slowdown) -> str:

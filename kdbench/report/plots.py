@@ -296,30 +296,15 @@ def _inference_latency(rows: pd.DataFrame, out_dir: Path) -> Chart:
                 color=color[model],
                 label=line,
             )
-        thin = here[here["is_thin"]]
-        if len(thin):
-            ax.scatter(
-                thin["batch_size"],
-                thin["median_ms"],
-                s=90,
-                marker="x",
-                color="black",
-                linewidths=1,
-                zorder=3,
-                label=THIN_NOTE,
-            )
-        noisy = here[here["is_noisy"]]
-        if len(noisy):
-            ax.scatter(
-                noisy["batch_size"],
-                noisy["median_ms"],
-                s=90,
-                facecolors="none",
-                edgecolors="black",
-                linewidths=1,
-                zorder=3,
-                label=f"noisy ({NOISY_NOTE})",
-            )
+        for flag, mark, label in (
+            ("is_thin", {"marker": "x", "color": "black"}, THIN_NOTE),
+            ("is_noisy", {"facecolors": "none", "edgecolors": "black"}, f"noisy ({NOISY_NOTE})"),
+        ):
+            flagged = here[here[flag]]
+            if len(flagged):
+                ax.scatter(
+                    flagged["batch_size"], flagged["median_ms"], s=90, linewidths=1, zorder=3, label=label, **mark
+                )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(batch_sizes, [str(int(b)) for b in batch_sizes])
