@@ -254,8 +254,12 @@ def test_levers_run_end_to_end_on_the_cpu(tmp_path, capsys):
     compiled = df[df["compile"].eq("default") & df["measurement"].eq("distill_step")].iloc[0]
     assert compiled.one_off_ms > 0 and compiled.one_off_kind == "torch.compile"
     assert compiled.graph_breaks >= 0 and compiled.recompiles == 0 and compiled.lever_baseline_ms > 0
+    plain = df[df["compile"].eq("off") & df["measurement"].eq("distill_step") & df["status"].eq("ok")]
+    twin = plain[plain["config_json"].map(lambda j: "runtime" not in j and "impl" not in j)].iloc[0]
+    net = compiled.one_off_ms - twin.cold_excess_ms  # what the plain step pays once anyway is not the compile's
+    assert compiled.lever_one_off_net_ms == pytest.approx(max(0.0, net))
     if compiled.lever_gain_ms > 0:
-        assert compiled.break_even_steps == math.ceil(round(compiled.one_off_ms / compiled.lever_gain_ms, 9))
+        assert compiled.break_even_steps == math.ceil(round(compiled.lever_one_off_net_ms / compiled.lever_gain_ms, 9))
     else:
         assert pd.isna(compiled.break_even_steps)
     served = df[df["measurement"].eq("student_inference") & df["status"].eq("ok")]
