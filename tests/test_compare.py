@@ -424,6 +424,13 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
     assert code == 2 and "--threshold" in err
     code, _, err = _cli(capsys, base, base, "--out", tmp_path)
     assert code == 2 and "is a folder; give a file name" in err
+    for flag in (
+        "--allow-partial=yes",
+        "--gate-single-repeat=1",
+        "--fail-on-skipped=no",
+    ):  # the new flags take no value
+        code, _, err = _cli(capsys, base, base, flag)
+        assert code == 2 and "ignored explicit argument" in err and len(err.strip().splitlines()) == 1, flag
 
 
 def test_the_report_compares_with_a_baseline_regressions_first(tmp_path):

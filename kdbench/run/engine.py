@@ -34,7 +34,7 @@ from kdbench.errors import KdbenchError
 from kdbench.hw.backends import Backend, detect, resolve, thread_count
 from kdbench.measure.cell import MeasureOptions
 from kdbench.names import FAILURES, Measurement, Status
-from kdbench.run.jobs import CellJob, Job, QualityJob
+from kdbench.run.jobs import CellJob, Job, QualityJob, failure_rows
 from kdbench.schema import Row
 from kdbench.store.probes import ceiling_columns, latest_ceiling
 from kdbench.store.results import PROBES_DIR, TRACES_DIR, Invocation, RunFolder, newest_run, open_run
@@ -547,7 +547,6 @@ def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, work
                 reuse = {bs: measured[key] for bs, key in job.teacher_keys().items() if key in measured}
                 job = replace(job, reuse_teacher=tuple(reuse))
             if job.job_id in plan.skipped:  # stored as skipped without a worker
-                from kdbench.run.jobs import failure_rows
                 from kdbench.run.workers import JobResult
 
                 result = JobResult(failure_rows(job, Status.SKIPPED, plan.skipped[job.job_id]), 0.0)

@@ -95,10 +95,10 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
         df.loc[older, "thin"] = (df.loc[older, "n"] < df.loc[older, "min_iters"]).to_numpy()
     ok = df["status"].eq(Status.OK)
     _speedups(df, ok)
-    _scaling(df, ok)
+    _scaling(df)
     _utilisation(df, ok)
-    _cache_payback(df, ok)
-    _break_even(df, ok)
+    _cache_payback(df)
+    _break_even(df)
     return df
 
 
@@ -149,7 +149,7 @@ def match_twins(df: pd.DataFrame, targets: pd.Series, bases: pd.Series, drop) ->
     return pd.Series(twin.to_numpy()[found].astype("int64"), index=target.index[found])
 
 
-def _scaling(df: pd.DataFrame, ok: pd.Series) -> None:
+def _scaling(df: pd.DataFrame) -> None:
     step = df["measurement"].eq(Measurement.DISTILL_STEP)
     twin = match_twins(df, step & df["world_size"].gt(1), step & df["world_size"].eq(1), WORLD_SIZE)
     if twin.empty:
@@ -215,7 +215,7 @@ def _utilisation(df: pd.DataFrame, ok: pd.Series) -> None:
     df.loc[rows.index, "ceiling_utilization"] = np.where(ceiling > 0, achieved / ceiling, np.nan)
 
 
-def _cache_payback(df: pd.DataFrame, ok: pd.Series) -> None:
+def _cache_payback(df: pd.DataFrame) -> None:
     step = df["measurement"].eq(Measurement.DISTILL_STEP)
     mode = df["teacher_mode"].fillna("live")
     twin = match_twins(df, step & mode.eq("cached"), step & mode.eq("live"), TEACHER_MODE)
@@ -230,7 +230,7 @@ def _cache_payback(df: pd.DataFrame, ok: pd.Series) -> None:
     ]
 
 
-def _break_even(df: pd.DataFrame, ok: pd.Series) -> None:
+def _break_even(df: pd.DataFrame) -> None:
     """Per cell that pulls levers with a one-off cost: the gain per call against its twin without levers,
     repeat by repeat, pooled (mean and paired t-interval), and the calls after which the net one-off cost
     (its own, minus the twin's cold-call excess) is repaid, with the range the gain's interval allows."""
