@@ -16,7 +16,7 @@ import pyarrow as pa
 from kdbench.measure.stats import NOISY_REL_IQR
 from kdbench.names import QUALITY_ROLES, Measurement, Status
 from kdbench.repeats import centre_interval, median_log_variance
-from kdbench.store.derived import TEACHER_MODE, twin_key
+from kdbench.store.derived import TEACHER_MODE, payback_steps, twin_key
 from kdbench.store.schema import COLUMNS, DERIVED, RESULT, STATISTICS
 
 POOL_KEY = ["run_id", "cell_id", "measurement", "batch_size"]
@@ -182,8 +182,10 @@ def markdown_table(summary: pd.DataFrame) -> str:
 
 def caching_pairs(df: pd.DataFrame) -> pd.DataFrame:
     """Per cached-teacher distill_step cell of a run whose live twin is in the same run: both cells'
-    labels and medians, the saving per step, the one-off cost and the pay-back (derived columns)."""
-    steps = latest_steps(df)
+    labels and centres (repeats pooled as compare centres them), the saving per step (live centre minus
+    cached centre), the one-off cost and the steps after which the saving repays it."""
+    steps = pooled(df)
+    steps = steps[steps["measurement"].eq(Measurement.DISTILL_STEP)]
     if steps.empty:
         return pd.DataFrame()
     key = steps["run_id"].astype(str) + "\0" + steps["config_json"].map(lambda j: str(twin_key(j, TEACHER_MODE)))
@@ -191,4 +193,10 @@ def caching_pairs(df: pd.DataFrame) -> pd.DataFrame:
     live = steps[steps["teacher_mode"].fillna("live").eq("live")].drop_duplicates("_key", keep="last")
     cached = steps[steps["teacher_mode"].eq("cached") & steps["teacher_cache_saving_ms"].notna()]
     pairs = cached.merge(live[["_key", "cell_label", "median_ms"]], on="_key", suffixes=("_cached", "_live"))
+    saving = pairs["median_ms_live"] - pairs["median_ms_cached"]
+    payback = [payback_steps(one_off, s) for one_off, s in zip(pairs["teacher_cache_ms"], saving)]
+    pairs = pairs.assign(
+        teacher_cache_saving_ms=saving,
+        teacher_cache_payback_steps=[np.nan if p is None else float(p) for p in payback],
+    )
     return pairs.rename(columns={"cell_label_cached": "cached_label", "cell_label_live": "cell_label"})
