@@ -394,10 +394,60 @@ def test_math_mode_sets_both_switches_and_restores_them(restore_math_flags):
     with backends.math_mode(True):
         flags = backends.math_flags()
         assert flags["tf32_matmul"] is True and flags["tf32_cudnn"] is True
-        if backends.NEW_FP32_API:  # torch >= 2.9: the one API, never mixed with allow_tf32
+        if backends.new_fp32_api():  # torch >= 2.9: the per-operator levels too, cuDNN's "all" level among them
             assert torch.backends.cuda.matmul.fp32_precision == "tf32"
             assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+            assert torch.backends.cudnn.fp32_precision == "tf32"
     assert backends.math_flags()["tf32_matmul"] is False and backends.math_flags()["tf32_cudnn"] is False
+
+
+def _switches() -> dict:
+    """Every fp32 switch inductor or a library may read, through both APIs (a getter that raises fails)."""
+    read = {
+        "cudnn.allow_tf32": lambda: torch.backends.cudnn.allow_tf32,
+        "matmul.allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision,
+    }
+    if backends.new_fp32_api():
+        read.update(
+            {
+                "matmul": lambda: torch.backends.cuda.matmul.fp32_precision,
+                "cudnn": lambda: torch.backends.cudnn.fp32_precision,
+                "conv": lambda: torch.backends.cudnn.conv.fp32_precision,
+                "rnn": lambda: torch.backends.cudnn.rnn.fp32_precision,
+            }
+        )
+    return {name: getter() for name, getter in read.items()}
+
+
+@pytest.mark.parametrize("new_api", [True, False], ids=["fp32_precision", "allow_tf32-only"])
+def test_inside_math_mode_every_switch_reads_and_agrees_through_both_apis(monkeypatch, restore_math_flags, new_api):
+    # torch >= 2.9 raises on a legacy getter while the per-operator levels disagree with it (G2): inductor's
+    # conv templates, its cache keys and max-autotune read those getters.  The allow_tf32-only branch is what
+    # torch < 2.9 runs (simulated here by hiding the new API from kdbench).
+    if not new_api:
+        monkeypatch.setattr(backends, "new_fp32_api", lambda: False)
+    for tf32 in (False, True):
+        with backends.math_mode(tf32):
+            switches = _switches()
+            flags = backends.math_flags()
+        assert switches["cudnn.allow_tf32"] is tf32 and switches["matmul.allow_tf32"] is tf32
+        assert switches["float32_matmul_precision"] == ("high" if tf32 else "highest")
+        level = "tf32" if tf32 else "ieee"
+        if new_api and "conv" in switches:
+            assert {switches[k] for k in ("matmul", "cudnn", "conv", "rnn")} == {level}
+        assert flags["tf32_matmul"] is tf32 and flags["tf32_cudnn"] is tf32
+
+
+def test_math_mode_restores_a_reduced_matmul_precision_and_the_levels(restore_math_flags):
+    torch.set_float32_matmul_precision("medium")  # a user's bf16-reduced matmuls: not a plain on/off switch
+    try:
+        before = _switches()
+        with backends.math_mode(False):
+            assert _switches()["float32_matmul_precision"] == "highest"
+        assert _switches() == before
+    finally:
+        torch.set_float32_matmul_precision("highest")
 
 
 def test_cudnn_tf32_default_is_not_what_an_fp32_cell_runs_with(restore_math_flags):

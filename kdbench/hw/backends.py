@@ -131,29 +131,45 @@ def resolve(requested: str, detected: Detected | None = None) -> Backend:
 # "fp32" is IEEE fp32 on every vendor: cuDNN's TF32 switch is on by default on NVIDIA (so fp32
 # convolutions would run on TF32 tensor cores there) while TF32 is opt-in on ROCm.  kdbench sets
 # the switches for every measurement instead of inheriting them: IEEE for every precision but
-# tf32, TF32 for tf32.  torch >= 2.9 has one API (`fp32_precision`), older releases another
-# (`allow_tf32`); the two must not be mixed in one process.
+# tf32, TF32 for tf32.
+#
+# torch >= 2.9 has per-operator levels (`fp32_precision`) beside the legacy switches (`allow_tf32`,
+# `float32_matmul_precision`), and its legacy getters raise when the two views disagree ("PyTorch is
+# checking whether allow_tf32 is enabled for cuDNN without a specific operator name ...").  Inductor
+# reads the legacy getters (its conv templates, its cache keys, max-autotune's algorithm selection),
+# and its forward conv templates read cuDNN's "all" level.  So kdbench sets both views: the legacy
+# switches first (on torch >= 2.9 they also set the per-operator levels; `float32_matmul_precision`
+# also oneDNN's matmul level, which a user's "medium" leaves at bf16), then every per-operator level
+# and cuDNN's "all" level.  The global `torch.backends.fp32_precision` is left alone: it also governs
+# oneDNN on the CPU.  Which API exists is read at call time (:func:`new_fp32_api`).
 
-NEW_FP32_API = hasattr(torch.backends, "fp32_precision")
+
+def new_fp32_api() -> bool:
+    """Whether this torch has the per-operator ``fp32_precision`` levels (torch >= 2.9)."""
+    return hasattr(torch.backends, "fp32_precision")
+
+
+def _fp32_levels() -> list[Any]:
+    """The objects whose ``fp32_precision`` kdbench sets: cuBLAS matmuls, cuDNN's "all", conv and rnn levels."""
+    cudnn = torch.backends.cudnn
+    return [torch.backends.cuda.matmul, cudnn, cudnn.conv, cudnn.rnn]
 
 
 def set_math_mode(tf32: bool) -> None:
-    """TF32 (True) or IEEE fp32 (False) for fp32 matmuls and cuDNN/MIOpen convolutions."""
-    if NEW_FP32_API:
+    """TF32 (True) or IEEE fp32 (False) for fp32 matmuls and cuDNN/MIOpen convolutions, in both APIs."""
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")  # every backend's matmuls: oneDNN's too
+    torch.backends.cudnn.allow_tf32 = tf32
+    if new_fp32_api():
         mode = "tf32" if tf32 else "ieee"
-        torch.backends.cuda.matmul.fp32_precision = mode
-        torch.backends.cudnn.conv.fp32_precision = mode
-        torch.backends.cudnn.rnn.fp32_precision = mode
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        torch.backends.cudnn.allow_tf32 = tf32
+        for level in _fp32_levels():
+            level.fp32_precision = mode
 
 
 def math_flags() -> dict[str, Any]:
-    """The effective fp32 math switches, as result columns (read through the API in use)."""
-    if NEW_FP32_API:
+    """The effective fp32 math switches, as result columns."""
+    if new_fp32_api():
         matmul = torch.backends.cuda.matmul.fp32_precision
-        if matmul == "none":  # inherits the legacy setting, which the new API leaves alone
+        if matmul == "none":  # inherits the legacy setting
             matmul = _legacy_matmul_precision()
         return {
             "tf32_matmul": matmul in ("tf32", "high", "medium"),
@@ -170,27 +186,35 @@ def math_flags() -> dict[str, Any]:
 def _legacy_matmul_precision() -> str:
     try:
         return torch.get_float32_matmul_precision()
-    except RuntimeError:  # torch refuses to answer once the two APIs disagree
+    except RuntimeError:  # torch refuses to answer while the two views disagree
         return "none"
+
+
+def _legacy(getter: Any) -> Any:
+    """A legacy switch's value, or None where torch refuses to read it (the two views disagree)."""
+    try:
+        return getter()
+    except RuntimeError:
+        return None
 
 
 @contextlib.contextmanager
 def math_mode(tf32: bool):
-    """The block runs in the given fp32 math mode; the switches are restored after it."""
-    if NEW_FP32_API:
-        keys = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn)
-        before = [k.fp32_precision for k in keys]
-    else:
-        before = [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32]
+    """The block runs in the given fp32 math mode (both APIs consistent); the switches are restored after it."""
+    matmul = _legacy(torch.get_float32_matmul_precision)
+    cudnn = _legacy(lambda: torch.backends.cudnn.allow_tf32)
+    levels = _fp32_levels() if new_fp32_api() else []
+    before = [level.fp32_precision for level in levels]
     set_math_mode(tf32)
     try:
         yield
     finally:
-        if NEW_FP32_API:
-            for key, value in zip(keys, before):
-                key.fp32_precision = value
-        else:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+        if matmul is not None:  # the legacy switches first: on torch >= 2.9 they set the levels too
+            torch.set_float32_matmul_precision(matmul)
+        if cudnn is not None:
+            torch.backends.cudnn.allow_tf32 = cudnn
+        for level, value in zip(levels, before):
+            level.fp32_precision = value
 
 
 def tf32_problem(backend: Backend) -> str:
