@@ -244,16 +244,20 @@ class KdbenchFixture:
         """The cell's device-wide levers (cudnn.benchmark, TunableOp) set inside, restored after, as
         `kdbench run` holds them around a cell's measurements; TunableOp's results file is kept in the
         folder ``tunable_dir`` gives (the session's pytest temporary folder), its path in ``extra_info``."""
-        from kdbench.measure.levers import device_levers, tunableop_file
+        from kdbench.measure.levers import device_kind, device_levers, tunableop_file
 
         c = cell.config
         tunable = None
         if c.tunableop:
             folder = self._tunable_dir()
-            tunable = tunableop_file(str(folder) if folder is not None else None, str(backend.device))
+            tunable = tunableop_file(str(folder) if folder is not None else None, device_kind(backend))
         with device_levers(c, backend, tunable) as lever_row:
             yield
-        self.benchmark.extra_info.update(lever_row)  # filled in when the levers' block ends
+        info = self.benchmark.extra_info  # filled in when the levers' block ends
+        notes = lever_row.pop("notes", None)
+        info.update(lever_row)
+        if notes:
+            info["notes"] = "; ".join(n for n in (info.get("notes"), notes) if n)
 
     def _build(self, build: Callable[[], Any]) -> Any:
         from kdbench.errors import KdbenchError

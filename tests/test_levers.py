@@ -14,11 +14,12 @@ from kdbench.cli import main
 from kdbench.config.plan import Cell, cell_id_of, config_dict
 from kdbench.distill.step import compile_mode, make_optimizer
 from kdbench.hw.backends import Backend
+from kdbench.measure import levers
 from kdbench.measure.cell import measure_cell
 from kdbench.measure.levers import LeverWatch, device_levers, skip_reason, tunableop_file
 from kdbench.measure.timing import RawTiming
 from kdbench.models import ModelCache
-from tests.helpers import as_read, make_config, write_suite
+from tests.helpers import as_read, make_config, simulated_gpu, write_suite
 
 CPU = Backend("cpu", torch.device("cpu"))
 CUDA = Backend("cuda", torch.device("cuda", 0))
@@ -74,32 +75,103 @@ def test_gpu_only_levers_skip_the_cell_on_the_cpu_with_a_reason(lever):
 
 
 class FakeTunable:
-    def __init__(self):
+    """torch.cuda.tunable, recording its calls; ``write_file`` only where the simulated torch has it (~2.8 and
+    older), raising when asked to."""
+
+    def __init__(self, has_write_file=True, write_raises=None):
         self.calls = []
+        self.write_raises = write_raises
+        if has_write_file:
+            self.write_file = self._write
 
     def __getattr__(self, name):
-        return lambda *args: self.calls.append((name, *args))
+        if name in ("enable", "tuning_enable", "set_filename"):
+            return lambda *args: self.calls.append((name, *args))
+        raise AttributeError(name)  # torch 2.14's module has no write_file: getattr raises
+
+    def _write(self):
+        self.calls.append(("write_file",))
+        if self.write_raises:
+            raise self.write_raises
 
 
-def test_device_levers_set_and_restore_cudnn_benchmark_and_keep_tunableops_file(monkeypatch, tmp_path):
+@pytest.fixture
+def fresh_tunable_state(monkeypatch):
+    monkeypatch.setattr(levers, "_tuned_here", False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+
+
+def test_device_levers_set_and_restore_cudnn_benchmark_and_keep_tunableops_file(
+    monkeypatch, tmp_path, fresh_tunable_state
+):
     tunable = FakeTunable()
     monkeypatch.setattr(torch.cuda, "tunable", tunable, raising=False)
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    path = tunableop_file(str(tmp_path / "run"), "cuda:0")
-    assert path == tmp_path / "run" / "tunableop-cuda-0.csv"
+    path = tunableop_file(str(tmp_path / "run"), "NVIDIA H200")
+    assert path == tmp_path / "run" / "tunableop-nvidia-h200.csv"
     config = make_config(conv_autotune=True, tunableop=True)
     with device_levers(config, CUDA, path) as row:
         assert torch.backends.cudnn.benchmark is True
-        assert tunable.calls == [("enable", True), ("tuning_enable", True), ("set_filename", str(path))]
+        assert tunable.calls == [("set_filename", str(path)), ("enable", True), ("tuning_enable", True)]
     assert torch.backends.cudnn.benchmark is False  # restored
-    assert tunable.calls[-2:] == [("write_file",), ("enable", False)]
-    assert row == {"tunableop_file": str(path)}
+    assert tunable.calls[-3:] == [("tuning_enable", False), ("enable", False), ("write_file",)]
+    assert row == {"tunableop_file": str(path), "notes": levers.TUNABLEOP_SCOPE}
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
     with device_levers(make_config(), CUDA) as row:  # off is set, not inherited
         assert torch.backends.cudnn.benchmark is False
     assert row == {} and torch.backends.cudnn.benchmark is True
     with device_levers(config, CPU) as row:  # nothing to set on the CPU
         assert torch.backends.cudnn.benchmark is True
+
+
+@pytest.mark.parametrize("has_write_file", [False, True], ids=["torch-2.14-no-write_file", "torch-2.8-write_file"])
+def test_tunableop_is_switched_off_whatever_fails_and_the_file_is_written_where_torch_can(
+    monkeypatch, tmp_path, fresh_tunable_state, has_write_file
+):
+    # G1: torch 2.14 has no tunable.write_file: calling it raised in the finally, so enable(False) was never
+    # reached and TunableOp stayed on for every later cell of the worker
+    tunable = FakeTunable(has_write_file=has_write_file)
+    monkeypatch.setattr(torch.cuda, "tunable", tunable, raising=False)
+    path = tmp_path / "tunableop-gpu.csv"
+    config = make_config(tunableop=True, conv_autotune=True)
+    with pytest.raises(ValueError, match="the step failed"), device_levers(config, CUDA, path) as row:
+        raise ValueError("the step failed")
+    assert ("enable", False) in tunable.calls and ("tuning_enable", False) in tunable.calls
+    assert torch.backends.cudnn.benchmark is False
+    assert row["tunableop_file"] == str(path)
+    if has_write_file:
+        assert tunable.calls[-1] == ("write_file",) and row["notes"] == levers.TUNABLEOP_SCOPE
+    else:
+        assert "writes tunableop-gpu.csv when the worker process exits (this torch has no write_file)" in row["notes"]
+    broken = FakeTunable(write_raises=OSError("disk full"))
+    monkeypatch.setattr(torch.cuda, "tunable", broken, raising=False)
+    with device_levers(make_config(tunableop=True), CUDA, path) as row:
+        pass
+    assert broken.calls[-2:] == [("enable", False), ("write_file",)]
+    assert "could not write tunableop-gpu.csv: OSError: disk full" in row["notes"]
+
+
+def test_tunings_from_an_earlier_run_or_cell_are_said(monkeypatch, tmp_path, fresh_tunable_state):
+    # G11: a results file left from an earlier run (or tunings an earlier cell of this worker made) make the
+    # one-off cost ~0: the rows say so
+    monkeypatch.setattr(torch.cuda, "tunable", FakeTunable(), raising=False)
+    path = tmp_path / "tunableop-gpu.csv"
+    with device_levers(make_config(tunableop=True), CUDA, path) as first:
+        pass
+    assert first["notes"] == levers.TUNABLEOP_SCOPE  # a fresh file, a fresh process
+    path.write_text("Validator,PT_VERSION,2.14.1\n")
+    with device_levers(make_config(tunableop=True), CUDA, path) as second:
+        pass
+    assert "started from the tunings already in tunableop-gpu.csv" in second["notes"]
+    assert "an earlier cell of this worker process tuned GEMMs" in second["notes"]
+    assert "GEMMs only" in second["notes"]
+
+
+def test_tunableops_file_is_named_after_the_device_kind(monkeypatch):
+    # G11: it was named after torch's device index ("cuda-0") whatever the GPU
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "AMD Instinct MI300X")
+    assert levers.device_kind(CUDA) == "AMD Instinct MI300X"
+    assert tunableop_file("r", levers.device_kind(CUDA)).name == "tunableop-amd-instinct-mi300x.csv"
+    assert levers.device_kind(simulated_gpu("rocm")) == "rocm" and levers.device_kind(CPU) == "cpu"
 
 
 def test_a_steps_one_off_cost_is_its_first_calls_beyond_steady_ones():
@@ -305,3 +377,68 @@ def test_a_compile_failure_is_the_rows_error_and_the_cell_goes_on(monkeypatch):
     )
     step, served = measure_cell(Cell(1, "d", eager), CPU, ModelCache())
     assert step["status"] == "failed" and served["status"] == "ok"  # the eager student still serves
+
+
+def test_compiled_measurements_release_their_graphs_before_the_next_ones_memory_is_watched(monkeypatch):
+    # G7: a compiled cell's CUDA graph pool outlived step.close() until the next torch._dynamo.reset(), so it
+    # counted in the next measurements' peak_reserved_bytes.  G10: inductor's compile workers are ended after
+    # serve() compiles, before the forward is timed.
+    import kdbench.measure.cell as cell_module
+    from kdbench.measure.runtimes import Served
+
+    events = []
+    real_meter = cell_module.MemoryMeter
+
+    class Meter(real_meter):
+        def __enter__(self):
+            events.append("memory watched")
+            return super().__enter__()
+
+    real_serve = cell_module.serve
+
+    def serve(*args, **kwargs):
+        served = real_serve(*args, **kwargs)
+        events.append("served")
+        return served
+
+    monkeypatch.setattr(cell_module, "MemoryMeter", Meter)
+    monkeypatch.setattr(cell_module, "serve", serve)
+    monkeypatch.setattr(cell_module, "release_compiled", lambda backend: events.append("released"))
+    monkeypatch.setattr(cell_module, "quiesce_compile_workers", lambda: events.append("workers ended"))
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None: model)  # the order, not inductor
+    config = make_config(
+        compile="default",
+        pair={"teacher": "linear", "student": "linear"},
+        data={"shape": [1, 4, 4], "num_classes": 4},
+        inference={"batch_sizes": [2], "runtime": "compile"},
+    )
+    rows = measure_cell(Cell(0, "c", config), CPU, ModelCache())
+    assert [r["status"] for r in rows] == ["ok"] * 3
+    # the step, released; the student served compiled, workers ended, timed, released; the teacher (eager)
+    assert events == [
+        "memory watched",
+        "released",
+        "served",
+        "workers ended",
+        "memory watched",
+        "released",
+        "memory watched",
+    ]
+    assert Served(lambda: None, "compile", 0.0, "torch.compile (default)", None, compiled=True).compiled
+
+
+def test_eager_runs_compiled_callables_eagerly_with_and_without_compiler_stances(monkeypatch):
+    # torch >= 2.6 has torch.compiler.set_stance; older releases only dynamo's disable switch: each branch
+    from torch._dynamo.utils import counters
+
+    from kdbench.measure.levers import eager
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda x: x + 1)
+    with eager():
+        assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
+    monkeypatch.delattr(torch.compiler, "set_stance")
+    with eager():
+        assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
+    assert counters["frames"]["ok"] == 0  # ran as Python both times, never compiled

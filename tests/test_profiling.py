@@ -400,7 +400,7 @@ def test_the_timed_loop_reads_the_counter_after_the_synchronisations():
         max_iters=2,
         on_window=(lambda: log.append("start"), lambda: log.append("end")),
     )
-    assert log == ["call", "sync", "call", "sync", "start", "call", "call", "sync", "end"]
+    assert log == ["sync", "call", "sync", "call", "sync", "start", "call", "call", "sync", "end"]
 
 
 def test_energy_from_samples_is_the_trapezoid_over_entry_and_exit_samples(monkeypatch):
@@ -466,6 +466,26 @@ def test_amdsmi_reads_the_gpu_torch_uses_found_by_pci_address():
     assert (t.mean_power_w, t.mean_clock_mhz, t.max_temp_c, t.mean_util_pct) == (400, 2100, 55, 88)
     assert t.energy_j == pytest.approx(400 * s.duration_s, rel=0.05)  # no window marked: the samples
     assert log == ["init"]  # amdsmi stays initialised for the process: its shut-down is process-wide
+
+
+def test_amdsmi_on_a_partitioned_mi300x_finds_torchs_partition_by_uuid():
+    # G12: the partitions of a CPX-mode MI300X are functions .0-.3 of one PCI slot, and torch reports no
+    # function: the address alone matched partition .0 whatever partition torch ran on
+    log = []
+    bdfs = tuple(f"0000:3b:00.{i}" for i in range(4))
+    lib = fake_amdsmi(log, bdfs=bdfs, power=(100, 200, 300, 400))
+    lib.amdsmi_get_processor_handles = lambda: [0, 1, 2, 3]
+    ids = telemetry.DeviceIds(uuid="uuid-2", bdf="0000:3b:00.0")
+    with TelemetrySampler(ROCM0, interval_s=0.01, library=lib, ids=ids) as s:
+        time.sleep(0.05)
+    t = s.result(1, 1)
+    assert t.device == "0000:3B:00.2" and t.mean_power_w == 300
+    unknown = telemetry.DeviceIds(uuid="not-there", bdf="0000:3b:00.0")
+    with TelemetrySampler(ROCM0, interval_s=0.01, library=lib, ids=unknown) as s:
+        pass
+    t = s.result(1, 1)
+    assert not t.available and "4 amdsmi devices share torch's PCI slot" in t.reason
+    assert "cannot tell which partition" in t.reason
 
 
 def test_amdsmi_energy_counter_in_microjoule_counts():

@@ -298,18 +298,20 @@ def test_device_levers_hold_around_the_benchmark_on_a_simulated_gpu(what, monkey
     getattr(fixture, what)(config, device="cuda", rounds=2, warmup_rounds=1)
     fixture.close()
 
-    path = tunableop_file(str(tmp_path / "kdbench"), str(gpu.device))
-    assert path == tmp_path / "kdbench" / "tunableop-cpu.csv"
+    path = tunableop_file(str(tmp_path / "kdbench"), "cuda")  # a simulated GPU has no name: the backend's
+    assert path == tmp_path / "kdbench" / "tunableop-cuda.csv"
     assert entered == [(True, True, "cuda", path)]
     assert events[0] == (True, True)  # timed with cudnn.benchmark on and TunableOp enabled
     assert events.count("timing") == 1
     assert tunable.calls == [
+        ("set_filename", str(path)),
         ("enable", True),
         ("tuning_enable", True),
-        ("set_filename", str(path)),
-        ("write_file",),
+        ("tuning_enable", False),
         ("enable", False),
+        ("write_file",),
     ]
+    assert "TunableOp tunes GEMMs only" in bench.extra_info["notes"]
     assert torch.backends.cudnn.benchmark is False  # restored
     assert bench.extra_info["tunableop_file"] == str(path)
     assert bench.extra_info["backend"] == "cuda" and bench.extra_info["device_name"] == "simulated"

@@ -213,7 +213,14 @@ def test_a_device_error_is_stored_and_the_next_job_gets_a_fresh_worker(monkeypat
         worker.close()
     step = first.rows[0]
     assert step["status"] == "failed" and "illegal memory access" in step["error"]
-    assert [r["status"] for r in first.rows[1:]] == ["ok"] * 4  # inference trains nothing: it still ran
+    # G12: the rest of the job is not run in the poisoned context, where it would fail with sticky errors
+    # naming some later kernel: failed rows that name the cause
+    assert [r["status"] for r in first.rows[1:]] == ["failed"] * 4
+    assert all(
+        r["error"].startswith("not run: an earlier measurement of this job lost the device context")
+        for r in first.rows[1:]
+    )
+    assert all("illegal memory access" in r["error"] for r in first.rows[1:])
     assert all(r["status"] == "ok" for r in second.rows)
     assert worker.started == 2  # the poisoned worker ended after storing its rows
 
@@ -225,6 +232,10 @@ def test_device_errors_are_told_from_ordinary_failures():
 
     assert device_fatal(RuntimeError("CUDA error: device-side assert triggered"))
     assert device_fatal(RuntimeError("HIP error: hipErrorIllegalAddress"))
+    assert device_fatal(RuntimeError("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED"))
+    assert device_fatal(RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR"))
+    assert device_fatal(RuntimeError("miopenStatusUnknownError"))
+    assert not device_fatal(RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED"))  # a shape, not the context
     assert not device_fatal(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not device_fatal(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
     if hasattr(torch, "AcceleratorError"):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from kdbench.hw.backends import Backend
 from kdbench.hw.data import synthetic_batch
 from kdbench.measure import runtimes
 from kdbench.measure.runtimes import LeverSkip, OutputCheck, compare_outputs, ort_providers, serve
@@ -21,6 +22,7 @@ from tests.helpers import make_config, simulated_gpu
 
 FAKE_CUDA = simulated_gpu("cuda")
 FAKE_ROCM = simulated_gpu("rocm")
+CPU = Backend("cpu", torch.device("cpu"))
 
 
 def setup(model_name: str = "resnet8", batch: int = 4, **overrides):
@@ -190,13 +192,28 @@ def test_onnxruntime_on_cuda_by_simulation(monkeypatch):
         InferenceSession=Session,
     )
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=1234))
+    order = []
+
+    class FakeStream:
+        def __init__(self, cuda_stream, name):
+            self.cuda_stream, self.name = cuda_stream, name
+
+        def wait_stream(self, other):
+            order.append(f"{self.name} waits for {other.name}")
+
+    default = FakeStream(0, "torch's")  # torch's default stream: ORT reads 0 as "no user stream" (G6)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: default)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream(5678, "ORT's"))
 
     model, x, config = setup("linear")
     served = serve(model, x, "onnxruntime", config, FAKE_CUDA)
     assert made["providers"] == [
-        ("CUDAExecutionProvider", {"device_id": "0", "user_compute_stream": "1234", "use_tf32": "0"})
+        ("CUDAExecutionProvider", {"device_id": "0", "user_compute_stream": "5678", "use_tf32": "0"})
     ]
+    assert served.synchronous and served.own_memory and not served.compiled
+    order.clear()
+    served.forward()
+    assert order == ["ORT's waits for torch's", "torch's waits for ORT's"]  # the clock's events bracket ORT's work
     binding = made["session"].binding
     input_name = made["session"].get_inputs()[0].name
     assert [b[:5] for b in binding.inputs] == [(input_name, "cuda", 0, np.float32, [4, 3, 16, 16])]
@@ -208,6 +225,37 @@ def test_onnxruntime_on_cuda_by_simulation(monkeypatch):
     out = served.forward()
     assert made["runs"] == runs + 1 and isinstance(out, torch.Tensor) and out.data_ptr() == binding.outputs[0][5]
     torch.testing.assert_close(out, eager_logits(model, x), rtol=1e-4, atol=1e-5)
+
+
+def test_gpu_providers_get_torchs_device_id(monkeypatch):
+    from kdbench.hw.backends import choose_autocast
+    from kdbench.measure.runtimes import _provider_options
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # G6: MIGraphX got no device id
+    choice = choose_autocast(FAKE_ROCM, "fp32")
+    for provider in ("MIGraphXExecutionProvider", "ROCMExecutionProvider"):
+        assert _provider_options(provider, FAKE_ROCM, choice) == {"device_id": "3"}
+    assert _provider_options("CPUExecutionProvider", FAKE_ROCM, choice) == {}
+
+
+def test_onnxruntime_rows_on_a_gpu_are_never_launch_bound_and_leave_memory_empty():
+    from kdbench.measure.cell import _synchronous_runtime
+    from kdbench.measure.runtimes import Served
+
+    served = Served(lambda: None, "onnxruntime", 1.0, "ONNX export + session", None, synchronous=True, own_memory=True)
+    timing = {"launch_bound": True}
+    profile = {
+        "peak_memory_bytes": 10,
+        "peak_reserved_bytes": 20,
+        "memory_growth_bytes": 0,
+        "memory_footprint_bytes": 5,
+    }
+    notes = _synchronous_runtime(served, timing, profile, FAKE_CUDA)
+    assert timing["launch_bound"] is None and set(profile.values()) == {None}
+    assert "block the host until the device is done" in notes[0] and "its own arena" in notes[1]
+    eager = Served(lambda: None, "eager", None, None, None)
+    assert _synchronous_runtime(eager, {"launch_bound": True}, {}, FAKE_CUDA) == []
+    assert _synchronous_runtime(served, {"launch_bound": None}, {}, CPU) == []  # the CPU: RSS sees ORT's memory
 
 
 def test_onnxruntime_provider_that_does_not_start(monkeypatch):
@@ -227,7 +275,7 @@ def test_onnxruntime_provider_that_does_not_start(monkeypatch):
         InferenceSession=Session,
     )
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=1))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: types.SimpleNamespace(cuda_stream=1))
     model, x, config = setup("linear")
     with pytest.raises(LeverSkip, match="CUDAExecutionProvider is in this ONNX Runtime but did not start"):
         serve(model, x, "onnxruntime", config, FAKE_CUDA)
@@ -347,6 +395,25 @@ def test_graphs_with_reduce_overhead_skip():
     model, x, config = setup("linear", compile="reduce-overhead")
     with pytest.raises(LeverSkip, match="reduce-overhead already replays CUDA graphs"):
         serve(model, x, "compile", config, FAKE_CUDA, graphs=True)
+
+
+def test_graphs_with_max_autotune_compile_without_inductors_own_cuda_graphs(monkeypatch):
+    # G4: max-autotune turns on inductor's CUDA graphs; captured inside kdbench's graph, the captures nest
+    modes = []
+
+    def fake_compile(model, mode=None):
+        modes.append(mode)
+        return model
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(runtimes, "_graphed", lambda built, backend, choice: built)  # no capture on the CPU
+    model, x, config = setup("linear", compile="max-autotune")
+    served = serve(model, x, "compile", config, FAKE_CUDA, graphs=True)
+    assert modes == ["max-autotune-no-cudagraphs"]
+    assert served.one_off_kind == "torch.compile (max-autotune-no-cudagraphs)" and served.compiled
+    assert any("max-autotune's own CUDA graphs cannot be captured" in n for n in served.notes)
+    serve(model, x, "compile", config, FAKE_CUDA)  # not graphed: max-autotune as asked
+    assert modes[-1] == "max-autotune"
 
 
 @pytest.fixture

@@ -93,3 +93,77 @@ def test_fp16_student_uses_a_grad_scaler(cpu):
     assert isinstance(step.distiller.scaler, torch.amp.GradScaler)
     assert step.distiller.scaler.get_scale() > 0
     assert torch.isfinite(step.last_loss)
+
+
+class _Recorded(torch.nn.Module):
+    """A teacher that logs its forwards (and the fp32 math mode it ran in) and returns one output buffer it
+    keeps, as a CUDA-graph replay does."""
+
+    def __init__(self, model, log):
+        super().__init__()
+        self.model, self.log = model, log
+        self.buffer = None
+
+    def forward(self, x):
+        from kdbench.hw.backends import math_flags
+
+        self.log.append(("teacher", math_flags()["tf32_cudnn"]))
+        out = self.model(x)
+        if self.buffer is None:
+            self.buffer = torch.empty_like(out)
+        return self.buffer.copy_(out)
+
+
+def _graph_tree_step(monkeypatch, compile_mode, marker=True):
+    import kdbench.distill.step as step_module
+    from tests.helpers import simulated_gpu
+
+    log = []
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None: model)  # the graph-tree logic, not inductor
+    if marker:
+        monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: log.append("mark step"))
+    else:
+        monkeypatch.setattr(step_module, "step_marker", lambda: None)  # a torch without the API
+    config = make_config(compile=compile_mode, compile_teacher=True, pair={"teacher": "resnet8", "student": "resnet8"})
+    teacher, student = _models(config)
+    teacher = _Recorded(teacher, log)
+    gpu = simulated_gpu("cuda")
+    x, y = synthetic_batch(config, config.batch_size, gpu.device, 0)
+    return DistillStep(teacher, student, x, y, config, gpu), log, teacher
+
+
+def test_a_compiled_teacher_under_cuda_graphs_marks_each_step_one_iteration(monkeypatch):
+    # G3: the student's compiled call starts a new CUDA-graph-tree iteration and overwrites the compiled
+    # teacher's still-live logits, unless the step's start is marked
+    step, log, _ = _graph_tree_step(monkeypatch, "reduce-overhead")
+    log.clear()
+    step()
+    step()
+    assert [e if isinstance(e, str) else e[0] for e in log] == ["mark step", "teacher"] * 2
+    plain, log, _ = _graph_tree_step(monkeypatch, "default")  # no CUDA graphs: nothing to mark
+    log.clear()
+    plain()
+    assert "mark step" not in log
+
+
+def test_without_the_marker_api_the_compiled_teachers_outputs_are_copied(monkeypatch):
+    step, _, teacher = _graph_tree_step(monkeypatch, "max-autotune", marker=False)
+    out = step.distiller.teacher_outputs(step.x)
+    assert out.logits.data_ptr() != teacher.buffer.data_ptr()  # a graph replay cannot overwrite it
+    torch.testing.assert_close(out.logits, teacher.buffer)
+
+
+def test_the_cached_teacher_runs_in_the_steps_fp32_math_mode(monkeypatch, cpu):
+    # G5: the cache's forward ran before the step's math mode was set, so under torch's default (cuDNN TF32
+    # on) an NVIDIA "fp32" cached teacher ran TF32 and its cache time was too small
+    from kdbench.hw import backends
+
+    config = make_config(teacher={"mode": "cached"})
+    teacher, student = _models(config)
+    log = []
+    teacher = _Recorded(teacher, log)
+    x, y = synthetic_batch(config, config.batch_size, cpu.device, 0)
+    with backends.math_mode(True):  # an inherited TF32 default
+        step = DistillStep(teacher, student, x, y, config, cpu)
+    assert log == [("teacher", False)]  # IEEE fp32, as the fp32 cell measures
+    assert step.cache_ms > 0 and step.cache.logits.data_ptr() != teacher.buffer.data_ptr()

@@ -65,7 +65,7 @@ def test_cold_call_warmup_and_min_iters():
     assert 50.0 not in r.samples_ms
     assert 7.0 not in r.samples_ms  # warm-up calls are untimed
     assert t.calls == 1 + warmup + min_iters
-    assert clock.syncs == 3
+    assert clock.syncs == 4  # before and after the cold call, before and after the window
 
 
 def test_call_order_stamps_and_syncs():
@@ -73,8 +73,9 @@ def test_call_order_stamps_and_syncs():
     clock = FakeClock(t)
     timed_loop(t.fn, clock, warmup=2, min_iters=3, min_time_s=0, max_iters=10)
     assert t.log == [
-        # cold call, stamped on both sides, then a sync before reading it
-        ("stamp", 0), ("call", 1), ("stamp", 1), ("sync", 1),
+        # cold call, from an idle device (its host time is a one-off cost), stamped on both sides, then a
+        # sync before reading it
+        ("sync", 0), ("stamp", 0), ("call", 1), ("stamp", 1), ("sync", 1),
         # exactly `warmup` calls, stamped (kept apart from the samples), then a sync
         ("stamp", 1), ("call", 2), ("stamp", 2),
         ("stamp", 2), ("call", 3), ("stamp", 3), ("sync", 3),
@@ -94,7 +95,7 @@ def test_warmup_count(warmup):
     assert t.calls == 1 + warmup + 2
     # the calls between the cold call's closing stamp and the first timed stamp
     log = t.log
-    cold_sync, warm_sync = [i for i, e in enumerate(log) if e[0] == "sync"][:2]
+    cold_sync, warm_sync = [i for i, e in enumerate(log) if e[0] == "sync"][1:3]  # the first: before the cold call
     between = [e for e in log[cold_sync:warm_sync] if e[0] == "call"]
     assert len(between) == warmup
     assert r.warmup_ms == [7.0] * warmup
@@ -202,6 +203,10 @@ def fake_cuda(monkeypatch):
             self.t = state["now_ms"]
             state["log"].append(("record", self.id))
 
+        def query(self):  # the fake device finishes all but the newest ``lag`` events recorded
+            state["log"].append(("query", self.id))
+            return self.id <= FakeEvent.created - state.get("lag", 0)
+
         def elapsed_time(self, other):
             assert self.t is not None and other.t is not None
             state["log"].append(("elapsed", self.id, other.id))
@@ -215,6 +220,29 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
     return state
+
+
+@pytest.mark.parametrize("lag", [0, 4])
+def test_adaptive_stopping_reads_finished_events_without_a_sync(fake_cuda, lag):
+    # G9: the interval check synchronized, so the next sample started on an idle device and sync gaps went
+    # into window_ms; now it reads the events the device has finished (here all but the newest `lag`)
+    fake_cuda["lag"] = lag
+
+    def fn():
+        fake_cuda["now_ms"] += 2.0
+        fake_cuda["log"].append(("call",))
+
+    r = timed_loop(
+        fn, EventClock(torch.device("cuda", 0)), warmup=1, min_iters=8, min_time_s=0, max_iters=100, target_rel_ci=0.5
+    )
+    log = fake_cuda["log"]
+    calls = [i for i, e in enumerate(log) if e == ("call",)]
+    timed = calls[2:]
+    assert not [i for i, e in enumerate(log) if e == ("sync",) and timed[0] < i < timed[-1]]
+    last_sync = max(i for i, e in enumerate(log) if e == ("sync",))
+    assert any(e[0] == "query" for e in log[timed[0] : last_sync])  # the check asked the device, never waited
+    # constant calls: the first check whose finished calls reach min_iters stops the loop
+    assert len(r.samples_ms) == (8 if lag == 0 else 12)
 
 
 def test_event_clock_timed_loop(fake_cuda):
@@ -236,10 +264,11 @@ def test_event_clock_timed_loop(fake_cuda):
 
     log = fake_cuda["log"]
     syncs = [i for i, e in enumerate(log) if e == ("sync",)]
-    # one sync after the cold call, one after each warm-up call (each starts on an idle device, so the
-    # host's time to issue it is its own), one after the timed loop
-    assert len(syncs) == 4
-    assert fake_cuda["sync_devices"] == [device] * 4
+    # one sync before and one after the cold call (its host time is a one-off cost), one after each warm-up
+    # call (each starts on an idle device, so the host's time to issue it is its own), one after the timed loop
+    assert len(syncs) == 5
+    assert fake_cuda["sync_devices"] == [device] * 5
+    syncs = syncs[1:]  # the first comes before any call
 
     calls = [i for i, e in enumerate(log) if e == ("call",)]
     assert len(calls) == 1 + 2 + 4
@@ -361,7 +390,7 @@ def test_without_a_target_the_interval_is_never_read():
     t = FakeTime(scripted(1))
     clock = FakeClock(t)
     timed_loop(t.fn, clock, warmup=1, min_iters=30, min_time_s=0, max_iters=1000)
-    assert clock.syncs == 3  # after the cold call, before and after the window: no check syncs
+    assert clock.syncs == 4  # around the cold call, before and after the window: no check syncs
 
 
 def test_a_compile_in_the_cold_call_does_not_shrink_the_later_calls(monkeypatch):

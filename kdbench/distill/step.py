@@ -21,6 +21,7 @@ peak of the next measurement in the same worker (torchdistill's ``clean_modules`
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,20 @@ def make_optimizer(params, cfg: OptimizerConfig, fused: bool = False) -> torch.o
 def compile_mode(setting: str) -> str | None:
     """torch.compile's ``mode`` for a cell's ``compile`` setting ("off" with compile_teacher: the default)."""
     return None if setting in ("off", "default") else setting
+
+
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # compile modes that replay CUDA graphs (graph trees)
+
+
+def step_marker() -> Callable[[], None] | None:
+    """``torch.compiler.cudagraph_mark_step_begin`` where this torch has it (None where not).
+
+    CUDA graph trees start a new iteration at every compiled call with no backward pending, freeing the
+    previous iteration's outputs: the student's call would overwrite the compiled teacher's still-live
+    logits ("accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run").
+    Marking the step's start makes teacher and student one iteration; without the API the teacher's
+    outputs are cloned instead."""
+    return getattr(getattr(torch, "compiler", None), "cudagraph_mark_step_begin", None)
 
 
 def backward_and_update(
@@ -180,6 +195,9 @@ class Distiller:
             self.model = torch.compile(self.model, mode=compile_mode(config.compile))
         if config.compile_teacher:
             self._teacher = torch.compile(self.teacher, mode=compile_mode(config.compile))
+        graphed = config.compile in CUDAGRAPH_MODES and backend.device_type == "cuda"
+        self._mark_step = step_marker() if graphed else None
+        self._clone_teacher = graphed and config.compile_teacher and self._mark_step is None
         self.scaler = grad_scaler(backend, self.student_ac)
         self.optimizer, self.optimizer_note = self._optimizer(config, backend)
         self.steps = 0  # train_step calls (DKD's warm-up counts them)
@@ -237,7 +255,10 @@ class Distiller:
         math = math_mode(self.teacher_ac.tf32) if self._switch_math else contextlib.nullcontext()
         with torch.no_grad(), self.teacher_ac.context(self.device_type), math:
             logits = self._teacher(x)
-        return TeacherOutputs(logits, self.t_tap.take() if self.t_tap is not None else [])
+        feats = self.t_tap.take() if self.t_tap is not None else []
+        if self._clone_teacher:  # CUDA-graph outputs the student's graphs would overwrite (see step_marker)
+            logits, feats = logits.clone(), [f.clone() for f in feats]
+        return TeacherOutputs(logits, feats)
 
     def train_step(
         self,
@@ -251,6 +272,8 @@ class Distiller:
         """One step; with `clock`, the six phase-boundary stamps are appended to `marks`.  ``indices``: the
         batch's sample indices in its data set (quality training; methods with a memory bank use them)."""
         stamp = (lambda: marks.append(clock.stamp())) if clock is not None and marks is not None else (lambda: None)
+        if self._mark_step is not None:  # one CUDA-graph-tree iteration per step (see step_marker)
+            self._mark_step()
         stamp()
         t = cached if cached is not None else self.teacher_outputs(x)
         stamp()
@@ -299,15 +322,20 @@ class DistillStep:
         self.cache: TeacherOutputs | None = None
         self.cache_ms: float | None = None
         if config.teacher.mode == "cached":
-            clock = backend.clock()
-            start = clock.stamp()
-            out = self.distiller.teacher_outputs(x)
-            self.cache = TeacherOutputs(
-                place_aligned(out.logits, config.alignment), [place_aligned(f, config.alignment) for f in out.feats]
-            )
-            end = clock.stamp()
-            clock.sync()
-            self.cache_ms = clock.elapsed_ms(start, end)
+            # In the step's fp32 math mode (the teacher's own where it differs), as the live teacher runs: torch's
+            # default would run NVIDIA's fp32 convolutions in TF32.  Host time between synchronizations: a one-off
+            # cost is what a user waits for.
+            backend.synchronize()
+            start = time.perf_counter()
+            with math_mode(self.distiller.student_ac.tf32):
+                out = self.distiller.teacher_outputs(x)
+                # copies (place_aligned copies): they outlive a compiled teacher's CUDA-graph output buffers
+                self.cache = TeacherOutputs(
+                    place_aligned(out.logits, config.alignment),
+                    [place_aligned(f, config.alignment) for f in out.feats],
+                )
+            backend.synchronize()
+            self.cache_ms = (time.perf_counter() - start) * 1e3
         self.last_loss: torch.Tensor | None = None
 
     def __call__(self) -> None:

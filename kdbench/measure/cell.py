@@ -40,13 +40,23 @@ from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, math_f
 from kdbench.hw.data import synthetic_batch
 from kdbench.hw.layout import pad_classifier, padded_width, place_model, verify_memory_format
 from kdbench.measure import walltime
-from kdbench.measure.failures import device_fatal, device_lost, error_text, failure_row, note_device_lost, status_of
+from kdbench.measure.failures import (
+    device_fatal,
+    device_lost,
+    error_text,
+    failure_row,
+    not_run_after_device_lost,
+    note_device_lost,
+    status_of,
+)
 from kdbench.measure.flops import count_flops
 from kdbench.measure.levers import (
     LeverWatch,
+    device_kind,
     device_levers,
     eager,
     quiesce_compile_workers,
+    release_compiled,
     skip_reason,
     tunableop_file,
 )
@@ -339,6 +349,8 @@ def measure_distill_step(
         return row
     finally:
         step.close()
+        if watch.compiled:  # its CUDA graph pool would count in the next measurement's peaks
+            release_compiled(backend)
 
 
 def inference_forward(
@@ -401,7 +413,10 @@ def measure_inference(model: nn.Module, role: str, batch_size: int, config: Cell
         flags = math_flags()
         with walltime.spent(walltime.FLOPS):
             flops = None if raw.note else inference_flops(forward, getattr(config.pair, role), batch_size, config)
+    if served is not None and served.compiled:
+        release_compiled(backend)  # the compiled forward's CUDA graph pool, before the next measurement's peaks
     timing = timing_columns(raw, 1, batch_size)
+    sync_notes = _synchronous_runtime(served, timing, profile, backend)
     launch = LAUNCH_BOUND if timing["launch_bound"] else ""
     served_row = served_columns(served) if served is not None else {}
     if served_row.get("one_off_ms") is not None:  # what serving this way paid once: the build and its cold calls
@@ -428,10 +443,37 @@ def measure_inference(model: nn.Module, role: str, batch_size: int, config: Cell
                     layout_note(config, backend.device_type),
                     raw.note or "",
                     *(served.notes if served else ()),
+                    *sync_notes,
                 ),
             ),
         }
     )
+
+
+SYNCHRONOUS_RUNTIME = (
+    "{runtime}'s calls block the host until the device is done, so host and device time agree by construction: "
+    "launch-bound is not judged"
+)
+OWN_ALLOCATOR = (
+    "{runtime} allocates device memory from its own arena, which torch's memory statistics do not see: the "
+    "memory columns are left empty"
+)
+
+
+def _synchronous_runtime(served: Served | None, timing: Row, profile: Row, backend: Backend) -> list[str]:
+    """A runtime outside torch (ONNX Runtime) on a GPU: never flagged launch-bound, memory columns empty;
+    the notes that say so (``timing`` and ``profile`` are changed in place)."""
+    if served is None or backend.device_type != "cuda" or not (served.synchronous or served.own_memory):
+        return []
+    notes = []
+    if served.synchronous:
+        timing["launch_bound"] = None
+        notes.append(SYNCHRONOUS_RUNTIME.format(runtime=served.runtime))
+    if served.own_memory:
+        for column in ("peak_memory_bytes", "peak_reserved_bytes", "memory_growth_bytes", "memory_footprint_bytes"):
+            profile[column] = None
+        notes.append(OWN_ALLOCATOR.format(runtime=served.runtime))
+    return notes
 
 
 def failure_rows(config: CellConfig, status: Status, error: str) -> list[Row]:
@@ -441,7 +483,12 @@ def failure_rows(config: CellConfig, status: Status, error: str) -> list[Row]:
 
 
 def guarded(measurement: str, batch_size: int, backend: Backend, fn: Callable[[], Row]) -> Row:
-    """``fn()``'s row, or a failure row when it raises: a failing measurement is a result, not a crash."""
+    """``fn()``'s row, or a failure row when it raises: a failing measurement is a result, not a crash.  Once a
+    measurement has lost the device context, the later ones are not run (failed rows that say why)."""
+    if device_lost():
+        return Row(
+            measurement=measurement, batch_size=batch_size, status=Status.FAILED, error=not_run_after_device_lost()
+        )
     try:
         return fn()
     except LeverSkip as exc:  # a lever this backend lacks: skipped, with the reason
@@ -487,7 +534,7 @@ def measure_cell(
             raise
         return failure_rows(config, status_of(exc), error_text(exc))
     # Device-wide levers (cudnn.benchmark, TunableOp) hold for the cell: its step and its inference.
-    tunable = tunableop_file(options.run_dir, str(backend.device)) if config.tunableop else None
+    tunable = tunableop_file(options.run_dir, device_kind(backend)) if config.tunableop else None
     with device_levers(config, backend, tunable) as lever_row:
         measure_step = partial(measure_distill_step, teacher, student, config, backend, options, cell.cell_id, dp)
         # A data-parallel step that raises ends the rank (see the module docstring): it is not guarded.
@@ -511,8 +558,11 @@ def measure_cell(
             measure = partial(measure_inference, model, role, bs, config, backend)
             rows.append(guarded(measurement, bs, backend, measure))
     params = {"student_params": count_params(student), "teacher_params": count_params(teacher)}
+    lever_notes = lever_row.pop("notes", None)
     for row in rows:
         row.update(params, **lever_row)
+        if lever_notes and row["status"] == Status.OK:
+            row["notes"] = "; ".join(n for n in (row.get("notes"), lever_notes) if n)
     if dp is not None:
         dp.barrier()
     return rows

@@ -16,8 +16,15 @@ _FATAL_TEXT = (
     "device-side assert",
     "illegal memory access",
     "CUBLAS_STATUS_EXECUTION_FAILED",
+    "CUBLAS_STATUS_INTERNAL_ERROR",
+    "HIPBLAS_STATUS_EXECUTION_FAILED",
+    "HIPBLAS_STATUS_INTERNAL_ERROR",
+    "CUDNN_STATUS_EXECUTION_FAILED",
+    "CUDNN_STATUS_INTERNAL_ERROR",
+    "CUDNN_STATUS_MAPPING_ERROR",
     "unspecified launch failure",
     "miopenStatusInternalError",
+    "miopenStatusUnknownError",
 )
 _device_lost: list[str] = []
 
@@ -40,6 +47,15 @@ def note_device_lost(exc: BaseException) -> None:
 def device_lost() -> str | None:
     """The error that poisoned this process's device context, if one did."""
     return _device_lost[0] if _device_lost else None
+
+
+def not_run_after_device_lost() -> str:
+    """The error of a measurement not run because an earlier one of its job poisoned the device context: run
+    there, it would fail with a sticky error that names some later kernel, not the cause."""
+    return (
+        f"not run: an earlier measurement of this job lost the device context ({device_lost()}); the worker "
+        "restarts for the next job"
+    )
 
 
 def status_of(exc: BaseException) -> Status:

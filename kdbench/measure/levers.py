@@ -20,6 +20,7 @@ GPU-only levers on the CPU make the cell ``skipped`` with a reason (:func:`skip_
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -50,18 +51,35 @@ def skip_reason(config: CellConfig, backend: Backend) -> str | None:
     return None
 
 
+def device_kind(backend: Backend) -> str:
+    """What a device is, for files kept per device kind: the GPU's name (``torch.cuda.get_device_name``),
+    else the backend's name (a simulated GPU in tests has no name)."""
+    if backend.device.type == "cuda":
+        return torch.cuda.get_device_name(backend.device)
+    return backend.name
+
+
 def tunableop_file(results_dir: str | None, device_name: str) -> Path | None:
-    """Where a run keeps TunableOp's results: beside the results, one file per device kind."""
+    """Where a run keeps TunableOp's results: beside the results, one file per device kind
+    (``device_name``: :func:`device_kind`, e.g. "NVIDIA H200" -> ``tunableop-nvidia-h200.csv``)."""
     if results_dir is None:
         return None
     slug = "".join(ch if ch.isalnum() else "-" for ch in device_name).strip("-").lower() or "gpu"
     return Path(results_dir) / f"tunableop-{slug}.csv"
 
 
+TUNABLEOP_SCOPE = (
+    "TunableOp tunes GEMMs only (matmuls and Linear layers: on a CNN, its classifier); convolutions keep "
+    "their usual kernels"
+)
+_tuned_here = False  # whether a cell of this process has run with TunableOp: its tunings stay in memory
+
+
 @contextlib.contextmanager
 def device_levers(config: CellConfig, backend: Backend, tunable_path: Path | None = None) -> Iterator[dict]:
-    """The cell's device-wide levers set for its measurements and restored after them; yields the columns
-    that record them (filled in when the block ends)."""
+    """The cell's device-wide levers set for its measurements and restored after them, whatever fails
+    inside; yields the columns that record them (filled in when the block ends; ``notes``: what they
+    imply for the rows, for the caller to add to each row's notes)."""
     row: dict[str, Any] = {}
     if backend.device_type != "cuda":
         yield row
@@ -69,22 +87,63 @@ def device_levers(config: CellConfig, backend: Backend, tunable_path: Path | Non
     cudnn = torch.backends.cudnn
     saved = cudnn.benchmark
     cudnn.benchmark = config.conv_autotune  # set, not inherited: the default differs by build
-    tunable = torch.cuda.tunable if config.tunableop else None
     try:
-        if tunable is not None:
-            tunable.enable(True)
-            tunable.tuning_enable(True)
-            if tunable_path is not None:
-                tunable_path.parent.mkdir(parents=True, exist_ok=True)
-                tunable.set_filename(str(tunable_path))
-        yield row
+        if config.tunableop:
+            with _tunableop(tunable_path, row):
+                yield row
+        else:
+            yield row
     finally:
         cudnn.benchmark = saved
-        if tunable is not None:
-            if tunable_path is not None:
-                tunable.write_file()
-                row["tunableop_file"] = str(tunable_path)
+
+
+@contextlib.contextmanager
+def _tunableop(path: Path | None, row: dict[str, Any]) -> Iterator[None]:
+    """TunableOp on, tuning, with its results file at ``path``, inside; off after it whatever fails
+    (else it would stay on for every later cell of the worker), then its results written where this
+    torch can (torch >= ~2.9 has no ``write_file``: it writes the file when the process exits)."""
+    global _tuned_here
+    tunable = torch.cuda.tunable
+    notes = [TUNABLEOP_SCOPE]
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            notes.append(
+                f"TunableOp started from the tunings already in {path.name} (an earlier run's or cell's): GEMMs "
+                "tuned there are not tuned again, so one_off_ms is that of a warm file"
+            )
+        tunable.set_filename(str(path))  # before enabling: the file is read at the first tuned call
+    if _tuned_here:
+        notes.append(
+            "TunableOp: an earlier cell of this worker process tuned GEMMs; those are not tuned again, so "
+            "one_off_ms covers only this cell's new shapes"
+        )
+    try:
+        tunable.enable(True)
+        tunable.tuning_enable(True)
+        _tuned_here = True
+        yield
+    finally:
+        try:
+            tunable.tuning_enable(False)
+        finally:
             tunable.enable(False)
+            if path is not None:
+                row["tunableop_file"] = str(path)
+                notes.append(_write_tunings(tunable, path))
+            row["notes"] = "; ".join(n for n in notes if n)
+
+
+def _write_tunings(tunable: Any, path: Path) -> str:
+    """Write TunableOp's results to ``path`` now, where this torch has ``write_file``; a note when it cannot."""
+    write = getattr(tunable, "write_file", None)
+    if write is None:
+        return f"TunableOp writes {path.name} when the worker process exits (this torch has no write_file)"
+    try:
+        write()
+    except Exception as exc:  # the measurement stands; the file is what is lost
+        return f"TunableOp could not write {path.name}: {type(exc).__name__}: {str(exc).strip()[:200]}"
+    return ""
 
 
 FIRST_CALL_LEVERS = {  # levers whose one-off cost is paid in the first calls, and what it is
@@ -132,9 +191,8 @@ class LeverWatch:
 
     def columns(self, raw: RawTiming, median_ms: float) -> dict[str, Any]:
         row: dict[str, Any] = {}
-        if self.kinds:
-            calls = [raw.first_ms, *raw.warmup_ms]
-            row["one_off_ms"] = max(0.0, sum(calls) - len(calls) * median_ms)
+        if self.kinds:  # host time between synchronizations (RawTiming.first_calls_ms)
+            row["one_off_ms"] = raw.cold_excess_ms(median_ms)
             row["one_off_kind"] = " + ".join(self.kinds)
         if self.compiled:
             counters = _counters()
@@ -142,6 +200,16 @@ class LeverWatch:
             row["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
             row["recompiles"] = self.window_frames
         return row
+
+
+def release_compiled(backend: Backend) -> None:
+    """Drop what a compiled measurement left in this process before the next one's memory is watched:
+    torch._dynamo's compiled code and, with it, the CUDA graph trees' memory pool (reduce-overhead and
+    max-autotune keep it until the next reset), then the allocator's cached blocks."""
+    torch._dynamo.reset()  # resets the CUDA graph trees too (torch >= 2.1)
+    gc.collect()
+    if backend.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def quiesce_compile_workers() -> None:

@@ -22,7 +22,9 @@ Runtimes
     step's) compiled graphs do not make the compile look free; it also drops them.
     One-off: the excess of the first three calls over a steady call (the first call
     compiles; with ``reduce-overhead`` the CUDA graph trees record during the next ones),
-    timed with the backend's clock.  Inductor's on-disk FX graph cache survives the reset:
+    each call in host time between synchronizations.  The compiled code and its CUDA graph
+    pool are released after the measurement (``torch._dynamo.reset()``), so they do not
+    count in the next measurement's memory peaks.  Inductor's on-disk FX graph cache survives the reset:
     when it served graphs the one-off is that of a warm cache, and a note says so.  Graph
     breaks (``torch._dynamo.utils.counters["graph_break"]``) and compiled graphs
     (``counters["stats"]["unique_graphs"]``) are reported.
@@ -31,10 +33,15 @@ Runtimes
     The model exported by ``torch.onnx.export`` (the dynamo exporter, opset 18; the
     TorchScript exporter when that fails, with a note) at the batch's fixed shape, and
     served by an ``onnxruntime.InferenceSession``: CPUExecutionProvider on the CPU (with
-    torch's intra-op thread count), CUDAExecutionProvider on CUDA (run on torch's current
-    stream, TF32 only for a tf32 cell, input and output bound to device memory with IO
-    binding), MIGraphXExecutionProvider or ROCMExecutionProvider on ROCm (numpy input:
-    the host/device copies are inside the timed call, and a note says so).  The export is
+    torch's intra-op thread count), CUDAExecutionProvider on CUDA (on a dedicated
+    non-default stream ordered against torch's around each call — ORT takes a user stream
+    of 0, torch's default stream, for none and would run on its own —, TF32 only for a tf32
+    cell, input and output bound to device memory with IO binding),
+    MIGraphXExecutionProvider or ROCMExecutionProvider on ROCm (on torch's device id; numpy
+    input: the host/device copies are inside the timed call, and a note says so).  ORT's
+    ``Run`` blocks the host until the device is done, so its GPU rows are never flagged
+    launch-bound, and its device memory comes from its own arena, which torch's statistics
+    do not see: those rows leave the memory columns empty, and notes say both.  The export is
     fp32: a bf16/fp16 cell is skipped rather than served at a precision it did not ask
     for.  One-off: export plus session creation (wall clock), plus the first run's excess
     over a steady run (where a provider compiles, e.g. MIGraphX).  ONNX Runtime missing,
@@ -57,6 +64,9 @@ Graphs (``graphs=True``)
     graphed forwards (cached casts would be freed under the graph).  One-off: the capture
     (plus the compile, for compile + graphs).  GPUs only; ONNX Runtime and int8 are not
     replayed, and ``reduce-overhead`` already replays CUDA graphs: these combinations skip.
+    ``max-autotune`` turns on inductor's own CUDA graphs, which cannot be captured inside
+    kdbench's: a graphed max-autotune forward is compiled ``max-autotune-no-cudagraphs``
+    (the one-off kind and a note say so).
 
 Tolerances are relative to the largest eager logit: fp32 1e-3, tf32 1e-2, bf16/fp16 5e-2,
 int8 0.1.  Outputs are compared in float32 on the host.
@@ -140,6 +150,9 @@ class Served:
     notes: list[str] = field(default_factory=list)  # caveats: what was quantized, the provider used, ...
     graph_breaks: int | None = None  # compile: torch._dynamo graph breaks during the compile
     compiled_graphs: int | None = None  # compile: graphs dynamo compiled
+    compiled: bool = False  # torch.compile built it: its compiled code (and CUDA graph pool) is released after
+    synchronous: bool = False  # each call blocks the host until the device is done (ONNX Runtime's Run)
+    own_memory: bool = False  # device memory from an allocator torch's statistics do not see (ORT's arena)
 
 
 # --------------------------------------------------------------------------- checking
@@ -198,14 +211,13 @@ def _forward(
 
 
 def _call_ms(fn: Callable[[], Any], backend: Backend) -> tuple[float, Any]:
-    """One call of ``fn`` timed with the backend's clock (device events on GPUs), and its result."""
-    clock = backend.clock()
+    """One call of ``fn`` in host time between synchronizations (what a user waits for: one-off costs are
+    host-side compiles and builds), and its result."""
     backend.synchronize()
-    start = clock.stamp()
+    start = time.perf_counter()
     out = fn()
-    end = clock.stamp()
-    clock.sync()
-    return clock.elapsed_ms(start, end), out
+    backend.synchronize()
+    return _wall_ms(start), out
 
 
 def _excess_ms(fn: Callable[[], Any], backend: Backend, first_calls: int) -> tuple[float, Any]:
@@ -231,6 +243,9 @@ class _Built:
     notes: list[str]
     graph_breaks: int | None = None
     compiled_graphs: int | None = None
+    compiled: bool = False
+    synchronous: bool = False
+    own_memory: bool = False
 
 
 def _compile(model: nn.Module, x, choice, backend, mode: str, graphed: bool) -> _Built:
@@ -238,12 +253,19 @@ def _compile(model: nn.Module, x, choice, backend, mode: str, graphed: bool) -> 
 
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(model, mode=None if mode == "default" else mode)
+    notes = []
+    built_mode = mode
+    if graphed and mode == "max-autotune":  # its own CUDA graphs would be captured inside kdbench's graph
+        built_mode = "max-autotune-no-cudagraphs"
+        notes.append(
+            "graphs: compiled with max-autotune-no-cudagraphs (max-autotune's own CUDA graphs cannot be captured "
+            "inside the graph kdbench replays)"
+        )
+    compiled = torch.compile(model, mode=None if built_mode == "default" else built_mode)
     forward = _forward(compiled, x, choice, backend, graphed)
     one_off, _ = _excess_ms(forward, backend, COMPILE_FIRST_CALLS)
     breaks = int(sum(counters["graph_break"].values()))
     graphs = int(counters["stats"]["unique_graphs"])
-    notes = []
     if breaks:
         notes.append(f"compile: {breaks} graph break{'s' if breaks > 1 else ''}")
     cached = int(counters["inductor"]["fxgraph_cache_hit"])
@@ -254,7 +276,7 @@ def _compile(model: nn.Module, x, choice, backend, mode: str, graphed: bool) -> 
         )
     if mode == "reduce-overhead" and backend.device_type == "cpu":
         notes.append("compile: reduce-overhead's CUDA graphs do nothing on the CPU")
-    return _Built(forward, one_off, f"torch.compile ({mode})", notes, breaks, graphs)
+    return _Built(forward, one_off, f"torch.compile ({built_mode})", notes, breaks, graphs, compiled=True)
 
 
 # --------------------------------------------------------------------------- onnxruntime
@@ -282,13 +304,10 @@ def _import_onnxruntime():
 
 def export_onnx(model: nn.Module, x: torch.Tensor, path: Path) -> str:
     """Export ``model`` at ``x``'s fixed shape to ``path`` with the dynamo exporter, or the TorchScript one
-    when that fails; the note naming the exporter used.
-
-    Both run in the TF32 math mode: torch.export reads cuDNN's TF32 switch through the legacy API, which
-    raises while the new API holds IEEE fp32 (kdbench's fp32 math mode).  An export runs no kernels whose
-    results are kept, and the ONNX graph carries no math mode."""
+    when that fails; the note naming the exporter used.  torch.export reads cuDNN's TF32 switch through the
+    legacy API: :func:`kdbench.hw.backends.math_mode` keeps it readable in either mode."""
     try:
-        with warnings.catch_warnings(), math_mode(True):
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.onnx.export(model, (x,), str(path), dynamo=True, opset_version=ONNX_OPSET, verbose=False)
         return f"ONNX: dynamo exporter, opset {ONNX_OPSET}"
@@ -296,7 +315,7 @@ def export_onnx(model: nn.Module, x: torch.Tensor, path: Path) -> str:
         first = f"{type(exc).__name__}: {_first_line(exc)}"
     path.unlink(missing_ok=True)
     try:
-        with warnings.catch_warnings(), math_mode(True):
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.onnx.export(model, (x,), str(path), dynamo=False, opset_version=ONNX_OPSET)
     except Exception as exc:
@@ -312,15 +331,18 @@ def _first_line(exc: BaseException) -> str:
     return next((line.strip() for line in str(cause).splitlines() if line.strip()), type(cause).__name__)
 
 
-def _provider_options(provider: str, backend: Backend, choice: AutocastChoice) -> dict[str, str]:
-    if provider != "CUDAExecutionProvider":
+def _provider_options(provider: str, backend: Backend, choice: AutocastChoice, stream: Any = None) -> dict[str, str]:
+    """The provider's options: the device torch measures on (every GPU provider), and on CUDA the stream ORT
+    runs on (``stream``: a dedicated non-default one, see :func:`_io_bound`) and its TF32 switch."""
+    if backend.device_type != "cuda" or provider == "CPUExecutionProvider":
         return {}
     index = backend.device.index if backend.device.index is not None else torch.cuda.current_device()
-    return {
-        "device_id": str(index),
-        "user_compute_stream": str(torch.cuda.current_stream(backend.device).cuda_stream),  # the timed stream
-        "use_tf32": "1" if choice.tf32 else "0",  # ONNX Runtime's default is TF32: IEEE fp32 unless tf32
-    }
+    options = {"device_id": str(index)}
+    if provider == "CUDAExecutionProvider":
+        if stream is not None:
+            options["user_compute_stream"] = str(stream.cuda_stream)
+        options["use_tf32"] = "1" if choice.tf32 else "0"  # ONNX Runtime's default is TF32: IEEE unless tf32
+    return options
 
 
 def _onnxruntime(model: nn.Module, x: torch.Tensor, choice: AutocastChoice, backend: Backend) -> _Built:
@@ -335,12 +357,17 @@ def _onnxruntime(model: nn.Module, x: torch.Tensor, choice: AutocastChoice, back
     notes = []
     if backend.device_type == "cpu":
         options.intra_op_num_threads = torch.get_num_threads()
+    # ORT reads a user stream of 0 (torch's default stream) as "none" and runs on a stream of its own: a
+    # dedicated non-default stream, ordered against torch's around each call (see _io_bound)
+    stream = torch.cuda.Stream(backend.device) if provider == "CUDAExecutionProvider" else None
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kdbench-onnx-") as folder:
         path = Path(folder) / "model.onnx"
         notes.append(export_onnx(model, x, path))
         session = ort.InferenceSession(
-            str(path), sess_options=options, providers=[(provider, _provider_options(provider, backend, choice))]
+            str(path),
+            sess_options=options,
+            providers=[(provider, _provider_options(provider, backend, choice, stream))],
         )
     setup_ms = _wall_ms(start)
     used = session.get_providers()
@@ -352,8 +379,8 @@ def _onnxruntime(model: nn.Module, x: torch.Tensor, choice: AutocastChoice, back
     threads = f", {options.intra_op_num_threads} threads (torch's)" if backend.device_type == "cpu" else ""
     notes.append(f"onnxruntime {ort.__version__}: {provider}{threads}")
     name, out_name = session.get_inputs()[0].name, session.get_outputs()[0].name
-    if backend.name == "cuda":
-        forward = _io_bound(session, name, out_name, x, backend)
+    if stream is not None:
+        forward = _io_bound(session, name, out_name, x, backend, stream)
     else:
         feed = {name: x.detach().contiguous().cpu().numpy()}
 
@@ -363,11 +390,13 @@ def _onnxruntime(model: nn.Module, x: torch.Tensor, choice: AutocastChoice, back
         if backend.device_type != "cpu":
             notes.append("onnxruntime: numpy input, so the host/device copies of input and output are timed too")
     first_ms, _ = _excess_ms(forward, backend, 1)
-    return _Built(forward, setup_ms + first_ms, "ONNX export + session", notes)
+    return _Built(forward, setup_ms + first_ms, "ONNX export + session", notes, synchronous=True, own_memory=True)
 
 
-def _io_bound(session, name: str, out_name: str, x: torch.Tensor, backend: Backend) -> Callable[[], Any]:
-    """``session``'s run with input and output bound to device memory (no host copies in the timed call)."""
+def _io_bound(session, name: str, out_name: str, x: torch.Tensor, backend: Backend, stream: Any) -> Callable[[], Any]:
+    """``session``'s run with input and output bound to device memory (no host copies in the timed call), on
+    ``stream`` (the session's ``user_compute_stream``): it waits for torch's current stream (the input is
+    ready), and torch's stream waits for it, so the clock's events on torch's stream bracket ORT's work."""
     import numpy as np
 
     index = backend.device.index or 0
@@ -380,11 +409,15 @@ def _io_bound(session, name: str, out_name: str, x: torch.Tensor, backend: Backe
     binding.bind_input(name, "cuda", index, np.float32, list(x.shape), x.data_ptr())
     binding.bind_output(out_name, "cuda", index, np.float32, shape, out.data_ptr())
 
+    current = torch.cuda.current_stream(backend.device)
+
     def forward() -> torch.Tensor:
+        stream.wait_stream(current)
         session.run_with_iobinding(binding)
+        current.wait_stream(stream)
         return out
 
-    forward.keep = (x, out, binding)  # type: ignore[attr-defined]  # the bound memory lives with the call
+    forward.keep = (x, out, binding, stream)  # type: ignore[attr-defined]  # the bound memory lives with the call
     return forward
 
 
@@ -515,6 +548,9 @@ def serve(
         notes=built.notes,
         graph_breaks=built.graph_breaks,
         compiled_graphs=built.compiled_graphs,
+        compiled=built.compiled,
+        synchronous=built.synchronous,
+        own_memory=built.own_memory,
     )
 
 
@@ -531,4 +567,5 @@ def _graphed(built: _Built, backend: Backend, choice: AutocastChoice) -> _Built:
         notes,
         built.graph_breaks,
         built.compiled_graphs,
+        compiled=built.compiled,
     )

@@ -50,7 +50,10 @@ class DeviceIds:
     """How the management libraries can find torch's device: its UUID and its PCI address."""
 
     uuid: str | None = None  # as torch reports it, without NVML's "GPU-" prefix
-    bdf: str | None = None  # PCI domain:bus:device.function, e.g. "0000:3b:00.0"
+    # PCI domain:bus:device.function, e.g. "0000:3b:00.0".  torch reports no function: it is written .0, right for
+    # NVIDIA (MIG instances share one function) but not for a partitioned MI300X, whose partitions are functions
+    # of one slot (matched by UUID, see _AmdSmi)
+    bdf: str | None = None
 
 
 def device_ids(backend: Backend) -> DeviceIds:
@@ -64,6 +67,17 @@ def device_ids(backend: Backend) -> DeviceIds:
     if bus is not None:
         bdf = f"{getattr(props, 'pci_domain_id', 0):04x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
     return DeviceIds(uuid, bdf)
+
+
+def _slot(bdf: str) -> tuple[int, str]:
+    """A PCI address's domain (as a number) and bus:device, without the function."""
+    domain, rest = bdf.lower().split(":", 1)
+    return int(domain, 16), rest.split(".")[0]
+
+
+def _same_slot(a: str | None, b: str | None) -> bool:
+    """The same PCI slot (domain, bus, device), whatever the function: one GPU, or partitions of one."""
+    return bool(a and b) and _slot(a) == _slot(b)  # type: ignore[arg-type]
 
 
 def _same_bdf(a: str | None, b: str | None) -> bool:
@@ -123,13 +137,28 @@ class _AmdSmi:
         self.lib = lib
         lib.amdsmi_init()
         self.handle, self.matched = None, None
-        for handle in lib.amdsmi_get_processor_handles():
-            bdf = _read_str(lambda h=handle: lib.amdsmi_get_gpu_device_bdf(h))
-            uuid = _read_str(lambda h=handle: lib.amdsmi_get_gpu_device_uuid(h))
-            if _same_bdf(bdf, ids.bdf) or (uuid and ids.uuid and uuid.lower() == ids.uuid.lower()):
-                self.handle, self.matched = handle, bdf or uuid
-                break
-        if self.handle is None:
+        found = [
+            (
+                handle,
+                _read_str(lambda h=handle: lib.amdsmi_get_gpu_device_bdf(h)),
+                _read_str(lambda h=handle: lib.amdsmi_get_gpu_device_uuid(h)),
+            )
+            for handle in lib.amdsmi_get_processor_handles()
+        ]
+        # The UUID first: a partitioned MI300X (CPX, DPX ...) shows its partitions as functions of one PCI slot,
+        # and torch reports no function; by slot only where one device is in it.
+        by_uuid = [f for f in found if f[2] and ids.uuid and f[2].lower() == ids.uuid.lower()]
+        in_slot = [f for f in found if _same_slot(f[1], ids.bdf)]
+        if by_uuid or len(in_slot) == 1:
+            self.handle, bdf, uuid = (by_uuid or in_slot)[0]
+            self.matched = bdf or uuid
+        elif in_slot:
+            functions = ", ".join(sorted(str(f[1]) for f in in_slot))
+            raise LookupError(
+                f"{len(in_slot)} amdsmi devices share torch's PCI slot {ids.bdf} (a partitioned GPU: {functions}) "
+                f"and none has torch's UUID {ids.uuid}: telemetry cannot tell which partition torch uses"
+            )
+        else:
             raise LookupError(f"no amdsmi device has torch's PCI address {ids.bdf} or UUID {ids.uuid}")
 
     def _power(self) -> float | None:
