@@ -1,43 +1,65 @@
-"""GPU check: what kdbench's GPU paths measure, checked on a real GPU in about five minutes.
+"""GPU check: what kdbench's GPU paths measure, checked on a real GPU in one device command.
 
 Run it by hand on a fresh CUDA or ROCm machine (pytest does not collect it):
 
-    python benchmarks/gpu_check.py                    # the first visible GPU; results under a temp folder
-    python benchmarks/gpu_check.py --out gpu-check    # keep the probe, results and report
+    python benchmarks/gpu_check.py                    # the first visible GPU; files under a temp folder
+    python benchmarks/gpu_check.py --out gpu-check    # the few files to copy back, in gpu-check/
+    python benchmarks/gpu_check.py --quick            # a selection with margin in a 10-minute command
 
-It checks, printing each figure beside its verdict:
+It prints its plan (each stage's seconds on a warm H200, from gpu-review-2) and checks, printing
+each figure beside its verdict:
 
 1. clocks: a GPU-bound GEMM and a host-bound loop of tiny kernels, timed with kdbench's
    device-event clock and with synchronised wall time, agree within 10 %; the GEMM is not
    flagged launch-bound and the loop is;
 2. math: every precision sets the TF32 switches it should (fp32, bf16, fp16: off; tf32: on),
-   and fp32 matmuls and convolutions are IEEE fp32 by their error against float64;
-3. telemetry: the management library (NVML or amdsmi) reads the GPU torch uses (UUID or
+   the legacy and the new flag getters answer inside ``math_mode`` and agree with it, and fp32
+   matmuls and convolutions are IEEE fp32 by their error against float64;
+3. idle: a device event pair around a 200 ms host sleep times the gap (every one_off_ms relies on it);
+4. syncs: a distillation step has no host-device sync (``torch.cuda.set_sync_debug_mode("error")``);
+5. telemetry: the management library (NVML or amdsmi) reads the GPU torch uses (UUID or
    PCI address, read back from the library), and the energy counter agrees with the
    integral of the sampled power within 25 %;
-4. memory: after a cell, the device's allocated memory is back at its baseline, and a
+6. memory: after a cell, the device's allocated memory is back at its baseline, and a
    cell measured twice reports the same peaks;
-5. phase stamps: the step time with and without phase events, over paired rounds (5 %);
-6. `kdbench probe`: every ceiling is measured or says why not;
-7. suites/gpu-smoke.yaml: every row is ok (tf32 may be skipped, with its reason) and
-   0 < mfu <= 1 (or, on a GPU without a datasheet entry, 0 < ceiling_utilization <= 1).
+7. phase stamps: the step time with and without phase events, over paired rounds (5 %);
+8. `kdbench probe`: every ceiling is measured or says why not;
+9. suites/gpu-smoke.yaml: every row is ok (tf32 may be skipped, with its reason) and
+   0 < mfu <= 1 (or, on a GPU without a datasheet entry, 0 < ceiling_utilization <= 1);
+10. suites/gpu-levers.yaml: every lever once; every row ok or skipped with its reason, every
+    compiled row with one_off_ms > 0;
+11. the report of both runs renders.
 
-It ends with exit code 0 when every check passed, 1 otherwise.  ``--device cpu`` runs the
-checks that mean something on the CPU (clocks, math flags, probe, a suite given with
-``--suite``), to try the script itself on a machine without a GPU.
+Every ``kdbench run`` gets ``--cell-timeout`` (default 240 s), so no cell outlasts a device command.
+``--quick`` measures memory once fewer, pairs fewer phase rounds, and runs a subset of each suite
+(written into the scratch folder).  Everything lands in ``--out`` in a few files:
+``summary.txt`` (the review's five first-run numbers against their H200 ranges, the counts, the
+wall time, torch, device, date), ``check.log`` (all that was printed), ``results.tar.gz`` (the
+runs and the probe), ``report.tar.gz`` and ``probe.parquet``; they are rewritten after every
+stage, so a failure, a time-out or SIGTERM still leaves what was done.
+
+It ends with exit code 0 when every check passed, 1 otherwise (the first-run numbers are
+reported, not counted).  ``--device cpu`` runs the checks that mean something on the CPU
+(clocks, math flags, phases, probe, a suite), to try the script itself on a machine without a
+GPU; ``--device cpu --quick`` runs the math flags and the probe only, and the rest say "no GPU".
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -47,17 +69,84 @@ from kdbench.measure.timing import timed_loop
 from kdbench.names import PRECISIONS
 
 ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "suites" / "gpu-smoke.yaml"
+LEVERS = ROOT / "suites" / "gpu-levers.yaml"
 CLOCK_TOLERANCE = 0.10
 ENERGY_TOLERANCE = 0.25
 PHASE_TOLERANCE = 0.05
+IDLE_GAP_MS = 200.0
+IDLE_MIN_MS = 190.0
+CELL_TIMEOUT_S = 240.0
+DEVICE_COMMAND_S = 480  # the full plan's bound: a 10-minute device command with margin
+OUTPUTS = ("summary.txt", "check.log", "results.tar.gz", "report.tar.gz", "probe.parquet")  # all --out holds
+
+
+# --------------------------------------------------------------------------- plan
+
+
+class Stage(NamedTuple):
+    """A stage's estimated seconds on a warm H200 (gpu-review-2), in full and with --quick."""
+
+    name: str
+    low: float
+    high: float
+    quick_low: float
+    quick_high: float
+    what: str
+
+
+PLAN = (
+    Stage("start-up", 10, 15, 10, 15, "import torch and kdbench, the CUDA context"),
+    Stage("clocks", 4, 5, 4, 5, "a GEMM and 200 tiny adds, events against wall time"),
+    Stage("math", 2, 5, 2, 5, "flags, flag getters, IEEE and TF32 errors"),
+    Stage("idle", 1, 2, 1, 2, "events around a 200 ms host sleep"),
+    Stage("syncs", 3, 5, 3, 5, "resnet20->resnet8 steps in sync debug mode"),
+    Stage("telemetry", 7, 8, 7, 8, "6 s of GEMMs under NVML/amdsmi"),
+    Stage("memory", 12, 15, 8, 10, "a cell three times (--quick: twice)"),
+    Stage("phases", 6, 8, 2, 3, "16 paired rounds (--quick: 4)"),
+    Stage("probe", 20, 25, 20, 25, "kdbench probe"),
+    Stage("suite", 80, 110, 30, 45, "gpu-smoke.yaml: 9 cells (--quick: 3)"),
+    Stage("levers", 180, 240, 60, 100, "gpu-levers.yaml: 10 cells, ~5 compiles (--quick: 7, 1)"),
+    Stage("report", 15, 30, 15, 30, "the report of both runs"),
+)
+STAGES = tuple(s.name for s in PLAN if s.name != "start-up")
+GPU_ONLY = ("idle", "syncs", "telemetry", "memory", "levers")  # on the CPU they say "no GPU" and check nothing
+CPU_QUICK_SKIPS = ("clocks", "phases", "suite", "report")  # slow or noise on a small shared CPU
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, float, float, str]]:
+    """The stages ``args`` runs, each with its (low, high) seconds on a warm H200."""
+    return [
+        (s.name, *((s.quick_low, s.quick_high) if args.quick else (s.low, s.high)), s.what)
+        for s in PLAN
+        if s.name not in args.skip
+    ]
+
+
+def plan_bounds(args: argparse.Namespace) -> tuple[float, float]:
+    stages = plan(args)
+    return sum(s[1] for s in stages), sum(s[2] for s in stages)
+
+
+def print_plan(args: argparse.Namespace) -> None:
+    print(f"\nplan{' (--quick)' if args.quick else ''}: seconds on a warm H200 (gpu-review-2)")
+    for name, low, high, what in plan(args):
+        print(f"   {name:<10} {low:>4.0f}-{high:<4.0f} {what}")
+    low, high = plan_bounds(args)
+    print(f"   {'total':<10} {low:>4.0f}-{high:<4.0f} (one device command: 600 s)", flush=True)
+
+
+# --------------------------------------------------------------------------- the report and the numbers
 
 
 class Report:
-    """Prints each check as it is decided and keeps the verdicts."""
+    """Prints each check as it is decided and keeps the verdicts, and the first-run figures."""
 
     def __init__(self) -> None:
         self.failed: list[str] = []
         self.passed = 0
+        self.figures: dict[str, Any] = {}  # first-run numbers (FIGURES) as measured
+        self.why: dict[str, str] = {}  # why a figure was not measured
 
     def section(self, title: str) -> None:
         print(f"\n== {title}", flush=True)
@@ -72,6 +161,175 @@ class Report:
         else:
             self.failed.append(what)
         return ok
+
+    def figure(self, key: str, value: Any) -> None:
+        self.figures[key] = value
+
+    def unmeasured(self, why: str, *keys: str) -> None:
+        for key in keys:
+            self.why.setdefault(key, why)
+
+
+class Figure(NamedTuple):
+    number: int  # which of the review's five first-run numbers
+    key: str
+    label: str
+    stage: str
+    fmt: str
+
+
+FIGURES = (
+    Figure(1, "probe_bf16_tflops", "probe bf16 matmul, TFLOP/s", "probe", "{:.4g}"),
+    Figure(2, "clock_gemm_ratio", "event/wall ratio, GEMM", "clocks", "{:.3f}"),
+    Figure(2, "clock_adds_ratio", "event/wall ratio, 200 tiny adds", "clocks", "{:.3f}"),
+    Figure(2, "clock_adds_launch_bound", "200 tiny adds flagged launch-bound", "clocks", "{}"),
+    Figure(3, "step_window_ratio", "resnet50->resnet18 bf16 step: window_ms/n over median", "suite", "{:.3f}"),
+    Figure(3, "step_host_ratio", "resnet50->resnet18 bf16 step: host_ms over median", "suite", "{:.3f}"),
+    Figure(3, "step_remainder_ratio", "resnet50->resnet18 bf16 step: phase remainder over median", "suite", "{:+.3f}"),
+    Figure(4, "probe_fp32_tflops", "probe fp32 (IEEE) matmul, TFLOP/s", "probe", "{:.4g}"),
+    Figure(4, "probe_tf32_tflops", "probe tf32 matmul, TFLOP/s", "probe", "{:.4g}"),
+    Figure(4, "math_ieee_error", "math check: fp32 matmul error, IEEE", "math", "{:.1e}"),
+    Figure(4, "math_tf32_error", "math check: fp32 matmul error, TF32", "math", "{:.1e}"),
+    Figure(5, "energy_ratio", "energy counter over sampled power, GEMM window", "telemetry", "{:.3f}"),
+)
+
+# Expected first-run figures by device name (a key the name contains): (low, high, note), or a bool.
+EXPECTED: dict[str, dict[str, Any]] = {
+    "H200": {
+        "probe_bf16_tflops": (
+            770,
+            800,
+            "datasheet 989: above it the events time the wrong stream; below 650, throttling",
+        ),
+        "clock_gemm_ratio": (0.98, 1.02, ""),
+        "clock_adds_ratio": (0.95, 1.05, ""),
+        "clock_adds_launch_bound": True,
+        "step_window_ratio": (0.97, 1.03, "within 3 % of the median"),
+        "step_host_ratio": (0.0, 0.5, "host_ms << median; ~1 means a sync per step"),
+        "step_remainder_ratio": (-0.05, 0.05, "the phases sum to the step"),
+        "probe_fp32_tflops": (45, 60, "datasheet 67"),
+        "probe_tf32_tflops": (350, 480, ""),
+        "math_ieee_error": (0.0, 1e-6, "~1e-7"),
+        "math_tf32_error": (1e-5, 1e-3, "~1e-4"),
+        "energy_ratio": (0.9, 1.15, ""),
+    }
+}
+
+
+def expected_for(device: str) -> tuple[str, dict[str, Any]] | None:
+    """The expected first-run figures of a device name (e.g. "NVIDIA H200"), with their key; None: none known."""
+    for key, figures in EXPECTED.items():
+        if key.lower() in device.lower():
+            return key, figures
+    return None
+
+
+def judge(fig: Figure, report: Report, device: str, stages: dict[str, str]) -> str:
+    """One summary line: the figure against its expected range (PASS/FAIL), INFO without one, or n/a and why."""
+    head = f"{fig.number}. {fig.label}:"
+    if fig.key not in report.figures:
+        why = report.why.get(fig.key) or f"the {fig.stage} stage {stages.get(fig.stage, 'did not run')}"
+        return f"{head} n/a: {why}"
+    value = report.figures[fig.key]
+    shown = fig.fmt.format(value)
+    known = expected_for(device)
+    if known is None or fig.key not in known[1]:
+        return f"{head} {shown}: INFO: no expected range for {device}"
+    want = known[1][fig.key]
+    if isinstance(want, bool):
+        return f"{head} {shown}; expected {want} ({known[0]}): {'PASS' if value is want else 'FAIL'}"
+    low, high, note = want
+    ok = low <= value <= high
+    note = f"; {note}" if note else ""
+    return f"{head} {shown}; expected {fig.fmt.format(low)} to {fig.fmt.format(high)} ({known[0]}{note}): " + (
+        "PASS" if ok else "FAIL"
+    )
+
+
+class Run:
+    """What summary.txt says about this run besides the checks."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.device = self.backend = "unknown"
+        self.start = time.perf_counter()
+        self.date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        self.stages: dict[str, str] = {}
+        self.stopped = ""
+
+
+def write_summary(out: Path, report: Report, run: Run) -> None:
+    """summary.txt: the first-run numbers, the counts, the stages, the wall time, torch, device and date."""
+    stages = run.stages
+    low, high = plan_bounds(run.args)
+    lines = [
+        "kdbench GPU check (benchmarks/gpu_check.py)",
+        f"date:      {run.date}",
+        f"device:    {run.device} ({run.backend}); torch {torch.__version__}, "
+        f"runtime {getattr(torch.version, 'hip', None) or torch.version.cuda or 'cpu'}",
+        f"arguments: {' '.join(run.args.argv) or '(none)'}",
+        f"wall time: {time.perf_counter() - run.start:.0f} s (plan on a warm H200: {low:.0f}-{high:.0f} s)",
+        f"checks:    {report.passed} passed, {len(report.failed)} failed" + (f"; {run.stopped}" if run.stopped else ""),
+        "stages:    " + ", ".join(f"{name} {state}" for name, state in stages.items()),
+        "",
+        "First-run numbers (gpu-review-2; expected ranges for H200, reported, not counted as checks):",
+        *(f"  {judge(fig, report, run.device, stages)}" for fig in FIGURES),
+    ]
+    if report.failed:
+        lines += ["", "Failed checks:", *(f"  FAIL {what}" for what in report.failed)]
+    tmp = out / "summary.txt.tmp"
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    os.replace(tmp, out / "summary.txt")
+
+
+# --------------------------------------------------------------------------- output
+
+
+class _Tee:
+    """A stream that writes to the terminal and to check.log."""
+
+    def __init__(self, stream, log) -> None:
+        self.stream, self.log = stream, log
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        self.log.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.log.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def _tar(folder: Path, dest: Path) -> None:
+    tmp = dest.with_name(dest.name + ".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        tar.add(folder, arcname=folder.name)
+    os.replace(tmp, dest)
+
+
+def pack(scratch: Path, out: Path) -> None:
+    """The scratch folder's runs, probe and report as single files in ``out``."""
+    for name in ("results", "report"):
+        if (scratch / name).is_dir() and any(p.is_file() for p in (scratch / name).rglob("*")):
+            _tar(scratch / name, out / f"{name}.tar.gz")
+    probes = sorted((scratch / "results" / "probes").glob("probe-*.parquet"), key=lambda p: p.stat().st_mtime)
+    if probes:
+        shutil.copyfile(probes[-1], out / "probe.parquet")
+
+
+class Stopped(BaseException):
+    """SIGTERM (a time-out): end the stage, keep what was done."""
+
+
+def _stop(signum, frame) -> None:
+    raise Stopped(f"stopped by {signal.Signals(signum).name}")
+
+
+# --------------------------------------------------------------------------- checks
 
 
 def _synced_wall_ms(fn: Callable[[], object], backend: Backend, calls: int) -> float:
@@ -97,17 +355,23 @@ def check_clocks(backend: Backend, report: Report) -> None:
         for _ in range(200):
             x = x + 1
 
-    cases = ((f"GEMM {n}x{n} {str(dtype)[6:]}", lambda: torch.mm(a, b), False), ("200 tiny adds", host_bound, True))
-    for name, fn, launch_bound in cases:
+    cases = (
+        (f"GEMM {n}x{n} {str(dtype)[6:]}", lambda: torch.mm(a, b), False, "clock_gemm"),
+        ("200 tiny adds", host_bound, True, "clock_adds"),
+    )
+    for name, fn, launch_bound, key in cases:
         raw = timed_loop(fn, backend.clock(), warmup=5, min_iters=20, min_time_s=1.0, max_iters=100_000)
         event = statistics.median(raw.samples_ms)
         wall = _synced_wall_ms(fn, backend, len(raw.samples_ms))
+        report.figure(f"{key}_ratio", event / wall)
         report.check(
             f"{name}: {raw.clock} median {event:.4g} ms, synced wall {wall:.4g} ms per call "
             f"(ratio {event / wall:.3f}, within 1 ± {CLOCK_TOLERANCE})",
             abs(event / wall - 1) <= CLOCK_TOLERANCE,
         )
         flagged = raw.launch_bound(event)
+        if launch_bound:
+            report.figure(f"{key}_launch_bound", flagged)
         host = f"{statistics.median(raw.host_ms):.4g} ms" if raw.host_ms else "n/a"
         expected = launch_bound if gpu else None  # host clocks: host time is all there is
         report.check(
@@ -117,6 +381,45 @@ def check_clocks(backend: Backend, report: Report) -> None:
 
 def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.double() - ref).norm() / ref.norm())
+
+
+FLAG_GETTERS = (  # name, getter, whether it is a process-wide default level ("none": the levels below decide)
+    ("cudnn.allow_tf32", lambda: torch.backends.cudnn.allow_tf32, False),
+    ("cuda.matmul.allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32, False),
+    ("get_float32_matmul_precision()", lambda: torch.get_float32_matmul_precision(), False),
+    ("backends.fp32_precision", lambda: torch.backends.fp32_precision, True),
+    ("cudnn.fp32_precision", lambda: torch.backends.cudnn.fp32_precision, False),
+    ("cuda.matmul.fp32_precision", lambda: torch.backends.cuda.matmul.fp32_precision, False),
+    ("cudnn.conv.fp32_precision", lambda: torch.backends.cudnn.conv.fp32_precision, False),
+)
+
+
+def flag_getters(tf32: bool) -> list[tuple[str, str, bool]]:
+    """Inside ``math_mode(tf32)``: every fp32 flag getter this torch has, as (name, value or what it raised,
+    agrees with the mode).  IEEE: allow_tf32 False, precision highest or ieee; TF32: True, high or tf32."""
+    want = {True, "high", "tf32"} if tf32 else {False, "highest", "ieee"}
+    found = []
+    with math_mode(tf32):
+        for name, getter, inherits in FLAG_GETTERS:
+            try:
+                value = getter()
+            except AttributeError:  # an older torch without the new API
+                continue
+            except Exception as exc:  # what a getter raises is the finding
+                text = (str(exc).strip().splitlines() or [""])[0]
+                found.append((name, f"raised {type(exc).__name__}: {text}", False))
+                continue
+            ok = value in want or (inherits and value == "none")
+            found.append((name, repr(value), ok))
+    return found
+
+
+def check_flag_getters(report: Report) -> None:
+    """The legacy and the new fp32 flag getters (torch's compiler reads both) inside math_mode (gpu-review-2 G2)."""
+    for tf32, mode, want in ((False, "IEEE", "False, 'highest' or 'ieee'"), (True, "TF32", "True, 'high' or 'tf32'")):
+        found = flag_getters(tf32)
+        shown = ", ".join(f"{name} {value}{'' if ok else ' (WRONG)'}" for name, value, ok in found)
+        report.check(f"math_mode({tf32}) ({mode}; expected {want}): {shown}", all(ok for *_, ok in found))
 
 
 def check_math(backend: Backend, report: Report) -> None:
@@ -134,6 +437,7 @@ def check_math(backend: Backend, report: Report) -> None:
             f"float32_matmul_precision {flags['float32_matmul_precision']} (TF32 expected: {want})",
             flags["tf32_matmul"] is want and flags["tf32_cudnn"] is want,
         )
+    check_flag_getters(report)
     torch.manual_seed(0)
     a = torch.randn(2048, 2048, device=backend.device)
     b = torch.randn(2048, 2048, device=backend.device)
@@ -144,6 +448,7 @@ def check_math(backend: Backend, report: Report) -> None:
     errors = {}
     for tf32 in (False, True):
         if tf32 and not choose_autocast(backend, "tf32").tf32:
+            report.unmeasured(choose_autocast(backend, "tf32").skip or "no TF32 here", "math_tf32_error")
             continue
         with math_mode(tf32):
             errors[tf32] = (
@@ -151,12 +456,82 @@ def check_math(backend: Backend, report: Report) -> None:
                 _relative_error(torch.nn.functional.conv2d(x, w, padding=1), conv_ref),
             )
     mm32, conv32 = errors[False]
+    report.figure("math_ieee_error", mm32)
     report.check(
         f"fp32 matmul error {mm32:.2e}, conv error {conv32:.2e} (IEEE fp32: below 1e-5)", max(mm32, conv32) < 1e-5
     )
     if True in errors:
         mm_tf, conv_tf = errors[True]
+        report.figure("math_tf32_error", mm_tf)
         report.check(f"tf32 matmul error {mm_tf:.2e}, conv error {conv_tf:.2e} (TF32 in use: above 1e-5)", mm_tf > 1e-5)
+
+
+def check_idle(backend: Backend, report: Report) -> None:
+    report.section(f"idle: device events around a {IDLE_GAP_MS:.0f} ms host sleep on an idle stream")
+    if backend.device_type != "cuda":
+        report.info("no GPU: the host clock times the sleep by construction")
+        return
+    clock = backend.clock()
+    torch.ones(1, device=backend.device).add_(1)  # the context and the stream exist before the first event
+    backend.synchronize()
+    start = clock.stamp()
+    host = time.perf_counter()
+    time.sleep(IDLE_GAP_MS / 1e3)
+    end = clock.stamp()
+    host_ms = (time.perf_counter() - host) * 1e3
+    clock.sync()
+    event_ms = clock.elapsed_ms(start, end)
+    report.check(
+        f"{clock.name}: {event_ms:.1f} ms between the events, host {host_ms:.1f} ms (the gap included: "
+        f">= {IDLE_MIN_MS:.0f} ms; one_off_ms relies on it)",
+        event_ms >= IDLE_MIN_MS,
+    )
+
+
+def _step(backend: Backend, config):
+    from kdbench.distill.step import DistillStep
+    from kdbench.hw.data import synthetic_batch
+    from kdbench.models import build_model
+
+    torch.manual_seed(0)
+    shape = tuple(config.data.shape)
+    teacher = build_model(config.pair.teacher, config.data.num_classes, shape).to(backend.device)
+    student = build_model(config.pair.student, config.data.num_classes, shape).to(backend.device)
+    x, y = synthetic_batch(config, config.batch_size, backend.device, 0)
+    return DistillStep(teacher, student, x, y, config, backend)
+
+
+def check_syncs(backend: Backend, report: Report) -> None:
+    report.section('syncs: distillation steps under torch.cuda.set_sync_debug_mode("error")')
+    if backend.device_type != "cuda":
+        report.info("no GPU: nothing synchronises on the CPU")
+        return
+    config = _config(
+        pair={"teacher": "resnet20", "student": "resnet8"},
+        precision="bf16",
+        batch_size=64,
+        inference={"batch_sizes": [64]},
+    )
+    step = _step(backend, config)
+    for _ in range(2):  # lazy initialisation (cuDNN handles, optimizer state) before the check
+        step()
+    backend.synchronize()
+    error = ""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            step()
+    except RuntimeError as exc:
+        error = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    backend.synchronize()
+    step.close()
+    report.check(
+        f"resnet20->resnet8 {config.method} bf16 bs64, 3 steps: "
+        + (f"synchronised: {error}" if error else "no host-device sync"),
+        not error,
+    )
 
 
 def _gemm_loop(backend: Backend, seconds: float, on_window=None):
@@ -175,13 +550,12 @@ def _gemm_loop(backend: Backend, seconds: float, on_window=None):
 
 
 def check_telemetry(backend: Backend, report: Report) -> None:
-    import os
-
     from kdbench.measure.telemetry import TelemetrySampler, _same_bdf, device_ids
 
     report.section("telemetry: the GPU torch uses, and energy from its counter")
     if backend.device_type != "cuda":
         report.info("no GPU: nothing to check")
+        report.unmeasured("the CPU has no energy counter kdbench reads", "energy_ratio")
         return
     visible = {
         k: os.environ[k]
@@ -194,6 +568,7 @@ def check_telemetry(backend: Backend, report: Report) -> None:
         raw = _gemm_loop(backend, 6.0, on_window=sampler.on_window)
     t = sampler.result(len(raw.samples_ms), 1, raw.window_s)
     if not report.check(f"telemetry available ({t.source or sampler.source}): {t.reason or 'yes'}", t.available):
+        report.unmeasured(f"no telemetry: {t.reason}", "energy_ratio")
         return
     reader = sampler._reader
     lib, handle = reader.lib, reader.handle
@@ -216,14 +591,17 @@ def check_telemetry(backend: Backend, report: Report) -> None:
     )
     if t.energy_source != "counter":
         report.check(f"energy counter readable (energy from: {t.energy_source})", False)
+        report.unmeasured(f"no energy counter (energy from: {t.energy_source})", "energy_ratio")
         return
     if sampled is None:
         report.check("at least two power samples in the window", False)
+        report.unmeasured("under two power samples in the window", "energy_ratio")
         return
     # the sampled integral spans first to last sample, a little less than the window
     span = points[-1, 0] - points[0, 0]
     sampled_full = sampled * t.window_s / span
     ratio = t.energy_j / sampled_full
+    report.figure("energy_ratio", ratio)
     report.check(
         f"energy: counter {t.energy_j:.1f} J, sampled power {sampled_full:.1f} J over the window (ratio {ratio:.3f}, "
         f"within 1 ± {ENERGY_TOLERANCE})",
@@ -245,7 +623,7 @@ def _config(**changes):
     return CellConfig.model_validate({**base, **changes})
 
 
-def check_memory(backend: Backend, report: Report) -> None:
+def check_memory(backend: Backend, report: Report, repeats: int = 2) -> None:
     from kdbench.config.plan import Cell
     from kdbench.measure.cell import measure_cell
     from kdbench.models.cache import ModelCache
@@ -267,87 +645,184 @@ def check_memory(backend: Backend, report: Report) -> None:
     baseline = allocated()  # library workspaces (cuBLAS, MIOpen) stay after the first cell
     report.info(f"allocated before any cell {before} B, after the first {baseline} B (workspaces)")
     peaks = []
-    for i in range(2):
+    rows: list[dict] = []
+    for i in range(repeats):
         rows = measure_cell(cell, backend, cache)
         after = allocated()
         report.check(f"after cell {i + 2}: allocated {after} B, baseline {baseline} B", after == baseline)
         peaks.append({r["measurement"]: r.get("peak_memory_bytes") for r in rows})
     report.check(f"all rows ok: {[r['status'] for r in first + rows]}", all(r["status"] == "ok" for r in first + rows))
-    report.check(f"the same peaks when measured again: {peaks[0]} and {peaks[1]}", peaks[0] == peaks[1])
+    if len(peaks) >= 2:
+        report.check(f"the same peaks when measured again: {peaks[0]} and {peaks[1]}", peaks[0] == peaks[1])
+    else:
+        report.info(f"peaks {peaks[0]} (--quick: measured once after the first, so not compared)")
 
 
-def check_phase_overhead(backend: Backend, report: Report) -> None:
-    from kdbench.distill.step import DistillStep
-    from kdbench.hw.data import synthetic_batch
-    from kdbench.models import build_model
-
+def check_phase_overhead(backend: Backend, report: Report, pairs: int = 16) -> None:
     report.section("phase stamps: a step with and without its phase events")
     config = _config()
-    torch.manual_seed(0)
-    teacher = build_model("resnet56", 100, (3, 32, 32)).to(backend.device)
-    student = build_model("resnet20", 100, (3, 32, 32)).to(backend.device)
-    x, y = synthetic_batch(config, config.batch_size, backend.device, 0)
-    step = DistillStep(teacher, student, x, y, config, backend)
+    step = _step(backend, config)
     clock = step.clock
     for _ in range(3):
         step()
     ratios = []
     medians: dict[str, list[float]] = {"stamped": [], "plain": []}
-    for i in range(16):
+    for i in range(pairs):
         for name in ("stamped", "plain") if i % 2 == 0 else ("plain", "stamped"):
             step.clock = clock if name == "stamped" else None
             raw = timed_loop(step, backend.clock(), warmup=1, min_iters=5, min_time_s=0.2, max_iters=10_000)
             medians[name].append(statistics.median(raw.samples_ms))
         ratios.append(medians["stamped"][-1] / medians["plain"][-1])
     step.clock = clock
+    step.close()
     ratio = statistics.median(ratios)
     report.check(
         f"resnet56->resnet20 kd+at bs128: stamped {statistics.median(medians['stamped']):.3f} ms, plain "
-        f"{statistics.median(medians['plain']):.3f} ms; median paired ratio {ratio:.4f} (within 1 ± {PHASE_TOLERANCE})",
+        f"{statistics.median(medians['plain']):.3f} ms; median of {pairs} paired ratios {ratio:.4f} "
+        f"(within 1 ± {PHASE_TOLERANCE})",
         abs(ratio - 1) <= PHASE_TOLERANCE,
     )
 
 
 def _kdbench(report: Report, *args: str) -> bool:
+    """``python -m kdbench ARGS``, its output printed (and so in check.log) as it comes."""
     command = [sys.executable, "-m", "kdbench", *args]
     report.info("$ " + " ".join(command))
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, check=False)
-    return report.check(
-        f"kdbench {args[0]} exit code {done.returncode} ({time.perf_counter() - start:.0f} s)", done.returncode == 0
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8"}
+    proc = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
     )
+    try:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+        sys.stdout.flush()
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:  # stopped (SIGTERM, Ctrl-C): the child goes too
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        proc.stdout.close()
+    return report.check(f"kdbench {args[0]} exit code {code} ({time.perf_counter() - start:.0f} s)", code == 0)
 
 
-def check_probe(backend: Backend, out: Path, report: Report) -> None:
+def check_probe(backend: Backend, scratch: Path, report: Report) -> None:
     import pandas as pd
 
     report.section("kdbench probe")
-    if not _kdbench(report, "probe", "--out", str(out / "results"), "--device", backend.name):
+    keys = ("probe_bf16_tflops", "probe_fp32_tflops", "probe_tf32_tflops")
+    if not _kdbench(report, "probe", "--out", str(scratch / "results"), "--device", backend.name):
+        report.unmeasured("kdbench probe failed", *keys)
         return
     (newest, *_) = sorted(
-        (out / "results" / "probes").glob("probe-*.parquet"), key=lambda p: p.stat().st_mtime, reverse=True
+        (scratch / "results" / "probes").glob("probe-*.parquet"), key=lambda p: p.stat().st_mtime, reverse=True
     )
     for r in pd.read_parquet(newest).itertuples():
         value = f"{r.value:.4g} {r.unit}" if pd.notna(r.value) else f"not measured: {r.error}"
+        key = f"probe_{r.dtype}_tflops"
+        if r.kind == "matmul" and key in keys:
+            if pd.notna(r.value):
+                report.figure(key, float(r.value))
+            else:
+                report.unmeasured(f"not measured: {r.error}", key)
         report.check(f"{r.kind} {r.dtype} (size {r.size}): {value}", pd.notna(r.value) or r.dtype == "tf32")
 
 
-def check_suite(backend: Backend, suite: Path, out: Path, report: Report) -> None:
-    import pandas as pd
+def subset_suite(suite: Path, keep: Callable[[dict], bool], folder: Path, name: str) -> Path:
+    """A copy of ``suite`` with only the ``matrix.cases`` that ``keep`` accepts, written into ``folder``
+    (``kdbench run`` has no cell filter); the suite itself when it has no cases axis."""
+    import yaml
 
-    from kdbench import api
+    raw = yaml.safe_load(suite.read_text())
+    cases = (raw.get("matrix") or {}).get("cases")
+    if not isinstance(cases, list):
+        return suite
+    raw["matrix"]["cases"] = [c for c in cases if keep(c or {})]
+    raw["name"] = name
+    raw["description"] = f"{raw.get('description', '')} (--quick: {len(raw['matrix']['cases'])} of {len(cases)} cases)"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def quick_smoke_case(case: dict) -> bool:
+    """--quick's gpu-smoke cells: CIFAR fp32 and tf32, and the resnet50->resnet18 bf16 step the summary reads."""
+    pair = case.get("pair") or {}
+    if not pair:
+        return case.get("precision") in ("fp32", "tf32")
+    return case.get("precision") == "bf16" and pair.get("student") == "resnet18"
+
+
+def quick_lever_case(case: dict) -> bool:
+    """--quick's gpu-levers cells: all but the compiles, bar compile_teacher's graph-tree path (gpu-review-2 G3)."""
+    return "compile" not in case or bool(case.get("compile_teacher"))
+
+
+def _run_suite(backend: Backend, suite: Path, scratch: Path, report: Report, cell_timeout: float):
+    """``kdbench run`` of a suite into scratch/results/<suite name>/ (where the probe's ceiling is found);
+    its rows, checked to be every planned measurement, or None when the run failed."""
+    from kdbench.config.load import load_suite
+    from kdbench.config.plan import expand, planned_measurements
     from kdbench.store.results import read_results
 
+    loaded = load_suite(suite)
+    planned = loaded.repeat * sum(len(planned_measurements(c.config)) for c in expand(loaded))
+    results = scratch / "results"
+    command = ["run", str(suite), "--out", str(results), "--device", backend.name, "--no-report"]
+    command += ["--run-id", loaded.name, "--cell-timeout", f"{cell_timeout:g}"]
+    _kdbench(report, *command)
+    if not (results / loaded.name).is_dir():
+        return None
+    df = read_results([results / loaded.name])
+    if "timestamp" in df:
+        df = df.sort_values("timestamp", kind="stable")  # the order they were measured in
+    report.check(f"{len(df)} rows stored of {planned} planned (exit code aside)", len(df) == planned)
+    return df
+
+
+def _count(value: Any) -> str:
+    import pandas as pd
+
+    return "n/a" if value is None or pd.isna(value) else str(int(value))
+
+
+def _said(reason: Any) -> bool:
+    """A reason is there: a non-empty string (a null reads as None or NaN)."""
+    return isinstance(reason, str) and bool(reason.strip())
+
+
+def _true(value: Any) -> bool:
+    import pandas as pd
+
+    return value is not None and not (isinstance(value, float) and pd.isna(value)) and bool(value)
+
+
+def check_suite(backend: Backend, suite: Path, scratch: Path, report: Report, cell_timeout: float) -> None:
+    import pandas as pd
+
     report.section(f"kdbench run {suite.name}")
-    results = out / "results"  # the probe's ceiling is read from results/probes/
-    if not _kdbench(report, "run", str(suite), "--out", str(results), "--device", backend.name, "--no-report"):
+    keys = ("step_window_ratio", "step_host_ratio", "step_remainder_ratio")
+    df = _run_suite(backend, suite, scratch, report, cell_timeout)
+    if df is None:
+        report.unmeasured("the suite did not run", *keys)
         return
-    df = read_results([results])
     pd.set_option("display.width", 200)
     for r in df.itertuples():
         what = f"{r.cell_label} {r.measurement} bs{r.batch_size}"
         if r.status != "ok":
-            allowed = r.status == "skipped" and r.precision == "tf32" and bool(r.error)
+            allowed = r.status == "skipped" and r.precision == "tf32" and _said(r.error)
             report.check(f"{what}: {r.status}: {r.error}", allowed)
             continue
         if pd.notna(r.mfu):
@@ -361,53 +836,239 @@ def check_suite(backend: Backend, suite: Path, out: Path, report: Report) -> Non
             f"{what}: {r.median_ms:.4g} ms, {of}{flags}",
             (share is None and backend.device_type == "cpu") or (share is not None and 0 < share <= 1),
         )
-    index = api.render([results], out / "report")
-    report.info(f"report: {index}")
+    step_figures(df, report)
+
+
+def step_figures(df, report: Report) -> None:
+    """First-run number 3 from the resnet50->resnet18 bf16 distill_step row."""
+    import pandas as pd
+
+    keys = ("step_window_ratio", "step_host_ratio", "step_remainder_ratio")
+    rows = df[
+        (df.measurement == "distill_step")
+        & (df.teacher == "resnet50")
+        & (df.student == "resnet18")
+        & (df.precision == "bf16")
+    ]
+    if rows.empty:
+        report.unmeasured("no resnet50->resnet18 bf16 step in the suite", *keys)
+        return
+    r = rows.iloc[-1]
+    if r.status != "ok":
+        report.unmeasured(f"the resnet50->resnet18 bf16 step is {r.status}: {r.error}", *keys)
+        return
+    median = r.median_ms
+    if pd.notna(r.window_ms) and r.n:
+        report.figure("step_window_ratio", r.window_ms / r.n / median)
+    if pd.notna(r.host_ms):
+        report.figure("step_host_ratio", r.host_ms / median)
+    else:
+        report.unmeasured("no host_ms (the host clock: the CPU)", "step_host_ratio")
+    if pd.notna(r.phase_remainder_ms):
+        report.figure("step_remainder_ratio", r.phase_remainder_ms / median)
+    report.info(
+        f"resnet50->resnet18 bf16 step: median {median:.4g} ms, window_ms/n {r.window_ms / r.n:.4g} ms, host_ms "
+        f"{r.host_ms:.4g} ms, phase remainder {r.phase_remainder_ms:.4g} ms"
+    )
+
+
+def check_levers(backend: Backend, suite: Path, scratch: Path, report: Report, cell_timeout: float) -> None:
+    import pandas as pd
+
+    report.section(f"kdbench run {suite.name}: every lever once")
+    if backend.device_type != "cuda":
+        report.info("no GPU: the levers suite needs one")
+        return
+    df = _run_suite(backend, suite, scratch, report, cell_timeout)
+    if df is None:
+        return
+    for r in df.itertuples():
+        what = f"{r.cell_label} {r.measurement} bs{r.batch_size}"
+        if r.status != "ok":
+            report.check(f"{what}: {r.status}: {r.error}", r.status == "skipped" and _said(r.error))
+            continue
+        compiled = (r.measurement == "distill_step" and (r.compile != "off" or _true(r.compile_teacher))) or str(
+            r.runtime or ""
+        ).startswith("compile")
+        one_off = f", one_off_ms {r.one_off_ms:.4g} ({r.one_off_kind})" if pd.notna(r.one_off_ms) else ""
+        if compiled:
+            one_off += (
+                f", {_count(r.compiled_graphs)} graphs, {_count(r.graph_breaks)} breaks, "
+                f"{_count(r.recompiles)} recompiles in the window"
+            )
+        output = f", output {r.output_check}" if isinstance(r.output_check, str) else ""
+        good = not output.startswith(", output MISMATCH")
+        if compiled:
+            good = good and pd.notna(r.one_off_ms) and r.one_off_ms > 0
+        report.check(
+            f"{what}: {r.median_ms:.4g} ms{one_off}{output}" + (" (compiled: one_off_ms > 0)" if compiled else ""), good
+        )
+
+
+def check_report(scratch: Path, report: Report) -> None:
+    from kdbench import api
+
+    report.section("kdbench report of the runs")
+    results = scratch / "results"
+    runs = (
+        sorted(p for p in results.iterdir() if p.is_dir() and p.name not in ("probes", "traces"))
+        if results.is_dir()
+        else []
+    )
+    if not runs:
+        report.info("no runs to render (the suite stages did not run)")
+        return
+    index = api.render(runs, scratch / "report")
+    files = sum(1 for p in (scratch / "report").rglob("*") if p.is_file())
+    report.check(
+        f"report of {', '.join(p.name for p in runs)}: {index.name} and {files - 1} more files", index.is_file()
+    )
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto", help="auto (the first visible GPU), cuda, rocm or cpu")
+    parser.add_argument("--suite", type=Path, default=None, help=f"the smoke suite (default {SMOKE.relative_to(ROOT)})")
+    parser.add_argument("--levers", type=Path, default=LEVERS, help="the levers suite")
+    parser.add_argument("--out", type=Path, default=None, help="the files to copy back (default: a temp folder)")
+    parser.add_argument(
+        "--cell-timeout",
+        type=float,
+        default=CELL_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"passed to every kdbench run: a cell that runs longer is stored as timeout (default {CELL_TIMEOUT_S:g})",
+    )
+    parser.add_argument("--quick", action="store_true", help="a selection of every stage, with margin in one command")
+    parser.add_argument("--skip", nargs="*", default=[], choices=STAGES)
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="auto", help="auto (the first visible GPU), cuda, rocm or cpu")
-    parser.add_argument("--suite", type=Path, default=ROOT / "suites" / "gpu-smoke.yaml")
-    parser.add_argument("--out", type=Path, default=None, help="keep the probe, results and report here")
-    parser.add_argument(
-        "--skip", nargs="*", default=[], choices=["clocks", "math", "telemetry", "memory", "phases", "probe", "suite"]
-    )
-    args = parser.parse_args(argv)
-    backend = resolve(args.device)
-    if backend.device_type == "cuda":
-        torch.cuda.set_device(backend.device)
-        props = torch.cuda.get_device_properties(backend.device)
-        runtime = getattr(torch.version, "hip", None) or torch.version.cuda
-        print(f"{props.name} ({backend.name}, torch {torch.__version__}, runtime {runtime})")
-    else:
-        print(f"{backend.name}: no GPU; only the checks that mean something on the CPU run")
+    args = parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="kdbench-gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
-    report = Report()
-    start = time.perf_counter()
-    steps = {
-        "clocks": lambda: check_clocks(backend, report),
-        "math": lambda: check_math(backend, report),
-        "telemetry": lambda: check_telemetry(backend, report),
-        "memory": lambda: check_memory(backend, report),
-        "phases": lambda: check_phase_overhead(backend, report),
-        "probe": lambda: check_probe(backend, out, report),
-        "suite": lambda: check_suite(backend, args.suite, out, report),
-    }
-    for name, step in steps.items():
-        if name in args.skip:
-            continue
+    for name in OUTPUTS:  # an earlier check's files must not pass for this one's
+        (out / name).unlink(missing_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="kdbench-gpu-check-scratch-"))  # the runs, packed into out
+    saved = sys.stdout, sys.stderr
+    term = signal.getsignal(signal.SIGTERM)
+    with open(out / "check.log", "w", encoding="utf-8", errors="replace") as log:
+        sys.stdout, sys.stderr = _Tee(saved[0], log), _Tee(saved[1], log)
         try:
-            step()
-        except Exception as exc:  # one broken check must not hide the others
-            report.check(f"{name}: raised {type(exc).__name__}: {exc}", False)
-    print(
-        f"\n{report.passed} passed, {len(report.failed)} failed in {time.perf_counter() - start:.0f} s; files in {out}"
-    )
-    for what in report.failed:
-        print(f"FAIL {what}")
+            signal.signal(signal.SIGTERM, _stop)
+        except ValueError:  # not the main thread: no handler, the finally blocks still run on errors
+            term = None
+        try:
+            return _check(args, out, scratch)
+        finally:
+            if term is not None:
+                signal.signal(signal.SIGTERM, term)
+            sys.stdout, sys.stderr = saved
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _check(args: argparse.Namespace, out: Path, scratch: Path) -> int:
+    report = Report()
+    run = Run(args)
+    run.stages = {name: "not reached" for name in STAGES if name not in args.skip}
+    run.stages.update({name: "skipped (--skip)" for name in args.skip})
+    try:
+        backend = resolve(args.device)
+        run.backend = backend.name
+        if backend.device_type == "cuda":
+            torch.cuda.set_device(backend.device)
+            props = torch.cuda.get_device_properties(backend.device)
+            run.device = props.name
+            runtime = getattr(torch.version, "hip", None) or torch.version.cuda
+            print(f"{props.name} ({backend.name}, torch {torch.__version__}, runtime {runtime})")
+        else:
+            run.device = backend.name
+            print(f"{backend.name}: no GPU; only the checks that mean something on the CPU run")
+        print_plan(args)
+        if backend.device_type != "cuda":
+            print("   (estimates for the GPU: here the GPU stages say 'no GPU' and take no time)")
+        cpu_quick = args.quick and backend.device_type != "cuda"
+        smoke = args.suite or SMOKE
+        levers = args.levers
+        if args.quick and args.suite is None:
+            smoke = subset_suite(SMOKE, quick_smoke_case, scratch / "suites", "gpu-smoke-quick")
+        if args.quick:
+            levers = subset_suite(args.levers, quick_lever_case, scratch / "suites", f"{args.levers.stem}-quick")
+        steps = {
+            "clocks": lambda: check_clocks(backend, report),
+            "math": lambda: check_math(backend, report),
+            "idle": lambda: check_idle(backend, report),
+            "syncs": lambda: check_syncs(backend, report),
+            "telemetry": lambda: check_telemetry(backend, report),
+            "memory": lambda: check_memory(backend, report, repeats=1 if args.quick else 2),
+            "phases": lambda: check_phase_overhead(backend, report, pairs=4 if args.quick else 16),
+            "probe": lambda: check_probe(backend, scratch, report),
+            "suite": lambda: check_suite(backend, smoke, scratch, report, args.cell_timeout),
+            "levers": lambda: check_levers(backend, levers, scratch, report, args.cell_timeout),
+            "report": lambda: check_report(scratch, report),
+        }
+        planned = {name: (low, high) for name, low, high, _ in plan(args)}
+        for name, step in steps.items():
+            if name in args.skip:
+                continue
+            if cpu_quick and name in CPU_QUICK_SKIPS and not (name == "suite" and args.suite):
+                report.section(name)
+                report.info(f"no GPU: --quick on the CPU skips the {name} stage (slow or noise on a small CPU)")
+                report.unmeasured(f"no GPU: --quick on the CPU skips the {name} stage", *figure_keys(name))
+                run.stages[name] = "skipped (no GPU, --quick)"
+                continue
+            run.stages[name] = "running"
+            started = time.perf_counter()
+            try:
+                step()
+                done = "no GPU" if name in GPU_ONLY and backend.device_type != "cuda" else "done"
+                run.stages[name] = f"{done} ({time.perf_counter() - started:.0f} s)"
+            except Exception as exc:  # one broken check must not hide the others
+                report.check(f"{name}: raised {type(exc).__name__}: {exc}", False)
+                run.stages[name] = f"raised {type(exc).__name__} ({time.perf_counter() - started:.0f} s)"
+            finally:
+                if run.stages[name] != "running":  # not stopped
+                    low, high = planned[name]
+                    report.info(f"{name}: {time.perf_counter() - started:.0f} s (plan: {low:.0f}-{high:.0f} s)")
+                _save(scratch, out, report, run)
+    except (Stopped, KeyboardInterrupt) as exc:
+        run.stopped = str(exc) or type(exc).__name__
+        running = [name for name, state in run.stages.items() if state == "running"]
+        for name in running:
+            run.stages[name] = run.stopped
+        report.check(f"{', '.join(running) or 'the check'}: {run.stopped}", False)
+    except Exception as exc:  # before the stages: the backend, the plan, the quick suites
+        report.check(f"setting up: raised {type(exc).__name__}: {exc}", False)
+    finally:
+        _save(scratch, out, report, run)
+        files = sorted(p.name for p in out.iterdir() if p.is_file())
+        print(
+            f"\n{report.passed} passed, {len(report.failed)} failed in {time.perf_counter() - run.start:.0f} s; "
+            f"{', '.join(files)} in {out}"
+        )
+        for what in report.failed:
+            print(f"FAIL {what}")
+        sys.stdout.flush()
+        write_summary(out, report, run)
     return 1 if report.failed else 0
+
+
+def figure_keys(stage: str) -> list[str]:
+    return [f.key for f in FIGURES if f.stage == stage]
+
+
+def _save(scratch: Path, out: Path, report: Report, run: Run) -> None:
+    """What was done so far, in ``out``: the packed runs and the summary (after every stage)."""
+    try:
+        pack(scratch, out)
+    except OSError as exc:
+        print(f"   packing {scratch} into {out} failed: {exc}", flush=True)
+    write_summary(out, report, run)
 
 
 if __name__ == "__main__":

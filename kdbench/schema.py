@@ -178,8 +178,9 @@ COLUMNS: tuple[Column, ...] = (
             "cold_excess_ms",
             _F,
             "ms",
-            "the cold and warm-up calls minus as many median calls: what this measurement paid once (compile, "
-            "algorithm search, allocator and cache warm-up); a lever's net one-off cost subtracts its twin's",
+            "the cold and warm-up calls (host time between synchronizations) minus as many median calls: what this "
+            "measurement paid once (compile, algorithm search, allocator and cache warm-up); a lever's net one-off "
+            "cost subtracts its twin's",
         ),
         (
             "samples_ms",
@@ -256,14 +257,21 @@ COLUMNS: tuple[Column, ...] = (
         ("scaler_skips", _I, "steps", "optimizer updates the fp16 GradScaler skipped for inf/NaN gradients"),
         *((p.column, _F, "ms", f"median {p.doc}") for p in PHASES),
         (REMAINDER_COLUMN, _F, "ms", "median of step time − sum of its phases (Python overhead between stamps)"),
-        ("teacher_cache_ms", _F, "ms", "one-off time to compute the cached teacher outputs (teacher.mode cached)"),
+        (
+            "teacher_cache_ms",
+            _F,
+            "ms",
+            "one-off time to compute the cached teacher outputs (teacher.mode cached), in the step's fp32 math mode; "
+            "host time between synchronizations",
+        ),
         (
             "one_off_ms",
             _F,
             "ms",
             "the levers' one-off cost for this measurement, all it paid once: compile, algorithm search or GEMM "
-            "tuning (the cold and warm-up calls minus as many steady calls); graph capture, ONNX export and session "
-            "creation, quantization (plus the served model's own cold_excess_ms)",
+            "tuning (the cold and warm-up calls minus as many steady calls, in host time between synchronizations); "
+            "graph capture, ONNX export and session creation, quantization (plus the served model's own "
+            "cold_excess_ms)",
         ),
         ("one_off_kind", _S, "", "what one_off_ms paid for"),
         ("graph_breaks", _I, "", "torch.compile: graph breaks torch._dynamo counted"),

@@ -10,8 +10,13 @@
 * ``conv_autotune``: ``torch.backends.cudnn.benchmark`` around the cell's measurements: cuDNN's
   algorithm search on NVIDIA, MIOpen's on ROCm (its find mode and databases come from the
   ``MIOPEN_*`` environment, recorded in ``env_knobs``); the search happens in the first calls.
-* ``tunableop``: PyTorch's TunableOp GEMM tuning (``torch.cuda.tunable``) on ROCm and CUDA,
-  its results file kept beside the results; the tuning happens in the first calls.
+* ``tunableop``: PyTorch's TunableOp GEMM tuning (``torch.cuda.tunable``) on ROCm and CUDA (GEMMs
+  only), its results file kept beside the results, one per device kind; the tuning happens in the
+  first calls.  It is switched off after the cell whatever fails; tunings it starts from (a file
+  left by an earlier run, or an earlier cell of the worker) are said in the rows' notes.
+
+One-off costs are host time between synchronizations (:meth:`RawTiming.first_calls_ms`): what a
+user waits for, whatever the device's events would make of a host-side compile.
 * ``graphs`` and ``inference.runtime``: how the student is served (:mod:`kdbench.measure.runtimes`).
 
 GPU-only levers on the CPU make the cell ``skipped`` with a reason (:func:`skip_reason`).
