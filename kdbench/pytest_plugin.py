@@ -21,7 +21,7 @@ built by the same functions :mod:`kdbench.measure.cell` uses, so the timed call 
 * the device-wide levers ``conv_autotune`` (cudnn.benchmark) and ``tunableop`` (TunableOp) are set
   around the measurement and restored after it (:func:`kdbench.measure.levers.device_levers`);
   TunableOp's results file is kept in the session's pytest temporary folder
-  (``<basetemp>/kdbench/tunableop-<device>.csv``: one per device kind, shared by the session's
+  (``<basetemp>/kdbench/_tunableop-<device>.csv``: one per device kind, shared by the session's
   tests as a run's cells share theirs), and its path lands in ``extra_info["tunableop_file"]``;
 * the student's inference is served by the cell's ``inference.runtime`` (eager, compile,
   onnxruntime, int8) and replayed from a CUDA/HIP graph with ``graphs``

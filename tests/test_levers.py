@@ -107,7 +107,7 @@ def test_device_levers_set_and_restore_cudnn_benchmark_and_keep_tunableops_file(
     tunable = FakeTunable()
     monkeypatch.setattr(torch.cuda, "tunable", tunable, raising=False)
     path = tunableop_file(str(tmp_path / "run"), "NVIDIA H200")
-    assert path == tmp_path / "run" / "tunableop-nvidia-h200.csv"
+    assert path == tmp_path / "run" / "_tunableop-nvidia-h200.csv"
     config = make_config(conv_autotune=True, tunableop=True)
     with device_levers(config, CUDA, path) as row:
         assert torch.backends.cudnn.benchmark is True
@@ -170,7 +170,7 @@ def test_tunableops_file_is_named_after_the_device_kind(monkeypatch):
     # G11: it was named after torch's device index ("cuda-0") whatever the GPU
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "AMD Instinct MI300X")
     assert levers.device_kind(CUDA) == "AMD Instinct MI300X"
-    assert tunableop_file("r", levers.device_kind(CUDA)).name == "tunableop-amd-instinct-mi300x.csv"
+    assert tunableop_file("r", levers.device_kind(CUDA)).name == "_tunableop-amd-instinct-mi300x.csv"
     assert levers.device_kind(simulated_gpu("rocm")) == "rocm" and levers.device_kind(CPU) == "cpu"
 
 

@@ -69,7 +69,7 @@ def test_linear_seed_model():
     model = build_model("linear", num_classes=10, in_shape=(1, 28, 28))
     assert count_params(model) == 784 * 10 + 10 == 7850
     assert model(torch.randn(4, 1, 28, 28)).shape == (4, 10)
-    assert available_models()["linear"] == "seed"
+    assert available_models()["linear"] == "toy"
 
 
 def test_torchvision_resnet18():
@@ -102,7 +102,7 @@ def test_available_models():
     assert "fasterrcnn_resnet50_fpn" not in models
     assert "deeplabv3_resnet50" not in models
     assert "r3d_18" not in models
-    assert set(models.values()) == {"cifar", "torchvision", "seed"}
+    assert set(models.values()) == {"cifar", "torchvision", "toy"}
 
 
 def test_unknown_model_suggests_nearest_names():

@@ -236,3 +236,30 @@ def test_settings_a_cell_does_not_use_give_the_same_cell_once(tmp_path, caplog):
     assert "7 combination(s) of the matrix repeat a planned cell" in caplog.text
     ids = {c.cell_id for c in cells}
     assert len(ids) == 9
+
+
+def test_cells_that_differ_only_in_unlabelled_settings_get_distinct_labels(tmp_path):
+    # docs review: kd.temperature and data.shape were not in the label, so two cells shared one and the
+    # report, which keys its charts by label, drew them as one
+    from kdbench.config.load import load_suite
+    from kdbench.config.plan import expand
+    from tests.helpers import write_suite
+
+    suite = write_suite(
+        tmp_path / "s.yaml",
+        name="s",
+        defaults={"pair": {"teacher": "linear", "student": "linear"}},
+        matrix={"kd.temperature": [2.0, 4.0], "data.shape": [[3, 8, 8], [3, 16, 16]], "precision": ["fp32", "bf16"]},
+    )
+    cells = expand(load_suite(suite))
+    labels = [c.label for c in cells]
+    assert len(set(labels)) == len(cells) == 8
+    assert "linear->linear kd fp32 bs32 data.shape=[3,8,8] kd.temperature=2.0" in labels
+    one = next(c for c in cells if c.config.precision == "bf16")
+    assert one.label.startswith(one.short_label + " ") and "precision" not in one.label_extra  # in the short label
+    alone = expand(
+        load_suite(
+            write_suite(tmp_path / "t.yaml", name="t", defaults={"pair": {"teacher": "linear", "student": "linear"}})
+        )
+    )
+    assert alone[0].label == alone[0].short_label and alone[0].label_extra == ""

@@ -299,7 +299,7 @@ def test_device_levers_hold_around_the_benchmark_on_a_simulated_gpu(what, monkey
     fixture.close()
 
     path = tunableop_file(str(tmp_path / "kdbench"), "cuda")  # a simulated GPU has no name: the backend's
-    assert path == tmp_path / "kdbench" / "tunableop-cuda.csv"
+    assert path == tmp_path / "kdbench" / "_tunableop-cuda.csv"
     assert entered == [(True, True, "cuda", path)]
     assert events[0] == (True, True)  # timed with cudnn.benchmark on and TunableOp enabled
     assert events.count("timing") == 1

@@ -1,4 +1,4 @@
-"""The store: schema = README, a run as a folder of atomic parts, readable as one dataset by pandas,
+"""The store: schema = docs/results.md, a run as a folder of atomic parts, readable as one dataset by pandas,
 pyarrow and duckdb, and the single-file runs of schema version 1 still readable."""
 
 import json
@@ -34,7 +34,7 @@ from kdbench.store.schema import (
     schema_markdown,
 )
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+RESULTS_DOC = Path(__file__).resolve().parent.parent / "docs" / "results.md"
 
 
 def _row(i, **kw):
@@ -55,9 +55,9 @@ def _row(i, **kw):
     return row
 
 
-def test_readme_documents_every_column_in_order():
-    text = README.read_text()
-    assert schema_markdown() in text, "README's results table differs from kdbench.store.schema.COLUMNS"
+def test_the_results_page_documents_every_column_in_order():
+    text = RESULTS_DOC.read_text()  # a generated block (python -m kdbench.docgen)
+    assert schema_markdown() in text, "docs/results.md's column table differs from kdbench.schema.COLUMNS"
     table = text[text.index("| column | type | unit | meaning |") :].split("\n\n")[0]
     documented = re.findall(r"^\| `([a-z0-9_]+)` \|", table, flags=re.M)
     assert documented == list(COLUMN_NAMES)
@@ -131,6 +131,10 @@ def test_a_run_folder_is_one_dataset_for_pandas_pyarrow_and_duckdb(tmp_path):
     run.write_part("c0", [_row(0), _row(1)])
     run.write_part("c1", [_row(2)])
     (run.path / ".part-c2.parquet.123.tmp").write_bytes(b"a write in flight")  # hidden: skipped by every reader
+    from kdbench.measure.levers import tunableop_file
+
+    # TunableOp's results file lives in the run folder: "_"-prefixed, as _run.json, so readers skip it
+    tunableop_file(str(run.path), "NVIDIA H200").write_text("Validator,PT_VERSION,2.14.1\n")
     assert pd.read_parquet(run.path)["median_ms"].sum() == pytest.approx(1.5 + 2.5 + 3.5)
     assert ds.dataset(run.path).to_table().num_rows == 3
     got = duckdb.sql(f"select count(*), max(median_ms) from read_parquet('{run.path}/*.parquet')").fetchall()[0]

@@ -18,7 +18,10 @@ def load_suite(path: str | Path) -> Suite:
     path = Path(path)
     raw, lines = load_yaml(path)
     if raw is None:
-        raise KdbenchError(f"{path}: the suite is empty; it needs at least `name` and `defaults` (see suites/cpu.yaml)")
+        raise KdbenchError(
+            f"{path}: the suite is empty; it needs at least `defaults` (`name` defaults to the file's name; "
+            "see suites/cpu.yaml)"
+        )
     if not isinstance(raw, dict):
         raise KdbenchError(
             f"{path}:1: a suite must be a mapping of keys (name, defaults, matrix, ...), not a {type(raw).__name__}"

@@ -17,7 +17,7 @@ import hashlib
 import itertools
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -54,9 +54,18 @@ class Cell:
     index: int
     cell_id: str
     config: CellConfig = field(compare=False)
+    # `key=value` of the settings that tell this cell apart from others of its plan with the same short label
+    # (set by :func:`distinct_labels`)
+    label_extra: str = field(default="", compare=False)
 
     @property
     def label(self) -> str:
+        return f"{self.short_label} {self.label_extra}" if self.label_extra else self.short_label
+
+    @property
+    def short_label(self) -> str:
+        """The pair, method, precision, batch size and the settings away from their defaults that most cells
+        sweep; :func:`distinct_labels` adds what else tells the plan's cells apart."""
         c = self.config
         parts = [f"{c.pair.teacher}->{c.pair.student}", c.method, c.precision]
         if c.teacher.mode != "live":
@@ -228,7 +237,36 @@ def expand(suite: Suite) -> list[Cell]:
     for cell in cells:
         for key, message in check_cell(cell.config, suite.allow_imports, suite.launcher.nnodes):
             raise suite.error(suite.locate(*key), message)
-    return cells
+    return distinct_labels(cells)
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """A nested config as dotted keys and their values' JSON."""
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = json.dumps(v, sort_keys=True, separators=(",", ":"))
+    return out
+
+
+def distinct_labels(cells: list[Cell]) -> list[Cell]:
+    """The cells, those whose short labels coincide told apart by `key=value` of every setting in which they
+    differ (``kd.temperature=2.0``, ``data.shape=[3,64,64]``): the report keys its charts by label."""
+    groups: dict[str, list[Cell]] = {}
+    for cell in cells:
+        groups.setdefault(cell.short_label, []).append(cell)
+    extra: dict[str, str] = {}
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        flats = [_flat(config_dict(c.config)) for c in group]
+        keys = sorted({k for f in flats for k in f})
+        differ = [k for k in keys if len({f.get(k) for f in flats}) > 1]
+        for cell, f in zip(group, flats):
+            extra[cell.cell_id] = " ".join(f"{k}={f.get(k, 'null')}" for k in differ)
+    return [replace(c, label_extra=extra[c.cell_id]) if c.cell_id in extra else c for c in cells]
 
 
 def check_cell(config: CellConfig, allow_imports: bool, nnodes: int = 1) -> list[tuple[tuple[str, ...], str]]:

@@ -66,11 +66,11 @@ def device_kind(backend: Backend) -> str:
 
 def tunableop_file(results_dir: str | None, device_name: str) -> Path | None:
     """Where a run keeps TunableOp's results: beside the results, one file per device kind
-    (``device_name``: :func:`device_kind`, e.g. "NVIDIA H200" -> ``tunableop-nvidia-h200.csv``)."""
+    (``device_name``: :func:`device_kind`, e.g. "NVIDIA H200" -> ``_tunableop-nvidia-h200.csv``)."""
     if results_dir is None:
         return None
     slug = "".join(ch if ch.isalnum() else "-" for ch in device_name).strip("-").lower() or "gpu"
-    return Path(results_dir) / f"tunableop-{slug}.csv"
+    return Path(results_dir) / f"_tunableop-{slug}.csv"  # "_": parquet readers skip it in a run folder
 
 
 TUNABLEOP_SCOPE = (

@@ -24,7 +24,7 @@ from kdbench.errors import KdbenchError, did_you_mean
 
 Builder = Callable[..., nn.Module]
 
-FAMILIES = ("cifar", "torchvision", "seed")
+FAMILIES = ("cifar", "torchvision", "toy")
 
 _REGISTRY: dict[str, tuple[str, Builder]] = {}
 
@@ -186,7 +186,7 @@ def _build_imported(name: str, num_classes: int, in_shape: tuple[int, ...]) -> n
     return model
 
 
-@register_model("linear", "seed")
+@register_model("linear", "toy")
 def linear(num_classes: int, in_shape: tuple[int, ...]) -> nn.Module:
     """A single linear layer on the flattened input (e.g. 784 -> 10 for MNIST)."""
     return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(in_shape), num_classes))
