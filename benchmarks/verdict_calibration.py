@@ -1,4 +1,4 @@
-"""How often `kdbench compare` cries wolf, and how often it finds a real slowdown: the figures the README's
+"""How often `kdbench compare` cries wolf, and how often it finds a real slowdown: the figures docs/verdicts.md
 Verdicts section quotes, from many synthetic comparisons through compare's own statistics.
 
     python benchmarks/verdict_calibration.py [--trials 2000] [--out benchmarks/.results/verdicts.json]

@@ -1,8 +1,10 @@
-"""Command line: run, report, probe, env, list.  It parses and prints; :mod:`kdbench.api` does the work.
+"""Command line: run, report, compare, export, probe, env, list.  It parses and prints; :mod:`kdbench.api` does
+the work.
 
 User mistakes (KdbenchError, bad command-line values included) print one line,
-`kdbench: error: ...`, and exit 2.  `run` exits 0 when every runnable cell succeeded,
-1 when any failed, 130 when interrupted.  Progress goes through `logging` (logger
+`kdbench: error: ...`, and exit 2.  `run` exits 0 when every runnable cell succeeded and every budget
+held, 1 when a cell failed or a budget was missed, 130 when interrupted; `compare` exits 1 on a
+significant regression.  Progress goes through `logging` (logger
 ``kdbench``): INFO lines to stdout, warnings to stderr.
 """
 
@@ -21,10 +23,10 @@ from kdbench.errors import KdbenchError
 EPILOG = """examples:
   kdbench probe                               measure this device's ceilings into results/probes/
   kdbench run suites/cpu.yaml                 measure, store a run folder in results/, report in reports/
-  kdbench run suites/quality.yaml             methods' speed, then their accuracy on real data (digits)
-  kdbench run suites/methods.yaml --profile   every method, live and cached teacher, with traces
+  kdbench run suites/quality.yaml             methods' speed, then their accuracy on digits (minutes)
+  kdbench run suites/methods.yaml --profile   every method, live and cached teacher (~20 min on 2 cores)
   kdbench run suites/amd.yaml --dry-run       validate and list the cells, run nothing
-  kdbench run suites/cuda.yaml --device cpu   run a GPU suite on the CPU
+  kdbench run suites/levers-cpu.yaml          the levers (compile, ONNX Runtime, int8) on the CPU, ~2 min
   kdbench run suites/cuda.yaml --shard 2/4 --run-id sweep1   one of four machines, all into results/sweep1/
   kdbench report results/ --out reports/      one report over every run in results/
   kdbench compare results/RUN_A results/RUN_B  is B slower than A? exit 1 on a significant regression
@@ -85,7 +87,7 @@ def _threshold(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="kdbench",
         description="Benchmark and profile knowledge distillation in PyTorch on CPU, CUDA and ROCm.",
@@ -218,7 +220,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="judge measurements that have one repeat on each side on the noise within one process; that "
         "understates the noise between runs, so two runs of the same suite fail the gate most of the time "
-        "(see the README's Verdicts section)",
+        "(see docs/verdicts.md)",
     )
     cmp.add_argument(
         "--allow-partial",
@@ -288,7 +290,11 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     lst = sub.add_parser("list", help="list models or distillation methods")
-    lst.add_argument("what", choices=["models", "methods"])
+    lst.add_argument(
+        "what",
+        choices=["models", "methods"],
+        help="models: the registry's models by family; methods: the distillation methods and their parameters",
+    )
     return p
 
 
@@ -467,6 +473,7 @@ def _cmd_env(_args: argparse.Namespace) -> int:
     from kdbench.hw.environment import describe_lines
 
     print("\n".join(describe_lines()))
+    print("(tf32_* and float32_matmul_precision are this process's torch defaults: a run sets them per measurement)")
     return 0
 
 
@@ -540,7 +547,7 @@ def configure_logging(level: int = logging.INFO) -> None:
 def main(argv: list[str] | None = None) -> int:
     configure_logging()
     try:
-        args = _parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)
     except KdbenchError as exc:
         print(f"kdbench: error: {exc}", file=sys.stderr)

@@ -3,7 +3,7 @@
 ``COLUMNS`` is the single source of the column list.  Every result row is built as a
 :class:`Row`, a record whose keys must be stored columns and whose values must have their
 column's type, checked where the row is made and wherever a value is set.  Parts are written
-in ``STORED_SCHEMA`` (every column but the derived ones), the README documents ``COLUMNS`` (a
+in ``STORED_SCHEMA`` (every column but the derived ones), docs/results.md documents ``COLUMNS`` (a
 test keeps the two equal), and :func:`kdbench.store.read_results` returns every column, the
 derived ones computed at read time (:mod:`kdbench.store.derived`).  Torch-free: the measuring
 code, the store and the report all read it (:mod:`kdbench.store.schema` is the store's door).
@@ -672,9 +672,9 @@ def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
 
 
 def schema_markdown() -> str:
-    """The results schema as the Markdown table the README carries (a test keeps them equal)."""
+    """The results schema as the Markdown table docs/results.md carries (generated: python -m kdbench.docgen)."""
     lines = ["| column | type | unit | meaning |", "|---|---|---|---|"]
     for c in COLUMNS:
         doc = c.doc.replace("|", "\\|") + (" *(derived at read time)*" if c.derived else "")
-        lines.append(f"| `{c.name}` | {c.type} | {c.unit} | {doc} |")
+        lines.append(f"| `{c.name}` | `{c.type}` | {c.unit} | {doc} |")  # in backticks: list<...> is no HTML tag
     return "\n".join(lines)

@@ -140,6 +140,8 @@ def test_list_and_env(capsys):
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("backend: cpu") and "torch_version:" in out and "cpu_threads:" in out
+    # the TF32 lines are this process's torch defaults, which a run does not inherit (docs review)
+    assert "this process's torch defaults: a run sets them per measurement" in out
 
 
 def test_readme_quick_start_is_what_ci_runs():
@@ -149,3 +151,14 @@ def test_readme_quick_start_is_what_ci_runs():
     assert len(commands) == 2
     assert "kdbench run suites/cpu.yaml" in commands[0]
     assert commands[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_help_suggests_nothing_that_runs_for_hours_on_a_cpu(capsys):
+    # docs review: the epilog suggested `run suites/cuda.yaml --device cpu` (78 ImageNet-shape cells, hours)
+    from kdbench.cli import EPILOG
+
+    for line in EPILOG.splitlines():
+        if "--device cpu" in line:
+            assert not any(gpu in line for gpu in ("amd.yaml", "cuda.yaml", "gpu-smoke.yaml", "gpu-levers.yaml")), line
+        if "run suites/methods.yaml" in line:
+            assert "min" in line, line  # a long CPU run says how long

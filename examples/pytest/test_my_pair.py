@@ -5,9 +5,11 @@ Installing kdbench registers the ``kdbench`` fixture in every pytest session; no
 
     pytest examples/pytest/test_my_pair.py                                  # a table of timings
     pytest examples/pytest/test_my_pair.py --benchmark-json=bench.json      # ... and the numbers, with extra_info
-    pytest examples/pytest/test_my_pair.py --benchmark-save=baseline        # store a baseline run (.benchmarks/)
-    pytest examples/pytest/test_my_pair.py --benchmark-compare --benchmark-compare-fail=median:10%
-        # compare with the newest saved run; fail the session (exit 1) when a median got >10% slower (for CI)
+    pytest examples/pytest/test_my_pair.py --benchmark-storage=my-baselines --benchmark-save=mine   # store a run
+    pytest examples/pytest/test_my_pair.py --benchmark-storage=my-baselines --benchmark-compare \
+        --benchmark-compare-fail=median:10%
+        # compare with the newest run saved there; fail the session (exit 1) when a median got >10% slower (CI)
+    (inside this repository the default storage is benchmarks/baseline/, the committed baseline: give your own)
 
 Each test measures ONE thing (pytest-benchmark times one callable per test):
 ``kdbench.step(config)`` a distillation step, ``kdbench.inference(config, batch_size=...)`` a forward.

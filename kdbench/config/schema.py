@@ -42,14 +42,18 @@ def _on_off(value: Any, on: str) -> Any:
 
 
 class Pair(Strict):
+    # registry name of the teacher, or `module:callable` (with allow_imports)
     teacher: str = Field(min_length=1)
+    # registry name of the student, or `module:callable` (with allow_imports)
     student: str = Field(min_length=1)
 
 
 class FeaturesConfig(Strict):
     """Module paths whose outputs feature methods compare; null picks the family's stage ends."""
 
+    # the teacher's module paths (e.g. `layer3`); null: the family's stage ends
     teacher: list[str] | None = Field(None, min_length=1, max_length=16)
+    # the student's module paths, paired in order with the teacher's
     student: list[str] | None = Field(None, min_length=1, max_length=16)
 
 
@@ -58,8 +62,11 @@ class TeacherConfig(Strict):
 
 
 class DataConfig(Strict):
+    # seeded random inputs and labels, one fixed batch (no data loading is timed)
     kind: Literal["synthetic"] = "synthetic"
+    # one sample's shape, e.g. [3, 32, 32] (CIFAR) or [3, 224, 224] (ImageNet)
     shape: list[int] = Field(default_factory=lambda: [3, 32, 32], min_length=1, max_length=4)
+    # classifier width: the models are built with this many outputs
     num_classes: int = Field(100, ge=2, le=1_000_000)
 
     @field_validator("shape")
@@ -71,24 +78,34 @@ class DataConfig(Strict):
 
 
 class OptimizerConfig(Strict):
+    # the student's optimizer
     name: Literal["adamw", "adam", "sgd"] = "adamw"
+    # learning rate
     lr: float = Field(1e-4, gt=0, le=10)
+    # weight decay (null: the optimizer's own default)
     weight_decay: float | None = Field(None, ge=0, le=1)
+    # SGD's momentum (ignored by adam and adamw)
     momentum: float = Field(0.9, ge=0, lt=1)
     impl: Literal["default", "foreach", "fused"] = "default"  # torch's implementation of the update
 
 
 class TimingConfig(Strict):
+    # untimed calls after the cold call
     warmup: int = Field(3, ge=0, le=100_000)
+    # timed calls at least (fewer, under a time budget, make the row thin)
     min_iters: int = Field(10, ge=1, le=1_000_000)
+    # seconds of timed calls at least
     min_time_s: float = Field(1.0, ge=0, le=86_400)
+    # timed calls at most
     max_iters: int = Field(10_000, ge=1, le=10_000_000)
     # Go on past min_iters/min_time_s while the median's 95 % interval is wider than this share of it,
     # up to max_time_s of timed calls; null: stop at min_iters and min_time_s.
     target_rel_ci: float | None = Field(None, gt=0, lt=1)
+    # with target_rel_ci: seconds of timed calls at most
     max_time_s: float = Field(10.0, gt=0, le=86_400)
-    # A measurement whose cold call says it would outlast this shrinks its counts to fit (null: the
-    # backend's default, CELL_BUDGET_S; 0 would never fit, so it is > 0).
+    # The cell's time budget, shared among its measurements; a share bounds its whole measurement, cold call
+    # included: later calls are estimated from the warm ones and the counts shrink to fit, which makes the row
+    # thin (null: the backend's default, 300 s on the CPU and none on GPUs; > 0).
     cell_budget_s: float | None = Field(None, gt=0, le=7 * 86_400)
 
     @model_validator(mode="after")
@@ -99,7 +116,9 @@ class TimingConfig(Strict):
 
 
 class InferenceConfig(Strict):
+    # batch sizes of the inference measurements (empty: the step alone)
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 32], max_length=64)
+    # measure the teacher's inference too (the student's always is)
     teacher: bool = True
     runtime: Runtime = "eager"  # how the student is served: eager, torch.compile, ONNX Runtime, int8 (CPU)
 
@@ -116,35 +135,57 @@ class InferenceConfig(Strict):
 class DDPConfig(Strict):
     """DistributedDataParallel options of the student, for cells with world_size > 1."""
 
+    # DDP's gradient bucket size (MB)
     bucket_cap_mb: float = Field(25.0, gt=0, le=10_000)
+    # DDP's gradient_as_bucket_view: gradients are views into the buckets
     gradient_as_bucket_view: bool = False
+    # DDP's static_graph: the same graph every step
     static_graph: bool = False
 
 
 class _CellBase(Strict):
     """Everything one cell measures but its methods' hyper-parameters (see :data:`CellConfig`)."""
 
+    # the teacher and the student
     pair: Pair
+    # distillation method, or methods joined by `+` (e.g. `kd+at`): the Methods page lists them
     method: str = "kd"
     weights: dict[str, float] = Field(default_factory=dict)  # per-term weight of a combined method (default 1)
+    # where feature methods tap the models
     features: FeaturesConfig = FeaturesConfig()
+    # how the teacher runs in the step
     teacher: TeacherConfig = TeacherConfig()
+    # the student's precision: fp32 (IEEE), tf32, bf16 or fp16 (autocast; fp16 with a GradScaler)
     precision: Precision = "fp32"  # type: ignore[valid-type]
+    # the teacher's precision in the step
     teacher_precision: Precision = "fp32"  # type: ignore[valid-type]
+    # the step's batch size, per device
     batch_size: int = Field(32, ge=1, le=1 << 20)
+    # the input batch
     data: DataConfig = DataConfig()
+    # the student's optimizer
     optimizer: OptimizerConfig = OptimizerConfig()
+    # how long each measurement runs
     timing: TimingConfig = TimingConfig()
+    # the inference measurements
     inference: InferenceConfig = InferenceConfig()
+    # byte alignment of the input's data pointer (a power of two)
     alignment: int = Field(64, ge=1, le=4096)
+    # pad the classifier's width to a multiple of this (1: none)
     pad_to: int = Field(1, ge=1, le=4096)
+    # models and input in contiguous (NCHW) or channels_last (NHWC)
     memory_format: MemoryFormat = "contiguous"  # type: ignore[valid-type]
+    # data-parallel ranks (torchrun; DDP of the student)
     world_size: int = Field(1, ge=1, le=1024)
+    # DDP options (world_size > 1)
     ddp: DDPConfig = DDPConfig()
+    # random seed of the weights and the data
     seed: int = Field(0, ge=0, le=2**63 - 1)
     # Levers (kdbench.measure.levers): each at its default is left out of the cell's identity.
-    compile: CompileMode = "off"  # type: ignore[valid-type]  # torch.compile of the student (step and inference)
-    compile_teacher: bool = False  # torch.compile of the teacher's forward too
+    # torch.compile of the student's forward and backward in the step (its inference only with
+    # inference.runtime: compile, then in this mode)
+    compile: CompileMode = "off"  # type: ignore[valid-type]
+    compile_teacher: bool = False  # torch.compile of the teacher's forward in the step too
     graphs: bool = False  # CUDA/HIP graph replay of the student's inference (GPUs)
     conv_autotune: bool = False  # torch.backends.cudnn.benchmark: cuDNN / MIOpen algorithm search (GPUs)
     tunableop: bool = False  # PyTorch TunableOp GEMM tuning (GPUs)

@@ -22,7 +22,9 @@ from kdbench.errors import KdbenchError
 class ATParams(Strict):
     """Attention transfer (Zagoruyko & Komodakis 2017) + CE."""
 
+    # weight of the attention-transfer term (the paper's β; 1000 in Zagoruyko & Komodakis' code)
     beta: float = Field(1000.0, ge=0, le=1e9)
+    # exponent of the attention map: the channel mean of |feature|^p
     p: float = Field(2.0, gt=0, le=16)
     form: Literal["code", "paper"] = "code"  # code: beta/2 * sum mean((Qs-Qt)^2); paper: beta/2 * sum mean ||Qs-Qt||_2
 

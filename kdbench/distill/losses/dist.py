@@ -31,6 +31,7 @@ class DISTParams(Strict):
 
     beta: float = Field(2.0, ge=0, le=1e7)  # inter-class relation (per sample, across classes)
     gamma: float = Field(2.0, ge=0, le=1e7)  # intra-class relation (per class, across the batch)
+    # temperature of both softmaxes (the relations are scaled by tau²)
     tau: float = Field(1.0, gt=0, le=1000)
 
 

@@ -17,8 +17,11 @@ from kdbench.distill.losses.registry import LossInputs, Term, register_method
 class DKDParams(Strict):
     """Decoupled KD (Zhao et al. 2022): warm-up * (alpha * TCKD + beta * NCKD) + CE."""
 
+    # weight of target-class KD (TCKD)
     alpha: float = Field(1.0, ge=0, le=1000)
+    # weight of non-target-class KD (NCKD)
     beta: float = Field(8.0, ge=0, le=1000)
+    # softening temperature (the terms are scaled by T²)
     temperature: float = Field(4.0, gt=0, le=1000)
     warmup: int = Field(20, ge=0, le=10_000_000)  # steps over which the DKD term ramps up linearly from 0
 

@@ -21,6 +21,7 @@ from kdbench.errors import KdbenchError
 class FitNetParams(Strict):
     """FitNets (Romero et al. 2015), one stage: beta * MSE(regressor(student hint), teacher hint) + CE."""
 
+    # weight of the hint (feature regression) term
     beta: float = Field(100.0, ge=0, le=1e7)
     hint_layer: int | None = Field(None, ge=-64, le=63)  # index into the paired feature lists; null: the middle one
 

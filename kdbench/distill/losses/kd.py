@@ -18,7 +18,9 @@ from kdbench.distill.losses.registry import LossInputs, Term, register_method
 class KDParams(Strict):
     """Hinton KD: alpha * T^2 * KL(teacher || student) + (1 - alpha) * CE."""
 
+    # softening temperature T of both distributions (the KL is scaled by T²)
     temperature: float = Field(4.0, gt=0, le=1000)
+    # weight of the KD term; 1 − alpha weighs the cross-entropy with the labels
     alpha: float = Field(0.9, ge=0, le=1)
 
 

@@ -59,6 +59,7 @@ HCL_LEVELS = (4, 2, 1)  # the pooled sizes of HCL
 class ReviewKDParams(Strict):
     """ReviewKD (Chen et al. 2021): weight * warm-up * sum HCL(ABF(student features), teacher features) + CE."""
 
+    # weight of the review (hierarchical context) loss
     weight: float = Field(1.0, ge=0, le=1e7)
     mid_channels: int | None = Field(None, ge=1, le=8192)  # null: min(512, the student's deepest channels)
     # Epochs of a training over which the term ramps up linearly, min(epoch / warmup, 1) with the first epoch 1

@@ -37,7 +37,9 @@ from kdbench.distill.losses.registry import LossInputs, Term, register_method
 class RKDParams(Strict):
     """Relational KD (Park et al. 2019): distance_weight * L_D + angle_weight * L_A + CE."""
 
+    # weight of the distance-wise term L_D
     distance_weight: float = Field(25.0, ge=0, le=1e7)
+    # weight of the angle-wise term L_A
     angle_weight: float = Field(50.0, ge=0, le=1e7)
     squared: bool = False  # squared Euclidean distances in L_D
     eps: float = Field(1e-12, gt=0, le=1.0)  # floor of the squared distances before the square root
