@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from pydantic import Field, create_model
 
 from kdbench import docgen
 
