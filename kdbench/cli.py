@@ -499,12 +499,21 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
 def _cmd_list(args: argparse.Namespace) -> int:
     if args.what == "models":
+        from kdbench.config.schema import DataConfig
         from kdbench.models import available_models
+        from kdbench.models.registry import parameter_count
 
         models = available_models()
+        data = DataConfig()  # the cell defaults the parameters are counted at
+        shape = "x".join(map(str, data.shape))
         for family in sorted(set(models.values())):
             names = [n for n, f in models.items() if f == family]
-            print(f"{family} ({len(names)}): {', '.join(names)}")
+            if family == "torchvision":  # ImageNet classifiers: names only (building 80 of them takes seconds)
+                print(f"{family} ({len(names)}): {', '.join(names)}")
+                continue
+            print(f"{family} ({len(names)}), parameters at {data.num_classes} classes, {shape}:")
+            for name in names:
+                print(f"  {name:<20} {parameter_count(name, data.num_classes, tuple(data.shape)) / 1e6:8.2f} M")
         print("module:callable: a user's own model factory (needs `allow_imports: true` or --allow-imports)")
         return 0
     from kdbench.distill.losses import METHODS

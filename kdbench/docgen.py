@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import functools
 import inspect
 import io
@@ -494,36 +493,6 @@ TORCHVISION_SHOWN = (
 )
 
 
-@contextlib.contextmanager
-def _no_init() -> Iterator[None]:
-    """``torch.nn.init``'s in-place initialisers made no-ops inside (counting parameters needs their shapes)."""
-    import torch
-
-    saved = {n: f for n, f in vars(torch.nn.init).items() if n.endswith("_") and not n.startswith("_")}
-    try:
-        for n in saved:
-            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.nn.init, n, f)
-
-
-def count_parameters(name: str, num_classes: int, in_shape: tuple[int, ...]) -> int:
-    """Parameters of model ``name``, built on the meta device (no memory, no initialisation); a builder that
-    computes with tensors while it builds (torchvision's RegNets) is built on the CPU without initialising."""
-    import torch
-
-    from kdbench.models import build_model, count_params
-
-    try:
-        with torch.device("meta"):
-            return count_params(build_model(name, num_classes, in_shape))
-    except (NotImplementedError, RuntimeError):
-        with _no_init():
-            return count_params(build_model(name, num_classes, in_shape))
-
-
 def _data_defaults() -> tuple[int, tuple[int, ...]]:
     from kdbench.config.schema import DataConfig
 
@@ -534,6 +503,7 @@ def _data_defaults() -> tuple[int, tuple[int, ...]]:
 def models_table() -> str:
     """Every model ``kdbench list models`` lists, with its family and parameter count."""
     from kdbench.models import available_models, registry
+    from kdbench.models.registry import parameter_count
 
     classes, shape = _data_defaults()
     built = {"torchvision": (TORCHVISION_CLASSES, TORCHVISION_SHAPE)}
@@ -547,7 +517,7 @@ def models_table() -> str:
         if family == "torchvision":
             names = [k for k in TORCHVISION_SHOWN if k in models]
         for name in sorted(names, key=_natural):
-            count = count_parameters(name, n, s)
+            count = parameter_count(name, n, s)
             rows.append((code(name), family, f"{count:,}", f"{count / 1e6:.2f} M", f"{n} classes, {_shape(s)}"))
     lead = (
         f"Parameters as built for the cell defaults ({classes} classes, {_shape(shape)} inputs; `data.num_classes`, "

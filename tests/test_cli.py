@@ -1,6 +1,7 @@
 """The command line end to end: a tiny suite in, parquet rows and a report out; errors as one line."""
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -135,6 +136,8 @@ def test_list_and_env(capsys):
     assert main(["list", "models"]) == 0
     out = capsys.readouterr().out
     assert "resnet32x4" in out and "mobilenet_v3_large" in out and "linear" in out
+    assert "parameters at 100 classes, 3x32x32" in out
+    assert re.search(r"^  resnet20 +0\.28 M$", out, flags=re.M)  # RepDistiller's resnet20 at 100 classes
     assert main(["list", "methods"]) == 0
     assert "temperature=4.0, alpha=0.9" in capsys.readouterr().out
     assert main(["env"]) == 0

@@ -1,7 +1,7 @@
 """Model zoo: CIFAR models of the distillation literature, torchvision classifiers,
-seed models and user models given as ``"module:callable"``."""
+a toy linear model and user models given as ``"module:callable"``."""
 
-from kdbench.models import cifar  # noqa: F401  (registers the CIFAR family)
+from kdbench.models import cifar, cifar_mobile  # noqa: F401  (register the CIFAR family)
 from kdbench.models.cache import ModelCache
 from kdbench.models.registry import (
     available_models,

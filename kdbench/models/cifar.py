@@ -1,8 +1,10 @@
 """CIFAR models of the distillation literature, after RepDistiller (CRD, Tian et al. 2020).
 
-ResNets (``resnet8`` ... ``resnet110``, ``resnet8x4``, ``resnet32x4``), Wide ResNets
-(``wrn_16_1`` ... ``wrn_40_2``) and VGG with batch norm (``cifar_vgg8``,
-``cifar_vgg13``).  Unlike RepDistiller they take any input channel count and any
+ResNets (``resnet8`` ... ``resnet110``, ``resnet8x4``, ``resnet32x4``), the
+bottleneck ResNet-50 for CIFAR (``cifar_resnet50``, RepDistiller's ``ResNet50``),
+Wide ResNets (``wrn_16_1`` ... ``wrn_40_2``) and VGG with batch norm
+(``cifar_vgg8``, ``cifar_vgg11``, ``cifar_vgg13``, ``cifar_vgg16``,
+``cifar_vgg19``).  Unlike RepDistiller they take any input channel count and any
 image size of at least 8x8, thanks to adaptive average pooling before the
 classifier.  Each model lists its stage submodules in ``stage_names`` so that
 features can be hooked with ``model.get_submodule(name)``.
@@ -81,6 +83,69 @@ class CifarResNet(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = self.relu(self.bn1(self.conv1(x)))
         x = self.layer3(self.layer2(self.layer1(x)))
+        return self.fc(self.avgpool(x).flatten(1))
+
+
+class Bottleneck(nn.Module):
+    """Post-activation bottleneck block: 1x1 reduce, 3x3 (strided), 1x1 expand by ``expansion``."""
+
+    expansion = 4
+
+    def __init__(self, in_planes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        out_planes = planes * self.expansion
+        self.conv1 = nn.Conv2d(in_planes, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, out_planes, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(out_planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None
+        if stride != 1 or in_planes != out_planes:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(in_planes, out_planes, 1, stride, bias=False), nn.BatchNorm2d(out_planes)
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + identity)
+
+
+class CifarBottleneckResNet(nn.Module):
+    """ImageNet-style ResNet of bottleneck blocks for CIFAR (RepDistiller's ``resnetv2.py``): a 3x3 stride-1
+    stem of 64 channels and no max pooling, then four stages of ``blocks`` bottlenecks on 64, 128, 256 and 512
+    planes (times 4 out), the last three with stride 2."""
+
+    stage_names = ("layer1", "layer2", "layer3", "layer4")
+
+    def __init__(self, blocks: tuple[int, int, int, int], num_classes: int, in_channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        in_planes = 64
+        for i, (planes, n) in enumerate(zip((64, 128, 256, 512), blocks)):
+            self.add_module(f"layer{i + 1}", self._make_stage(in_planes, planes, n, 1 if i == 0 else 2))
+            in_planes = planes * Bottleneck.expansion
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(in_planes, num_classes)
+        _init_weights(self)
+
+    @staticmethod
+    def _make_stage(in_planes: int, planes: int, blocks: int, stride: int) -> nn.Sequential:
+        out_planes = planes * Bottleneck.expansion
+        layers = [Bottleneck(in_planes, planes, stride)]
+        layers += [Bottleneck(out_planes, planes) for _ in range(blocks - 1)]
+        return nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.relu(self.bn1(self.conv1(x)))
+        for name in self.stage_names:
+            x = self.get_submodule(name)(x)
         return self.fc(self.avgpool(x).flatten(1))
 
 
@@ -175,7 +240,10 @@ class CifarVGG(nn.Module):
 
 
 _VGG8 = ((64,), (128,), (256,), (512,), (512,))
+_VGG11 = ((64,), (128,), (256, 256), (512, 512), (512, 512))
 _VGG13 = ((64, 64), (128, 128), (256, 256), (512, 512), (512, 512))
+_VGG16 = ((64, 64), (128, 128), (256, 256, 256), (512, 512, 512), (512, 512, 512))
+_VGG19 = ((64, 64), (128, 128), (256,) * 4, (512,) * 4, (512,) * 4)
 _RESNET = (16, 16, 32, 64)
 _RESNET_X4 = (32, 64, 128, 256)
 
@@ -183,9 +251,13 @@ _MODELS: dict[str, tuple] = {
     **{f"resnet{d}": (CifarResNet, d, _RESNET) for d in (8, 14, 20, 32, 44, 56, 110)},
     "resnet8x4": (CifarResNet, 8, _RESNET_X4),
     "resnet32x4": (CifarResNet, 32, _RESNET_X4),
+    "cifar_resnet50": (CifarBottleneckResNet, (3, 4, 6, 3)),
     **{f"wrn_{d}_{k}": (WideResNet, d, k) for d, k in ((16, 1), (16, 2), (40, 1), (40, 2))},
     "cifar_vgg8": (CifarVGG, _VGG8),
+    "cifar_vgg11": (CifarVGG, _VGG11),
     "cifar_vgg13": (CifarVGG, _VGG13),
+    "cifar_vgg16": (CifarVGG, _VGG16),
+    "cifar_vgg19": (CifarVGG, _VGG19),
 }
 
 

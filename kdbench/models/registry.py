@@ -12,12 +12,14 @@ Every builder is called as ``builder(num_classes=..., in_shape=...)`` where
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import torch
 from torch import nn
 
 from kdbench.errors import KdbenchError, did_you_mean
@@ -141,6 +143,31 @@ def check_model_input(name: str, in_shape: tuple[int, ...] | list[int]) -> None:
 def count_params(model: nn.Module) -> int:
     """Number of parameters (trainable or not) of ``model``."""
     return sum(p.numel() for p in model.parameters())
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """``torch.nn.init``'s in-place initialisers made no-ops inside (counting parameters needs their shapes)."""
+    saved = {n: f for n, f in vars(torch.nn.init).items() if n.endswith("_") and not n.startswith("_")}
+    try:
+        for n in saved:
+            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
+def parameter_count(name: str, num_classes: int, in_shape: tuple[int, ...]) -> int:
+    """Parameters of registered model ``name``, built on the meta device (no memory, no initialisation); a
+    builder that computes with tensors while it builds (torchvision's RegNets) is built on the CPU without
+    initialising."""
+    try:
+        with torch.device("meta"):
+            return count_params(build_model(name, num_classes, in_shape))
+    except (NotImplementedError, RuntimeError):
+        with _no_init():
+            return count_params(build_model(name, num_classes, in_shape))
 
 
 def _build_torchvision(name: str, num_classes: int, in_shape: tuple[int, ...]) -> nn.Module:
