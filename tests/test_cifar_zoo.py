@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
-from kdbench.distill.hooks import FeatureTap, default_feature_paths
-from kdbench.models import available_models, build_model, count_params
+from kdbench.distill.hooks import default_feature_paths
+from kdbench.models import available_models, build_model
+from tests.reference_match import assert_matches_reference, load_randomised_reference, reference_pair
 
 # --- the reference code ---------------------------------------------------------------------------------------
 # HobbitLong/RepDistiller, models/resnetv2.py (Bottleneck, ResNet, ResNet50) and models/vgg.py (VGG, cfg,
@@ -211,51 +211,18 @@ def _seeded():
     torch.manual_seed(0)
 
 
-def _flops(model: nn.Module, x: torch.Tensor) -> int:
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(x)
-    return counter.get_total_flops()
-
-
-def _pair(name: str) -> tuple[nn.Module, nn.Module]:
-    ref_builder, _ = REFERENCES[name]
-    return build_model(name, 100, (3, 32, 32)).eval(), ref_builder(num_classes=100).eval()
-
-
 @pytest.mark.parametrize("name", NEW_MODELS)
 def test_matches_the_reference_at_cifar100(name):
-    ours, ref = _pair(name)
-    assert count_params(ours) == count_params(ref) == PARAMS[name]
-    x = torch.randn(2, 3, 32, 32)
-    ratio = _flops(ours, x) / _flops(ref, x)
-    assert ratio == pytest.approx(1.0, rel=0.01), ratio
-
-    # Each stage_name resolves, and its output has the shape of the reference's feature there.
-    assert default_feature_paths(ours, x)[-4:] == list(ours.stage_names)[-4:]
-    tap = FeatureTap(ours, list(ours.stage_names))
-    with torch.no_grad():
-        out = ours(x)
-        ref_feats, ref_out = ref(x, is_feat=True)
-    assert out.shape == ref_out.shape == (2, 100)
-    ours_shapes = [tuple(t.shape[1:]) for t in tap.take()]
-    ref_shapes = [tuple(t.shape[1:]) for t in ref_feats[REFERENCES[name][1]]]
-    assert ours_shapes == ref_shapes == FEATURE_SHAPES[name]
+    ours, ref = reference_pair(name, REFERENCES)
+    assert_matches_reference(ours, ref, PARAMS[name], REFERENCES[name][1], FEATURE_SHAPES[name])
+    assert default_feature_paths(ours, torch.randn(2, 3, 32, 32))[-4:] == list(ours.stage_names)[-4:]
 
 
 @pytest.mark.parametrize("name", NEW_MODELS)
 def test_same_layers_in_the_same_order_compute_the_same_function(name):
     """The reference's weights, copied tensor by tensor in order, give the same logits: same layers, same wiring."""
-    ours, ref = _pair(name)
-    ref_state, our_state = ref.state_dict(), ours.state_dict()
-    assert [t.shape for t in ref_state.values()] == [t.shape for t in our_state.values()]
-    for param in ref.parameters():
-        nn.init.normal_(param, 0, 0.05)  # random BN affine and biases too, not only the init's ones and zeros
-    for buf_name, buf in ref.named_buffers():
-        if buf_name.endswith("running_mean"):
-            nn.init.normal_(buf, 0, 0.1)
-        elif buf_name.endswith("running_var"):
-            nn.init.uniform_(buf, 0.5, 1.5)
-    ours.load_state_dict(dict(zip(our_state, ref.state_dict().values())))
+    ours, ref = reference_pair(name, REFERENCES)
+    load_randomised_reference(ours, ref)
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), ref(x), rtol=1e-4, atol=1e-5)
