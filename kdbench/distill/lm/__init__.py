@@ -1,0 +1,1 @@
+"""Language-model distillation: token-level losses over next-token distributions."""
