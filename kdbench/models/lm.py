@@ -1,0 +1,344 @@
+"""Causal language models for distillation, with random weights (issue 23).
+
+The shapes people distil (Llama 3.x, Qwen2.5, GPT-2) are held here as the numbers of
+their published ``config.json`` files, and built from Hugging Face ``transformers``
+model classes with random weights: nothing is downloaded, no hub is reached (no
+``from_pretrained``).  A tiny Llama teacher and student are there for the CPU and the
+tests.
+
+``transformers`` is imported only inside the functions, so ``kdbench`` imports
+without it; a function that needs it and finds it missing raises a
+:class:`~kdbench.errors.KdbenchError` naming the extra (``pip install 'kdbench[lm]'``).
+
+The numbers below are those of the Hugging Face ``config.json`` of each checkpoint
+(``meta-llama/Llama-3.1-8B``, ``meta-llama/Llama-3.2-1B``, ``meta-llama/Llama-3.2-3B``,
+``Qwen/Qwen2.5-0.5B``, ``Qwen/Qwen2.5-1.5B``, ``Qwen/Qwen2.5-7B``, ``gpt2``,
+``gpt2-medium``), the fields that decide the shapes and the position encoding.  The
+parameter counts they give (:func:`lm_parameter_count`) equal the published ones.
+Llama's ``head_dim`` is left out: it is derived as ``hidden_size //
+num_attention_heads``, which equals the published value (64 for 1B, 128 for 3B and 8B)
+and follows an override of ``hidden_size``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kdbench.errors import KdbenchError, did_you_mean
+
+_EXTRA_HINT = "pip install 'kdbench[lm]'"
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "high_freq_factor": 4.0,
+    "low_freq_factor": 1.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def _llama(**numbers: Any) -> dict[str, Any]:
+    base = {
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    }
+    return {"config_class": "LlamaConfig", "config": {**base, **numbers}}
+
+
+def _qwen2(**numbers: Any) -> dict[str, Any]:
+    # Qwen2 has a bias on q/k/v (not on o_proj): Qwen2Attention always builds it, there is
+    # no config field for it.
+    base = {
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+    }
+    return {"config_class": "Qwen2Config", "config": {**base, **numbers}}
+
+
+def _gpt2(**numbers: Any) -> dict[str, Any]:
+    base = {
+        "vocab_size": 50257,
+        "n_positions": 1024,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": True,
+        "bos_token_id": 50256,
+        "eos_token_id": 50256,
+    }
+    return {"config_class": "GPT2Config", "config": {**base, **numbers}}
+
+
+def _tiny_llama(**numbers: Any) -> dict[str, Any]:
+    base = {
+        "vocab_size": 4096,
+        "max_position_embeddings": 2048,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    return {"config_class": "LlamaConfig", "config": {**base, **numbers}}
+
+
+# name -> {"config_class": transformers config class name, "config": its numbers}
+LM_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": _llama(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+        rope_scaling={**_LLAMA3_ROPE, "factor": 8.0},
+    ),
+    "llama-3.2-1b": _llama(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+        rope_scaling={**_LLAMA3_ROPE, "factor": 32.0},
+    ),
+    "llama-3.2-3b": _llama(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+        rope_scaling={**_LLAMA3_ROPE, "factor": 32.0},
+    ),
+    "qwen2.5-0.5b": _qwen2(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": _qwen2(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b": _qwen2(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+    ),
+    "gpt2": _gpt2(n_embd=768, n_layer=12, n_head=12),
+    "gpt2-medium": _gpt2(n_embd=1024, n_layer=24, n_head=16),
+    "tiny-llama-teacher": _tiny_llama(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "tiny-llama-student": _tiny_llama(
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    ),
+}
+
+# Legacy names a config class still takes in its constructor (transformers 5 folds them
+# into ``rope_parameters``; 4.x keeps them as fields).
+_ROPE_LEGACY = ("rope_theta", "rope_scaling")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise KdbenchError(f"the language models need Hugging Face transformers ({e}): {_EXTRA_HINT}") from None
+    return transformers
+
+
+def _config_class(class_name: str):
+    transformers = _transformers()
+    try:
+        return getattr(transformers, class_name)
+    except AttributeError:
+        raise KdbenchError(
+            f"transformers {transformers.__version__} has no {class_name}; upgrade it: {_EXTRA_HINT}"
+        ) from None
+
+
+def _valid_fields(config_class) -> set[str]:
+    """Every field a config of this class takes: its constructor's names, the fields of a
+    default instance, the aliases in ``attribute_map`` and the legacy rope names."""
+    import inspect
+
+    fields: set[str] = set()
+    for klass in config_class.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        with contextlib.suppress(TypeError, ValueError):
+            params = inspect.signature(init).parameters.values()
+            fields.update(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    fields.discard("self")
+    fields.update(config_class().to_dict())
+    fields.update(getattr(config_class, "attribute_map", {}))
+    if fields & {"rope_parameters", *_ROPE_LEGACY}:
+        fields.update(_ROPE_LEGACY)
+    return fields
+
+
+def _check_fields(config_class, keys, what: str) -> None:
+    valid = _valid_fields(config_class)
+    for key in keys:
+        if key not in valid:
+            hint = did_you_mean(key, sorted(valid), quote=True)
+            raise KdbenchError(f"{what}: {config_class.__name__} has no field {key!r}; {hint}".rstrip("; ").rstrip())
+
+
+def _check_name(name: str) -> dict[str, Any]:
+    if not isinstance(name, str) or name not in LM_CONFIGS:
+        hint = did_you_mean(str(name), LM_CONFIGS)
+        raise KdbenchError(f"unknown language model {name!r}; {hint}known: {', '.join(LM_CONFIGS)}")
+    return LM_CONFIGS[name]
+
+
+def lm_config(name: str, overrides: dict[str, Any] | None = None):
+    """The ``transformers`` config of registered model ``name``, with ``overrides``
+    (any config field, e.g. ``{"num_hidden_layers": 2}``) applied."""
+    entry = _check_name(name)
+    config_class = _config_class(entry["config_class"])
+    overrides = dict(overrides or {})
+    _check_fields(config_class, overrides, f"override for {name}")
+    return config_class(**{**copy.deepcopy(entry["config"]), **overrides})
+
+
+def lm_config_from_file(path: str | Path):
+    """The ``transformers`` config of a local ``config.json`` (its class picked by
+    ``model_type``, which must name a causal-LM architecture ``transformers`` knows)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise KdbenchError(f"cannot read model config {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise KdbenchError(f"model config {path} is not JSON: {e.msg} at line {e.lineno}") from None
+    if not isinstance(data, dict):
+        raise KdbenchError(f"model config {path} must hold a JSON object, not {type(data).__name__}")
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str):
+        raise KdbenchError(f'model config {path} has no "model_type" string (e.g. "llama", "qwen2", "gpt2")')
+    _transformers()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type not in CONFIG_MAPPING:
+        hint = did_you_mean(model_type, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, quote=True)
+        raise KdbenchError(
+            f"model config {path}: model_type {model_type!r} is no causal LM transformers knows; {hint}".rstrip(
+                "; "
+            ).rstrip()
+        )
+    config_class = CONFIG_MAPPING[model_type]
+    return config_class.from_dict({k: v for k, v in data.items() if k != "model_type"})
+
+
+def _resolve_config(name_or_config, overrides: dict[str, Any] | None):
+    if isinstance(name_or_config, Path) or (
+        isinstance(name_or_config, str) and name_or_config not in LM_CONFIGS and name_or_config.endswith(".json")
+    ):
+        config = lm_config_from_file(name_or_config)
+    elif isinstance(name_or_config, str):
+        return lm_config(name_or_config, overrides)
+    else:
+        transformers = _transformers()
+        if not isinstance(name_or_config, transformers.PretrainedConfig):
+            raise KdbenchError(
+                f"a language model is a registered name, a config.json path or a transformers config, "
+                f"not {type(name_or_config).__name__}"
+            )
+        config = copy.deepcopy(name_or_config)
+    if overrides:
+        _check_fields(type(config), overrides, f"override for {type(config).__name__}")
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        # Qwen2-style per-layer attention types follow the layer count when they were uniform.
+        layer_types = getattr(config, "layer_types", None)
+        follows = "num_hidden_layers" in overrides and "layer_types" not in overrides
+        if follows and layer_types and len(set(layer_types)) == 1:
+            config.layer_types = [layer_types[0]] * config.num_hidden_layers
+    return config
+
+
+def _causal_lm_class(config):
+    _transformers()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise KdbenchError(f"{type(config).__name__} has no causal-LM model class in transformers") from None
+
+
+def build_lm(
+    name_or_config,
+    overrides: dict[str, Any] | None = None,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """The causal LM of ``name_or_config`` (a registered name, a ``config.json`` path or a
+    ``transformers`` config) with random weights, built directly on ``device`` (``"meta"``
+    allocates nothing) in ``dtype``, in eval mode, with SDPA attention where the class has it."""
+    config = _resolve_config(name_or_config, overrides)
+    model_class = _causal_lm_class(config)
+    transformers = _transformers()
+    kwargs: dict[str, Any] = {}
+    if getattr(model_class, "_supports_sdpa", False):
+        kwargs["attn_implementation"] = "sdpa"
+    if dtype is not None:
+        major = int(transformers.__version__.split(".")[0])
+        kwargs["dtype" if major >= 5 else "torch_dtype"] = dtype
+    where = torch.device(device) if device is not None else contextlib.nullcontext()
+    with where:
+        model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    return model.eval()
+
+
+def lm_parameter_count(name_or_config, overrides: dict[str, Any] | None = None) -> int:
+    """Parameters of the model, built on the meta device (no memory), tied embeddings
+    counted once (as ``model.num_parameters()``)."""
+    model = build_lm(name_or_config, overrides, device="meta")
+    unique = {id(p): p for p in model.parameters()}
+    return sum(p.numel() for p in unique.values())
