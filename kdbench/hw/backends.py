@@ -170,7 +170,7 @@ def math_flags() -> dict[str, Any]:
     if new_fp32_api():
         matmul = torch.backends.cuda.matmul.fp32_precision
         if matmul == "none":  # inherits the legacy setting
-            matmul = _legacy_matmul_precision()
+            matmul = _legacy(torch.get_float32_matmul_precision) or "none"
         return {
             "tf32_matmul": matmul in ("tf32", "high", "medium"),
             "tf32_cudnn": torch.backends.cudnn.conv.fp32_precision == "tf32",
@@ -181,13 +181,6 @@ def math_flags() -> dict[str, Any]:
         "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
-
-
-def _legacy_matmul_precision() -> str:
-    try:
-        return torch.get_float32_matmul_precision()
-    except RuntimeError:  # torch refuses to answer while the two views disagree
-        return "none"
 
 
 def _legacy(getter: Any) -> Any:
