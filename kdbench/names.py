@@ -31,10 +31,36 @@ class Measurement(StrEnum):
     DISTILL_STEP = "distill_step"
     STUDENT_INFERENCE = "student_inference"
     TEACHER_INFERENCE = "teacher_inference"
+    # Language-model serving (LM pairs): the prompt's forward that fills the KV cache, and greedy decoding
+    # of a fixed number of new tokens from it.
+    STUDENT_PREFILL = "student_prefill"
+    STUDENT_DECODE = "student_decode"
+    TEACHER_PREFILL = "teacher_prefill"
+    TEACHER_DECODE = "teacher_decode"
     QUALITY = "quality"  # accuracy after training on real data (times nothing)
 
 
 INFERENCE = (Measurement.STUDENT_INFERENCE, Measurement.TEACHER_INFERENCE)
+LM_SERVING = (
+    Measurement.STUDENT_PREFILL,
+    Measurement.STUDENT_DECODE,
+    Measurement.TEACHER_PREFILL,
+    Measurement.TEACHER_DECODE,
+)
+SERVING = (*INFERENCE, *LM_SERVING)  # every measurement of one model's forward (no training)
+TIMED = (Measurement.DISTILL_STEP, *SERVING)  # every measurement that times something
+
+
+def role_of(measurement: str) -> str:
+    """``student`` or ``teacher`` for a serving measurement (``student_decode`` -> ``student``)."""
+    return str(measurement).split("_", 1)[0]
+
+
+def counterpart(measurement: str) -> str:
+    """The teacher's measurement a student's is compared with (``student_decode`` -> ``teacher_decode``)."""
+    return "teacher_" + str(measurement).split("_", 1)[1]
+
+
 QUALITY_ROLES = ("teacher", "scratch", "distilled")  # what a quality row's model was trained as, in report order
 
 

@@ -29,7 +29,7 @@ from pydantic import Field, field_validator, model_validator
 
 from kdbench.config.base import Strict
 from kdbench.errors import did_you_mean
-from kdbench.names import FAILURES, Status
+from kdbench.names import FAILURES, TIMED, Status
 from kdbench.repeats import centre
 from kdbench.store.schema import COLUMNS, CONFIG, DERIVED, RESULT, STATISTICS
 
@@ -43,7 +43,7 @@ class Budget(Strict):
     """One limit: ``stat`` of ``measurement`` (at ``batch_size``, in cells matching ``where``) within
     ``max`` and/or ``min``."""
 
-    measurement: Literal["distill_step", "student_inference", "teacher_inference"]
+    measurement: Literal[tuple(str(m) for m in TIMED)]  # type: ignore[valid-type]
     stat: str = "median_ms"
     max: float | None = Field(None, strict=False)  # strict=False: YAML reads 8e9 (no dot) as a string
     min: float | None = Field(None, strict=False)

@@ -22,9 +22,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kdbench.config.schema import CellConfig, Suite
+from kdbench.config.schema import IMAGE_DATA_KEYS, TOKEN_DATA_KEYS, CellConfig, Suite
 from kdbench.config.yaml_errors import sub_model, unknown_key_hint, validation_error
-from kdbench.distill.losses import METHODS, check_method, check_weights, method_parts, needs_features
+from kdbench.distill.losses import METHODS, check_method, check_weights, method_parts
 from kdbench.errors import KdbenchError
 from kdbench.names import Measurement
 
@@ -40,12 +40,20 @@ LEVER_DEFAULTS = {
     "conv_autotune": False,
     "tunableop": False,
     "inference.runtime": "eager",
+    "loss_impl": "dense",
 }
 IDENTITY_DEFAULTS = {
     **LEVER_DEFAULTS,
     "timing.target_rel_ci": None,
     "timing.max_time_s": 10.0,
     "timing.cell_budget_s": None,
+    "chunk_size": 1024,
+    "inference.decode_tokens": 32,
+    "overrides.teacher": {},
+    "overrides.student": {},
+    "data.seq_len": 512,
+    "data.prompt_fraction": 0.25,
+    "data.vocab_policy": "error",
 }
 
 
@@ -165,6 +173,9 @@ def config_dict(config: CellConfig) -> dict[str, Any]:
         out.pop("features", None)
     if config.world_size == 1:
         out.pop("ddp", None)  # DDP options do not touch a single-device cell
+    # Image data has no tokens, token data no image shape or classes.
+    for key in IMAGE_DATA_KEYS if config.data.kind == "tokens" else TOKEN_DATA_KEYS:
+        out["data"].pop(key, None)
     # A lever (or a later timing setting) at its default is left out, so cells that use none keep the ids
     # they had before it existed.
     for key, default in IDENTITY_DEFAULTS.items():
@@ -174,6 +185,8 @@ def config_dict(config: CellConfig) -> dict[str, Any]:
             node = node.get(p, {})
         if node.get(leaf, default) == default:
             node.pop(leaf, None)
+    if not out.get("overrides"):
+        out.pop("overrides", None)  # no model overrides: the ids of cells from before they existed
     return out
 
 
@@ -270,54 +283,31 @@ def distinct_labels(cells: list[Cell]) -> list[Cell]:
 
 
 def check_cell(config: CellConfig, allow_imports: bool, nnodes: int = 1) -> list[tuple[tuple[str, ...], str]]:
-    """What cannot run in a cell, as (setting path, message): unknown models or methods, input
-    shapes a model cannot take, feature paths a model lacks, impossible rank layouts."""
-    from kdbench.distill.hooks import check_feature_count, check_feature_paths
-    from kdbench.models import check_model_input, check_model_name
+    """What cannot run in a cell, as (setting path, message): unknown methods, impossible rank layouts, and
+    what the pair's workload finds (unknown models, inputs a model cannot take, feature paths it lacks, a
+    method of the other family, ...: :meth:`kdbench.workloads.Workload.check`)."""
+    from kdbench.workloads import workload_of
 
-    problems: list[tuple[tuple[str, ...], str]] = []
-
-    def check(key: tuple[str, ...], fn, *args) -> bool:
-        try:
-            fn(*args)
-        except KdbenchError as exc:
-            problems.append((key, str(exc)))
-            return False
-        return True
-
-    for role in ("teacher", "student"):
-        name = getattr(config.pair, role)
-        if check(("pair", role), check_model_name, name, allow_imports):
-            check(("pair", role), check_model_input, name, config.data.shape)
+    problems: list[tuple[tuple[str, ...], str]] = list(workload_of(config).check(config, allow_imports))
     if config.world_size > 1 and config.world_size % nnodes:
         why = f"world_size {config.world_size} does not split over launcher.nnodes {nnodes}; use a multiple of nnodes"
         problems.append((("world_size",), why))
-    if check(("method",), check_method, config.method) and needs_features(config.method):
-        feats = config.features
-        check(("features",), check_feature_count, feats.teacher, feats.student)
-        for role in ("teacher", "student"):
-            check(
-                ("features", role),
-                check_feature_paths,
-                role,
-                getattr(config.pair, role),
-                getattr(feats, role),
-                config.data.num_classes,
-                tuple(config.data.shape),
-                allow_imports,
-            )
-    check(("weights",), check_weights, config.method, config.weights)
+    try:
+        check_method(config.method)
+    except KdbenchError as exc:
+        problems.append((("method",), str(exc)))
+    try:
+        check_weights(config.method, config.weights)
+    except KdbenchError as exc:
+        problems.append((("weights",), str(exc)))
     return problems
 
 
 def planned_measurements(config: CellConfig) -> list[tuple[Measurement, int]]:
-    """(measurement, batch_size) of every row a cell produces, in order."""
-    out = [(Measurement.DISTILL_STEP, config.batch_size)]
-    for bs in config.inference.batch_sizes:
-        out.append((Measurement.STUDENT_INFERENCE, bs))
-        if config.inference.teacher:
-            out.append((Measurement.TEACHER_INFERENCE, bs))
-    return out
+    """(measurement, batch_size) of every row a cell produces, in order (its workload's plan)."""
+    from kdbench.workloads import workload_of
+
+    return workload_of(config).planned(config)
 
 
 # --------------------------------------------------------------------------- shards

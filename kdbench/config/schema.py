@@ -61,13 +61,25 @@ class TeacherConfig(Strict):
     mode: Literal["live", "cached"] = "live"  # cached: teacher outputs computed once for the fixed batch
 
 
+DataKind = Literal["synthetic", "tokens"]
+VocabPolicy = Literal["error", "slice"]
+
+
 class DataConfig(Strict):
-    # seeded random inputs and labels, one fixed batch (no data loading is timed)
-    kind: Literal["synthetic"] = "synthetic"
-    # one sample's shape, e.g. [3, 32, 32] (CIFAR) or [3, 224, 224] (ImageNet)
+    # synthetic: seeded random images (or any tensor shape) and class labels; tokens: seeded random token ids
+    # for a causal-LM pair, next-token labels with the prompt share masked. One fixed batch (no data loading).
+    kind: DataKind = "synthetic"  # type: ignore[valid-type]
+    # one sample's shape, e.g. [3, 32, 32] (CIFAR) or [3, 224, 224] (ImageNet); synthetic data only
     shape: list[int] = Field(default_factory=lambda: [3, 32, 32], min_length=1, max_length=4)
-    # classifier width: the models are built with this many outputs
+    # classifier width: the models are built with this many outputs; synthetic data only
     num_classes: int = Field(100, ge=2, le=1_000_000)
+    # tokens per sequence (tokens data; the batch is batch_size sequences of this many tokens)
+    seq_len: int = Field(512, ge=2, le=1 << 20)
+    # share of each sequence's first positions that are prompt: not counted in any loss (tokens data)
+    prompt_fraction: float = Field(0.25, ge=0, lt=1)
+    # Teacher and student vocabularies of different sizes (tokens data): error, or slice both LM heads to the
+    # smaller vocabulary (the extra teacher entries are dropped and its distribution renormalised over the rest).
+    vocab_policy: VocabPolicy = "error"  # type: ignore[valid-type]
 
     @field_validator("shape")
     @classmethod
@@ -75,6 +87,10 @@ class DataConfig(Strict):
         if any(d < 1 or d > 65536 for d in v):
             raise ValueError("every dimension must be between 1 and 65536")
         return v
+
+
+TOKEN_DATA_KEYS = ("seq_len", "prompt_fraction", "vocab_policy")  # data keys of tokens data only
+IMAGE_DATA_KEYS = ("shape", "num_classes")  # data keys of synthetic data only
 
 
 class OptimizerConfig(Strict):
@@ -121,6 +137,8 @@ class InferenceConfig(Strict):
     # measure the teacher's inference too (the student's always is)
     teacher: bool = True
     runtime: Runtime = "eager"  # how the student is served: eager, torch.compile, ONNX Runtime, int8 (CPU)
+    # LM pairs: new tokens each decode measurement generates greedily from the prompt's KV cache (no early stop)
+    decode_tokens: int = Field(32, ge=1, le=1 << 16)
 
     @field_validator("batch_sizes")
     @classmethod
@@ -143,11 +161,25 @@ class DDPConfig(Strict):
     static_graph: bool = False
 
 
+class OverridesConfig(Strict):
+    """transformers config fields laid over a language model's registered config (LM pairs)."""
+
+    # fields of the teacher's config, e.g. {num_hidden_layers: 2}
+    teacher: dict[str, Any] = Field(default_factory=dict)
+    # fields of the student's config, e.g. {vocab_size: 32000}
+    student: dict[str, Any] = Field(default_factory=dict)
+
+
+LossImpl = Literal["dense", "chunked", "fused_linear", "liger", "torch_linear"]
+
+
 class _CellBase(Strict):
     """Everything one cell measures but its methods' hyper-parameters (see :data:`CellConfig`)."""
 
     # the teacher and the student
     pair: Pair
+    # LM pairs: transformers config fields over each model's registered config
+    overrides: OverridesConfig = OverridesConfig()
     # distillation method, or methods joined by `+` (e.g. `kd+at`): the Methods page lists them
     method: str = "kd"
     weights: dict[str, float] = Field(default_factory=dict)  # per-term weight of a combined method (default 1)
@@ -189,6 +221,12 @@ class _CellBase(Strict):
     graphs: bool = False  # CUDA/HIP graph replay of the student's inference (GPUs)
     conv_autotune: bool = False  # torch.backends.cudnn.benchmark: cuDNN / MIOpen algorithm search (GPUs)
     tunableop: bool = False  # PyTorch TunableOp GEMM tuning (GPUs)
+    # LM pairs: how the LM heads and the token loss are computed: dense (both logits whole), chunked (logits
+    # whole, float32 work per token chunk), fused_linear (hidden states and head weights, chunk by chunk: the
+    # logits never exist whole), liger (liger-kernel's chunked losses), torch_linear (F.linear_cross_entropy)
+    loss_impl: LossImpl = "dense"  # type: ignore[valid-type]
+    # tokens per chunk of the chunked, fused_linear and liger loss implementations
+    chunk_size: int = Field(1024, ge=1, le=1 << 20)
 
     @field_validator("compile", mode="before")
     @classmethod
@@ -204,7 +242,7 @@ class _CellBase(Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> CellConfig:
-        if self.memory_format == "channels_last" and len(self.data.shape) != 3:
+        if self.memory_format == "channels_last" and (len(self.data.shape) != 3 or self.data.kind == "tokens"):
             raise ValueError("memory_format channels_last needs image data: data.shape must be [C, H, W]")
         return self
 

@@ -30,12 +30,13 @@ import torch
 from torch import nn
 
 from kdbench.config.schema import CellConfig, OptimizerConfig
-from kdbench.distill.hooks import FeaturePaths, FeatureTap, resolve_paths
-from kdbench.distill.losses import DistillLoss, LossInputs, needs_features
+from kdbench.distill.hooks import FeaturePaths, FeatureTap
+from kdbench.distill.losses import LossInputs, needs_features
 from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_scaler, math_mode
-from kdbench.hw.layout import place_aligned, place_model, unpad
+from kdbench.hw.layout import place_aligned, place_model
 from kdbench.measure.timing import Clock
 from kdbench.names import PHASES
+from kdbench.workloads import workload_of
 
 
 def make_optimizer(params, cfg: OptimizerConfig, fused: bool = False) -> torch.optim.Optimizer:
@@ -169,9 +170,10 @@ class Distiller:
         self.paths: FeaturePaths | None = None
         self.t_tap = s_tap = None
         shapes = None
+        workload = workload_of(config)
         if needs_features(config.method):
             example = example[: min(2, len(example))]
-            self.paths = resolve_paths(teacher, student, example, config.features.teacher, config.features.student)
+            self.paths = workload.feature_paths(teacher, student, example, config)
             self.t_tap = FeatureTap(teacher, self.paths.teacher, "teacher")
             s_tap = FeatureTap(student, self.paths.student, "student")
             shapes = FeaturePaths(
@@ -180,7 +182,7 @@ class Distiller:
             )
         with torch.random.fork_rng(devices=[]):  # adapters start from the cell's seed, whatever ran before
             torch.manual_seed(config.seed)
-            self.loss_fn = DistillLoss(config, shapes)
+            self.loss_fn = workload.loss(config, shapes, teacher, student, backend)
         adapters = {
             name: term.adapter()
             for name, term in zip(self.loss_fn.names, self.loss_fn.terms)
@@ -280,10 +282,7 @@ class Distiller:
         with self.student_ac.context(self.device_type):
             s_logits, s_feats, adapted = self.model(x)
         stamp()
-        n = self.config.data.num_classes  # a padded classifier's extra columns stay out of the loss
-        loss = self.loss_fn(
-            LossInputs(unpad(s_logits, n), unpad(t.logits, n), y, s_feats, t.feats, adapted, self.steps, indices)
-        )
+        loss = self.loss_fn(LossInputs(s_logits, t.logits, y, s_feats, t.feats, adapted, self.steps, indices))
         stamp()
         self.optimizer.zero_grad(set_to_none=True)
         backward_and_update(loss, self.optimizer, self.scaler, between=stamp)

@@ -70,6 +70,7 @@ from kdbench.measure.trace import trace
 from kdbench.models import ModelCache, count_params
 from kdbench.names import PHASES, REMAINDER_COLUMN, Measurement, Status
 from kdbench.schema import Row
+from kdbench.workloads import workload_of
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,16 @@ def timing_columns(raw: RawTiming, world_size: int, batch_size: int) -> Row:
     }
 
 
+def token_columns(tokens: int | None, raw: RawTiming, ranks: int = 1) -> Row:
+    """Tokens per timed call (per rank) and per second (all ``ranks``) of a token workload's measurement, at the
+    median call; nothing for other workloads."""
+    if tokens is None:
+        return {}
+    summary = summarize(raw.samples_ms)
+    per_s = ranks * tokens / (summary.median_ms / 1e3) if summary.median_ms > 0 else None
+    return {"tokens": tokens, "tokens_per_s": per_s}
+
+
 # --------------------------------------------------------------------------- row parts
 
 
@@ -270,7 +281,12 @@ def distill_row(
     """The distill_step row of a timed step; failed when the loss is not finite.  ``local`` is this
     process's own timing when ``raw`` was gathered from data-parallel ranks (the phases come from it)."""
     d = step.distiller
+    workload = workload_of(config)
     timing = timing_columns(raw, config.world_size, config.batch_size)
+    timing.update(
+        token_columns(workload.tokens(Measurement.DISTILL_STEP, config.batch_size, config), raw, config.world_size)
+    )
+    family, family_notes = workload.step_columns(step, config, x)
     launch = LAUNCH_BOUND if timing["launch_bound"] else ""
     row = Row(
         {
@@ -290,12 +306,11 @@ def distill_row(
             "student_features": ",".join(d.paths.student) if d.paths else None,
             "teacher_cache_ms": step.cache_ms,
             **phase_columns(step, local or raw),
-            **_layout(d.student, x, config),
+            **family,
             "notes": _notes(
                 d.student_ac,
                 d.teacher_ac,
-                alignment=_alignment_note(x, config),
-                extra=(launch, d.optimizer_note, note, layout_note(config, x.device.type), raw.note or ""),
+                extra=(launch, d.optimizer_note, note, *family_notes, raw.note or ""),
             ),
         }
     )
@@ -320,7 +335,7 @@ def measure_distill_step(
 ) -> Row | None:
     """The distill_step row (None on data-parallel ranks other than 0, which only take part)."""
     rank = dp.rank if dp is not None else 0
-    x, y = synthetic_batch(config, config.batch_size, backend.device, config.seed + rank)
+    x, y = workload_of(config).batch(config, config.batch_size, backend.device, config.seed + rank)
     watch = LeverWatch(config)  # before the step is built: it resets torch._dynamo
     step = DistillStep(teacher, student, x, y, config, backend, wrap=dp.wrapper(config, backend) if dp else None)
     try:
@@ -526,9 +541,10 @@ def measure_cell(
     skip = next((c.skip for c in choices if c.skip), None) or skip_reason(config, backend)
     if skip:  # every rank sees the same, before any collective
         return None if dp is not None and not dp.root else failure_rows(config, Status.SKIPPED, skip)
+    workload = workload_of(config)
     try:
         with walltime.spent(walltime.MODELS):
-            teacher, student = model_pair(config, backend, cache)
+            teacher, student = workload.build_pair(config, backend, cache)
     except Exception as exc:
         if dp is not None:
             raise
@@ -547,15 +563,10 @@ def measure_cell(
             dp.barrier()  # rank 0 measures inference alone
             return None
         rows = [step]
-        models = {
-            Measurement.STUDENT_INFERENCE: ("student", student),
-            Measurement.TEACHER_INFERENCE: ("teacher", teacher),
-        }
-        for measurement, bs in planned_measurements(config)[1:]:  # inference, in the planned order
+        for measurement, bs in planned_measurements(config)[1:]:  # serving, in the planned order
             if measurement == Measurement.TEACHER_INFERENCE and bs in skip_teacher:
                 continue
-            role, model = models[measurement]
-            measure = partial(measure_inference, model, role, bs, config, backend)
+            measure = partial(workload.measure, measurement, bs, teacher, student, config, backend)
             rows.append(guarded(measurement, bs, backend, measure))
     params = {"student_params": count_params(student), "teacher_params": count_params(teacher)}
     lever_notes = lever_row.pop("notes", None)

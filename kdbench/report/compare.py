@@ -44,10 +44,9 @@ import numpy as np
 import pandas as pd
 
 from kdbench.errors import KdbenchError
-from kdbench.names import FAILURES, Measurement, Status
+from kdbench.names import FAILURES, TIMED, Status
 from kdbench.repeats import RatioInterval, bootstrap_ratio, centre, each_level, median_log_variance, simultaneous_t
 
-TIMED = (Measurement.DISTILL_STEP, Measurement.STUDENT_INFERENCE, Measurement.TEACHER_INFERENCE)
 KEY = ("cell_id", "measurement", "batch_size")
 # Environment columns whose difference between the sides changes what the figures mean: named at the top.
 ENVIRONMENT = (

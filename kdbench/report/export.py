@@ -30,13 +30,13 @@ import pandas as pd
 import pyarrow as pa
 
 from kdbench.errors import KdbenchError
-from kdbench.names import INFERENCE, Measurement, Status
+from kdbench.names import SERVING, TIMED, Status
 from kdbench.store.files import write_text
 from kdbench.store.schema import COLUMN_NAMES, COLUMNS
 
 FORMATS = ("csv", "json", "pytest-benchmark")
 PYTEST_BENCHMARK_VERSION = "5.3.1"  # the file layout written (unchanged since 3.1 but for extra keys)
-TIMINGS = (Measurement.DISTILL_STEP, *INFERENCE)
+TIMINGS = TIMED
 _INT_COLUMNS = frozenset(c.name for c in COLUMNS if pa.types.is_integer(c.type))
 _MACHINE = re.compile(r"^([^-]+)-(.+?)-(x86_64|aarch64|arm64|AMD64|ppc64le|s390x|riscv64|i[3-6]86)(?:-|$)")
 _ENV_KEYS = ("device_name", "device_arch", "device_arch_full", "device_count", "device_memory_bytes", "backend")
@@ -147,7 +147,7 @@ def _benchmarks(rows: pd.DataFrame) -> list[dict[str, Any]]:
     records = _records(rows)
     for r in records:
         label = r.get("cell_label") or r.get("cell_id")
-        bs = f" bs{r.get('batch_size')}" if r["measurement"] in INFERENCE else ""
+        bs = f" bs{r.get('batch_size')}" if r["measurement"] in SERVING else ""
         repeat = f" #{r['repeat']}" if (r.get("repeat") or 0) > 1 else ""
         r["param_"] = f"{label}{bs}{repeat}"
     names: dict[str, set] = {}

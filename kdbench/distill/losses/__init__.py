@@ -15,6 +15,7 @@ probabilities that distillation transfers.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 from typing import Any
@@ -35,6 +36,7 @@ from kdbench.distill.losses.registry import (
     params_of,
     register_method,
 )
+from kdbench.hw.layout import unpad
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name != "registry":
@@ -53,8 +55,13 @@ class DistillLoss(nn.Module):
         self.weights = [float(config.weights.get(n, 1.0)) for n in self.names]
         self.ce_weight = min(t.ce_weight for t in self.terms)
         self.needs_features = any(t.needs_features for t in self.terms)
+        self.num_classes = config.data.num_classes  # a padded classifier's extra columns stay out of the loss
 
     def forward(self, inp: LossInputs):
+        n = self.num_classes
+        inp = dataclasses.replace(
+            inp, student_logits=unpad(inp.student_logits, n), teacher_logits=unpad(inp.teacher_logits, n)
+        )
         with torch.amp.autocast(device_type=inp.student_logits.device.type, enabled=False):
             loss = self.ce_weight * F.cross_entropy(inp.student_logits.float(), inp.targets)
             for weight, term in zip(self.weights, self.terms):

@@ -62,6 +62,9 @@ class Term(nn.Module):
     pass (``FeaturePaths`` of ``torch.Size``) when the method ``needs_features``, else None."""
 
     needs_features: ClassVar[bool] = False
+    # The pairs the method applies to: "image" (classifier logits and feature maps) or "lm" (causal language
+    # models' next-token distributions and hidden states, :mod:`kdbench.workloads.lm`).
+    domain: ClassVar[str] = "image"
     ce_weight: float = 1.0
 
     def adapter(self) -> tuple[int | slice, nn.Module] | None:
