@@ -514,6 +514,12 @@ def _cmd_list(args: argparse.Namespace) -> int:
             print(f"{family} ({len(names)}), parameters at {data.num_classes} classes, {shape}:")
             for name in names:
                 print(f"  {name:<20} {parameter_count(name, data.num_classes, tuple(data.shape)) / 1e6:8.2f} M")
+        from kdbench.models.lm import LM_CONFIGS, lm_parameter_count
+
+        print(f"lm ({len(LM_CONFIGS)}): causal language models (data.kind: tokens), parameters as registered:")
+        for name in LM_CONFIGS:
+            print(f"  {name:<20} {lm_parameter_count(name) / 1e6:8.2f} M")
+        print("config.json: a local transformers config (its model_type a causal LM) as a model name")
         print("module:callable: a user's own model factory (needs `allow_imports: true` or --allow-imports)")
         return 0
     from kdbench.distill.losses import METHODS

@@ -525,8 +525,16 @@ def models_table() -> str:
         f"{_shape(TORCHVISION_SHAPE)}). A model's count changes with the classes (its head) and, for ViTs, "
         "the image size."
     )
+    from kdbench.models.lm import LM_CONFIGS, lm_parameter_count
+
+    for name in LM_CONFIGS:
+        count = lm_parameter_count(name)
+        rows.append((code(name), "lm", f"{count:,}", f"{count / 1e6:.2f} M", "its registered config"))
     lines = [lead, "", *table(["model", "family", "parameters", "millions", "counted for"], rows)]
     lines += [
+        "",
+        "lm: causal language models built from transformers' classes with random weights (the `lm` extra), "
+        "for cells with `data.kind: tokens`; tied embeddings counted once. A local `config.json` path names one too.",
         "",
         "torchvision: the models above, and every other classification model of the installed torchvision "
         "(`torchvision.models.list_models(module=torchvision.models)`; `kdbench list models` lists them).",

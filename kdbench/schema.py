@@ -123,8 +123,18 @@ COLUMNS: tuple[Column, ...] = (
         ("ddp_bucket_cap_mb", _F, "MiB", "DDP gradient bucket size"),
         ("ddp_gradient_as_bucket_view", _B, "", "DDP gradient_as_bucket_view"),
         ("ddp_static_graph", _B, "", "DDP static_graph"),
-        ("data_kind", _S, "", "`synthetic`"),
-        ("data_shape", _S, "", "shape of one input sample, e.g. `3x32x32`"),
+        ("data_kind", _S, "", "`synthetic` (images) or `tokens` (LM pairs)"),
+        ("data_shape", _S, "", "shape of one input sample, e.g. `3x32x32` (null for token data)"),
+        ("seq_len", _I, "tokens", "LM pairs: tokens per sequence (of the step's batch, and of the prompts served)"),
+        (
+            "loss_impl",
+            _S,
+            "",
+            "LM pairs: how the LM heads and the token loss were computed (`dense`, `chunked`, `fused_linear`, "
+            "`liger`, `torch_linear`)",
+        ),
+        ("chunk_size", _I, "tokens", "LM pairs: tokens per chunk of the loss implementation (null for dense)"),
+        ("decode_tokens", _I, "tokens", "decode rows: new tokens each timed call generates greedily"),
         ("num_classes", _I, "", "classifier width"),
         ("kd_temperature", _F, "", "KD softmax temperature T"),
         ("kd_alpha", _F, "", "KD weight α of the soft-target term"),
@@ -252,6 +262,22 @@ COLUMNS: tuple[Column, ...] = (
             "and stalls (GC pauses, allocator calls, throttling) that the median leaves out; the "
             "report flags a row whose window throughput is over 5 % below its throughput",
         ),
+        ("tokens", _I, "tokens", "LM rows: tokens one timed call processes (step, prefill: B×S; decode: B×new tokens)"),
+        (
+            "tokens_per_s",
+            _F,
+            "tokens/s",
+            "LM rows: world_size × tokens / median time (the step's and prefill's processed tokens, decode's new ones)",
+        ),
+        ("vocab_size", _I, "", "LM step rows: the vocabulary both heads cover in the loss"),
+        (
+            "logits_memory_bytes",
+            _F,
+            "bytes",
+            "LM step rows: the memory the loss implementation's B×S×V-sized buffers take at its peak, computed from "
+            "the shapes (compare with the measured peak)",
+        ),
+        ("logits_buffers", _S, "", "LM step rows: the B×S×V-sized buffers logits_memory_bytes counts, and their dtype"),
         ("final_loss", _F, "", "distillation loss of the last timed step (distill_step rows; mean over ranks)"),
         ("nonfinite_steps", _I, "steps", "steps whose loss was inf or NaN (all calls, warm-up included)"),
         ("scaler_skips", _I, "steps", "optimizer updates the fp16 GradScaler skipped for inf/NaN gradients"),
@@ -407,7 +433,8 @@ COLUMNS: tuple[Column, ...] = (
             "speedup_vs_teacher",
             _F,
             "×",
-            "teacher median / student median at this batch size, same run and cell (student_inference rows)",
+            "teacher median / student median at this batch size, same run and cell (student_inference rows; on LM "
+            "pairs student_prefill and student_decode rows, against the teacher's prefill and decode)",
         ),
         (
             "scaling_efficiency",

@@ -43,7 +43,7 @@ def test_speedup_pairs_student_and_teacher_of_the_same_run_cell_and_batch():
     df = as_read(rows)
     got = df["speedup_vs_teacher"].tolist()
     assert got[0] == pytest.approx(3.5) and all(np.isnan(got[1:]))
-    assert speedups(rows[:4]) == {1: pytest.approx(3.5)}
+    assert speedups(rows[:4]) == {("student_inference", 1): pytest.approx(3.5)}
 
 
 def test_scaling_efficiency_pairs_cells_that_differ_only_in_world_size():

@@ -81,6 +81,10 @@ class Cell:
         if c.teacher_precision != "fp32":
             parts.append(f"teacher-{c.teacher_precision}")
         parts.append(f"bs{c.batch_size}")
+        if c.data.kind == "tokens":
+            parts.append(f"seq{c.data.seq_len}")
+            if c.loss_impl != "dense":
+                parts.append(c.loss_impl)
         if c.memory_format != "contiguous":
             parts.append(c.memory_format)
         if c.alignment != 64:

@@ -36,3 +36,15 @@ class ModelCache:
                 self._models.popitem(last=False)
         self._models.move_to_end(key)
         return copy.deepcopy(self._models[key])
+
+    def get_built(self, key: tuple, seed: int, build) -> nn.Module:
+        """A fresh copy of what ``build()`` returns, built once per ``key`` with torch seeded by ``seed`` (the
+        language models, whose builder takes other arguments)."""
+        if key not in self._models:
+            torch.manual_seed(seed)
+            self._models[key] = build()
+            self.builds += 1
+            while len(self._models) > self.capacity:
+                self._models.popitem(last=False)
+        self._models.move_to_end(key)
+        return copy.deepcopy(self._models[key])

@@ -21,6 +21,7 @@ from jinja2 import Environment, FileSystemLoader
 
 from kdbench.errors import KdbenchError
 from kdbench.names import PHASES, Measurement, Status
+from kdbench.report.lm import lm_section
 from kdbench.report.plots import (
     NOISY_NOTE,
     THIN_NOTE,
@@ -89,6 +90,7 @@ def render_report(
         n_rows=len(df),
         status_counts=_status_counts(df),
         charts=draw_charts(df, out_dir),
+        lm=lm_section(df, out_dir),
         phase_chart=draw_phases(df, out_dir),
         profile=_profile(df),
         remainder_limit=f"{REMAINDER_LIMIT * 100:.0f} %",

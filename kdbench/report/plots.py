@@ -36,6 +36,8 @@ _PRECISION_ORDER = {"fp32": 0, "tf32": 1, "bf16": 2, "fp16": 3}
 # a label (a setting no column shows) get their cell id's first digits, so no two cells ever share a bar.
 _VARIANT_COLUMNS = (
     "method",
+    "loss_impl",
+    "seq_len",
     "teacher_precision",
     "teacher_mode",
     "memory_format",
@@ -67,6 +69,8 @@ _SHORT = {
     "pad_to": "pad{}",
     "seed": "seed{}",
     "method": "{}",
+    "loss_impl": "{}",
+    "seq_len": "seq{}",
     "data_shape": "{}",
     "optimizer": "{}",
     "optimizer_impl": "{}",

@@ -403,12 +403,17 @@ def summary_line(rows: list[Row]) -> str:
             parts.append(f"{m}@{row['batch_size']} {str(row['status']).upper()}: {(row.get('error') or '')[:120]}")
         elif m == Measurement.DISTILL_STEP:
             noisy = " NOISY" if row["noisy"] else ""
-            parts.append(
-                f"step {row['median_ms']:.3g} ms ±{row['rel_iqr']:.0%}{noisy} ({row['throughput']:.0f} samples/s)"
+            rate = (
+                f"{row['tokens_per_s']:.0f} tokens/s"
+                if row.get("tokens_per_s") is not None
+                else f"{row['throughput']:.0f} samples/s"
             )
-        elif m == Measurement.STUDENT_INFERENCE and row["batch_size"] in speedup:
-            bs = row["batch_size"]
-            parts.append(f"student@{bs} {row['median_ms']:.3g} ms ({speedup[bs]:.1f}x teacher)")
+            parts.append(f"step {row['median_ms']:.3g} ms ±{row['rel_iqr']:.0%}{noisy} ({rate})")
+        elif (str(m), row["batch_size"]) in speedup:
+            bs, x = row["batch_size"], speedup[(str(m), row["batch_size"])]
+            what = "student" if m == Measurement.STUDENT_INFERENCE else str(m).replace("_", " ")
+            rate = f", {row['tokens_per_s']:.0f} tokens/s" if row.get("tokens_per_s") is not None else ""
+            parts.append(f"{what}@{bs} {row['median_ms']:.3g} ms{rate} ({x:.1f}x teacher)")
     return "; ".join(parts)
 
 

@@ -179,6 +179,7 @@ def config_columns(config: CellConfig, backend_name: str) -> Row:
     """The result columns that come from a cell's config."""
     parallel = config.world_size > 1
     resolved = config_dict(config)
+    lm = config.data.kind == "tokens"
     return Row(
         {
             "teacher": config.pair.teacher,
@@ -195,8 +196,11 @@ def config_columns(config: CellConfig, backend_name: str) -> Row:
             "ddp_gradient_as_bucket_view": config.ddp.gradient_as_bucket_view if parallel else None,
             "ddp_static_graph": config.ddp.static_graph if parallel else None,
             "data_kind": config.data.kind,
-            "data_shape": "x".join(map(str, config.data.shape)),
-            "num_classes": config.data.num_classes,
+            "data_shape": None if lm else "x".join(map(str, config.data.shape)),
+            "num_classes": None if lm else config.data.num_classes,
+            "seq_len": config.data.seq_len if lm else None,
+            "loss_impl": config.loss_impl if lm else None,
+            "chunk_size": config.chunk_size if lm and config.loss_impl != "dense" else None,
             "kd_temperature": config.kd.temperature,
             "kd_alpha": config.kd.alpha,
             "teacher_mode": config.teacher.mode,

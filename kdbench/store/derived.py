@@ -39,7 +39,7 @@ import pandas as pd
 import pyarrow as pa
 
 from kdbench.hw.peaks import datasheet_peak
-from kdbench.names import PRECISIONS, Measurement, Status
+from kdbench.names import PRECISIONS, SERVING, Measurement, Status, counterpart, role_of
 from kdbench.repeats import centre, paired_t
 from kdbench.store.schema import COLUMNS
 
@@ -102,28 +102,33 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def speedups(rows: list[dict]) -> dict[int, float]:
-    """The student's speed-up over its teacher per batch size, among one job's stamped rows."""
+def speedups(rows: list[dict]) -> dict[tuple[str, int], float]:
+    """The student's speed-up over its teacher per (student measurement, batch size), among one job's stamped
+    rows."""
     columns = ["run_id", "cell_id", "repeat", "batch_size", "measurement", "status", "median_ms"]
     df = pd.DataFrame([{c: r.get(c) for c in columns} for r in rows], columns=columns)
     df["median_ms"] = pd.to_numeric(df["median_ms"], errors="coerce")
     df["speedup_vs_teacher"] = np.nan
     _speedups(df, df["status"].eq(Status.OK))
     found = df[df["speedup_vs_teacher"].notna()]
-    return dict(zip(found["batch_size"].astype(int), found["speedup_vs_teacher"].astype(float)))
+    keys = zip(found["measurement"].astype(str), found["batch_size"].astype(int))
+    return dict(zip(keys, found["speedup_vs_teacher"].astype(float)))
 
 
 def _speedups(df: pd.DataFrame, ok: pd.Series) -> None:
+    """Each student serving row's speed-up over the same repeat's teacher row of the same kind (inference,
+    prefill or decode) and batch size."""
     key = ["run_id", "cell_id", "_repeat", "batch_size"]  # a repeat's student against the same repeat's teacher
     repeat = df["repeat"].fillna(1) if "repeat" in df else pd.Series(1, index=df.index)
     inference = df[ok & df["median_ms"].gt(0)].assign(_repeat=repeat)
-    teacher = inference[inference["measurement"].eq(Measurement.TEACHER_INFERENCE)]
-    teacher = teacher.drop_duplicates(key, keep="last").set_index(key)["median_ms"]
-    students = inference[inference["measurement"].eq(Measurement.STUDENT_INFERENCE)]
-    if students.empty or teacher.empty:
-        return
-    t = teacher.reindex(pd.MultiIndex.from_frame(students[key])).to_numpy(dtype=float)
-    df.loc[students.index, "speedup_vs_teacher"] = t / students["median_ms"].to_numpy(dtype=float)
+    for student in (m for m in SERVING if role_of(m) == "student"):
+        teacher = inference[inference["measurement"].eq(counterpart(student))]
+        teacher = teacher.drop_duplicates(key, keep="last").set_index(key)["median_ms"]
+        students = inference[inference["measurement"].eq(student)]
+        if students.empty or teacher.empty:
+            continue
+        t = teacher.reindex(pd.MultiIndex.from_frame(students[key])).to_numpy(dtype=float)
+        df.loc[students.index, "speedup_vs_teacher"] = t / students["median_ms"].to_numpy(dtype=float)
 
 
 def match_twins(df: pd.DataFrame, targets: pd.Series, bases: pd.Series, drop) -> pd.Series:

@@ -1,0 +1,459 @@
+"""The report's *Language models* section: the LM cells' (``data_kind == "tokens"``) step and serving figures.
+
+Data (pandas only, never torch):
+
+* :func:`step_points`: one row per LM distill_step cell of a run, its repeats pooled as ``compare`` centres them,
+  or its latest row when none was ok (an ``oom`` at a long sequence is a result); with the loss phase's share
+  of the step and the computed logits memory's share of the measured peak.
+* :func:`loss_shares`, :func:`memory_table`: what the loss-share and memory charts draw.
+* :func:`serving_table`: per pair, setting, prompt length and batch size, the student's and the teacher's
+  prefill and decode, and the student's speed-ups (cells that differ only in their loss serve the same
+  models: they are shown once, at the median over those cells).
+
+Charts (:func:`draw_lm`, drawn as :mod:`kdbench.report.plots` draws its own) and the page's part
+(:func:`lm_section`, None when the frame has no LM rows, so other reports do not change).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter, NullLocator
+
+from kdbench.names import LM_SERVING, Measurement, Status
+from kdbench.report.plots import (
+    _NOISY_HATCH,
+    _THIN_HATCH,
+    NOISY_NOTE,
+    THIN_NOTE,
+    Chart,
+    _add_variant,
+    _colors,
+    _facets,
+    _grouped_bars,
+    _save,
+    _skipped,
+    _with_keys,
+    axis_label,
+)
+from kdbench.report.summaries import latest, pooled
+from kdbench.store.schema import COLUMN_NAMES
+
+LM_DATA_KIND = "tokens"
+LOSS_IMPLS = ("dense", "chunked", "fused_linear", "liger", "torch_linear")  # report order (and colours)
+GIB = 2**30
+STEP_KEY = ["source", "pair", "setting", "impl", "seq_len"]
+SERVING_KEY = ["source", "pair", "setting", "seq_len", "decode_tokens", "batch_size"]
+SERVING_STATS = ("median_ms", "tokens_per_s", "speedup")
+# The LM charts' axes and series: never part of a cell's setting (chunk_size goes with its loss_impl).
+_NOT_SETTING = ("loss_impl", "seq_len", "chunk_size", "decode_tokens")
+_STATUS_TEXT = {Status.OOM: "OOM"}
+
+
+@dataclass(frozen=True)
+class LmSection:
+    """What the page's Language models section shows."""
+
+    charts: list[Chart]
+    steps: list[dict]  # one formatted row per LM distill_step cell of a run
+    serving: list[dict]  # one formatted row per pair, setting, prompt length and batch size
+
+
+def lm_section(df: pd.DataFrame, out_dir: Path) -> LmSection | None:
+    """The LM section of the report (its charts drawn into ``out_dir``); None when ``df`` has no LM rows."""
+    if not has_lm(df):
+        return None
+    points = step_points(df)
+    return LmSection(charts=draw_lm(points, out_dir), steps=step_rows(points), serving=serving_rows(serving_table(df)))
+
+
+# --- data ----------------------------------------------------------------------------
+
+
+def lm_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of LM cells (``data_kind == "tokens"``), every schema column present."""
+    df = df.reindex(columns=list(dict.fromkeys([*COLUMN_NAMES, *df.columns])))
+    return df[df["data_kind"].eq(LM_DATA_KIND)]
+
+
+def has_lm(df: pd.DataFrame) -> bool:
+    return "data_kind" in df and bool(df["data_kind"].eq(LM_DATA_KIND).any())
+
+
+def status_text(status) -> str:
+    """How a table cell or a bar shows a measurement that did not run: ``OOM``, ``failed``, ``skipped``..."""
+    return _STATUS_TEXT.get(status, str(status))
+
+
+def impl_order(impls) -> list[str]:
+    """Loss implementations in :data:`LOSS_IMPLS` order (others after them, alphabetically)."""
+
+    def rank(label: str) -> tuple[int, str]:
+        base = label.split(" ")[0]
+        return (LOSS_IMPLS.index(base) if base in LOSS_IMPLS else len(LOSS_IMPLS)), label
+
+    return sorted(set(impls), key=rank)
+
+
+def step_points(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per LM distill_step cell of a run, ordered by source, pair, setting, sequence length and impl.
+
+    Ok cells: their repeats pooled (:func:`kdbench.report.summaries.pooled`); cells with no ok repeat: their
+    latest row (status oom, failed, skipped... and its error).  Added, besides the chart keys of
+    :mod:`kdbench.report.plots` (``pair``, ``source``): ``impl`` (the loss_impl, with its chunk size where one
+    loss_impl ran with several), ``setting`` (the precision and the other config columns that vary, as the
+    step chart labels cells), ``loss_share`` (phase_loss_ms / median_ms) and ``logits_share``
+    (logits_memory_bytes / peak_memory_bytes)."""
+    rows = lm_rows(df)
+    rows = rows[rows["measurement"].eq(Measurement.DISTILL_STEP)]
+    ok = pooled(rows)
+    done = set(zip(ok["run_id"], ok["cell_id"]))
+    rest = latest(rows[[key not in done for key in zip(rows["run_id"], rows["cell_id"])]], ["run_id", "cell_id"])
+    parts = [p.dropna(axis=1, how="all") for p in (ok, rest) if len(p)]
+    if not parts:
+        return pd.DataFrame(columns=[*rows.columns, *STEP_KEY, "loss_share", "logits_share"])
+    points = pd.concat(parts, ignore_index=True).reindex(columns=list(dict.fromkeys([*rows.columns, *ok.columns])))
+    points = _with_keys(points)
+    points["seq_len"] = pd.to_numeric(points["seq_len"]).fillna(0).astype(int)
+    points["impl"] = _impl_labels(points)
+    points["setting"] = _settings(points)
+    ok_rows = points["status"].eq(Status.OK)
+    points["loss_share"] = _ratio(points["phase_loss_ms"], points["median_ms"]).where(ok_rows)
+    points["logits_share"] = _ratio(points["logits_memory_bytes"], points["peak_memory_bytes"]).where(ok_rows)
+    rank = points["impl"].map({impl: i for i, impl in enumerate(impl_order(points["impl"]))})
+    order = ["source", "pair", "setting", "seq_len", "rank_"]
+    return points.assign(rank_=rank).sort_values(order).drop(columns="rank_").reset_index(drop=True)
+
+
+def _ratio(num: pd.Series, den: pd.Series) -> pd.Series:
+    num, den = pd.to_numeric(num, errors="coerce"), pd.to_numeric(den, errors="coerce")
+    return (num / den.where(den > 0)).astype(float)
+
+
+def _impl_labels(points: pd.DataFrame) -> pd.Series:
+    """The loss_impl, with `` (chunk N)`` where that loss_impl ran with several chunk sizes."""
+    impl = points["loss_impl"].astype("string").fillna("?")
+    chunk = pd.to_numeric(points["chunk_size"], errors="coerce")
+    several = chunk.groupby(impl).transform("nunique").gt(1)
+    text = " (chunk " + chunk.astype("Int64").astype("string").fillna("?") + ")"
+    return impl.where(~several, impl + text).astype(str)
+
+
+def _settings(points: pd.DataFrame) -> pd.Series:
+    """Each cell's setting: the step chart's variant (precision, batch size and other varying config columns) left
+    of the LM axes, its cell id's start added where two cells of one chart position would still share it."""
+    hidden = points.drop(columns=[c for c in _NOT_SETTING if c in points]).assign(seq_=points["seq_len"])
+    within = ("source", "pair", "impl", "seq_")
+    return _add_variant(hidden, extra=("batch_size",), within=within)["variant"].astype(str)
+
+
+def loss_shares(points: pd.DataFrame) -> pd.DataFrame:
+    """The ok cells with a loss phase timing: :data:`STEP_KEY`, the loss phase, the step and the share."""
+    rows = points[points["loss_share"].notna()]
+    return rows[[*STEP_KEY, "phase_loss_ms", "median_ms", "loss_share"]].reset_index(drop=True)
+
+
+def memory_table(points: pd.DataFrame) -> pd.DataFrame:
+    """Per cell against its sequence length: the status, the measured peak and the computed logits memory (GiB)
+    and their ratio; cells with neither a peak, a logits size nor an out-of-memory status are left out."""
+    peak = pd.to_numeric(points["peak_memory_bytes"], errors="coerce").where(points["status"].eq(Status.OK))
+    logits = pd.to_numeric(points["logits_memory_bytes"], errors="coerce")
+    table = points.assign(peak_gib=peak / GIB, logits_gib=logits / GIB)
+    keep = peak.notna() | logits.notna() | points["status"].eq(Status.OOM)
+    return table.loc[keep, [*STEP_KEY, "status", "peak_gib", "logits_gib", "logits_share"]].reset_index(drop=True)
+
+
+def serving_table(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per :data:`SERVING_KEY`: for each serving measurement ``m`` (student/teacher prefill and decode)
+    ``m_status`` (ok when one cell's was), ``m_median_ms``, ``m_tokens_per_s`` and, for the student's,
+    ``m_speedup`` (the derived speed-up over the same cell's teacher), each the median over the cells with that
+    key (``cells``: how many) of their centres over repeats.  The setting is the precision, with the teacher's
+    where it differs (the serving measurements depend on nothing else of a cell but its models and shapes)."""
+    rows = lm_rows(df)
+    rows = rows[rows["measurement"].isin(list(LM_SERVING))]
+    columns = [*SERVING_KEY, "cells", *(f"{m}_{s}" for m in LM_SERVING for s in ("status", *SERVING_STATS))]
+    if rows.empty:
+        return pd.DataFrame(columns=columns)
+    rows = _serving_keys(_with_keys(rows))
+    ok = pooled(rows).rename(columns={"speedup_vs_teacher": "speedup"})
+    by = [*SERVING_KEY, "measurement"]
+    stats = ok.groupby(by)[list(SERVING_STATS)].median().unstack("measurement")
+    stats.columns = [f"{m}_{s}" for s, m in stats.columns]
+    ordered = rows.sort_values("timestamp", na_position="first")
+    status = ordered.groupby(by)["status"].agg(lambda s: Status.OK if s.eq(Status.OK).any() else s.iloc[-1])
+    status = status.unstack("measurement").add_suffix("_status")
+    cells = rows.groupby(SERVING_KEY)["cell_id"].nunique().rename("cells")
+    table = pd.concat([cells, status, stats], axis=1).reset_index()
+    table = table.reindex(columns=columns)
+    table = table.assign(cells=table["cells"].astype(int))
+    return table.sort_values(SERVING_KEY).reset_index(drop=True)
+
+
+def _serving_keys(rows: pd.DataFrame) -> pd.DataFrame:
+    """Add the serving key's columns: ``setting`` and the cell's ``decode_tokens`` on its prefill rows too."""
+    teacher = rows["teacher_precision"].astype("string").fillna(rows["precision"])
+    setting = rows["precision"].where(teacher.eq(rows["precision"]), rows["precision"] + ", teacher " + teacher)
+    decode = pd.to_numeric(rows["decode_tokens"], errors="coerce").groupby([rows["run_id"], rows["cell_id"]])
+    rows = rows.assign(setting=setting.astype(str), decode_tokens=decode.transform("max"))
+    for column in ("seq_len", "decode_tokens", "batch_size"):  # 0: unknown (groupby drops null keys)
+        rows[column] = pd.to_numeric(rows[column], errors="coerce").fillna(0).astype(int)
+    return rows
+
+
+# --- table rows ----------------------------------------------------------------------
+
+
+def step_rows(points: pd.DataFrame) -> list[dict]:
+    """The LM step table: per cell its status, tokens/s, step time, loss share and memory, formatted."""
+    from kdbench.report.html import ERROR_CHARS, MISSING, format_int, format_ms, format_percent, format_sig
+
+    def gib(n_bytes) -> str:
+        return format_sig(None if pd.isna(n_bytes) else float(n_bytes) / GIB, "GiB")
+
+    out = []
+    for r in points.to_dict("records"):
+        ok = r["status"] == Status.OK
+        error = "" if ok or pd.isna(r["error"]) else str(r["error"])
+        out.append(
+            {
+                "source": r["source"],
+                "pair": r["pair"],
+                "setting": r["setting"],
+                "impl": r["impl"],
+                "seq_len": format_int(r["seq_len"] or None),
+                "batch_size": format_int(r["batch_size"]),
+                "ok": ok,
+                "status": status_text(r["status"]),
+                "tokens_per_s": format_int(r["tokens_per_s"]) if ok else MISSING,
+                "median": format_ms(r["median_ms"]) if ok else MISSING,
+                "loss_share": format_percent(r["loss_share"]),
+                "peak": gib(r["peak_memory_bytes"]) if ok else MISSING,
+                "logits": gib(r["logits_memory_bytes"]),
+                "buffers": "" if pd.isna(r["logits_buffers"]) else str(r["logits_buffers"]),
+                "logits_share": format_percent(r["logits_share"]),
+                "error": error if len(error) <= ERROR_CHARS else error[: ERROR_CHARS - 1] + "…",
+            }
+        )
+    return out
+
+
+def serving_rows(table: pd.DataFrame) -> list[dict]:
+    """The serving table, formatted: a measurement that did not run shows its status (``OOM``...) instead."""
+    from kdbench.report.html import MISSING, format_int, format_ms, format_speedup
+
+    def figure(r: dict, measurement: str, stat: str, fmt) -> str:
+        status = r[f"{measurement}_status"]
+        if pd.isna(status):
+            return MISSING  # not measured
+        return fmt(r[f"{measurement}_{stat}"]) if status == Status.OK else status_text(status)
+
+    out = []
+    for r in table.to_dict("records"):
+        row = {key: r[key] for key in ("source", "pair", "setting", "cells")}
+        row.update(
+            seq_len=format_int(r["seq_len"] or None),
+            decode_tokens=format_int(r["decode_tokens"] or None),
+            batch_size=format_int(r["batch_size"] or None),
+        )
+        for kind in ("prefill", "decode"):
+            student, teacher = f"student_{kind}", f"teacher_{kind}"
+            stat, fmt = ("median_ms", format_ms) if kind == "prefill" else ("tokens_per_s", format_int)
+            row[f"student_{kind}"] = figure(r, student, stat, fmt)
+            row[f"teacher_{kind}"] = figure(r, teacher, stat, fmt)
+            row[f"{kind}_speedup"] = figure(r, student, "speedup", format_speedup)
+            row[f"{kind}_bad"] = any(
+                pd.notna(r[f"{m}_status"]) and r[f"{m}_status"] != Status.OK for m in (student, teacher)
+            )
+        out.append(row)
+    return out
+
+
+# --- charts --------------------------------------------------------------------------
+
+
+def draw_lm(points: pd.DataFrame, out_dir: Path) -> list[Chart]:
+    """The LM section's charts, from :func:`step_points`: tokens/s, memory against sequence length, loss share."""
+    return [_tokens_chart(points, out_dir), _memory_chart(points, out_dir), _loss_share_chart(points, out_dir)]
+
+
+def _impl_colors(impls: list[str]) -> dict[str, tuple]:
+    """One colour per loss implementation, the same in every chart and report (by :data:`LOSS_IMPLS`)."""
+    known = _colors([*LOSS_IMPLS, *(i for i in impl_order(impls) if i not in LOSS_IMPLS)])
+    return {i: known.get(i, known.get(i.split(" ")[0])) for i in impls}
+
+
+def _compact(value: float) -> str:
+    return f"{value / 1e3:.3g}k" if value >= 1e3 else f"{value:.3g}"
+
+
+def _status_bars(ax, here: pd.DataFrame, group: str, impls: list[str], value: str, color: dict, fmt) -> None:
+    """Grouped bars of ``value``, one per loss impl in each ``group``, labelled ``fmt(value)``; a cell that did not
+    run is a zero bar labelled with its status (``OOM``...). Noisy bars hatched, thin ones dotted."""
+    ok = here["status"].eq(Status.OK)
+    here = here.assign(bar_=here[value].where(ok).fillna(0.0))
+
+    def style(bars):
+        hatch = [_THIN_HATCH if t else _NOISY_HATCH if n else "" for n, t in zip(bars["is_noisy"], bars["is_thin"])]
+        return {"color": color[bars["impl"].iloc[0]], "hatch": hatch}
+
+    drawn = _grouped_bars(ax, here, group, "impl", impls, "bar_", style)
+    for impl, bars in drawn.items():
+        rows = here[here["impl"].eq(impl)]
+        labels = [fmt(v) if s == Status.OK else status_text(s) for v, s in zip(rows[value], rows["status"])]
+        texts = ax.bar_label(bars, labels=labels, fontsize=7, padding=2, rotation=90)
+        for text, status in zip(texts, rows["status"]):
+            if status != Status.OK:
+                text.set(color="#b3261e", fontweight="bold")
+    ax.margins(y=0.22)
+    if not here["bar_"].gt(0).any():  # nothing ran here: no value axis to show
+        ax.set_ylim(0, 1)
+        ax.set_yticks([])
+
+
+def _legend(fig, impls: list[str], color: dict, rows: pd.DataFrame, extra=()) -> None:
+    handles = [Patch(facecolor=color[i], edgecolor="0.25", label=i) for i in impls]
+    if rows["is_noisy"].eq(True).any():
+        handles.append(Patch(facecolor="white", edgecolor="0.25", hatch=_NOISY_HATCH, label=f"noisy\n({NOISY_NOTE})"))
+    if rows["is_thin"].eq(True).any():
+        handles.append(Patch(facecolor="white", edgecolor="0.25", hatch=_THIN_HATCH, label=THIN_NOTE))
+    fig.legend(handles=[*handles, *extra], loc="outside right upper", fontsize=8, title="loss_impl", title_fontsize=8)
+
+
+def _tokens_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
+    title = "LM distillation step: tokens per second"
+    if not points["status"].eq(Status.OK).any():
+        return _skipped(title, "no successful LM distill_step measurement")
+    rows = points.assign(group=points["pair"] + "\n(" + points["setting"] + ")")
+    sources = sorted(rows["source"].unique())
+    seq_lens = sorted(rows["seq_len"].unique())
+    impls = impl_order(rows["impl"])
+    color = _impl_colors(impls)
+    n_groups = rows.groupby(["source", "seq_len"])["group"].nunique().max()
+    width = min(18.0, max(8.0, 2.0 + len(seq_lens) * (1.0 + 0.3 * n_groups * len(impls))))
+    fig, facets = _facets(sources, len(seq_lens), width=width, height=4.0)
+    for axes, source in zip(facets, sources):
+        for ax, seq_len in zip(axes, seq_lens):
+            ax.set_title(f"sequence length {seq_len}", fontsize=9)
+            here = rows[rows["source"].eq(source) & rows["seq_len"].eq(seq_len)]
+            if here.empty:
+                ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes, color="0.4")
+                ax.set_xticks([])
+                continue
+            _status_bars(ax, here, "group", impls, "tokens_per_s", color, _compact)
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}"))
+        axes[0].set_ylabel(axis_label("step throughput", "tokens_per_s"))
+    _legend(fig, impls, color, rows)
+    return Chart(
+        title=title,
+        file=_save(fig, out_dir, "lm_tokens_per_s.png"),
+        caption=(
+            "Tokens processed per second by the distillation step of each teacher → student pair, one bar per "
+            "loss implementation, one panel per sequence length (each cell's repeats pooled as kdbench compare "
+            "centres them). A cell that did not run is an empty bar labelled with its status (OOM: the device "
+            f"ran out of memory). Hatched bars are noisy ({NOISY_NOTE}); dotted ones thin."
+        ),
+    )
+
+
+def _memory_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
+    title = "LM distillation step: memory against sequence length"
+    table = memory_table(points)
+    if table.empty:
+        return _skipped(title, "no LM distill_step row has a measured peak, a computed logits size or an OOM")
+    table["panel"] = table["pair"] + " · " + table["setting"]
+    sources = sorted(table["source"].unique())
+    panels = {s: sorted(table.loc[table["source"].eq(s), "panel"].unique()) for s in sources}
+    ncols = max(len(p) for p in panels.values())
+    impls = impl_order(table["impl"])
+    color = _impl_colors(impls)
+    fig, facets = _facets(sources, ncols, width=min(18.0, 3.0 + 4.5 * ncols), height=3.8)
+    for axes, source in zip(facets, sources):
+        for ax, panel in itertools.zip_longest(axes, panels[source]):
+            if panel is None:
+                ax.set_visible(False)
+                continue
+            _memory_panel(ax, table[table["source"].eq(source) & table["panel"].eq(panel)], impls, color)
+            ax.set_title(panel, fontsize=9)
+        axes[0].set_ylabel("memory (GiB)")
+    looks = [
+        Line2D([], [], color="0.2", marker="o", ms=4, label="measured peak"),
+        Line2D([], [], color="0.2", linestyle="--", label="computed logits buffers"),
+        Line2D([], [], color="0.2", marker="X", linestyle="", ms=8, label="out of memory"),
+    ]
+    handles = [Line2D([], [], color=color[i], linewidth=3, label=i) for i in impls]
+    fig.legend(handles=[*handles, *looks], loc="outside right upper", fontsize=8, title="loss_impl", title_fontsize=8)
+    return Chart(
+        title=title,
+        file=_save(fig, out_dir, "lm_memory.png"),
+        caption=(
+            "Peak memory of the distillation step against the sequence length (solid: measured, the device "
+            "allocator's peak or on the CPU the worker's resident memory), and beside it in the same colour "
+            "(dashed) the memory of the B×S×V-sized buffers the loss implementation holds at its peak, computed "
+            "from the shapes: the gap between the two is what the models, activations and optimizer take. "
+            "A cross at the top marks the sequence length at which a loss implementation ran out of memory."
+        ),
+    )
+
+
+def _memory_panel(ax, here: pd.DataFrame, impls: list[str], color: dict) -> None:
+    """One pair and setting: per loss impl its peak (solid), its logits (dashed) and its OOMs (crosses on top)."""
+    ooms = 0
+    for impl in impls:
+        pts = here[here["impl"].eq(impl)].sort_values("seq_len")
+        peak, logits = pts[pts["peak_gib"].notna()], pts[pts["logits_gib"].notna()]
+        ax.plot(peak["seq_len"], peak["peak_gib"], "-o", ms=4, color=color[impl])
+        ax.plot(logits["seq_len"], logits["logits_gib"], "--", marker=".", ms=5, color=color[impl])
+        for seq_len in pts.loc[pts["status"].eq(Status.OOM), "seq_len"]:
+            y = 0.93 - 0.1 * ooms
+            ax.scatter([seq_len], [y], transform=ax.get_xaxis_transform(), marker="X", s=80, color=color[impl],
+                       edgecolors="black", linewidths=0.6, zorder=4, clip_on=False)  # fmt: skip
+            ax.annotate("OOM", (seq_len, y), xycoords=("data", "axes fraction"), xytext=(6, -3),
+                        textcoords="offset points", fontsize=7, color="#b3261e", fontweight="bold")  # fmt: skip
+            ooms += 1
+    seq_lens = sorted(here["seq_len"].unique())
+    if len(seq_lens) > 1:
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticks(seq_lens, [str(s) for s in seq_lens])
+    if len(seq_lens) > 1:
+        ax.set_xlim(seq_lens[0] / 1.3, seq_lens[-1] * 1.3)
+    top = pd.concat([here["peak_gib"], here["logits_gib"]]).max()
+    ax.set_ylim(0, 1.0 if pd.isna(top) or top <= 0 else top * (1.25 + 0.1 * ooms))
+    ax.set_xlabel(axis_label("sequence length", "seq_len"))
+    ax.grid(alpha=0.3)
+
+
+def _loss_share_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
+    title = "LM distillation step: share of the step in the loss"
+    if not points["loss_share"].notna().any():
+        return _skipped(title, "no successful LM distill_step measurement has a loss phase timing")
+    rows = points[points["loss_share"].notna() | points["status"].ne(Status.OK)]
+    rows = rows.assign(
+        group=rows["pair"] + "\n(seq " + rows["seq_len"].astype(str) + ", " + rows["setting"] + ")",
+        share_pct=rows["loss_share"] * 100,
+    )
+    sources = sorted(rows["source"].unique())
+    impls = impl_order(rows["impl"])
+    color = _impl_colors(impls)
+    n_groups = rows.groupby("source")["group"].nunique().max()
+    label_room = 0.065 * rows["group"].str.len().max() if n_groups > 4 else 0.0  # vertical tick labels
+    width = min(16.0, max(8.0, 3.0 + 0.3 * n_groups * len(impls)))
+    fig, facets = _facets(sources, 1, width=width, height=3.8 + label_room)
+    for (ax,), source in zip(facets, sources):
+        _status_bars(ax, rows[rows["source"].eq(source)], "group", impls, "share_pct", color, lambda v: f"{v:.0f} %")
+        ax.set_ylabel("loss phase (% of the step time)")
+    _legend(fig, impls, color, rows)
+    return Chart(
+        title=title,
+        file=_save(fig, out_dir, "lm_loss_share.png"),
+        caption=(
+            "The loss phase's median (for LM cells both LM heads and the token loss) as a share of the median "
+            "step time, per pair, sequence length and loss implementation: what a cheaper loss implementation "
+            "can save at most. A cell that did not run is an empty bar labelled with its status."
+        ),
+    )

@@ -1,0 +1,494 @@
+"""Causal language models: teacher and student built from transformers' classes with random weights
+(:mod:`kdbench.models.lm`), distilled on seeded token batches through their next-token distributions,
+served by prefill and greedy decoding with a KV cache.
+
+The models.  Each is wrapped in :class:`CausalLM`, whose forward returns the final hidden states
+(B, S, H): the LM head is applied in the loss phase, by the cell's ``loss_impl``
+(:mod:`kdbench.distill.lm.impls`), so that dense and fused implementations time and hold the same
+work (heads and loss together).  A ``module:callable`` may return a transformers causal LM (wrapped
+the same way) or any module mapping token ids to logits (then only ``loss_impl: dense`` can run).
+
+The batch.  ``batch_size`` sequences of ``data.seq_len`` token ids, uniform over the vocabulary both
+models share, from the cell's seed; the labels are the next tokens, with the first
+``prompt_fraction`` of each sequence (and its last position, which has no next token) set to -100:
+not counted in any loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from kdbench.distill.losses import check_method, check_weights, params_of
+from kdbench.errors import KdbenchError
+from kdbench.names import Measurement
+from kdbench.schema import Row
+from kdbench.workloads.base import Problems, Workload, is_lm_model
+
+IGNORE = -100
+DEFAULT_LAYERS = 4  # hidden_mse pairs at most this many decoder layers by default
+
+
+class CausalLM(nn.Module):
+    """A causal LM whose forward is ids -> final hidden states; ``head`` is its LM head (None when the wrapped
+    module only maps ids to logits)."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+        head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+        self.hf = head is not None and hasattr(lm, "base_model") and lm.base_model is not lm
+        self._head = (head,) if self.hf else (None,)  # a tuple: no second registration of the head's weights
+
+    @property
+    def head(self) -> nn.Module | None:
+        return self._head[0]
+
+    @property
+    def vocab_size(self) -> int | None:
+        if self.head is not None:
+            return int(self.head.weight.shape[0])
+        config = getattr(self.lm, "config", None)
+        return getattr(config, "vocab_size", None)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.hf:
+            out = self.lm(input_ids)
+            return getattr(out, "logits", out)
+        return self.lm.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+
+    def decoder_layers(self) -> list[str]:
+        """Module paths of the decoder layers, in order (the longest ModuleList of the model)."""
+        lists = [(n, m) for n, m in self.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+        if not lists:
+            return []
+        name, layers = max(lists, key=lambda nm: len(nm[1]))
+        return [f"{name}.{i}" for i in range(len(layers))]
+
+
+# --------------------------------------------------------------------------- building
+
+
+def build(name: str, overrides: dict[str, Any], allow_imports: bool) -> nn.Module:
+    """The LM ``name`` (registered name, ``config.json`` path or ``module:callable``) with random weights."""
+    from kdbench.models.lm import build_lm
+
+    if ":" in name:
+        from kdbench.models.registry import check_model_name
+
+        check_model_name(name, allow_imports)
+        module = _imported(name)
+        if overrides:
+            raise KdbenchError(f"overrides apply to registered LMs and config.json files, not to {name!r}")
+        return module
+    return build_lm(name, overrides or None)
+
+
+def _imported(name: str) -> nn.Module:
+    import importlib
+
+    module_name, _, attr = name.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise KdbenchError(f"model {name!r}: cannot import it ({exc}); check the name and PYTHONPATH") from None
+    model = obj() if callable(obj) and not isinstance(obj, nn.Module) else obj
+    if not isinstance(model, nn.Module):
+        raise KdbenchError(f"model {name!r} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _config(name: str, overrides: dict[str, Any]):
+    """The transformers config of a registered LM or config.json (None for module:callable)."""
+    from kdbench.models.lm import _resolve_config
+
+    if ":" in name:
+        return None
+    return _resolve_config(name, overrides or None)
+
+
+def max_positions(config) -> int | None:
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) else None
+
+
+# --------------------------------------------------------------------------- the workload
+
+
+class LMWorkload(Workload):
+    family = "lm"
+
+    def __init__(self) -> None:
+        self._vocab: dict[tuple, int] = {}  # the pairs this worker built: their shared vocabulary
+
+    @staticmethod
+    def _pair_key(config: Any) -> tuple:
+        o = config.overrides
+        return (
+            config.pair.teacher,
+            config.pair.student,
+            repr(sorted(o.teacher.items())),
+            repr(sorted(o.student.items())),
+        )
+
+    # ------------------------------------------------------------------ plan time
+
+    def check(self, config: Any, allow_imports: bool) -> Problems:
+        from kdbench.distill.lm.impls import unsupported
+
+        problems: Problems = []
+        configs = {}
+        for role in ("teacher", "student"):
+            name = getattr(config.pair, role)
+            overrides = getattr(config.overrides, role)
+            if ":" in name:
+                try:
+                    from kdbench.models.registry import check_model_name
+
+                    check_model_name(name, allow_imports)
+                except KdbenchError as exc:
+                    problems.append((("pair", role), str(exc)))
+                if overrides:
+                    problems.append((("overrides", role), f"overrides apply to registered LMs, not to {name!r}"))
+                continue
+            if not is_lm_model(name):
+                from kdbench.models.registry import available_models
+
+                if name in available_models():
+                    problems.append(
+                        (
+                            ("pair", role),
+                            f"{name!r} is an image classifier and this cell is a language-model cell (data.kind: "
+                            "tokens or an LM partner): pair LMs with LMs (`kdbench list models`), or use image data",
+                        )
+                    )
+                else:
+                    from kdbench.models.lm import _check_name
+
+                    try:
+                        _check_name(name)
+                    except KdbenchError as exc:
+                        problems.append((("pair", role), str(exc)))
+                continue
+            try:
+                configs[role] = _config(name, overrides)
+            except KdbenchError as exc:
+                key = ("overrides", role) if overrides and "override" in str(exc) else ("pair", role)
+                problems.append((key, str(exc)))
+        if problems:
+            return problems
+        if config.data.kind != "tokens":
+            return [(("data", "kind"), "a language-model pair needs token data: set data.kind: tokens (and seq_len)")]
+        need = config.data.seq_len + (config.inference.decode_tokens if config.inference.batch_sizes else 0)
+        for role, c in configs.items():
+            limit = max_positions(c)
+            if limit is not None and need > limit:
+                what = "data.seq_len" + (" + inference.decode_tokens" if config.inference.batch_sizes else "")
+                problems.append(
+                    (
+                        ("data", "seq_len"),
+                        f"{what} = {need} is beyond the {role} {getattr(config.pair, role)}'s {limit} positions; "
+                        f"lower it, or raise max_position_embeddings in overrides.{role}",
+                    )
+                )
+        vocabs = {role: int(c.vocab_size) for role, c in configs.items()}
+        if len(vocabs) == 2 and vocabs["teacher"] != vocabs["student"] and config.data.vocab_policy == "error":
+            problems.append(
+                (
+                    ("data", "vocab_policy"),
+                    f"the teacher's vocabulary has {vocabs['teacher']} entries and the student's {vocabs['student']}: "
+                    "set data.vocab_policy: slice (both heads cut to the smaller) or give both one vocab_size",
+                )
+            )
+        try:
+            methods = check_method(config.method)
+            check_weights(config.method, config.weights)
+        except KdbenchError:
+            return problems  # the plan reports the method itself
+        image = [m.name for m in methods if m.cls.domain != "lm"]
+        if image:
+            problems.append(
+                (
+                    ("method",),
+                    f"{', '.join(image)}: image-classifier method(s) (logits over classes, feature maps); on a "
+                    "language-model pair use forward_kl, reverse_kl, jsd, tvd, skew_fkl, skew_rkl or hidden_mse "
+                    "(`kdbench list methods`)",
+                )
+            )
+            return problems
+        tokens = [m for m in methods if getattr(m.cls, "divergence", "")]
+        if len(tokens) > 1:
+            problems.append(
+                (
+                    ("method",),
+                    f"{'+'.join(m.name for m in tokens)}: an LM cell takes one token-level divergence (combine it with "
+                    "hidden_mse); for a mixture of the two KLs use jsd with beta",
+                )
+            )
+            return problems
+        why = unsupported(config.loss_impl, methods_token_loss(config))
+        if why:
+            problems.append((("loss_impl",), why))
+        if config.inference.runtime != "eager":
+            problems.append(
+                (
+                    ("inference", "runtime"),
+                    f"LM pairs are served eagerly (prefill and decode with transformers' KV cache); "
+                    f"inference.runtime {config.inference.runtime} is for image classifiers: remove it",
+                )
+            )
+        if config.graphs:
+            problems.append((("graphs",), "graphs replays an image classifier's forward; LM pairs do not take it"))
+        if config.pad_to != 1:
+            problems.append(
+                (("pad_to",), "pad_to pads a classifier's width; on an LM pair set overrides.*.vocab_size instead")
+            )
+        return problems
+
+    def planned(self, config: Any) -> list[tuple[Measurement, int]]:
+        out = [(Measurement.DISTILL_STEP, config.batch_size)]
+        for bs in config.inference.batch_sizes:
+            out += [(Measurement.STUDENT_PREFILL, bs), (Measurement.STUDENT_DECODE, bs)]
+            if config.inference.teacher:
+                out += [(Measurement.TEACHER_PREFILL, bs), (Measurement.TEACHER_DECODE, bs)]
+        return out
+
+    def tokens(self, measurement: Measurement, batch_size: int, config: Any) -> int | None:
+        if measurement in (Measurement.STUDENT_DECODE, Measurement.TEACHER_DECODE):
+            return batch_size * config.inference.decode_tokens
+        return batch_size * config.data.seq_len
+
+    # ------------------------------------------------------------------ the step
+
+    def build_pair(self, config: Any, backend: Any, cache: Any) -> tuple[nn.Module, nn.Module]:
+        allow = getattr(cache, "allow_imports", False)
+        models = []
+        for role in ("teacher", "student"):
+            name, overrides = getattr(config.pair, role), getattr(config.overrides, role)
+            key = ("lm", name, repr(sorted(overrides.items())), config.seed)
+            model = cache.get_built(key, config.seed, lambda n=name, o=overrides: build(n, o, allow))
+            models.append(CausalLM(model).to(backend.device))
+        self._vocab[self._pair_key(config)] = shared_vocab(config, *models)
+        return models[0], models[1]
+
+    def batch(self, config: Any, batch_size: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        vocab = self._vocab.get(self._pair_key(config)) or shared_vocab(config)
+        return token_batch(batch_size, config.data.seq_len, vocab, config.data.prompt_fraction, seed, device, config)
+
+    def feature_paths(self, teacher: nn.Module, student: nn.Module, example: torch.Tensor, config: Any) -> Any:
+        from kdbench.distill.hooks import FeaturePaths, _spaced, pair_paths
+
+        given_t, given_s = config.features.teacher, config.features.student
+        t = given_t or teacher.decoder_layers()
+        s = given_s or student.decoder_layers()
+        if not t or not s:
+            raise KdbenchError("hidden_mse: found no decoder layers; name them in features.teacher / features.student")
+        if not (given_t and given_s):
+            k = min(len(t), len(s), DEFAULT_LAYERS)
+            t, s = (given_t or _spaced(t, k)), (given_s or _spaced(s, k))
+        t, s = pair_paths(t, s, explicit=bool(given_t) and bool(given_s))
+        return FeaturePaths(teacher=t, student=s)
+
+    def loss(self, config: Any, shapes: Any, teacher: nn.Module, student: nn.Module, backend: Any) -> nn.Module:
+        return LMLoss(config, shapes, teacher, student, backend)
+
+    def step_columns(self, step: Any, config: Any, x: torch.Tensor) -> tuple[Row, tuple[str, ...]]:
+        loss = step.distiller.loss_fn
+        memory = loss.logits_memory(x.numel())
+        row = Row(
+            {
+                "seq_len": config.data.seq_len,
+                "vocab_size": loss.vocab,
+                "loss_impl": config.loss_impl,
+                "chunk_size": config.chunk_size if config.loss_impl != "dense" else None,
+                "logits_memory_bytes": memory["bytes"],
+                "logits_buffers": memory["text"],
+                "data_ptr_mod64": x.data_ptr() % 64,
+            }
+        )
+        return row, tuple(loss.notes)
+
+    # ------------------------------------------------------------------ serving
+
+    def measure(
+        self,
+        measurement: Measurement,
+        batch_size: int,
+        teacher: nn.Module,
+        student: nn.Module,
+        config: Any,
+        backend: Any,
+    ) -> Row:
+        from kdbench.workloads.lm_serving import measure_serving
+
+        role = str(measurement).split("_", 1)[0]
+        model = student if role == "student" else teacher
+        return measure_serving(self, measurement, model, batch_size, config, backend)
+
+
+LM = LMWorkload()
+
+
+def methods_token_loss(config: Any):
+    """The TokenLoss of the cell's token-level method (with CE at the smallest of its terms' weights)."""
+    from kdbench.distill.lm.impls import TokenLoss
+
+    methods = check_method(config.method)
+    token = [m for m in methods if getattr(m.cls, "divergence", "")]
+    ce = min(1.0 - params_of(config, m).alpha if m in token else 1.0 for m in methods)
+    if not token:
+        return TokenLoss(None, ce_weight=ce)
+    term = token[0].cls(params_of(config, token[0]), None)
+    return term.token_loss(float(config.weights.get(token[0].name, 1.0)), ce)
+
+
+def shared_vocab(config: Any, teacher: nn.Module | None = None, student: nn.Module | None = None) -> int:
+    """The vocabulary both models share (the smaller, under vocab_policy slice)."""
+    sizes = []
+    for role, model in (("teacher", teacher), ("student", student)):
+        if model is not None and model.vocab_size is not None:
+            sizes.append(model.vocab_size)
+            continue
+        c = _config(getattr(config.pair, role), getattr(config.overrides, role))
+        if c is not None:
+            sizes.append(int(c.vocab_size))
+    if not sizes:
+        raise KdbenchError("cannot tell the vocabulary size of the pair; give a transformers model")
+    return min(sizes)
+
+
+def token_batch(
+    batch_size: int, seq_len: int, vocab: int, prompt_fraction: float, seed: int, device, config: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (B, S) and next-token labels (B, S), the prompt share and the last position -100."""
+    from kdbench.hw.layout import place_aligned
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
+    labels = torch.full_like(ids, IGNORE)
+    labels[:, :-1] = ids[:, 1:]
+    prompt = min(round(prompt_fraction * seq_len), seq_len - 1)
+    labels[:, :prompt] = IGNORE
+    return place_aligned(ids.to(device), config.alignment), place_aligned(labels.to(device), config.alignment)
+
+
+# --------------------------------------------------------------------------- the loss
+
+
+class LMLoss(nn.Module):
+    """ce_weight × CE(next tokens) + weight × alpha × the token-level divergence, computed with the LM heads by
+    the cell's ``loss_impl``, + the feature terms (hidden_mse); the heads run at each model's precision, the
+    loss in float32."""
+
+    def __init__(self, config: Any, shapes: Any, teacher: CausalLM, student: CausalLM, backend: Any):
+        super().__init__()
+        from kdbench.hw.backends import choose_autocast
+
+        methods = check_method(config.method)
+        check_weights(config.method, config.weights)
+        self.names = [m.name for m in methods]
+        self.terms = nn.ModuleList(m.cls(params_of(config, m), shapes) for m in methods)
+        self.weights = [float(config.weights.get(n, 1.0)) for n in self.names]
+        self.ce_weight = min(t.ce_weight for t in self.terms)
+        self.token = methods_token_loss(config)
+        self.features = [(w, t) for w, t in zip(self.weights, self.terms) if not getattr(t, "divergence", "")]
+        self.impl, self.chunk_size = config.loss_impl, config.chunk_size
+        self._models = (teacher, student)  # not submodules: the trainee owns the student's head
+        self.vocab = shared_vocab(config, teacher, student)
+        self.notes: list[str] = []
+        if teacher.vocab_size != student.vocab_size:
+            self.notes.append(
+                f"vocabularies {teacher.vocab_size} (teacher) and {student.vocab_size} (student): both heads sliced "
+                f"to the first {self.vocab} entries"
+            )
+        if (student.head is None or teacher.head is None) and self.impl != "dense":
+            raise KdbenchError(
+                f"loss_impl {self.impl} needs the LM heads of transformers models; a module that returns logits "
+                "runs with loss_impl: dense"
+            )
+        self.dtypes = tuple(
+            _compute_dtype(choose_autocast(backend, p)) for p in (config.teacher_precision, config.precision)
+        )
+
+    def logits_memory(self, n_tokens: int) -> dict[str, Any]:
+        from kdbench.distill.lm.impls import logits_memory
+
+        size = torch.empty((), dtype=self.dtypes[1]).element_size()
+        return logits_memory(self.impl, n_tokens, self.vocab, size, self.chunk_size, self.token)
+
+    def forward(self, inp: Any) -> torch.Tensor:
+        from kdbench.distill.lm.impls import lm_loss
+
+        teacher, student = self._models
+        t_dtype, s_dtype = self.dtypes
+        labels = inp.targets
+        with torch.amp.autocast(device_type=labels.device.type, enabled=False):
+            if student.head is None or teacher.head is None:
+                loss = _dense_on_logits(
+                    inp.student_logits[..., : self.vocab], inp.teacher_logits[..., : self.vocab], labels, self.token
+                )
+            else:
+                sw, sb = _head(student.head, self.vocab, s_dtype)
+                tw, tb = _head(teacher.head, self.vocab, t_dtype)
+                loss = lm_loss(
+                    self.impl,
+                    inp.student_logits.to(s_dtype),
+                    sw,
+                    sb,
+                    inp.teacher_logits.to(t_dtype),
+                    tw,
+                    tb,
+                    labels,
+                    self.token,
+                    chunk_size=self.chunk_size,
+                )
+            for weight, term in self.features:
+                loss = loss + weight * term(inp)
+        return loss
+
+
+def _compute_dtype(choice: Any) -> torch.dtype:
+    return choice.dtype if choice.applied and choice.dtype is not None else torch.float32
+
+
+def _head(head: nn.Module, vocab: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The head's weight and bias, cut to ``vocab`` rows, at the compute dtype (autograd flows to the originals)."""
+    weight = head.weight[:vocab].to(dtype)
+    bias = head.bias[:vocab].to(dtype) if getattr(head, "bias", None) is not None else None
+    return weight, bias
+
+
+def _dense_on_logits(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, token: Any) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    from kdbench.distill.lm.impls import DIVERGENCES
+
+    mask = labels != IGNORE
+    s = student.float()
+    n = int(mask.sum())
+    ce = F.cross_entropy(s.reshape(-1, s.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    loss = token.ce_weight * ce / max(n, 1)
+    if token.divergence:
+        fn = DIVERGENCES[token.divergence]
+        kwargs = {"beta": token.beta} if token.divergence == "jsd" else {}
+        if token.divergence.startswith("skew"):
+            kwargs = {"lam": token.lam}
+        loss = loss + token.kd_weight * fn(student, teacher, mask, temperature=token.temperature, **kwargs)
+    return loss
+
+
+def analytic_forward_flops(model: CausalLM, batch_size: int, seq_len: int, with_head: bool = True) -> int:
+    """The forward's FLOPs from the shapes, to cross-check the counted ones: 2 per multiply-add of every matmul
+    weight (the decoder layers' and, ``with_head``, the LM head's; embeddings are lookups) for each token, plus
+    attention's two S×S products per layer, 4·B·S²·H (the full square, as torch's flop counter counts SDPA)."""
+    embeddings = {id(p) for m in model.lm.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    base = model.lm.base_model
+    weights = {id(p): p for p in base.parameters() if p.dim() == 2 and id(p) not in embeddings}
+    matmul = sum(p.numel() for p in weights.values()) + (model.head.weight.numel() if with_head else 0)
+    config = model.lm.config
+    tokens = batch_size * seq_len
+    return 2 * matmul * tokens + 4 * batch_size * int(config.num_hidden_layers) * seq_len**2 * int(config.hidden_size)

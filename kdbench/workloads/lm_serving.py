@@ -1,0 +1,120 @@
+"""Serving a causal LM: prefill (the prompt's forward that fills the KV cache) and greedy decoding.
+
+Prefill: one call is the forward of ``batch_size`` prompts of ``data.seq_len`` tokens with
+``use_cache``, keeping only the last position's logits where the model takes ``logits_to_keep``
+(what ``generate`` does), so its time is the time to the first token.  Decode: one call generates
+``inference.decode_tokens`` new tokens greedily (argmax), one forward per token on the KV cache of a
+prefill done before the timed loop, with no early stop; after each call the cache is cropped back to
+the prompt, so every call starts from the same state.  Both run eval(), under inference_mode and the
+cell's precision; ``tokens_per_s`` is the prompt tokens (prefill) or new tokens (decode) per second.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from kdbench.names import Measurement
+from kdbench.schema import Row
+
+
+def _keyword(forward, *names: str) -> str | None:
+    """The first of ``names`` the model's forward takes (transformers renamed several across versions)."""
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((n for n in names if n in params), None)
+
+
+class Generator:
+    """Prefill and greedy decode of one transformers causal LM on a fixed prompt batch."""
+
+    def __init__(self, lm: nn.Module, ids: torch.Tensor, new_tokens: int):
+        self.lm, self.ids, self.new_tokens = lm, ids, new_tokens
+        forward = lm.forward
+        self.keep = _keyword(forward, "logits_to_keep", "num_logits_to_keep")
+        self.cache_kw = _keyword(forward, "cache", "past_key_values") or "past_key_values"
+        self.cache = None
+        self.first = None
+
+    def prefill(self) -> Any:
+        kwargs: dict[str, Any] = {"use_cache": True}
+        if self.keep:
+            kwargs[self.keep] = 1
+        out = self.lm(input_ids=self.ids, **kwargs)
+        return out
+
+    def start(self) -> None:
+        """The prefill the decode calls continue from (untimed)."""
+        out = self.prefill()
+        self.cache = getattr(out, "cache", None) or out.past_key_values
+        self.first = out.logits[:, -1:].argmax(-1)
+
+    def decode(self) -> torch.Tensor:
+        token = self.first
+        for _ in range(self.new_tokens):
+            out = self.lm(input_ids=token, use_cache=True, **{self.cache_kw: self.cache})
+            token = out.logits[:, -1:].argmax(-1)
+        self.cache.crop(-self.new_tokens)  # back to the prompt: every call decodes from the same state
+        return token
+
+
+def measure_serving(
+    workload, measurement: Measurement, model: nn.Module, batch_size: int, config: Any, backend: Any
+) -> Row:
+    """The prefill or decode row of the teacher or the student (a :class:`~kdbench.workloads.lm.CausalLM`)."""
+    from kdbench.hw.backends import choose_autocast, math_flags, math_mode
+    from kdbench.measure import walltime
+    from kdbench.measure.cell import LAUNCH_BOUND, _notes, timed_with_profile, timing_columns, token_columns
+    from kdbench.measure.flops import count_flops
+
+    if not getattr(model, "hf", False):
+        raise RuntimeError("prefill and decode need a transformers causal LM (with a KV cache)")
+    decode = measurement in (Measurement.STUDENT_DECODE, Measurement.TEACHER_DECODE)
+    ids, _ = workload.batch(config, batch_size, backend.device, config.seed + 1)
+    choice = choose_autocast(backend, config.precision)
+    lm = model.lm
+    lm.eval()
+    gen = Generator(lm, ids, config.inference.decode_tokens)
+
+    def call() -> Any:
+        with torch.inference_mode(), choice.context(backend.device_type):
+            return gen.decode() if decode else gen.prefill()
+
+    with math_mode(choice.tf32):
+        if decode:
+            with torch.inference_mode(), choice.context(backend.device_type):
+                gen.start()
+        what = f"{config.pair.teacher}->{config.pair.student} {config.precision} {measurement} bs{batch_size}"
+        raw, profile, note = timed_with_profile(call, config, backend, batch_size, what=what)
+        flags = math_flags()
+        with walltime.spent(walltime.FLOPS):
+            flops = None if raw.note else count_flops(call)
+    tokens = workload.tokens(measurement, batch_size, config)
+    timing = timing_columns(raw, 1, batch_size)
+    timing.update(token_columns(tokens, raw))
+    launch = LAUNCH_BOUND if timing["launch_bound"] else ""
+    extra = (launch, note, raw.note or "")
+    if not decode and gen.keep is None:
+        extra += ("this model's forward has no logits_to_keep: the prefill computes the logits of every position",)
+    return Row(
+        {
+            "measurement": measurement,
+            "batch_size": batch_size,
+            "status": "ok",
+            **timing,
+            **profile,
+            **flags,
+            "flops": flops,
+            "autocast": choice.applied,
+            "runtime": "eager",
+            "seq_len": config.data.seq_len,
+            "decode_tokens": config.inference.decode_tokens if decode else None,
+            "data_ptr_mod64": ids.data_ptr() % 64,
+            "notes": _notes(choice, extra=extra),
+        }
+    )

@@ -1,0 +1,214 @@
+"""LM cells through the one engine: the token batch, the LM loss (every token method, hidden_mse, vocab slicing),
+the step and serving rows of measure_cell, the FLOP cross-check, and the plan-time refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kdbench.config.plan import Cell, cell_id_of, check_cell, config_dict, planned_measurements
+from kdbench.config.schema import CellConfig
+from kdbench.distill.lm import token_losses
+from kdbench.distill.losses import METHODS
+from kdbench.hw.backends import resolve
+from kdbench.measure.cell import measure_cell
+from kdbench.measure.flops import count_flops
+from kdbench.models import ModelCache
+from kdbench.workloads import workload_of
+from kdbench.workloads.lm import LM, CausalLM, LMLoss, analytic_forward_flops, token_batch
+from kdbench.workloads.vision import VISION
+
+CPU = resolve("cpu")
+PAIR = {"teacher": "tiny-llama-teacher", "student": "tiny-llama-student"}
+SMALL = {"teacher": {"num_hidden_layers": 2}, "student": {"num_hidden_layers": 1}}
+TOKEN_METHODS = [n for n, m in METHODS.items() if getattr(m.cls, "divergence", "")]
+
+
+def lm_config(**over) -> CellConfig:
+    base = {
+        "pair": PAIR,
+        "overrides": SMALL,
+        "method": "forward_kl",
+        "batch_size": 2,
+        "data": {"kind": "tokens", "seq_len": 16},
+        "timing": {"warmup": 0, "min_iters": 2, "min_time_s": 0.0},
+        "inference": {"batch_sizes": [1], "decode_tokens": 3},
+    }
+    base.update(over)
+    return CellConfig.model_validate(base)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    config = lm_config()
+    return LM.build_pair(config, CPU, ModelCache())
+
+
+def test_the_workload_is_chosen_by_the_pair():
+    assert workload_of(lm_config()) is LM
+    assert workload_of(CellConfig.model_validate({"pair": {"teacher": "resnet20", "student": "resnet8"}})) is VISION
+    assert [str(m) for m, _ in planned_measurements(lm_config())] == [
+        "distill_step",
+        "student_prefill",
+        "student_decode",
+        "teacher_prefill",
+        "teacher_decode",
+    ]
+
+
+def test_image_cells_keep_their_ids_and_token_settings_stay_out_of_them():
+    image = CellConfig.model_validate({"pair": {"teacher": "resnet20", "student": "resnet8"}})
+    dumped = config_dict(image)
+    assert "seq_len" not in dumped["data"] and "overrides" not in dumped and "loss_impl" not in dumped
+    lm = config_dict(lm_config(loss_impl="chunked", chunk_size=8))
+    assert "shape" not in lm["data"] and "num_classes" not in lm["data"]
+    assert lm["loss_impl"] == "chunked" and lm["chunk_size"] == 8 and lm["data"]["seq_len"] == 16
+    assert cell_id_of(lm_config(loss_impl="dense")) != cell_id_of(lm_config(loss_impl="fused_linear"))
+
+
+def test_the_token_batch_is_next_tokens_with_the_prompt_masked():
+    ids, labels = token_batch(3, 10, 50, 0.3, seed=7, device="cpu", config=lm_config())
+    again, _ = token_batch(3, 10, 50, 0.3, seed=7, device="cpu", config=lm_config())
+    assert torch.equal(ids, again) and ids.max() < 50 and ids.dtype == torch.int64
+    assert (labels[:, :3] == -100).all() and (labels[:, -1] == -100).all()
+    assert torch.equal(labels[:, 3:-1], ids[:, 4:])
+
+
+def _step_inputs(pair, config):
+    teacher, student = pair
+    x, y = LM.batch(config, config.batch_size, CPU.device, 0)
+    with torch.no_grad():
+        ht = teacher(x)
+    hs = student(x)
+    return teacher, student, x, y, hs, ht
+
+
+@pytest.mark.parametrize("method", TOKEN_METHODS)
+def test_the_lm_loss_is_ce_plus_the_divergence_on_the_heads_logits(pair, method):
+    config = lm_config(method=method, **{method: {"temperature": 2.0, "alpha": 0.7}})
+    teacher, student, _x, y, hs, ht = _step_inputs(pair, config)
+    loss = LMLoss(config, None, teacher, student, CPU)
+    from kdbench.distill.losses import LossInputs
+
+    got = loss(LossInputs(hs, ht, y))
+    s_logits, t_logits = student.head(hs), teacher.head(ht)
+    mask = y != -100
+    fn = {
+        "forward_kl": token_losses.forward_kl,
+        "reverse_kl": token_losses.reverse_kl,
+        "jsd": lambda s, t, m, temperature: token_losses.generalized_jsd(s, t, m, beta=0.5, temperature=temperature),
+        "tvd": token_losses.total_variation,
+        "skew_fkl": lambda s, t, m, temperature: token_losses.skew_forward_kl(
+            s, t, m, lam=0.1, temperature=temperature
+        ),
+        "skew_rkl": lambda s, t, m, temperature: token_losses.skew_reverse_kl(
+            s, t, m, lam=0.1, temperature=temperature
+        ),
+    }[method]
+    ce = torch.nn.functional.cross_entropy(s_logits.reshape(-1, s_logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+    want = 0.3 * ce + 0.7 * fn(s_logits, t_logits, mask, temperature=2.0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert math.isfinite(got.item()) and got.item() > 0
+
+
+def test_vocab_slice_cuts_both_heads_to_the_smaller_vocabulary():
+    config = lm_config(
+        overrides={"teacher": {"num_hidden_layers": 1}, "student": {"num_hidden_layers": 1, "vocab_size": 4000}},
+        data={"kind": "tokens", "seq_len": 8, "vocab_policy": "slice"},
+    )
+    assert check_cell(config, False) == []
+    teacher, student = LM.build_pair(config, CPU, ModelCache())
+    x, y = LM.batch(config, 2, CPU.device, 0)
+    assert int(x.max()) < 4000
+    loss = LMLoss(config, None, teacher, student, CPU)
+    assert loss.vocab == 4000 and "sliced to the first 4000" in loss.notes[0]
+    from kdbench.distill.losses import LossInputs
+
+    with torch.no_grad():
+        got = loss(LossInputs(student(x), teacher(x), y))
+    assert math.isfinite(float(got))
+    unsliced = lm_config(overrides=config.overrides.model_dump(), data={"kind": "tokens", "seq_len": 8})
+    assert [k for k, _ in check_cell(unsliced, False)] == [("data", "vocab_policy")]
+
+
+def test_a_cell_measures_the_step_and_serving_with_tokens_and_logits_memory():
+    config = lm_config(method="jsd+hidden_mse", loss_impl="fused_linear", chunk_size=8)
+    rows = measure_cell(Cell(0, cell_id_of(config), config), CPU, ModelCache())
+    by = {str(r["measurement"]): r for r in rows}
+    assert [r["status"] for r in rows] == ["ok"] * 5, [r.get("error") for r in rows]
+    step = by["distill_step"]
+    assert step["tokens"] == 2 * 16 and step["tokens_per_s"] == pytest.approx(32 / (step["median_ms"] / 1e3))
+    assert step["loss_impl"] == "fused_linear" and step["vocab_size"] == 4096 and step["seq_len"] == 16
+    assert step["logits_memory_bytes"] > 0 and step["logits_buffers"]
+    assert step["phase_loss_ms"] > 0 and step["adapter_params"] > 0  # the hidden_mse projections train
+    assert step["student_features"].startswith("lm.model.layers.")
+    assert by["student_decode"]["tokens"] == 3 and by["student_prefill"]["tokens"] == 16
+    for name in ("student_prefill", "student_decode", "teacher_prefill", "teacher_decode"):
+        assert by[name]["tokens_per_s"] > 0 and by[name]["flops"] > 0
+    # the teacher (2 layers, 256 wide) costs more FLOPs per token than the student (1 layer, 128)
+    assert by["teacher_prefill"]["flops"] > by["student_prefill"]["flops"]
+
+
+def test_dense_and_fused_cells_measure_the_same_first_loss():
+    losses = {}
+    for impl in ("dense", "chunked", "fused_linear"):
+        config = lm_config(
+            loss_impl=impl,
+            chunk_size=8,
+            inference={"batch_sizes": []},
+            timing={"warmup": 0, "min_iters": 1, "max_iters": 1, "min_time_s": 0.0},
+        )
+        from kdbench.distill.step import DistillStep
+
+        teacher, student = LM.build_pair(config, CPU, ModelCache())
+        x, y = LM.batch(config, 2, CPU.device, 0)
+        step = DistillStep(teacher, student, x, y, config, CPU)
+        step()
+        losses[impl] = float(step.last_loss)
+        step.close()
+    assert losses["chunked"] == pytest.approx(losses["dense"], rel=1e-5)
+    assert losses["fused_linear"] == pytest.approx(losses["dense"], rel=1e-5)
+
+
+def test_counted_forward_flops_match_the_analytic_count(pair):
+    teacher, _ = pair
+    x = torch.randint(0, 4096, (2, 16))
+    with torch.no_grad():
+        counted = count_flops(lambda: teacher.head(teacher(x)))
+    assert counted == pytest.approx(analytic_forward_flops(teacher, 2, 16), rel=0.02)
+
+
+def test_a_module_that_returns_logits_runs_dense_only():
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(30, 8)
+            self.out = torch.nn.Linear(8, 30)
+
+        def forward(self, ids):
+            return self.out(self.emb(ids))
+
+    wrapped = CausalLM(Tiny())
+    assert wrapped.head is None and wrapped(torch.zeros(1, 4, dtype=torch.long)).shape == (1, 4, 30)
+
+
+@pytest.mark.parametrize(
+    "over, key, text",
+    [
+        ({"method": "kd"}, "method", "image-classifier method"),
+        ({"method": "forward_kl+tvd"}, "method", "one token-level divergence"),
+        ({"data": {"kind": "tokens", "seq_len": 4096}}, "data.seq_len", "beyond"),
+        ({"data": {"kind": "synthetic"}}, "data.kind", "needs token data"),
+        ({"graphs": True}, "graphs", "LM pairs do not take it"),
+        ({"pad_to": 8}, "pad_to", "vocab_size"),
+        ({"inference": {"runtime": "onnxruntime"}}, "inference.runtime", "served eagerly"),
+        ({"pair": {"teacher": "tiny-llama-teacher", "student": "resnet8"}}, "pair.student", "image classifier"),
+    ],
+)
+def test_plan_time_refusals_name_the_key(over, key, text):
+    problems = check_cell(lm_config(**over), False)
+    assert problems, over
+    where, message = problems[0]
+    assert ".".join(where) == key and text in message
