@@ -212,3 +212,47 @@ def test_plan_time_refusals_name_the_key(over, key, text):
     assert problems, over
     where, message = problems[0]
     assert ".".join(where) == key and text in message
+
+
+def test_a_loss_impl_this_environment_lacks_is_a_skipped_cell_with_the_fix(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    missing = {"liger_kernel"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a))
+    config = lm_config(loss_impl="liger")
+    rows = measure_cell(Cell(0, cell_id_of(config), config), CPU, ModelCache())
+    assert [r["status"] for r in rows] == ["skipped"] * 5
+    assert "pip install liger-kernel" in rows[0]["error"]
+
+
+def test_the_gpu_suites_plan_the_same_cells_on_both_vendors():
+    from pathlib import Path
+
+    from kdbench.config.load import load_suite
+    from kdbench.config.plan import expand
+
+    suites = Path(__file__).resolve().parent.parent / "suites"
+    cuda, amd = (expand(load_suite(suites / f"llm-{v}.yaml")) for v in ("cuda", "amd"))
+    assert [c.cell_id for c in cuda] == [c.cell_id for c in amd] and len(cuda) == 36
+    pairs = {(c.config.pair.teacher, c.config.pair.student) for c in cuda}
+    assert pairs == {("llama-3.1-8b", "llama-3.2-1b"), ("qwen2.5-7b", "qwen2.5-0.5b")}
+    assert {c.config.loss_impl for c in cuda} == {"dense", "chunked", "fused_linear", "liger", "torch_linear"}
+    assert {c.config.data.seq_len for c in cuda} == {1024, 4096} and {c.config.precision for c in cuda} == {"bf16"}
+
+
+def test_a_cached_teacher_keeps_its_hidden_states_and_the_step_equals_the_live_one():
+    from kdbench.distill.step import DistillStep
+
+    losses = {}
+    for mode in ("live", "cached"):
+        config = lm_config(teacher={"mode": mode}, loss_impl="fused_linear", chunk_size=8)
+        teacher, student = LM.build_pair(config, CPU, ModelCache())
+        x, y = LM.batch(config, 2, CPU.device, 0)
+        step = DistillStep(teacher, student, x, y, config, CPU)
+        if mode == "cached":
+            assert step.cache.logits.shape == (2, 16, 256) and step.cache_ms > 0  # (B, S, teacher hidden)
+        step()
+        losses[mode] = step.last_loss.item()
+        step.close()
+    assert losses["cached"] == pytest.approx(losses["live"], rel=1e-6)

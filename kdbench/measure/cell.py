@@ -538,10 +538,14 @@ def measure_cell(
     teacher inference at the batch sizes in ``skip_teacher`` (the engine reuses an earlier cell's)."""
     config = cell.config
     choices = [choose_autocast(backend, p) for p in (config.precision, config.teacher_precision)]
-    skip = next((c.skip for c in choices if c.skip), None) or skip_reason(config, backend)
+    workload = workload_of(config)
+    skip = (
+        next((c.skip for c in choices if c.skip), None)
+        or skip_reason(config, backend)
+        or workload.skip_reason(config, backend)
+    )
     if skip:  # every rank sees the same, before any collective
         return None if dp is not None and not dp.root else failure_rows(config, Status.SKIPPED, skip)
-    workload = workload_of(config)
     try:
         with walltime.spent(walltime.MODELS):
             teacher, student = workload.build_pair(config, backend, cache)

@@ -108,7 +108,7 @@ def step_points(df: pd.DataFrame) -> pd.DataFrame:
     :mod:`kdbench.report.plots` (``pair``, ``source``): ``impl`` (the loss_impl, with its chunk size where one
     loss_impl ran with several), ``setting`` (the precision and the other config columns that vary, as the
     step chart labels cells), ``loss_share`` (phase_loss_ms / median_ms) and ``logits_share``
-    (logits_memory_bytes / peak_memory_bytes)."""
+    (logits_memory_bytes / step_memory_bytes: the step's measured footprint, else its peak)."""
     rows = lm_rows(df)
     rows = rows[rows["measurement"].eq(Measurement.DISTILL_STEP)]
     ok = pooled(rows)
@@ -124,7 +124,12 @@ def step_points(df: pd.DataFrame) -> pd.DataFrame:
     points["setting"] = _settings(points)
     ok_rows = points["status"].eq(Status.OK)
     points["loss_share"] = _ratio(points["phase_loss_ms"], points["median_ms"]).where(ok_rows)
-    points["logits_share"] = _ratio(points["logits_memory_bytes"], points["peak_memory_bytes"]).where(ok_rows)
+    # What the step itself needed: its footprint (peak minus what was in use as it began: models, batch,
+    # optimizer state), else its peak; on the CPU the peak is the process's whole resident memory.
+    peak = pd.to_numeric(points["peak_memory_bytes"], errors="coerce")
+    footprint = pd.to_numeric(points.get("memory_footprint_bytes", pd.Series(index=points.index)), errors="coerce")
+    points["step_memory_bytes"] = footprint.fillna(peak)
+    points["logits_share"] = _ratio(points["logits_memory_bytes"], points["step_memory_bytes"]).where(ok_rows)
     rank = points["impl"].map({impl: i for i, impl in enumerate(impl_order(points["impl"]))})
     order = ["source", "pair", "setting", "seq_len", "rank_"]
     return points.assign(rank_=rank).sort_values(order).drop(columns="rank_").reset_index(drop=True)
@@ -161,7 +166,7 @@ def loss_shares(points: pd.DataFrame) -> pd.DataFrame:
 def memory_table(points: pd.DataFrame) -> pd.DataFrame:
     """Per cell against its sequence length: the status, the measured peak and the computed logits memory (GiB)
     and their ratio; cells with neither a peak, a logits size nor an out-of-memory status are left out."""
-    peak = pd.to_numeric(points["peak_memory_bytes"], errors="coerce").where(points["status"].eq(Status.OK))
+    peak = pd.to_numeric(points["step_memory_bytes"], errors="coerce").where(points["status"].eq(Status.OK))
     logits = pd.to_numeric(points["logits_memory_bytes"], errors="coerce")
     table = points.assign(peak_gib=peak / GIB, logits_gib=logits / GIB)
     keep = peak.notna() | logits.notna() | points["status"].eq(Status.OOM)
@@ -232,7 +237,7 @@ def step_rows(points: pd.DataFrame) -> list[dict]:
                 "tokens_per_s": format_int(r["tokens_per_s"]) if ok else MISSING,
                 "median": format_ms(r["median_ms"]) if ok else MISSING,
                 "loss_share": format_percent(r["loss_share"]),
-                "peak": gib(r["peak_memory_bytes"]) if ok else MISSING,
+                "peak": gib(r["step_memory_bytes"]) if ok else MISSING,
                 "logits": gib(r["logits_memory_bytes"]),
                 "buffers": "" if pd.isna(r["logits_buffers"]) else str(r["logits_buffers"]),
                 "logits_share": format_percent(r["logits_share"]),
@@ -381,7 +386,7 @@ def _memory_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
             ax.set_title(panel, fontsize=9)
         axes[0].set_ylabel("memory (GiB)")
     looks = [
-        Line2D([], [], color="0.2", marker="o", ms=4, label="measured peak"),
+        Line2D([], [], color="0.2", marker="o", ms=4, label="measured step footprint"),
         Line2D([], [], color="0.2", linestyle="--", label="computed logits buffers"),
         Line2D([], [], color="0.2", marker="X", linestyle="", ms=8, label="out of memory"),
     ]
@@ -391,10 +396,11 @@ def _memory_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
         title=title,
         file=_save(fig, out_dir, "lm_memory.png"),
         caption=(
-            "Peak memory of the distillation step against the sequence length (solid: measured, the device "
-            "allocator's peak or on the CPU the worker's resident memory), and beside it in the same colour "
+            "Memory the distillation step needed against the sequence length (solid: measured, its footprint: "
+            "the peak minus what was in use as it began, the models, batch and optimizer state; on GPUs the "
+            "allocator's counters, on the CPU the worker's resident memory), and beside it in the same colour "
             "(dashed) the memory of the B×S×V-sized buffers the loss implementation holds at its peak, computed "
-            "from the shapes: the gap between the two is what the models, activations and optimizer take. "
+            "from the shapes: the gap between the two is what activations, gradients and the rest take. "
             "A cross at the top marks the sequence length at which a loss implementation ran out of memory."
         ),
     )

@@ -201,8 +201,8 @@ def config_columns(config: CellConfig, backend_name: str) -> Row:
             "seq_len": config.data.seq_len if lm else None,
             "loss_impl": config.loss_impl if lm else None,
             "chunk_size": config.chunk_size if lm and config.loss_impl != "dense" else None,
-            "kd_temperature": config.kd.temperature,
-            "kd_alpha": config.kd.alpha,
+            "kd_temperature": None if lm else config.kd.temperature,  # an LM method's are in method_params
+            "kd_alpha": None if lm else config.kd.alpha,
             "teacher_mode": config.teacher.mode,
             "method_params": json.dumps(method_params(config), sort_keys=True),
             "optimizer": config.optimizer.name,

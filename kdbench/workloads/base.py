@@ -59,6 +59,11 @@ class Workload:
         """One serving measurement's row (the step is measured by the cell, the same for every family)."""
         raise NotImplementedError
 
+    def skip_reason(self, config: Any, backend: Any) -> str | None:
+        """Why the cell cannot run in this environment (a package or an API it needs is missing), with the fix;
+        None: it can.  The cell's rows are then stored as skipped, saying so."""
+        return None
+
     def tokens(self, measurement: Measurement, batch_size: int, config: Any) -> int | None:
         """Tokens one timed call processes (None: not a token workload)."""
         return None

@@ -257,6 +257,11 @@ class LMWorkload(Workload):
                 out += [(Measurement.TEACHER_PREFILL, bs), (Measurement.TEACHER_DECODE, bs)]
         return out
 
+    def skip_reason(self, config: Any, backend: Any) -> str | None:
+        from kdbench.distill.lm.impls import unavailable
+
+        return unavailable(config.loss_impl)
+
     def tokens(self, measurement: Measurement, batch_size: int, config: Any) -> int | None:
         if measurement in (Measurement.STUDENT_DECODE, Measurement.TEACHER_DECODE):
             return batch_size * config.inference.decode_tokens
