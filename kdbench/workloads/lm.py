@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kdbench.distill.losses import check_method, check_weights, params_of
+from kdbench.distill.losses import WeightedTerms, check_method, check_weights, params_of
 from kdbench.errors import KdbenchError
 from kdbench.names import Measurement
 from kdbench.schema import Row
@@ -384,21 +384,15 @@ def token_batch(
 # --------------------------------------------------------------------------- the loss
 
 
-class LMLoss(nn.Module):
+class LMLoss(WeightedTerms):
     """ce_weight × CE(next tokens) + weight × alpha × the token-level divergence, computed with the LM heads by
     the cell's ``loss_impl``, + the feature terms (hidden_mse); the heads run at each model's precision, the
     loss in float32."""
 
     def __init__(self, config: Any, shapes: Any, teacher: CausalLM, student: CausalLM, backend: Any):
-        super().__init__()
+        super().__init__(config, shapes)
         from kdbench.hw.backends import choose_autocast
 
-        methods = check_method(config.method)
-        check_weights(config.method, config.weights)
-        self.names = [m.name for m in methods]
-        self.terms = nn.ModuleList(m.cls(params_of(config, m), shapes) for m in methods)
-        self.weights = [float(config.weights.get(n, 1.0)) for n in self.names]
-        self.ce_weight = min(t.ce_weight for t in self.terms)
         self.token = methods_token_loss(config)
         self.features = [(w, t) for w, t in zip(self.weights, self.terms) if not getattr(t, "divergence", "")]
         self.impl, self.chunk_size = config.loss_impl, config.chunk_size

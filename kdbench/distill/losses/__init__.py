@@ -43,8 +43,9 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 
-class DistillLoss(nn.Module):
-    """The cell's whole loss: ce_weight * CE + sum of weighted terms, in FP32 with autocast off."""
+class WeightedTerms(nn.Module):
+    """The cell's method terms, built with their parameters, their ``weights`` and the CE weight: what every
+    family's whole loss starts from (image classifiers: :class:`DistillLoss`; LMs: ``workloads.lm.LMLoss``)."""
 
     def __init__(self, config: Any, shapes: Any = None):
         super().__init__()
@@ -55,6 +56,13 @@ class DistillLoss(nn.Module):
         self.weights = [float(config.weights.get(n, 1.0)) for n in self.names]
         self.ce_weight = min(t.ce_weight for t in self.terms)
         self.needs_features = any(t.needs_features for t in self.terms)
+
+
+class DistillLoss(WeightedTerms):
+    """The cell's whole loss: ce_weight * CE + sum of weighted terms, in FP32 with autocast off."""
+
+    def __init__(self, config: Any, shapes: Any = None):
+        super().__init__(config, shapes)
         self.num_classes = config.data.num_classes  # a padded classifier's extra columns stay out of the loss
 
     def forward(self, inp: LossInputs):
@@ -75,6 +83,7 @@ __all__ = [
     "LossInputs",
     "Method",
     "Term",
+    "WeightedTerms",
     "check_method",
     "check_weights",
     "method_parts",
