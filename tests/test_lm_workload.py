@@ -205,6 +205,8 @@ def test_a_module_that_returns_logits_runs_dense_only():
         ({"pad_to": 8}, "pad_to", "vocab_size"),
         ({"inference": {"runtime": "onnxruntime"}}, "inference.runtime", "served eagerly"),
         ({"pair": {"teacher": "tiny-llama-teacher", "student": "resnet8"}}, "pair.student", "image classifier"),
+        ({"method": "tvd", "loss_impl": "liger"}, "loss_impl", "liger"),
+        ({"method": "reverse_kl", "loss_impl": "torch_linear"}, "loss_impl", "torch_linear"),
     ],
 )
 def test_plan_time_refusals_name_the_key(over, key, text):
@@ -256,3 +258,46 @@ def test_a_cached_teacher_keeps_its_hidden_states_and_the_step_equals_the_live_o
         losses[mode] = step.last_loss.item()
         step.close()
     assert losses["cached"] == pytest.approx(losses["live"], rel=1e-6)
+
+
+def test_module_callable_lms_run_through_the_cell():
+    hf = lm_config(
+        pair={"teacher": "tiny-llama-teacher", "student": "tests.lm_models:tiny_hf_student"},
+        overrides={"teacher": {"num_hidden_layers": 1}},
+        loss_impl="fused_linear",
+        chunk_size=8,
+    )
+    assert check_cell(hf, allow_imports=True) == []
+    assert "allow_imports" in check_cell(hf, allow_imports=False)[0][1]
+    rows = measure_cell(Cell(0, cell_id_of(hf), hf), CPU, ModelCache(allow_imports=True))
+    assert [r["status"] for r in rows] == ["ok"] * 5, [r.get("error") for r in rows]
+    plain = lm_config(
+        pair={"teacher": "tiny-llama-teacher", "student": "tests.lm_models:IdsToLogits"},
+        overrides={"teacher": {"num_hidden_layers": 1}},
+    )
+    rows = measure_cell(Cell(0, cell_id_of(plain), plain), CPU, ModelCache(allow_imports=True))
+    status = {str(r["measurement"]): r["status"] for r in rows}
+    assert status["distill_step"] == "ok" and status["student_prefill"] == status["student_decode"] == "skipped"
+    assert status["teacher_decode"] == "ok"
+    assert "KV cache" in next(r["error"] for r in rows if r["measurement"] == "student_decode")
+
+
+def test_hidden_mse_is_the_mean_squared_error_of_the_projected_layers_over_the_valid_tokens():
+    from kdbench.distill.hooks import FeaturePaths
+    from kdbench.distill.losses import LossInputs
+    from kdbench.distill.losses.hidden_mse import HiddenMSE, HiddenMSEParams
+
+    torch.manual_seed(0)
+    s = [torch.randn(2, 8, 5), torch.randn(2, 8, 5)]  # canonical (N, C, L)
+    t = [torch.randn(2, 12, 5), torch.randn(2, 12, 5)]
+    term = HiddenMSE(HiddenMSEParams(beta=3.0), FeaturePaths([x.shape for x in t], [x.shape for x in s]))
+    targets = torch.tensor([[-100, 1, 2, 3, -100], [-100, -100, 4, 5, 6]])
+    projected = term.proj(s)
+    got = term(LossInputs(None, None, targets, s, t, {"hidden_mse": projected}))
+    valid = targets != -100
+    want = torch.zeros(())
+    for x, p, w, m in zip(s, projected, t, term.proj.maps):
+        torch.testing.assert_close(p, torch.einsum("oc,ncl->nol", m.weight, x))  # a linear map of the channels
+        err = (p - w).pow(2).mean(dim=1)  # (N, L)
+        want = want + err[valid].mean()
+    torch.testing.assert_close(got, 3.0 * want / 2)

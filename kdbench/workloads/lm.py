@@ -426,10 +426,10 @@ class LMLoss(WeightedTerms):
         t_dtype, s_dtype = self.dtypes
         labels = inp.targets
         with torch.amp.autocast(device_type=labels.device.type, enabled=False):
-            if student.head is None or teacher.head is None:
-                loss = _dense_on_logits(
-                    inp.student_logits[..., : self.vocab], inp.teacher_logits[..., : self.vocab], labels, self.token
-                )
+            if student.head is None or teacher.head is None:  # a module that returns logits: dense on them
+                s_logits = _logits(student, inp.student_logits, s_dtype)[..., : self.vocab]
+                t_logits = _logits(teacher, inp.teacher_logits, t_dtype)[..., : self.vocab]
+                loss = _dense_on_logits(s_logits, t_logits, labels, self.token)
             else:
                 sw, sb = _head(student.head, self.vocab, s_dtype)
                 tw, tb = _head(teacher.head, self.vocab, t_dtype)
@@ -448,6 +448,14 @@ class LMLoss(WeightedTerms):
             for weight, term in self.features:
                 loss = loss + weight * term(inp)
         return loss
+
+
+def _logits(model: CausalLM, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A model's logits from its forward's output: the output itself, or its head applied to it."""
+    if model.head is None:
+        return out
+    weight, bias = _head(model.head, model.head.weight.shape[0], dtype)
+    return torch.nn.functional.linear(out.to(dtype), weight, bias)
 
 
 def _compute_dtype(choice: Any) -> torch.dtype:

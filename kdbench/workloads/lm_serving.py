@@ -73,7 +73,9 @@ def measure_serving(
     from kdbench.measure.flops import count_flops
 
     if not getattr(model, "hf", False):
-        raise RuntimeError("prefill and decode need a transformers causal LM (with a KV cache)")
+        from kdbench.measure.runtimes import LeverSkip
+
+        raise LeverSkip("prefill and decode need a transformers causal LM (its KV cache); this model returns logits")
     decode = measurement in (Measurement.STUDENT_DECODE, Measurement.TEACHER_DECODE)
     ids, _ = workload.batch(config, batch_size, backend.device, config.seed + 1)
     choice = choose_autocast(backend, config.precision)
