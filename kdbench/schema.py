@@ -139,7 +139,13 @@ COLUMNS: tuple[Column, ...] = (
         ("kd_temperature", _F, "", "KD softmax temperature T"),
         ("kd_alpha", _F, "", "KD weight α of the soft-target term"),
         ("method_params", _S, "", "JSON of the hyper-parameters of the cell's method terms (and `weights`)"),
-        ("teacher_mode", _S, "", "`live` (teacher forward every step) or `cached` (its outputs computed once)"),
+        (
+            "teacher_mode",
+            _S,
+            "",
+            "`live` (teacher forward every step), `cached` (its outputs computed once) or `topk_cache` (its top-k "
+            "next tokens computed once, LM pairs)",
+        ),
         ("optimizer", _S, "", "student optimizer name"),
         ("lr", _F, "", "student learning rate"),
         ("seed", _I, "", "random seed of weights and data"),
@@ -276,6 +282,19 @@ COLUMNS: tuple[Column, ...] = (
             "bytes",
             "LM step rows: the memory the loss implementation's B×S×V-sized buffers take at its peak, computed from "
             "the shapes (compare with the measured peak)",
+        ),
+        (
+            "teacher_cache_bytes_per_token",
+            _I,
+            "bytes",
+            "teacher.mode topk_cache: the cache's bytes per token (k log-probabilities, their indices, the rest)",
+        ),
+        (
+            "topk_reconstruction_kl",
+            _F,
+            "nats",
+            "teacher.mode topk_cache: KL of the teacher's dense next-token distribution against the cache's "
+            "reconstruction (top-k entries, the rest's mass spread evenly), mean over the valid tokens",
         ),
         ("logits_buffers", _S, "", "LM step rows: the B×S×V-sized buffers logits_memory_bytes counts, and their dtype"),
         ("final_loss", _F, "", "distillation loss of the last timed step (distill_step rows; mean over ranks)"),
@@ -464,13 +483,14 @@ COLUMNS: tuple[Column, ...] = (
             "teacher_cache_saving_ms",
             _F,
             "ms",
-            "cached distill_step rows: median of the same cell with a live teacher (same run) minus this median",
+            "cached and topk_cache distill_step rows: median of the same cell with a live teacher (same run) minus "
+            "this median",
         ),
         (
             "teacher_cache_payback_steps",
             _I,
             "steps",
-            "cached distill_step rows: steps after which the saving "
+            "cached and topk_cache distill_step rows: steps after which the saving "
             "repays teacher_cache_ms (null when caching is not faster)",
         ),
         (

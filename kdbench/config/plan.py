@@ -177,6 +177,8 @@ def config_dict(config: CellConfig) -> dict[str, Any]:
         out.pop("features", None)
     if config.world_size == 1:
         out.pop("ddp", None)  # DDP options do not touch a single-device cell
+    if config.teacher.mode != "topk_cache":
+        out["teacher"].pop("k", None)  # only the top-k cache keeps k entries
     # Image data has no tokens, token data no image shape or classes.
     for key in IMAGE_DATA_KEYS if config.data.kind == "tokens" else TOKEN_DATA_KEYS:
         out["data"].pop(key, None)

@@ -58,7 +58,12 @@ class FeaturesConfig(Strict):
 
 
 class TeacherConfig(Strict):
-    mode: Literal["live", "cached"] = "live"  # cached: teacher outputs computed once for the fixed batch
+    # live: the teacher runs every step; cached: its outputs computed once for the fixed batch; topk_cache (LM
+    # pairs): its top-k next-token log-probabilities computed once and stored compactly, the student trained on
+    # the sparse KL over them (offline distillation)
+    mode: Literal["live", "cached", "topk_cache"] = "live"
+    # topk_cache: next-token entries kept per token
+    k: int = Field(128, ge=1, le=1 << 20)
 
 
 DataKind = Literal["synthetic", "tokens"]

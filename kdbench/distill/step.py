@@ -170,7 +170,7 @@ class Distiller:
         self.paths: FeaturePaths | None = None
         self.t_tap = s_tap = None
         shapes = None
-        workload = workload_of(config)
+        self.workload = workload = workload_of(config)
         if needs_features(config.method):
             example = example[: min(2, len(example))]
             self.paths = workload.feature_paths(teacher, student, example, config)
@@ -320,7 +320,8 @@ class DistillStep:
         self.marks: list[list] = []
         self.cache: TeacherOutputs | None = None
         self.cache_ms: float | None = None
-        if config.teacher.mode == "cached":
+        self.cache_columns: dict = {}  # what the cache's workload reports of it (the top-k cache's size and loss)
+        if config.teacher.mode != "live":
             # In the step's fp32 math mode (the teacher's own where it differs), as the live teacher runs: torch's
             # default would run NVIDIA's fp32 convolutions in TF32.  Host time between synchronizations: a one-off
             # cost is what a user waits for.
@@ -329,10 +330,12 @@ class DistillStep:
             with math_mode(self.distiller.student_ac.tf32):
                 out = self.distiller.teacher_outputs(x)
                 # copies (place_aligned copies): they outlive a compiled teacher's CUDA-graph output buffers
-                self.cache = TeacherOutputs(
-                    place_aligned(out.logits, config.alignment),
-                    [place_aligned(f, config.alignment) for f in out.feats],
-                )
+                feats = [place_aligned(f, config.alignment) for f in out.feats]
+                if config.teacher.mode == "cached":
+                    self.cache = TeacherOutputs(place_aligned(out.logits, config.alignment), feats)
+                else:  # the workload's compact form (topk_cache: the top-k next tokens of an LM)
+                    compact, self.cache_columns = self.distiller.workload.compact_teacher(self.distiller, out, y)
+                    self.cache = TeacherOutputs(compact, feats)
             backend.synchronize()
             self.cache_ms = (time.perf_counter() - start) * 1e3
         self.last_loss: torch.Tensor | None = None

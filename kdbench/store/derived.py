@@ -44,7 +44,7 @@ from kdbench.repeats import centre, paired_t
 from kdbench.store.schema import COLUMNS
 
 WORLD_SIZE = (("world_size",), ("ddp",))  # a world_size 1 cell has no DDP options to compare
-TEACHER_MODE = (("teacher", "mode"),)
+TEACHER_MODE = (("teacher", "mode"), ("teacher", "k"))
 LEVERS = (  # a cell's config stores a lever only when it is pulled (kdbench.config.plan.config_dict)
     ("compile",),
     ("compile_teacher",),
@@ -223,7 +223,7 @@ def _utilisation(df: pd.DataFrame, ok: pd.Series) -> None:
 def _cache_payback(df: pd.DataFrame) -> None:
     step = df["measurement"].eq(Measurement.DISTILL_STEP)
     mode = df["teacher_mode"].fillna("live")
-    twin = match_twins(df, step & mode.eq("cached"), step & mode.eq("live"), TEACHER_MODE)
+    twin = match_twins(df, step & mode.isin(["cached", "topk_cache"]), step & mode.eq("live"), TEACHER_MODE)
     if twin.empty:
         return
     cached = df.loc[twin.index]

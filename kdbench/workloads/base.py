@@ -43,6 +43,11 @@ class Workload:
         forwards' (logits for classifiers, final hidden states for LMs)."""
         raise NotImplementedError
 
+    def compact_teacher(self, distiller: Any, outputs: Any, targets: torch.Tensor) -> tuple[Any, Row]:
+        """The teacher's outputs of the fixed batch in the workload's compact form (``teacher.mode`` other than live
+        and cached), and the columns that describe it."""
+        raise NotImplementedError(f"teacher.mode {distiller.config.teacher.mode} is not for {self.family} pairs")
+
     def step_columns(self, step: Any, config: Any, x: torch.Tensor) -> tuple[Row, tuple[str, ...]]:
         """The step row's columns only this family has, and notes."""
         raise NotImplementedError

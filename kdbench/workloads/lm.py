@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kdbench.distill.lm.topk import TopKTeacher
 from kdbench.distill.losses import WeightedTerms, check_method, check_weights, params_of
 from kdbench.errors import KdbenchError
 from kdbench.names import Measurement
@@ -233,6 +234,8 @@ class LMWorkload(Workload):
         why = unsupported(config.loss_impl, methods_token_loss(config))
         if why:
             problems.append((("loss_impl",), why))
+        if config.teacher.mode == "topk_cache":
+            problems.extend(_topk_problems(config, tokens, vocabs))
         if config.inference.runtime != "eager":
             problems.append(
                 (
@@ -301,6 +304,20 @@ class LMWorkload(Workload):
     def loss(self, config: Any, shapes: Any, teacher: nn.Module, student: nn.Module, backend: Any) -> nn.Module:
         return LMLoss(config, shapes, teacher, student, backend)
 
+    def compact_teacher(self, distiller: Any, outputs: Any, targets: torch.Tensor) -> tuple[Any, Row]:
+        """teacher.mode topk_cache: the teacher's top-k next-token log-probabilities at the loss's temperature
+        (its logits are made once, whole, for this), with their bytes per token and what they lose (the KL of
+        the dense distribution against the cache's reconstruction)."""
+        from kdbench.distill.lm.topk import build_topk, reconstruction_kl
+
+        loss = distiller.loss_fn
+        teacher = loss._models[0]
+        with torch.no_grad():
+            logits = _logits(teacher, outputs.logits, loss.dtypes[0])[..., : loss.vocab]
+        cache = build_topk(logits, distiller.config.teacher.k, loss.token.temperature)
+        kl = reconstruction_kl(logits, cache, targets != IGNORE)
+        return cache, {"teacher_cache_bytes_per_token": cache.bytes_per_token, "topk_reconstruction_kl": kl}
+
     def step_columns(self, step: Any, config: Any, x: torch.Tensor) -> tuple[Row, tuple[str, ...]]:
         loss = step.distiller.loss_fn
         memory = loss.logits_memory(x.numel())
@@ -313,6 +330,7 @@ class LMWorkload(Workload):
                 "logits_memory_bytes": memory["bytes"],
                 "logits_buffers": memory["text"],
                 "data_ptr_mod64": x.data_ptr() % 64,
+                **step.cache_columns,
             }
         )
         return row, tuple(loss.notes)
@@ -336,6 +354,29 @@ class LMWorkload(Workload):
 
 
 LM = LMWorkload()
+
+
+def _topk_problems(config: Any, tokens: list, vocabs: dict[str, int]) -> Problems:
+    """teacher.mode topk_cache: the sparse forward KL on the student's dense logits, k within the vocabulary."""
+    problems: Problems = []
+    if [m.name for m in tokens] != ["forward_kl"]:
+        problems.append(
+            (
+                ("method",),
+                "teacher.mode topk_cache trains on the forward KL over the teacher's top-k tokens: use method "
+                "forward_kl (optionally +hidden_mse)",
+            )
+        )
+    if config.loss_impl != "dense":
+        why = (
+            "teacher.mode topk_cache computes its sparse KL on the student's logits: use loss_impl dense, "
+            f"not {config.loss_impl}"
+        )
+        problems.append((("loss_impl",), why))
+    vocab = min(vocabs.values()) if vocabs else None
+    if vocab is not None and config.teacher.k > vocab:
+        problems.append((("teacher", "k"), f"teacher.k {config.teacher.k} exceeds the vocabulary's {vocab} entries"))
+    return problems
 
 
 def methods_token_loss(config: Any):
@@ -396,6 +437,7 @@ class LMLoss(WeightedTerms):
         self.token = methods_token_loss(config)
         self.features = [(w, t) for w, t in zip(self.weights, self.terms) if not getattr(t, "divergence", "")]
         self.impl, self.chunk_size = config.loss_impl, config.chunk_size
+        self.topk = config.teacher.mode == "topk_cache"
         self._models = (teacher, student)  # not submodules: the trainee owns the student's head
         self.vocab = shared_vocab(config, teacher, student)
         self.notes: list[str] = []
@@ -417,6 +459,11 @@ class LMLoss(WeightedTerms):
         from kdbench.distill.lm.impls import logits_memory
 
         size = torch.empty((), dtype=self.dtypes[1]).element_size()
+        if self.topk:  # the student's logits whole and its float32 work: log q, the rest bucket's copy, gradients
+            each = n_tokens * self.vocab
+            shape = f"{n_tokens}×{self.vocab}"
+            text = f"1 × {shape} {_dtype_name(self.dtypes[1])} (student logits) + 4 × {shape} fp32 (float32 work)"
+            return {"bytes": each * (size + 4 * 4), "text": text}
         return logits_memory(self.impl, n_tokens, self.vocab, size, self.chunk_size, self.token)
 
     def forward(self, inp: Any) -> torch.Tensor:
@@ -426,7 +473,10 @@ class LMLoss(WeightedTerms):
         t_dtype, s_dtype = self.dtypes
         labels = inp.targets
         with torch.amp.autocast(device_type=labels.device.type, enabled=False):
-            if student.head is None or teacher.head is None:  # a module that returns logits: dense on them
+            if isinstance(inp.teacher_logits, TopKTeacher):  # the offline teacher: the sparse KL on its top-k
+                s_logits = _logits(student, inp.student_logits, s_dtype)[..., : self.vocab]
+                loss = _topk_loss(s_logits, inp.teacher_logits, labels, self.token)
+            elif student.head is None or teacher.head is None:  # a module that returns logits: dense on them
                 s_logits = _logits(student, inp.student_logits, s_dtype)[..., : self.vocab]
                 t_logits = _logits(teacher, inp.teacher_logits, t_dtype)[..., : self.vocab]
                 loss = _dense_on_logits(s_logits, t_logits, labels, self.token)
@@ -458,6 +508,10 @@ def _logits(model: CausalLM, out: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return torch.nn.functional.linear(out.to(dtype), weight, bias)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
 def _compute_dtype(choice: Any) -> torch.dtype:
     return choice.dtype if choice.applied and choice.dtype is not None else torch.float32
 
@@ -467,6 +521,17 @@ def _head(head: nn.Module, vocab: int, dtype: torch.dtype) -> tuple[torch.Tensor
     weight = head.weight[:vocab].to(dtype)
     bias = head.bias[:vocab].to(dtype) if getattr(head, "bias", None) is not None else None
     return weight, bias
+
+
+def _topk_loss(student: torch.Tensor, cache: Any, labels: torch.Tensor, token: Any) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    from kdbench.distill.lm.topk import topk_forward_kl
+
+    s = student.float()
+    n = int((labels != IGNORE).sum())
+    ce = F.cross_entropy(s.reshape(-1, s.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    return token.ce_weight * ce / max(n, 1) + token.kd_weight * topk_forward_kl(student, cache, labels != IGNORE)
 
 
 def _dense_on_logits(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, token: Any) -> torch.Tensor:

@@ -36,6 +36,11 @@ class Vision(Workload):
             name = getattr(config.pair, role)
             if check(("pair", role), check_model_name, name, allow_imports):
                 check(("pair", role), check_model_input, name, config.data.shape)
+        if config.teacher.mode == "topk_cache":
+            why = (
+                "teacher.mode topk_cache keeps a language model's top-k next tokens; an image pair takes live or cached"
+            )
+            problems.append((("teacher", "mode"), why))
         try:
             methods = check_method(config.method)
         except KdbenchError:
