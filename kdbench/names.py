@@ -83,6 +83,12 @@ PHASES: tuple[Phase, ...] = (
     Phase("backward", "backward (with zero_grad)", "zero_grad + backward"),
     Phase("optimizer", "optimizer step", "optimizer step (with GradScaler step and update)"),
 )
+# On-policy LM steps (``on_policy``) begin with one more phase: the student generates the batch's completions.
+GENERATE = Phase(
+    "generate",
+    "generation (on-policy)",
+    "on-policy LM steps: the student sampling the batch's completions with its KV cache, before the teacher forward",
+)
 REMAINDER_COLUMN = "phase_remainder_ms"  # step time minus the sum of its phases
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")  # fp32 is IEEE fp32 on every vendor; tf32 only when asked

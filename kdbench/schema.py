@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from kdbench.names import PHASES, REMAINDER_COLUMN
+from kdbench.names import GENERATE, PHASES, REMAINDER_COLUMN
 
 SCHEMA_VERSION = 2  # 1: one parquet file per run, derived columns stored; 2: a folder of parts per run
 
@@ -135,6 +135,13 @@ COLUMNS: tuple[Column, ...] = (
         ),
         ("chunk_size", _I, "tokens", "LM pairs: tokens per chunk of the loss implementation (null for dense)"),
         ("decode_tokens", _I, "tokens", "decode rows: new tokens each timed call generates greedily"),
+        (
+            "on_policy_lambda",
+            _F,
+            "",
+            "on-policy LM cells: GKD's λ, the share of a training run's steps that generate (every timed step does)",
+        ),
+        ("on_policy_new_tokens", _I, "tokens", "on-policy LM cells: tokens the student generates per sequence"),
         ("num_classes", _I, "", "classifier width"),
         ("kd_temperature", _F, "", "KD softmax temperature T"),
         ("kd_alpha", _F, "", "KD weight α of the soft-target term"),
@@ -301,6 +308,7 @@ COLUMNS: tuple[Column, ...] = (
         ("nonfinite_steps", _I, "steps", "steps whose loss was inf or NaN (all calls, warm-up included)"),
         ("scaler_skips", _I, "steps", "optimizer updates the fp16 GradScaler skipped for inf/NaN gradients"),
         *((p.column, _F, "ms", f"median {p.doc}") for p in PHASES),
+        (GENERATE.column, _F, "ms", f"median of the {GENERATE.doc} (null: the step generates nothing)"),
         (REMAINDER_COLUMN, _F, "ms", "median of step time − sum of its phases (Python overhead between stamps)"),
         (
             "teacher_cache_ms",

@@ -48,6 +48,7 @@ IDENTITY_DEFAULTS = {
     "timing.max_time_s": 10.0,
     "timing.cell_budget_s": None,
     "chunk_size": 1024,
+    "on_policy": None,
     "inference.decode_tokens": 32,
     "overrides.teacher": {},
     "overrides.student": {},
@@ -83,6 +84,8 @@ class Cell:
         parts.append(f"bs{c.batch_size}")
         if c.data.kind == "tokens":
             parts.append(f"seq{c.data.seq_len}")
+            if c.on_policy is not None:
+                parts.append(f"on-policy{c.on_policy.new_tokens}")
             if c.loss_impl != "dense":
                 parts.append(c.loss_impl)
         if c.memory_format != "contiguous":

@@ -175,6 +175,19 @@ class OverridesConfig(Strict):
     student: dict[str, Any] = Field(default_factory=dict)
 
 
+class OnPolicyConfig(Strict):
+    """GKD's on-policy distillation (Agarwal et al. 2024; TRL's GKDTrainer): the student generates the completions
+    it trains on."""
+
+    # the share of a training run's steps that generate (GKD's λ, TRL's GKDConfig.lmbda); every timed step
+    # generates, and the row keeps λ so that a run's mean step reads λ × this step + (1 − λ) × the off-policy one
+    lmbda: float = Field(1.0, gt=0, le=1)
+    # tokens the student samples per sequence after its prompt (data.prompt_fraction of seq_len)
+    new_tokens: int = Field(32, ge=1, le=1 << 16)
+    # the sampling temperature (softmax(logits / T), multinomial, seeded)
+    temperature: float = Field(1.0, gt=0, le=100)
+
+
 LossImpl = Literal["dense", "chunked", "fused_linear", "liger", "torch_linear"]
 
 
@@ -232,6 +245,9 @@ class _CellBase(Strict):
     loss_impl: LossImpl = "dense"  # type: ignore[valid-type]
     # tokens per chunk of the chunked, fused_linear and liger loss implementations
     chunk_size: int = Field(1024, ge=1, le=1 << 20)
+    # LM pairs: on-policy distillation (GKD): every step first samples the completions from the student, a phase
+    # of its own, then trains on prompt + completion (null: off-policy, the fixed batch)
+    on_policy: OnPolicyConfig | None = None
 
     @field_validator("compile", mode="before")
     @classmethod
@@ -265,8 +281,10 @@ CellConfig = create_model(
 CellDefaults = create_model("CellDefaults", __base__=CellConfig, __module__=__name__, pair=(Pair | None, None))
 
 
-DatasetName = Literal["digits", "imagefolder", "cifar10", "cifar100"]
+DatasetName = Literal["digits", "imagefolder", "cifar10", "cifar100", "python-stdlib"]
 DISK_DATASETS = ("imagefolder", "cifar10", "cifar100")
+TEXT_DATASETS = ("python-stdlib",)  # text for LM pairs (kdbench.quality.text); the others are images
+DEFAULT_TEXT_SEQ_LEN = 128  # quality.seq_len when not given
 
 
 class QualityConfig(Strict):
@@ -276,13 +294,18 @@ class QualityConfig(Strict):
     root: str | None = None  # the data set's folder; required for imagefolder, cifar10, cifar100
     epochs: int = Field(20, ge=1, le=10_000)
     seeds: int = Field(3, ge=1, le=100)
-    target: float = Field(0.95, gt=0, le=1)  # quality = target x the seed's teacher accuracy
+    # quality = target x the seed's teacher accuracy (text: a perplexity at most the teacher's / target)
+    target: float = Field(0.95, gt=0, le=1)
     batch_size: int = Field(64, ge=1, le=1 << 20)
     lr: float = Field(0.05, gt=0, le=10)  # peak learning rate; cosine-annealed to 0 over all steps
     optimizer: Literal["sgd", "adamw"] = "sgd"  # sgd: momentum 0.9
     weight_decay: float = Field(5e-4, ge=0, le=1)
     test_fraction: float = Field(0.25, gt=0, lt=1)  # held out when the data set has no split of its own
     max_samples: int | None = Field(None, ge=2, le=100_000_000)  # cap on the images loaded (train + test)
+    # python-stdlib: bytes per training window, each predicting its next byte (null: 128)
+    seq_len: int | None = Field(None, ge=2, le=1 << 16)
+    # python-stdlib: cap on the bytes used, train + held-out, shared as test_fraction says (null: the whole corpus)
+    max_bytes: int | None = Field(None, ge=2, le=1 << 40)
 
     @model_validator(mode="after")
     def _root(self) -> QualityConfig:
@@ -290,9 +313,30 @@ class QualityConfig(Strict):
             raise ValueError(
                 f"quality.root is required for dataset {self.dataset}: give the folder that holds the images"
             )
-        if self.dataset == "digits" and self.root:
-            raise ValueError("quality.root is only for imagefolder, cifar10 and cifar100; remove it for digits")
+        if self.dataset not in DISK_DATASETS and self.root:
+            raise ValueError(
+                f"quality.root is only for imagefolder, cifar10 and cifar100; remove it for {self.dataset}"
+            )
+        text = self.dataset in TEXT_DATASETS
+        for key in ("seq_len", "max_bytes") if not text else ():
+            if getattr(self, key) is not None:
+                raise ValueError(f"quality.{key} is for text (dataset python-stdlib); remove it for {self.dataset}")
+        if text and self.max_samples is not None:
+            raise ValueError("quality.max_samples caps images; for python-stdlib cap the bytes with max_bytes")
+        if text and self.max_bytes is not None:
+            window = self.text_seq_len + 1
+            held_out = round(self.max_bytes * self.test_fraction)
+            if min(held_out, self.max_bytes - held_out) < window:
+                raise ValueError(
+                    f"quality.max_bytes {self.max_bytes} leaves a split shorter than one window of seq_len + 1 = "
+                    f"{window} bytes (test_fraction {self.test_fraction:g}); raise max_bytes or lower seq_len"
+                )
         return self
+
+    @property
+    def text_seq_len(self) -> int:
+        """The window length of a text data set (seq_len, or its default)."""
+        return self.seq_len if self.seq_len is not None else DEFAULT_TEXT_SEQ_LEN
 
     def optimizer_config(self) -> OptimizerConfig:
         return OptimizerConfig(name=self.optimizer, lr=self.lr, weight_decay=self.weight_decay, momentum=0.9)

@@ -35,7 +35,7 @@ from kdbench.distill.losses import LossInputs, needs_features
 from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_scaler, math_mode
 from kdbench.hw.layout import place_aligned, place_model
 from kdbench.measure.timing import Clock
-from kdbench.names import PHASES
+from kdbench.names import GENERATE, PHASES
 from kdbench.workloads import workload_of
 
 
@@ -200,6 +200,8 @@ class Distiller:
         graphed = config.compile in CUDAGRAPH_MODES and backend.device_type == "cuda"
         self._mark_step = step_marker() if graphed else None
         self._clone_teacher = graphed and config.compile_teacher and self._mark_step is None
+        self.on_policy = workload.on_policy(self, config)  # (x, y) -> the generated batch, or None
+        self.last_input = example
         self.scaler = grad_scaler(backend, self.student_ac)
         self.optimizer, self.optimizer_note = self._optimizer(config, backend)
         self.steps = 0  # train_step calls (DKD's warm-up counts them)
@@ -277,6 +279,10 @@ class Distiller:
         if self._mark_step is not None:  # one CUDA-graph-tree iteration per step (see step_marker)
             self._mark_step()
         stamp()
+        if self.on_policy is not None:  # the student generates the completions the step trains on
+            x, y = self.on_policy(x, y)
+            stamp()
+        self.last_input = x
         t = cached if cached is not None else self.teacher_outputs(x)
         stamp()
         with self.student_ac.context(self.device_type):
@@ -353,8 +359,9 @@ class DistillStep:
         self.clock.sync()
         out: dict[str, list[float]] = {p.name: [] for p in PHASES}
         for marks in self.marks[-n:]:
-            for phase, start, end in zip(PHASES, marks, marks[1:]):
-                out[phase.name].append(self.clock.elapsed_ms(start, end))
+            phases = PHASES if len(marks) == len(PHASES) + 1 else (GENERATE, *PHASES)  # on-policy: one more
+            for phase, start, end in zip(phases, marks, marks[1:]):
+                out.setdefault(phase.name, []).append(self.clock.elapsed_ms(start, end))
         return out
 
     def close(self) -> None:

@@ -68,7 +68,7 @@ from kdbench.measure.telemetry import TelemetrySampler, telemetry_columns
 from kdbench.measure.timing import Progress, RawTiming, timed_loop
 from kdbench.measure.trace import trace
 from kdbench.models import ModelCache, count_params
-from kdbench.names import PHASES, REMAINDER_COLUMN, Measurement, Status
+from kdbench.names import GENERATE, PHASES, REMAINDER_COLUMN, Measurement, Status
 from kdbench.schema import Row
 from kdbench.workloads import workload_of
 
@@ -249,7 +249,8 @@ def _layout(model: nn.Module, x: torch.Tensor, config: CellConfig) -> Row:
 
 def step_flops(step: DistillStep) -> Row:
     """FLOPs of one more step, counted after the timed loop (teacher forward apart when live)."""
-    teacher = None if step.cache is not None else count_flops(lambda: step.distiller.teacher_outputs(step.x))
+    d = step.distiller  # the teacher's input of the last step (an on-policy step's is its generated batch)
+    teacher = None if step.cache is not None else count_flops(lambda: d.teacher_outputs(d.last_input))
     total = count_flops(step)
     return {"flops": total, "teacher_forward_flops": teacher, "student_flops": total - (teacher or 0)}
 
@@ -263,7 +264,7 @@ def phase_columns(step: DistillStep, raw: RawTiming) -> Row:
     phases = step.phase_ms(len(raw.samples_ms))
     if not phases:
         return {}
-    row = {p.column: statistics.median(phases[p.name]) for p in PHASES}
+    row = {p.column: statistics.median(phases[p.name]) for p in (*PHASES, GENERATE) if p.name in phases}
     rest = [total - sum(parts) for total, *parts in zip(raw.samples_ms, *phases.values())]
     row[REMAINDER_COLUMN] = statistics.median(rest)
     return row

@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogFormatter, NullLocator
 
-from kdbench.names import INFERENCE, REMAINDER_COLUMN, Measurement, Status
+from kdbench.names import GENERATE, INFERENCE, REMAINDER_COLUMN, Measurement, Status
 from kdbench.names import PHASES as STEP_PHASES
 from kdbench.report.summaries import pooled
 from kdbench.store.schema import COLUMNS
@@ -401,7 +401,10 @@ def draw_phases(df: pd.DataFrame, out_dir: Path) -> Chart:
         return _skipped(title, "no successful distill_step measurement has phase timings")
     rows = rows.assign(bar=rows["cell_label"].fillna(rows["pair"])).sort_values("bar", ascending=False)
     sources = sorted(rows["source"].unique())
-    color = _colors([c for c, _ in PHASES])
+    # on-policy LM steps begin with the student's generation: drawn first where any cell has it
+    generated = GENERATE.column in rows and rows[GENERATE.column].notna().any()
+    phases = ((GENERATE.column, GENERATE.label), *PHASES) if generated else PHASES
+    color = _colors([c for c, _ in phases])
     n_bars = rows.groupby("source").size().max()
     clipped = int((rows[REMAINDER[0]] < 0).sum())
 
@@ -410,7 +413,7 @@ def draw_phases(df: pd.DataFrame, out_dir: Path) -> Chart:
         here = rows[rows["source"].eq(source)]
         y = range(len(here))
         left = pd.Series(0.0, index=here.index)
-        for column, label in (*PHASES, REMAINDER):
+        for column, label in (*phases, REMAINDER):
             width = here[column].fillna(0.0).clip(lower=0.0)
             look = (
                 {"color": _REMAINDER_COLOR, "hatch": _REMAINDER_HATCH}

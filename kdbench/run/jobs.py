@@ -201,6 +201,8 @@ def config_columns(config: CellConfig, backend_name: str) -> Row:
             "seq_len": config.data.seq_len if lm else None,
             "loss_impl": config.loss_impl if lm else None,
             "chunk_size": config.chunk_size if lm and config.loss_impl != "dense" else None,
+            "on_policy_lambda": config.on_policy.lmbda if config.on_policy else None,
+            "on_policy_new_tokens": config.on_policy.new_tokens if config.on_policy else None,
             "kd_temperature": None if lm else config.kd.temperature,  # an LM method's are in method_params
             "kd_alpha": None if lm else config.kd.alpha,
             "teacher_mode": config.teacher.mode,

@@ -236,6 +236,8 @@ class LMWorkload(Workload):
             problems.append((("loss_impl",), why))
         if config.teacher.mode == "topk_cache":
             problems.extend(_topk_problems(config, tokens, vocabs))
+        if config.on_policy is not None:
+            problems.extend(_on_policy_problems(config, tokens, configs))
         if config.inference.runtime != "eager":
             problems.append(
                 (
@@ -260,12 +262,41 @@ class LMWorkload(Workload):
                 out += [(Measurement.TEACHER_PREFILL, bs), (Measurement.TEACHER_DECODE, bs)]
         return out
 
+    def on_policy(self, distiller: Any, config: Any):
+        """GKD's on-policy batch: each sequence's prompt (its first ``data.prompt_fraction``) completed by
+        ``on_policy.new_tokens`` tokens the student samples (eval mode, no gradients, its KV cache, a generator
+        seeded from the cell's seed and advanced step by step); the labels are the completion's tokens."""
+        if config.on_policy is None:
+            return None
+        from kdbench.workloads.lm_serving import sample
+
+        settings = config.on_policy
+        prompt_len = prompt_length(config)
+        generator = torch.Generator().manual_seed(config.seed)
+
+        def generate(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            lm = distiller.student.lm
+            was_training = lm.training
+            lm.eval()
+            try:
+                with torch.no_grad(), distiller.student_ac.context(distiller.device_type):
+                    ids = sample(lm, x[:, :prompt_len], settings.new_tokens, settings.temperature, generator)
+            finally:
+                lm.train(was_training)
+            labels = torch.full_like(ids, IGNORE)
+            labels[:, prompt_len - 1 : -1] = ids[:, prompt_len:]  # each completion token, predicted one position early
+            return ids, labels
+
+        return generate
+
     def skip_reason(self, config: Any, backend: Any) -> str | None:
         from kdbench.distill.lm.impls import unavailable
 
         return unavailable(config.loss_impl)
 
     def tokens(self, measurement: Measurement, batch_size: int, config: Any) -> int | None:
+        if measurement == Measurement.DISTILL_STEP and config.on_policy is not None:  # prompt + completion
+            return batch_size * (prompt_length(config) + config.on_policy.new_tokens)
         if measurement in (Measurement.STUDENT_DECODE, Measurement.TEACHER_DECODE):
             return batch_size * config.inference.decode_tokens
         return batch_size * config.data.seq_len
@@ -356,6 +387,30 @@ class LMWorkload(Workload):
 LM = LMWorkload()
 
 
+def _on_policy_problems(config: Any, tokens: list, configs: dict) -> Problems:
+    """on_policy: a live teacher scores what the student generated; a divergence to train on; positions enough."""
+    problems: Problems = []
+    if config.teacher.mode != "live":
+        mode = config.teacher.mode
+        why = f"on_policy: the teacher must score each step's new completions: teacher.mode live, not {mode}"
+        problems.append((("teacher", "mode"), why))
+    if not tokens:
+        why = "on_policy trains on a divergence from the teacher on the student's completions: use e.g. method jsd"
+        problems.append((("method",), why))
+    need = prompt_length(config) + config.on_policy.new_tokens
+    for role, c in configs.items():
+        limit = max_positions(c)
+        if limit is not None and need > limit:
+            problems.append(
+                (
+                    ("on_policy", "new_tokens"),
+                    f"the prompt ({prompt_length(config)} tokens) + on_policy.new_tokens = {need} is beyond the "
+                    f"{role}'s {limit} positions; lower them",
+                )
+            )
+    return problems
+
+
 def _topk_problems(config: Any, tokens: list, vocabs: dict[str, int]) -> Problems:
     """teacher.mode topk_cache: the sparse forward KL on the student's dense logits, k within the vocabulary."""
     problems: Problems = []
@@ -405,6 +460,13 @@ def shared_vocab(config: Any, teacher: nn.Module | None = None, student: nn.Modu
     if not sizes:
         raise KdbenchError("cannot tell the vocabulary size of the pair; give a transformers model")
     return min(sizes)
+
+
+def prompt_length(config: Any) -> int:
+    """Tokens of each sequence's prompt: ``prompt_fraction`` of ``seq_len`` (at least 1 on-policy, which samples
+    from it; at most seq_len − 1)."""
+    prompt = min(round(config.data.prompt_fraction * config.data.seq_len), config.data.seq_len - 1)
+    return max(prompt, 1) if config.on_policy is not None else prompt
 
 
 def token_batch(

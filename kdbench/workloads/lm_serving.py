@@ -63,6 +63,26 @@ class Generator:
         return token
 
 
+def sample(
+    lm: nn.Module, prompt: torch.Tensor, new_tokens: int, temperature: float, generator: torch.Generator
+) -> torch.Tensor:
+    """``prompt`` (B, P) followed by ``new_tokens`` tokens sampled from ``lm`` (softmax(logits / temperature),
+    multinomial from ``generator``), one forward per token on its KV cache, no early stop: (B, P + new_tokens)."""
+    forward = lm.forward
+    keep = _keyword(forward, "logits_to_keep", "num_logits_to_keep")
+    cache_kw = _keyword(forward, "cache", "past_key_values") or "past_key_values"
+    out = lm(input_ids=prompt, use_cache=True, **({keep: 1} if keep else {}))
+    cache = getattr(out, "cache", None) or out.past_key_values
+    tokens = [prompt]
+    for i in range(new_tokens):
+        probs = torch.softmax(out.logits[:, -1].float() / temperature, dim=-1)
+        token = torch.multinomial(probs.cpu(), 1, generator=generator).to(prompt.device)
+        tokens.append(token)
+        if i + 1 < new_tokens:
+            out = lm(input_ids=token, use_cache=True, **{cache_kw: cache})
+    return torch.cat(tokens, dim=1)
+
+
 def measure_serving(
     workload, measurement: Measurement, model: nn.Module, batch_size: int, config: Any, backend: Any
 ) -> Row:

@@ -36,6 +36,9 @@ class Vision(Workload):
             name = getattr(config.pair, role)
             if check(("pair", role), check_model_name, name, allow_imports):
                 check(("pair", role), check_model_input, name, config.data.shape)
+        if config.on_policy is not None:
+            why = "on_policy has the student generate its training text: it is for language-model pairs"
+            problems.append((("on_policy",), why))
         if config.teacher.mode == "topk_cache":
             why = (
                 "teacher.mode topk_cache keeps a language model's top-k next tokens; an image pair takes live or cached"
