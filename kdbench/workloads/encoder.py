@@ -1,0 +1,400 @@
+"""BERT-shaped encoders: teacher and student built from transformers' ``BertModel`` with random weights
+(:mod:`kdbench.models.encoders`), distilled task-agnostically (``minilm``: their self-attention relations;
+``hidden_mse``: their hidden states) on seeded token batches, served by forward latency.
+
+The models.  Each is wrapped in :class:`Encoder`, whose forward is ids -> the last hidden state (B, S, H); no MLM
+head, no labels.  The attention runs SDPA where the class has it (``minilm`` reads Q, K and V from hooks on the
+projections, so it needs no eager attention); ``overrides.*.attn_implementation: eager`` forces eager.  Every row
+says which one ran (``attn_implementation``).
+
+The batch.  ``batch_size`` sequences of ``data.seq_len`` token ids, uniform over the vocabulary both models share,
+from the cell's seed, every position attended (an all-ones attention mask).  The mask is not handed to the models:
+an all-ones mask attends as no mask does, and transformers would check it on the host (``mask.all()``, a device
+sync) at every forward.  The loss's targets are the ids, with -100 where a position is padding (none here): the
+methods' mask is ``targets != -100``.  ``data.prompt_fraction`` and ``data.vocab_policy`` do not apply.
+
+The loss.  The methods' terms, weighted, summed in float32 with autocast off; no cross-entropy (there are no
+labels to distil with).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from kdbench.distill.losses import METHODS, WeightedTerms, check_method, check_weights, params_of
+from kdbench.errors import KdbenchError
+from kdbench.names import Measurement
+from kdbench.schema import Row
+from kdbench.workloads.base import Problems, Workload, is_lm_model
+
+IGNORE = -100
+DEFAULT_LAYERS = 4  # hidden_mse pairs at most this many encoder layers by default
+ALSO = ("hidden_mse",)  # methods of another family's domain that run on encoder pairs too (hidden states)
+ROLES = ("teacher", "student")
+
+
+class Encoder(nn.Module):
+    """A transformers encoder whose forward is ids (and an optional attention mask) -> the last hidden state."""
+
+    def __init__(self, bert: nn.Module):
+        super().__init__()
+        self.bert = bert
+
+    @property
+    def config(self):
+        return self.bert.config
+
+    @property
+    def heads(self) -> int:
+        return int(self.config.num_attention_heads)
+
+    @property
+    def attn_implementation(self) -> str:
+        return str(self.config._attn_implementation)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    def layers(self) -> list[str]:
+        """Module paths of the encoder layers, in order."""
+        return [f"bert.encoder.layer.{i}" for i in range(len(self.bert.encoder.layer))]
+
+
+def qkv_paths(layers: list[str], index: int) -> list[str]:
+    """The query, key and value projections of layer ``index`` (negative: from the end)."""
+    from kdbench.distill.losses.minilm import PROJECTIONS
+
+    return [f"{layers[index]}.attention.self.{p}" for p in PROJECTIONS]
+
+
+def pair_attention(teacher: str, student: str) -> str:
+    """The ``attn_implementation`` column: one name when both models ran the same."""
+    return teacher if teacher == student else f"teacher {teacher}, student {student}"
+
+
+def _configs(config: Any) -> dict[str, Any]:
+    from kdbench.models.encoders import encoder_config
+
+    return {role: encoder_config(getattr(config.pair, role), getattr(config.overrides, role)) for role in ROLES}
+
+
+# --------------------------------------------------------------------------- the workload
+
+
+class EncoderWorkload(Workload):
+    family = "encoder"
+
+    # ------------------------------------------------------------------ plan time
+
+    def check(self, config: Any, allow_imports: bool) -> Problems:
+        from kdbench.models.encoders import attn_implementation, encoder_config, is_encoder_model
+
+        problems: Problems = []
+        configs = {}
+        for role in ROLES:
+            name, overrides = getattr(config.pair, role), getattr(config.overrides, role)
+            if not is_encoder_model(name):
+                problems.append((("pair", role), _not_an_encoder(name)))
+                continue
+            try:
+                configs[role] = encoder_config(name, overrides)
+                attn_implementation(name, overrides)
+            except KdbenchError as exc:
+                key = ("overrides", role) if overrides and "override" in str(exc) else ("pair", role)
+                problems.append((key, str(exc)))
+        if problems:
+            return problems
+        if config.data.kind != "tokens":
+            return [(("data", "kind"), "an encoder pair needs token data: set data.kind: tokens (and seq_len)")]
+        for role, c in configs.items():
+            if config.data.seq_len > c.max_position_embeddings:
+                problems.append(
+                    (
+                        ("data", "seq_len"),
+                        f"data.seq_len {config.data.seq_len} is beyond the {role} {getattr(config.pair, role)}'s "
+                        f"{c.max_position_embeddings} positions; lower it, or raise max_position_embeddings in "
+                        f"overrides.{role}",
+                    )
+                )
+        problems.extend(_setting_problems(config))
+        try:
+            methods = check_method(config.method)
+            check_weights(config.method, config.weights)
+        except KdbenchError:
+            return problems  # the plan reports the method itself
+        other = [m.name for m in methods if m.cls.domain != "encoder" and m.name not in ALSO]
+        if other:
+            problems.append(
+                (
+                    ("method",),
+                    f"{', '.join(other)}: not for encoder pairs (they distil classifier logits, feature maps or "
+                    "next-token distributions); on an encoder pair use minilm or hidden_mse (`kdbench list methods`)",
+                )
+            )
+            return problems
+        feature = [m.name for m in methods if m.cls.needs_features]
+        if len(feature) > 1:
+            problems.append(
+                (("method",), f"{'+'.join(feature)}: an encoder cell takes one feature method (they share the taps)")
+            )
+            return problems
+        if "minilm" in feature:
+            problems.extend(_minilm_problems(config, configs))
+        return problems
+
+    def planned(self, config: Any) -> list[tuple[Measurement, int]]:
+        out = [(Measurement.DISTILL_STEP, config.batch_size)]
+        for bs in config.inference.batch_sizes:
+            out.append((Measurement.STUDENT_INFERENCE, bs))
+            if config.inference.teacher:
+                out.append((Measurement.TEACHER_INFERENCE, bs))
+        return out
+
+    def tokens(self, measurement: Measurement, batch_size: int, config: Any) -> int | None:
+        return batch_size * config.data.seq_len
+
+    # ------------------------------------------------------------------ the step
+
+    def build_pair(self, config: Any, backend: Any, cache: Any) -> tuple[nn.Module, nn.Module]:
+        from kdbench.models.encoders import build_encoder
+
+        models = []
+        for role in ROLES:
+            name, overrides = getattr(config.pair, role), getattr(config.overrides, role)
+            key = ("encoder", name, repr(sorted(overrides.items())), config.seed)
+            model = cache.get_built(key, config.seed, lambda n=name, o=overrides: build_encoder(n, o or None))
+            models.append(Encoder(model).to(backend.device))
+        return models[0], models[1]
+
+    def batch(self, config: Any, batch_size: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        vocab = min(int(c.vocab_size) for c in _configs(config).values())
+        return encoder_batch(batch_size, config.data.seq_len, vocab, seed, device, config.alignment)
+
+    def feature_paths(self, teacher: nn.Module, student: nn.Module, example: torch.Tensor, config: Any) -> Any:
+        from kdbench.distill.hooks import FeaturePaths, _spaced, pair_paths
+
+        if "minilm" in [m.name for m in check_method(config.method)]:
+            p = params_of(config, METHODS["minilm"])
+            return FeaturePaths(
+                teacher=qkv_paths(teacher.layers(), p.teacher_layer),
+                student=qkv_paths(student.layers(), p.student_layer),
+            )
+        given_t, given_s = config.features.teacher, config.features.student
+        t, s = given_t or teacher.layers(), given_s or student.layers()
+        if not (given_t and given_s):
+            k = min(len(t), len(s), DEFAULT_LAYERS)
+            t, s = (given_t or _spaced(t, k)), (given_s or _spaced(s, k))
+        t, s = pair_paths(t, s, explicit=bool(given_t) and bool(given_s))
+        return FeaturePaths(teacher=t, student=s)
+
+    def loss(self, config: Any, shapes: Any, teacher: nn.Module, student: nn.Module, backend: Any) -> nn.Module:
+        return EncoderLoss(config, shapes, teacher, student)
+
+    def step_columns(self, step: Any, config: Any, x: torch.Tensor) -> tuple[Row, tuple[str, ...]]:
+        d = step.distiller
+        row = Row(
+            {
+                "seq_len": config.data.seq_len,
+                "data_ptr_mod64": x.data_ptr() % 64,
+                "attn_implementation": pair_attention(d.teacher.attn_implementation, d.student.attn_implementation),
+            }
+        )
+        return row, tuple(d.loss_fn.notes(x))
+
+    # ------------------------------------------------------------------ serving
+
+    def measure(
+        self,
+        measurement: Measurement,
+        batch_size: int,
+        teacher: nn.Module,
+        student: nn.Module,
+        config: Any,
+        backend: Any,
+    ) -> Row:
+        role, model = ("student", student) if measurement == Measurement.STUDENT_INFERENCE else ("teacher", teacher)
+        return measure_forward(self, measurement, role, model, batch_size, config, backend)
+
+
+ENCODER = EncoderWorkload()
+
+
+def _not_an_encoder(name: str) -> str:
+    from kdbench.models.encoders import check_encoder_name
+    from kdbench.models.registry import available_models
+
+    if is_lm_model(name):
+        return f"{name!r} is a causal language model; an encoder pair takes two encoders (`kdbench list models`)"
+    if name in available_models():
+        return f"{name!r} is an image classifier; an encoder pair takes two encoders (`kdbench list models`)"
+    if ":" in name:
+        return f"encoder pairs take registered encoders (`kdbench list models`), not the module:callable {name!r}"
+    try:
+        check_encoder_name(name)
+    except KdbenchError as exc:
+        return str(exc)
+    raise AssertionError(f"{name!r} is an encoder")  # only called for names that are not
+
+
+def _setting_problems(config: Any) -> Problems:
+    """Settings of other families that an encoder cell does not take."""
+    problems: Problems = []
+    if config.teacher.mode == "topk_cache":
+        problems.append(
+            (
+                ("teacher", "mode"),
+                "teacher.mode topk_cache keeps an LM's next tokens; an encoder pair takes live or cached",
+            )
+        )
+    if getattr(config, "on_policy", None) is not None:
+        problems.append((("on_policy",), "on_policy has a causal LM generate its training text; not for encoders"))
+    if config.loss_impl != "dense":
+        why = f"loss_impl {config.loss_impl} computes LM heads and a token loss; an encoder pair has none: remove it"
+        problems.append((("loss_impl",), why))
+    if config.inference.runtime != "eager":
+        why = f"encoder pairs are served eagerly; inference.runtime {config.inference.runtime} is for image classifiers"
+        problems.append((("inference", "runtime"), why))
+    if config.graphs:
+        problems.append((("graphs",), "graphs replays an image classifier's forward; encoder pairs do not take it"))
+    if config.pad_to != 1:
+        problems.append((("pad_to",), "pad_to pads a classifier's width; an encoder has no classifier"))
+    if config.world_size > 1:
+        why = (
+            "encoder pairs run on one device for now: parts of the student get no gradient (its pooler; with minilm "
+            "its layers past the distilled attention), which DDP without find_unused_parameters rejects"
+        )
+        problems.append((("world_size",), why))
+    return problems
+
+
+def _minilm_problems(config: Any, configs: dict[str, Any]) -> Problems:
+    from kdbench.distill.losses.minilm import heads_problem
+
+    p = config.minilm
+    problems: Problems = []
+    for role in ROLES:
+        layers = int(configs[role].num_hidden_layers)
+        index = getattr(p, f"{role}_layer")
+        if not -layers <= index < layers:
+            problems.append(
+                (
+                    ("minilm", f"{role}_layer"),
+                    f"minilm.{role}_layer {index} is outside the {role}'s {layers} layers; use 0..{layers - 1} or "
+                    "-1 (the last)",
+                )
+            )
+    if config.features.teacher or config.features.student:
+        why = "minilm taps the query/key/value projections of minilm.teacher_layer and student_layer: remove features"
+        problems.append((("features",), why))
+    t, s = configs["teacher"], configs["student"]
+    why = heads_problem(t.num_attention_heads, s.num_attention_heads, t.hidden_size, s.hidden_size, p.relation_heads)
+    if why:
+        problems.append((("minilm", "relation_heads"), why))
+    return problems
+
+
+def encoder_batch(
+    batch_size: int, seq_len: int, vocab: int, seed: int, device: Any, alignment: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (B, S), uniform over ``vocab``, and the loss's targets: the ids, every position attended."""
+    from kdbench.hw.layout import place_aligned
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
+    return place_aligned(ids.to(device), alignment), place_aligned(ids.clone().to(device), alignment)
+
+
+# --------------------------------------------------------------------------- the loss
+
+
+class EncoderLoss(WeightedTerms):
+    """Σ_m weights[m] × term_m in float32 with autocast off; no cross-entropy (task-agnostic: no labels)."""
+
+    def __init__(self, config: Any, shapes: Any, teacher: Encoder, student: Encoder):
+        super().__init__(config, shapes)
+        for term in self.terms:
+            if hasattr(term, "set_heads"):  # minilm: the models' own heads (MiniLM v1) unless relation heads are set
+                term.set_heads(teacher.heads, student.heads)
+
+    def notes(self, x: torch.Tensor) -> list[str]:
+        """What the minilm term computes, with its relations' size."""
+        out = []
+        for term in self.terms:
+            heads = getattr(term, "heads", None)
+            if heads is None:
+                continue
+            b, s = x.shape[:2]
+            how = f"relation heads {heads[0]} (MiniLMv2)" if term.relation_heads else f"the models' {heads[0]} heads"
+            each = b * heads[0] * s * s * 4
+            out.append(
+                f"minilm: {len(term.relations)} relation(s) over {how}, each {b}×{heads[0]}×{s}×{s} float32 "
+                f"({each / 2**20:.3g} MiB) per model"
+            )
+        return out
+
+    def forward(self, inp: Any) -> torch.Tensor:
+        with torch.amp.autocast(device_type=inp.targets.device.type, enabled=False):
+            loss = torch.zeros((), device=inp.targets.device)
+            for weight, term in zip(self.weights, self.terms):
+                loss = loss + weight * term(inp)
+        return loss
+
+
+# --------------------------------------------------------------------------- serving
+
+
+def measure_forward(
+    workload: Workload,
+    measurement: Measurement,
+    role: str,
+    model: Encoder,
+    batch_size: int,
+    config: Any,
+    backend: Any,
+) -> Row:
+    """The forward latency of the teacher or the student: eval(), inference_mode, the cell's precision, on a fixed
+    batch of ``batch_size`` × ``data.seq_len`` ids over the model's own vocabulary; ``tokens_per_s`` counts its
+    tokens."""
+    from kdbench.hw.backends import choose_autocast, math_flags, math_mode
+    from kdbench.measure import walltime
+    from kdbench.measure.cell import LAUNCH_BOUND, _notes, timed_with_profile, timing_columns, token_columns
+    from kdbench.measure.flops import count_flops
+
+    vocab = int(model.config.vocab_size)  # the served model's own: its row depends on it alone (teacher reuse)
+    ids, _ = encoder_batch(batch_size, config.data.seq_len, vocab, config.seed + 1, backend.device, config.alignment)
+    choice = choose_autocast(backend, config.precision)
+    model.eval()
+
+    def call() -> Any:
+        with torch.inference_mode(), choice.context(backend.device_type):
+            return model(ids)
+
+    with math_mode(choice.tf32):
+        what = f"{config.pair.teacher}->{config.pair.student} {config.precision} {measurement} bs{batch_size}"
+        raw, profile, note = timed_with_profile(call, config, backend, batch_size, what=what)
+        flags = math_flags()
+        with walltime.spent(walltime.FLOPS):
+            flops = None if raw.note else count_flops(call)
+    timing = timing_columns(raw, 1, batch_size)
+    timing.update(token_columns(workload.tokens(measurement, batch_size, config), raw))
+    launch = LAUNCH_BOUND if timing["launch_bound"] else ""
+    return Row(
+        {
+            "measurement": measurement,
+            "batch_size": batch_size,
+            "status": "ok",
+            **timing,
+            **profile,
+            **flags,
+            "flops": flops,
+            "autocast": choice.applied,
+            "runtime": "eager",
+            "seq_len": config.data.seq_len,
+            "attn_implementation": model.attn_implementation,
+            "data_ptr_mod64": ids.data_ptr() % 64,
+            "notes": _notes(choice, extra=(launch, note, raw.note or "")),
+        }
+    )
