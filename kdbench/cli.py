@@ -519,6 +519,11 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print(f"lm ({len(LM_CONFIGS)}): causal language models (data.kind: tokens), parameters as registered:")
         for name in LM_CONFIGS:
             print(f"  {name:<20} {lm_parameter_count(name) / 1e6:8.2f} M")
+        from kdbench.models.encoders import ENCODER_CONFIGS, encoder_parameter_count
+
+        print(f"encoder ({len(ENCODER_CONFIGS)}): BERT-shaped encoders (data.kind: tokens), parameters as registered:")
+        for name in ENCODER_CONFIGS:
+            print(f"  {name:<20} {encoder_parameter_count(name) / 1e6:8.2f} M")
         print("config.json: a local transformers config (its model_type a causal LM) as a model name")
         print("module:callable: a user's own model factory (needs `allow_imports: true` or --allow-imports)")
         return 0

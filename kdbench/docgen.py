@@ -530,11 +530,20 @@ def models_table() -> str:
     for name in LM_CONFIGS:
         count = lm_parameter_count(name)
         rows.append((code(name), "lm", f"{count:,}", f"{count / 1e6:.2f} M", "its registered config"))
+    from kdbench.models.encoders import ENCODER_CONFIGS, encoder_parameter_count
+
+    for name in ENCODER_CONFIGS:
+        count = encoder_parameter_count(name)
+        rows.append((code(name), "encoder", f"{count:,}", f"{count / 1e6:.2f} M", "its registered config"))
     lines = [lead, "", *table(["model", "family", "parameters", "millions", "counted for"], rows)]
     lines += [
         "",
         "lm: causal language models built from transformers' classes with random weights (the `lm` extra), "
         "for cells with `data.kind: tokens`; tied embeddings counted once. A local `config.json` path names one too.",
+        "",
+        "encoder: BERT-shaped encoders (transformers' `BertModel`: embeddings, layers, pooler; no MLM head) with "
+        "random weights (the `lm` extra), for `minilm` and `hidden_mse` cells with `data.kind: tokens` "
+        "([lm.md](lm.md)).",
         "",
         "torchvision: the models above, and every other classification model of the installed torchvision "
         "(`torchvision.models.list_models(module=torchvision.models)`; `kdbench list models` lists them).",

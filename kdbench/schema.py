@@ -120,12 +120,21 @@ COLUMNS: tuple[Column, ...] = (
             "",
             "torch.distributed backend of world_size > 1 cells: `gloo` (CPU) or `nccl` (CUDA, RCCL on ROCm)",
         ),
+        ("parallel", _S, "", "world_size > 1 cells: `ddp` (the student replicated) or `fsdp` (the pair FSDP2-sharded)"),
+        ("fsdp_reshard_after_forward", _B, "", "FSDP2 cells: each layer's gathered parameters freed after its forward"),
+        ("fsdp_cpu_offload", _B, "", "FSDP2 cells: the shards kept in host memory"),
         ("ddp_bucket_cap_mb", _F, "MiB", "DDP gradient bucket size"),
         ("ddp_gradient_as_bucket_view", _B, "", "DDP gradient_as_bucket_view"),
         ("ddp_static_graph", _B, "", "DDP static_graph"),
         ("data_kind", _S, "", "`synthetic` (images) or `tokens` (LM pairs)"),
         ("data_shape", _S, "", "shape of one input sample, e.g. `3x32x32` (null for token data)"),
-        ("seq_len", _I, "tokens", "LM pairs: tokens per sequence (of the step's batch, and of the prompts served)"),
+        (
+            "seq_len",
+            _I,
+            "tokens",
+            "LM pairs: tokens per sequence (of the step's batch, and of the prompts served; text quality rows: of "
+            "the training and held-out windows)",
+        ),
         (
             "loss_impl",
             _S,
@@ -304,6 +313,13 @@ COLUMNS: tuple[Column, ...] = (
             "reconstruction (top-k entries, the rest's mass spread evenly), mean over the valid tokens",
         ),
         ("logits_buffers", _S, "", "LM step rows: the B×S×V-sized buffers logits_memory_bytes counts, and their dtype"),
+        (
+            "attn_implementation",
+            _S,
+            "",
+            "encoder rows: the attention implementation the models ran (`sdpa`, `eager`; `teacher X, student Y` "
+            "when they differ); minilm reads Q, K, V from hooks on the projections, so SDPA stays",
+        ),
         ("final_loss", _F, "", "distillation loss of the last timed step (distill_step rows; mean over ranks)"),
         ("nonfinite_steps", _I, "steps", "steps whose loss was inf or NaN (all calls, warm-up included)"),
         ("scaler_skips", _I, "steps", "optimizer updates the fp16 GradScaler skipped for inf/NaN gradients"),
@@ -406,7 +422,15 @@ COLUMNS: tuple[Column, ...] = (
             "optimizer_state_bytes",
             _I,
             "bytes",
-            "bytes of the optimizer's state tensors after the measurement (distill_step)",
+            "bytes of the optimizer's state tensors after the measurement (distill_step; this rank's shards "
+            "under FSDP2)",
+        ),
+        (
+            "model_state_bytes",
+            _I,
+            "bytes",
+            "distill_step rows: the bytes this rank holds of both models' parameters, the gradients and the "
+            "optimizer state after the measurement (FSDP2: its shards; DDP: whole copies), counted from the tensors",
         ),
         ("telemetry", _S, "", "`pynvml` or `amdsmi` when GPU telemetry was read; else `unavailable: why`"),
         (
@@ -550,10 +574,26 @@ COLUMNS: tuple[Column, ...] = (
     *_group(
         QUALITY,
         ("quality_role", _S, "", "quality rows: `teacher`, `scratch` (student trained alone) or `distilled`"),
-        ("quality_dataset", _S, "", "quality rows: the real data set (`digits`, `imagefolder`, `cifar10`, `cifar100`)"),
+        (
+            "quality_dataset",
+            _S,
+            "",
+            "quality rows: the real data set (`digits`, `imagefolder`, `cifar10`, `cifar100`; `python-stdlib`: text)",
+        ),
         ("quality_epochs", _I, "epochs", "quality rows: training epochs"),
-        ("quality_target", _F, "ratio", "quality rows: the target, as a fraction of the teacher's accuracy"),
-        ("accuracy", _F, "ratio", "quality rows: top-1 test accuracy after the last epoch"),
+        (
+            "quality_target",
+            _F,
+            "ratio",
+            "quality rows: the target, as a fraction of the teacher's accuracy (text: the threshold is the teacher's "
+            "perplexity / target)",
+        ),
+        (
+            "accuracy",
+            _F,
+            "ratio",
+            "quality rows: top-1 test accuracy after the last epoch (text: of the next byte, over the held-out bytes)",
+        ),
         ("best_accuracy", _F, "ratio", "quality rows: best top-1 test accuracy over the epochs"),
         (
             "agreement",
@@ -565,10 +605,41 @@ COLUMNS: tuple[Column, ...] = (
             "time_to_target_s",
             _F,
             "s",
-            "quality rows: training wall time until accuracy ≥ target × the teacher's (null: not reached)",
+            "quality rows: training wall time until accuracy ≥ target × the teacher's (text: perplexity ≤ the "
+            "teacher's / target), at epoch ends (null: not reached)",
         ),
         ("epochs_to_target", _I, "epochs", "quality rows: epochs until the target was reached"),
         ("train_time_s", _F, "s", "quality rows: total training wall time (evaluation excluded)"),
+        (
+            "perplexity",
+            _F,
+            "",
+            "text quality rows: held-out perplexity after the last epoch, exp of the mean next-byte cross-entropy "
+            "(nats) over every held-out byte predicted",
+        ),
+        ("best_perplexity", _F, "", "text quality rows: the lowest held-out perplexity over the epochs"),
+        ("bits_per_byte", _F, "bits", "text quality rows: the mean next-byte cross-entropy in bits (log2 perplexity)"),
+        (
+            "perplexity_by_epoch",
+            pa.list_(_F),
+            "",
+            "text quality rows: the held-out perplexity after each epoch (against train_time_by_epoch_s)",
+        ),
+        (
+            "train_time_by_epoch_s",
+            pa.list_(_F),
+            "s",
+            "text quality rows: the training wall time accumulated by the end of each epoch",
+        ),
+        (
+            "quality_corpus",
+            _S,
+            "",
+            "text quality rows: what the corpus was (Python version, files per split, bytes per split, sha256 of "
+            "the bytes): the same string, the same data",
+        ),
+        ("quality_train_tokens", _I, "tokens", "text quality rows: bytes the models train on per epoch"),
+        ("quality_test_tokens", _I, "tokens", "text quality rows: held-out bytes predicted in each evaluation"),
     ),
     *_group(
         ENVIRONMENT,

@@ -289,3 +289,45 @@ def test_a_data_parallel_cell_that_fails_inside_an_allocation_is_stored_and_resu
     df = read_results([run_folder(out).path])
     steps = df[df.measurement == "distill_step"].set_index("seed")
     assert steps.loc[1, "status"] == "ok" and steps.loc[0, "status"] == "failed"
+
+
+FSDP = """
+name: fsdp
+backend: cpu
+threads: 1
+cell_timeout_s: 300
+defaults:
+  pair: {teacher: tiny-llama-teacher, student: tiny-llama-student}
+  overrides:
+    teacher: {num_hidden_layers: 2}
+    student: {num_hidden_layers: 2}
+  method: forward_kl
+  loss_impl: fused_linear
+  chunk_size: 16
+  batch_size: 2
+  data: {kind: tokens, seq_len: 16}
+  timing: {warmup: 1, min_iters: 3, min_time_s: 0.0}
+  inference: {batch_sizes: [1], decode_tokens: 2}
+  world_size: 2
+matrix:
+  parallel: [ddp, fsdp]
+"""
+
+
+def test_an_fsdp2_lm_cell_holds_half_the_state_per_rank_and_trains_as_ddp_does(tmp_path):
+    suite = tmp_path / "fsdp.yaml"
+    suite.write_text(FSDP)
+    assert main(["run", str(suite), "--out", str(tmp_path), "--no-report"]) == 0
+    df = read_results([tmp_path])
+    assert (df["status"] == "ok").all(), df[["measurement", "status", "error"]]
+    steps = df[df.measurement == "distill_step"].set_index("parallel")
+    ddp, fsdp = steps.loc["ddp"], steps.loc["fsdp"]
+    assert fsdp["dist_backend"] == "gloo" and bool(fsdp["fsdp_reshard_after_forward"])
+    assert pd.isna(fsdp["ddp_bucket_cap_mb"]) and fsdp["tokens_per_s"] > 0 and fsdp["phase_loss_ms"] > 0
+    # both models' parameters, the student's gradients and AdamW's moments: sharded over 2 ranks
+    assert fsdp["model_state_bytes"] == pytest.approx(ddp["model_state_bytes"] / 2, rel=0.01)
+    assert fsdp["optimizer_state_bytes"] == pytest.approx(ddp["optimizer_state_bytes"] / 2, rel=0.01)
+    # the same data and updates on both ranks' shards: the same losses after the same steps
+    assert fsdp["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-5)
+    serving = df[(df.parallel == "fsdp") & (df.measurement != "distill_step")]
+    assert len(serving) == 4 and serving["tokens_per_s"].gt(0).all()  # rank 0 served whole copies

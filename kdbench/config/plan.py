@@ -49,6 +49,7 @@ IDENTITY_DEFAULTS = {
     "timing.cell_budget_s": None,
     "chunk_size": 1024,
     "on_policy": None,
+    "parallel": "ddp",
     "inference.decode_tokens": 32,
     "overrides.teacher": {},
     "overrides.student": {},
@@ -95,7 +96,7 @@ class Cell:
         if c.pad_to != 1:
             parts.append(f"pad{c.pad_to}")
         if c.world_size != 1:
-            parts.append(f"ws{c.world_size}")
+            parts.append(f"ws{c.world_size}" + ("-fsdp" if c.parallel == "fsdp" else ""))
         if c.seed != 0:
             parts.append(f"seed{c.seed}")
         if c.compile != "off":
@@ -178,8 +179,10 @@ def config_dict(config: CellConfig) -> dict[str, Any]:
         out.pop(name, None)
     if not any(m.cls.needs_features for m in used):
         out.pop("features", None)
-    if config.world_size == 1:
-        out.pop("ddp", None)  # DDP options do not touch a single-device cell
+    if config.world_size == 1 or config.parallel != "ddp":
+        out.pop("ddp", None)  # DDP options do not touch a single-device cell, nor an FSDP one
+    if config.parallel != "fsdp":
+        out.pop("fsdp", None)
     if config.teacher.mode != "topk_cache":
         out["teacher"].pop("k", None)  # only the top-k cache keeps k entries
     # Image data has no tokens, token data no image shape or classes.
@@ -298,6 +301,9 @@ def check_cell(config: CellConfig, allow_imports: bool, nnodes: int = 1) -> list
     from kdbench.workloads import workload_of
 
     problems: list[tuple[tuple[str, ...], str]] = list(workload_of(config).check(config, allow_imports))
+    if config.parallel == "fsdp" and config.world_size == 1:
+        why = "parallel fsdp shards the pair over ranks: set world_size to 2 or more (or parallel: ddp)"
+        problems.append((("parallel",), why))
     if config.world_size > 1 and config.world_size % nnodes:
         why = f"world_size {config.world_size} does not split over launcher.nnodes {nnodes}; use a multiple of nnodes"
         problems.append((("world_size",), why))

@@ -191,6 +191,16 @@ class OnPolicyConfig(Strict):
 LossImpl = Literal["dense", "chunked", "fused_linear", "liger", "torch_linear"]
 
 
+class FSDPConfig(Strict):
+    """FSDP2 (``torch.distributed.fsdp.fully_shard``) options of ``parallel: fsdp`` cells."""
+
+    # free each decoder layer's gathered parameters after its forward (re-gathered for the backward); the
+    # teacher, frozen, re-gathers them at every forward
+    reshard_after_forward: bool = True
+    # keep the sharded parameters (and the student's gradients and optimizer state) in host memory (GPUs)
+    cpu_offload: bool = False
+
+
 class _CellBase(Strict):
     """Everything one cell measures but its methods' hyper-parameters (see :data:`CellConfig`)."""
 
@@ -229,6 +239,11 @@ class _CellBase(Strict):
     world_size: int = Field(1, ge=1, le=1024)
     # DDP options (world_size > 1)
     ddp: DDPConfig = DDPConfig()
+    # how world_size > 1 ranks share the pair: ddp (the student replicated, DistributedDataParallel) or fsdp (LM
+    # pairs: both models sharded with FSDP2, decoder layer by decoder layer, the teacher frozen)
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    # FSDP2 options (parallel: fsdp)
+    fsdp: FSDPConfig = FSDPConfig()
     # random seed of the weights and the data
     seed: int = Field(0, ge=0, le=2**63 - 1)
     # Levers (kdbench.measure.levers): each at its default is left out of the cell's identity.

@@ -160,9 +160,12 @@ class Distiller:
         backend: Backend,
         example: torch.Tensor,
         wrap: Callable[[nn.Module], nn.Module] | None = None,
+        wrap_teacher: Callable[[nn.Module], nn.Module] | None = None,
     ):
         self.config = config
         self.teacher = freeze(teacher)
+        if wrap_teacher is not None:  # FSDP2 cells: the frozen teacher sharded too (in place)
+            self.teacher = teacher = wrap_teacher(self.teacher)
         self.device_type = backend.device_type
         self.student_ac: AutocastChoice = choose_autocast(backend, config.precision)
         self.teacher_ac: AutocastChoice = choose_autocast(backend, config.teacher_precision)
@@ -318,8 +321,9 @@ class DistillStep:
         backend: Backend,
         wrap: Callable[[nn.Module], nn.Module] | None = None,
         phases: bool = True,
+        wrap_teacher: Callable[[nn.Module], nn.Module] | None = None,
     ):
-        self.distiller = Distiller(teacher, student, config, backend, x, wrap)
+        self.distiller = Distiller(teacher, student, config, backend, x, wrap, wrap_teacher)
         self.x, self.y = x, y
         self.config = config
         self.clock = backend.clock() if phases else None

@@ -60,7 +60,7 @@ from kdbench.measure.levers import (
     skip_reason,
     tunableop_file,
 )
-from kdbench.measure.memory import MemoryMeter, memory_columns, optimizer_state_bytes
+from kdbench.measure.memory import MemoryMeter, memory_columns, model_state_bytes, optimizer_state_bytes
 from kdbench.measure.parallel import DataParallel
 from kdbench.measure.runtimes import LeverSkip, Served, serve
 from kdbench.measure.stats import summarize
@@ -338,7 +338,8 @@ def measure_distill_step(
     rank = dp.rank if dp is not None else 0
     x, y = workload_of(config).batch(config, config.batch_size, backend.device, config.seed + rank)
     watch = LeverWatch(config)  # before the step is built: it resets torch._dynamo
-    step = DistillStep(teacher, student, x, y, config, backend, wrap=dp.wrapper(config, backend) if dp else None)
+    wrap, wrap_teacher = (dp.wrapper(config, backend), dp.teacher_wrapper(config, backend)) if dp else (None, None)
+    step = DistillStep(teacher, student, x, y, config, backend, wrap=wrap, wrap_teacher=wrap_teacher)
     try:
         with math_mode(step.distiller.student_ac.tf32):
             what = f"{config.pair.teacher}->{config.pair.student} {config.precision} distill_step"
@@ -361,7 +362,9 @@ def measure_distill_step(
             flags = math_flags()
         if row is not None:
             row.update(profile, **flops, **traced, **flags, **watch.columns(raw, row["median_ms"]))
-            row["optimizer_state_bytes"] = optimizer_state_bytes(step.distiller.optimizer)
+            d = step.distiller
+            row["optimizer_state_bytes"] = optimizer_state_bytes(d.optimizer)
+            row["model_state_bytes"] = model_state_bytes((d.teacher, d.trainee), d.optimizer)
         return row
     finally:
         step.close()
@@ -567,6 +570,9 @@ def measure_cell(
         if dp is not None and not dp.root:
             dp.barrier()  # rank 0 measures inference alone
             return None
+        if config.parallel == "fsdp":  # the step sharded the pair in place: rank 0 serves whole copies alone
+            with walltime.spent(walltime.MODELS):
+                teacher, student = workload.build_pair(config, backend, cache)
         rows = [step]
         for measurement, bs in planned_measurements(config)[1:]:  # serving, in the planned order
             if measurement == Measurement.TEACHER_INFERENCE and bs in skip_teacher:

@@ -149,9 +149,24 @@ class MemoryMeter:
         return self._usage
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: an FSDP2 DTensor's local shard, else the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the tensors an optimizer keeps per parameter (moments, step counters ...)."""
-    return sum(v.nbytes for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+    """Bytes of the tensors an optimizer keeps per parameter (moments, step counters ...), on this rank (an FSDP2
+    cell's states are DTensors: their local shards)."""
+    return sum(_local(v).nbytes for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+
+
+def model_state_bytes(modules, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this rank holds of the modules' parameters and gradients and of the optimizer's state (an FSDP2
+    cell's: their local shards; a DDP or single-device cell's: whole copies)."""
+    params = {id(p): p for m in modules for p in m.parameters()}.values()
+    held = sum(_local(p).nbytes + (_local(p.grad).nbytes if p.grad is not None else 0) for p in params)
+    return held + optimizer_state_bytes(optimizer)
 
 
 def memory_columns(usage: MemoryUsage) -> dict[str, Any]:

@@ -23,6 +23,41 @@ from kdbench.hw.backends import Backend
 from kdbench.measure.timing import RawTiming, timed_loop
 
 
+def fully_shard_api():
+    """``fully_shard`` (FSDP2) where this torch has it: ``torch.distributed.fsdp`` from 2.6, the composable
+    ``torch.distributed._composable.fsdp`` before; None without either."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import fully_shard
+        except ImportError:
+            return None
+    return fully_shard
+
+
+def shard(root: nn.Module, model: nn.Module, config: CellConfig, backend: Backend, group: Any = None) -> nn.Module:
+    """``root`` sharded with FSDP2 over the ranks: each decoder layer of ``model`` (its ``decoder_layers()``)
+    its own unit, then ``root`` for the rest (embeddings, final norm, LM head, adapters), which FSDP2 keeps
+    gathered for the loss, which applies the LM head outside the forward (``workloads.lm.LMLoss``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fully_shard = fully_shard_api()
+    if fully_shard is None:
+        raise RuntimeError(f"torch {torch.__version__} has no FSDP2 fully_shard")
+    mesh = init_device_mesh(backend.device_type, (dist.get_world_size(group),))
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": config.fsdp.reshard_after_forward}
+    if config.fsdp.cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for path in model.decoder_layers():
+        fully_shard(model.get_submodule(path), **kwargs)
+    fully_shard(root, **kwargs)
+    model.fsdp_root = (root,)  # a tuple: no submodule cycle; the LM loss gathers the root's LM head through it
+    return root
+
+
 @dataclass(frozen=True)
 class DataParallel:
     """This process's rank in ``group`` (None: the default process group)."""
@@ -42,9 +77,12 @@ class DataParallel:
         return self.rank == 0
 
     def wrapper(self, config: CellConfig, backend: Backend) -> Callable[[nn.Module], nn.Module]:
-        """Wraps what trains (the student and its adapters) in DDP with the cell's options."""
+        """Wraps what trains (the student and its adapters) in DDP with the cell's options, or shards it with
+        FSDP2 (``parallel: fsdp``)."""
 
         def wrap(trainee: nn.Module) -> nn.Module:
+            if config.parallel == "fsdp":
+                return shard(trainee, trainee.student, config, backend, self.group)
             return DistributedDataParallel(
                 trainee,
                 device_ids=[backend.device] if backend.device_type == "cuda" else None,
@@ -55,6 +93,12 @@ class DataParallel:
             )
 
         return wrap
+
+    def teacher_wrapper(self, config: CellConfig, backend: Backend) -> Callable[[nn.Module], nn.Module] | None:
+        """FSDP2 cells shard the frozen teacher too (every forward all-gathers its layers); DDP leaves it whole."""
+        if config.parallel != "fsdp":
+            return None
+        return lambda teacher: shard(teacher, teacher, config, backend, self.group)
 
     def timed(self, fn: Callable[[], Any], config: CellConfig, backend: Backend, on_window=None) -> RawTiming:
         """The timed loop with one iteration count on every rank: the cold call, the warm-up and one

@@ -75,14 +75,19 @@ def lm_section(df: pd.DataFrame, out_dir: Path) -> LmSection | None:
 # --- data ----------------------------------------------------------------------------
 
 
+def _is_lm(df: pd.DataFrame) -> pd.Series:
+    """Causal-LM cells: token data and a loss implementation (an encoder pair's token rows have none)."""
+    return df["data_kind"].eq(LM_DATA_KIND) & df["loss_impl"].notna()
+
+
 def lm_rows(df: pd.DataFrame) -> pd.DataFrame:
-    """The rows of LM cells (``data_kind == "tokens"``), every schema column present."""
+    """The rows of causal-LM cells, every schema column present."""
     df = df.reindex(columns=list(dict.fromkeys([*COLUMN_NAMES, *df.columns])))
-    return df[df["data_kind"].eq(LM_DATA_KIND)]
+    return df[_is_lm(df)]
 
 
 def has_lm(df: pd.DataFrame) -> bool:
-    return "data_kind" in df and bool(df["data_kind"].eq(LM_DATA_KIND).any())
+    return "data_kind" in df and "loss_impl" in df and bool(_is_lm(df).any())
 
 
 def status_text(status) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kdbench.config.plan import Cell, config_dict, method_params, planned_measurements
-from kdbench.config.schema import CellConfig, QualityConfig
+from kdbench.config.schema import TEXT_DATASETS, CellConfig, QualityConfig
 from kdbench.hw.backends import dist_backend_for
 from kdbench.names import Status
 from kdbench.schema import Row
@@ -44,6 +44,10 @@ class CellJob:
             c.pair.teacher,
             c.precision,
             tuple(c.data.shape),
+            # token inputs (encoder pairs serve teacher_inference too): their length and the teacher's overrides
+            c.data.kind,
+            c.data.seq_len if c.data.kind == "tokens" else None,
+            repr(sorted(c.overrides.teacher.items())),
             c.data.num_classes,
             c.pad_to,
             c.memory_format,
@@ -122,7 +126,7 @@ class QualityJob:
     def job_id(self) -> str:
         """Hashes the quality settings and the jobs' cells, so a rerun of the same suite finds it again."""
         key = json.dumps(
-            {"quality": self.quality.model_dump(mode="json"), "jobs": [config_dict(c) for c in self.configs]},
+            {"quality": quality_dict(self.quality), "jobs": [config_dict(c) for c in self.configs]},
             sort_keys=True,
         )
         return "quality-" + hashlib.sha256(key.encode()).hexdigest()[:12]
@@ -148,7 +152,12 @@ class QualityJob:
         q = self.quality
         return (
             f"quality on {q.dataset}: {q.seeds} seed(s) x (teachers, scratch students and {len(self.configs)} "
-            f"distillation(s)), {q.epochs} epochs each, target {q.target:g} x the teacher's accuracy"
+            f"distillation(s)), {q.epochs} epochs each, "
+            + (
+                f"target a perplexity <= the teacher's / {q.target:g}"
+                if q.dataset in TEXT_DATASETS
+                else f"target {q.target:g} x the teacher's accuracy"
+            )
         )
 
     def planned(self) -> list[Row]:
@@ -169,6 +178,18 @@ class QualityJob:
 
 Job = CellJob | QualityJob
 
+QUALITY_IDENTITY_DEFAULTS = {"seq_len": None, "max_bytes": None}  # text-only keys: unset, out of the job's identity
+
+
+def quality_dict(quality: QualityConfig) -> dict:
+    """The quality block as its job id hashes it: keys added since at their default left out, so the quality jobs
+    of earlier runs keep their ids (and ``--resume`` finds them)."""
+    out = quality.model_dump(mode="json")
+    for key, default in QUALITY_IDENTITY_DEFAULTS.items():
+        if out.get(key, default) == default:
+            out.pop(key, None)
+    return out
+
 
 def failure_rows(job: Job, status: Status, error: str) -> list[Row]:
     """Every row ``job`` would have produced, marked with ``status`` and ``error``."""
@@ -178,8 +199,11 @@ def failure_rows(job: Job, status: Status, error: str) -> list[Row]:
 def config_columns(config: CellConfig, backend_name: str) -> Row:
     """The result columns that come from a cell's config."""
     parallel = config.world_size > 1
+    fsdp = parallel and config.parallel == "fsdp"
     resolved = config_dict(config)
-    lm = config.data.kind == "tokens"
+    from kdbench.workloads import workload_of
+
+    lm = workload_of(config).family == "lm"  # causal-LM columns (an encoder pair has token data too)
     return Row(
         {
             "teacher": config.pair.teacher,
@@ -192,13 +216,16 @@ def config_columns(config: CellConfig, backend_name: str) -> Row:
             "pad_to": config.pad_to,
             "world_size": config.world_size,
             "dist_backend": dist_backend_for(backend_name) if parallel else None,
-            "ddp_bucket_cap_mb": config.ddp.bucket_cap_mb if parallel else None,
-            "ddp_gradient_as_bucket_view": config.ddp.gradient_as_bucket_view if parallel else None,
-            "ddp_static_graph": config.ddp.static_graph if parallel else None,
+            "parallel": config.parallel if parallel else None,
+            "fsdp_reshard_after_forward": config.fsdp.reshard_after_forward if fsdp else None,
+            "fsdp_cpu_offload": config.fsdp.cpu_offload if fsdp else None,
+            "ddp_bucket_cap_mb": config.ddp.bucket_cap_mb if parallel and not fsdp else None,
+            "ddp_gradient_as_bucket_view": config.ddp.gradient_as_bucket_view if parallel and not fsdp else None,
+            "ddp_static_graph": config.ddp.static_graph if parallel and not fsdp else None,
             "data_kind": config.data.kind,
             "data_shape": None if lm else "x".join(map(str, config.data.shape)),
             "num_classes": None if lm else config.data.num_classes,
-            "seq_len": config.data.seq_len if lm else None,
+            "seq_len": config.data.seq_len if config.data.kind == "tokens" else None,
             "loss_impl": config.loss_impl if lm else None,
             "chunk_size": config.chunk_size if lm and config.loss_impl != "dense" else None,
             "on_policy_lambda": config.on_policy.lmbda if config.on_policy else None,

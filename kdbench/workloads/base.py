@@ -87,8 +87,14 @@ def is_lm_model(name: str) -> bool:
 
 
 def workload_of(config: Any) -> Workload:
-    """The cell's workload: language models when the pair is LMs or the data is tokens, else image classifiers
-    (the checks report a pair that mixes the two)."""
+    """The cell's workload: encoders when either model is a registered encoder, language models when the pair is
+    LMs or the data is tokens, else image classifiers (the checks report a pair that mixes families)."""
+    from kdbench.models.encoders import is_encoder_model
+
+    if is_encoder_model(config.pair.teacher) or is_encoder_model(config.pair.student):
+        from kdbench.workloads.encoder import ENCODER
+
+        return ENCODER
     if config.data.kind == "tokens" or is_lm_model(config.pair.teacher) or is_lm_model(config.pair.student):
         from kdbench.workloads.lm import LM
 

@@ -16,6 +16,8 @@ not counted in any loss.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -210,6 +212,10 @@ class LMWorkload(Workload):
             check_weights(config.method, config.weights)
         except KdbenchError:
             return problems  # the plan reports the method itself
+        encoder = [m.name for m in methods if m.cls.domain == "encoder"]
+        if encoder:
+            why = f"{', '.join(encoder)}: an encoder method; it distils BERT-shaped encoders: pair two encoders"
+            return [*problems, (("method",), f"{why} (`kdbench list models`), not causal LMs")]
         image = [m.name for m in methods if m.cls.domain != "lm"]
         if image:
             problems.append(
@@ -246,6 +252,9 @@ class LMWorkload(Workload):
                     f"inference.runtime {config.inference.runtime} is for image classifiers: remove it",
                 )
             )
+        if config.parallel == "fsdp" and any(":" in getattr(config.pair, r) for r in ("teacher", "student")):
+            why = "parallel fsdp shards registered LMs and config.json models layer by layer, not module:callable ones"
+            problems.append((("parallel",), why))
         if config.graphs:
             problems.append((("graphs",), "graphs replays an image classifier's forward; LM pairs do not take it"))
         if config.pad_to != 1:
@@ -272,9 +281,13 @@ class LMWorkload(Workload):
 
         settings = config.on_policy
         prompt_len = prompt_length(config)
-        generator = torch.Generator().manual_seed(config.seed)
+        device = distiller.student.lm.device if hasattr(distiller.student.lm, "device") else torch.device("cpu")
+        generator = torch.Generator(device=device).manual_seed(config.seed)  # on the device: sampling never syncs
+
+        buffers: dict[str, torch.Tensor] = {}
 
         def generate(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            labels = buffers.get("labels")
             lm = distiller.student.lm
             was_training = lm.training
             lm.eval()
@@ -283,15 +296,24 @@ class LMWorkload(Workload):
                     ids = sample(lm, x[:, :prompt_len], settings.new_tokens, settings.temperature, generator)
             finally:
                 lm.train(was_training)
-            labels = torch.full_like(ids, IGNORE)
-            labels[:, prompt_len - 1 : -1] = ids[:, prompt_len:]  # each completion token, predicted one position early
-            return ids, labels
+            if labels is None or labels.shape != ids.shape:  # one buffer, rewritten: the loss finds its rows once
+                buffers["labels"] = torch.full_like(ids, IGNORE)
+            out = buffers["labels"]
+            out[:, prompt_len - 1 : -1] = ids[:, prompt_len:]  # each completion token, predicted one position early
+            return ids, out
 
         return generate
 
     def skip_reason(self, config: Any, backend: Any) -> str | None:
         from kdbench.distill.lm.impls import unavailable
 
+        if config.parallel == "fsdp" and config.world_size > 1:
+            from kdbench.measure.parallel import fully_shard_api
+
+            if fully_shard_api() is None:
+                return f"parallel fsdp needs FSDP2's fully_shard, which torch {torch.__version__} lacks (torch >= 2.6)"
+            if config.fsdp.cpu_offload and backend.device_type != "cuda":
+                return "fsdp.cpu_offload moves a GPU's shards to host memory; on the CPU there is nothing to offload"
         return unavailable(config.loss_impl)
 
     def tokens(self, measurement: Measurement, batch_size: int, config: Any) -> int | None:
@@ -503,6 +525,8 @@ class LMLoss(WeightedTerms):
         self._models = (teacher, student)  # not submodules: the trainee owns the student's head
         self.vocab = shared_vocab(config, teacher, student)
         self.notes: list[str] = []
+        self._rows_of: torch.Tensor | None = None  # the labels tensor whose valid rows are kept, and those rows
+        self._rows: torch.Tensor | None = None
         if teacher.vocab_size != student.vocab_size:
             self.notes.append(
                 f"vocabularies {teacher.vocab_size} (teacher) and {student.vocab_size} (student): both heads sliced "
@@ -528,20 +552,32 @@ class LMLoss(WeightedTerms):
             return {"bytes": each * (size + 4 * 4), "text": text}
         return logits_memory(self.impl, n_tokens, self.vocab, size, self.chunk_size, self.token)
 
+    def valid_rows(self, labels: torch.Tensor) -> torch.Tensor:
+        """The flattened indices of the tokens ``labels`` counts, found once per labels tensor: a timed cell's
+        batch is fixed (an on-policy cell rewrites its completion labels in place, every position but the
+        prompt's valid), so no step reads the labels back (a host-device sync on a GPU)."""
+        from kdbench.distill.lm.impls import valid_rows
+
+        if self._rows_of is not labels:
+            self._rows_of, self._rows = labels, valid_rows(labels)
+        return self._rows
+
     def forward(self, inp: Any) -> torch.Tensor:
         from kdbench.distill.lm.impls import lm_loss
 
         teacher, student = self._models
         t_dtype, s_dtype = self.dtypes
         labels = inp.targets
-        with torch.amp.autocast(device_type=labels.device.type, enabled=False):
+        rows = self.valid_rows(labels)
+        autocast_off = torch.amp.autocast(device_type=labels.device.type, enabled=False)
+        with autocast_off, _gathered(teacher, reshard=True), _gathered(student, reshard=False):
             if isinstance(inp.teacher_logits, TopKTeacher):  # the offline teacher: the sparse KL on its top-k
                 s_logits = _logits(student, inp.student_logits, s_dtype)[..., : self.vocab]
-                loss = _topk_loss(s_logits, inp.teacher_logits, labels, self.token)
+                loss = _topk_loss(s_logits, inp.teacher_logits, labels, self.token, rows)
             elif student.head is None or teacher.head is None:  # a module that returns logits: dense on them
                 s_logits = _logits(student, inp.student_logits, s_dtype)[..., : self.vocab]
                 t_logits = _logits(teacher, inp.teacher_logits, t_dtype)[..., : self.vocab]
-                loss = _dense_on_logits(s_logits, t_logits, labels, self.token)
+                loss = _dense_on_logits(s_logits, t_logits, labels, self.token, rows)
             else:
                 sw, sb = _head(student.head, self.vocab, s_dtype)
                 tw, tb = _head(teacher.head, self.vocab, t_dtype)
@@ -556,6 +592,7 @@ class LMLoss(WeightedTerms):
                     labels,
                     self.token,
                     chunk_size=self.chunk_size,
+                    rows=rows,
                 )
             for weight, term in self.features:
                 loss = loss + weight * term(inp)
@@ -585,33 +622,54 @@ def _head(head: nn.Module, vocab: int, dtype: torch.dtype) -> tuple[torch.Tensor
     return weight, bias
 
 
-def _topk_loss(student: torch.Tensor, cache: Any, labels: torch.Tensor, token: Any) -> torch.Tensor:
-    import torch.nn.functional as F
+@contextlib.contextmanager
+def _gathered(model: nn.Module, reshard: bool) -> Iterator[None]:
+    """An FSDP2-sharded model's root parameters (embeddings, final norm, LM head) gathered for the loss, which
+    applies the LM head outside the forward, where FSDP2 has resharded them; with ``reshard`` sharded again after
+    (the teacher: no backward needs them), else left to FSDP2, whose backward reshards them once it has
+    reduce-scattered their gradients (the student).  Nothing for a model FSDP2 does not shard."""
+    root = getattr(model, "fsdp_root", (None,))[0]
+    if root is None:
+        yield
+        return
+    root.unshard()
+    try:
+        yield
+    finally:
+        if reshard:
+            root.reshard()
 
+
+def _ce(student: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy with the next tokens, mean over the valid ones (their count from ``rows``, on the host)."""
+    s = student.float()
+    ce = torch.nn.functional.cross_entropy(
+        s.reshape(-1, s.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )
+    return ce / max(rows.numel(), 1)
+
+
+def _topk_loss(student: torch.Tensor, cache: Any, labels: torch.Tensor, token: Any, rows: torch.Tensor) -> torch.Tensor:
     from kdbench.distill.lm.topk import topk_forward_kl
 
-    s = student.float()
-    n = int((labels != IGNORE).sum())
-    ce = F.cross_entropy(s.reshape(-1, s.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
-    return token.ce_weight * ce / max(n, 1) + token.kd_weight * topk_forward_kl(student, cache, labels != IGNORE)
+    return token.ce_weight * _ce(student, labels, rows) + token.kd_weight * topk_forward_kl(student, cache, rows=rows)
 
 
-def _dense_on_logits(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, token: Any) -> torch.Tensor:
-    import torch.nn.functional as F
-
+def _dense_on_logits(
+    student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, token: Any, rows: torch.Tensor
+) -> torch.Tensor:
+    """ce_weight × CE + kd_weight × the divergence, on whole logits (a module that returns them)."""
     from kdbench.distill.lm.impls import DIVERGENCES
 
-    mask = labels != IGNORE
-    s = student.float()
-    n = int(mask.sum())
-    ce = F.cross_entropy(s.reshape(-1, s.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
-    loss = token.ce_weight * ce / max(n, 1)
+    loss = token.ce_weight * _ce(student, labels, rows)
     if token.divergence:
         fn = DIVERGENCES[token.divergence]
         kwargs = {"beta": token.beta} if token.divergence == "jsd" else {}
         if token.divergence.startswith("skew"):
             kwargs = {"lam": token.lam}
-        loss = loss + token.kd_weight * fn(student, teacher, mask, temperature=token.temperature, **kwargs)
+        vocab = student.shape[-1]
+        s, t = (x.reshape(-1, vocab).index_select(0, rows) for x in (student, teacher))
+        loss = loss + token.kd_weight * fn(s, t, None, temperature=token.temperature, **kwargs)
     return loss
 
 

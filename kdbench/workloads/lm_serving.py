@@ -67,7 +67,8 @@ def sample(
     lm: nn.Module, prompt: torch.Tensor, new_tokens: int, temperature: float, generator: torch.Generator
 ) -> torch.Tensor:
     """``prompt`` (B, P) followed by ``new_tokens`` tokens sampled from ``lm`` (softmax(logits / temperature),
-    multinomial from ``generator``), one forward per token on its KV cache, no early stop: (B, P + new_tokens)."""
+    multinomial from ``generator``, which lies on the prompt's device), one forward per token on its KV cache, no
+    early stop: (B, P + new_tokens)."""
     forward = lm.forward
     keep = _keyword(forward, "logits_to_keep", "num_logits_to_keep")
     cache_kw = _keyword(forward, "cache", "past_key_values") or "past_key_values"
@@ -76,7 +77,7 @@ def sample(
     tokens = [prompt]
     for i in range(new_tokens):
         probs = torch.softmax(out.logits[:, -1].float() / temperature, dim=-1)
-        token = torch.multinomial(probs.cpu(), 1, generator=generator).to(prompt.device)
+        token = torch.multinomial(probs, 1, generator=generator)
         tokens.append(token)
         if i + 1 < new_tokens:
             out = lm(input_ids=token, use_cache=True, **{cache_kw: cache})

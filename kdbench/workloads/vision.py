@@ -36,6 +36,9 @@ class Vision(Workload):
             name = getattr(config.pair, role)
             if check(("pair", role), check_model_name, name, allow_imports):
                 check(("pair", role), check_model_input, name, config.data.shape)
+        if config.parallel == "fsdp":
+            why = "parallel fsdp shards language-model pairs decoder layer by decoder layer; image pairs take ddp"
+            problems.append((("parallel",), why))
         if config.on_policy is not None:
             why = "on_policy has the student generate its training text: it is for language-model pairs"
             problems.append((("on_policy",), why))
@@ -48,6 +51,10 @@ class Vision(Workload):
             methods = check_method(config.method)
         except KdbenchError:
             return problems  # the plan reports the method itself
+        encoder = [m.name for m in methods if m.cls.domain == "encoder"]
+        if encoder:
+            why = f"{', '.join(encoder)}: an encoder method; it distils BERT-shaped encoders: pair two encoders"
+            return [*problems, (("method",), f"{why} (`kdbench list models`), not image classifiers")]
         lm_only = [m.name for m in methods if m.cls.domain == "lm"]
         if lm_only:
             problems.append(

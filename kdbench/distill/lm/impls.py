@@ -213,7 +213,7 @@ def _divergence(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor
     return fn(student, teacher, mask, **kwargs)
 
 
-def _chunk_value_grad(s, t, labels, loss: TokenLoss, n_valid: int, need_grad: bool):
+def _chunk_value_grad(s, t, labels, loss: TokenLoss, n_valid: int, need_grad: bool, may_inf: bool = True):
     """A chunk's share of the loss and its gradient w.r.t. the chunk's student logits, by hand, float32.
 
     s: (C, V) float32 student logits of C valid tokens, t: the teacher's (any float dtype; None without a
@@ -223,7 +223,7 @@ def _chunk_value_grad(s, t, labels, loss: TokenLoss, n_valid: int, need_grad: bo
     out).  With a = ∂L/∂log p_s + p_s·∂L/∂p_s on the kept entries (0 on the others), the gradient w.r.t.
     z = s / T is a − softmax(z)·Σ_v a, the chain rule through token_losses' where + log_softmax.  Six to
     ten (C, V) float32 buffers are alive at its peak (forward KL + CE: 7; autograd through token_losses
-    holds 13 for that loss).
+    holds 13 for that loss).  ``may_inf`` False (heads without biases): no entry is infinite, none dropped.
     """
     value = torch.zeros((), dtype=torch.float32, device=s.device)
     grad = None
@@ -242,9 +242,9 @@ def _chunk_value_grad(s, t, labels, loss: TokenLoss, n_valid: int, need_grad: bo
     tz = t.float()
     tz = tz.div_(temp) if temp != 1.0 else tz
     del s, t
-    drop = torch.isinf(z) | torch.isinf(tz)
-    if not bool(drop.any()):
-        drop = None
+    # Infinite logits come from infinite biases (a padded vocabulary's -inf): ``may_inf`` is decided on the host
+    # from the heads, so no chunk reads a value back (a host-device sync on a GPU) to find out.
+    drop = torch.isinf(z) | torch.isinf(tz) if may_inf else None
     lsm = F.log_softmax(z, dim=-1)
     del z
     lt = F.log_softmax(tz, dim=-1)
@@ -331,19 +331,21 @@ def _zero(*tensors: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _valid_rows(labels: torch.Tensor) -> torch.Tensor:
-    return (labels != IGNORE_INDEX).nonzero().squeeze(1)
+def valid_rows(labels: torch.Tensor) -> torch.Tensor:
+    """The indices of the (flattened) tokens whose label is not -100.  Finding them reads the labels back (a
+    host-device sync on a GPU): a caller with a fixed batch finds them once and passes them to :func:`lm_loss`
+    (``rows``), so that no step synchronises."""
+    return (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
 
 
 # ------------------------------------------------------------------------------------------------
 # dense
 
 
-def _dense(hs, ws, bs, ht, wt, bt, labels, loss: TokenLoss) -> torch.Tensor:
+def _dense(hs, ws, bs, ht, wt, bt, labels, loss: TokenLoss, rows: torch.Tensor) -> torch.Tensor:
     w, b = _cast_head(hs, ws, bs)
     logits_s = F.linear(hs, w, b)
-    mask = labels != IGNORE_INDEX
-    n_valid = int(mask.sum())
+    n_valid = rows.numel()
     total = _zero(hs, ws, bs)  # attached even where D ignores the student (skew_forward_kl at lam = 1)
     if loss.has_ce:  # sum / max(n, 1): cross_entropy's "mean", but 0 (not NaN) when no token counts
         ce = F.cross_entropy(logits_s.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -351,7 +353,9 @@ def _dense(hs, ws, bs, ht, wt, bt, labels, loss: TokenLoss) -> torch.Tensor:
     if loss.has_kd:
         with torch.no_grad():
             logits_t = F.linear(ht, *_cast_head(ht, wt, bt))
-        total = total + loss.kd_weight * _divergence(logits_s, logits_t, mask, loss)
+        # the valid rows by index (their count is on the host): no boolean mask, whose size a GPU would sync for
+        selected = logits_s.index_select(0, rows), logits_t.index_select(0, rows)
+        total = total + loss.kd_weight * _divergence(*selected, None, loss)
     return total
 
 
@@ -365,8 +369,7 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
     the logits' dtype; backward scales it in place (so a second backward through the graph raises)."""
 
     @staticmethod
-    def forward(ctx, logits_s, logits_t, labels, loss: TokenLoss, chunk_size: int, grad_enabled: bool):
-        rows = _valid_rows(labels)
+    def forward(ctx, logits_s, logits_t, labels, loss: TokenLoss, chunk_size: int, grad_enabled: bool, rows, may_inf):
         n_valid = rows.numel()
         grad = torch.zeros_like(logits_s) if grad_enabled and ctx.needs_input_grad[0] else None
         total = torch.zeros((), dtype=torch.float32, device=logits_s.device)
@@ -379,6 +382,7 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
                 loss,
                 n_valid,
                 grad is not None,
+                may_inf,
             )
             total += part
             if g is not None:
@@ -388,7 +392,7 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        return (*_consume(ctx, grad_output), None, None, None, None, None)
+        return (*_consume(ctx, grad_output), None, None, None, None, None, None, None)
 
 
 def _consume(ctx, grad_output) -> list[torch.Tensor | None]:
@@ -406,12 +410,15 @@ _TWICE = (
 )
 
 
-def _chunked(hs, ws, bs, ht, wt, bt, labels, loss: TokenLoss, chunk_size: int) -> torch.Tensor:
+def _chunked(hs, ws, bs, ht, wt, bt, labels, loss: TokenLoss, rows: torch.Tensor, chunk_size: int) -> torch.Tensor:
     logits_s = F.linear(hs, *_cast_head(hs, ws, bs))
     with torch.no_grad():
         logits_t = F.linear(ht, *_cast_head(ht, wt, bt)) if loss.has_kd else logits_s.new_empty(logits_s.shape[0], 0)
     # forward runs with grad mode off: whether a gradient is wanted at all is decided here
-    return _ChunkedLogitsLoss.apply(logits_s, logits_t, labels, loss, chunk_size, torch.is_grad_enabled())
+    may_inf = bs is not None or bt is not None  # only an infinite bias makes a logit infinite
+    return _ChunkedLogitsLoss.apply(
+        logits_s, logits_t, labels, loss, chunk_size, torch.is_grad_enabled(), rows, may_inf
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -424,11 +431,10 @@ class _FusedLinearLoss(torch.autograd.Function):
     grad_h = g W, grad_W += gᵀ h (float32 accumulator), grad_b += Σ g.  Backward scales them in place."""
 
     @staticmethod
-    def forward(ctx, hs, ws, bs, ht, wt, bt, labels, loss: TokenLoss, chunk_size: int, grad_enabled: bool):
+    def forward(ctx, hs, ws, bs, ht, wt, bt, labels, loss: TokenLoss, chunk_size: int, grad_enabled: bool, rows):
         w, b = _cast_head(hs, ws, bs)
         w_t, b_t = _cast_head(ht, wt, bt)
         need_h, need_w, need_b = (grad_enabled and need for need in ctx.needs_input_grad[:3])
-        rows = _valid_rows(labels)
         n_valid = rows.numel()
         f32 = torch.float32
         grad_h = torch.zeros_like(hs) if need_h else None
@@ -445,6 +451,7 @@ class _FusedLinearLoss(torch.autograd.Function):
                 loss,
                 n_valid,
                 need_h or need_w or need_b,
+                bs is not None or bt is not None,  # only an infinite bias makes a logit infinite
             )
             total += part
             if g is None:
@@ -469,18 +476,18 @@ class _FusedLinearLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        return (*_consume(ctx, grad_output), None, None, None, None, None, None, None)
+        return (*_consume(ctx, grad_output), None, None, None, None, None, None, None, None)
 
 
-def _fused_linear(hs, ws, bs, ht, wt, bt, labels, loss: TokenLoss, chunk_size: int) -> torch.Tensor:
-    return _FusedLinearLoss.apply(hs, ws, bs, ht, wt, bt, labels, loss, chunk_size, torch.is_grad_enabled())
+def _fused_linear(hs, ws, bs, ht, wt, bt, labels, loss: TokenLoss, rows, chunk_size: int) -> torch.Tensor:
+    return _FusedLinearLoss.apply(hs, ws, bs, ht, wt, bt, labels, loss, chunk_size, torch.is_grad_enabled(), rows)
 
 
 # ------------------------------------------------------------------------------------------------
 # liger
 
 
-def _liger(hs, ws, bs, ht, wt, bt, labels, loss: TokenLoss, chunk_size: int, compiled: bool) -> torch.Tensor:
+def _liger(hs, ws, bs, ht, wt, bt, labels, loss: TokenLoss, rows, chunk_size: int, compiled: bool) -> torch.Tensor:
     """Liger's ``LigerFusedLinearJSDLoss`` (liger-kernel >= 0.6.5) with kdbench's TokenLoss mapped so
     that its value equals dense's.  Liger's conventions and the mapping:
 
@@ -517,7 +524,7 @@ def _liger(hs, ws, bs, ht, wt, bt, labels, loss: TokenLoss, chunk_size: int, com
 # torch_linear
 
 
-def _torch_linear(hs, ws, bs, ht, wt, bt, labels, loss: TokenLoss, chunk_size: int) -> torch.Tensor:
+def _torch_linear(hs, ws, bs, ht, wt, bt, labels, loss: TokenLoss, rows, chunk_size: int) -> torch.Tensor:
     """CE with class-index targets; forward KL as CE with the teacher's probabilities as targets
     (CE(p_T) = KL(p_T‖p_S) + H(p_T): H(p_T) is computed per chunk without grad and subtracted, so
     the value is the true KL).  The targets must have the input's dtype for the chunked path (else
@@ -525,7 +532,7 @@ def _torch_linear(hs, ws, bs, ht, wt, bt, labels, loss: TokenLoss, chunk_size: i
     """
     options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_size)
     w, b = _cast_head(hs, ws, bs)
-    n_valid = int((labels != IGNORE_INDEX).sum())
+    n_valid = rows.numel()
     total = _zero(hs, ws, bs)
     if n_valid == 0:
         return total
@@ -536,7 +543,6 @@ def _torch_linear(hs, ws, bs, ht, wt, bt, labels, loss: TokenLoss, chunk_size: i
         total = total + loss.ce_weight * ce.float() / n_valid
     if loss.has_kd:
         temp = loss.temperature
-        rows = _valid_rows(labels)
         w_t, b_t = _cast_head(ht, wt, bt)
         targets = torch.empty(n_valid, w.shape[0], dtype=hs.dtype, device=hs.device)
         entropy = torch.zeros((), dtype=torch.float32, device=hs.device)
@@ -572,12 +578,15 @@ def lm_loss(
     chunk_size: int = 1024,
     *,
     liger_compiled: bool = False,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``ce_weight · CE + kd_weight · D`` of the student and teacher heads, computed by `impl`.
 
     hidden: (B, S, H) or (N, H); labels: (B, S) or (N,), long, -100 = not counted.  Returns a float32
     scalar, differentiable w.r.t. the student's hidden states, weight and bias; the teacher's inputs
     are constants.  `chunk_size` (tokens per chunk, >= 1) applies to every impl but ``dense``.
+    `rows`: the valid tokens' indices (:func:`valid_rows`), when the caller found them once for a fixed batch;
+    without them they are found here, which reads the labels back (a host-device sync on a GPU).
     `liger_compiled` is liger's ``compiled`` (torch.compile of each chunk's step; liger's own default
     is True, off here: a compile costs seconds on first use, and needs a C++ compiler on the CPU).
     The chunked, fused_linear and torch_linear impls compute gradients in forward and support one
@@ -598,7 +607,8 @@ def lm_loss(
         if bias is not None and tuple(bias.shape) != (weight.shape[0],):
             raise KdbenchError(f"the {name} bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
     teacher = [t.detach() if t is not None else None for t in (ht, teacher_weight, teacher_bias)]
-    args = (hs, student_weight, student_bias, *teacher, lab, loss)
+    rows = valid_rows(lab) if rows is None else rows
+    args = (hs, student_weight, student_bias, *teacher, lab, loss, rows)
     if impl == "dense":
         return _dense(*args)
     if impl == "chunked":

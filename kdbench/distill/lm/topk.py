@@ -70,16 +70,21 @@ def build_topk(logits: torch.Tensor, k: int, temperature: float) -> TopKTeacher:
     return TopKTeacher(logp.reshape(*shape, k), indices.reshape(*shape, k), rest.reshape(shape), vocab, temperature)
 
 
-def topk_forward_kl(student: torch.Tensor, cache: TopKTeacher, mask: torch.Tensor | None = None) -> torch.Tensor:
+def topk_forward_kl(
+    student: torch.Tensor, cache: TopKTeacher, mask: torch.Tensor | None = None, rows: torch.Tensor | None = None
+) -> torch.Tensor:
     """The forward KL of the cache's k + 1 buckets against the student's (``student``: (B, S, V) logits), × T²,
-    mean over the valid tokens (``mask``, like the logits without their last axis); 0 with no valid token."""
+    mean over the valid tokens (``mask``, like the logits without their last axis; or ``rows``, the flattened
+    valid tokens' indices, which a GPU does not synchronise for); 0 with no valid token."""
     temperature = cache.temperature
     vocab = student.shape[-1]
     s = student.float().reshape(-1, vocab)
     logp = cache.logp.reshape(-1, cache.k).float()
     idx = cache.indices.reshape(-1, cache.k).long()
     rest = cache.log_rest.reshape(-1)
-    if mask is not None:
+    if rows is not None:
+        s, logp, idx, rest = (v.index_select(0, rows) for v in (s, logp, idx, rest))
+    elif mask is not None:
         valid = mask.reshape(-1).to(device=s.device, dtype=torch.bool)
         s, logp, idx, rest = s[valid], logp[valid], idx[valid], rest[valid]
     log_q = F.log_softmax(s / temperature, dim=-1)
