@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kdbench.config.schema import DISK_DATASETS, CellConfig, QualityConfig
+from kdbench.config.schema import DISK_DATASETS, TEXT_DATASETS, CellConfig, QualityConfig
 from kdbench.errors import KdbenchError
 
 
@@ -237,8 +237,17 @@ def load_dataset(cfg: QualityConfig, shape: Iterable[int], seed: int = 0) -> Dat
 
 
 def check_quality(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
-    """The cheap checks, before anything runs: image cells, and a data folder that exists."""
+    """The cheap checks, before anything runs: image cells, and a data folder that exists (text: LM cells)."""
+    if cfg.dataset in TEXT_DATASETS:
+        from kdbench.quality.text import check_text
+
+        return check_text(cfg, configs)
     for c in configs:
+        if c.data.kind == "tokens":
+            raise KdbenchError(
+                f"quality dataset {cfg.dataset} holds images and {c.pair.teacher} -> {c.pair.student} is a "
+                "language-model pair (data.kind: tokens); use dataset: python-stdlib (text)"
+            )
         _image_shape(c.data.shape)
     if cfg.dataset in DISK_DATASETS and cfg.root and not Path(cfg.root).expanduser().exists():
         raise KdbenchError(

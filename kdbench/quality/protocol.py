@@ -31,6 +31,11 @@ Each trained model gives one row (``ROW_KEYS``):
 
 :func:`quality_plan` lists the rows before anything trains, so a quality job that dies
 is stored as exactly the rows it would have produced, each marked failed.
+
+Language-model pairs on text (``dataset: python-stdlib``) follow the same plan, seeds and
+recipe: :class:`kdbench.quality.text.TextRun` is this module's ``_Run`` with the text data,
+the byte-vocabulary models, next-byte cross-entropy and a record of held-out perplexity
+(time to quality: the perplexity at most the teacher's / ``target``).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kdbench.config.schema import CellConfig, QualityConfig, TeacherConfig
+from kdbench.config.schema import TEXT_DATASETS, CellConfig, QualityConfig, TeacherConfig
 from kdbench.distill.losses import method_parts
 from kdbench.distill.step import Distiller, make_optimizer
 from kdbench.hw.backends import Backend, choose_autocast, math_mode
@@ -83,7 +88,9 @@ ROW_KEYS = (
 ModelKey = tuple[str, tuple[int, ...], str, str]  # name, shape, precision, memory format
 
 
-def _key(name: str, c: CellConfig) -> ModelKey:
+def _key(name: str, c: CellConfig, role: str = "teacher") -> ModelKey:
+    if c.data.kind == "tokens":  # a language model: its config overrides make it (the windows are the block's)
+        return name, (), c.precision, repr(sorted(getattr(c.overrides, role).items()))
     return name, tuple(c.data.shape), c.precision, c.memory_format
 
 
@@ -111,7 +118,7 @@ class Entry:
 
     @property
     def student_key(self) -> ModelKey:
-        return _key(self.config.pair.student, self.config)
+        return _key(self.config.pair.student, self.config, "student")
 
     def row(self, cfg: QualityConfig) -> dict[str, Any]:
         """The row without results (status ok until told otherwise)."""
@@ -131,6 +138,10 @@ class Entry:
             batch_size=cfg.batch_size,
             precision=c.precision,
         )
+        if cfg.dataset in TEXT_DATASETS:
+            from kdbench.quality.text import text_columns
+
+            row.update(text_columns(cfg))
         return row
 
 
@@ -139,7 +150,7 @@ def quality_plan(cfg: QualityConfig, jobs: list[CellConfig]) -> list[Entry]:
     (teacher, student) pair (agreement and time to target are measured against the pair's teacher), and
     each job's distilled student."""
     teachers = _distinct(jobs, lambda c: _key(c.pair.teacher, c))
-    pairs = _distinct(jobs, lambda c: (_key(c.pair.teacher, c), _key(c.pair.student, c)))
+    pairs = _distinct(jobs, lambda c: (_key(c.pair.teacher, c), _key(c.pair.student, c, "student")))
     plan = []
     for seed in range(cfg.seeds):
         plan += [Entry(seed, "teacher", c) for c in teachers]
@@ -222,6 +233,18 @@ class _Run:
         model = self.cache.get(name, cell.data.num_classes, tuple(cell.data.shape), _init_seed(cell.seed, role))
         return place_model(model, self.backend.device, cell.memory_format, True)
 
+    def ce_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, choice: Any) -> Callable:
+        return ce_step(model, optimizer, choice, self.backend)
+
+    def fit(self, step: Callable, model: nn.Module, optimizer: Any, data: DeviceData, seed: int, choice: Any):
+        return fit(step, model, optimizer, data, self.cfg, self.backend, seed, choice)
+
+    def fill(self, row: dict[str, Any], result: Trained | str, reference: Trained | str | None) -> dict[str, Any]:
+        return _fill(row, self.cfg, result, reference)
+
+    def describe(self, result: Trained, agreement: float | None = None) -> str:
+        return _describe(result, agreement)
+
     def attempt(self, what: str, fn: Callable[[], Trained]) -> Trained | str:
         """``fn()``, logged; its one-line error instead when it raises (the run goes on)."""
         try:
@@ -245,12 +268,12 @@ class _Run:
                 model.train()
                 optimizer = make_optimizer(model.parameters(), cell.optimizer)
                 choice = choose_autocast(self.backend, cell.precision)
-                step = ce_step(model, optimizer, choice, self.backend)
+                step = self.ce_step(model, optimizer, choice)
                 with math_mode(choice.tf32):
-                    out = fit(step, model, optimizer, self.data(cell), self.cfg, self.backend, entry.seed, choice)
+                    out = self.fit(step, model, optimizer, self.data(cell), entry.seed, choice)
                 if role == "teacher":
                     out.model = model
-                logger.info("  quality seed %d: %s %s: %s", entry.seed, role, name, _describe(out))
+                logger.info("  quality seed %d: %s %s: %s", entry.seed, role, name, self.describe(out))
                 return out
 
             self.trained[(entry.seed, role, key)] = self.attempt(f"quality seed {entry.seed}: {role} {name}", train)
@@ -269,7 +292,7 @@ class _Run:
                 return distiller.train_step(x, y, indices=indices)
 
             with math_mode(distiller.student_ac.tf32):
-                return fit(step, model, opt, data, self.cfg, self.backend, entry.seed, distiller.student_ac)
+                return self.fit(step, model, opt, data, entry.seed, distiller.student_ac)
         finally:
             distiller.close()
 
@@ -282,19 +305,19 @@ class _Run:
             return row | {"status": Status.SKIPPED, "error": skip}
         if entry.role == "teacher":
             teacher = self.train_ce(entry, "teacher")
-            return _fill(row, self.cfg, teacher, teacher)
+            return self.fill(row, teacher, teacher)
         teacher = self.trained.get((entry.seed, "teacher", entry.teacher_key))
         if entry.role == "scratch":
-            return _fill(row, self.cfg, self.train_ce(entry, "scratch"), teacher)
+            return self.fill(row, self.train_ce(entry, "scratch"), teacher)
         c = entry.config
         what = f"quality seed {entry.seed}: distilled {c.method} {c.pair.teacher}->{c.pair.student}"
         if not isinstance(teacher, Trained):
             logger.info("  %s: FAILED: the teacher failed to train", what)
-            return _fill(row, self.cfg, f"the teacher failed to train: {teacher}"[:2000], None)
+            return self.fill(row, f"the teacher failed to train: {teacher}"[:2000], None)
         result = self.attempt(what, lambda: self.distil(entry, teacher))
-        _fill(row, self.cfg, result, teacher)
+        self.fill(row, result, teacher)
         if isinstance(result, Trained):
-            logger.info("  %s: %s", what, _describe(result, row["agreement"]))
+            logger.info("  %s: %s", what, self.describe(result, row["agreement"]))
         return row
 
 
@@ -317,7 +340,12 @@ def run_quality(
     failed teacher fails its distillations); the others still run.  Data-set errors
     (``KdbenchError``) are raised before anything trains.
     """
-    run = _Run(cfg, backend, allow_imports)
+    if cfg.dataset in TEXT_DATASETS:  # language models on text (kdbench.quality.text): the same protocol
+        from kdbench.quality.text import TextRun
+
+        run: _Run = TextRun(cfg, backend, allow_imports)
+    else:
+        run = _Run(cfg, backend, allow_imports)
     for job in jobs:
         run.data(job)  # load (and check) every data set first
     devices = [backend.device] if backend.device_type == "cuda" else []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,7 @@ class Trained:
     history: list[tuple[float, float]]  # (training seconds so far, test accuracy) after each epoch
     preds: torch.Tensor  # test predictions after the last epoch (CPU)
     model: nn.Module | None = None
+    test_losses: list[float] = field(default_factory=list)  # the test loss after each epoch, where one is measured
 
     @property
     def accuracy(self) -> float:
@@ -90,6 +91,10 @@ def _accuracy(preds: torch.Tensor, y: torch.Tensor) -> float:
     return int((preds == y).sum()) / len(y)
 
 
+# model -> (test accuracy, test predictions on the CPU, mean test loss or None)
+Evaluate = Callable[[nn.Module], tuple[float, torch.Tensor, float | None]]
+
+
 def fit(
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     model: nn.Module,
@@ -99,12 +104,15 @@ def fit(
     backend: Backend,
     seed: int,
     choice: AutocastChoice,
+    evaluate: Evaluate | None = None,
 ) -> Trained:
     """`cfg.epochs` epochs of `step(x, y, indices)` over mini-batches shuffled by a generator seeded with `seed`.
 
     A cosine schedule anneals `optimizer`'s learning rate over all steps.  Only the
     steps are timed; the evaluation after each epoch is not.  The steps of epoch e
     (1-based) run inside ``training_epoch(e)``: the loss terms that count epochs see it.
+    ``evaluate`` replaces the top-1 evaluation of a classifier (the text protocol's next-byte one,
+    which also measures the test loss).
     """
     torch.manual_seed(seed)  # anything random inside the model (dropout) starts the same way
     n = len(data.x_train)
@@ -114,6 +122,7 @@ def fit(
     order = torch.Generator().manual_seed(seed)
     device = data.x_train.device
     history: list[tuple[float, float]] = []
+    test_losses: list[float] = []
     seconds = 0.0
     loss = None
     preds = torch.empty(0, dtype=torch.int64)
@@ -129,14 +138,20 @@ def fit(
                 schedule.step()
         backend.synchronize()
         seconds += time.perf_counter() - start
-        preds = predict(model, data.x_test, choice, backend, data.fmt)
-        history.append((seconds, _accuracy(preds, data.y_test)))
+        if evaluate is None:
+            preds = predict(model, data.x_test, choice, backend, data.fmt)
+            history.append((seconds, _accuracy(preds, data.y_test)))
+        else:
+            accuracy, preds, test_loss = evaluate(model)
+            history.append((seconds, accuracy))
+            if test_loss is not None:
+                test_losses.append(test_loss)
     if loss is not None and not math.isfinite(float(loss)):
         raise RuntimeError(
             f"the training loss is not finite ({float(loss)}) after {cfg.epochs} epochs; "
             "lower quality.lr or use bf16/fp32"
         )
-    return Trained(history, preds)
+    return Trained(history, preds, test_losses=test_losses)
 
 
 def ce_step(

@@ -42,6 +42,10 @@ QUALITY_COLUMNS = (
     "time_to_target_std_s",
     "epochs_to_target_mean",
     "train_time_mean_s",
+    "perplexity_mean",  # text quality rows (NaN for images)
+    "perplexity_std",
+    "bits_per_byte_mean",
+    "bits_per_byte_std",
     "datasets",
 )
 
@@ -115,9 +119,10 @@ def summarize_quality(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty:
         return pd.DataFrame(columns=list(QUALITY_COLUMNS))
     ok = df["status"].eq(Status.OK)
+    figures = ("accuracy", "best_accuracy", "agreement", "time_to_target_s", "epochs_to_target", "train_time_s")
     values = {
-        c: pd.to_numeric(df[c], errors="coerce").where(ok)
-        for c in ("accuracy", "best_accuracy", "agreement", "time_to_target_s", "epochs_to_target", "train_time_s")
+        c: (pd.to_numeric(df[c], errors="coerce") if c in df.columns else pd.Series(np.nan, index=df.index)).where(ok)
+        for c in (*figures, "perplexity", "bits_per_byte")
     }
     dataset = df["quality_dataset"] if "quality_dataset" in df.columns else None
     work = df[list(SUMMARY_KEYS)].astype(object).assign(ok=ok, dataset=dataset, **values)
@@ -136,6 +141,10 @@ def summarize_quality(df: pd.DataFrame) -> pd.DataFrame:
             time_to_target_std_s=("time_to_target_s", "std"),
             epochs_to_target_mean=("epochs_to_target", "mean"),
             train_time_mean_s=("train_time_s", "mean"),
+            perplexity_mean=("perplexity", "mean"),
+            perplexity_std=("perplexity", "std"),
+            bits_per_byte_mean=("bits_per_byte", "mean"),
+            bits_per_byte_std=("bits_per_byte", "std"),
             datasets=("dataset", lambda s: ", ".join(dict.fromkeys(map(str, s.dropna())))),
         )
         .reset_index()
@@ -159,10 +168,14 @@ def mean_std(mean, std, scale: float = 1.0, fmt=lambda v: f"{v:.1f}", missing: s
 
 
 def markdown_table(summary: pd.DataFrame) -> str:
-    """A compact Markdown table of :func:`summarize_quality` (accuracies in %, times in s)."""
+    """A compact Markdown table of :func:`summarize_quality` (accuracies in %, times in s); with text rows, their
+    held-out perplexity and bits per byte first, and the training time."""
 
     def text(v) -> str:
         return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+
+    if "perplexity_mean" in summary.columns and summary["perplexity_mean"].notna().any():
+        return _text_table(summary, text)
 
     lines = [
         "| teacher | student | model | method | top-1 (%) | agreement (%) | time to target (s) | reached |",
@@ -176,6 +189,31 @@ def markdown_table(summary: pd.DataFrame) -> str:
             f"{mean_std(r['agreement_mean'], r['agreement_std'], 100, missing='–')} | "
             f"{mean_std(r['time_to_target_mean_s'], r['time_to_target_std_s'], fmt=lambda v: f'{v:.2f}', missing='–')}"
             f" | {r['reached']}/{r['n']}{failed} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _text_table(summary: pd.DataFrame, text) -> str:
+    """:func:`markdown_table` of language models on text: perplexity, bits per byte, next-byte top-1."""
+
+    def num(mean, std, digits: int = 3) -> str:
+        return mean_std(mean, std, fmt=lambda v: f"{v:.{digits}f}", missing="–")
+
+    lines = [
+        "| teacher | student | model | method | perplexity | bits/byte | next-byte top-1 (%) | agreement (%) | "
+        "training (s) | time to target (s) | reached |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary.to_dict("records"):
+        failed = f" ({r['failed']} failed)" if r.get("failed") else ""
+        lines.append(
+            f"| {text(r['teacher'])} | {text(r['student'])} | {r['quality_role']} | {text(r['method'])} | "
+            f"{num(r['perplexity_mean'], r['perplexity_std'])} | "
+            f"{num(r['bits_per_byte_mean'], r['bits_per_byte_std'])} | "
+            f"{mean_std(r['accuracy_mean'], r['accuracy_std'], 100, missing='–')} | "
+            f"{mean_std(r['agreement_mean'], r['agreement_std'], 100, missing='–')} | "
+            f"{num(r['train_time_mean_s'], None, 1)} | "
+            f"{num(r['time_to_target_mean_s'], r['time_to_target_std_s'], 2)} | {r['reached']}/{r['n']}{failed} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,361 @@
+"""Quality on real text for language-model pairs: the standard library's own source, byte by byte.
+
+``quality: {dataset: python-stdlib, ...}`` trains the suite's LM pairs on the ``.py`` files of the
+running interpreter's standard library (``sysconfig.get_paths()["stdlib"]``): real text that ships
+with every Python, so nothing is downloaded.
+
+The corpus.  Every ``.py`` file under the stdlib folder, but those of ``site-packages`` /
+``dist-packages`` (what is installed, not what ships), of test folders (``test``, ``tests``,
+``idle_test``: distributions often leave them out) and the build's own configuration
+(``config-*`` folders, ``_sysconfigdata*``), sorted by path.  The files are shuffled with a
+generator seeded by the split seed and the first ``round(test_fraction x files)`` are held out,
+whole: no held-out file is ever seen in training.  Each split's files are joined in that order
+and cut at its share of ``max_bytes`` (``test_fraction`` of it held out).  The tokens are the
+bytes (vocabulary 256), in windows of ``seq_len + 1`` bytes at a stride of ``seq_len``: the model
+reads the first ``seq_len`` and predicts each next one, so every byte of a split but its first is
+predicted once.  Given the Python version (the rows' ``python_version``) and the seed, the
+corpus is the same; ``quality_corpus`` on each row names it, with a hash of its bytes.
+
+The protocol is :mod:`kdbench.quality.protocol`'s (:class:`TextRun` is its ``_Run`` with the
+language-model parts): per seed the teacher trains with next-byte cross-entropy, each distinct
+student from scratch, and each student distilled from that seed's teacher by each of the suite's
+LM methods through ``Distiller.train_step``, one recipe, one batch order per seed.  The models are
+built with ``vocab_size: 256`` laid over the cells' ``overrides`` (forced, as the image protocol
+sets the classifiers' classes to the data set's); a ``module:callable`` must have 256 outputs.
+
+Each row records the held-out **perplexity** (exp of the mean next-byte cross-entropy in nats over
+every held-out byte predicted) and ``bits_per_byte`` after the last epoch, the perplexity after
+every epoch against the training time by then, next-byte top-1 ``accuracy``, ``agreement`` with the
+teacher's next-byte argmax, and the time to quality: the training time until the perplexity is at
+most the seed's teacher's / ``target``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import platform
+import sysconfig
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kdbench.config.schema import CellConfig, QualityConfig
+from kdbench.distill.step import backward_and_update
+from kdbench.errors import KdbenchError
+from kdbench.hw.backends import AutocastChoice, Backend, grad_scaler
+from kdbench.quality.protocol import _init_seed, _Run
+from kdbench.quality.train import DeviceData, Trained, fit
+
+BYTES = 256  # the vocabulary: one token per byte value
+EVAL_TOKENS = 1 << 15  # held-out tokens per evaluation forward
+SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
+IGNORE = -100
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(root: Path | None = None) -> list[str]:
+    """The corpus's files: paths relative to ``root`` (the stdlib), in POSIX form, sorted."""
+    root = stdlib_root() if root is None else Path(root)
+    out = []
+    for folder, dirs, files in os.walk(root):  # symbolic links to folders are not followed
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.startswith("config-")]
+        rel = Path(folder).relative_to(root)
+        out += [(rel / f).as_posix() for f in files if f.endswith(".py") and not f.startswith("_sysconfigdata")]
+    return sorted(out)
+
+
+def split_files(files: list[str], test_fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """(train, held-out) files: shuffled by a generator seeded with ``seed``, the first share held out."""
+    if len(files) < 2:
+        raise KdbenchError(f"quality: the corpus has {len(files)} file(s); the split by file needs at least 2")
+    order = [files[i] for i in np.random.default_rng(seed).permutation(len(files))]
+    n_test = min(len(files) - 1, max(1, round(test_fraction * len(files))))
+    return order[n_test:], order[:n_test]
+
+
+def _join(root: Path, files: list[str], cap: int | None) -> tuple[bytes, int]:
+    """The files' bytes joined in order, cut at ``cap``, and how many files that used."""
+    chunks, n, used = [], 0, 0
+    for f in files:
+        if cap is not None and n >= cap:
+            break
+        data = (root / f).read_bytes()
+        chunks.append(data)
+        n += len(data)
+        used += 1
+    blob = b"".join(chunks)
+    return (blob if cap is None else blob[:cap]), used
+
+
+def windows(blob: bytes, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-byte labels, int64 (N, seq_len): windows of seq_len + 1 bytes at a stride of seq_len."""
+    n = (len(blob) - 1) // seq_len
+    if n < 1:
+        raise KdbenchError(
+            f"quality: {len(blob)} bytes make no window of seq_len + 1 = {seq_len + 1}; raise max_bytes or "
+            "lower seq_len"
+        )
+    data = torch.frombuffer(bytearray(blob[: n * seq_len + 1]), dtype=torch.uint8).long()
+    return data[:-1].view(n, seq_len).clone(), data[1:].view(n, seq_len).clone()
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """What the data set was read from, for the rows."""
+
+    python: str
+    files: int  # in the corpus
+    train_files: int  # read (the cap may stop before the split's last)
+    test_files: int
+    train_bytes: int
+    test_bytes: int
+    sha256: str  # of the train bytes, then the held-out bytes
+
+    def describe(self) -> str:
+        return (
+            f"python-stdlib {self.python}: {self.train_files} train + {self.test_files} held-out of {self.files} "
+            f".py files, {self.train_bytes} + {self.test_bytes} bytes, sha256 {self.sha256[:12]}"
+        )
+
+
+@dataclass
+class TextData:
+    x_train: torch.Tensor  # int64 (N, S) byte ids
+    y_train: torch.Tensor  # int64 (N, S): the next bytes
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    corpus: Corpus
+    num_classes: int = BYTES
+
+
+def load_text(cfg: QualityConfig, seed: int = 0, root: Path | None = None) -> TextData:
+    """The corpus split by file (``seed``; ``run_quality`` uses 0, one split for every seed), capped, in windows."""
+    root = stdlib_root() if root is None else Path(root)
+    if not root.is_dir():
+        raise KdbenchError(f"quality: the standard library folder {root} is not there; python-stdlib reads it")
+    files = stdlib_files(root)
+    train, test = split_files(files, cfg.test_fraction, seed)
+    test_cap = None if cfg.max_bytes is None else round(cfg.max_bytes * cfg.test_fraction)
+    train_cap = None if cfg.max_bytes is None else cfg.max_bytes - test_cap  # type: ignore[operator]
+    train_blob, n_train = _join(root, train, train_cap)
+    test_blob, n_test = _join(root, test, test_cap)
+    seq_len = cfg.text_seq_len
+    x_tr, y_tr = windows(train_blob, seq_len)
+    x_te, y_te = windows(test_blob, seq_len)
+    sha = hashlib.sha256(train_blob + test_blob).hexdigest()
+    corpus = Corpus(platform.python_version(), len(files), n_train, n_test, len(train_blob), len(test_blob), sha)
+    return TextData(x_tr, y_tr, x_te, y_te, corpus)
+
+
+def check_text(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
+    """The cheap checks, before anything runs: language-model cells, the windows within their positions."""
+    from kdbench.workloads import workload_of
+    from kdbench.workloads.lm import _config, max_positions
+
+    for c in configs:
+        family = workload_of(c).family
+        if family != "lm":
+            what = (
+                "an image pair; use dataset digits, imagefolder or cifar"
+                if family == "vision"
+                else f"of the {family} family, not causal LMs"
+            )
+            raise KdbenchError(
+                f"quality dataset {cfg.dataset} trains causal language models on text, and the pair "
+                f"{c.pair.teacher} -> {c.pair.student} is {what}"
+            )
+        for role in ("teacher", "student"):
+            name = getattr(c.pair, role)
+            try:
+                config = _config(name, byte_overrides(name, getattr(c.overrides, role)))
+            except KdbenchError:
+                continue  # the cell's own checks report it
+            limit = max_positions(config)
+            if limit is not None and cfg.text_seq_len > limit:
+                raise KdbenchError(
+                    f"quality.seq_len {cfg.text_seq_len} is beyond the {role} {name}'s {limit} positions; lower it"
+                )
+    if not stdlib_root().is_dir():
+        raise KdbenchError(f"the standard library folder {stdlib_root()} is not there; python-stdlib reads it")
+
+
+def byte_overrides(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The model's overrides with the byte vocabulary (a ``module:callable`` takes none: it must have 256)."""
+    return dict(overrides) if ":" in name else {**overrides, "vocab_size": BYTES}
+
+
+def text_columns(cfg: QualityConfig) -> dict[str, Any]:
+    """The text columns of a planned row (the corpus's are added once it is read)."""
+    return dict.fromkeys(TEXT_ROW_KEYS) | {"seq_len": cfg.text_seq_len}
+
+
+TEXT_ROW_KEYS = (
+    "perplexity",
+    "best_perplexity",
+    "bits_per_byte",
+    "perplexity_by_epoch",
+    "train_time_by_epoch_s",
+    "seq_len",
+    "quality_corpus",
+    "quality_train_tokens",
+    "quality_test_tokens",
+)
+
+
+# --------------------------------------------------------------------------- training and evaluation
+
+
+def lm_logits(model: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    """The logits of a CausalLM's forward output (its head applied; a module that returns logits: as they are)."""
+    head = getattr(model, "head", None)
+    return out if head is None else head(out)
+
+
+def text_ce_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, choice: AutocastChoice, backend: Backend
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """One next-byte cross-entropy step (loss in FP32; a GradScaler for fp16), as the teacher and scratch train."""
+    scaler = grad_scaler(backend, choice)
+
+    def step(x: torch.Tensor, y: torch.Tensor, _indices: torch.Tensor | None = None) -> torch.Tensor:
+        with choice.context(backend.device_type):
+            logits = lm_logits(model, model(x))
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+        optimizer.zero_grad(set_to_none=True)
+        backward_and_update(loss, optimizer, scaler)
+        return loss.detach()
+
+    return step
+
+
+def evaluate_text(
+    model: nn.Module, data: DeviceData, choice: AutocastChoice, backend: Backend
+) -> tuple[float, torch.Tensor, float]:
+    """(next-byte top-1 accuracy, the argmax per held-out byte on the CPU, mean next-byte cross-entropy in nats),
+    in eval mode under inference_mode; the model's mode is restored."""
+    was_training = model.training
+    model.eval()
+    batch = max(1, EVAL_TOKENS // data.x_test.shape[1])
+    total, count, preds = 0.0, 0, []
+    try:
+        with torch.inference_mode(), choice.context(backend.device_type):
+            for i in range(0, len(data.x_test), batch):
+                logits = lm_logits(model, model(data.x_test[i : i + batch])).float()
+                if logits.shape[-1] != BYTES:
+                    raise KdbenchError(f"the model has {logits.shape[-1]} outputs per token; byte-level text needs 256")
+                y = data.y_test[i : i + batch].to(logits.device)
+                total += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum", ignore_index=IGNORE))
+                count += int((y != IGNORE).sum())
+                preds.append(logits.argmax(dim=-1).flatten().cpu())
+    finally:
+        model.train(was_training)
+    out = torch.cat(preds)
+    accuracy = int((out == data.y_test.flatten()).sum()) / max(count, 1)
+    return accuracy, out, total / max(count, 1)
+
+
+def reach_perplexity(result: Trained, threshold: float) -> tuple[float | None, int | None]:
+    """(training seconds, 1-based epoch) at the end of the first epoch with perplexity <= threshold."""
+    for epoch, ((seconds, _), loss) in enumerate(zip(result.history, result.test_losses), 1):
+        if math.exp(loss) <= threshold:
+            return seconds, epoch
+    return None, None
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(min(loss, 700.0))  # a diverged model: a huge but finite perplexity
+
+
+class TextRun(_Run):
+    """The quality protocol's run with language models on text: the data, the models and their record."""
+
+    def __init__(self, cfg: QualityConfig, backend: Backend, allow_imports: bool):
+        super().__init__(cfg, backend, allow_imports)
+        self.text: TextData | None = None
+        self.device_text: DeviceData | None = None
+
+    def data(self, c: CellConfig) -> DeviceData:
+        if self.device_text is None:
+            self.text = t = load_text(self.cfg, seed=0)
+            dev = self.backend.device
+            self.device_text = DeviceData(
+                t.x_train.to(dev), t.y_train.to(dev), t.x_test.to(dev), t.y_test, BYTES, torch.contiguous_format
+            )
+        return self.device_text
+
+    def cell(self, c: CellConfig, seed: int) -> CellConfig:
+        """The image protocol's cell, with the byte vocabulary over the overrides and the block's windows."""
+        cell = super().cell(c, seed)
+        overrides = cell.overrides.model_copy(
+            update={r: byte_overrides(getattr(c.pair, r), getattr(c.overrides, r)) for r in ("teacher", "student")}
+        )
+        data = cell.data.model_copy(update={"seq_len": self.cfg.text_seq_len})
+        return cell.model_copy(update={"overrides": overrides, "data": data})
+
+    def model(self, name: str, cell: CellConfig, role: str) -> nn.Module:
+        from kdbench.workloads.lm import CausalLM, build
+
+        overrides = getattr(cell.overrides, role)
+        seed = _init_seed(cell.seed, role)
+        key = ("lm", name, repr(sorted(overrides.items())), seed)
+        lm = self.cache.get_built(key, seed, lambda: build(name, overrides, self.cache.allow_imports))
+        model = CausalLM(lm).to(self.backend.device)
+        if model.vocab_size is not None and model.vocab_size != BYTES:
+            raise KdbenchError(f"{name} has a vocabulary of {model.vocab_size}; byte-level text needs 256")
+        return model
+
+    def ce_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, choice: Any) -> Callable:
+        return text_ce_step(model, optimizer, choice, self.backend)
+
+    def fit(self, step: Callable, model: nn.Module, optimizer: Any, data: DeviceData, seed: int, choice: Any):
+        def evaluate(m: nn.Module) -> tuple[float, torch.Tensor, float]:
+            return evaluate_text(m, data, choice, self.backend)
+
+        return fit(step, model, optimizer, data, self.cfg, self.backend, seed, choice, evaluate=evaluate)
+
+    def fill(self, row: dict[str, Any], result: Trained | str, reference: Trained | str | None) -> dict[str, Any]:
+        if self.text is not None:
+            c = self.text.corpus
+            row.update(
+                quality_corpus=c.describe(),
+                quality_train_tokens=int(self.text.y_train.numel()),
+                quality_test_tokens=int(self.text.y_test.numel()),
+            )
+        if isinstance(result, str):
+            return super().fill(row, result, reference)
+        losses = result.test_losses
+        row.update(
+            accuracy=result.accuracy,
+            best_accuracy=result.best_accuracy,
+            train_time_s=result.train_time_s,
+            perplexity=_perplexity(losses[-1]),
+            best_perplexity=_perplexity(min(losses)),
+            bits_per_byte=losses[-1] / math.log(2),
+            perplexity_by_epoch=[_perplexity(v) for v in losses],
+            train_time_by_epoch_s=[s for s, _ in result.history],
+        )
+        if isinstance(reference, Trained):
+            seconds, epoch = reach_perplexity(result, _perplexity(reference.test_losses[-1]) / self.cfg.target)
+            row.update(time_to_target_s=seconds, epochs_to_target=epoch)
+            if reference is not result:
+                row["agreement"] = float((result.preds == reference.preds).float().mean())
+        return row
+
+    def describe(self, result: Trained, agreement: float | None = None) -> str:
+        loss = result.test_losses[-1]
+        text = (
+            f"perplexity {_perplexity(loss):.3f} ({loss / math.log(2):.3f} bits/byte), next-byte top-1 "
+            f"{result.accuracy:.1%}, {result.train_time_s:.2f} s training"
+        )
+        return text + (f", agreement {agreement:.1%}" if agreement is not None else "")
