@@ -228,6 +228,27 @@ def test_a_loss_impl_this_environment_lacks_is_a_skipped_cell_with_the_fix(monke
     assert "pip install liger-kernel" in rows[0]["error"]
 
 
+def test_an_fsdp_cell_this_torch_or_device_cannot_shard_is_skipped_with_the_reason(monkeypatch):
+    import sys
+
+    from kdbench.hw.backends import Backend
+    from kdbench.measure import parallel
+
+    sharded = lm_config(world_size=2, parallel="fsdp")
+    assert parallel.fully_shard_api() is not None and LM.skip_reason(sharded, CPU) is None
+    # a torch with neither torch.distributed.fsdp's fully_shard (2.6+) nor the composable one before it
+    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        monkeypatch.setitem(sys.modules, name, None)
+    assert parallel.fully_shard_api() is None
+    rows = measure_cell(Cell(0, cell_id_of(sharded), sharded), CPU, ModelCache())
+    assert {r["status"] for r in rows} == {"skipped"} and "fully_shard" in rows[0]["error"]
+    assert "torch >= 2.6" in rows[0]["error"]
+    monkeypatch.undo()
+    offload = lm_config(world_size=2, parallel="fsdp", fsdp={"cpu_offload": True})
+    assert "nothing to offload" in LM.skip_reason(offload, CPU)
+    assert LM.skip_reason(offload, Backend("cuda", torch.device("cuda", 0))) is None
+
+
 def test_the_gpu_suites_plan_the_same_cells_on_both_vendors():
     from pathlib import Path
 
