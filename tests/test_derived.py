@@ -75,6 +75,18 @@ def test_scaling_twin_ignores_ddp_options_a_single_device_cell_does_not_have():
     assert as_read(rows)["scaling_efficiency"].tolist()[1] == pytest.approx(0.9)
 
 
+def test_an_fsdp_cell_scales_against_the_same_single_device_cell_as_its_ddp_twin():
+    single = json.loads(_config(world_size=1))
+    ddp = {**single, "world_size": 2, "ddp": {"bucket_cap_mb": 10.0}}
+    fsdp = {**single, "world_size": 2, "parallel": "fsdp", "fsdp": {"reshard_after_forward": True}}
+    rows = [
+        _row(cell="one", world_size=1, throughput=100.0, config_json=json.dumps(single)),
+        _row(cell="ddp", world_size=2, throughput=180.0, config_json=json.dumps(ddp)),
+        _row(cell="fsdp", world_size=2, throughput=120.0, config_json=json.dumps(fsdp)),
+    ]
+    assert as_read(rows)["scaling_efficiency"].tolist()[1:] == [pytest.approx(0.9), pytest.approx(0.6)]
+
+
 def test_utilisation_against_datasheet_and_measured_ceiling():
     rows = [
         _row(median=10.0, flops=1e12, device_name="NVIDIA H100 80GB HBM3", precision="bf16", ceiling_tflops=500.0),

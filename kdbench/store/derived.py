@@ -43,7 +43,8 @@ from kdbench.names import PRECISIONS, SERVING, Measurement, Status, counterpart,
 from kdbench.repeats import centre, paired_t
 from kdbench.store.schema import COLUMNS
 
-WORLD_SIZE = (("world_size",), ("ddp",))  # a world_size 1 cell has no DDP options to compare
+# A world_size 1 cell has no DDP or FSDP options to compare: an FSDP2 cell's twin is the same single-device cell
+WORLD_SIZE = (("world_size",), ("ddp",), ("parallel",), ("fsdp",))
 TEACHER_MODE = (("teacher", "mode"), ("teacher", "k"))
 LEVERS = (  # a cell's config stores a lever only when it is pulled (kdbench.config.plan.config_dict)
     ("compile",),
