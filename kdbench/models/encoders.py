@@ -21,7 +21,6 @@ the class has it (``BertModel`` does), eager otherwise.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from typing import Any
 
@@ -125,18 +124,10 @@ def build_encoder(
 ) -> nn.Module:
     """The ``BertModel`` of encoder ``name`` with random weights, built directly on ``device`` (``"meta"``
     allocates nothing) in ``dtype``, in eval mode, with :func:`attn_implementation`'s attention."""
-    from kdbench.models.lm import _transformers
+    from kdbench.models.lm import _transformers, from_config
 
-    config = encoder_config(name, overrides)
-    transformers = _transformers()
-    kwargs: dict[str, Any] = {"attn_implementation": attn_implementation(name, overrides)}
-    if dtype is not None:
-        major = int(transformers.__version__.split(".")[0])
-        kwargs["dtype" if major >= 5 else "torch_dtype"] = dtype
-    where = torch.device(device) if device is not None else contextlib.nullcontext()
-    with where:
-        model = transformers.AutoModel.from_config(config, **kwargs)
-    return model.eval()
+    kwargs = {"attn_implementation": attn_implementation(name, overrides)}
+    return from_config(_transformers().AutoModel, encoder_config(name, overrides), kwargs, dtype, device)
 
 
 def encoder_parameter_count(name: str, overrides: dict[str, Any] | None = None) -> int:

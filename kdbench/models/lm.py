@@ -327,12 +327,18 @@ def build_lm(
     kwargs: dict[str, Any] = {}
     if getattr(model_class, "_supports_sdpa", False):
         kwargs["attn_implementation"] = "sdpa"
+    return from_config(transformers.AutoModelForCausalLM, config, kwargs, dtype, device)
+
+
+def from_config(auto_class, config, kwargs: dict[str, Any], dtype, device) -> nn.Module:
+    """``auto_class.from_config`` with random weights, built directly on ``device`` in ``dtype`` (the keyword is
+    ``dtype`` from transformers 5, ``torch_dtype`` before), in eval mode."""
     if dtype is not None:
-        major = int(transformers.__version__.split(".")[0])
-        kwargs["dtype" if major >= 5 else "torch_dtype"] = dtype
+        major = int(_transformers().__version__.split(".")[0])
+        kwargs = {**kwargs, "dtype" if major >= 5 else "torch_dtype": dtype}
     where = torch.device(device) if device is not None else contextlib.nullcontext()
     with where:
-        model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+        model = auto_class.from_config(config, **kwargs)
     return model.eval()
 
 

@@ -358,10 +358,8 @@ def measure_forward(
     """The forward latency of the teacher or the student: eval(), inference_mode, the cell's precision, on a fixed
     batch of ``batch_size`` × ``data.seq_len`` ids over the model's own vocabulary; ``tokens_per_s`` counts its
     tokens."""
-    from kdbench.hw.backends import choose_autocast, math_flags, math_mode
-    from kdbench.measure import walltime
-    from kdbench.measure.cell import LAUNCH_BOUND, _notes, timed_with_profile, timing_columns, token_columns
-    from kdbench.measure.flops import count_flops
+    from kdbench.hw.backends import choose_autocast
+    from kdbench.workloads.lm_serving import token_serving_row
 
     vocab = int(model.config.vocab_size)  # the served model's own: its row depends on it alone (teacher reuse)
     ids, _ = encoder_batch(batch_size, config.data.seq_len, vocab, config.seed + 1, backend.device, config.alignment)
@@ -372,29 +370,5 @@ def measure_forward(
         with torch.inference_mode(), choice.context(backend.device_type):
             return model(ids)
 
-    with math_mode(choice.tf32):
-        what = f"{config.pair.teacher}->{config.pair.student} {config.precision} {measurement} bs{batch_size}"
-        raw, profile, note = timed_with_profile(call, config, backend, batch_size, what=what)
-        flags = math_flags()
-        with walltime.spent(walltime.FLOPS):
-            flops = None if raw.note else count_flops(call)
-    timing = timing_columns(raw, 1, batch_size)
-    timing.update(token_columns(workload.tokens(measurement, batch_size, config), raw))
-    launch = LAUNCH_BOUND if timing["launch_bound"] else ""
-    return Row(
-        {
-            "measurement": measurement,
-            "batch_size": batch_size,
-            "status": "ok",
-            **timing,
-            **profile,
-            **flags,
-            "flops": flops,
-            "autocast": choice.applied,
-            "runtime": "eager",
-            "seq_len": config.data.seq_len,
-            "attn_implementation": model.attn_implementation,
-            "data_ptr_mod64": ids.data_ptr() % 64,
-            "notes": _notes(choice, extra=(launch, note, raw.note or "")),
-        }
-    )
+    columns = {"attn_implementation": model.attn_implementation}
+    return token_serving_row(workload, measurement, batch_size, config, backend, choice, call, ids, columns)

@@ -88,10 +88,7 @@ def measure_serving(
     workload, measurement: Measurement, model: nn.Module, batch_size: int, config: Any, backend: Any
 ) -> Row:
     """The prefill or decode row of the teacher or the student (a :class:`~kdbench.workloads.lm.CausalLM`)."""
-    from kdbench.hw.backends import choose_autocast, math_flags, math_mode
-    from kdbench.measure import walltime
-    from kdbench.measure.cell import LAUNCH_BOUND, _notes, timed_with_profile, timing_columns, token_columns
-    from kdbench.measure.flops import count_flops
+    from kdbench.hw.backends import choose_autocast
 
     if not getattr(model, "hf", False):
         from kdbench.measure.runtimes import LeverSkip
@@ -108,22 +105,48 @@ def measure_serving(
         with torch.inference_mode(), choice.context(backend.device_type):
             return gen.decode() if decode else gen.prefill()
 
+    notes = ()
+    if not decode and gen.keep is None:
+        notes = ("this model's forward has no logits_to_keep: the prefill computes the logits of every position",)
+    columns = {"decode_tokens": config.inference.decode_tokens if decode else None}
+    start = gen.start if decode else None
+    args = (workload, measurement, batch_size, config, backend, choice, call, ids, columns, notes)
+    return token_serving_row(*args, start=start)
+
+
+def token_serving_row(
+    workload,
+    measurement: Measurement,
+    batch_size: int,
+    config: Any,
+    backend: Any,
+    choice: Any,
+    call,
+    ids: torch.Tensor,
+    columns: dict[str, Any],
+    notes: tuple[str, ...] = (),
+    start=None,
+) -> Row:
+    """The row of a served model's timed ``call`` on the token ``ids`` (LM prefill and decode, encoder forwards):
+    timed at the cell's math mode after ``start`` (untimed, in inference mode), FLOPs counted, tokens per second
+    from the workload's token count, with the family's ``columns`` and ``notes``."""
+    from kdbench.hw.backends import math_flags, math_mode
+    from kdbench.measure import walltime
+    from kdbench.measure.cell import LAUNCH_BOUND, _notes, timed_with_profile, timing_columns, token_columns
+    from kdbench.measure.flops import count_flops
+
     with math_mode(choice.tf32):
-        if decode:
+        if start is not None:
             with torch.inference_mode(), choice.context(backend.device_type):
-                gen.start()
+                start()
         what = f"{config.pair.teacher}->{config.pair.student} {config.precision} {measurement} bs{batch_size}"
         raw, profile, note = timed_with_profile(call, config, backend, batch_size, what=what)
         flags = math_flags()
         with walltime.spent(walltime.FLOPS):
             flops = None if raw.note else count_flops(call)
-    tokens = workload.tokens(measurement, batch_size, config)
     timing = timing_columns(raw, 1, batch_size)
-    timing.update(token_columns(tokens, raw))
+    timing.update(token_columns(workload.tokens(measurement, batch_size, config), raw))
     launch = LAUNCH_BOUND if timing["launch_bound"] else ""
-    extra = (launch, note, raw.note or "")
-    if not decode and gen.keep is None:
-        extra += ("this model's forward has no logits_to_keep: the prefill computes the logits of every position",)
     return Row(
         {
             "measurement": measurement,
@@ -136,8 +159,8 @@ def measure_serving(
             "autocast": choice.applied,
             "runtime": "eager",
             "seq_len": config.data.seq_len,
-            "decode_tokens": config.inference.decode_tokens if decode else None,
+            **columns,
             "data_ptr_mod64": ids.data_ptr() % 64,
-            "notes": _notes(choice, extra=extra),
+            "notes": _notes(choice, extra=(launch, note, raw.note or "", *notes)),
         }
     )
