@@ -257,11 +257,15 @@ def test_the_gpu_suites_plan_the_same_cells_on_both_vendors():
 
     suites = Path(__file__).resolve().parent.parent / "suites"
     cuda, amd = (expand(load_suite(suites / f"llm-{v}.yaml")) for v in ("cuda", "amd"))
-    assert [c.cell_id for c in cuda] == [c.cell_id for c in amd] and len(cuda) == 36
+    assert [c.cell_id for c in cuda] == [c.cell_id for c in amd] and len(cuda) == 44
     pairs = {(c.config.pair.teacher, c.config.pair.student) for c in cuda}
     assert pairs == {("llama-3.1-8b", "llama-3.2-1b"), ("qwen2.5-7b", "qwen2.5-0.5b")}
     assert {c.config.loss_impl for c in cuda} == {"dense", "chunked", "fused_linear", "liger", "torch_linear"}
     assert {c.config.data.seq_len for c in cuda} == {1024, 4096} and {c.config.precision for c in cuda} == {"bf16"}
+    assert sum(c.config.teacher.mode == "topk_cache" for c in cuda) == 4
+    assert sum(c.config.on_policy is not None for c in cuda) == 4
+    fsdp = expand(load_suite(suites / "llm-fsdp.yaml"))
+    assert [(c.config.world_size, c.config.parallel) for c in fsdp][:3] == [(1, "ddp"), (2, "ddp"), (2, "fsdp")]
 
 
 def test_a_cached_teacher_keeps_its_hidden_states_and_the_step_equals_the_live_one():

@@ -126,7 +126,18 @@ def test_planned_measurements():
 
 @pytest.mark.parametrize(
     "name,cells",
-    [("cpu", 4), ("amd", 78), ("cuda", 78), ("seeds", 2), ("methods", 72), ("gpu-smoke", 9), ("levers-cpu", 6)],
+    [
+        ("cpu", 4),
+        ("amd", 78),
+        ("cuda", 78),
+        ("seeds", 2),
+        ("methods", 72),
+        ("gpu-smoke", 9),
+        ("levers-cpu", 6),
+        ("llm-cuda", 44),
+        ("llm-amd", 44),
+        ("llm-fsdp", 6),
+    ],
 )
 def test_shipped_suites_plan(name, cells):
     plan = expand(load_suite(SUITES / f"{name}.yaml"))

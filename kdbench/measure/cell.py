@@ -571,6 +571,7 @@ def measure_cell(
             dp.barrier()  # rank 0 measures inference alone
             return None
         if config.parallel == "fsdp":  # the step sharded the pair in place: rank 0 serves whole copies alone
+            measure_step = teacher = student = None  # the shards are freed before the whole copies are built
             with walltime.spent(walltime.MODELS):
                 teacher, student = workload.build_pair(config, backend, cache)
         rows = [step]
