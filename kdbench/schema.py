@@ -106,6 +106,13 @@ COLUMNS: tuple[Column, ...] = (
         ("method", _S, "", "distillation method (`kd`, ...)"),
         ("precision", _S, "", "student precision: `fp32` (IEEE), `tf32`, `fp16` or `bf16`"),
         ("teacher_precision", _S, "", "teacher forward precision in the distillation step"),
+        (
+            "teacher_weights",
+            _S,
+            "",
+            "dtype the frozen teacher's parameters are held in (`teacher.weights`: `fp32`, or `bf16`/`fp16` for LM "
+            "and encoder teachers)",
+        ),
         ("batch_size", _I, "samples", "batch size of this measurement (per rank)"),
         ("backend", _S, "", "backend the cell ran on: `cpu`, `cuda` or `rocm`"),
         ("device", _S, "", "torch device, e.g. `cpu` or `cuda:0`"),

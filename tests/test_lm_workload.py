@@ -207,6 +207,7 @@ def test_a_module_that_returns_logits_runs_dense_only():
         ({"pair": {"teacher": "tiny-llama-teacher", "student": "resnet8"}}, "pair.student", "image classifier"),
         ({"method": "tvd", "loss_impl": "liger"}, "loss_impl", "liger"),
         ({"method": "reverse_kl", "loss_impl": "torch_linear"}, "loss_impl", "torch_linear"),
+        ({"teacher": {"weights": "bf16"}}, "teacher.weights", "set teacher_precision: bf16"),
     ],
 )
 def test_plan_time_refusals_name_the_key(over, key, text):
@@ -249,6 +250,29 @@ def test_an_fsdp_cell_this_torch_or_device_cannot_shard_is_skipped_with_the_reas
     assert LM.skip_reason(offload, Backend("cuda", torch.device("cuda", 0))) is None
 
 
+def test_a_teacher_held_in_bf16_halves_its_memory_and_distils_as_a_bf16_autocast_one():
+    from kdbench.workloads.base import hold_teacher
+
+    rows = {}
+    for weights in ("fp32", "bf16"):
+        config = lm_config(teacher_precision="bf16", teacher={"weights": weights})
+        rows[weights] = measure_cell(Cell(0, cell_id_of(config), config), CPU, ModelCache())
+        assert [r["status"] for r in rows[weights]] == ["ok"] * 5
+    fp32, bf16 = rows["fp32"][0], rows["bf16"][0]
+    from kdbench.run.jobs import config_columns
+
+    assert config_columns(lm_config(teacher={"weights": "bf16"}), "cpu")["teacher_weights"] == "bf16"
+    assert fp32["model_state_bytes"] - bf16["model_state_bytes"] == 2 * fp32["teacher_params"]  # 4 -> 2 bytes each
+    assert bf16["final_loss"] == pytest.approx(fp32["final_loss"], rel=1e-3)
+    assert bf16["tokens_per_s"] > 0 and rows["bf16"][3]["measurement"] == "teacher_prefill"
+    held = hold_teacher(
+        CausalLM(LM.build_pair(lm_config(), CPU, ModelCache())[0].lm), lm_config(teacher={"weights": "bf16"})
+    )
+    assert {p.dtype for p in held.parameters()} == {torch.bfloat16}
+    assert {b.dtype for b in held.buffers()} == {torch.float32}  # the rotary frequencies stay as built
+    assert cell_id_of(lm_config()) == cell_id_of(lm_config(teacher={"weights": "fp32"}))  # the default: ids kept
+
+
 def test_the_gpu_suites_plan_the_same_cells_on_both_vendors():
     from pathlib import Path
 
@@ -257,7 +281,7 @@ def test_the_gpu_suites_plan_the_same_cells_on_both_vendors():
 
     suites = Path(__file__).resolve().parent.parent / "suites"
     cuda, amd = (expand(load_suite(suites / f"llm-{v}.yaml")) for v in ("cuda", "amd"))
-    assert [c.cell_id for c in cuda] == [c.cell_id for c in amd] and len(cuda) == 44
+    assert [c.cell_id for c in cuda] == [c.cell_id for c in amd] and len(cuda) == 48
     pairs = {(c.config.pair.teacher, c.config.pair.student) for c in cuda}
     assert pairs == {("llama-3.1-8b", "llama-3.2-1b"), ("qwen2.5-7b", "qwen2.5-0.5b")}
     assert {c.config.loss_impl for c in cuda} == {"dense", "chunked", "fused_linear", "liger", "torch_linear"}
@@ -265,7 +289,8 @@ def test_the_gpu_suites_plan_the_same_cells_on_both_vendors():
     assert sum(c.config.teacher.mode == "topk_cache" for c in cuda) == 4
     assert sum(c.config.on_policy is not None for c in cuda) == 4
     fsdp = expand(load_suite(suites / "llm-fsdp.yaml"))
-    assert [(c.config.world_size, c.config.parallel) for c in fsdp][:3] == [(1, "ddp"), (2, "ddp"), (2, "fsdp")]
+    assert [(c.config.world_size, c.config.parallel) for c in fsdp][2:4] == [(2, "ddp"), (2, "fsdp")]
+    assert {c.config.teacher.weights for c in fsdp} == {"fp32", "bf16"}
 
 
 def test_a_cached_teacher_keeps_its_hidden_states_and_the_step_equals_the_live_one():

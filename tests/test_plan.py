@@ -134,9 +134,9 @@ def test_planned_measurements():
         ("methods", 72),
         ("gpu-smoke", 9),
         ("levers-cpu", 6),
-        ("llm-cuda", 44),
-        ("llm-amd", 44),
-        ("llm-fsdp", 6),
+        ("llm-cuda", 48),
+        ("llm-amd", 48),
+        ("llm-fsdp", 8),
     ],
 )
 def test_shipped_suites_plan(name, cells):

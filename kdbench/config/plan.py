@@ -56,6 +56,7 @@ IDENTITY_DEFAULTS = {
     "data.seq_len": 512,
     "data.prompt_fraction": 0.25,
     "data.vocab_policy": "error",
+    "teacher.weights": "fp32",
 }
 
 
@@ -82,6 +83,8 @@ class Cell:
             parts.append(f"teacher-{c.teacher.mode}")
         if c.teacher_precision != "fp32":
             parts.append(f"teacher-{c.teacher_precision}")
+        if c.teacher.weights != "fp32":
+            parts.append(f"teacher-weights-{c.teacher.weights}")
         parts.append(f"bs{c.batch_size}")
         if c.data.kind == "tokens":
             parts.append(f"seq{c.data.seq_len}")
@@ -301,6 +304,10 @@ def check_cell(config: CellConfig, allow_imports: bool, nnodes: int = 1) -> list
     from kdbench.workloads import workload_of
 
     problems: list[tuple[tuple[str, ...], str]] = list(workload_of(config).check(config, allow_imports))
+    if config.teacher.weights not in ("fp32", config.teacher_precision):
+        w = config.teacher.weights
+        why = f"teacher.weights {w} computes the teacher in {w}: set teacher_precision: {w} (or teacher.weights: fp32)"
+        problems.append((("teacher", "weights"), why))
     if config.parallel == "fsdp" and config.world_size == 1:
         why = "parallel fsdp shards the pair over ranks: set world_size to 2 or more (or parallel: ddp)"
         problems.append((("parallel",), why))

@@ -64,6 +64,9 @@ class TeacherConfig(Strict):
     mode: Literal["live", "cached", "topk_cache"] = "live"
     # topk_cache: next-token entries kept per token
     k: int = Field(128, ge=1, le=1 << 20)
+    # the dtype the frozen teacher's parameters are held in (LM and encoder pairs): fp32, or bf16 / fp16, half
+    # the teacher's memory, as torchtune and TRL load a teacher; it needs teacher_precision of the same dtype
+    weights: Literal["fp32", "bf16", "fp16"] = "fp32"
 
 
 DataKind = Literal["synthetic", "tokens"]

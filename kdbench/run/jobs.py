@@ -43,6 +43,7 @@ class CellJob:
         same = (
             c.pair.teacher,
             c.precision,
+            c.teacher.weights,
             tuple(c.data.shape),
             # token inputs (encoder pairs serve teacher_inference too): their length and the teacher's overrides
             c.data.kind,
@@ -211,6 +212,7 @@ def config_columns(config: CellConfig, backend_name: str) -> Row:
             "method": config.method,
             "precision": config.precision,
             "teacher_precision": config.teacher_precision,
+            "teacher_weights": config.teacher.weights,
             "memory_format": config.memory_format,
             "alignment": config.alignment,
             "pad_to": config.pad_to,

@@ -79,6 +79,18 @@ class Workload:
         return None
 
 
+def hold_teacher(teacher: nn.Module, config: Any) -> nn.Module:
+    """``teacher`` (frozen) with its parameters cast to ``teacher.weights``, in place; its buffers (rotary
+    frequencies, ...) stay as built, as transformers keeps them in float32 when it loads a model in bf16."""
+    if config.teacher.weights != "fp32":
+        from kdbench.hw.backends import DTYPES
+
+        dtype = DTYPES[config.teacher.weights]
+        for p in teacher.parameters():
+            p.data = p.data.to(dtype)
+    return teacher
+
+
 def is_lm_model(name: str) -> bool:
     """A registered language model's name, or a local transformers ``config.json``."""
     from kdbench.models.lm import LM_CONFIGS

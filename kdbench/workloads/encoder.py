@@ -28,7 +28,7 @@ from kdbench.distill.losses import METHODS, WeightedTerms, check_method, check_w
 from kdbench.errors import KdbenchError
 from kdbench.names import Measurement
 from kdbench.schema import Row
-from kdbench.workloads.base import Problems, Workload, is_lm_model
+from kdbench.workloads.base import Problems, Workload, hold_teacher, is_lm_model
 
 IGNORE = -100
 DEFAULT_LAYERS = 4  # hidden_mse pairs at most this many encoder layers by default
@@ -166,7 +166,8 @@ class EncoderWorkload(Workload):
             name, overrides = getattr(config.pair, role), getattr(config.overrides, role)
             key = ("encoder", name, repr(sorted(overrides.items())), config.seed)
             model = cache.get_built(key, config.seed, lambda n=name, o=overrides: build_encoder(n, o or None))
-            models.append(Encoder(model).to(backend.device))
+            wrapped = Encoder(model)
+            models.append((hold_teacher(wrapped, config) if role == "teacher" else wrapped).to(backend.device))
         return models[0], models[1]
 
     def batch(self, config: Any, batch_size: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

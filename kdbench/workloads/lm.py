@@ -28,7 +28,7 @@ from kdbench.distill.losses import WeightedTerms, check_method, check_weights, p
 from kdbench.errors import KdbenchError
 from kdbench.names import Measurement
 from kdbench.schema import Row
-from kdbench.workloads.base import Problems, Workload, is_lm_model
+from kdbench.workloads.base import Problems, Workload, hold_teacher, is_lm_model
 
 IGNORE = -100
 DEFAULT_LAYERS = 4  # hidden_mse pairs at most this many decoder layers by default
@@ -332,7 +332,8 @@ class LMWorkload(Workload):
             name, overrides = getattr(config.pair, role), getattr(config.overrides, role)
             key = ("lm", name, repr(sorted(overrides.items())), config.seed)
             model = cache.get_built(key, config.seed, lambda n=name, o=overrides: build(n, o, allow))
-            models.append(CausalLM(model).to(backend.device))
+            wrapped = CausalLM(model)
+            models.append((hold_teacher(wrapped, config) if role == "teacher" else wrapped).to(backend.device))
         self._vocab[self._pair_key(config)] = shared_vocab(config, *models)
         return models[0], models[1]
 

@@ -39,6 +39,12 @@ class Vision(Workload):
         if config.parallel == "fsdp":
             why = "parallel fsdp shards language-model pairs decoder layer by decoder layer; image pairs take ddp"
             problems.append((("parallel",), why))
+        if config.teacher.weights != "fp32":
+            why = (
+                "teacher.weights holds a language model's or encoder's teacher in a low precision; an image teacher "
+                "keeps fp32 weights and computes at teacher_precision"
+            )
+            problems.append((("teacher", "weights"), why))
         if config.on_policy is not None:
             why = "on_policy has the student generate its training text: it is for language-model pairs"
             problems.append((("on_policy",), why))
