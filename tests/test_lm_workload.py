@@ -273,6 +273,18 @@ def test_a_teacher_held_in_bf16_halves_its_memory_and_distils_as_a_bf16_autocast
     assert cell_id_of(lm_config()) == cell_id_of(lm_config(teacher={"weights": "fp32"}))  # the default: ids kept
 
 
+def test_an_fsdp_cell_on_a_gpu_keeps_its_teacher_on_the_host_until_fully_shard_moves_it():
+    from kdbench.hw.backends import Backend
+    from kdbench.measure.cell import build_for_step
+
+    gpu = Backend("cuda", torch.device("meta"))  # a simulated device: moving to it allocates nothing
+    teacher, student = build_for_step(LM, lm_config(world_size=2, parallel="fsdp"), gpu, ModelCache())
+    assert {p.device.type for p in teacher.parameters()} == {"cpu"}
+    assert {p.device.type for p in student.parameters()} == {"meta"}
+    teacher, student = build_for_step(LM, lm_config(world_size=2), gpu, ModelCache())  # DDP: both whole on it
+    assert {p.device.type for p in [*teacher.parameters(), *student.parameters()]} == {"meta"}
+
+
 def test_the_gpu_suites_plan_the_same_cells_on_both_vendors():
     from pathlib import Path
 

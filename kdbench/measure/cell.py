@@ -530,6 +530,16 @@ def release(backend: Backend) -> None:
             pass
 
 
+def build_for_step(workload, config: CellConfig, backend: Backend, cache: ModelCache):
+    """The pair the step trains. An FSDP2 cell on a GPU keeps its teacher on the host: ``fully_shard`` moves each
+    unit to the device as it shards it, so no rank ever holds the whole teacher on its device (the pair that does
+    not fit one device is the point of sharding). The student goes to the device whole, as under DDP."""
+    if config.parallel != "fsdp" or backend.device_type == "cpu":
+        return workload.build_pair(config, backend, cache)
+    teacher, student = workload.build_pair(config, Backend("cpu", torch.device("cpu")), cache)
+    return teacher, student.to(backend.device)
+
+
 def measure_cell(
     cell: Cell,
     backend: Backend,
@@ -552,7 +562,7 @@ def measure_cell(
         return None if dp is not None and not dp.root else failure_rows(config, Status.SKIPPED, skip)
     try:
         with walltime.spent(walltime.MODELS):
-            teacher, student = workload.build_pair(config, backend, cache)
+            teacher, student = build_for_step(workload, config, backend, cache)
     except Exception as exc:
         if dp is not None:
             raise
