@@ -63,6 +63,10 @@ def raising_rank1(num_classes, in_shape):
     return OnRank(num_classes, in_shape, "raise", 1)
 
 
+def oom_rank1(num_classes, in_shape):
+    return OnRank(num_classes, in_shape, "oom", 1)
+
+
 class CrashesInTraining(nn.Module):
     """Well-behaved on the small batches of a timed cell; segfaults on a quality run's training batch (>= 32)."""
 

@@ -84,6 +84,7 @@ def test_fitnet_adapter_trains_under_ddp(tmp_path):
     [
         ("faulty_models:killed_rank1", "failed", "torchrun exited"),
         ("faulty_models:raising_rank1", "failed", "injected failure"),
+        ("faulty_models:oom_rank1", "oom", "out of memory on rank 1: OutOfMemoryError: CUDA out of memory"),
         ("faulty_models:hang_rank1", "timeout", "time-out of 30 s"),
     ],
 )

@@ -4,7 +4,8 @@ Every rank joins the process group and runs the same cell measurement a single-d
 worker runs (:func:`kdbench.measure.cell.measure_cell` with a
 :class:`~kdbench.measure.parallel.DataParallel`); rank 0 writes the cell's rows to
 ROWS.  Any exception ends the rank with a non-zero code; torchrun then stops the other
-ranks, and the parent stores the cell as failed with the error lines.
+ranks, and the parent stores the cell as failed with the error lines, or as ``oom`` when a
+rank ran out of device memory (it leaves its error in :func:`oom_file` first).
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from kdbench.hw.backends import Backend, device_of, dist_backend_for
 from kdbench.store.files import write_atomic
+
+
+def oom_file(rows_file: Path) -> Path:
+    """Where a rank that ran out of device memory leaves its error, beside ROWS: the parent then stores the cell as
+    ``oom`` (the pair does not fit at this sharding), not as failed."""
+    return rows_file.with_suffix(".oom")
 
 
 def join_process_group(backend_name: str, local_rank: int, timeout_s: float) -> Backend:
@@ -54,6 +61,12 @@ def main(argv: list[str]) -> int:
         cache = ModelCache(allow_imports=setup.allow_imports)
         freeze_imports()
         rows = measure_cell(job.cell, backend, cache, setup.options, dp=DataParallel())
+    except torch.OutOfMemoryError as exc:
+        from kdbench.measure.failures import error_text
+
+        text = f"rank {os.environ.get('RANK', '?')}: {error_text(exc)}"
+        write_atomic(oom_file(rows_file), lambda tmp: Path(tmp).write_text(text))
+        raise
     finally:
         dist.destroy_process_group()
     if rows is not None:

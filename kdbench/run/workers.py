@@ -385,6 +385,10 @@ class TorchrunWorker:
             if proc.returncode == 0 and not rows_file.exists() and self.launcher.nnodes > 1:
                 return []  # global rank 0 ran on another node, which stores the rows
             if proc.returncode != 0 or not rows_file.exists():
+                from kdbench.run.rank import oom_file
+
+                if oom_file(rows_file).exists():  # a rank ran out of memory: the pair does not fit at this sharding
+                    return failure_rows(job, Status.OOM, f"out of memory on {oom_file(rows_file).read_text()}")
                 error = f"torchrun exited with code {proc.returncode}: {_error_lines(log.read_text())}"
                 return failure_rows(job, Status.FAILED, error)
             return pickle.loads(rows_file.read_bytes())
