@@ -582,6 +582,13 @@ COLUMNS: tuple[Column, ...] = (
         QUALITY,
         ("quality_role", _S, "", "quality rows: `teacher`, `scratch` (student trained alone) or `distilled`"),
         (
+            "teacher_overrides",
+            _S,
+            "",
+            "quality rows of language models: the teacher's config overrides (sorted JSON; null without any)",
+        ),
+        ("student_overrides", _S, "", "quality rows of language models: the student's config overrides (as above)"),
+        (
             "quality_dataset",
             _S,
             "",

@@ -1,5 +1,6 @@
 """Quality on real text for LM pairs: the standard library's bytes, split by file, perplexity, the protocol."""
 
+import json
 import math
 import os
 import signal
@@ -336,3 +337,22 @@ def test_the_report_shows_perplexity(text_rows, tmp_path):
     assert cells[0][2] == "teacher" and cells[0][4] == "python-stdlib"
     assert cells[0][5] == f"{np.mean(teacher_ppl):.3f} ± {np.std(teacher_ppl, ddof=1):.3f}"
     assert "<th>perplexity</th><th>bits/byte</th>" in page
+
+
+def test_students_of_one_name_but_other_overrides_are_other_models_in_jobs_rows_and_tables():
+    wide = {**STUDENT, "hidden_size": 32, "num_attention_heads": 2}
+    cells = [_job("forward_kl", overrides={"teacher": TEACHER, "student": s}) for s in (STUDENT, wide)]
+    jobs = quality_jobs([*cells, _job("forward_kl")])  # the third repeats the first: no new job
+    assert len(jobs) == 2
+    rows = planned_rows(SMALL, jobs)
+    scratch = [r for r in rows if r["quality_role"] == "scratch" and r["seed"] == 0]
+    assert sorted(json.loads(r["student_overrides"])["hidden_size"] for r in scratch) == [16, 32]
+    assert {r["teacher_overrides"] for r in rows} == {json.dumps(TEACHER, sort_keys=True)}
+    for r in rows:  # results, so that the summary has figures to average
+        wider = r["student_overrides"] is not None and json.loads(r["student_overrides"])["hidden_size"] == 32
+        r.update(perplexity=10.0 + wider, bits_per_byte=3.0, accuracy=0.5)
+    summary = summarize_quality(pd.DataFrame(rows))
+    students = summary[summary.quality_role == "distilled"]
+    assert len(students) == 2 and students["perplexity_mean"].tolist() == [10.0, 11.0]
+    assert all(s.startswith("tiny-llama-student {") for s in students["student"])  # named with their overrides
+    assert summary[summary.quality_role == "teacher"]["teacher"].tolist() == ["tiny-llama-teacher"]  # one shape

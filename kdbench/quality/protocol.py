@@ -41,6 +41,7 @@ the byte-vocabulary models, next-byte cross-entropy and a record of held-out per
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -70,6 +71,8 @@ ROW_KEYS = (
     "quality_role",
     "teacher",
     "student",
+    "teacher_overrides",
+    "student_overrides",
     "method",
     "seed",
     "quality_dataset",
@@ -94,14 +97,24 @@ def _key(name: str, c: CellConfig, role: str = "teacher") -> ModelKey:
     return name, tuple(c.data.shape), c.precision, c.memory_format
 
 
+def _overrides(c: CellConfig, role: str) -> str | None:
+    """A language model's config overrides as the row names them (sorted JSON), None without any: two LM cells of
+    one registry name but other shapes are other models."""
+    over = getattr(c.overrides, role) if c.data.kind == "tokens" else {}
+    return json.dumps(over, sort_keys=True) if over else None
+
+
 def _init_seed(seed: int, role: str) -> int:
     """Teachers and students of one seed start from different draws (2s + 1 and 2s)."""
     return 2 * seed + (1 if role == "teacher" else 0)
 
 
 def quality_jobs(configs: Iterable[CellConfig]) -> list[CellConfig]:
-    """One distillation per distinct (teacher, student, method): the first planned cell that has it."""
-    return _distinct(list(configs), lambda c: (c.pair.teacher, c.pair.student, c.method))
+    """One distillation per distinct (teacher, student, method, LM overrides): the first planned cell that has it."""
+    return _distinct(
+        list(configs),
+        lambda c: (c.pair.teacher, c.pair.student, c.method, _overrides(c, "teacher"), _overrides(c, "student")),
+    )
 
 
 @dataclass(frozen=True)
@@ -130,6 +143,8 @@ class Entry:
             quality_role=self.role,
             teacher=c.pair.teacher,
             student=None if self.role == "teacher" else c.pair.student,
+            teacher_overrides=_overrides(c, "teacher"),
+            student_overrides=None if self.role == "teacher" else _overrides(c, "student"),
             method=c.method if self.role == "distilled" else None,
             seed=self.seed,
             quality_dataset=cfg.dataset,

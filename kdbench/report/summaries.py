@@ -28,6 +28,8 @@ POOLED = tuple(
 )
 
 SUMMARY_KEYS = ("teacher", "student", "quality_role", "method")
+# Language models of one name but other config overrides are other models: grouped apart, named with them
+OVERRIDE_KEYS = ("teacher_overrides", "student_overrides")
 QUALITY_COLUMNS = (
     *SUMMARY_KEYS,
     "n",
@@ -125,9 +127,10 @@ def summarize_quality(df: pd.DataFrame) -> pd.DataFrame:
         for c in (*figures, "perplexity", "bits_per_byte")
     }
     dataset = df["quality_dataset"] if "quality_dataset" in df.columns else None
-    work = df[list(SUMMARY_KEYS)].astype(object).assign(ok=ok, dataset=dataset, **values)
+    overrides = {k: df[k] if k in df.columns else None for k in OVERRIDE_KEYS}
+    work = df[list(SUMMARY_KEYS)].astype(object).assign(ok=ok, dataset=dataset, **overrides, **values)
     summary = (
-        work.groupby(list(SUMMARY_KEYS), dropna=False, sort=False)
+        work.groupby([*SUMMARY_KEYS, *OVERRIDE_KEYS], dropna=False, sort=False)
         .agg(
             n=("ok", "sum"),
             failed=("ok", lambda s: int((~s).sum())),
@@ -151,6 +154,13 @@ def summarize_quality(df: pd.DataFrame) -> pd.DataFrame:
     )
     keys = summary[list(SUMMARY_KEYS)].astype(object)
     summary[list(SUMMARY_KEYS)] = keys.where(keys.notna(), None)
+    for role in ("teacher", "student"):  # a name with more than one set of overrides is named with them
+        over = summary[f"{role}_overrides"].astype(object).where(summary[f"{role}_overrides"].notna(), None)
+        shapes = over.groupby(summary[role].fillna(""), sort=False).transform(lambda s: len(set(s)))
+        summary[role] = [
+            f"{name} {o or '(as registered)'}" if name is not None and n > 1 else name
+            for name, o, n in zip(summary[role], over, shapes)
+        ]
     summary["n"] = summary["n"].astype(int)
     order = summary["quality_role"].map({r: i for i, r in enumerate(QUALITY_ROLES)}).fillna(len(QUALITY_ROLES))
     by = [order, *(summary[k].fillna("").astype(str) for k in ("teacher", "student", "method"))]
