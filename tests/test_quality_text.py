@@ -13,7 +13,7 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from kdbench.config.schema import QualityConfig
+from kdbench.config.schema import OnPolicyConfig, QualityConfig
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import choose_autocast, resolve
 from kdbench.quality.protocol import planned_rows, quality_jobs, run_quality
@@ -356,3 +356,12 @@ def test_students_of_one_name_but_other_overrides_are_other_models_in_jobs_rows_
     assert len(students) == 2 and students["perplexity_mean"].tolist() == [10.0, 11.0]
     assert all(s.startswith("tiny-llama-student {") for s in students["student"])  # named with their overrides
     assert summary[summary.quality_role == "teacher"]["teacher"].tolist() == ["tiny-llama-teacher"]  # one shape
+
+
+def test_a_distilled_row_says_which_step_settings_the_protocol_does_not_apply():
+    on_policy = _job("jsd").model_copy(update={"on_policy": OnPolicyConfig(new_tokens=4)})
+    rows = planned_rows(SMALL, quality_jobs([on_policy]))
+    distilled = [r for r in rows if r["quality_role"] == "distilled"]
+    assert distilled and all("on_policy are step settings it does not apply" in r["notes"] for r in distilled)
+    assert all(r["notes"] is None for r in rows if r["quality_role"] != "distilled")
+    assert all(r["notes"] is None for r in planned_rows(SMALL, quality_jobs([_job("jsd")])))

@@ -86,6 +86,7 @@ ROW_KEYS = (
     "epochs_to_target",
     "batch_size",
     "precision",
+    "notes",
 )
 
 ModelKey = tuple[str, tuple[int, ...], str, str]  # name, shape, precision, memory format
@@ -153,6 +154,16 @@ class Entry:
             batch_size=cfg.batch_size,
             precision=c.precision,
         )
+        step_only = [
+            k
+            for k, on in (("on_policy", c.on_policy), ("teacher.mode topk_cache", c.teacher.mode == "topk_cache"))
+            if on
+        ]
+        if self.role == "distilled" and step_only:
+            row["notes"] = (
+                f"trained off-policy from the live teacher, as the protocol trains every student: the cell's "
+                f"{' and '.join(step_only)} are step settings it does not apply"
+            )
         if cfg.dataset in TEXT_DATASETS:
             from kdbench.quality.text import text_columns
 
