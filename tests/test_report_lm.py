@@ -286,3 +286,14 @@ def test_lm_cells_that_all_ran_out_of_memory_skip_their_bar_charts_with_the_reas
     assert re.findall(r'<img src="([^"]+)"', section) == ["lm_memory.png"]  # the OOMs, at their sequence lengths
     assert len(_rows_of(section, "lm-step-row not-ok", '<span class="flag">OOM</span>')) == 5
     assert all(_cell(tr, "student-decode") == "OOM" for tr in _rows_of(section, "lm-serving-row"))
+
+
+def test_an_lm_run_says_where_its_serving_is_instead_of_an_empty_inference_chart(tmp_path):
+    from kdbench.report.plots import draw_charts
+
+    charts = {c.title: c for c in draw_charts(as_read(_lm_rows()), tmp_path)}
+    for title in ("Inference latency", "Student speed-up over teacher"):
+        assert charts[title].file is None and charts[title].caption.startswith("Not drawn: ")
+        assert charts[title].caption.endswith("are in the Language models section.")
+    mixed = {c.title: c for c in draw_charts(as_read(_lm_rows() + _image_rows()), tmp_path)}
+    assert mixed["Inference latency"].file and "Language models section" not in mixed["Inference latency"].caption

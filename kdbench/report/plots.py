@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogFormatter, NullLocator
 
-from kdbench.names import GENERATE, INFERENCE, REMAINDER_COLUMN, Measurement, Status
+from kdbench.names import GENERATE, INFERENCE, LM_SERVING, REMAINDER_COLUMN, Measurement, Status
 from kdbench.names import PHASES as STEP_PHASES
 from kdbench.report.summaries import pooled
 from kdbench.store.schema import COLUMNS
@@ -101,11 +101,14 @@ def draw_charts(df: pd.DataFrame, out_dir: Path) -> list[Chart]:
     """Draw the timing charts of the report into ``out_dir`` (quality rows, which time nothing, left out):
     one bar or point per cell, its repeats pooled as ``compare`` centres them."""
     ok = _with_keys(pooled(df))
-    return [
-        _distill_step(ok[ok["measurement"].eq(Measurement.DISTILL_STEP)], out_dir),
+    serving = [
         _inference_latency(ok[ok["measurement"].isin(INFERENCE)], out_dir),
         _speedup(ok[ok["measurement"].eq(Measurement.STUDENT_INFERENCE) & ok["speedup_vs_teacher"].notna()], out_dir),
     ]
+    if ok["measurement"].isin(LM_SERVING).any():  # an LM run's serving is drawn in its own section
+        where = " Language models' prefill and decode, with their speed-ups, are in the Language models section."
+        serving = [replace(c, caption=c.caption + where) if c.file is None else c for c in serving]
+    return [_distill_step(ok[ok["measurement"].eq(Measurement.DISTILL_STEP)], out_dir), *serving]
 
 
 # --- shared helpers ----------------------------------------------------------------
