@@ -19,6 +19,7 @@ from kdbench.report.lm import (
     serving_table,
     step_points,
 )
+from kdbench.report.summaries import pooled
 from tests.helpers import as_read
 
 PAIR = ("llama-3.1-8b", "llama-3.2-1b")
@@ -297,3 +298,12 @@ def test_an_lm_run_says_where_its_serving_is_instead_of_an_empty_inference_chart
         assert charts[title].caption.endswith("are in the Language models section.")
     mixed = {c.title: c for c in draw_charts(as_read(_lm_rows() + _image_rows()), tmp_path)}
     assert mixed["Inference latency"].file and "Language models section" not in mixed["Inference latency"].caption
+
+
+def test_bar_labels_of_a_mixed_run_leave_out_what_a_family_does_not_have(frame):
+    from kdbench.report.plots import _add_variant, _with_keys
+
+    steps = _with_keys(pooled(frame))
+    variants = set(_add_variant(steps[steps.measurement == "distill_step"])["variant"])
+    assert "bf16, kd, 3x32x32" in variants and "bf16, forward_kl, dense, seq1024" in variants
+    assert not any("?" in v for v in variants)  # no image shape on LM bars, no seq_len or loss_impl on image ones

@@ -58,7 +58,12 @@ _VARIANT_COLUMNS = (
     "graphs",
     "conv_autotune",
     "tunableop",
+    "parallel",
+    "teacher_weights",
 )
+# Columns that hold for one family of pairs or one setting only (an image cell has no seq_len, an LM cell no image
+# shape, a single-device cell no parallel): left out of a label where null, instead of shown as "?".
+_WHERE_THEY_APPLY = {"loss_impl", "seq_len", "data_shape", "num_classes", "memory_format", "parallel"}
 # Compact spellings of varying config values in chart labels; others show as `column=value`.
 _SHORT = {
     "teacher_precision": "teacher-{}",
@@ -71,6 +76,8 @@ _SHORT = {
     "method": "{}",
     "loss_impl": "{}",
     "seq_len": "seq{}",
+    "parallel": "{}",
+    "teacher_weights": "teacher-weights-{}",
     "data_shape": "{}",
     "optimizer": "{}",
     "optimizer_impl": "{}",
@@ -136,7 +143,8 @@ def _add_variant(df: pd.DataFrame, extra: tuple[str, ...] = (), within: tuple[st
     for col in varying:
         template = _SHORT.get(col, col + "={}")
         values = df[col].astype("Int64") if col in _INTEGER else df[col]  # 2, not 2.0, when a null made it float
-        df["variant"] += ", " + values.astype("string").fillna("?").map(template.format)
+        text = ", " + values.astype("string").fillna("?").map(template.format)
+        df["variant"] += text.where(values.notna(), "") if col in _WHERE_THEY_APPLY else text
     if within:
         group = [*within, "variant"]
         shared = df.groupby(group, dropna=False)["cell_id"].transform("nunique").gt(1)
