@@ -193,13 +193,12 @@ def timing_columns(raw: RawTiming, world_size: int, batch_size: int) -> Row:
     }
 
 
-def token_columns(tokens: int | None, raw: RawTiming, ranks: int = 1) -> Row:
+def token_columns(tokens: int | None, median_ms: float, ranks: int = 1) -> Row:
     """Tokens per timed call (per rank) and per second (all ``ranks``) of a token workload's measurement, at the
-    median call; nothing for other workloads."""
+    median call (:func:`timing_columns`' ``median_ms``); nothing for other workloads."""
     if tokens is None:
         return {}
-    summary = summarize(raw.samples_ms)
-    per_s = ranks * tokens / (summary.median_ms / 1e3) if summary.median_ms > 0 else None
+    per_s = ranks * tokens / (median_ms / 1e3) if median_ms > 0 else None
     return {"tokens": tokens, "tokens_per_s": per_s}
 
 
@@ -285,7 +284,9 @@ def distill_row(
     workload = workload_of(config)
     timing = timing_columns(raw, config.world_size, config.batch_size)
     timing.update(
-        token_columns(workload.tokens(Measurement.DISTILL_STEP, config.batch_size, config), raw, config.world_size)
+        token_columns(
+            workload.tokens(Measurement.DISTILL_STEP, config.batch_size, config), timing["median_ms"], config.world_size
+        )
     )
     family, family_notes = workload.step_columns(step, config, x)
     launch = LAUNCH_BOUND if timing["launch_bound"] else ""

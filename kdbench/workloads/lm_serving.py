@@ -145,7 +145,7 @@ def token_serving_row(
         with walltime.spent(walltime.FLOPS):
             flops = None if raw.note else count_flops(call)
     timing = timing_columns(raw, 1, batch_size)
-    timing.update(token_columns(workload.tokens(measurement, batch_size, config), raw))
+    timing.update(token_columns(workload.tokens(measurement, batch_size, config), timing["median_ms"]))
     launch = LAUNCH_BOUND if timing["launch_bound"] else ""
     return Row(
         {
