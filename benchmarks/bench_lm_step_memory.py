@@ -62,8 +62,8 @@ def _child(impl: str, out_dir: Path) -> None:
     config = CellConfig.model_validate(cell(impl))
     backend = resolve("cpu")
     teacher, student = LM.build_pair(config, backend, ModelCache())
-    x, y = LM.batch(config, BATCH, backend.device, config.seed)
-    step = DistillStep(teacher, student, x, y, config, backend)
+    x, y = LM.batch(config, BATCH, backend.device, config.seed, (teacher, student))
+    step = DistillStep(teacher, student, x, y, config, backend, LM)
     first: dict = {}
 
     def call() -> None:

@@ -8,6 +8,7 @@ from kdbench.distill.step import DistillStep
 from kdbench.hw.backends import resolve
 from kdbench.hw.data import synthetic_batch
 from kdbench.models import build_model
+from kdbench.workloads.vision import VISION
 
 _LINES: list[str] = []
 
@@ -37,7 +38,7 @@ def cpu_step():
         teacher = build_model("resnet20", 100, (3, 32, 32))
         student = build_model("resnet8", 100, (3, 32, 32))
         x, y = synthetic_batch(config, config.batch_size, backend.device, 0)
-        return DistillStep(teacher, student, x, y, config, backend), backend
+        return DistillStep(teacher, student, x, y, config, backend, VISION), backend
 
     return make
 

@@ -498,7 +498,9 @@ def _step(backend: Backend, config):
     teacher = build_model(config.pair.teacher, config.data.num_classes, shape).to(backend.device)
     student = build_model(config.pair.student, config.data.num_classes, shape).to(backend.device)
     x, y = synthetic_batch(config, config.batch_size, backend.device, 0)
-    return DistillStep(teacher, student, x, y, config, backend)
+    from kdbench.workloads import workload_of
+
+    return DistillStep(teacher, student, x, y, config, backend, workload_of(config))
 
 
 def check_syncs(backend: Backend, report: Report) -> None:
@@ -625,8 +627,8 @@ def _config(**changes):
 
 def check_memory(backend: Backend, report: Report, repeats: int = 2) -> None:
     from kdbench.config.plan import Cell
-    from kdbench.measure.cell import measure_cell
     from kdbench.models.cache import ModelCache
+    from kdbench.run.cell import measure_cell
 
     report.section("memory: back at the baseline after a cell")
     if backend.device_type != "cuda":
@@ -774,11 +776,11 @@ def _run_suite(backend: Backend, suite: Path, scratch: Path, report: Report, cel
     """``kdbench run`` of a suite into scratch/results/<suite name>/ (where the probe's ceiling is found);
     its rows, checked to be every planned measurement, or None when the run failed."""
     from kdbench.config.load import load_suite
-    from kdbench.config.plan import expand, planned_measurements
     from kdbench.store.results import read_results
+    from kdbench.workloads import expand_checked, planned_measurements
 
     loaded = load_suite(suite)
-    planned = loaded.repeat * sum(len(planned_measurements(c.config)) for c in expand(loaded))
+    planned = loaded.repeat * sum(len(planned_measurements(c.config)) for c in expand_checked(loaded))
     results = scratch / "results"
     command = ["run", str(suite), "--out", str(results), "--device", backend.name, "--no-report"]
     command += ["--run-id", loaded.name, "--cell-timeout", f"{cell_timeout:g}"]

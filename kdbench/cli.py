@@ -396,9 +396,9 @@ def _budgets(checks) -> int:
 
 def _dry_run(suite, options) -> int:
     from kdbench import api
-    from kdbench.config.plan import planned_measurements
     from kdbench.hw.backends import detect
     from kdbench.run.jobs import CellJob
+    from kdbench.workloads import planned_measurements
 
     plan = api.plan(suite, options.shard, options.device)
     n_rows = 0
@@ -500,32 +500,18 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 def _cmd_list(args: argparse.Namespace) -> int:
     if args.what == "models":
         from kdbench.config.schema import DataConfig
-        from kdbench.models import available_models
-        from kdbench.models.registry import parameter_count
+        from kdbench.models.catalogue import CALLABLE_NOTE, CONFIG_JSON_NOTE, families
 
-        models = available_models()
-        data = DataConfig()  # the cell defaults the parameters are counted at
-        shape = "x".join(map(str, data.shape))
-        for family in sorted(set(models.values())):
-            names = [n for n, f in models.items() if f == family]
-            if family == "torchvision":  # ImageNet classifiers: names only (building 80 of them takes seconds)
-                print(f"{family} ({len(names)}): {', '.join(names)}")
+        data = DataConfig()  # the cell defaults the image classifiers are counted at
+        for family in families(data.num_classes, tuple(data.shape)):
+            if family.name == "torchvision":  # ImageNet classifiers: names only (building 80 of them takes seconds)
+                print(f"{family.name} ({len(family.models)}): {', '.join(family.models)}")
                 continue
-            print(f"{family} ({len(names)}), parameters at {data.num_classes} classes, {shape}:")
-            for name in names:
-                print(f"  {name:<20} {parameter_count(name, data.num_classes, tuple(data.shape)) / 1e6:8.2f} M")
-        from kdbench.models.lm import LM_CONFIGS, lm_parameter_count
-
-        print(f"lm ({len(LM_CONFIGS)}): causal language models (data.kind: tokens), parameters as registered:")
-        for name in LM_CONFIGS:
-            print(f"  {name:<20} {lm_parameter_count(name) / 1e6:8.2f} M")
-        from kdbench.models.encoders import ENCODER_CONFIGS, encoder_parameter_count
-
-        print(f"encoder ({len(ENCODER_CONFIGS)}): BERT-shaped encoders (data.kind: tokens), parameters as registered:")
-        for name in ENCODER_CONFIGS:
-            print(f"  {name:<20} {encoder_parameter_count(name) / 1e6:8.2f} M")
-        print("config.json: a local transformers config (its model_type a causal LM) as a model name")
-        print("module:callable: a user's own model factory (needs `allow_imports: true` or --allow-imports)")
+            print(f"{family.name} ({len(family.models)}): {family.title}, parameters for {family.counted_for}:")
+            for name in family.models:
+                print(f"  {name:<20} {family.parameters(name) / 1e6:8.2f} M")
+        print(CONFIG_JSON_NOTE)
+        print(CALLABLE_NOTE)
         return 0
     from kdbench.distill.losses import METHODS
 

@@ -473,8 +473,6 @@ def _yes(flag: bool) -> str:
 
 # --- models: the model registry -------------------------------------------------------------------------------
 
-TORCHVISION_CLASSES = 1000  # torchvision's classifiers are counted as ImageNet builds them
-TORCHVISION_SHAPE = (3, 224, 224)
 # torchvision's models differ by release (the pins allow 0.20-0.29): the page lists the ones the shipped suites and
 # the field's tables use, all in every release the pins allow, and says where the rest are
 TORCHVISION_SHOWN = (
@@ -501,61 +499,46 @@ def _data_defaults() -> tuple[int, tuple[int, ...]]:
 
 
 def models_table() -> str:
-    """Every model ``kdbench list models`` lists, with its family and parameter count."""
-    from kdbench.models import available_models, registry
-    from kdbench.models.registry import parameter_count
+    """Every family and model of the catalogue (:mod:`kdbench.models.catalogue`, as ``kdbench list models``
+    lists it), with its parameter count; torchvision's shown ones."""
+    from kdbench.models.catalogue import (
+        CALLABLE_NOTE,
+        FAMILY_NOTES,
+        TORCHVISION_CLASSES,
+        TORCHVISION_SHAPE,
+        families,
+        natural,
+    )
 
     classes, shape = _data_defaults()
-    built = {"torchvision": (TORCHVISION_CLASSES, TORCHVISION_SHAPE)}
-    models = available_models()
-    order = list(getattr(registry, "FAMILIES", ()))
-    families = sorted(set(models.values()), key=lambda f: (order.index(f) if f in order else len(order), f))
     rows = []
-    for family in families:
-        n, s = built.get(family, (classes, shape))
-        names = [k for k, f in models.items() if f == family]
-        if family == "torchvision":
-            names = [k for k in TORCHVISION_SHOWN if k in models]
-        for name in sorted(names, key=_natural):
-            count = parameter_count(name, n, s)
-            rows.append((code(name), family, f"{count:,}", f"{count / 1e6:.2f} M", f"{n} classes, {_shape(s)}"))
+    for family in families(classes, shape):
+        names = family.models
+        if family.name == "torchvision":
+            names = tuple(sorted((k for k in TORCHVISION_SHOWN if k in names), key=natural))
+        counted = f"{family.num_classes} classes, {_shape(family.shape)}" if family.shape else family.counted_for
+        for name in names:
+            count = family.parameters(name)
+            rows.append((code(name), family.name, f"{count:,}", f"{count / 1e6:.2f} M", counted))
     lead = (
-        f"Parameters as built for the cell defaults ({classes} classes, {_shape(shape)} inputs; `data.num_classes`, "
-        f"`data.shape`), torchvision's classifiers for ImageNet ({TORCHVISION_CLASSES} classes, "
+        f"Parameters as built for the cell defaults ({classes} classes, {_shape(shape)} inputs; "
+        f"`data.num_classes`, `data.shape`), torchvision's classifiers for ImageNet ({TORCHVISION_CLASSES} classes, "
         f"{_shape(TORCHVISION_SHAPE)}). A model's count changes with the classes (its head) and, for ViTs, "
         "the image size."
     )
-    from kdbench.models.lm import LM_CONFIGS, lm_parameter_count
-
-    for name in LM_CONFIGS:
-        count = lm_parameter_count(name)
-        rows.append((code(name), "lm", f"{count:,}", f"{count / 1e6:.2f} M", "its registered config"))
-    from kdbench.models.encoders import ENCODER_CONFIGS, encoder_parameter_count
-
-    for name in ENCODER_CONFIGS:
-        count = encoder_parameter_count(name)
-        rows.append((code(name), "encoder", f"{count:,}", f"{count / 1e6:.2f} M", "its registered config"))
     lines = [lead, "", *table(["model", "family", "parameters", "millions", "counted for"], rows)]
     lines += [
         "",
-        "lm: causal language models built from transformers' classes with random weights (the `lm` extra), "
-        "for cells with `data.kind: tokens`; tied embeddings counted once. A local `config.json` path names one too.",
+        f"lm: {FAMILY_NOTES['lm']}",
         "",
-        "encoder: BERT-shaped encoders (transformers' `BertModel`: embeddings, layers, pooler; no MLM head) with "
-        "random weights (the `lm` extra), for `minilm` and `hidden_mse` cells with `data.kind: tokens` "
-        "([lm.md](lm.md)).",
+        f"encoder: {FAMILY_NOTES['encoder']} ([lm.md](lm.md)).",
         "",
         "torchvision: the models above, and every other classification model of the installed torchvision "
         "(`torchvision.models.list_models(module=torchvision.models)`; `kdbench list models` lists them).",
         "",
-        "`module:callable`: a user's own model factory (needs `allow_imports: true` or `--allow-imports`).",
+        f"{CALLABLE_NOTE}.",
     ]
     return "\n".join(lines)
-
-
-def _natural(name: str) -> list:
-    """resnet8 < resnet14 < resnet110: digit runs compare as numbers."""
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
 def _shape(shape: tuple[int, ...]) -> str:

@@ -68,9 +68,9 @@ def cell_of(config: Mapping[str, Any]) -> Cell:
     `kdbench run` checks a suite's cells; KdbenchError says what to change."""
     from pydantic import ValidationError
 
-    from kdbench.config.plan import expand
     from kdbench.config.schema import Suite
     from kdbench.errors import KdbenchError
+    from kdbench.workloads import expand_checked
 
     if not isinstance(config, Mapping):
         raise KdbenchError(
@@ -80,7 +80,7 @@ def cell_of(config: Mapping[str, Any]) -> Cell:
         suite = Suite(name="pytest", defaults=dict(config), allow_imports=True).located(Path("config"), {})
     except ValidationError as exc:
         raise KdbenchError(f"config: {exc.errors()[0]['msg']}") from None
-    cell = expand(suite)[0]  # no matrix: exactly one cell
+    cell = expand_checked(suite)[0]  # no matrix: exactly one cell
     if cell.config.world_size != 1:
         raise KdbenchError(
             f"config: world_size {cell.config.world_size}: the kdbench fixture measures one device; "
@@ -120,19 +120,19 @@ class KdbenchFixture:
         self._claim("step", rounds, warmup_rounds)
         from kdbench.distill.step import DistillStep
         from kdbench.hw.backends import math_mode
-        from kdbench.hw.data import synthetic_batch
-        from kdbench.measure.cell import model_pair
         from kdbench.measure.levers import LeverWatch
         from kdbench.names import Measurement
+        from kdbench.workloads import workload_of
 
         cell, backend = self._prepare(config, device)
         c = cell.config
-        teacher, student = self._build(lambda: model_pair(c, backend, self._cache()))
+        workload = workload_of(c)
+        teacher, student = self._build(lambda: workload.build_pair(c, backend, self._cache()))
 
         def build() -> DistillStep:
-            x, y = synthetic_batch(c, c.batch_size, backend.device, c.seed)
+            x, y = workload.batch(c, c.batch_size, backend.device, c.seed, (teacher, student))
             LeverWatch(c)  # as `kdbench run`: a compiled cell starts from a reset torch._dynamo
-            return DistillStep(teacher, student, x, y, c, backend)
+            return DistillStep(teacher, student, x, y, c, backend, workload)
 
         with self._levers(cell, backend):  # the step is built and timed under the cell's device levers
             step = self._build(build)
@@ -171,9 +171,9 @@ class KdbenchFixture:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             _fail(f"batch_size={batch_size!r}: use a positive int")
         from kdbench.hw.backends import math_mode
-        from kdbench.measure.cell import cell_model, inference_forward, served_columns
         from kdbench.measure.runtimes import LeverSkip, serve
         from kdbench.names import Measurement
+        from kdbench.workloads.vision import cell_model, inference_forward, served_columns
 
         cell, backend = self._prepare(config, device)
         c = cell.config
@@ -318,9 +318,9 @@ class KdbenchFixture:
             close()
         self._closers.clear()
         if self._backend is not None and self._backend.device_type == "cuda":
-            from kdbench.measure.cell import release
+            from kdbench.run.cell import free_device_memory
 
-            release(self._backend)  # gc.collect and empty_cache: ~0.2 s, spent on GPUs only
+            free_device_memory(self._backend)  # gc.collect and empty_cache: ~0.2 s, spent on GPUs only
 
 
 @pytest.fixture(scope="session")

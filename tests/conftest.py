@@ -14,3 +14,15 @@ from kdbench.hw.backends import resolve
 @pytest.fixture
 def cpu():
     return resolve("cpu")
+
+
+@pytest.fixture(autouse=True)
+def fresh_worker_state():
+    """Each test runs as a fresh worker (kdbench.worker_state): no wall-time split, telemetry reader, TunableOp
+    flag, lost device or FLOP count of an earlier test carries over."""
+    from kdbench.worker_state import WorkerState, install
+
+    state = WorkerState()
+    previous = install(state)
+    yield state
+    install(previous)

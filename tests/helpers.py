@@ -43,7 +43,9 @@ def make_step(config: CellConfig, models=None):
         )
     cpu = resolve("cpu")
     x, y = synthetic_batch(config, config.batch_size, cpu.device, 0)
-    return DistillStep(models[0], models[1], x, y, config, cpu)
+    from kdbench.workloads import workload_of
+
+    return DistillStep(models[0], models[1], x, y, config, cpu, workload_of(config))
 
 
 def simulated_gpu(name: str = "cuda"):

@@ -454,8 +454,8 @@ def test_cudnn_tf32_default_is_not_what_an_fp32_cell_runs_with(restore_math_flag
     # torch's default turns cuDNN's TF32 on (so NVIDIA "fp32" convolutions would be TF32); a measurement
     # sets IEEE and records it
     from kdbench.config.plan import Cell
-    from kdbench.measure.cell import measure_cell
     from kdbench.models import ModelCache
+    from kdbench.run.cell import measure_cell
     from tests.helpers import make_config
 
     backends.set_math_mode(True)  # as an inherited default would have it
@@ -471,8 +471,8 @@ def test_cudnn_tf32_default_is_not_what_an_fp32_cell_runs_with(restore_math_flag
 
 def test_a_tf32_cell_on_the_cpu_is_skipped_with_the_reason():
     from kdbench.config.plan import Cell
-    from kdbench.measure.cell import measure_cell
     from kdbench.models import ModelCache
+    from kdbench.run.cell import measure_cell
     from tests.helpers import make_config
 
     for field in ("precision", "teacher_precision"):
@@ -535,7 +535,7 @@ def test_a_rocm_device_is_recorded_by_its_architecture_family_and_compute_units(
 )
 def test_channels_last_on_rocm_says_whether_miopen_was_asked_for_nhwc(monkeypatch, hip, memory_format, env, noted):
     from kdbench.config.schema import CellConfig
-    from kdbench.measure.cell import layout_note
+    from kdbench.workloads.vision import layout_note
 
     monkeypatch.setattr(torch.version, "hip", hip, raising=False)
     monkeypatch.delenv("PYTORCH_MIOPEN_SUGGEST_NHWC", raising=False)

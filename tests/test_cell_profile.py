@@ -15,13 +15,14 @@ from kdbench.distill.step import DistillStep
 from kdbench.hw.backends import Backend, resolve
 from kdbench.hw.data import synthetic_batch
 from kdbench.hw.environment import capture, kernel_caches
-from kdbench.measure.cell import phase_columns, step_flops
+from kdbench.measure.step import phase_columns, step_flops
 from kdbench.measure.telemetry import TelemetrySampler, telemetry_columns
 from kdbench.measure.timing import RawTiming
 from kdbench.models import build_model
 from kdbench.names import PHASES, REMAINDER_COLUMN
 from kdbench.store import read_results
 from kdbench.store.schema import ENVIRONMENT_COLUMNS
+from kdbench.workloads import workload_of
 from tests.helpers import make_config, run_folder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +48,7 @@ def conv_net(num_classes, in_shape):
 
 def _step(config, teacher, student):
     x, y = synthetic_batch(config, config.batch_size, CPU.device, 0)
-    return DistillStep(teacher, student, x, y, config, CPU)
+    return DistillStep(teacher, student, x, y, config, CPU, workload_of(config))
 
 
 def test_flops_of_a_linear_step_are_analytic():
@@ -83,9 +84,9 @@ def test_flops_of_a_conv_step_are_analytic():
 def test_phases_sum_to_the_step_within_the_remainder():
     config = make_config(pair={"teacher": "resnet8", "student": "resnet8"}, method="kd+at")
     step = _step(config, build_model("resnet8", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16)))
-    from kdbench.measure.cell import _time
+    from kdbench.measure.rows import profiled_loop
 
-    raw = _time(step, config, CPU, None)
+    raw, _, _ = profiled_loop(step, config, CPU, config.batch_size, None)
     phases = step.phase_ms(len(raw.samples_ms))
     assert list(phases) == [p.name for p in PHASES] and all(len(v) == len(raw.samples_ms) for v in phases.values())
     for i, total in enumerate(raw.samples_ms):
@@ -112,7 +113,8 @@ import json, sys
 import torch
 from kdbench.hw.backends import resolve
 from kdbench.config.plan import Cell
-from kdbench.measure.cell import ModelCache, measure_cell
+from kdbench.models import ModelCache
+from kdbench.run.cell import measure_cell
 from tests.helpers import make_config
 torch.set_num_threads(1)
 bs = int(sys.argv[1])
@@ -306,7 +308,8 @@ def test_phase_stamps_add_no_sync_inside_the_step_and_are_read_after():
 def test_a_profiler_that_cannot_start_costs_the_trace_not_the_row(tmp_path, monkeypatch):
     import torch.profiler
 
-    from kdbench.measure.cell import MeasureOptions, measure_distill_step
+    from kdbench.measure.step import MeasureOptions, measure_distill_step
+    from kdbench.workloads.vision import VISION
 
     def refused(*args, **kwargs):
         raise RuntimeError("CUPTI_ERROR_INSUFFICIENT_PRIVILEGES\nmore")
@@ -314,7 +317,7 @@ def test_a_profiler_that_cannot_start_costs_the_trace_not_the_row(tmp_path, monk
     monkeypatch.setattr(torch.profiler, "profile", refused)
     config = make_config(pair={"teacher": "linear", "student": "linear"}, data={"shape": [1, 4, 4], "num_classes": 4})
     teacher, student = build_model("linear", 4, (1, 4, 4)), build_model("linear", 4, (1, 4, 4))
-    row = measure_distill_step(teacher, student, config, CPU, MeasureOptions(trace_dir=str(tmp_path)))
+    row = measure_distill_step(VISION, teacher, student, config, CPU, None, MeasureOptions(trace_dir=str(tmp_path)))
     assert row["status"] == "ok" and row["median_ms"] > 0 and row["flops"] > 0
     assert row["trace_error"] == "the profiler failed: RuntimeError: CUPTI_ERROR_INSUFFICIENT_PRIVILEGES"
     assert "trace_file" not in row and not list(tmp_path.iterdir())

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from kdbench.config.load import load_suite
-from kdbench.config.plan import Cell, expand
+from kdbench.config.plan import Cell
 from kdbench.hw.backends import resolve
-from kdbench.measure.cell import measure_cell
 from kdbench.models import ModelCache
+from kdbench.run.cell import measure_cell
+from kdbench.workloads import expand_checked
 
 SUITE = Path(__file__).resolve().parents[1] / "suites" / "cifar100-tables.yaml"
 TABLE_1 = {
@@ -36,7 +37,7 @@ METHODS = {"kd", "fitnet", "at", "rkd", "crd", "dkd", "reviewkd", "dist"}
 
 @pytest.fixture(scope="module")
 def cells():
-    return expand(load_suite(SUITE))
+    return expand_checked(load_suite(SUITE))
 
 
 def test_the_suite_plans_every_pair_of_the_tables_with_every_method(cells):

@@ -8,9 +8,10 @@ import pytest
 
 from kdbench.cli import main
 from kdbench.config import load_suite
-from kdbench.config.plan import expand, parse_shard, shard
+from kdbench.config.plan import parse_shard, shard
 from kdbench.errors import KdbenchError
 from kdbench.store import read_results
+from kdbench.workloads import expand_checked
 from tests.helpers import run_folder
 
 TESTS = Path(__file__).resolve().parent
@@ -108,7 +109,7 @@ def test_a_failing_rank_fails_the_cell_within_the_time_out(tmp_path, monkeypatch
 def test_shards_partition_the_plan_exactly(tmp_path):
     text = DDP.replace("world_size: [1, 2]", "world_size: [1, 2]\n  seed: [0, 1, 2, 3, 4]\n  precision: [fp32, bf16]")
     (tmp_path / "s.yaml").write_text(text)
-    cells = expand(load_suite(tmp_path / "s.yaml"))
+    cells = expand_checked(load_suite(tmp_path / "s.yaml"))
     assert len(cells) == 20
     for n in (1, 3, 4, 7, 25):
         shares = [shard(cells, i, n) for i in range(1, n + 1)]
@@ -136,7 +137,7 @@ def test_torchrun_flags_standalone_and_rendezvous():
     from kdbench.run.jobs import CellJob
     from kdbench.run.workers import TorchrunWorker, WorkerSetup
 
-    (cell,) = [c for c in expand(_suite_from(DDP)) if c.config.world_size == 2]
+    (cell,) = [c for c in expand_checked(_suite_from(DDP)) if c.config.world_size == 2]
     setup = WorkerSetup(resolve("cpu"), False, 2)
     standalone = TorchrunWorker(setup).torchrun_args(CellJob(cell))
     assert standalone == ["--standalone", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0"]

@@ -16,13 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kdbench.config.plan import Cell, cell_id_of, check_cell
+from kdbench.config.plan import Cell, cell_id_of
 from kdbench.config.schema import CellConfig
 from kdbench.distill.hooks import FeaturePaths, FeatureTap
 from kdbench.distill.losses import LossInputs
 from kdbench.distill.losses.minilm import MiniLM, MiniLMParams
 from kdbench.hw.backends import resolve
-from kdbench.measure.cell import measure_cell
 from kdbench.models import ModelCache
 from kdbench.models.encoders import (
     attn_implementation,
@@ -30,7 +29,8 @@ from kdbench.models.encoders import (
     encoder_config,
     encoder_parameter_count,
 )
-from kdbench.workloads import workload_of
+from kdbench.run.cell import measure_cell
+from kdbench.workloads import check_cell, workload_of
 from kdbench.workloads.encoder import ENCODER, Encoder, qkv_paths
 
 CPU = resolve("cpu")
@@ -196,10 +196,10 @@ def test_a_minilm_step_trains_on_the_loss_of_the_papers_formula_without_syncing(
 
     config = enc_config(overrides={"teacher": NO_DROPOUT, "student": NO_DROPOUT}, batch_size=3)
     teacher, student = ENCODER.build_pair(config, CPU, ModelCache())
-    x, y = ENCODER.batch(config, 3, CPU.device, 0)
+    x, y = ENCODER.batch(config, 3, CPU.device, 0, (teacher, student))
     assert torch.equal(x, y) and x.dtype == torch.int64 and int(x.max()) < 2048
     want = reference_minilm(teacher, student, x, torch.ones_like(x), (-1, -1), ["qk", "vv"], (4, 4)).item()
-    step = DistillStep(teacher, student, x, y, config, CPU)
+    step = DistillStep(teacher, student, x, y, config, CPU, ENCODER)
     step()
     assert step.last_loss.item() == pytest.approx(want, rel=1e-5)
     step()
@@ -211,7 +211,7 @@ def test_a_minilm_step_trains_on_the_loss_of_the_papers_formula_without_syncing(
         overrides={"teacher": NO_DROPOUT, "student": NO_DROPOUT}, batch_size=3, teacher={"mode": "cached"}
     )
     teacher, student = ENCODER.build_pair(cached, CPU, ModelCache())
-    step = DistillStep(teacher, student, x, y, cached, CPU)
+    step = DistillStep(teacher, student, x, y, cached, CPU, ENCODER)
     assert [tuple(f.shape) for f in step.cache.feats] == [(3, 128, 16)] * 3 and step.cache_ms > 0
     step()
     assert step.last_loss.item() == pytest.approx(want, rel=1e-5)
@@ -249,8 +249,8 @@ def test_hidden_mse_runs_on_encoder_layers_too():
     config = enc_config(method="hidden_mse", inference={"batch_sizes": []})
     assert check_cell(config, False) == []
     teacher, student = ENCODER.build_pair(config, CPU, ModelCache())
-    x, y = ENCODER.batch(config, 2, CPU.device, 0)
-    step = DistillStep(teacher, student, x, y, config, CPU)
+    x, y = ENCODER.batch(config, 2, CPU.device, 0, (teacher, student))
+    step = DistillStep(teacher, student, x, y, config, CPU, ENCODER)
     step()
     assert step.distiller.paths.teacher == ["bert.encoder.layer.1", "bert.encoder.layer.3"]
     assert step.distiller.adapter_params == 2 * 64 * 128 and math.isfinite(step.last_loss.item())

@@ -113,14 +113,14 @@ def test_the_plan_fits_one_device_command_and_quick_fits_with_margin(gpu_check):
 
 def test_quick_suites_are_subsets_with_the_cells_the_summary_reads(gpu_check, tmp_path):
     from kdbench.config.load import load_suite
-    from kdbench.config.plan import expand
+    from kdbench.workloads import expand_checked
 
     smoke = gpu_check.subset_suite(gpu_check.SMOKE, gpu_check.quick_smoke_case, tmp_path, "gpu-smoke-quick")
     levers = gpu_check.subset_suite(gpu_check.LEVERS, gpu_check.quick_lever_case, tmp_path, "gpu-levers-quick")
-    full_smoke = {c.cell_id for c in expand(load_suite(gpu_check.SMOKE))}
-    full_levers = {c.cell_id: c.config for c in expand(load_suite(gpu_check.LEVERS))}
-    quick_smoke = [c.config for c in expand(load_suite(smoke)) if c.cell_id in full_smoke]
-    quick_levers = [c.config for c in expand(load_suite(levers)) if c.cell_id in full_levers]
+    full_smoke = {c.cell_id for c in expand_checked(load_suite(gpu_check.SMOKE))}
+    full_levers = {c.cell_id: c.config for c in expand_checked(load_suite(gpu_check.LEVERS))}
+    quick_smoke = [c.config for c in expand_checked(load_suite(smoke)) if c.cell_id in full_smoke]
+    quick_levers = [c.config for c in expand_checked(load_suite(levers)) if c.cell_id in full_levers]
     assert len(quick_smoke) == 3 and len(quick_levers) == 7  # the same cells (same ids) as in the full suites
     assert any(c.pair.student == "resnet18" and c.precision == "bf16" for c in quick_smoke)
     assert [c.compile for c in quick_levers if c.compile != "off"] == ["reduce-overhead"]

@@ -15,10 +15,10 @@ from kdbench.config.plan import Cell, cell_id_of, config_dict
 from kdbench.distill.step import compile_mode, make_optimizer
 from kdbench.hw.backends import Backend
 from kdbench.measure import levers
-from kdbench.measure.cell import measure_cell
 from kdbench.measure.levers import LeverWatch, device_levers, skip_reason, tunableop_file
 from kdbench.measure.timing import RawTiming
 from kdbench.models import ModelCache
+from kdbench.run.cell import measure_cell
 from tests.helpers import as_read, make_config, simulated_gpu, write_suite
 
 CPU = Backend("cpu", torch.device("cpu"))
@@ -97,7 +97,6 @@ class FakeTunable:
 
 @pytest.fixture
 def fresh_tunable_state(monkeypatch):
-    monkeypatch.setattr(levers, "_tuned_here", False)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
 
 
@@ -383,28 +382,31 @@ def test_compiled_measurements_release_their_graphs_before_the_next_ones_memory_
     # G7: a compiled cell's CUDA graph pool outlived step.close() until the next torch._dynamo.reset(), so it
     # counted in the next measurements' peak_reserved_bytes.  G10: inductor's compile workers are ended after
     # serve() compiles, before the forward is timed.
-    import kdbench.measure.cell as cell_module
+    import kdbench.measure.rows as rows_module
+    import kdbench.measure.step as step_module
+    import kdbench.workloads.vision as vision_module
     from kdbench.measure.runtimes import Served
 
     events = []
-    real_meter = cell_module.MemoryMeter
+    real_meter = rows_module.MemoryMeter
 
     class Meter(real_meter):
         def __enter__(self):
             events.append("memory watched")
             return super().__enter__()
 
-    real_serve = cell_module.serve
+    real_serve = vision_module.serve
 
     def serve(*args, **kwargs):
         served = real_serve(*args, **kwargs)
         events.append("served")
         return served
 
-    monkeypatch.setattr(cell_module, "MemoryMeter", Meter)
-    monkeypatch.setattr(cell_module, "serve", serve)
-    monkeypatch.setattr(cell_module, "release_compiled", lambda backend: events.append("released"))
-    monkeypatch.setattr(cell_module, "quiesce_compile_workers", lambda: events.append("workers ended"))
+    monkeypatch.setattr(rows_module, "MemoryMeter", Meter)
+    monkeypatch.setattr(vision_module, "serve", serve)
+    for module in (step_module, vision_module):
+        monkeypatch.setattr(module, "release_compiled", lambda backend: events.append("released"))
+    monkeypatch.setattr(vision_module, "quiesce_compile_workers", lambda: events.append("workers ended"))
     monkeypatch.setattr(torch, "compile", lambda model, mode=None: model)  # the order, not inductor
     config = make_config(
         compile="default",

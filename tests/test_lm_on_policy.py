@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdbench.config.plan import Cell, cell_id_of, check_cell, config_dict
+from kdbench.config.plan import Cell, cell_id_of, config_dict
 from kdbench.distill.step import DistillStep
-from kdbench.measure.cell import measure_cell
 from kdbench.models import ModelCache
+from kdbench.run.cell import measure_cell
+from kdbench.workloads import check_cell
 from kdbench.workloads.lm import LM, prompt_length
 from kdbench.workloads.lm_serving import sample
 from tests.test_lm_workload import CPU, lm_config
@@ -19,8 +20,8 @@ ON = {"lmbda": 0.5, "new_tokens": 5}
 def test_the_student_completes_each_prompt_and_the_labels_are_its_completion():
     config = lm_config(method="jsd", on_policy=ON)
     teacher, student = LM.build_pair(config, CPU, ModelCache())
-    x, y = LM.batch(config, 2, CPU.device, 0)
-    step = DistillStep(teacher, student, x, y, config, CPU)
+    x, y = LM.batch(config, 2, CPU.device, 0, (teacher, student))
+    step = DistillStep(teacher, student, x, y, config, CPU, LM)
     ids, labels = step.distiller.on_policy(x, y)
     p = prompt_length(config)
     assert p == 4 and ids.shape == (2, p + 5) and torch.equal(ids[:, :p], x[:, :p])

@@ -9,11 +9,12 @@ import math
 import pytest
 import torch
 
-from kdbench.config.plan import Cell, cell_id_of, check_cell, config_dict
+from kdbench.config.plan import Cell, cell_id_of, config_dict
 from kdbench.distill.lm.token_losses import forward_kl
 from kdbench.distill.lm.topk import build_topk, reconstruction_kl, topk_forward_kl
-from kdbench.measure.cell import measure_cell
 from kdbench.models import ModelCache
+from kdbench.run.cell import measure_cell
+from kdbench.workloads import check_cell
 from tests.test_lm_workload import CPU, lm_config
 
 
@@ -139,6 +140,8 @@ def test_k_is_part_of_a_topk_cells_identity_only():
             data={"kind": "synthetic"},
             method="kd",
             teacher={"mode": "topk_cache"},
+            overrides={},  # the LM cell's own settings, which an image pair does not take either
+            inference={"batch_sizes": [1]},
         ),
         False,
     )

@@ -8,15 +8,15 @@ import math
 import pytest
 import torch
 
-from kdbench.config.plan import Cell, cell_id_of, check_cell, config_dict, planned_measurements
+from kdbench.config.plan import Cell, cell_id_of, config_dict
 from kdbench.config.schema import CellConfig
 from kdbench.distill.lm import token_losses
 from kdbench.distill.losses import METHODS
 from kdbench.hw.backends import resolve
-from kdbench.measure.cell import measure_cell
 from kdbench.measure.flops import count_flops
 from kdbench.models import ModelCache
-from kdbench.workloads import workload_of
+from kdbench.run.cell import measure_cell
+from kdbench.workloads import check_cell, planned_measurements, workload_of
 from kdbench.workloads.lm import LM, CausalLM, LMLoss, analytic_forward_flops, token_batch
 from kdbench.workloads.vision import VISION
 
@@ -78,7 +78,7 @@ def test_the_token_batch_is_next_tokens_with_the_prompt_masked():
 
 def _step_inputs(pair, config):
     teacher, student = pair
-    x, y = LM.batch(config, config.batch_size, CPU.device, 0)
+    x, y = LM.batch(config, config.batch_size, CPU.device, 0, (teacher, student))
     with torch.no_grad():
         ht = teacher(x)
     hs = student(x)
@@ -120,7 +120,7 @@ def test_vocab_slice_cuts_both_heads_to_the_smaller_vocabulary():
     )
     assert check_cell(config, False) == []
     teacher, student = LM.build_pair(config, CPU, ModelCache())
-    x, y = LM.batch(config, 2, CPU.device, 0)
+    x, y = LM.batch(config, 2, CPU.device, 0, (teacher, student))
     assert int(x.max()) < 4000
     loss = LMLoss(config, None, teacher, student, CPU)
     assert loss.vocab == 4000 and "sliced to the first 4000" in loss.notes[0]
@@ -163,8 +163,8 @@ def test_dense_and_fused_cells_measure_the_same_first_loss():
         from kdbench.distill.step import DistillStep
 
         teacher, student = LM.build_pair(config, CPU, ModelCache())
-        x, y = LM.batch(config, 2, CPU.device, 0)
-        step = DistillStep(teacher, student, x, y, config, CPU)
+        x, y = LM.batch(config, 2, CPU.device, 0, (teacher, student))
+        step = DistillStep(teacher, student, x, y, config, CPU, LM)
         step()
         losses[impl] = float(step.last_loss)
         step.close()
@@ -275,13 +275,14 @@ def test_a_teacher_held_in_bf16_halves_its_memory_and_distils_as_a_bf16_autocast
 
 def test_an_fsdp_cell_on_a_gpu_keeps_its_teacher_on_the_host_until_fully_shard_moves_it():
     from kdbench.hw.backends import Backend
-    from kdbench.measure.cell import build_for_step
 
     gpu = Backend("cuda", torch.device("meta"))  # a simulated device: moving to it allocates nothing
-    teacher, student = build_for_step(LM, lm_config(world_size=2, parallel="fsdp"), gpu, ModelCache())
+    fsdp = lm_config(world_size=2, parallel="fsdp")
+    teacher, student = LM.step_pair(fsdp, gpu, ModelCache())
     assert {p.device.type for p in teacher.parameters()} == {"cpu"}
     assert {p.device.type for p in student.parameters()} == {"meta"}
-    teacher, student = build_for_step(LM, lm_config(world_size=2), gpu, ModelCache())  # DDP: both whole on it
+    assert not LM.step_keeps_pair(fsdp) and LM.step_keeps_pair(lm_config(world_size=2))  # serving rebuilds whole
+    teacher, student = LM.step_pair(lm_config(world_size=2), gpu, ModelCache())  # DDP: both whole on it
     assert {p.device.type for p in [*teacher.parameters(), *student.parameters()]} == {"meta"}
 
 
@@ -289,10 +290,10 @@ def test_the_gpu_suites_plan_the_same_cells_on_both_vendors():
     from pathlib import Path
 
     from kdbench.config.load import load_suite
-    from kdbench.config.plan import expand
+    from kdbench.workloads import expand_checked
 
     suites = Path(__file__).resolve().parent.parent / "suites"
-    cuda, amd = (expand(load_suite(suites / f"llm-{v}.yaml")) for v in ("cuda", "amd"))
+    cuda, amd = (expand_checked(load_suite(suites / f"llm-{v}.yaml")) for v in ("cuda", "amd"))
     assert [c.cell_id for c in cuda] == [c.cell_id for c in amd] and len(cuda) == 48
     pairs = {(c.config.pair.teacher, c.config.pair.student) for c in cuda}
     assert pairs == {("llama-3.1-8b", "llama-3.2-1b"), ("qwen2.5-7b", "qwen2.5-0.5b")}
@@ -300,7 +301,7 @@ def test_the_gpu_suites_plan_the_same_cells_on_both_vendors():
     assert {c.config.data.seq_len for c in cuda} == {1024, 4096} and {c.config.precision for c in cuda} == {"bf16"}
     assert sum(c.config.teacher.mode == "topk_cache" for c in cuda) == 4
     assert sum(c.config.on_policy is not None for c in cuda) == 4
-    fsdp = expand(load_suite(suites / "llm-fsdp.yaml"))
+    fsdp = expand_checked(load_suite(suites / "llm-fsdp.yaml"))
     assert [(c.config.world_size, c.config.parallel) for c in fsdp][2:4] == [(2, "ddp"), (2, "fsdp")]
     assert {c.config.teacher.weights for c in fsdp} == {"fp32", "bf16"}
 
@@ -312,8 +313,8 @@ def test_a_cached_teacher_keeps_its_hidden_states_and_the_step_equals_the_live_o
     for mode in ("live", "cached"):
         config = lm_config(teacher={"mode": mode}, loss_impl="fused_linear", chunk_size=8)
         teacher, student = LM.build_pair(config, CPU, ModelCache())
-        x, y = LM.batch(config, 2, CPU.device, 0)
-        step = DistillStep(teacher, student, x, y, config, CPU)
+        x, y = LM.batch(config, 2, CPU.device, 0, (teacher, student))
+        step = DistillStep(teacher, student, x, y, config, CPU, LM)
         if mode == "cached":
             assert step.cache.logits.shape == (2, 16, 256) and step.cache_ms > 0  # (B, S, teacher hidden)
         step()

@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 
 from kdbench.config import load_suite
-from kdbench.config.plan import cell_id_of, expand, planned_measurements
+from kdbench.config.plan import cell_id_of
 from kdbench.errors import KdbenchError
+from kdbench.workloads import expand_checked, planned_measurements
 
 SUITES = Path(__file__).resolve().parent.parent / "suites"
 
@@ -31,7 +32,7 @@ matrix:
 
 
 def test_cartesian_product_in_matrix_order(tmp_path):
-    cells = expand(load_suite(write(tmp_path, BASE)))
+    cells = expand_checked(load_suite(write(tmp_path, BASE)))
     got = [(c.config.pair.teacher, c.config.precision) for c in cells]
     assert got == [
         ("resnet56", "fp32"),
@@ -56,7 +57,7 @@ exclude:
   - {precision: bf16, pair: {teacher: resnet56}}
 """
     )
-    cells = expand(load_suite(write(tmp_path, text)))
+    cells = expand_checked(load_suite(write(tmp_path, text)))
     got = {(c.config.pair.student, c.config.precision) for c in cells}
     assert got == {("resnet20", "fp32"), ("resnet20", "fp16"), ("resnet8x4", "fp32"), ("resnet8x4", "bf16")}
 
@@ -73,7 +74,7 @@ matrix:
     - {batch_size: 4, precision: bf16}
     - {batch_size: 16, data: {num_classes: 10}}
 """
-    cells = expand(load_suite(write(tmp_path, text)))
+    cells = expand_checked(load_suite(write(tmp_path, text)))
     got = [
         (c.config.kd.temperature, c.config.kd.alpha, c.config.batch_size, c.config.precision, c.config.data.num_classes)
         for c in cells
@@ -87,7 +88,7 @@ matrix:
 
 
 def test_cell_id_is_stable_and_depends_on_config_only(tmp_path):
-    a = expand(load_suite(write(tmp_path, BASE, "a.yaml")))
+    a = expand_checked(load_suite(write(tmp_path, BASE, "a.yaml")))
     # same cells written differently: other key order, other suite name, default values spelled out
     reordered = """
 name: other-name
@@ -101,7 +102,7 @@ defaults:
   method: kd
   batch_size: 8
 """
-    b = expand(load_suite(write(tmp_path, reordered, "b.yaml")))
+    b = expand_checked(load_suite(write(tmp_path, reordered, "b.yaml")))
     assert [c.cell_id for c in a] == [c.cell_id for c in b]
     assert len({c.cell_id for c in a}) == 6
     assert all(len(c.cell_id) == 16 for c in a)
@@ -140,13 +141,13 @@ def test_planned_measurements():
     ],
 )
 def test_shipped_suites_plan(name, cells):
-    plan = expand(load_suite(SUITES / f"{name}.yaml"))
+    plan = expand_checked(load_suite(SUITES / f"{name}.yaml"))
     assert len(plan) == cells
 
 
 def test_amd_and_cuda_suites_compare_cell_by_cell():
-    amd = expand(load_suite(SUITES / "amd.yaml"))
-    cuda = expand(load_suite(SUITES / "cuda.yaml"))
+    amd = expand_checked(load_suite(SUITES / "amd.yaml"))
+    cuda = expand_checked(load_suite(SUITES / "cuda.yaml"))
     assert [c.cell_id for c in amd] == [c.cell_id for c in cuda]
     assert load_suite(SUITES / "amd.yaml").backend == "rocm"
     assert load_suite(SUITES / "cuda.yaml").backend == "cuda"
@@ -157,7 +158,7 @@ def test_amd_and_cuda_suites_compare_cell_by_cell():
 
 
 def test_seed_suite_setups():
-    cells = expand(load_suite(SUITES / "seeds.yaml"))
+    cells = expand_checked(load_suite(SUITES / "seeds.yaml"))
     linear, resnet = (c.config for c in cells)
     assert (linear.pair.teacher, linear.pair.student, linear.kd.temperature) == ("linear", "linear", 2.0)
     assert linear.data.shape == [1, 28, 28] and linear.data.num_classes == 10
@@ -195,7 +196,7 @@ def test_seed_suite_setups():
 def test_mistakes_are_one_line_errors(tmp_path, text, expect):
     path = write(tmp_path, text)
     with pytest.raises(KdbenchError) as info:
-        expand(load_suite(path))
+        expand_checked(load_suite(path))
     msg = str(info.value)
     assert "\n" not in msg
     assert msg.startswith(str(path)), msg
@@ -231,7 +232,7 @@ def test_settings_a_cell_does_not_use_give_the_same_cell_once(tmp_path, caplog):
         "matrix:\n  world_size: [1, 2]\n  ddp.static_graph: [false, true]\n  method: [kd, at]\n  at.beta: [10, 1000]\n"
     )
     with caplog.at_level("INFO", logger="kdbench"):
-        cells = expand(load_suite(write(tmp_path, text)))
+        cells = expand_checked(load_suite(write(tmp_path, text)))
     keys = [(c.config.world_size, c.config.ddp.static_graph, c.config.method, c.config.at.beta) for c in cells]
     assert keys == [
         (1, False, "kd", 10.0),
@@ -253,7 +254,6 @@ def test_cells_that_differ_only_in_unlabelled_settings_get_distinct_labels(tmp_p
     # docs review: kd.temperature and data.shape were not in the label, so two cells shared one and the
     # report, which keys its charts by label, drew them as one
     from kdbench.config.load import load_suite
-    from kdbench.config.plan import expand
     from tests.helpers import write_suite
 
     suite = write_suite(
@@ -262,13 +262,13 @@ def test_cells_that_differ_only_in_unlabelled_settings_get_distinct_labels(tmp_p
         defaults={"pair": {"teacher": "linear", "student": "linear"}},
         matrix={"kd.temperature": [2.0, 4.0], "data.shape": [[3, 8, 8], [3, 16, 16]], "precision": ["fp32", "bf16"]},
     )
-    cells = expand(load_suite(suite))
+    cells = expand_checked(load_suite(suite))
     labels = [c.label for c in cells]
     assert len(set(labels)) == len(cells) == 8
     assert "linear->linear kd fp32 bs32 data.shape=[3,8,8] kd.temperature=2.0" in labels
     one = next(c for c in cells if c.config.precision == "bf16")
     assert one.label.startswith(one.short_label + " ") and "precision" not in one.label_extra  # in the short label
-    alone = expand(
+    alone = expand_checked(
         load_suite(
             write_suite(tmp_path / "t.yaml", name="t", defaults={"pair": {"teacher": "linear", "student": "linear"}})
         )

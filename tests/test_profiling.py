@@ -26,6 +26,7 @@ from kdbench.measure.memory import MemoryMeter, optimizer_state_bytes
 from kdbench.measure.telemetry import TelemetrySampler
 from kdbench.store import probes
 from kdbench.store.probes import latest_ceiling, write_probe
+from kdbench.worker_state import current
 
 MiB = 2**20
 CUDA0 = Backend("cuda", torch.device("cuda", 0))
@@ -247,8 +248,9 @@ def test_a_finished_step_leaves_nothing_behind_for_the_next_measurement(monkeypa
     # a Distiller <-> optimizer reference cycle, stale gradients and forgotten feature hooks.
     import weakref
 
-    from kdbench.measure.cell import measure_distill_step
+    from kdbench.measure.step import measure_distill_step
     from kdbench.models import build_model
+    from kdbench.workloads.vision import VISION
     from tests.helpers import make_config
 
     optimizers = []
@@ -256,7 +258,7 @@ def test_a_finished_step_leaves_nothing_behind_for_the_next_measurement(monkeypa
     monkeypatch.setattr(torch.optim, "AdamW", lambda *a, **k: optimizers.append(adamw(*a, **k)) or optimizers[-1])
     config = make_config(pair={"teacher": "resnet8", "student": "resnet8"}, method="kd+at")
     teacher, student = build_model("resnet8", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16))
-    row = measure_distill_step(teacher, student, config, Backend("cpu", torch.device("cpu")))
+    row = measure_distill_step(VISION, teacher, student, config, Backend("cpu", torch.device("cpu")), None)
     assert row["status"] == "ok" and row["memory_footprint_bytes"] is not None
     gone = weakref.ref(optimizers.pop())  # its state (two moments per weight) goes with the step
     assert gone() is None  # freed by reference counting alone: no cycle waits for the collector
@@ -281,13 +283,6 @@ def test_optimizer_state_bytes_adamw():
 # --------------------------------------------------------------------------- telemetry
 
 IDS = telemetry.DeviceIds(uuid="8a2f0c4e-1111-2222-3333-444455556666", bdf="0000:3b:00.0")
-
-
-@pytest.fixture(autouse=True)
-def fresh_readers():
-    telemetry._READERS.clear()  # readers live for a process; every test gets its own
-    yield
-    telemetry._READERS.clear()
 
 
 def fake_nvml(power_mw=250_000, init_error=None, uuid_error=None, missing=(), energy_mj=None):
@@ -350,7 +345,7 @@ def test_the_device_is_matched_by_uuid_then_pci_address_never_by_index():
     with TelemetrySampler(Backend("cuda", torch.device("cuda", 0)), interval_s=3600, library=lib, ids=IDS) as s:
         pass
     assert lib.log == ["init", ("pci", "0000:3b:00.0")] and s.result(1, 1).device == "0000:3b:00.0"
-    telemetry._READERS.clear()
+    current().telemetry_readers.clear()  # a fresh worker: the reader opens again
     lost = fake_nvml(uuid_error=RuntimeError("NVML_ERROR_NOT_FOUND"))
     with TelemetrySampler(CUDA0, library=lost, ids=telemetry.DeviceIds(uuid="x", bdf=None)) as s:
         pass

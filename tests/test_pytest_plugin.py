@@ -17,11 +17,11 @@ import torch
 
 import kdbench.measure.levers as levers
 from kdbench.config.load import load_suite
-from kdbench.config.plan import expand
 from kdbench.errors import KdbenchError
 from kdbench.measure.levers import tunableop_file
 from kdbench.models import ModelCache
 from kdbench.pytest_plugin import cell_of
+from kdbench.workloads import expand_checked
 from tests.helpers import simulated_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +103,7 @@ def test_bad_config_fails_in_one_line(tmp_path):
 
 def test_cell_of_matches_kdbench_run():
     """A config dict gives the cell (and cell_id) `kdbench run` gives the same settings in a suite."""
-    for cell in expand(load_suite(ROOT / "suites" / "cpu.yaml")):
+    for cell in expand_checked(load_suite(ROOT / "suites" / "cpu.yaml")):
         again = cell_of(cell.config.model_dump(mode="json"))
         assert (again.cell_id, again.label) == (cell.cell_id, cell.label)
     assert cell_of({"pair": {"teacher": "resnet20", "student": "mine:net"}}).config.pair.student == "mine:net"

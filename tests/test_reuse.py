@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 from kdbench.cli import main
-from kdbench.measure import cell as cell_module
 from kdbench.store import read_results
+from kdbench.workloads import vision as vision_module
 from tests.helpers import run_folder, write_suite
 
 
 def test_a_reused_teacher_row_is_not_measured_again(tmp_path, monkeypatch, capsys):
     calls = []
-    measure = cell_module.measure_inference
+    measure = vision_module.measure_inference
 
-    def counting(model, role, batch_size, config, backend):
+    def counting(model, role, batch_size, config, backend, budget_s):
         calls.append((role, batch_size, config.kd.temperature))
-        return measure(model, role, batch_size, config, backend)
+        return measure(model, role, batch_size, config, backend, budget_s)
 
-    monkeypatch.setattr(cell_module, "measure_inference", counting)
+    monkeypatch.setattr(vision_module, "measure_inference", counting)
     suite = write_suite(
         tmp_path / "s.yaml",
         name="reuse",

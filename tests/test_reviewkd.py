@@ -14,6 +14,7 @@ from kdbench.distill.losses.reviewkd import ReviewFusion, ReviewKD, ReviewKDPara
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import resolve
 from kdbench.models import build_model
+from kdbench.workloads.vision import VISION
 from tests.helpers import make_config, make_step
 
 CPU = resolve("cpu")
@@ -225,7 +226,7 @@ def test_the_warmup_counts_epochs_of_a_quality_training(monkeypatch):
     x, y = torch.randn(12, 3, 8, 8, generator=g), torch.randint(0, 4, (12,), generator=g)
     data = DeviceData(x[:8], y[:8], x[8:], y[8:], 4, torch.contiguous_format)
     teacher, student = build_model("resnet8", 4, (3, 8, 8)), build_model("resnet8", 4, (3, 8, 8))
-    distiller = Distiller(teacher, student, cell, CPU, data.x_train[:2])
+    distiller = Distiller(teacher, student, cell, CPU, data.x_train[:2], VISION)
     cfg = QualityConfig(epochs=25, batch_size=4, lr=0.01)
 
     def step(xb, yb, indices=None):

@@ -239,23 +239,22 @@ def test_gpu_providers_get_torchs_device_id(monkeypatch):
 
 
 def test_onnxruntime_rows_on_a_gpu_are_never_launch_bound_and_leave_memory_empty():
-    from kdbench.measure.cell import _synchronous_runtime
     from kdbench.measure.runtimes import Served
+    from kdbench.workloads.vision import outside_torch
 
     served = Served(lambda: None, "onnxruntime", 1.0, "ONNX export + session", None, synchronous=True, own_memory=True)
-    timing = {"launch_bound": True}
     profile = {
         "peak_memory_bytes": 10,
         "peak_reserved_bytes": 20,
         "memory_growth_bytes": 0,
         "memory_footprint_bytes": 5,
     }
-    notes = _synchronous_runtime(served, timing, profile, FAKE_CUDA)
-    assert timing["launch_bound"] is None and set(profile.values()) == {None}
+    judge_launch, notes = outside_torch(served, profile, FAKE_CUDA)
+    assert judge_launch is False and set(profile.values()) == {None}
     assert "block the host until the device is done" in notes[0] and "its own arena" in notes[1]
     eager = Served(lambda: None, "eager", None, None, None)
-    assert _synchronous_runtime(eager, {"launch_bound": True}, {}, FAKE_CUDA) == []
-    assert _synchronous_runtime(served, {"launch_bound": None}, {}, CPU) == []  # the CPU: RSS sees ORT's memory
+    assert outside_torch(eager, {}, FAKE_CUDA) == (True, [])
+    assert outside_torch(served, {}, CPU) == (True, [])  # the CPU: RSS sees ORT's memory
 
 
 def test_onnxruntime_provider_that_does_not_start(monkeypatch):

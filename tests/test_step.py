@@ -5,6 +5,7 @@ import torch
 from kdbench.distill.step import DistillStep
 from kdbench.hw.data import synthetic_batch
 from kdbench.models import build_model
+from kdbench.workloads.vision import VISION
 from tests.helpers import make_config
 
 
@@ -19,7 +20,7 @@ def _models(config):
 def _step(config, cpu):
     teacher, student = _models(config)
     x, y = synthetic_batch(config, config.batch_size, cpu.device, 0)
-    return DistillStep(teacher, student, x, y, config, cpu)
+    return DistillStep(teacher, student, x, y, config, cpu, VISION)
 
 
 def test_teacher_weights_and_bn_statistics_never_change(cpu):
@@ -129,7 +130,7 @@ def _graph_tree_step(monkeypatch, compile_mode, marker=True):
     teacher = _Recorded(teacher, log)
     gpu = simulated_gpu("cuda")
     x, y = synthetic_batch(config, config.batch_size, gpu.device, 0)
-    return DistillStep(teacher, student, x, y, config, gpu), log, teacher
+    return DistillStep(teacher, student, x, y, config, gpu, VISION), log, teacher
 
 
 def test_a_compiled_teacher_under_cuda_graphs_marks_each_step_one_iteration(monkeypatch):
@@ -164,6 +165,6 @@ def test_the_cached_teacher_runs_in_the_steps_fp32_math_mode(monkeypatch, cpu):
     teacher = _Recorded(teacher, log)
     x, y = synthetic_batch(config, config.batch_size, cpu.device, 0)
     with backends.math_mode(True):  # an inherited TF32 default
-        step = DistillStep(teacher, student, x, y, config, cpu)
+        step = DistillStep(teacher, student, x, y, config, cpu, VISION)
     assert log == [("teacher", False)]  # IEEE fp32, as the fp32 cell measures
     assert step.cache_ms > 0 and step.cache.logits.data_ptr() != teacher.buffer.data_ptr()

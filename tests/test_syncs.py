@@ -14,6 +14,7 @@ from kdbench.hw.backends import Backend, resolve
 from kdbench.hw.data import synthetic_batch
 from kdbench.measure.syncs import optimizer_host_tensors, sync_calls
 from kdbench.models import build_model
+from kdbench.workloads.vision import VISION
 from tests.helpers import make_config
 
 CPU = resolve("cpu")
@@ -63,7 +64,7 @@ def test_no_step_of_any_method_synchronises(method, precision, mode):
     torch.manual_seed(0)
     teacher, student = build_model("resnet8", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16))
     x, y = synthetic_batch(config, config.batch_size, CPU.device, 0)
-    step = DistillStep(teacher, student, x, y, config, CPU)
+    step = DistillStep(teacher, student, x, y, config, CPU, VISION)
     step()
     step()  # warm: the optimizer's state exists
     calls = sync_calls(step, CPU, exempt=optimizer_host_tensors(step.distiller.optimizer))
@@ -116,8 +117,8 @@ def test_no_lm_step_synchronises(case, monkeypatch):
     monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
     config = lm_config(chunk_size=8, **({"method": "forward_kl"} | case))
     teacher, student = LM.build_pair(config, CPU, ModelCache())
-    x, y = LM.batch(config, config.batch_size, CPU.device, 0)
-    step = DistillStep(teacher, student, x, y, config, CPU)
+    x, y = LM.batch(config, config.batch_size, CPU.device, 0, (teacher, student))
+    step = DistillStep(teacher, student, x, y, config, CPU, LM)
     step()
     step()  # warm: the optimizer's state exists, the valid rows are found
     calls = sync_calls(step, CPU, exempt=optimizer_host_tensors(step.distiller.optimizer))

@@ -334,7 +334,7 @@ def test_host_clocks_add_no_syncs_or_host_stamps_to_the_warm_up():
 
 
 def test_window_throughput_counts_the_gaps_the_median_leaves_out():
-    from kdbench.measure.cell import timing_columns
+    from kdbench.measure.rows import timing_columns
     from kdbench.measure.timing import RawTiming
 
     # four 10 ms iterations in a 50 ms window: 10 ms of gaps between them

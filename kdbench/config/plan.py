@@ -17,6 +17,7 @@ import hashlib
 import itertools
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,9 +25,8 @@ from pydantic import ValidationError
 
 from kdbench.config.schema import IMAGE_DATA_KEYS, TOKEN_DATA_KEYS, CellConfig, Suite
 from kdbench.config.yaml_errors import sub_model, unknown_key_hint, validation_error
-from kdbench.distill.losses import METHODS, check_method, check_weights, method_parts
+from kdbench.distill.losses import METHODS, method_parts
 from kdbench.errors import KdbenchError
-from kdbench.names import Measurement
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Cell:
         if c.teacher.weights != "fp32":
             parts.append(f"teacher-weights-{c.teacher.weights}")
         parts.append(f"bs{c.batch_size}")
-        if c.data.kind == "tokens":
+        if c.data.is_tokens:
             parts.append(f"seq{c.data.seq_len}")
             if c.on_policy is not None:
                 parts.append(f"on-policy{c.on_policy.new_tokens}")
@@ -189,8 +189,9 @@ def config_dict(config: CellConfig) -> dict[str, Any]:
     if config.teacher.mode != "topk_cache":
         out["teacher"].pop("k", None)  # only the top-k cache keeps k entries
     # Image data has no tokens, token data no image shape or classes.
-    for key in IMAGE_DATA_KEYS if config.data.kind == "tokens" else TOKEN_DATA_KEYS:
-        out["data"].pop(key, None)
+    for key in (*IMAGE_DATA_KEYS, *TOKEN_DATA_KEYS):
+        if key not in config.data.applies:
+            out["data"].pop(key, None)
     # A lever (or a later timing setting) at its default is left out, so cells that use none keep the ids
     # they had before it existed.
     for key, default in IDENTITY_DEFAULTS.items():
@@ -229,8 +230,14 @@ def _excluded(config: dict[str, Any], excludes: list[dict[str, Any]]) -> bool:
     return any(all(_matches(nest(axis_path(k), v), config) for k, v in entry.items()) for entry in excludes)
 
 
-def expand(suite: Suite) -> list[Cell]:
-    """The suite's cells, in matrix order, each checked; raises KdbenchError on an empty plan."""
+Check = Callable[[CellConfig, bool, int], list[tuple[tuple[str, ...], str]]]
+
+
+def expand(suite: Suite, check: Check) -> list[Cell]:
+    """The suite's cells, in matrix order, each checked by ``check(config, allow_imports, nnodes)``, which returns
+    what cannot run in a cell as (setting path, message): the first of them is raised, naming the file and the
+    key (:func:`kdbench.workloads.check_cell` knows the families; config does not).  Raises KdbenchError on an
+    empty plan."""
     axes = list(suite.matrix)
     cells: list[Cell] = []
     seen: set[str] = set()
@@ -263,7 +270,7 @@ def expand(suite: Suite) -> list[Cell]:
             repeats,
         )
     for cell in cells:
-        for key, message in check_cell(cell.config, suite.allow_imports, suite.launcher.nnodes):
+        for key, message in check(cell.config, suite.allow_imports, suite.launcher.nnodes):
             raise suite.error(suite.locate(*key), message)
     return distinct_labels(cells)
 
@@ -295,41 +302,6 @@ def distinct_labels(cells: list[Cell]) -> list[Cell]:
         for cell, f in zip(group, flats):
             extra[cell.cell_id] = " ".join(f"{k}={f.get(k, 'null')}" for k in differ)
     return [replace(c, label_extra=extra[c.cell_id]) if c.cell_id in extra else c for c in cells]
-
-
-def check_cell(config: CellConfig, allow_imports: bool, nnodes: int = 1) -> list[tuple[tuple[str, ...], str]]:
-    """What cannot run in a cell, as (setting path, message): unknown methods, impossible rank layouts, and
-    what the pair's workload finds (unknown models, inputs a model cannot take, feature paths it lacks, a
-    method of the other family, ...: :meth:`kdbench.workloads.Workload.check`)."""
-    from kdbench.workloads import workload_of
-
-    problems: list[tuple[tuple[str, ...], str]] = list(workload_of(config).check(config, allow_imports))
-    if config.teacher.weights not in ("fp32", config.teacher_precision):
-        w = config.teacher.weights
-        why = f"teacher.weights {w} computes the teacher in {w}: set teacher_precision: {w} (or teacher.weights: fp32)"
-        problems.append((("teacher", "weights"), why))
-    if config.parallel == "fsdp" and config.world_size == 1:
-        why = "parallel fsdp shards the pair over ranks: set world_size to 2 or more (or parallel: ddp)"
-        problems.append((("parallel",), why))
-    if config.world_size > 1 and config.world_size % nnodes:
-        why = f"world_size {config.world_size} does not split over launcher.nnodes {nnodes}; use a multiple of nnodes"
-        problems.append((("world_size",), why))
-    try:
-        check_method(config.method)
-    except KdbenchError as exc:
-        problems.append((("method",), str(exc)))
-    try:
-        check_weights(config.method, config.weights)
-    except KdbenchError as exc:
-        problems.append((("weights",), str(exc)))
-    return problems
-
-
-def planned_measurements(config: CellConfig) -> list[tuple[Measurement, int]]:
-    """(measurement, batch_size) of every row a cell produces, in order (its workload's plan)."""
-    from kdbench.workloads import workload_of
-
-    return workload_of(config).planned(config)
 
 
 # --------------------------------------------------------------------------- shards

@@ -96,6 +96,17 @@ class DataConfig(Strict):
             raise ValueError("every dimension must be between 1 and 65536")
         return v
 
+    @property
+    def is_tokens(self) -> bool:
+        """Token ids (LM and encoder pairs), not images: which of the data keys apply (:data:`TOKEN_DATA_KEYS`
+        or :data:`IMAGE_DATA_KEYS`).  Not the pair's family, which :mod:`kdbench.workloads.registry` decides."""
+        return self.kind == "tokens"
+
+    @property
+    def applies(self) -> tuple[str, ...]:
+        """The data keys this kind of data takes (the others are left out of the cell's identity)."""
+        return TOKEN_DATA_KEYS if self.is_tokens else IMAGE_DATA_KEYS
+
 
 TOKEN_DATA_KEYS = ("seq_len", "prompt_fraction", "vocab_policy")  # data keys of tokens data only
 IMAGE_DATA_KEYS = ("shape", "num_classes")  # data keys of synthetic data only
@@ -281,7 +292,7 @@ class _CellBase(Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> CellConfig:
-        if self.memory_format == "channels_last" and (len(self.data.shape) != 3 or self.data.kind == "tokens"):
+        if self.memory_format == "channels_last" and (len(self.data.shape) != 3 or self.data.is_tokens):
             raise ValueError("memory_format channels_last needs image data: data.shape must be [C, H, W]")
         return self
 

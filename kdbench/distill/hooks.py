@@ -224,6 +224,20 @@ class FeaturePaths:
     student: list[str]
 
 
+def layer_pairs(
+    teacher_layers: list[str], student_layers: list[str], teacher: list[str], student: list[str], most: int
+) -> FeaturePaths:
+    """The layers a feature method pairs on a stack of layers (a decoder's or an encoder's): the given paths
+    (``teacher`` / ``student``) where the suite names them, else at most ``most`` of each model's layers, evenly
+    spaced and ending with the last."""
+    t, s = teacher or teacher_layers, student or student_layers
+    if not (teacher and student):
+        k = min(len(t), len(s), most)
+        t, s = (teacher or _spaced(t, k)), (student or _spaced(s, k))
+    t, s = pair_paths(t, s, explicit=bool(teacher) and bool(student))
+    return FeaturePaths(teacher=t, student=s)
+
+
 def resolve_paths(
     teacher: nn.Module,
     student: nn.Module,

@@ -24,7 +24,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -36,7 +36,23 @@ from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_s
 from kdbench.hw.layout import place_aligned, place_model
 from kdbench.measure.timing import Clock
 from kdbench.names import GENERATE, PHASES
-from kdbench.workloads import workload_of
+
+
+class StepFamily(Protocol):
+    """What a distillation step asks of the pair's family (:class:`kdbench.workloads.base.Workload` is one): the
+    caller looks the family up and hands it in; the step never asks which family it is."""
+
+    def feature_paths(self, teacher: nn.Module, student: nn.Module, example: torch.Tensor, config: CellConfig) -> Any:
+        """The paired module paths the feature methods tap (:class:`kdbench.distill.hooks.FeaturePaths`)."""
+
+    def loss(self, config: CellConfig, shapes: Any, teacher: nn.Module, student: nn.Module, backend: Backend):
+        """The cell's whole loss, ``loss(LossInputs) -> scalar``."""
+
+    def on_policy(self, distiller: Distiller, config: CellConfig) -> Callable | None:
+        """``(x, y) -> (x, y)``: the batch an on-policy step trains on; None: the fixed batch."""
+
+    def compact_teacher(self, distiller: Distiller, outputs: Any, targets: torch.Tensor) -> tuple[Any, dict]:
+        """The teacher's outputs of the fixed batch in the family's compact form, and the columns that say so."""
 
 
 def make_optimizer(params, cfg: OptimizerConfig, fused: bool = False) -> torch.optim.Optimizer:
@@ -159,6 +175,7 @@ class Distiller:
         config: CellConfig,
         backend: Backend,
         example: torch.Tensor,
+        workload: StepFamily,
         wrap: Callable[[nn.Module], nn.Module] | None = None,
         wrap_teacher: Callable[[nn.Module], nn.Module] | None = None,
     ):
@@ -173,7 +190,7 @@ class Distiller:
         self.paths: FeaturePaths | None = None
         self.t_tap = s_tap = None
         shapes = None
-        self.workload = workload = workload_of(config)
+        self.workload = workload
         if needs_features(config.method):
             example = example[: min(2, len(example))]
             self.paths = workload.feature_paths(teacher, student, example, config)
@@ -319,11 +336,12 @@ class DistillStep:
         y: torch.Tensor,
         config: CellConfig,
         backend: Backend,
+        workload: StepFamily,
         wrap: Callable[[nn.Module], nn.Module] | None = None,
         phases: bool = True,
         wrap_teacher: Callable[[nn.Module], nn.Module] | None = None,
     ):
-        self.distiller = Distiller(teacher, student, config, backend, x, wrap, wrap_teacher)
+        self.distiller = Distiller(teacher, student, config, backend, x, workload, wrap, wrap_teacher)
         self.x, self.y = x, y
         self.config = config
         self.clock = backend.clock() if phases else None

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from kdbench.hw.backends import DTYPES, Backend, thread_count
+from kdbench.worker_state import current
 
 SLOW_FACTOR = 3.0  # a precision this many times slower than fp32 (or more) is slow
 MEASURE_N = 256  # the measured matmul's size
@@ -255,12 +256,10 @@ def _load(path: Path) -> dict[str, Any]:
     return data if ok else {}
 
 
-_UNWRITABLE: dict[tuple[str, str, str], Slowdown] = {}  # measurements a cache file refused, per process
-
-
 def _read_cache(path: Path, key: str, precision: str) -> Slowdown | None:
-    if (str(path), key, precision) in _UNWRITABLE:
-        return _UNWRITABLE[(str(path), key, precision)]
+    refused = current().unwritable_slowdowns  # measurements a cache file refused, remembered by the worker
+    if (str(path), key, precision) in refused:
+        return refused[(str(path), key, precision)]
     machine = _load(path).get("machines", {}).get(key)
     entry = machine.get("precisions", {}).get(precision) if isinstance(machine, dict) else None
     if not isinstance(entry, dict):
@@ -294,7 +293,7 @@ def _write_cache(path: Path, key: str, name: str, threads: int, result: Slowdown
     try:
         write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", path)
     except OSError:
-        _UNWRITABLE[(str(path), key, result.precision)] = result
+        current().unwritable_slowdowns[(str(path), key, result.precision)] = result
 
 
 # --------------------------------------------------------------------------- what a run does with it

@@ -1,11 +1,14 @@
-"""A measurement that raises becomes a row: its status and a one-line error."""
+"""A measurement that raises becomes a row: its status and a one-line error; one that cannot be taken here
+(:class:`SkipMeasurement`) a skipped row with the reason."""
 
 from __future__ import annotations
 
 import torch
 
+from kdbench.measure.rows import failure_rows
 from kdbench.names import Status
 from kdbench.schema import Row
+from kdbench.worker_state import current
 
 # Errors after which the process's CUDA/HIP context is unusable: every later call fails with them.
 _FATAL_TEXT = (
@@ -26,7 +29,11 @@ _FATAL_TEXT = (
     "miopenStatusInternalError",
     "miopenStatusUnknownError",
 )
-_device_lost: list[str] = []
+
+
+class SkipMeasurement(Exception):
+    """A measurement this backend or model cannot take (a lever a CPU lacks, prefill of a model without a KV
+    cache): its row is stored as skipped, with this reason."""
 
 
 def device_fatal(exc: BaseException) -> bool:
@@ -40,13 +47,16 @@ def device_fatal(exc: BaseException) -> bool:
 
 
 def note_device_lost(exc: BaseException) -> None:
-    """Remember that this process's device context is lost: its worker must end after this job."""
-    _device_lost.append(error_text(exc))
+    """Remember that this worker's device context is lost (the first error that did it): the worker must end
+    after this job."""
+    state = current()
+    if state.device_lost is None:
+        state.device_lost = error_text(exc)
 
 
 def device_lost() -> str | None:
-    """The error that poisoned this process's device context, if one did."""
-    return _device_lost[0] if _device_lost else None
+    """The error that poisoned this worker's device context, if one did."""
+    return current().device_lost
 
 
 def not_run_after_device_lost() -> str:
@@ -69,4 +79,5 @@ def error_text(exc: BaseException) -> str:
 
 
 def failure_row(measurement: str, batch_size: int, exc: BaseException) -> Row:
-    return Row(measurement=measurement, batch_size=batch_size, status=status_of(exc), error=error_text(exc))
+    """The row of a measurement that raised ``exc``."""
+    return failure_rows([{"measurement": measurement, "batch_size": batch_size}], status_of(exc), error_text(exc))[0]

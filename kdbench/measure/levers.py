@@ -37,6 +37,7 @@ import torch
 from kdbench.config.schema import CellConfig
 from kdbench.hw.backends import Backend
 from kdbench.measure.timing import RawTiming
+from kdbench.worker_state import current
 
 GPU_ONLY = {
     "graphs": "graphs: CUDA/HIP graphs capture GPU work: there is no graph to replay on the CPU",
@@ -77,7 +78,6 @@ TUNABLEOP_SCOPE = (
     "TunableOp tunes GEMMs only (matmuls and Linear layers: on a CNN, its classifier); convolutions keep "
     "their usual kernels"
 )
-_tuned_here = False  # whether a cell of this process has run with TunableOp: its tunings stay in memory
 
 
 @contextlib.contextmanager
@@ -107,7 +107,7 @@ def _tunableop(path: Path | None, row: dict[str, Any]) -> Iterator[None]:
     """TunableOp on, tuning, with its results file at ``path``, inside; off after it whatever fails
     (else it would stay on for every later cell of the worker), then its results written where this
     torch can (torch >= ~2.9 has no ``write_file``: it writes the file when the process exits)."""
-    global _tuned_here
+    state = current()
     tunable = torch.cuda.tunable
     notes = [TUNABLEOP_SCOPE]
     if path is not None:
@@ -118,7 +118,7 @@ def _tunableop(path: Path | None, row: dict[str, Any]) -> Iterator[None]:
                 "tuned there are not tuned again, so one_off_ms is that of a warm file"
             )
         tunable.set_filename(str(path))  # before enabling: the file is read at the first tuned call
-    if _tuned_here:
+    if state.tunableop_used:  # its tunings stay in this process's memory
         notes.append(
             "TunableOp: an earlier cell of this worker process tuned GEMMs; those are not tuned again, so "
             "one_off_ms covers only this cell's new shapes"
@@ -126,7 +126,7 @@ def _tunableop(path: Path | None, row: dict[str, Any]) -> Iterator[None]:
     try:
         tunable.enable(True)
         tunable.tuning_enable(True)
-        _tuned_here = True
+        state.tunableop_used = True
         yield
     finally:
         try:

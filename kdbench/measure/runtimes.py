@@ -90,6 +90,7 @@ import torch
 from torch import nn
 
 from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, math_mode
+from kdbench.measure.failures import SkipMeasurement
 
 RUNTIMES = ("eager", "compile", "onnxruntime", "int8")
 REPLAYABLE = ("eager", "compile")  # the runtimes a CUDA/HIP graph can capture
@@ -116,7 +117,7 @@ ORT_INSTALL = {
 }
 
 
-class LeverSkip(Exception):
+class LeverSkip(SkipMeasurement):
     """The lever cannot run here (a GPU-only lever on the CPU, a missing ONNX Runtime provider, int8 on a GPU):
     the row is stored as skipped with this reason."""
 

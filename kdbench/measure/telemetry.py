@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from kdbench.hw.backends import Backend
+from kdbench.worker_state import current
 
 SHORT_WINDOW_S = 5.0  # energy over a shorter timed window is flagged: counter granularity, power averaging
 _SENTINELS = {0xFFFF, 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF}  # "not supported" in amdsmi/NVML structs
@@ -222,11 +223,6 @@ def _read_str(getter: Callable[[], Any]) -> str | None:
     return str(value) if value else None
 
 
-# One reader per library, device and process: amdsmi's init is process-wide and not reference-counted
-# (one shut-down would tear it down for everyone), and enumerating GPUs is slow on big nodes.
-_READERS: dict[tuple[str, int, DeviceIds], _Nvml | _AmdSmi] = {}
-
-
 @dataclass(frozen=True)
 class Telemetry:
     available: bool
@@ -296,10 +292,14 @@ class TelemetrySampler:
             return
         try:
             ids = self.ids or device_ids(self.backend)
+            # One reader per library, device and worker (kdbench.worker_state): amdsmi's init is process-wide and
+            # not reference-counted (one shut-down would tear it down for everyone), and enumerating GPUs is slow
+            # on big nodes.
+            readers = current().telemetry_readers
             key = (module, id(lib), ids)
-            if key not in _READERS:
-                _READERS[key] = reader(lib, ids)
-            self._reader = _READERS[key]
+            if key not in readers:
+                readers[key] = reader(lib, ids)
+            self._reader = readers[key]
         except Exception as exc:
             self.reason = f"{module} initialisation failed: {exc}"
             return

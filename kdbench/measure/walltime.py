@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import defaultdict
 from collections.abc import Iterator
+
+from kdbench.worker_state import current
 
 MODELS, COLD, WARMUP, MEASURING, FLOPS, PROFILING, LEVERS, QUALITY = (
     "model building",
@@ -24,23 +25,22 @@ MODELS, COLD, WARMUP, MEASURING, FLOPS, PROFILING, LEVERS, QUALITY = (
     "lever set-up",
     "quality",
 )
-_SPENT: dict[str, float] = defaultdict(float)
-_LISTENER: list = []  # a worker process's hook: told the totals whenever a category grows
 
 
 def listen(tell) -> None:
     """Have ``tell(totals)`` called with the seconds so far whenever a category grows (a worker sends them
     to the engine, which keeps the last ones of a job that times out)."""
-    _LISTENER[:] = [tell]
+    current().wall_listener = tell
 
 
 def _told() -> None:
-    for tell in _LISTENER:
-        tell(dict(_SPENT))
+    state = current()
+    if state.wall_listener is not None:
+        state.wall_listener(dict(state.wall_s))
 
 
 def add(category: str, seconds: float) -> None:
-    _SPENT[category] += seconds
+    current().wall_s[category] += seconds
     _told()
 
 
@@ -51,12 +51,13 @@ def spent(category: str) -> Iterator[None]:
     try:
         yield
     finally:
-        _SPENT[category] += time.perf_counter() - start
+        current().wall_s[category] += time.perf_counter() - start
         _told()
 
 
 def take() -> dict[str, float]:
     """The seconds counted since the last take, by category (and start afresh)."""
-    out = dict(_SPENT)
-    _SPENT.clear()
+    spent = current().wall_s
+    out = dict(spent)
+    spent.clear()
     return out

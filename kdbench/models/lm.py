@@ -228,6 +228,11 @@ def _check_fields(config_class, keys, what: str) -> None:
             raise KdbenchError(f"{what}: {config_class.__name__} has no field {key!r}; {hint}".rstrip("; ").rstrip())
 
 
+def is_lm_model(name: str) -> bool:
+    """A registered language model's name, or a local transformers ``config.json``."""
+    return name in LM_CONFIGS or name.endswith(".json")
+
+
 def _check_name(name: str) -> dict[str, Any]:
     if not isinstance(name, str) or name not in LM_CONFIGS:
         hint = did_you_mean(str(name), LM_CONFIGS)

@@ -242,8 +242,10 @@ def check_quality(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
         from kdbench.quality.text import check_text
 
         return check_text(cfg, configs)
+    from kdbench.workloads import workload_of
+
     for c in configs:
-        if c.data.kind == "tokens":
+        if workload_of(c).quality_data != "images":
             raise KdbenchError(
                 f"quality dataset {cfg.dataset} holds images and {c.pair.teacher} -> {c.pair.student} is a "
                 "language-model pair (data.kind: tokens); use dataset: python-stdlib (text)"

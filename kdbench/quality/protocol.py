@@ -61,6 +61,7 @@ from kdbench.names import Measurement, Status
 from kdbench.quality.datasets import Dataset, load_dataset
 from kdbench.quality.train import DeviceData, Trained, ce_step, fit
 from kdbench.schema import Row
+from kdbench.workloads import workload_of
 
 logger = logging.getLogger(__name__)
 
@@ -89,19 +90,19 @@ ROW_KEYS = (
     "notes",
 )
 
-ModelKey = tuple[str, tuple[int, ...], str, str]  # name, shape, precision, memory format
+ModelKey = tuple  # what makes a model the same as another cell's (Workload.model_key)
 
 
-def _key(name: str, c: CellConfig, role: str = "teacher") -> ModelKey:
-    if c.data.kind == "tokens":  # a language model: its config overrides make it (the windows are the block's)
-        return name, (), c.precision, repr(sorted(getattr(c.overrides, role).items()))
-    return name, tuple(c.data.shape), c.precision, c.memory_format
+def _key(c: CellConfig, role: str = "teacher") -> ModelKey:
+    """The ``role`` model of cell ``c``, as its family tells models apart (an image classifier by its input
+    shape and layout, a language model by its config overrides)."""
+    return workload_of(c).model_key(c, role)
 
 
 def _overrides(c: CellConfig, role: str) -> str | None:
-    """A language model's config overrides as the row names them (sorted JSON), None without any: two LM cells of
-    one registry name but other shapes are other models."""
-    over = getattr(c.overrides, role) if c.data.kind == "tokens" else {}
+    """A model's config overrides as the row names them (sorted JSON), None without any: two LM cells of one
+    registry name but other shapes are other models."""
+    over = workload_of(c).model_overrides(c, role)
     return json.dumps(over, sort_keys=True) if over else None
 
 
@@ -128,11 +129,11 @@ class Entry:
 
     @property
     def teacher_key(self) -> ModelKey:
-        return _key(self.config.pair.teacher, self.config)
+        return _key(self.config)
 
     @property
     def student_key(self) -> ModelKey:
-        return _key(self.config.pair.student, self.config, "student")
+        return _key(self.config, "student")
 
     def row(self, cfg: QualityConfig) -> dict[str, Any]:
         """The row without results (status ok until told otherwise)."""
@@ -175,8 +176,8 @@ def quality_plan(cfg: QualityConfig, jobs: list[CellConfig]) -> list[Entry]:
     """Per seed: each distinct teacher (name, shape, precision, memory format), a scratch row per distinct
     (teacher, student) pair (agreement and time to target are measured against the pair's teacher), and
     each job's distilled student."""
-    teachers = _distinct(jobs, lambda c: _key(c.pair.teacher, c))
-    pairs = _distinct(jobs, lambda c: (_key(c.pair.teacher, c), _key(c.pair.student, c, "student")))
+    teachers = _distinct(jobs, lambda c: _key(c))
+    pairs = _distinct(jobs, lambda c: (_key(c), _key(c, "student")))
     plan = []
     for seed in range(cfg.seeds):
         plan += [Entry(seed, "teacher", c) for c in teachers]
@@ -310,7 +311,8 @@ class _Run:
         data = self.data(cell)
         cell = bank_sized(cell, len(data.x_train))
         student = self.model(cell.pair.student, cell, "student")
-        distiller = Distiller(copy.deepcopy(teacher.model), student, cell, self.backend, data.x_train[:2])
+        teacher_copy = copy.deepcopy(teacher.model)
+        distiller = Distiller(teacher_copy, student, cell, self.backend, data.x_train[:2], workload_of(cell))
         try:
             model, opt = distiller.student, distiller.optimizer
 

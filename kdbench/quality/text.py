@@ -164,12 +164,12 @@ def check_text(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
     from kdbench.workloads.lm import _config, max_positions
 
     for c in configs:
-        family = workload_of(c).family
-        if family != "lm":
+        workload = workload_of(c)
+        if workload.quality_data != "text":
             what = (
                 "an image pair; use dataset digits, imagefolder or cifar"
-                if family == "vision"
-                else f"of the {family} family, not causal LMs"
+                if workload.quality_data == "images"
+                else f"of the {workload.family} family, not causal LMs"
             )
             raise KdbenchError(
                 f"quality dataset {cfg.dataset} trains causal language models on text, and the pair "

@@ -27,8 +27,8 @@ from kdbench.config.plan import Cell
 from kdbench.errors import KdbenchError
 from kdbench.measure.failures import error_text, status_of
 from kdbench.names import Status
-from kdbench.run.jobs import CellJob, Job, failure_rows
-from kdbench.run.workers import STARTUP_TIMEOUT_S, JobResult, WorkerContext, WorkerSetup
+from kdbench.run.jobs import CellJob, Job, WorkerContext, failure_rows
+from kdbench.run.workers import STARTUP_TIMEOUT_S, JobResult, WorkerSetup, context
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +87,8 @@ def group_timeout_s(cell_timeout_s: float) -> float:
 
 def _data_parallel_cell(cell: Cell, ctx: WorkerContext, groups: dict[int, Any]):
     """This rank's part of a data-parallel cell: the cell's rows on rank 0, None elsewhere."""
-    from kdbench.measure.cell import measure_cell
     from kdbench.measure.parallel import DataParallel
+    from kdbench.run.cell import measure_cell
 
     return measure_cell(cell, ctx.backend, ctx.cache, ctx.options, dp=DataParallel(groups.get(cell.config.world_size)))
 
@@ -98,7 +98,7 @@ class AllocationWorkers:
 
     def __init__(self, alloc: Allocation, setup: WorkerSetup, single: Any, groups: dict[int, Any]):
         self.alloc, self.single, self.groups = alloc, single, groups
-        self.ctx = WorkerContext(setup)  # data-parallel cells run in this process, as on the other ranks
+        self.ctx = context(setup)  # data-parallel cells run in this process, as on the other ranks
         self.in_step = False  # between announcing a job and the barrier after it
 
     def run(self, job: Job, timeout_s: float | None) -> JobResult:
@@ -145,7 +145,7 @@ class AllocationWorkers:
 def follow(alloc: Allocation, setup: WorkerSetup, cells: list[Cell], groups: dict[int, Any]) -> None:
     """A rank other than 0: take part in each data-parallel cell rank 0 announces, until it says stop."""
     by_id = {c.cell_id: c for c in cells}
-    ctx = WorkerContext(setup)
+    ctx = context(setup)
     while True:
         message = [None]
         dist.broadcast_object_list(message, src=0)

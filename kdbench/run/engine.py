@@ -27,18 +27,20 @@ from typing import Any
 
 import torch
 
-from kdbench.config.plan import Cell, expand
+from kdbench.config.plan import Cell
 from kdbench.config.plan import shard as shard_cells
 from kdbench.config.schema import Suite
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import Backend, detect, resolve, thread_count
-from kdbench.measure.cell import MeasureOptions
+from kdbench.measure.rows import CELL_BUDGET_S
+from kdbench.measure.step import MeasureOptions
 from kdbench.names import FAILURES, Measurement, Status
 from kdbench.run.jobs import CellJob, Job, QualityJob, failure_rows
 from kdbench.schema import Row
 from kdbench.store.probes import ceiling_columns, latest_ceiling
 from kdbench.store.results import PROBES_DIR, TRACES_DIR, Invocation, RunFolder, newest_run, open_run
 from kdbench.store.schema import SCHEMA_VERSION
+from kdbench.workloads import expand_checked, planned_measurements
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +166,7 @@ class Plan:
 def plan_jobs(suite: Suite, shard: tuple[int, int] | None = None, backend_name: str = "cpu") -> Plan:
     """The suite's jobs; KdbenchError for anything that cannot run (checked before anything does).
     ``backend_name`` is where it will run (the budgets' ``where`` may name backend-dependent columns)."""
-    cells = expand(suite)
+    cells = expand_checked(suite)
     share = shard_cells(cells, *shard) if shard else cells
     # Repeats are interleaved in rounds, as asv's `rounds`: every cell once, then every cell again, each
     # round in fresh worker processes, so a repeat sees a new process (and the machine at another time).
@@ -200,7 +202,6 @@ def check_budgets(suite: Suite, cells: list[Cell], backend_name: str = "cpu") ->
     import pandas as pd
 
     from kdbench.config.budgets import select
-    from kdbench.config.plan import planned_measurements
     from kdbench.run.jobs import config_columns
 
     planned = pd.DataFrame(
@@ -224,7 +225,6 @@ def warn_slow_cells(plan: Plan, backend: Backend, probes_dir: Path, threads: int
     """One line per precision of the plan measured to run far slower than fp32 here (:mod:`kdbench.hw.speed`:
     the newest probe, a cached or a quick measurement), before anything runs; {precision: Slowdown}."""
     from kdbench.hw.speed import slow_precisions, warning_line
-    from kdbench.measure.cell import CELL_BUDGET_S
 
     cells = [j.cell for j in plan.jobs if isinstance(j, CellJob) and j.repeat == 1]
     used = [p for c in cells for p in (c.config.precision, c.config.teacher_precision)]

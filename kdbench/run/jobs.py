@@ -1,11 +1,11 @@
-"""Jobs: what the engine hands a worker, and what a worker runs.
+"""Jobs: what the engine hands a worker, and what a worker runs them with.
 
 A job is the unit of isolation, time-out, storage and resume: one cell of the plan
 (:class:`CellJob`), or the suite's quality block (:class:`QualityJob`).  Each says
 which rows it will produce (``planned``, so a job that dies is stored as exactly
 those rows, marked), which columns identify it on every row (``columns``), and how
-it runs inside a worker (``run``).  Jobs are small frozen dataclasses: they cross
-process boundaries by pickle.
+it runs inside a worker (``run``, with the worker's :class:`WorkerContext`).  Jobs are
+small frozen dataclasses: they cross process boundaries by pickle.
 """
 
 from __future__ import annotations
@@ -13,16 +13,31 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from kdbench.config.plan import Cell, config_dict, method_params, planned_measurements
+from kdbench.config.plan import Cell, config_dict, method_params
 from kdbench.config.schema import TEXT_DATASETS, CellConfig, QualityConfig
-from kdbench.hw.backends import dist_backend_for
+from kdbench.hw.backends import Backend, dist_backend_for
+from kdbench.measure.memory import freeze_imports
+from kdbench.measure.rows import failure_rows as planned_failures
+from kdbench.measure.step import MeasureOptions
+from kdbench.models import ModelCache
 from kdbench.names import Status
 from kdbench.schema import Row
+from kdbench.worker_state import WorkerState, install
+from kdbench.workloads import planned_measurements, workload_of
 
-if TYPE_CHECKING:
-    from kdbench.run.workers import WorkerContext
+
+class WorkerContext:
+    """What a job runs with inside its worker: the device, the measuring options, a model cache, and the state the
+    worker keeps between measurements (:class:`kdbench.worker_state.WorkerState`, installed while it lives)."""
+
+    def __init__(self, backend: Backend, options: MeasureOptions, allow_imports: bool):
+        self.backend = backend
+        self.options = options
+        self.cache = ModelCache(allow_imports=allow_imports)
+        self.state = WorkerState()
+        install(self.state)
+        freeze_imports()  # each measurement's gc.collect() then scans only what measurements made
 
 
 @dataclass(frozen=True)
@@ -47,7 +62,7 @@ class CellJob:
             tuple(c.data.shape),
             # token inputs (encoder pairs serve teacher_inference too): their length and the teacher's overrides
             c.data.kind,
-            c.data.seq_len if c.data.kind == "tokens" else None,
+            c.data.seq_len if c.data.is_tokens else None,
             repr(sorted(c.overrides.teacher.items())),
             c.data.num_classes,
             c.pad_to,
@@ -104,7 +119,7 @@ class CellJob:
         return config_columns(self.cell.config, backend_name) | {"repeat": self.repeat}
 
     def run(self, ctx: WorkerContext) -> list[Row]:
-        from kdbench.measure.cell import measure_cell
+        from kdbench.run.cell import measure_cell
 
         return measure_cell(self.cell, ctx.backend, ctx.cache, ctx.options, skip_teacher=self.reuse_teacher) or []
 
@@ -194,7 +209,20 @@ def quality_dict(quality: QualityConfig) -> dict:
 
 def failure_rows(job: Job, status: Status, error: str) -> list[Row]:
     """Every row ``job`` would have produced, marked with ``status`` and ``error``."""
-    return [Row(row, status=status, error=error) for row in job.planned()]
+    return planned_failures(job.planned(), status, error)
+
+
+# The config columns a family fills (:meth:`kdbench.workloads.base.Workload.config_columns`); empty on the rows of
+# the others (an LM method's temperature and alpha are in method_params).
+FAMILY_CONFIG_COLUMNS = (
+    "data_shape",
+    "num_classes",
+    "seq_len",
+    "loss_impl",
+    "chunk_size",
+    "kd_temperature",
+    "kd_alpha",
+)
 
 
 def config_columns(config: CellConfig, backend_name: str) -> Row:
@@ -202,9 +230,7 @@ def config_columns(config: CellConfig, backend_name: str) -> Row:
     parallel = config.world_size > 1
     fsdp = parallel and config.parallel == "fsdp"
     resolved = config_dict(config)
-    from kdbench.workloads import workload_of
-
-    lm = workload_of(config).family == "lm"  # causal-LM columns (an encoder pair has token data too)
+    family = dict.fromkeys(FAMILY_CONFIG_COLUMNS) | workload_of(config).config_columns(config)
     return Row(
         {
             "teacher": config.pair.teacher,
@@ -225,15 +251,9 @@ def config_columns(config: CellConfig, backend_name: str) -> Row:
             "ddp_gradient_as_bucket_view": config.ddp.gradient_as_bucket_view if parallel and not fsdp else None,
             "ddp_static_graph": config.ddp.static_graph if parallel and not fsdp else None,
             "data_kind": config.data.kind,
-            "data_shape": None if lm else "x".join(map(str, config.data.shape)),
-            "num_classes": None if lm else config.data.num_classes,
-            "seq_len": config.data.seq_len if config.data.kind == "tokens" else None,
-            "loss_impl": config.loss_impl if lm else None,
-            "chunk_size": config.chunk_size if lm and config.loss_impl != "dense" else None,
+            **family,
             "on_policy_lambda": config.on_policy.lmbda if config.on_policy else None,
             "on_policy_new_tokens": config.on_policy.new_tokens if config.on_policy else None,
-            "kd_temperature": None if lm else config.kd.temperature,  # an LM method's are in method_params
-            "kd_alpha": None if lm else config.kd.alpha,
             "teacher_mode": config.teacher.mode,
             "method_params": json.dumps(method_params(config), sort_keys=True),
             "optimizer": config.optimizer.name,

@@ -1,7 +1,7 @@
 """One rank of a data-parallel cell, started by torchrun: ``python -m kdbench.run.rank JOB ROWS``.
 
 Every rank joins the process group and runs the same cell measurement a single-device
-worker runs (:func:`kdbench.measure.cell.measure_cell` with a
+worker runs (:func:`kdbench.run.cell.measure_cell` with a
 :class:`~kdbench.measure.parallel.DataParallel`); rank 0 writes the cell's rows to
 ROWS.  Any exception ends the rank with a non-zero code; torchrun then stops the other
 ranks, and the parent stores the cell as failed with the error lines, or as ``oom`` when a
@@ -44,11 +44,10 @@ def join_process_group(backend_name: str, local_rank: int, timeout_s: float) -> 
 
 @record
 def main(argv: list[str]) -> int:
-    from kdbench.measure.cell import measure_cell
-    from kdbench.measure.memory import freeze_imports
     from kdbench.measure.parallel import DataParallel
-    from kdbench.models import ModelCache
-    from kdbench.run.workers import die_with_parent
+    from kdbench.run.cell import measure_cell
+    from kdbench.run.jobs import WorkerContext
+    from kdbench.run.process import die_with_parent
 
     die_with_parent()  # if torchrun dies, so does this rank
     spec_file, rows_file = map(Path, argv)
@@ -58,9 +57,8 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(setup.threads)
     backend = join_process_group(setup.backend.name, int(os.environ["LOCAL_RANK"]), spec["timeout_s"])
     try:
-        cache = ModelCache(allow_imports=setup.allow_imports)
-        freeze_imports()
-        rows = measure_cell(job.cell, backend, cache, setup.options, dp=DataParallel())
+        ctx = WorkerContext(backend, setup.options, setup.allow_imports)
+        rows = measure_cell(job.cell, backend, ctx.cache, setup.options, dp=DataParallel())
     except torch.OutOfMemoryError as exc:
         from kdbench.measure.failures import error_text
 

@@ -33,13 +33,14 @@ import torch
 
 from kdbench.config.schema import LauncherConfig
 from kdbench.hw.backends import Backend
-from kdbench.measure.cell import MeasureOptions
 from kdbench.measure.failures import device_fatal, device_lost, error_text, note_device_lost
-from kdbench.measure.memory import freeze_imports
-from kdbench.models import ModelCache
+from kdbench.measure.step import MeasureOptions
 from kdbench.names import Status
-from kdbench.run.jobs import CellJob, Job, failure_rows
+from kdbench.run.jobs import CellJob, Job, WorkerContext, failure_rows
+from kdbench.run.process import die_with_parent
+from kdbench.run.rank import oom_file
 from kdbench.schema import Row
+from kdbench.worker_state import install
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +60,9 @@ class WorkerSetup:
     log_level: int = logging.INFO
 
 
-class WorkerContext:
-    """What a job runs with inside its worker: the device, the measuring options and a model cache."""
-
-    def __init__(self, setup: WorkerSetup):
-        self.backend = setup.backend
-        self.options = setup.options
-        self.cache = ModelCache(allow_imports=setup.allow_imports)
-        freeze_imports()  # each measurement's gc.collect() then scans only what measurements made
+def context(setup: WorkerSetup) -> WorkerContext:
+    """The context a worker started with ``setup`` runs its jobs in."""
+    return WorkerContext(setup.backend, setup.options, setup.allow_imports)
 
 
 @dataclass(frozen=True)
@@ -82,6 +78,7 @@ def execute(job: Job, ctx: WorkerContext) -> JobResult:
     every row it planned, with the error."""
     from kdbench.measure import walltime
 
+    install(ctx.state)  # this worker's state (one process may hold two contexts: an allocation's rank 0)
     walltime.take()
     start = time.perf_counter()
     try:
@@ -91,17 +88,6 @@ def execute(job: Job, ctx: WorkerContext) -> JobResult:
             note_device_lost(exc)
         rows = failure_rows(job, Status.FAILED, error_text(exc))
     return JobResult(rows, time.perf_counter() - start, split=walltime.take())
-
-
-def die_with_parent() -> None:
-    """Linux: have the kernel SIGKILL this process when its parent dies (even by kill -9)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 class _PipeHandler(logging.Handler):
@@ -129,7 +115,7 @@ def _serve(conn: Any, setup: WorkerSetup) -> None:
     torch.set_num_threads(setup.threads)
     if setup.backend.device_type == "cuda":
         torch.cuda.set_device(setup.backend.device)  # events record on this device's current stream
-    ctx = WorkerContext(setup)
+    ctx = context(setup)
     from kdbench.measure import walltime
 
     walltime.listen(lambda totals: conn.send(("split", totals)))  # a job that times out keeps its split
@@ -169,7 +155,7 @@ class InlineWorker:
 
     def __init__(self, setup: WorkerSetup):
         torch.set_num_threads(setup.threads)
-        self.ctx = WorkerContext(setup)
+        self.ctx = context(setup)
 
     def run(self, job: Job, timeout_s: float | None = None) -> JobResult:
         result = execute(job, self.ctx)
@@ -385,8 +371,6 @@ class TorchrunWorker:
             if proc.returncode == 0 and not rows_file.exists() and self.launcher.nnodes > 1:
                 return []  # global rank 0 ran on another node, which stores the rows
             if proc.returncode != 0 or not rows_file.exists():
-                from kdbench.run.rank import oom_file
-
                 if oom_file(rows_file).exists():  # a rank ran out of memory: the pair does not fit at this sharding
                     return failure_rows(job, Status.OOM, f"out of memory on {oom_file(rows_file).read_text()}")
                 error = f"torchrun exited with code {proc.returncode}: {_error_lines(log.read_text())}"

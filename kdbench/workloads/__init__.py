@@ -1,16 +1,33 @@
-"""Workloads: what differs between the kinds of teacher/student pair, behind one interface.
+"""Workloads: what differs between the families of teacher/student pair, behind one interface.
 
-A cell's pair belongs to a family: image classifiers (:mod:`.vision`), causal language
-models (:mod:`.lm`) or BERT-shaped encoders (:mod:`.encoder`).  The engine, the workers, the cell measurement
-(:mod:`kdbench.measure.cell`), the distillation step (:mod:`kdbench.distill.step`), the store
-and the report are the same for both; what differs sits behind :class:`~.base.Workload`:
-building the models, the batch, the loss and its inputs (logits, or hidden states and LM-head
-weights), the feature taps, the plan-time checks, the planned serving measurements and how
-each is measured, and the columns only one family has.  :func:`workload_of` picks a cell's.
+A cell's pair belongs to one family: image classifiers (:mod:`.vision`), causal language models (:mod:`.lm`,
+served by :mod:`.lm_serving`) or BERT-shaped encoders (:mod:`.encoder`).  The engine, the workers, the cell
+orchestrator (:mod:`kdbench.run.cell`), the distillation step (:mod:`kdbench.distill.step`), the step's
+measurement (:mod:`kdbench.measure.step`), the store and the report are the same for all three; what differs
+sits behind :class:`~.base.Workload`: the models, the batch, the loss and its inputs (logits, or hidden states
+and LM-head weights), the feature taps, the plan-time checks and the settings the family takes, the planned
+serving measurements and how each is measured, and the config columns only the family fills.
+:func:`~.registry.workload_of` decides a cell's family, in one place (:mod:`.registry`).
 """
 
 from __future__ import annotations
 
-from kdbench.workloads.base import Workload, is_lm_model, workload_of
+from kdbench.workloads.base import Workload
+from kdbench.workloads.registry import (
+    FAMILY_SETTINGS,
+    check_cell,
+    expand_checked,
+    planned_measurements,
+    refusals,
+    workload_of,
+)
 
-__all__ = ["Workload", "is_lm_model", "workload_of"]
+__all__ = [
+    "FAMILY_SETTINGS",
+    "Workload",
+    "check_cell",
+    "expand_checked",
+    "planned_measurements",
+    "refusals",
+    "workload_of",
+]

@@ -1,46 +1,109 @@
-"""The workload interface, and the choice of a cell's workload by its pair's family."""
+"""The workload interface: what one family of teacher/student pairs does differently.
+
+Each family (:mod:`.vision`, :mod:`.lm`, :mod:`.encoder`) implements :class:`Workload` once, as a stateless
+object; :func:`kdbench.workloads.registry.workload_of` picks a cell's.  The cell orchestrator
+(:mod:`kdbench.run.cell`) looks it up once and hands it down: to the distillation step
+(:class:`kdbench.distill.step.StepFamily`: feature paths, loss, on-policy batch, compact teacher), to the step's
+measurement (:class:`kdbench.measure.step.StepWorkload`: batch, tokens, the family's step columns) and to the
+serving measurements (:meth:`Workload.serve`).  The settings only some families take are declared in
+:attr:`Workload.takes` and refused for the others from one table (:data:`kdbench.workloads.registry.FAMILY_SETTINGS`).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from kdbench.config.schema import CellConfig
+from kdbench.hw.backends import Backend
+from kdbench.models import ModelCache
 from kdbench.names import Measurement
 from kdbench.schema import Row
 
 Problems = list[tuple[tuple[str, ...], str]]
+Pair = tuple[nn.Module, nn.Module]
 
 
 class Workload:
-    """What one family of pairs does differently; every method takes the resolved cell config."""
+    """What one family of pairs does differently."""
 
-    family = ""
+    family: ClassVar[str] = ""
+    # a pair of this family and its pairs, as messages name them ("an image pair", "image pairs")
+    a_pair: ClassVar[str] = ""
+    pairs: ClassVar[str] = ""
+    # the family-specific settings this family takes (keys of registry.FAMILY_SETTINGS); the others are refused
+    takes: ClassVar[frozenset[str]] = frozenset()
+    # what the suite's quality block trains this family on: "images", "text", or "" (no quality protocol)
+    quality_data: ClassVar[str] = ""
 
-    def check(self, config: Any, allow_imports: bool) -> Problems:
-        """What cannot run in the cell, as (setting path, message), found without building anything heavy."""
+    # ------------------------------------------------------------------ plan time
+
+    def check(self, config: CellConfig, allow_imports: bool) -> Problems:
+        """What cannot run in the cell, as (setting path, message), found without building anything heavy: the
+        models, the inputs they take, the methods of this family.  Settings of other families are refused apart
+        (:func:`kdbench.workloads.registry.refusals`)."""
         raise NotImplementedError
 
-    def planned(self, config: Any) -> list[tuple[Measurement, int]]:
+    def planned(self, config: CellConfig) -> list[tuple[Measurement, int]]:
         """(measurement, batch size) of every row the cell produces, the step first."""
         raise NotImplementedError
 
-    def build_pair(self, config: Any, backend: Any, cache: Any) -> tuple[nn.Module, nn.Module]:
-        """Fresh copies of the teacher and the student, on the device, as the step and serving use them."""
+    def config_columns(self, config: CellConfig) -> Row:
+        """The config columns only this family fills (the others stay empty on its rows)."""
         raise NotImplementedError
 
-    def batch(self, config: Any, batch_size: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One fixed, seeded batch: the models' input and the targets of the loss."""
+    def tokens(self, measurement: Measurement, batch_size: int, config: CellConfig) -> int | None:
+        """Tokens one timed call processes (None: not a token workload)."""
+        return None
+
+    def skip_reason(self, config: CellConfig, backend: Backend) -> str | None:
+        """Why the cell cannot run in this environment (a package or an API it needs is missing), with the fix;
+        None: it can.  The cell's rows are then stored as skipped, saying so."""
+        return None
+
+    # ------------------------------------------------------------------ the models
+
+    def build_pair(self, config: CellConfig, backend: Backend, cache: ModelCache) -> Pair:
+        """Fresh copies of the teacher and the student, on the device, as serving uses them."""
         raise NotImplementedError
 
-    def feature_paths(self, teacher: nn.Module, student: nn.Module, example: torch.Tensor, config: Any) -> Any:
+    def step_pair(self, config: CellConfig, backend: Backend, cache: ModelCache) -> Pair:
+        """The pair the distillation step trains (by default the same as :meth:`build_pair`)."""
+        return self.build_pair(config, backend, cache)
+
+    def step_keeps_pair(self, config: CellConfig) -> bool:
+        """Whether serving can measure the pair the step trained (False: the step changed it in place, e.g.
+        sharded it; the orchestrator frees it and builds whole copies for serving)."""
+        return True
+
+    def model_key(self, config: CellConfig, role: str) -> tuple:
+        """What makes the cell's ``role`` model the same model as another cell's (the quality protocol trains
+        each once): its name, precision and what it is built from (here: its config overrides; the quality
+        block sets its input)."""
+        overrides = repr(sorted(self.model_overrides(config, role).items()))
+        return getattr(config.pair, role), (), config.precision, overrides
+
+    def model_overrides(self, config: CellConfig, role: str) -> dict[str, Any]:
+        """The config overrides the ``role`` model is built with (none for families built by name alone)."""
+        return {}
+
+    # ------------------------------------------------------------------ the step
+
+    def batch(
+        self, config: CellConfig, batch_size: int, device: torch.device, seed: int, models: Pair
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One fixed, seeded batch for the built pair ``models``: the models' input and the targets of the loss."""
+        raise NotImplementedError
+
+    def feature_paths(self, teacher: nn.Module, student: nn.Module, example: torch.Tensor, config: CellConfig) -> Any:
         """The paired module paths feature methods tap (:class:`kdbench.distill.hooks.FeaturePaths`)."""
         raise NotImplementedError
 
-    def loss(self, config: Any, shapes: Any, teacher: nn.Module, student: nn.Module, backend: Any) -> nn.Module:
+    def loss(self, config: CellConfig, shapes: Any, teacher: nn.Module, student: nn.Module, backend: Backend):
         """The cell's whole loss: ``loss(LossInputs) -> scalar``; the model outputs it gets are the models'
-        forwards' (logits for classifiers, final hidden states for LMs)."""
+        forwards' (logits for classifiers, final hidden states for LMs and encoders)."""
         raise NotImplementedError
 
     def compact_teacher(self, distiller: Any, outputs: Any, targets: torch.Tensor) -> tuple[Any, Row]:
@@ -48,38 +111,45 @@ class Workload:
         and cached), and the columns that describe it."""
         raise NotImplementedError(f"teacher.mode {distiller.config.teacher.mode} is not for {self.family} pairs")
 
-    def step_columns(self, step: Any, config: Any, x: torch.Tensor) -> tuple[Row, tuple[str, ...]]:
-        """The step row's columns only this family has, and notes."""
-        raise NotImplementedError
-
-    def measure(
-        self,
-        measurement: Measurement,
-        batch_size: int,
-        teacher: nn.Module,
-        student: nn.Module,
-        config: Any,
-        backend: Any,
-    ) -> Row:
-        """One serving measurement's row (the step is measured by the cell, the same for every family)."""
-        raise NotImplementedError
-
-    def on_policy(self, distiller: Any, config: Any):
+    def on_policy(self, distiller: Any, config: CellConfig):
         """``(x, y) -> (x, y)``: the batch an on-policy step trains on, generated by the student at the start of
         each step (its own phase); None: the step trains on the fixed batch."""
         return None
 
-    def skip_reason(self, config: Any, backend: Any) -> str | None:
-        """Why the cell cannot run in this environment (a package or an API it needs is missing), with the fix;
-        None: it can.  The cell's rows are then stored as skipped, saying so."""
-        return None
+    def step_columns(self, step: Any, config: CellConfig, x: torch.Tensor) -> tuple[Row, tuple[str, ...]]:
+        """The step row's columns only this family has, and notes."""
+        raise NotImplementedError
 
-    def tokens(self, measurement: Measurement, batch_size: int, config: Any) -> int | None:
-        """Tokens one timed call processes (None: not a token workload)."""
-        return None
+    # ------------------------------------------------------------------ serving
+
+    def serve(
+        self,
+        measurement: Measurement,
+        batch_size: int,
+        pair: Pair,
+        config: CellConfig,
+        backend: Backend,
+        budget_s: float | None,
+    ) -> Row:
+        """One serving measurement's row (the step is measured by :mod:`kdbench.measure.step`, the same for every
+        family), timed within ``budget_s``."""
+        raise NotImplementedError
 
 
-def hold_teacher(teacher: nn.Module, config: Any) -> nn.Module:
+def serving_plan(
+    config: CellConfig, student: tuple[Measurement, ...], teacher: tuple[Measurement, ...]
+) -> list[tuple[Measurement, int]]:
+    """(measurement, batch size) of every row of a cell: the step, then at each inference batch size the
+    ``student`` measurements and (with ``inference.teacher``) the ``teacher``'s."""
+    out = [(Measurement.DISTILL_STEP, config.batch_size)]
+    for bs in config.inference.batch_sizes:
+        out += [(m, bs) for m in student]
+        if config.inference.teacher:
+            out += [(m, bs) for m in teacher]
+    return out
+
+
+def hold_teacher(teacher: nn.Module, config: CellConfig) -> nn.Module:
     """``teacher`` (frozen) with its parameters cast to ``teacher.weights``, in place; its buffers (rotary
     frequencies, ...) stay as built, as transformers keeps them in float32 when it loads a model in bf16."""
     if config.teacher.weights != "fp32":
@@ -91,26 +161,9 @@ def hold_teacher(teacher: nn.Module, config: Any) -> nn.Module:
     return teacher
 
 
-def is_lm_model(name: str) -> bool:
-    """A registered language model's name, or a local transformers ``config.json``."""
-    from kdbench.models.lm import LM_CONFIGS
+def model_of(measurement: Measurement, pair: Pair) -> tuple[str, nn.Module]:
+    """The role a serving measurement measures and that model of ``pair``."""
+    from kdbench.names import role_of
 
-    return name in LM_CONFIGS or name.endswith(".json")
-
-
-def workload_of(config: Any) -> Workload:
-    """The cell's workload: encoders when either model is a registered encoder, language models when the pair is
-    LMs or the data is tokens, else image classifiers (the checks report a pair that mixes families)."""
-    from kdbench.models.encoders import is_encoder_model
-
-    if is_encoder_model(config.pair.teacher) or is_encoder_model(config.pair.student):
-        from kdbench.workloads.encoder import ENCODER
-
-        return ENCODER
-    if config.data.kind == "tokens" or is_lm_model(config.pair.teacher) or is_lm_model(config.pair.student):
-        from kdbench.workloads.lm import LM
-
-        return LM
-    from kdbench.workloads.vision import VISION
-
-    return VISION
+    role = role_of(measurement)
+    return role, pair[0] if role == "teacher" else pair[1]

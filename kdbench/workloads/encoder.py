@@ -26,9 +26,10 @@ from torch import nn
 
 from kdbench.distill.losses import METHODS, WeightedTerms, check_method, check_weights, params_of
 from kdbench.errors import KdbenchError
+from kdbench.models.lm import is_lm_model
 from kdbench.names import Measurement
 from kdbench.schema import Row
-from kdbench.workloads.base import Problems, Workload, hold_teacher, is_lm_model
+from kdbench.workloads.base import Pair, Problems, Workload, hold_teacher, model_of, serving_plan
 
 IGNORE = -100
 DEFAULT_LAYERS = 4  # hidden_mse pairs at most this many encoder layers by default
@@ -86,6 +87,9 @@ def _configs(config: Any) -> dict[str, Any]:
 
 class EncoderWorkload(Workload):
     family = "encoder"
+    a_pair = "an encoder pair"
+    pairs = "encoder pairs"
+    takes = frozenset({"teacher.weights", "overrides"})
 
     # ------------------------------------------------------------------ plan time
 
@@ -119,7 +123,6 @@ class EncoderWorkload(Workload):
                         f"overrides.{role}",
                     )
                 )
-        problems.extend(_setting_problems(config))
         try:
             methods = check_method(config.method)
             check_weights(config.method, config.weights)
@@ -146,19 +149,20 @@ class EncoderWorkload(Workload):
         return problems
 
     def planned(self, config: Any) -> list[tuple[Measurement, int]]:
-        out = [(Measurement.DISTILL_STEP, config.batch_size)]
-        for bs in config.inference.batch_sizes:
-            out.append((Measurement.STUDENT_INFERENCE, bs))
-            if config.inference.teacher:
-                out.append((Measurement.TEACHER_INFERENCE, bs))
-        return out
+        return serving_plan(config, (Measurement.STUDENT_INFERENCE,), (Measurement.TEACHER_INFERENCE,))
 
     def tokens(self, measurement: Measurement, batch_size: int, config: Any) -> int | None:
         return batch_size * config.data.seq_len
 
+    def config_columns(self, config: Any) -> Row:
+        return {"seq_len": config.data.seq_len}
+
+    def model_overrides(self, config: Any, role: str) -> dict[str, Any]:
+        return dict(getattr(config.overrides, role))
+
     # ------------------------------------------------------------------ the step
 
-    def build_pair(self, config: Any, backend: Any, cache: Any) -> tuple[nn.Module, nn.Module]:
+    def build_pair(self, config: Any, backend: Any, cache: Any) -> Pair:
         from kdbench.models.encoders import build_encoder
 
         models = []
@@ -170,12 +174,14 @@ class EncoderWorkload(Workload):
             models.append((hold_teacher(wrapped, config) if role == "teacher" else wrapped).to(backend.device))
         return models[0], models[1]
 
-    def batch(self, config: Any, batch_size: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, config: Any, batch_size: int, device: torch.device, seed: int, models: Pair
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         vocab = min(int(c.vocab_size) for c in _configs(config).values())
         return encoder_batch(batch_size, config.data.seq_len, vocab, seed, device, config.alignment)
 
     def feature_paths(self, teacher: nn.Module, student: nn.Module, example: torch.Tensor, config: Any) -> Any:
-        from kdbench.distill.hooks import FeaturePaths, _spaced, pair_paths
+        from kdbench.distill.hooks import FeaturePaths, layer_pairs
 
         if "minilm" in [m.name for m in check_method(config.method)]:
             p = params_of(config, METHODS["minilm"])
@@ -184,12 +190,7 @@ class EncoderWorkload(Workload):
                 student=qkv_paths(student.layers(), p.student_layer),
             )
         given_t, given_s = config.features.teacher, config.features.student
-        t, s = given_t or teacher.layers(), given_s or student.layers()
-        if not (given_t and given_s):
-            k = min(len(t), len(s), DEFAULT_LAYERS)
-            t, s = (given_t or _spaced(t, k)), (given_s or _spaced(s, k))
-        t, s = pair_paths(t, s, explicit=bool(given_t) and bool(given_s))
-        return FeaturePaths(teacher=t, student=s)
+        return layer_pairs(teacher.layers(), student.layers(), given_t, given_s, DEFAULT_LAYERS)
 
     def loss(self, config: Any, shapes: Any, teacher: nn.Module, student: nn.Module, backend: Any) -> nn.Module:
         return EncoderLoss(config, shapes, teacher, student)
@@ -207,17 +208,11 @@ class EncoderWorkload(Workload):
 
     # ------------------------------------------------------------------ serving
 
-    def measure(
-        self,
-        measurement: Measurement,
-        batch_size: int,
-        teacher: nn.Module,
-        student: nn.Module,
-        config: Any,
-        backend: Any,
+    def serve(
+        self, measurement: Measurement, batch_size: int, pair: Pair, config: Any, backend: Any, budget_s: float | None
     ) -> Row:
-        role, model = ("student", student) if measurement == Measurement.STUDENT_INFERENCE else ("teacher", teacher)
-        return measure_forward(self, measurement, role, model, batch_size, config, backend)
+        _, model = model_of(measurement, pair)
+        return measure_forward(self, measurement, model, batch_size, config, backend, budget_s)
 
 
 ENCODER = EncoderWorkload()
@@ -238,37 +233,6 @@ def _not_an_encoder(name: str) -> str:
     except KdbenchError as exc:
         return str(exc)
     raise AssertionError(f"{name!r} is an encoder")  # only called for names that are not
-
-
-def _setting_problems(config: Any) -> Problems:
-    """Settings of other families that an encoder cell does not take."""
-    problems: Problems = []
-    if config.teacher.mode == "topk_cache":
-        problems.append(
-            (
-                ("teacher", "mode"),
-                "teacher.mode topk_cache keeps an LM's next tokens; an encoder pair takes live or cached",
-            )
-        )
-    if getattr(config, "on_policy", None) is not None:
-        problems.append((("on_policy",), "on_policy has a causal LM generate its training text; not for encoders"))
-    if config.loss_impl != "dense":
-        why = f"loss_impl {config.loss_impl} computes LM heads and a token loss; an encoder pair has none: remove it"
-        problems.append((("loss_impl",), why))
-    if config.inference.runtime != "eager":
-        why = f"encoder pairs are served eagerly; inference.runtime {config.inference.runtime} is for image classifiers"
-        problems.append((("inference", "runtime"), why))
-    if config.graphs:
-        problems.append((("graphs",), "graphs replays an image classifier's forward; encoder pairs do not take it"))
-    if config.pad_to != 1:
-        problems.append((("pad_to",), "pad_to pads a classifier's width; an encoder has no classifier"))
-    if config.world_size > 1:
-        why = (
-            "encoder pairs run on one device for now: parts of the student get no gradient (its pooler; with minilm "
-            "its layers past the distilled attention), which DDP without find_unused_parameters rejects"
-        )
-        problems.append((("world_size",), why))
-    return problems
 
 
 def _minilm_problems(config: Any, configs: dict[str, Any]) -> Problems:
@@ -350,11 +314,11 @@ class EncoderLoss(WeightedTerms):
 def measure_forward(
     workload: Workload,
     measurement: Measurement,
-    role: str,
     model: Encoder,
     batch_size: int,
     config: Any,
     backend: Any,
+    budget_s: float | None,
 ) -> Row:
     """The forward latency of the teacher or the student: eval(), inference_mode, the cell's precision, on a fixed
     batch of ``batch_size`` × ``data.seq_len`` ids over the model's own vocabulary; ``tokens_per_s`` counts its
@@ -372,4 +336,4 @@ def measure_forward(
             return model(ids)
 
     columns = {"attn_implementation": model.attn_implementation}
-    return token_serving_row(workload, measurement, batch_size, config, backend, choice, call, ids, columns)
+    return token_serving_row(workload, measurement, batch_size, config, backend, budget_s, choice, call, ids, columns)

@@ -26,9 +26,10 @@ from torch import nn
 from kdbench.distill.lm.topk import TopKTeacher
 from kdbench.distill.losses import WeightedTerms, check_method, check_weights, params_of
 from kdbench.errors import KdbenchError
+from kdbench.models.lm import is_lm_model
 from kdbench.names import Measurement
 from kdbench.schema import Row
-from kdbench.workloads.base import Problems, Workload, hold_teacher, is_lm_model
+from kdbench.workloads.base import Pair, Problems, Workload, hold_teacher, model_of, serving_plan
 
 IGNORE = -100
 DEFAULT_LAYERS = 4  # hidden_mse pairs at most this many decoder layers by default
@@ -124,19 +125,24 @@ def max_positions(config) -> int | None:
 
 class LMWorkload(Workload):
     family = "lm"
-
-    def __init__(self) -> None:
-        self._vocab: dict[tuple, int] = {}  # the pairs this worker built: their shared vocabulary
-
-    @staticmethod
-    def _pair_key(config: Any) -> tuple:
-        o = config.overrides
-        return (
-            config.pair.teacher,
-            config.pair.student,
-            repr(sorted(o.teacher.items())),
-            repr(sorted(o.student.items())),
-        )
+    a_pair = "an LM pair"
+    pairs = "LM pairs"
+    takes = frozenset(
+        {
+            "parallel",
+            "world_size",
+            "teacher.weights",
+            "teacher.mode",
+            "on_policy",
+            "loss_impl",
+            "chunk_size",
+            "inference.decode_tokens",
+            "data.prompt_fraction",
+            "data.vocab_policy",
+            "overrides",
+        }
+    )
+    quality_data = "text"
 
     # ------------------------------------------------------------------ plan time
 
@@ -244,32 +250,14 @@ class LMWorkload(Workload):
             problems.extend(_topk_problems(config, tokens, vocabs))
         if config.on_policy is not None:
             problems.extend(_on_policy_problems(config, tokens, configs))
-        if config.inference.runtime != "eager":
-            problems.append(
-                (
-                    ("inference", "runtime"),
-                    f"LM pairs are served eagerly (prefill and decode with transformers' KV cache); "
-                    f"inference.runtime {config.inference.runtime} is for image classifiers: remove it",
-                )
-            )
         if config.parallel == "fsdp" and any(":" in getattr(config.pair, r) for r in ("teacher", "student")):
             why = "parallel fsdp shards registered LMs and config.json models layer by layer, not module:callable ones"
             problems.append((("parallel",), why))
-        if config.graphs:
-            problems.append((("graphs",), "graphs replays an image classifier's forward; LM pairs do not take it"))
-        if config.pad_to != 1:
-            problems.append(
-                (("pad_to",), "pad_to pads a classifier's width; on an LM pair set overrides.*.vocab_size instead")
-            )
         return problems
 
     def planned(self, config: Any) -> list[tuple[Measurement, int]]:
-        out = [(Measurement.DISTILL_STEP, config.batch_size)]
-        for bs in config.inference.batch_sizes:
-            out += [(Measurement.STUDENT_PREFILL, bs), (Measurement.STUDENT_DECODE, bs)]
-            if config.inference.teacher:
-                out += [(Measurement.TEACHER_PREFILL, bs), (Measurement.TEACHER_DECODE, bs)]
-        return out
+        student = (Measurement.STUDENT_PREFILL, Measurement.STUDENT_DECODE)
+        return serving_plan(config, student, (Measurement.TEACHER_PREFILL, Measurement.TEACHER_DECODE))
 
     def on_policy(self, distiller: Any, config: Any):
         """GKD's on-policy batch: each sequence's prompt (its first ``data.prompt_fraction``) completed by
@@ -323,9 +311,19 @@ class LMWorkload(Workload):
             return batch_size * config.inference.decode_tokens
         return batch_size * config.data.seq_len
 
-    # ------------------------------------------------------------------ the step
+    def config_columns(self, config: Any) -> Row:
+        return {
+            "seq_len": config.data.seq_len,
+            "loss_impl": config.loss_impl,
+            "chunk_size": config.chunk_size if config.loss_impl != "dense" else None,
+        }
 
-    def build_pair(self, config: Any, backend: Any, cache: Any) -> tuple[nn.Module, nn.Module]:
+    def model_overrides(self, config: Any, role: str) -> dict[str, Any]:
+        return dict(getattr(config.overrides, role))
+
+    # ------------------------------------------------------------------ the models
+
+    def build_pair(self, config: Any, backend: Any, cache: Any) -> Pair:
         allow = getattr(cache, "allow_imports", False)
         models = []
         for role in ("teacher", "student"):
@@ -334,26 +332,37 @@ class LMWorkload(Workload):
             model = cache.get_built(key, config.seed, lambda n=name, o=overrides: build(n, o, allow))
             wrapped = CausalLM(model)
             models.append((hold_teacher(wrapped, config) if role == "teacher" else wrapped).to(backend.device))
-        self._vocab[self._pair_key(config)] = shared_vocab(config, *models)
         return models[0], models[1]
 
-    def batch(self, config: Any, batch_size: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        vocab = self._vocab.get(self._pair_key(config)) or shared_vocab(config)
+    def step_pair(self, config: Any, backend: Any, cache: Any) -> Pair:
+        """An FSDP2 cell on a GPU keeps its teacher on the host: ``fully_shard`` moves each unit to the device as it
+        shards it, so no rank ever holds the whole teacher on its device (the pair that does not fit one device is
+        the point of sharding).  The student goes to the device whole, as under DDP."""
+        if config.parallel != "fsdp" or backend.device_type == "cpu":
+            return self.build_pair(config, backend, cache)
+        from kdbench.hw.backends import Backend
+
+        teacher, student = self.build_pair(config, Backend("cpu", torch.device("cpu")), cache)
+        return teacher, student.to(backend.device)
+
+    def step_keeps_pair(self, config: Any) -> bool:
+        return config.parallel != "fsdp"  # the step sharded the pair in place: serving builds whole copies
+
+    # ------------------------------------------------------------------ the step
+
+    def batch(
+        self, config: Any, batch_size: int, device: torch.device, seed: int, models: Pair
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        vocab = shared_vocab(config, *models)
         return token_batch(batch_size, config.data.seq_len, vocab, config.data.prompt_fraction, seed, device, config)
 
     def feature_paths(self, teacher: nn.Module, student: nn.Module, example: torch.Tensor, config: Any) -> Any:
-        from kdbench.distill.hooks import FeaturePaths, _spaced, pair_paths
+        from kdbench.distill.hooks import layer_pairs
 
         given_t, given_s = config.features.teacher, config.features.student
-        t = given_t or teacher.decoder_layers()
-        s = given_s or student.decoder_layers()
-        if not t or not s:
+        if not (given_t or teacher.decoder_layers()) or not (given_s or student.decoder_layers()):
             raise KdbenchError("hidden_mse: found no decoder layers; name them in features.teacher / features.student")
-        if not (given_t and given_s):
-            k = min(len(t), len(s), DEFAULT_LAYERS)
-            t, s = (given_t or _spaced(t, k)), (given_s or _spaced(s, k))
-        t, s = pair_paths(t, s, explicit=bool(given_t) and bool(given_s))
-        return FeaturePaths(teacher=t, student=s)
+        return layer_pairs(teacher.decoder_layers(), student.decoder_layers(), given_t, given_s, DEFAULT_LAYERS)
 
     def loss(self, config: Any, shapes: Any, teacher: nn.Module, student: nn.Module, backend: Any) -> nn.Module:
         return LMLoss(config, shapes, teacher, student, backend)
@@ -391,20 +400,13 @@ class LMWorkload(Workload):
 
     # ------------------------------------------------------------------ serving
 
-    def measure(
-        self,
-        measurement: Measurement,
-        batch_size: int,
-        teacher: nn.Module,
-        student: nn.Module,
-        config: Any,
-        backend: Any,
+    def serve(
+        self, measurement: Measurement, batch_size: int, pair: Pair, config: Any, backend: Any, budget_s: float | None
     ) -> Row:
         from kdbench.workloads.lm_serving import measure_serving
 
-        role = str(measurement).split("_", 1)[0]
-        model = student if role == "student" else teacher
-        return measure_serving(self, measurement, model, batch_size, config, backend)
+        _, model = model_of(measurement, pair)
+        return measure_serving(self, measurement, model, pair, batch_size, config, backend, budget_s)
 
 
 LM = LMWorkload()

@@ -17,6 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from kdbench.hw.backends import choose_autocast, math_flags, math_mode
+from kdbench.measure import walltime
+from kdbench.measure.failures import SkipMeasurement
+from kdbench.measure.flops import count_flops
+from kdbench.measure.rows import profiled_loop, timed_row
 from kdbench.names import Measurement
 from kdbench.schema import Row
 
@@ -85,17 +90,22 @@ def sample(
 
 
 def measure_serving(
-    workload, measurement: Measurement, model: nn.Module, batch_size: int, config: Any, backend: Any
+    workload,
+    measurement: Measurement,
+    model: nn.Module,
+    pair: tuple[nn.Module, nn.Module],
+    batch_size: int,
+    config: Any,
+    backend: Any,
+    budget_s: float | None,
 ) -> Row:
-    """The prefill or decode row of the teacher or the student (a :class:`~kdbench.workloads.lm.CausalLM`)."""
-    from kdbench.hw.backends import choose_autocast
-
+    """The prefill or decode row of ``model``, the teacher or the student of ``pair`` (a
+    :class:`~kdbench.models.lm.CausalLM`), timed within ``budget_s``."""
     if not getattr(model, "hf", False):
-        from kdbench.measure.runtimes import LeverSkip
-
-        raise LeverSkip("prefill and decode need a transformers causal LM (its KV cache); this model returns logits")
+        why = "prefill and decode need a transformers causal LM (its KV cache); this model returns logits"
+        raise SkipMeasurement(why)
     decode = measurement in (Measurement.STUDENT_DECODE, Measurement.TEACHER_DECODE)
-    ids, _ = workload.batch(config, batch_size, backend.device, config.seed + 1)
+    ids, _ = workload.batch(config, batch_size, backend.device, config.seed + 1, pair)
     choice = choose_autocast(backend, config.precision)
     lm = model.lm
     lm.eval()
@@ -110,7 +120,7 @@ def measure_serving(
         notes = ("this model's forward has no logits_to_keep: the prefill computes the logits of every position",)
     columns = {"decode_tokens": config.inference.decode_tokens if decode else None}
     start = gen.start if decode else None
-    args = (workload, measurement, batch_size, config, backend, choice, call, ids, columns, notes)
+    args = (workload, measurement, batch_size, config, backend, budget_s, choice, call, ids, columns, notes)
     return token_serving_row(*args, start=start)
 
 
@@ -120,6 +130,7 @@ def token_serving_row(
     batch_size: int,
     config: Any,
     backend: Any,
+    budget_s: float | None,
     choice: Any,
     call,
     ids: torch.Tensor,
@@ -128,39 +139,30 @@ def token_serving_row(
     start=None,
 ) -> Row:
     """The row of a served model's timed ``call`` on the token ``ids`` (LM prefill and decode, encoder forwards):
-    timed at the cell's math mode after ``start`` (untimed, in inference mode), FLOPs counted, tokens per second
-    from the workload's token count, with the family's ``columns`` and ``notes``."""
-    from kdbench.hw.backends import math_flags, math_mode
-    from kdbench.measure import walltime
-    from kdbench.measure.cell import LAUNCH_BOUND, _notes, timed_with_profile, timing_columns, token_columns
-    from kdbench.measure.flops import count_flops
-
+    timed at the cell's math mode after ``start`` (untimed, in inference mode) within ``budget_s``, FLOPs counted,
+    tokens per second from the workload's token count, with the family's ``columns`` and ``notes``."""
     with math_mode(choice.tf32):
         if start is not None:
             with torch.inference_mode(), choice.context(backend.device_type):
                 start()
         what = f"{config.pair.teacher}->{config.pair.student} {config.precision} {measurement} bs{batch_size}"
-        raw, profile, note = timed_with_profile(call, config, backend, batch_size, what=what)
+        raw, profile, note = profiled_loop(call, config, backend, batch_size, budget_s, what=what)
         flags = math_flags()
         with walltime.spent(walltime.FLOPS):
             flops = None if raw.note else count_flops(call)
-    timing = timing_columns(raw, 1, batch_size)
-    timing.update(token_columns(workload.tokens(measurement, batch_size, config), timing["median_ms"]))
-    launch = LAUNCH_BOUND if timing["launch_bound"] else ""
-    return Row(
-        {
-            "measurement": measurement,
-            "batch_size": batch_size,
-            "status": "ok",
-            **timing,
-            **profile,
-            **flags,
-            "flops": flops,
-            "autocast": choice.applied,
-            "runtime": "eager",
-            "seq_len": config.data.seq_len,
-            **columns,
-            "data_ptr_mod64": ids.data_ptr() % 64,
-            "notes": _notes(choice, extra=(launch, note, raw.note or "", *notes)),
-        }
+    return timed_row(
+        measurement,
+        batch_size,
+        raw,
+        tokens=workload.tokens(measurement, batch_size, config),
+        choices=(choice,),
+        notes=(note, raw.note or "", *notes),
+        **profile,
+        **flags,
+        flops=flops,
+        autocast=choice.applied,
+        runtime="eager",
+        seq_len=config.data.seq_len,
+        **columns,
+        data_ptr_mod64=ids.data_ptr() % 64,
     )

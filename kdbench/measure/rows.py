@@ -1,0 +1,180 @@
+"""The row toolkit every measurement shares, whatever the pair's family: the timed loop with its profile, the
+one builder of a timed row, and the rows of measurements that did not run.
+
+A timed row (:func:`timed_row`) is the measurement's name and batch size, the timing columns of its timed loop
+(:func:`timing_columns`: median, interval, samples, cold call, throughput; tokens per second for token
+workloads), its notes (the precision choices', launch-bound, the caller's) and the caller's own columns.  The
+distillation step (:mod:`kdbench.measure.step`), image inference (:mod:`kdbench.workloads.vision`) and token
+serving (:mod:`kdbench.workloads.lm_serving`) all build their rows with it.  Nothing here asks the plan: a
+measurement's share of its cell's time budget is handed in.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from kdbench.config.schema import CellConfig
+from kdbench.hw.backends import Backend
+from kdbench.measure import walltime
+from kdbench.measure.levers import LeverWatch
+from kdbench.measure.memory import MemoryMeter, memory_columns
+from kdbench.measure.stats import summarize
+from kdbench.measure.telemetry import TelemetrySampler, telemetry_columns
+from kdbench.measure.timing import Progress, RawTiming, timed_loop
+from kdbench.names import Measurement, Status
+from kdbench.schema import Row
+
+if TYPE_CHECKING:
+    from kdbench.measure.parallel import DataParallel
+
+logger = logging.getLogger(__name__)
+
+CELL_BUDGET_S = {"cpu": 300.0}  # a cell's default time budget per backend (none on GPUs)
+
+LAUNCH_BOUND = (
+    "launch-bound: issuing a call costs the host about as long as the device runs it, so this measures Python "
+    "and kernel launches, not the GPU"
+)
+
+
+def measurement_budget_s(config: CellConfig, backend: Backend, measurements: int) -> float | None:
+    """A measurement's share of its cell's time budget (``timing.cell_budget_s``, else the backend's), the cell
+    making ``measurements`` rows."""
+    budget = config.timing.cell_budget_s or CELL_BUDGET_S.get(backend.name)
+    return budget / measurements if budget else None
+
+
+def _progress(what: str) -> Progress:
+    def tell(phase: str, done: int, planned: int, per_call_s: float) -> None:
+        left = max(planned - done, 0) * per_call_s
+        logger.info(
+            "  ... %s: %s %d/%d, %.3g s per call, ~%.0f s left of this measurement",
+            what,
+            phase,
+            done,
+            planned,
+            per_call_s,
+            left,
+        )
+
+    return tell
+
+
+def profiled_loop(
+    fn: Callable[[], Any],
+    config: CellConfig,
+    backend: Backend,
+    batch_size: int,
+    budget_s: float | None,
+    dp: DataParallel | None = None,
+    watch: LeverWatch | None = None,
+    what: str = "",
+) -> tuple[RawTiming, Row, str]:
+    """``fn`` timed by the cell's timing settings (within ``budget_s``; under data parallelism the ranks' agreed
+    loop), with memory and (on GPUs) telemetry watched over the loop, and the levers' counters (``watch``):
+    the timing, the profile columns and a note on them."""
+    with MemoryMeter(backend) as memory, TelemetrySampler(backend) as telemetry:
+        on_window = watch.chain(telemetry.on_window) if watch is not None else telemetry.on_window
+        if dp is not None:
+            raw = dp.timed(fn, config, backend, on_window)
+        else:
+            t = config.timing
+            raw = timed_loop(
+                fn,
+                backend.clock(),
+                warmup=t.warmup,
+                min_iters=t.min_iters,
+                min_time_s=t.min_time_s,
+                max_iters=t.max_iters,
+                on_window=on_window,
+                target_rel_ci=t.target_rel_ci,
+                max_time_s=t.max_time_s,
+                budget_s=budget_s,
+                progress=_progress(what),
+            )
+    walltime.add(walltime.COLD, raw.cold_s)
+    walltime.add(walltime.WARMUP, raw.warmup_s)
+    if raw.window_s:
+        walltime.add(walltime.MEASURING, raw.window_s[1] - raw.window_s[0])
+    tele = telemetry.result(len(raw.samples_ms), batch_size, raw.window_s)
+    return raw, {**memory_columns(memory.result()), **telemetry_columns(tele)}, tele.note
+
+
+def timing_columns(raw: RawTiming, world_size: int, batch_size: int) -> Row:
+    summary = summarize(raw.samples_ms)
+    steady = raw.time_to_steady()
+    window_ms = (raw.window_s[1] - raw.window_s[0]) * 1e3 if raw.window_s else None
+    return {
+        "host_ms": statistics.median(raw.host_ms) if raw.host_ms else None,
+        "launch_bound": raw.launch_bound(summary.median_ms),
+        "window_ms": window_ms,
+        **summary.as_row(),
+        "thin": raw.thin,
+        "first_ms": raw.first_ms,
+        "cold_excess_ms": raw.cold_excess_ms(summary.median_ms),
+        "samples_ms": raw.samples_ms,
+        "timer": raw.clock,
+        "throughput": world_size * batch_size / (summary.median_ms / 1e3) if summary.median_ms > 0 else None,
+        "window_throughput": (world_size * batch_size * len(raw.samples_ms) / (window_ms / 1e3) if window_ms else None),
+        "time_to_steady_ms": steady[0] if steady else None,
+        "steady_after_iters": steady[1] if steady else None,
+    }
+
+
+def token_columns(tokens: int | None, median_ms: float, ranks: int = 1) -> Row:
+    """Tokens per timed call (per rank) and per second (all ``ranks``) of a token workload's measurement, at the
+    median call (:func:`timing_columns`' ``median_ms``); nothing for other workloads."""
+    if tokens is None:
+        return {}
+    per_s = ranks * tokens / (median_ms / 1e3) if median_ms > 0 else None
+    return {"tokens": tokens, "tokens_per_s": per_s}
+
+
+def join_notes(*choices: Any, extra: Iterable[str] = ()) -> str | None:
+    """A row's notes: each precision choice's caveat (``"bf16: ..."``), then ``extra``, blanks and repeats left
+    out; None when there is none."""
+    notes = [f"{c.precision}: {c.note}" for c in choices if c.note] + [n for n in extra if n]
+    return "; ".join(dict.fromkeys(notes)) or None
+
+
+def timed_row(
+    measurement: Measurement,
+    batch_size: int,
+    raw: RawTiming,
+    *,
+    world_size: int = 1,
+    tokens: int | None = None,
+    choices: tuple = (),
+    notes: Iterable[str] = (),
+    judge_launch: bool = True,
+    **columns: Any,
+) -> Row:
+    """The row of one timed measurement: its timing columns (``world_size`` ranks' throughput; with ``tokens``
+    per call, tokens per second), the caller's ``columns``, and notes: the precision ``choices``' caveats, the
+    launch-bound warning where it applies, then ``notes`` in order.  ``judge_launch`` False: the calls block the
+    host until the device is done (a runtime outside torch), so host and device time agree by construction and
+    launch-bound is not judged."""
+    timing = timing_columns(raw, world_size, batch_size)
+    timing.update(token_columns(tokens, timing["median_ms"], world_size))
+    if not judge_launch:
+        timing["launch_bound"] = None
+    launch = LAUNCH_BOUND if timing["launch_bound"] else ""
+    return Row(
+        {
+            "measurement": measurement,
+            "batch_size": batch_size,
+            "status": Status.OK,
+            **timing,
+            **columns,
+            "notes": join_notes(*choices, extra=(launch, *notes)),
+        }
+    )
+
+
+def failure_rows(planned: Iterable[Mapping[str, Any]], status: Status, error: str) -> list[Row]:
+    """The rows of measurements that did not run or did not finish: each planned row (its measurement, batch size
+    and whatever else it names) marked with ``status`` and ``error``."""
+    return [Row({**row, "status": status, "error": error}) for row in planned]

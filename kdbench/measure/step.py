@@ -1,0 +1,174 @@
+"""The distillation step's measurement, the same for every family of pair: its row, FLOPs, phases and profile.
+
+:func:`measure_distill_step` builds the cell's :class:`~kdbench.distill.step.DistillStep` on the workload's
+fixed batch, times it (:func:`kdbench.measure.rows.profiled_loop`; under data parallelism every rank takes
+part and each iteration counts at its slowest rank), then counts one more step's FLOPs, traces it when asked,
+and returns the ``distill_step`` row (:func:`distill_row`); a non-finite loss makes it ``failed``.  What
+differs between families (the batch, the tokens a step processes, the family's own columns) comes from the
+workload it is handed (:class:`StepWorkload`); nothing here looks a workload up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from kdbench.config.schema import CellConfig
+from kdbench.distill.step import DistillStep
+from kdbench.hw.backends import Backend, math_flags, math_mode
+from kdbench.measure import walltime
+from kdbench.measure.flops import count_flops
+from kdbench.measure.levers import LeverWatch, eager, release_compiled
+from kdbench.measure.memory import model_state_bytes, optimizer_state_bytes
+from kdbench.measure.parallel import DataParallel
+from kdbench.measure.rows import profiled_loop, timed_row
+from kdbench.measure.timing import RawTiming
+from kdbench.measure.trace import trace
+from kdbench.models import count_params
+from kdbench.names import GENERATE, PHASES, REMAINDER_COLUMN, Measurement, Status
+from kdbench.schema import Row
+
+
+@dataclass(frozen=True)
+class MeasureOptions:
+    """How a worker measures, beyond the cell's config (not part of the cell's identity)."""
+
+    trace_dir: str | None = None  # write a torch.profiler Chrome trace of each cell's step here
+    run_dir: str | None = None  # the run's folder: TunableOp's results file is kept there
+
+
+class StepWorkload(Protocol):
+    """What the step's measurement asks of the pair's family (:class:`kdbench.workloads.base.Workload` is one),
+    besides what the step itself asks (:class:`kdbench.distill.step.StepFamily`)."""
+
+    def batch(
+        self, config: CellConfig, batch_size: int, device: torch.device, seed: int, models: tuple[nn.Module, nn.Module]
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def tokens(self, measurement: Measurement, batch_size: int, config: CellConfig) -> int | None: ...
+
+    def step_columns(self, step: DistillStep, config: CellConfig, x: torch.Tensor) -> tuple[Row, tuple[str, ...]]: ...
+
+
+def step_flops(step: DistillStep) -> Row:
+    """FLOPs of one more step, counted after the timed loop (teacher forward apart when live)."""
+    distiller = step.distiller  # the teacher's input of the last step (an on-policy step's is its generated batch)
+    teacher = None if step.cache is not None else count_flops(lambda: distiller.teacher_outputs(distiller.last_input))
+    total = count_flops(step)
+    return {"flops": total, "teacher_forward_flops": teacher, "student_flops": total - (teacher or 0)}
+
+
+def phase_columns(step: DistillStep, raw: RawTiming) -> Row:
+    """Median of each phase over the timed iterations, and of what the phases leave out of the step.
+
+    Read right after the timed loop: any later call of the step (FLOP counting, tracing)
+    adds stamps of its own.  ``raw`` is this process's own timing (under data parallelism
+    the phases are rank 0's, and so is the step time they are taken from)."""
+    phases = step.phase_ms(len(raw.samples_ms))
+    if not phases:
+        return {}
+    row = {p.column: statistics.median(phases[p.name]) for p in (*PHASES, GENERATE) if p.name in phases}
+    rest = [total - sum(parts) for total, *parts in zip(raw.samples_ms, *phases.values())]
+    row[REMAINDER_COLUMN] = statistics.median(rest)
+    return row
+
+
+def distill_row(
+    workload: StepWorkload,
+    step: DistillStep,
+    raw: RawTiming,
+    config: CellConfig,
+    x: torch.Tensor,
+    loss: float,
+    local: RawTiming | None = None,
+    note: str = "",
+) -> Row:
+    """The distill_step row of a timed step; failed when the loss is not finite.  ``local`` is this
+    process's own timing when ``raw`` was gathered from data-parallel ranks (the phases come from it)."""
+    distiller = step.distiller
+    family, family_notes = workload.step_columns(step, config, x)
+    paths = distiller.paths
+    row = timed_row(
+        Measurement.DISTILL_STEP,
+        config.batch_size,
+        raw,
+        world_size=config.world_size,
+        tokens=workload.tokens(Measurement.DISTILL_STEP, config.batch_size, config),
+        choices=(distiller.student_ac, distiller.teacher_ac),
+        notes=(distiller.optimizer_note, note, *family_notes, raw.note or ""),
+        final_loss=loss,
+        autocast=distiller.student_ac.applied,
+        teacher_autocast=distiller.teacher_ac.applied,
+        grad_scaler=distiller.scaler is not None,
+        nonfinite_steps=distiller.nonfinite_steps,
+        scaler_skips=distiller.scaler_skips,
+        adapter_params=distiller.adapter_params,
+        trainable_params=count_params(distiller.trainee),
+        teacher_features=",".join(paths.teacher) if paths else None,
+        student_features=",".join(paths.student) if paths else None,
+        teacher_cache_ms=step.cache_ms,
+        **phase_columns(step, local or raw),
+        **family,
+    )
+    if not math.isfinite(loss):
+        row.update(
+            status=Status.FAILED, error=f"the distillation loss is not finite ({loss}); lower lr or use bf16/fp32"
+        )
+    return row
+
+
+def measure_distill_step(
+    workload: StepWorkload,
+    teacher: nn.Module,
+    student: nn.Module,
+    config: CellConfig,
+    backend: Backend,
+    budget_s: float | None,
+    options: MeasureOptions = MeasureOptions(),
+    trace_name: str = "cell",
+    dp: DataParallel | None = None,
+) -> Row | None:
+    """The distill_step row (None on data-parallel ranks other than 0, which only take part), the step timed
+    within ``budget_s`` (its share of the cell's time budget)."""
+    rank = dp.rank if dp is not None else 0
+    x, y = workload.batch(config, config.batch_size, backend.device, config.seed + rank, (teacher, student))
+    watch = LeverWatch(config)  # before the step is built: it resets torch._dynamo
+    wrap, wrap_teacher = (dp.wrapper(config, backend), dp.teacher_wrapper(config, backend)) if dp else (None, None)
+    step = DistillStep(teacher, student, x, y, config, backend, workload, wrap=wrap, wrap_teacher=wrap_teacher)
+    try:
+        with math_mode(step.distiller.student_ac.tf32):
+            what = f"{config.pair.teacher}->{config.pair.student} {config.precision} distill_step"
+            raw, profile, note = profiled_loop(step, config, backend, config.batch_size, budget_s, dp, watch, what)
+            loss = float(step.last_loss) if step.last_loss is not None else math.nan
+            local = raw
+            if dp is not None:
+                raw, loss = dp.slowest(raw, backend), dp.mean(loss, backend)
+            row = distill_row(workload, step, raw, config, x, loss, local, note) if rank == 0 else None
+            if raw.note:  # over its time budget: no extra step to count FLOPs
+                flops = {}
+            else:
+                with eager() if watch.compiled else contextlib.nullcontext(), walltime.spent(walltime.FLOPS):
+                    flops = step_flops(step)  # every rank: under DDP the counted step runs the collectives
+            traced = {}
+            if options.trace_dir:  # every rank runs the traced calls; rank 0 writes the trace
+                path = Path(options.trace_dir) / f"{trace_name}.json" if rank == 0 else None
+                with walltime.spent(walltime.PROFILING):
+                    traced = trace(step, backend, path)
+            flags = math_flags()
+        if row is not None:
+            row.update(profile, **flops, **traced, **flags, **watch.columns(raw, row["median_ms"]))
+            distiller = step.distiller
+            row["optimizer_state_bytes"] = optimizer_state_bytes(distiller.optimizer)
+            row["model_state_bytes"] = model_state_bytes((distiller.teacher, distiller.trainee), distiller.optimizer)
+        return row
+    finally:
+        step.close()
+        if watch.compiled:  # its CUDA graph pool would count in the next measurement's peaks
+            release_compiled(backend)

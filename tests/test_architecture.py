@@ -1,0 +1,151 @@
+"""The layout holds: imports go down the floors of kdbench/floors.py (the one place their order is written), no
+import circle crosses folders, the family is decided in one place, and no private name crosses modules."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from kdbench.floors import DELIBERATE, FLOORS, floor_of, level
+
+PACKAGE = Path(__file__).resolve().parent.parent / "kdbench"
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str) -> bool:
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def _imports() -> dict[str, set[tuple[str, int]]]:
+    """Every kdbench module's imports of kdbench modules (module level, in functions, under TYPE_CHECKING alike),
+    with their lines."""
+    out: dict[str, set[tuple[str, int]]] = defaultdict(set)
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module(path)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kdbench"):
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("kdbench")]
+            for name in names:
+                if _is_module(name) and name != module:
+                    out[module].add((name, node.lineno))
+    return out
+
+
+IMPORTS = _imports()
+
+
+def test_every_module_is_on_a_floor():
+    modules = {_module(p) for p in PACKAGE.rglob("*.py")}
+    assert sorted(m for m in modules if floor_of(m) is None) == []
+
+
+def test_imports_never_climb_a_floor():
+    climbs = []
+    for module, targets in IMPORTS.items():
+        here = floor_of(module)
+        for target, line in targets:
+            there = floor_of(target)
+            if level(there) > level(here) and (here, there) not in DELIBERATE:
+                climbs.append(f"{module}:{line} imports {target} ({here} -> {there})")
+    assert climbs == []
+
+
+def test_no_import_circle_crosses_folders():
+    graph = {m: {t for t, _ in ts} for m, ts in IMPORTS.items()}
+    crossing = [sorted(c) for c in _circles(graph) if len({floor_of(m) for m in c}) > 1]
+    assert crossing == []
+
+
+def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[set[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(component)
+    return out
+
+
+def test_the_circle_finder_finds_circles():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_floors_are_the_design_order():
+    assert [f for f, _ in FLOORS] == [
+        "face", "run", "quality", "report", "workloads", "measure", "distill", "hw", "config", "store", "models", "base"
+    ]  # fmt: skip
+
+
+def _sources() -> list[tuple[Path, str]]:
+    return [(p, p.read_text(encoding="utf-8")) for p in sorted(PACKAGE.rglob("*.py"))]
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [r'data\.kind\s*[!=]=\s*"tokens"', r'family\s*[!=]=\s*"(lm|vision|encoder)"'],
+    ids=["data-kind-as-family", "family-name-test"],
+)
+def test_the_family_is_decided_in_the_workloads_package_alone(pattern):
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{text.count(chr(10), 0, m.start()) + 1}"
+        for path, text in _sources()
+        if "workloads" not in path.parts
+        for m in re.finditer(pattern, text)
+    ]
+    assert found == []
+
+
+def test_no_private_name_is_imported_across_modules():
+    private = re.compile(r"from kdbench\.[a-z_.]+ import .*\b_[a-z]")
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{n}"
+        for path, text in _sources()
+        for n, line in enumerate(text.splitlines(), 1)
+        if private.search(line)
+    ]
+    assert found == []
