@@ -52,7 +52,7 @@ def simulated_gpu(name: str = "cuda"):
     import torch
 
     from kdbench.hw.backends import Backend
-    from kdbench.measure.timing import HostClock
+    from kdbench.hw.clock import HostClock
 
     class SimulatedGpu(Backend):
         @property

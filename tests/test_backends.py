@@ -23,7 +23,7 @@ from kdbench.hw.backends import (
     needs_grad_scaler,
     resolve,
 )
-from kdbench.measure.timing import EventClock, HostClock
+from kdbench.hw.clock import EventClock, HostClock
 
 
 def _simulate(monkeypatch, *, hip, cuda, available, count):

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kdbench.errors import KdbenchError
-from kdbench.measure.timing import Clock, EventClock, HostClock
+from kdbench.hw.clock import Clock, EventClock, HostClock
 
 # The tensors' dtype of each precision; tf32 keeps fp32 tensors and turns the TF32 math mode on.
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
