@@ -508,7 +508,7 @@ COLUMNS: tuple[Column, ...] = (
             _F,
             "TFLOP/s",
             "vendor dense peak at the cell's precision "
-            "(kdbench.hw.peaks.PEAKS); for a distill_step whose live teacher runs at another precision, flops / "
+            "(kdbench.peaks.PEAKS); for a distill_step whose live teacher runs at another precision, flops / "
             "(teacher_forward_flops / teacher's peak + the rest / student's peak)",
         ),
         ("mfu", _F, "ratio", "achieved_tflops / datasheet_peak_tflops"),

@@ -1,5 +1,5 @@
 """FLOPs, datasheet peaks, memory, optimizer state, telemetry (fake libraries) and ceiling probes
-(kdbench.measure.{flops,memory,telemetry,probe}, kdbench.hw.peaks, kdbench.store.probes)."""
+(kdbench.measure.{flops,memory,telemetry,probe}, kdbench.peaks, kdbench.store.probes)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ import torch
 
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import Backend
-from kdbench.hw.peaks import PEAKS, datasheet_peak
 from kdbench.measure import memory, probe, telemetry
 from kdbench.measure.flops import count_flops
 from kdbench.measure.memory import MemoryMeter, optimizer_state_bytes
 from kdbench.measure.probe import measure_ceilings, probe_env
 from kdbench.measure.telemetry import TelemetrySampler
+from kdbench.peaks import PEAKS, datasheet_peak
 from kdbench.store import probes
 from kdbench.store.probes import latest_ceiling, write_probe
 
