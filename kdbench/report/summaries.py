@@ -13,9 +13,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kdbench.measure.stats import NOISY_REL_IQR
 from kdbench.names import QUALITY_ROLES, Measurement, Status
-from kdbench.repeats import centre_interval, median_log_variance
+from kdbench.repeats import NOISY_REL_IQR, centre_interval, median_log_variance
 from kdbench.store.derived import TEACHER_MODE, payback_steps, twin_key
 from kdbench.store.schema import COLUMNS, DERIVED, RESULT, STATISTICS
 
