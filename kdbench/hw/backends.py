@@ -261,16 +261,6 @@ def _autocast_works(device_type: str, dtype: torch.dtype) -> str:
     return ""
 
 
-def slow_precision(backend: Backend, precision: str, probes_dir: Any = None) -> str | None:
-    """Why ``precision`` runs far slower than fp32 on ``backend`` (None: it does not), from a probe, a
-    cached or a quick measurement on the CPU, or the flag rule on a GPU without a probe: flags alone
-    mislead (see :mod:`kdbench.hw.speed`, which this wraps)."""
-    from kdbench.hw.speed import dtype_slowdown
-
-    found = dtype_slowdown(backend, precision, probes_dir)
-    return found.describe() if found is not None and found.slow else None
-
-
 def choose_autocast(backend: Backend, precision: str) -> AutocastChoice:
     """fp32 runs plainly (IEEE); tf32 runs fp32 tensors in the TF32 math mode where the GPU has it (and
     is skipped elsewhere); fp16/bf16 run under torch.amp.autocast where the backend supports them."""
