@@ -173,7 +173,7 @@ def plan_jobs(suite: Suite, shard: tuple[int, int] | None = None, backend_name: 
     every = [CellJob(c, r, n).job_id for r in range(1, n + 1) for c in cells]
     check_budgets(suite, cells, backend_name)
     if suite.quality is not None:
-        from kdbench.quality.datasets import check_quality
+        from kdbench.quality.protocol import check_quality
 
         try:
             check_quality(suite.quality, [c.config for c in cells])
