@@ -6,7 +6,7 @@ column's type, checked where the row is made and wherever a value is set.  Parts
 in ``STORED_SCHEMA`` (every column but the derived ones), docs/results.md documents ``COLUMNS`` (a
 test keeps the two equal), and :func:`kdbench.store.read_results` returns every column, the
 derived ones computed at read time (:mod:`kdbench.store.derived`).  Torch-free: the measuring
-code, the store and the report all read it (:mod:`kdbench.store.schema` is the store's door).
+code, the store and the report all import it from here, the one door.
 """
 
 from __future__ import annotations

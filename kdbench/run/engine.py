@@ -35,10 +35,9 @@ from kdbench.hw.backends import Backend, detect, resolve, thread_count
 from kdbench.measure.cell import MeasureOptions
 from kdbench.names import FAILURES, Measurement, Status
 from kdbench.run.jobs import CellJob, Job, QualityJob, failure_rows
-from kdbench.schema import Row
+from kdbench.schema import SCHEMA_VERSION, Row
 from kdbench.store.probes import ceiling_columns, latest_ceiling
 from kdbench.store.results import PROBES_DIR, TRACES_DIR, Invocation, RunFolder, newest_run, open_run
-from kdbench.store.schema import SCHEMA_VERSION
 
 logger = logging.getLogger(__name__)
 

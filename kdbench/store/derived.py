@@ -41,7 +41,7 @@ import pyarrow as pa
 from kdbench.names import PRECISIONS, SERVING, Measurement, Status, counterpart, role_of
 from kdbench.peaks import datasheet_peak
 from kdbench.repeats import centre, paired_t
-from kdbench.store.schema import COLUMNS
+from kdbench.schema import COLUMNS
 
 # A world_size 1 cell has no DDP or FSDP options to compare: an FSDP2 cell's twin is the same single-device cell
 WORLD_SIZE = (("world_size",), ("ddp",), ("parallel",), ("fsdp",))
