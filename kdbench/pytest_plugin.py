@@ -172,7 +172,8 @@ class KdbenchFixture:
             _fail(f"batch_size={batch_size!r}: use a positive int")
         from kdbench.hw.backends import math_mode
         from kdbench.measure.cell import cell_model, inference_forward, served_columns
-        from kdbench.measure.runtimes import LeverSkip, serve
+        from kdbench.measure.runtimes import serve
+        from kdbench.measure.serving import LeverSkip
         from kdbench.names import Measurement
 
         cell, backend = self._prepare(config, device)

@@ -62,7 +62,8 @@ from kdbench.measure.levers import (
 )
 from kdbench.measure.memory import MemoryMeter, memory_columns, model_state_bytes, optimizer_state_bytes
 from kdbench.measure.parallel import DataParallel
-from kdbench.measure.runtimes import LeverSkip, Served, serve
+from kdbench.measure.runtimes import Served, serve
+from kdbench.measure.serving import LeverSkip
 from kdbench.measure.stats import summarize
 from kdbench.measure.telemetry import TelemetrySampler, telemetry_columns
 from kdbench.measure.timing import Progress, RawTiming, timed_loop

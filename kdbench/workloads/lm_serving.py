@@ -91,7 +91,7 @@ def measure_serving(
     from kdbench.hw.backends import choose_autocast
 
     if not getattr(model, "hf", False):
-        from kdbench.measure.runtimes import LeverSkip
+        from kdbench.measure.serving import LeverSkip
 
         raise LeverSkip("prefill and decode need a transformers causal LM (its KV cache); this model returns logits")
     decode = measurement in (Measurement.STUDENT_DECODE, Measurement.TEACHER_DECODE)
