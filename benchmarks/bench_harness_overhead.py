@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from kdbench.hw.backends import resolve
-from kdbench.measure.timing import EventClock, timed_loop
+from kdbench.hw.clock import EventClock
+from kdbench.measure.timing import timed_loop
 
 ROUNDS = 20
 ROUND_S = 0.05  # seconds per variant per round

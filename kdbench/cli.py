@@ -481,7 +481,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     import torch
 
     from kdbench.hw.backends import resolve, thread_count
-    from kdbench.hw.probe import measure_ceilings, probe_env
+    from kdbench.measure.probe import measure_ceilings, probe_env
     from kdbench.store.probes import write_probe
     from kdbench.store.results import PROBES_DIR
 

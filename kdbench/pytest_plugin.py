@@ -171,7 +171,8 @@ class KdbenchFixture:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             _fail(f"batch_size={batch_size!r}: use a positive int")
         from kdbench.hw.backends import math_mode
-        from kdbench.measure.runtimes import LeverSkip, serve
+        from kdbench.measure.runtimes import serve
+        from kdbench.measure.serving import LeverSkip
         from kdbench.names import Measurement
         from kdbench.workloads.vision import cell_model, inference_forward, served_columns
 
@@ -271,7 +272,7 @@ class KdbenchFixture:
         self, cell: Cell, backend: Backend, measurement: str, batch_size: int, *choices: AutocastChoice
     ) -> None:
         """What was measured, in the benchmark's ``extra_info`` (kept in ``--benchmark-json`` and saved runs)."""
-        from kdbench.hw.environment import _device_facts
+        from kdbench.hw.environment import device_facts
 
         c = cell.config
         notes = [f"{ch.precision}: {ch.note}" for ch in choices if ch.note]
@@ -285,7 +286,7 @@ class KdbenchFixture:
                 "teacher_precision": c.teacher_precision,
                 "autocast": choices[0].applied,
                 "backend": backend.name,
-                "device_name": _device_facts(backend)["device_name"],
+                "device_name": device_facts(backend)["device_name"],
                 "notes": "; ".join(dict.fromkeys(notes)) or None,
             }
         )

@@ -20,6 +20,8 @@ load) by more than the iterations of one process can show.  So the repeat is the
   order statistics' Beta laws (each draw O(1));
 * **paired interval** (two cells measured in the same repeats, e.g. a lever against its twin): the
   per-repeat differences' t-interval (:func:`paired_t`, scipy's ``ttest_1samp``).
+* **noisy**: a measurement whose IQR / median is above ``NOISY_REL_IQR`` (one repeat's samples, or
+  the pooled figures in the report): its median is read with care.
 
 Torch-free (numpy, scipy): the report and the store use it.
 """
@@ -31,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+NOISY_REL_IQR = 0.10  # IQR / median above this marks a measurement (a repeat, or the repeats pooled) noisy
 
 # A repeat's median, from n samples of spread s (in logs), varies with variance about (π/2) s² / n: the
 # asymptotic variance of a sample median of normal data.  The spread comes from the MAD, robust to the

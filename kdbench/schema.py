@@ -6,7 +6,7 @@ column's type, checked where the row is made and wherever a value is set.  Parts
 in ``STORED_SCHEMA`` (every column but the derived ones), docs/results.md documents ``COLUMNS`` (a
 test keeps the two equal), and :func:`kdbench.store.read_results` returns every column, the
 derived ones computed at read time (:mod:`kdbench.store.derived`).  Torch-free: the measuring
-code, the store and the report all read it (:mod:`kdbench.store.schema` is the store's door).
+code, the store and the report all import it from here, the one door.
 """
 
 from __future__ import annotations
@@ -508,7 +508,7 @@ COLUMNS: tuple[Column, ...] = (
             _F,
             "TFLOP/s",
             "vendor dense peak at the cell's precision "
-            "(kdbench.hw.peaks.PEAKS); for a distill_step whose live teacher runs at another precision, flops / "
+            "(kdbench.peaks.PEAKS); for a distill_step whose live teacher runs at another precision, flops / "
             "(teacher_forward_flops / teacher's peak + the rest / student's peak)",
         ),
         ("mfu", _F, "ratio", "achieved_tflops / datasheet_peak_tflops"),

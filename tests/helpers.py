@@ -7,9 +7,9 @@ from pathlib import Path
 import yaml
 
 from kdbench.config.schema import CellConfig
+from kdbench.schema import rows_to_table
 from kdbench.store.derived import derive
 from kdbench.store.results import MANIFEST, RunFolder
-from kdbench.store.schema import rows_to_table
 
 
 def make_config(**overrides) -> CellConfig:
@@ -54,7 +54,7 @@ def simulated_gpu(name: str = "cuda"):
     import torch
 
     from kdbench.hw.backends import Backend
-    from kdbench.measure.timing import HostClock
+    from kdbench.hw.clock import HostClock
 
     class SimulatedGpu(Backend):
         @property

@@ -23,7 +23,7 @@ from kdbench.hw.backends import (
     needs_grad_scaler,
     resolve,
 )
-from kdbench.measure.timing import EventClock, HostClock
+from kdbench.hw.clock import EventClock, HostClock
 
 
 def _simulate(monkeypatch, *, hip, cuda, available, count):
@@ -508,7 +508,7 @@ def test_a_rank_that_sees_some_but_not_its_gpu_is_told_what_to_change(monkeypatc
 
 
 def test_a_rocm_device_is_recorded_by_its_architecture_family_and_compute_units(monkeypatch):
-    from kdbench.hw.environment import _device_facts
+    from kdbench.hw.environment import device_facts
 
     _props(
         monkeypatch,
@@ -517,11 +517,11 @@ def test_a_rocm_device_is_recorded_by_its_architecture_family_and_compute_units(
         multi_processor_count=38,  # a CPX partition
         total_memory=24 << 30,
     )
-    facts = _device_facts(FAKE_ROCM)
+    facts = device_facts(FAKE_ROCM)
     assert facts["device_arch"] == "gfx942" and facts["device_arch_full"] == "gfx942:sramecc+:xnack-"
     assert facts["device_compute_units"] == 38 and facts["device_memory_bytes"] == 24 << 30
     _props(monkeypatch, name="NVIDIA H200", major=9, minor=0, multi_processor_count=132, total_memory=141 << 30)
-    assert _device_facts(FAKE_GPU)["device_arch"] == "sm_90"
+    assert device_facts(FAKE_GPU)["device_arch"] == "sm_90"
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,8 @@ from kdbench.measure.telemetry import TelemetrySampler, telemetry_columns
 from kdbench.measure.timing import RawTiming
 from kdbench.models import build_model
 from kdbench.names import PHASES, REMAINDER_COLUMN
+from kdbench.schema import ENVIRONMENT_COLUMNS
 from kdbench.store import read_results
-from kdbench.store.schema import ENVIRONMENT_COLUMNS
 from kdbench.workloads import workload_of
 from tests.helpers import make_config, run_folder
 

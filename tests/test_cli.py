@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from kdbench.cli import main
+from kdbench.schema import STORED_SCHEMA
 from kdbench.store import read_results
-from kdbench.store.schema import STORED_SCHEMA
 from tests.helpers import run_folder
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -274,7 +274,7 @@ def test_kd_plus_crd_combines():
 def test_data_set_indices_pick_the_bank_rows_and_the_quality_bank_is_sized_to_the_data():
     """In quality training a batch carries its samples' data-set indices: those bank rows (and only those)
     are read as positives and updated; the quality protocol sizes the bank to the training set."""
-    from kdbench.quality.protocol import bank_sized
+    from kdbench.quality.train import bank_sized
 
     params = CRDParams(feat_dim=8, nce_k=4, n_data=30)
     shapes = type("Shapes", (), {"student": [torch.Size([2, 6, 2, 2])], "teacher": [torch.Size([2, 7, 2, 2])]})

@@ -16,7 +16,7 @@ import pytest
 
 from kdbench.errors import KdbenchError
 from kdbench.report.export import FORMATS, _stats, export, write_export
-from kdbench.store.schema import COLUMN_NAMES
+from kdbench.schema import COLUMN_NAMES
 from tests.helpers import as_read
 
 HOST = {
@@ -287,7 +287,7 @@ def test_export_is_torch_free():
     script = (
         "import sys\n"
         "from kdbench.report.export import export\n"
-        "from kdbench.store.schema import rows_to_table\n"
+        "from kdbench.schema import rows_to_table\n"
         "df = rows_to_table([{'measurement': 'distill_step', 'status': 'ok', 'samples_ms': [1.0]}]).to_pandas()\n"
         "export(df, 'pytest-benchmark'); export(df, 'csv'); export(df, 'json')\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"

@@ -1,5 +1,5 @@
 """FLOPs, datasheet peaks, memory, optimizer state, telemetry (fake libraries) and ceiling probes
-(kdbench.measure.{flops,memory,telemetry}, kdbench.hw.{peaks,probe}, kdbench.store.probes)."""
+(kdbench.measure.{flops,memory,telemetry,probe}, kdbench.peaks, kdbench.store.probes)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,13 @@ import pytest
 import torch
 
 from kdbench.errors import KdbenchError
-from kdbench.hw import probe
 from kdbench.hw.backends import Backend
-from kdbench.hw.peaks import PEAKS, datasheet_peak
-from kdbench.hw.probe import measure_ceilings, probe_env
-from kdbench.measure import memory, telemetry
+from kdbench.measure import memory, probe, telemetry
 from kdbench.measure.flops import count_flops
 from kdbench.measure.memory import MemoryMeter, optimizer_state_bytes
+from kdbench.measure.probe import measure_ceilings, probe_env
 from kdbench.measure.telemetry import TelemetrySampler
+from kdbench.peaks import PEAKS, datasheet_peak
 from kdbench.store import probes
 from kdbench.store.probes import latest_ceiling, write_probe
 from kdbench.worker_state import current
@@ -684,7 +683,7 @@ def test_a_copy_the_device_cannot_hold_is_an_error_row_not_the_end_of_the_probe(
 
 @pytest.mark.parametrize("device_type, expected", [("cuda", 2.0), ("cpu", 0.5)])
 def test_probe_runs_long_enough_for_sustained_clocks_on_gpus(monkeypatch, device_type, expected):
-    from kdbench.hw import probe as probe_module
+    from kdbench.measure import probe as probe_module
 
     seen = []
     monkeypatch.setattr(probe_module, "_times_ms", lambda fn, backend, min_time_s: seen.append(min_time_s) or (1, 1))

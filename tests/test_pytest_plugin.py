@@ -280,7 +280,7 @@ def test_device_levers_hold_around_the_benchmark_on_a_simulated_gpu(what, monkey
     gpu = simulated_gpu("cuda")
     tunable = _FakeTunable()
     monkeypatch.setattr(backends, "resolve", lambda requested: gpu)
-    monkeypatch.setattr(environment, "_device_facts", lambda backend: {"device_name": "simulated"})
+    monkeypatch.setattr(environment, "device_facts", lambda backend: {"device_name": "simulated"})
     monkeypatch.setattr(torch.cuda, "tunable", tunable, raising=False)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     entered = []
@@ -325,7 +325,7 @@ def test_no_device_levers_without_them_on_a_simulated_gpu(monkeypatch):
     from kdbench.pytest_plugin import KdbenchFixture
 
     monkeypatch.setattr(backends, "resolve", lambda requested: simulated_gpu("cuda"))
-    monkeypatch.setattr(environment, "_device_facts", lambda backend: {"device_name": "simulated"})
+    monkeypatch.setattr(environment, "device_facts", lambda backend: {"device_name": "simulated"})
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
     tunable = _FakeTunable()
     monkeypatch.setattr(torch.cuda, "tunable", tunable, raising=False)

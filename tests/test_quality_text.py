@@ -248,7 +248,7 @@ def test_the_summary_table_shows_perplexity(text_rows):
 
 
 def test_image_and_text_mismatches_are_user_errors():
-    from kdbench.quality.datasets import check_quality
+    from kdbench.quality.protocol import check_quality
 
     with pytest.raises(KdbenchError, match="is an image pair"):
         check_quality(SMALL, [make_config()])

@@ -16,7 +16,9 @@ from torch import nn
 from kdbench.hw.backends import Backend
 from kdbench.hw.data import synthetic_batch
 from kdbench.measure import runtimes
-from kdbench.measure.runtimes import LeverSkip, OutputCheck, compare_outputs, ort_providers, serve
+from kdbench.measure.onnx import ort_providers
+from kdbench.measure.runtimes import OutputCheck, compare_outputs, serve
+from kdbench.measure.serving import LeverSkip
 from kdbench.models import build_model
 from tests.helpers import make_config, simulated_gpu
 
@@ -229,7 +231,7 @@ def test_onnxruntime_on_cuda_by_simulation(monkeypatch):
 
 def test_gpu_providers_get_torchs_device_id(monkeypatch):
     from kdbench.hw.backends import choose_autocast
-    from kdbench.measure.runtimes import _provider_options
+    from kdbench.measure.onnx import _provider_options
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # G6: MIGraphX got no device id
     choice = choose_autocast(FAKE_ROCM, "fp32")

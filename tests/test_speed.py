@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from kdbench.hw import speed
-from kdbench.hw.backends import DTYPES, Backend, slow_precision
+from kdbench.hw.backends import DTYPES, Backend
 from kdbench.hw.speed import (
     SLOW_FACTOR,
     default_cache_file,
     device_name,
     dtype_slowdown,
     skip_reason_for_slow,
+    slow_precision,
     slow_precisions,
 )
 from kdbench.store.probes import write_probe

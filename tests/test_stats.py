@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from kdbench.measure.stats import NOISY_REL_IQR, summarize
+from kdbench.measure.stats import summarize
+from kdbench.repeats import NOISY_REL_IQR
 
 
 def test_hand_computed_small_sample():

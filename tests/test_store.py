@@ -13,6 +13,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from kdbench.errors import KdbenchError
+from kdbench.schema import (
+    COLUMN_NAMES,
+    COLUMNS,
+    DERIVED_COLUMNS,
+    SCHEMA,
+    STORED_SCHEMA,
+    rows_to_table,
+    schema_markdown,
+)
 from kdbench.store.files import write_parquet
 from kdbench.store.results import (
     MANIFEST,
@@ -23,15 +32,6 @@ from kdbench.store.results import (
     open_run,
     read_results,
     result_files,
-)
-from kdbench.store.schema import (
-    COLUMN_NAMES,
-    COLUMNS,
-    DERIVED_COLUMNS,
-    SCHEMA,
-    STORED_SCHEMA,
-    rows_to_table,
-    schema_markdown,
 )
 
 RESULTS_DOC = Path(__file__).resolve().parent.parent / "docs" / "results.md"

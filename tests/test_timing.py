@@ -7,8 +7,9 @@ import time
 import pytest
 import torch
 
+from kdbench.hw.clock import EventClock, HostClock
 from kdbench.measure import timing
-from kdbench.measure.timing import EventClock, HostClock, RawTiming, timed_loop
+from kdbench.measure.timing import RawTiming, timed_loop
 
 
 class FakeTime:

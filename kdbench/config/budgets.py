@@ -31,7 +31,7 @@ from kdbench.config.base import Strict
 from kdbench.errors import did_you_mean
 from kdbench.names import FAILURES, TIMED, Status
 from kdbench.repeats import centre
-from kdbench.store.schema import COLUMNS, CONFIG, DERIVED, RESULT, STATISTICS
+from kdbench.schema import COLUMNS, CONFIG, DERIVED, RESULT, STATISTICS
 
 _NUMERIC = ("int", "double", "float", "int32", "int64")
 STATS = tuple(c.name for c in COLUMNS if c.group in (STATISTICS, RESULT, DERIVED) and str(c.type) in _NUMERIC)

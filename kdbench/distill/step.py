@@ -33,8 +33,8 @@ from kdbench.config.schema import CellConfig, OptimizerConfig
 from kdbench.distill.hooks import FeaturePaths, FeatureTap
 from kdbench.distill.losses import LossInputs, needs_features
 from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_scaler, math_mode
+from kdbench.hw.clock import Clock
 from kdbench.hw.layout import place_aligned, place_model
-from kdbench.measure.timing import Clock
 from kdbench.names import GENERATE, PHASES
 
 

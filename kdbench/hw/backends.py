@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kdbench.errors import KdbenchError
-from kdbench.measure.timing import Clock, EventClock, HostClock
+from kdbench.hw.clock import Clock, EventClock, HostClock
 
 # The tensors' dtype of each precision; tf32 keeps fp32 tensors and turns the TF32 math mode on.
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -259,16 +259,6 @@ def _autocast_works(device_type: str, dtype: torch.dtype) -> str:
         reason = next((str(w.message) for w in caught), "autocast disabled itself")
         return reason.splitlines()[0]
     return ""
-
-
-def slow_precision(backend: Backend, precision: str, probes_dir: Any = None) -> str | None:
-    """Why ``precision`` runs far slower than fp32 on ``backend`` (None: it does not), from a probe, a
-    cached or a quick measurement on the CPU, or the flag rule on a GPU without a probe: flags alone
-    mislead (see :mod:`kdbench.hw.speed`, which this wraps)."""
-    from kdbench.hw.speed import dtype_slowdown
-
-    found = dtype_slowdown(backend, precision, probes_dir)
-    return found.describe() if found is not None and found.slow else None
 
 
 def choose_autocast(backend: Backend, precision: str) -> AutocastChoice:

@@ -159,7 +159,7 @@ def _speed_knobs() -> dict[str, Any]:
     return {"cpu_capability": capability, **math_flags()}  # each measurement records its own flags too
 
 
-def _device_facts(backend: Backend) -> dict[str, Any]:
+def device_facts(backend: Backend) -> dict[str, Any]:
     if backend.device_type == "cuda":
         props = torch.cuda.get_device_properties(backend.device)
         full = getattr(props, "gcnArchName", "") if backend.name == "rocm" else f"sm_{props.major}{props.minor}"
@@ -194,7 +194,7 @@ def capture(backend: Backend) -> dict[str, Any]:
         if backend.name == "rocm":  # torch names the libraries after CUDA's on ROCm too
             blas = {"Cublas": "rocBLAS", "Cublaslt": "hipBLASLt"}.get(blas, blas)
     return {
-        **_device_facts(backend),
+        **device_facts(backend),
         "device_count": d.gpu_count,
         "driver_version": driver_version(d.build),
         "torch_version": torch.__version__,

@@ -321,6 +321,14 @@ def slow_precisions(
     return out
 
 
+def slow_precision(backend: Backend, precision: str, probes_dir: Path | None = None) -> str | None:
+    """Why ``precision`` runs far slower than fp32 on ``backend`` (None: it does not), from a probe, a
+    cached or a quick measurement on the CPU, or the flag rule on a GPU without a probe: flags alone
+    mislead (see :func:`dtype_slowdown`)."""
+    found = dtype_slowdown(backend, precision, probes_dir)
+    return found.describe() if found is not None and found.slow else None
+
+
 def warning_line(slowdown: Slowdown) -> str:
     """'bf16 runs 8.0x slower than fp32 here (a 256x256 matmul, measured now): its cells will take about
     that much longer'."""

@@ -6,9 +6,11 @@ runtime's one-off cost, and an :class:`OutputCheck` of that call's output agains
 eager model's.  The eager reference is computed first, in the cell's precision and fp32
 math mode; every other runtime is checked against it before :func:`serve` returns.  A
 disagreement beyond the tolerance does not raise: the check is stored with the row
-(``ok=False``).  A lever that cannot run here raises :class:`LeverSkip` (the row is
-stored as skipped, with its one-line reason); anything else that goes wrong raises an
-ordinary exception (a failed row).
+(``ok=False``).  A lever that cannot run here raises
+:class:`kdbench.measure.serving.LeverSkip` (the row is stored as skipped, with its
+one-line reason); anything else that goes wrong raises an ordinary exception (a failed
+row).  ONNX Runtime's part is :mod:`kdbench.measure.onnx`; what the runtimes share
+(the built forward, the timing of one-off costs) is :mod:`kdbench.measure.serving`.
 
 Runtimes
 --------
@@ -30,22 +32,9 @@ Runtimes
     (``counters["stats"]["unique_graphs"]``) are reported.
 
 ``onnxruntime``
-    The model exported by ``torch.onnx.export`` (the dynamo exporter, opset 18; the
-    TorchScript exporter when that fails, with a note) at the batch's fixed shape, and
-    served by an ``onnxruntime.InferenceSession``: CPUExecutionProvider on the CPU (with
-    torch's intra-op thread count), CUDAExecutionProvider on CUDA (on a dedicated
-    non-default stream ordered against torch's around each call — ORT takes a user stream
-    of 0, torch's default stream, for none and would run on its own —, TF32 only for a tf32
-    cell, input and output bound to device memory with IO binding),
-    MIGraphXExecutionProvider or ROCMExecutionProvider on ROCm (on torch's device id; numpy
-    input: the host/device copies are inside the timed call, and a note says so).  ORT's
-    ``Run`` blocks the host until the device is done, so its GPU rows are never flagged
-    launch-bound, and its device memory comes from its own arena, which torch's statistics
-    do not see: those rows leave the memory columns empty, and notes say both.  The export is
-    fp32: a bf16/fp16 cell is skipped rather than served at a precision it did not ask
-    for.  One-off: export plus session creation (wall clock), plus the first run's excess
-    over a steady run (where a provider compiles, e.g. MIGraphX).  ONNX Runtime missing,
-    or without the backend's provider, skips the row, naming what to install.
+    The model exported to ONNX and served by an ``onnxruntime.InferenceSession`` on the backend's
+    provider (:mod:`kdbench.measure.onnx` says how).  One-off: export plus session creation, plus
+    the first run's excess over a steady run.  Missing here, it skips the row, naming what to install.
 
 ``int8``
     ``torch.ao.quantization.quantize_dynamic`` of a CPU copy of the model: Linear layers
@@ -76,50 +65,27 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
-import statistics
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, math_mode
-from kdbench.measure.failures import SkipMeasurement
+from kdbench.measure.onnx import build_onnxruntime
+from kdbench.measure.serving import Built, LeverSkip, excess_ms, wall_ms
 
 RUNTIMES = ("eager", "compile", "onnxruntime", "int8")
 REPLAYABLE = ("eager", "compile")  # the runtimes a CUDA/HIP graph can capture
-ONNX_OPSET = 18
 GRAPH_WARMUP = 3  # forwards on the side stream before the capture
 COMPILE_FIRST_CALLS = 3  # calls whose excess over a steady call is the compile's one-off cost
-STEADY_CALLS = 3
 
 # Relative to max |eager output|: the largest |runtime - eager| that still agrees.
 RELATIVE_TOLERANCE = {"fp32": 1e-3, "tf32": 1e-2, "bf16": 5e-2, "fp16": 5e-2}
 INT8_TOLERANCE = 0.1
-
-ONNX_INSTALL = "pip install 'kdbench[onnx]'"
-# The ONNX Runtime providers of each backend, in order of preference, and what to install for them.
-ORT_PROVIDERS = {
-    "cpu": ("CPUExecutionProvider",),
-    "cuda": ("CUDAExecutionProvider",),
-    "rocm": ("MIGraphXExecutionProvider", "ROCMExecutionProvider"),  # ROCm EP: deprecated by ONNX Runtime
-}
-ORT_INSTALL = {
-    "cpu": ONNX_INSTALL,
-    "cuda": "pip install onnxruntime-gpu (in place of onnxruntime)",
-    "rocm": "install onnxruntime-migraphx (or onnxruntime-rocm) for this ROCm release, in place of onnxruntime",
-}
-
-
-class LeverSkip(SkipMeasurement):
-    """The lever cannot run here (a GPU-only lever on the CPU, a missing ONNX Runtime provider, int8 on a GPU):
-    the row is stored as skipped with this reason."""
 
 
 @dataclass(frozen=True)
@@ -211,45 +177,10 @@ def _forward(
     return forward
 
 
-def _call_ms(fn: Callable[[], Any], backend: Backend) -> tuple[float, Any]:
-    """One call of ``fn`` in host time between synchronizations (what a user waits for: one-off costs are
-    host-side compiles and builds), and its result."""
-    backend.synchronize()
-    start = time.perf_counter()
-    out = fn()
-    backend.synchronize()
-    return _wall_ms(start), out
-
-
-def _excess_ms(fn: Callable[[], Any], backend: Backend, first_calls: int) -> tuple[float, Any]:
-    """How much longer the first ``first_calls`` calls took than a steady call (median of the next few),
-    and the first call's result."""
-    first = [_call_ms(fn, backend) for _ in range(first_calls)]
-    steady = statistics.median(_call_ms(fn, backend)[0] for _ in range(STEADY_CALLS))
-    return sum(max(ms - steady, 0.0) for ms, _ in first), first[0][1]
-
-
-def _wall_ms(start: float) -> float:
-    return (time.perf_counter() - start) * 1e3
-
-
 # --------------------------------------------------------------------------- compile
 
 
-@dataclass
-class _Built:
-    forward: Callable[[], Any]
-    one_off_ms: float | None
-    one_off_kind: str | None
-    notes: list[str]
-    graph_breaks: int | None = None
-    compiled_graphs: int | None = None
-    compiled: bool = False
-    synchronous: bool = False
-    own_memory: bool = False
-
-
-def _compile(model: nn.Module, x, choice, backend, mode: str, graphed: bool) -> _Built:
+def _compile(model: nn.Module, x, choice, backend, mode: str, graphed: bool) -> Built:
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -264,7 +195,7 @@ def _compile(model: nn.Module, x, choice, backend, mode: str, graphed: bool) -> 
         )
     compiled = torch.compile(model, mode=None if built_mode == "default" else built_mode)
     forward = _forward(compiled, x, choice, backend, graphed)
-    one_off, _ = _excess_ms(forward, backend, COMPILE_FIRST_CALLS)
+    one_off, _ = excess_ms(forward, backend, COMPILE_FIRST_CALLS)
     breaks = int(sum(counters["graph_break"].values()))
     graphs = int(counters["stats"]["unique_graphs"])
     if breaks:
@@ -277,155 +208,13 @@ def _compile(model: nn.Module, x, choice, backend, mode: str, graphed: bool) -> 
         )
     if mode == "reduce-overhead" and backend.device_type == "cpu":
         notes.append("compile: reduce-overhead's CUDA graphs do nothing on the CPU")
-    return _Built(forward, one_off, f"torch.compile ({built_mode})", notes, breaks, graphs, compiled=True)
-
-
-# --------------------------------------------------------------------------- onnxruntime
-
-
-def ort_providers(backend_name: str, available: list[str] | tuple[str, ...]) -> list[str]:
-    """The ONNX Runtime execution provider for ``backend_name`` among ``available``
-    (``onnxruntime.get_available_providers()``): CPU, CUDA, or on ROCm MIGraphX, else the ROCm provider.
-    LeverSkip, naming what to install, when this ONNX Runtime has none of them."""
-    wanted = ORT_PROVIDERS[backend_name]
-    for provider in wanted:
-        if provider in available:
-            return [provider]
-    names = " or ".join(wanted)
-    have = ", ".join(available) or "none"
-    raise LeverSkip(f"onnxruntime: no {names} in this ONNX Runtime (it has {have}); {ORT_INSTALL[backend_name]}")
-
-
-def _import_onnxruntime():
-    try:
-        return importlib.import_module("onnxruntime")
-    except ImportError as exc:
-        raise LeverSkip(f"onnxruntime: ONNX Runtime is not installed ({exc}); {ONNX_INSTALL}") from None
-
-
-def export_onnx(model: nn.Module, x: torch.Tensor, path: Path) -> str:
-    """Export ``model`` at ``x``'s fixed shape to ``path`` with the dynamo exporter, or the TorchScript one
-    when that fails; the note naming the exporter used.  torch.export reads cuDNN's TF32 switch through the
-    legacy API: :func:`kdbench.hw.backends.math_mode` keeps it readable in either mode."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.onnx.export(model, (x,), str(path), dynamo=True, opset_version=ONNX_OPSET, verbose=False)
-        return f"ONNX: dynamo exporter, opset {ONNX_OPSET}"
-    except Exception as exc:
-        first = f"{type(exc).__name__}: {_first_line(exc)}"
-    path.unlink(missing_ok=True)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.onnx.export(model, (x,), str(path), dynamo=False, opset_version=ONNX_OPSET)
-    except Exception as exc:
-        raise RuntimeError(f"ONNX export failed with both exporters: dynamo ({first}); torchscript ({exc})") from exc
-    return (
-        f"ONNX: the dynamo exporter failed ({first[:200]}); exported with the TorchScript exporter, opset {ONNX_OPSET}"
-    )
-
-
-def _first_line(exc: BaseException) -> str:
-    """The exception's first line; for torch.onnx's TorchExportError, the summary of the error behind it."""
-    cause = exc.__cause__ if exc.__cause__ is not None and "torch.export" in str(exc) else exc
-    return next((line.strip() for line in str(cause).splitlines() if line.strip()), type(cause).__name__)
-
-
-def _provider_options(provider: str, backend: Backend, choice: AutocastChoice, stream: Any = None) -> dict[str, str]:
-    """The provider's options: the device torch measures on (every GPU provider), and on CUDA the stream ORT
-    runs on (``stream``: a dedicated non-default one, see :func:`_io_bound`) and its TF32 switch."""
-    if backend.device_type != "cuda" or provider == "CPUExecutionProvider":
-        return {}
-    index = backend.device.index if backend.device.index is not None else torch.cuda.current_device()
-    options = {"device_id": str(index)}
-    if provider == "CUDAExecutionProvider":
-        if stream is not None:
-            options["user_compute_stream"] = str(stream.cuda_stream)
-        options["use_tf32"] = "1" if choice.tf32 else "0"  # ONNX Runtime's default is TF32: IEEE unless tf32
-    return options
-
-
-def _onnxruntime(model: nn.Module, x: torch.Tensor, choice: AutocastChoice, backend: Backend) -> _Built:
-    if choice.precision in ("bf16", "fp16"):
-        raise LeverSkip(
-            "onnxruntime: the student is exported in fp32; bf16/fp16 cells are not served by ONNX Runtime here"
-        )
-    ort = _import_onnxruntime()
-    provider = ort_providers(backend.name, ort.get_available_providers())[0]
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # errors only
-    notes = []
-    if backend.device_type == "cpu":
-        options.intra_op_num_threads = torch.get_num_threads()
-    # ORT reads a user stream of 0 (torch's default stream) as "none" and runs on a stream of its own: a
-    # dedicated non-default stream, ordered against torch's around each call (see _io_bound)
-    stream = torch.cuda.Stream(backend.device) if provider == "CUDAExecutionProvider" else None
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="kdbench-onnx-") as folder:
-        path = Path(folder) / "model.onnx"
-        notes.append(export_onnx(model, x, path))
-        session = ort.InferenceSession(
-            str(path),
-            sess_options=options,
-            providers=[(provider, _provider_options(provider, backend, choice, stream))],
-        )
-    setup_ms = _wall_ms(start)
-    used = session.get_providers()
-    if not used or used[0] != provider:
-        raise LeverSkip(
-            f"onnxruntime: {provider} is in this ONNX Runtime but did not start (missing GPU libraries?); "
-            f"the session fell back to {', '.join(used) or 'nothing'}"
-        )
-    threads = f", {options.intra_op_num_threads} threads (torch's)" if backend.device_type == "cpu" else ""
-    notes.append(f"onnxruntime {ort.__version__}: {provider}{threads}")
-    name, out_name = session.get_inputs()[0].name, session.get_outputs()[0].name
-    if stream is not None:
-        forward = _io_bound(session, name, out_name, x, backend, stream)
-    else:
-        feed = {name: x.detach().contiguous().cpu().numpy()}
-
-        def forward() -> Any:
-            return session.run([out_name], feed)[0]
-
-        if backend.device_type != "cpu":
-            notes.append("onnxruntime: numpy input, so the host/device copies of input and output are timed too")
-    first_ms, _ = _excess_ms(forward, backend, 1)
-    return _Built(forward, setup_ms + first_ms, "ONNX export + session", notes, synchronous=True, own_memory=True)
-
-
-def _io_bound(session, name: str, out_name: str, x: torch.Tensor, backend: Backend, stream: Any) -> Callable[[], Any]:
-    """``session``'s run with input and output bound to device memory (no host copies in the timed call), on
-    ``stream`` (the session's ``user_compute_stream``): it waits for torch's current stream (the input is
-    ready), and torch's stream waits for it, so the clock's events on torch's stream bracket ORT's work."""
-    import numpy as np
-
-    index = backend.device.index or 0
-    x = x.detach().contiguous()
-    shape = [int(d) if isinstance(d, int) else -1 for d in session.get_outputs()[0].shape]
-    if any(d < 0 for d in shape):  # symbolic dimensions: read the shape from one run
-        shape = list(session.run([out_name], {name: x.cpu().numpy()})[0].shape)
-    out = torch.empty(shape, dtype=torch.float32, device=backend.device)
-    binding = session.io_binding()
-    binding.bind_input(name, "cuda", index, np.float32, list(x.shape), x.data_ptr())
-    binding.bind_output(out_name, "cuda", index, np.float32, shape, out.data_ptr())
-
-    current = torch.cuda.current_stream(backend.device)
-
-    def forward() -> torch.Tensor:
-        stream.wait_stream(current)
-        session.run_with_iobinding(binding)
-        current.wait_stream(stream)
-        return out
-
-    forward.keep = (x, out, binding, stream)  # type: ignore[attr-defined]  # the bound memory lives with the call
-    return forward
+    return Built(forward, one_off, f"torch.compile ({built_mode})", notes, breaks, graphs, compiled=True)
 
 
 # --------------------------------------------------------------------------- int8
 
 
-def _int8(model: nn.Module, x: torch.Tensor, choice: AutocastChoice, backend: Backend) -> _Built:
+def _int8(model: nn.Module, x: torch.Tensor, choice: AutocastChoice, backend: Backend) -> Built:
     if backend.device_type != "cpu":
         raise LeverSkip(
             f"int8: dynamic int8 quantization runs on the CPU only (fbgemm/x86 kernels), not on {backend.name}"
@@ -440,7 +229,7 @@ def _int8(model: nn.Module, x: torch.Tensor, choice: AutocastChoice, backend: Ba
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao.quantization's and quantized tensors' deprecation warnings
         quantized = quantize(copy.deepcopy(model).cpu(), {nn.Linear}, dtype=torch.qint8)
-    one_off = _wall_ms(start)
+    one_off = wall_ms(start)
     quantized.eval()
     convs = sum(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
     notes = [f"int8: dynamic quantization of {linears} Linear layer{'s' if linears != 1 else ''}"]
@@ -451,7 +240,7 @@ def _int8(model: nn.Module, x: torch.Tensor, choice: AutocastChoice, backend: Ba
             "int8: convolutions stay fp32 (dynamic quantization covers Linear layers; static int8 "
             "convolutions need calibration)"
         )
-    return _Built(_forward(quantized, x, choice, backend), one_off, "int8 quantization", notes)
+    return Built(_forward(quantized, x, choice, backend), one_off, "int8 quantization", notes)
 
 
 # --------------------------------------------------------------------------- graphs
@@ -474,7 +263,7 @@ def capture_graph(forward: Callable[[], Any], backend: Backend) -> tuple[Callabl
     with torch.cuda.graph(graph):
         out = forward()
     backend.synchronize()
-    capture_ms = _wall_ms(start)
+    capture_ms = wall_ms(start)
 
     def replay() -> Any:
         graph.replay()
@@ -524,11 +313,11 @@ def serve(
         eager = _forward(model, x, choice, backend, graphed=graphs)
         reference = _logits(eager()).clone()  # first, before any runtime is built (a copy: outputs may alias)
         if runtime == "eager":
-            built = _Built(eager, None, None, [])
+            built = Built(eager, None, None, [])
         elif runtime == "compile":
             built = _compile(model, x, choice, backend, mode, graphs)
         elif runtime == "onnxruntime":
-            built = _onnxruntime(model, x, choice, backend)
+            built = build_onnxruntime(model, x, choice, backend)
         else:
             built = _int8(model, x, choice, backend)
         name = runtime
@@ -555,13 +344,13 @@ def serve(
     )
 
 
-def _graphed(built: _Built, backend: Backend, choice: AutocastChoice) -> _Built:
+def _graphed(built: Built, backend: Backend, choice: AutocastChoice) -> Built:
     replay, capture_ms = capture_graph(built.forward, backend)
     kind = f"{'HIP' if backend.name == 'rocm' else 'CUDA'} graph capture"
     notes = list(built.notes)
     if choice.applied:
         notes.append("graphs: autocast's weight-cast cache is off, as graph capture needs")
-    return _Built(
+    return Built(
         replay,
         (built.one_off_ms or 0.0) + capture_ms,
         f"{built.one_off_kind} + {kind}" if built.one_off_kind else kind,

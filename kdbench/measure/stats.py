@@ -9,7 +9,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-NOISY_REL_IQR = 0.10  # IQR / median above this marks a measurement noisy
+from kdbench.repeats import NOISY_REL_IQR
 
 
 @dataclass(frozen=True)

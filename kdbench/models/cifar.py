@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from kdbench.models.registry import register_model
 
 
-def _init_weights(model: nn.Module) -> None:
+def init_weights(model: nn.Module) -> None:
     """Kaiming-normal convolutions, unit batch norms, zero biases (as RepDistiller)."""
     for m in model.modules():
         if isinstance(m, nn.Conv2d):
@@ -72,7 +72,7 @@ class CifarResNet(nn.Module):
         self.layer3 = self._make_stage(widths[2], widths[3], n, 2)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(widths[3], num_classes)
-        _init_weights(self)
+        init_weights(self)
 
     @staticmethod
     def _make_stage(in_planes: int, planes: int, blocks: int, stride: int) -> nn.Sequential:
@@ -133,7 +133,7 @@ class CifarBottleneckResNet(nn.Module):
             in_planes = planes * Bottleneck.expansion
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(in_planes, num_classes)
-        _init_weights(self)
+        init_weights(self)
 
     @staticmethod
     def _make_stage(in_planes: int, planes: int, blocks: int, stride: int) -> nn.Sequential:
@@ -189,7 +189,7 @@ class WideResNet(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(widths[3], num_classes)
-        _init_weights(self)
+        init_weights(self)
 
     @staticmethod
     def _make_stage(in_planes: int, planes: int, blocks: int, stride: int) -> nn.Sequential:
@@ -218,7 +218,7 @@ class CifarVGG(nn.Module):
         self.pool = nn.MaxPool2d(2, 2)
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.classifier = nn.Linear(widths[-1], num_classes)
-        _init_weights(self)
+        init_weights(self)
         nn.init.normal_(self.classifier.weight, 0, 0.01)
 
     @staticmethod
@@ -261,7 +261,7 @@ _MODELS: dict[str, tuple] = {
 }
 
 
-def _builder(name: str, cls: type[nn.Module], *args) -> Callable[..., nn.Module]:
+def builder_of(name: str, cls: type[nn.Module], *args) -> Callable[..., nn.Module]:
     """Registry builder for ``cls(*args, num_classes, in_channels)`` (shapes: registry.check_model_input)."""
 
     def build(num_classes: int, in_shape: tuple[int, ...]) -> nn.Module:
@@ -271,4 +271,4 @@ def _builder(name: str, cls: type[nn.Module], *args) -> Callable[..., nn.Module]
 
 
 for _name, (_cls, *_args) in _MODELS.items():
-    register_model(_name, "cifar")(_builder(_name, _cls, *_args))
+    register_model(_name, "cifar")(builder_of(_name, _cls, *_args))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kdbench.models.cifar import _builder, _init_weights
+from kdbench.models.cifar import builder_of, init_weights
 from kdbench.models.registry import register_model
 
 
@@ -277,7 +277,7 @@ class MobileNetV2(nn.Module):
         self.conv2 = _conv_bn_relu(in_planes, last, 1)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.classifier = nn.Linear(last, num_classes)
-        _init_weights(self)
+        init_weights(self)
         nn.init.normal_(self.classifier.weight, 0, 0.01)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -295,4 +295,4 @@ _MODELS: dict[str, tuple] = {
 }
 
 for _name, (_cls, *_args) in _MODELS.items():
-    register_model(_name, "cifar")(_builder(_name, _cls, *_args))
+    register_model(_name, "cifar")(builder_of(_name, _cls, *_args))

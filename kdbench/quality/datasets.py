@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kdbench.config.schema import DISK_DATASETS, TEXT_DATASETS, CellConfig, QualityConfig
+from kdbench.config.schema import DISK_DATASETS, CellConfig, QualityConfig
 from kdbench.errors import KdbenchError
 
 
@@ -236,12 +236,8 @@ def load_dataset(cfg: QualityConfig, shape: Iterable[int], seed: int = 0) -> Dat
     return Dataset(x_tr, y_tr.long(), x_te, y_te.long(), int(num_classes))
 
 
-def check_quality(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
-    """The cheap checks, before anything runs: image cells, and a data folder that exists (text: LM cells)."""
-    if cfg.dataset in TEXT_DATASETS:
-        from kdbench.quality.text import check_text
-
-        return check_text(cfg, configs)
+def check_images(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
+    """The cheap checks of an image data set, before anything runs: image cells, and a data folder that exists."""
     from kdbench.workloads import workload_of
 
     for c in configs:

@@ -16,10 +16,11 @@ reads the first ``seq_len`` and predicts each next one, so every byte of a split
 predicted once.  Given the Python version (the rows' ``python_version``) and the seed, the
 corpus is the same; ``quality_corpus`` on each row names it, with a hash of its bytes.
 
-The protocol is :mod:`kdbench.quality.protocol`'s (:class:`TextRun` is its ``_Run`` with the
-language-model parts): per seed the teacher trains with next-byte cross-entropy, each distinct
-student from scratch, and each student distilled from that seed's teacher by each of the suite's
-LM methods through ``Distiller.train_step``, one recipe, one batch order per seed.  The models are
+The protocol is :mod:`kdbench.quality.protocol`'s (:class:`TextRun` is its run,
+:class:`kdbench.quality.train.QualityRun`, with the language-model parts): per seed the teacher
+trains with next-byte cross-entropy, each distinct student from scratch, and each student distilled
+from that seed's teacher by each of the suite's LM methods through ``Distiller.train_step``, one
+recipe, one batch order per seed.  The models are
 built with ``vocab_size: 256`` laid over the cells' ``overrides`` (forced, as the image protocol
 sets the classifiers' classes to the data set's); a ``module:callable`` must have 256 outputs.
 
@@ -51,8 +52,7 @@ from kdbench.config.schema import CellConfig, QualityConfig
 from kdbench.distill.step import backward_and_update
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import AutocastChoice, Backend, grad_scaler
-from kdbench.quality.protocol import _init_seed, _Run
-from kdbench.quality.train import DeviceData, Trained, fit
+from kdbench.quality.train import DeviceData, QualityRun, Trained, fit, init_seed
 
 BYTES = 256  # the vocabulary: one token per byte value
 EVAL_TOKENS = 1 << 15  # held-out tokens per evaluation forward
@@ -277,7 +277,7 @@ def _perplexity(loss: float) -> float:
     return math.exp(min(loss, 700.0))  # a diverged model: a huge but finite perplexity
 
 
-class TextRun(_Run):
+class TextRun(QualityRun):
     """The quality protocol's run with language models on text: the data, the models and their record."""
 
     def __init__(self, cfg: QualityConfig, backend: Backend, allow_imports: bool):
@@ -307,7 +307,7 @@ class TextRun(_Run):
         from kdbench.workloads.lm import CausalLM, build
 
         overrides = getattr(cell.overrides, role)
-        seed = _init_seed(cell.seed, role)
+        seed = init_seed(cell.seed, role)
         key = ("lm", name, repr(sorted(overrides.items())), seed)
         lm = self.cache.get_built(key, seed, lambda: build(name, overrides, self.cache.allow_imports))
         model = CausalLM(lm).to(self.backend.device)

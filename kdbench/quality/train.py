@@ -1,27 +1,45 @@
-"""Training on real data: the loop every quality model follows, and its test record.
+"""Training on real data: the loop every quality model follows, its test record, and one quality run.
 
 :func:`fit` runs ``cfg.epochs`` epochs of a step function over shuffled mini-batches
 with a cosine learning-rate schedule, evaluating the test split after every epoch (not
 counted as training time).  Training drops each epoch's last incomplete mini-batch
 (batch norm cannot train on a batch of one); the shuffling changes which samples those
 are every epoch.
+
+:class:`QualityRun` holds one quality run's data on the device and the models trained so far,
+and trains each model the protocol (:mod:`kdbench.quality.protocol`) plans: a teacher or a
+scratch student with cross-entropy (:func:`ce_step`), a student distilled through
+``Distiller.train_step``; :class:`kdbench.quality.text.TextRun` is the same run with language
+models on text.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdbench.config.schema import QualityConfig
+from kdbench.config.schema import CellConfig, QualityConfig, TeacherConfig
+from kdbench.distill.losses import method_parts
 from kdbench.distill.losses.registry import training_epoch
-from kdbench.distill.step import backward_and_update
-from kdbench.hw.backends import AutocastChoice, Backend, grad_scaler
+from kdbench.distill.step import Distiller, backward_and_update, make_optimizer
+from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_scaler, math_mode
+from kdbench.hw.layout import memory_format_of, place_model
+from kdbench.measure.failures import error_text
+from kdbench.models import ModelCache
+from kdbench.names import Status
+from kdbench.quality.datasets import Dataset, load_dataset
+from kdbench.workloads import workload_of
+
+logger = logging.getLogger(__name__)
 
 EVAL_BATCH = 512
 
@@ -169,3 +187,159 @@ def ce_step(
         return loss.detach()
 
     return step
+
+
+# --------------------------------------------------------------------------- one quality run
+
+
+ModelKey = tuple  # what makes a model the same as another cell's (kdbench.workloads.base.Workload.model_key)
+
+
+def init_seed(seed: int, role: str) -> int:
+    """Teachers and students of one seed start from different draws (2s + 1 and 2s)."""
+    return 2 * seed + (1 if role == "teacher" else 0)
+
+
+def bank_sized(cell: CellConfig, n_train: int) -> CellConfig:
+    """A CRD cell's memory bank sized to the training set (one entry per sample, indexed by the samples'
+    data-set indices), with at most n_train - 1 negatives per sample."""
+    if "crd" not in method_parts(cell.method):
+        return cell
+    crd = cell.crd.model_copy(update={"n_data": n_train, "nce_k": min(cell.crd.nce_k, max(1, n_train - 1))})
+    return cell.model_copy(update={"crd": crd})
+
+
+def _describe(result: Trained, agreement: float | None = None) -> str:
+    text = f"top-1 {result.accuracy:.1%} (best {result.best_accuracy:.1%}), {result.train_time_s:.2f} s training"
+    return text + (f", agreement {agreement:.1%}" if agreement is not None else "")
+
+
+def _results(row: dict[str, Any], cfg: QualityConfig, result: Trained, reference: Trained | None) -> dict[str, Any]:
+    """``row`` with the record of ``result``, measured against ``reference`` (the seed's teacher)."""
+    row.update(accuracy=result.accuracy, best_accuracy=result.best_accuracy, train_time_s=result.train_time_s)
+    if reference is not None:
+        seconds, epoch = result.reach(cfg.target * reference.accuracy)
+        row.update(time_to_target_s=seconds, epochs_to_target=epoch)
+        if reference is not result:
+            row["agreement"] = float((result.preds == reference.preds).float().mean())
+    return row
+
+
+def _fill(row: dict[str, Any], cfg: QualityConfig, result: Trained | str, reference: Trained | str | None):
+    """``row`` with ``result``'s record, or failed with its error."""
+    if isinstance(result, str):
+        row.update(status=Status.FAILED, error=result)
+        return row
+    return _results(row, cfg, result, reference if isinstance(reference, Trained) else None)
+
+
+class QualityRun:
+    """The state of one quality run: data on the device, and the models trained so far per seed; how each is
+    trained.  :func:`kdbench.quality.protocol.run_quality` says which, in which order, into which rows."""
+
+    def __init__(self, cfg: QualityConfig, backend: Backend, allow_imports: bool):
+        self.cfg, self.backend = cfg, backend
+        self.cache = ModelCache(allow_imports, capacity=64)
+        self.datasets: dict[tuple[int, ...], Dataset] = {}
+        self.on_device: dict[tuple[tuple[int, ...], str], DeviceData] = {}
+        self.trained: dict[tuple[int, str, ModelKey], Trained | str] = {}  # (seed, teacher|scratch, key): or error
+
+    def data(self, c: CellConfig) -> DeviceData:
+        shape = tuple(c.data.shape)
+        if shape not in self.datasets:
+            self.datasets[shape] = load_dataset(self.cfg, shape, seed=0)
+        key = (shape, c.memory_format)
+        if key not in self.on_device:
+            d, dev, fmt = self.datasets[shape], self.backend.device, memory_format_of(c.memory_format)
+            self.on_device[key] = DeviceData(
+                d.x_train.to(dev).contiguous(memory_format=fmt),
+                d.y_train.to(dev),
+                d.x_test.to(dev).contiguous(memory_format=fmt),
+                d.y_test,
+                d.num_classes,
+                fmt,
+            )
+        return self.on_device[key]
+
+    def cell(self, c: CellConfig, seed: int) -> CellConfig:
+        """The job's cell for quality: the data set's classes, no padding, a live teacher, the quality recipe."""
+        return c.model_copy(
+            update={
+                "data": c.data.model_copy(update={"num_classes": self.data(c).num_classes}),
+                "pad_to": 1,
+                "teacher": TeacherConfig(mode="live"),
+                "optimizer": self.cfg.optimizer_config(),
+                "batch_size": self.cfg.batch_size,
+                "world_size": 1,
+                "seed": seed,
+            }
+        )
+
+    def model(self, name: str, cell: CellConfig, role: str) -> nn.Module:
+        model = self.cache.get(name, cell.data.num_classes, tuple(cell.data.shape), init_seed(cell.seed, role))
+        return place_model(model, self.backend.device, cell.memory_format, True)
+
+    def ce_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, choice: Any) -> Callable:
+        return ce_step(model, optimizer, choice, self.backend)
+
+    def fit(self, step: Callable, model: nn.Module, optimizer: Any, data: DeviceData, seed: int, choice: Any):
+        return fit(step, model, optimizer, data, self.cfg, self.backend, seed, choice)
+
+    def fill(self, row: dict[str, Any], result: Trained | str, reference: Trained | str | None) -> dict[str, Any]:
+        return _fill(row, self.cfg, result, reference)
+
+    def describe(self, result: Trained, agreement: float | None = None) -> str:
+        return _describe(result, agreement)
+
+    def attempt(self, what: str, fn: Callable[[], Trained]) -> Trained | str:
+        """``fn()``, logged; its one-line error instead when it raises (the run goes on)."""
+        try:
+            result = fn()
+        except Exception as exc:
+            if self.backend.device_type == "cuda":
+                torch.cuda.empty_cache()
+            logger.info("  %s: FAILED: %s", what, error_text(exc))
+            return error_text(exc)
+        return result
+
+    def train_ce(self, config: CellConfig, seed: int, role: str, key: ModelKey) -> Trained | str:
+        """The seed's teacher or scratch student (the model ``key`` names, of the planned cell ``config``), trained
+        with cross-entropy once and remembered."""
+        if (seed, role, key) not in self.trained:
+            cell = self.cell(config, seed)
+            name = key[0]
+
+            def train() -> Trained:
+                model = self.model(name, cell, "teacher" if role == "teacher" else "student")
+                model.train()
+                optimizer = make_optimizer(model.parameters(), cell.optimizer)
+                choice = choose_autocast(self.backend, cell.precision)
+                step = self.ce_step(model, optimizer, choice)
+                with math_mode(choice.tf32):
+                    out = self.fit(step, model, optimizer, self.data(cell), seed, choice)
+                if role == "teacher":
+                    out.model = model
+                logger.info("  quality seed %d: %s %s: %s", seed, role, name, self.describe(out))
+                return out
+
+            self.trained[(seed, role, key)] = self.attempt(f"quality seed {seed}: {role} {name}", train)
+        return self.trained[(seed, role, key)]
+
+    def distil(self, config: CellConfig, seed: int, teacher: Trained) -> Trained:
+        """A fresh student of the planned cell ``config`` distilled from ``teacher``, the seed's trained one."""
+        cell = self.cell(config, seed)
+        data = self.data(cell)
+        cell = bank_sized(cell, len(data.x_train))
+        student = self.model(cell.pair.student, cell, "student")
+        teacher_copy = copy.deepcopy(teacher.model)
+        distiller = Distiller(teacher_copy, student, cell, self.backend, data.x_train[:2], workload_of(cell))
+        try:
+            model, opt = distiller.student, distiller.optimizer
+
+            def step(x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+                return distiller.train_step(x, y, indices=indices)
+
+            with math_mode(distiller.student_ac.tf32):
+                return self.fit(step, model, opt, data, seed, distiller.student_ac)
+        finally:
+            distiller.close()

@@ -31,8 +31,8 @@ import pyarrow as pa
 
 from kdbench.errors import KdbenchError
 from kdbench.names import SERVING, TIMED, Status
+from kdbench.schema import COLUMN_NAMES, COLUMNS
 from kdbench.store.files import write_text
-from kdbench.store.schema import COLUMN_NAMES, COLUMNS
 
 FORMATS = ("csv", "json", "pytest-benchmark")
 PYTEST_BENCHMARK_VERSION = "5.3.1"  # the file layout written (unchanged since 3.1 but for extra keys)

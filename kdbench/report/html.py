@@ -32,7 +32,7 @@ from kdbench.report.plots import (
     draw_quality_front,
 )
 from kdbench.report.summaries import caching_pairs, latest_steps, mean_std, pooled, summarize_quality
-from kdbench.store.schema import COLUMN_NAMES, ENVIRONMENT_COLUMNS
+from kdbench.schema import COLUMN_NAMES, ENVIRONMENT_COLUMNS
 
 MISSING = "—"
 ERROR_CHARS = 200
@@ -62,7 +62,7 @@ def render_report(
 ) -> Path:
     """Write ``index.html`` and its charts into ``out_dir`` (created if needed); return the page's path.
 
-    ``df`` holds result rows as :func:`kdbench.store.schema.read_results` returns them; columns
+    ``df`` holds result rows as :func:`kdbench.store.read_results` returns them; columns
     it lacks are treated as null.  ``title`` defaults to the suites' names.  ``comparisons``
     (:class:`kdbench.report.compare.Comparison`) each get a table and a forest plot;
     ``budgets`` (:class:`kdbench.config.budgets.BudgetCheck`) a table of their outcomes;

@@ -42,7 +42,7 @@ from kdbench.report.plots import (
     axis_label,
 )
 from kdbench.report.summaries import latest, pooled
-from kdbench.store.schema import COLUMN_NAMES
+from kdbench.schema import COLUMN_NAMES
 
 LM_DATA_KIND = "tokens"
 LOSS_IMPLS = ("dense", "chunked", "fused_linear", "liger", "torch_linear")  # report order (and colours)

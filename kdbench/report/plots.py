@@ -25,7 +25,7 @@ from matplotlib.ticker import FuncFormatter, LogFormatter, NullLocator
 from kdbench.names import GENERATE, INFERENCE, LM_SERVING, REMAINDER_COLUMN, Measurement, Status
 from kdbench.names import PHASES as STEP_PHASES
 from kdbench.report.summaries import pooled
-from kdbench.store.schema import COLUMNS
+from kdbench.schema import COLUMNS
 
 DPI = 110
 NOISY_NOTE = "IQR/median > 10 %"

@@ -13,11 +13,10 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kdbench.measure.stats import NOISY_REL_IQR
 from kdbench.names import QUALITY_ROLES, Measurement, Status
-from kdbench.repeats import centre_interval, median_log_variance
+from kdbench.repeats import NOISY_REL_IQR, centre_interval, median_log_variance
+from kdbench.schema import COLUMNS, DERIVED, RESULT, STATISTICS
 from kdbench.store.derived import TEACHER_MODE, payback_steps, twin_key
-from kdbench.store.schema import COLUMNS, DERIVED, RESULT, STATISTICS
 
 POOL_KEY = ["run_id", "cell_id", "measurement", "batch_size"]
 # The figures pooled over repeats: every numeric statistic, result and derived column of a timed row.

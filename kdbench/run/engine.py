@@ -36,10 +36,9 @@ from kdbench.measure.rows import CELL_BUDGET_S
 from kdbench.measure.step import MeasureOptions
 from kdbench.names import FAILURES, Measurement, Status
 from kdbench.run.jobs import CellJob, Job, QualityJob, failure_rows
-from kdbench.schema import Row
+from kdbench.schema import SCHEMA_VERSION, Row
 from kdbench.store.probes import ceiling_columns, latest_ceiling
 from kdbench.store.results import PROBES_DIR, TRACES_DIR, Invocation, RunFolder, newest_run, open_run
-from kdbench.store.schema import SCHEMA_VERSION
 from kdbench.workloads import expand_checked, planned_measurements
 
 logger = logging.getLogger(__name__)
@@ -175,7 +174,7 @@ def plan_jobs(suite: Suite, shard: tuple[int, int] | None = None, backend_name: 
     every = [CellJob(c, r, n).job_id for r in range(1, n + 1) for c in cells]
     check_budgets(suite, cells, backend_name)
     if suite.quality is not None:
-        from kdbench.quality.datasets import check_quality
+        from kdbench.quality.protocol import check_quality
 
         try:
             check_quality(suite.quality, [c.config for c in cells])

@@ -1,9 +1,8 @@
-"""Storage: the results schema, runs as folders of parquet parts, derived columns, probe files.
+"""Storage: runs as folders of parquet parts, derived columns, probe files (the columns: :mod:`kdbench.schema`).
 
 Torch-free: the report and any pandas session read results through here.
 """
 
 from kdbench.store.results import read_results
-from kdbench.store.schema import COLUMN_NAMES, COLUMNS
 
-__all__ = ["COLUMNS", "COLUMN_NAMES", "read_results"]
+__all__ = ["read_results"]

@@ -10,7 +10,7 @@ it would mean rewriting earlier parts whenever a later one arrives:
   times the throughput of the *twin* cell at world_size 1 in the same run and repeat;
 * ``achieved_tflops``, ``datasheet_device``, ``datasheet_peak_tflops``, ``mfu`` and
   ``ceiling_utilization``: FLOPs per median time against the datasheet peak table
-  (:mod:`kdbench.hw.peaks`) and the probe ceiling stored on the row; a step whose live
+  (:mod:`kdbench.peaks`) and the probe ceiling stored on the row; a step whose live
   teacher runs at another precision than its student against both precisions' peaks
   (:func:`effective_peak`);
 * ``teacher_cache_saving_ms`` and ``teacher_cache_payback_steps`` (cached
@@ -38,10 +38,10 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kdbench.hw.peaks import datasheet_peak
 from kdbench.names import PRECISIONS, SERVING, Measurement, Status, counterpart, role_of
+from kdbench.peaks import datasheet_peak
 from kdbench.repeats import centre, paired_t
-from kdbench.store.schema import COLUMNS
+from kdbench.schema import COLUMNS
 
 # A world_size 1 cell has no DDP or FSDP options to compare: an FSDP2 cell's twin is the same single-device cell
 WORLD_SIZE = (("world_size",), ("ddp",), ("parallel",), ("fsdp",))

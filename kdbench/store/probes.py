@@ -37,7 +37,7 @@ PROBE_SCHEMA = pa.schema(
 
 
 def write_probe(rows: list[dict], env: dict[str, Any], out_dir: Path) -> Path:
-    """Write the ceilings ``rows`` (see :func:`kdbench.hw.probe.measure_ceilings`), each with every
+    """Write the ceilings ``rows`` (see :func:`kdbench.measure.probe.measure_ceilings`), each with every
     ``env`` column, atomically to ``out_dir/<probe_id>.parquet``.  Give ``env`` a ``backend``
     column for :func:`latest_ceiling` to find it."""
     clash = set(env) & set(PROBE_SCHEMA.names)

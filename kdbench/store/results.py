@@ -39,8 +39,8 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from kdbench.errors import KdbenchError
+from kdbench.schema import SCHEMA, SCHEMA_VERSION, rows_to_table
 from kdbench.store.files import write_parquet, write_text
-from kdbench.store.schema import SCHEMA, SCHEMA_VERSION, rows_to_table
 
 MANIFEST = "_run.json"  # "_" and "." names are skipped by pyarrow datasets (and by kdbench's readers)
 INVOCATIONS_DIR = "_invocations"  # one JSON record per `kdbench run` into the folder

@@ -1,7 +1,7 @@
 """Datasheet peaks: dense vendor TFLOP/s per precision, and matching the name torch reports.
 
-Pure data and string matching, no torch: the store computes utilisation from it at
-read time (:mod:`kdbench.store.derived`).
+Pure data and string matching, no torch, on the base floor beside :mod:`kdbench.names`: the
+store computes utilisation from it at read time (:mod:`kdbench.store.derived`).
 """
 
 from __future__ import annotations
