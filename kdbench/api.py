@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from kdbench.config.budgets import BudgetCheck
     from kdbench.config.schema import Suite
     from kdbench.report.compare import Comparison
-    from kdbench.run.engine import Plan, RunOptions, RunOutcome
+    from kdbench.run.engine import RunOptions, RunOutcome
+    from kdbench.run.plan import Plan
 
 
 def load_suite(path: str | Path) -> Suite:
@@ -31,7 +32,7 @@ def load_suite(path: str | Path) -> Suite:
 def plan(suite: Suite, shard: tuple[int, int] | None = None, device: str | None = None) -> Plan:
     """The jobs a run of ``suite`` would run (its cells, then the quality job), checked; nothing runs.
     ``device`` overrides the suite's backend, as ``run --device`` does."""
-    from kdbench.run.engine import plan_jobs, planned_backend
+    from kdbench.run.plan import plan_jobs, planned_backend
 
     return plan_jobs(suite, shard, planned_backend(suite, device))
 

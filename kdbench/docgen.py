@@ -516,7 +516,7 @@ def models_table() -> str:
         names = family.models
         if family.name == "torchvision":
             names = tuple(sorted((k for k in TORCHVISION_SHOWN if k in names), key=natural))
-        counted = f"{family.num_classes} classes, {_shape(family.shape)}" if family.shape else family.counted_for
+        counted = f"{family.num_classes} classes, {_shape(family.shape)}" if family.shape else "its registered config"
         for name in names:
             count = family.parameters(name)
             rows.append((code(name), family.name, f"{count:,}", f"{count / 1e6:.2f} M", counted))

@@ -158,7 +158,7 @@ def test_readme_quick_start_is_what_ci_runs():
 
 def test_help_suggests_nothing_that_runs_for_hours_on_a_cpu(capsys):
     # docs review: the epilog suggested `run suites/cuda.yaml --device cpu` (78 ImageNet-shape cells, hours)
-    from kdbench.cli import EPILOG
+    from kdbench.cli.parser import EPILOG
 
     for line in EPILOG.splitlines():
         if "--device cpu" in line:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kdbench.cli import main
 from kdbench.config.schema import Suite
-from kdbench.run.engine import plan_jobs
+from kdbench.run.plan import plan_jobs
 from kdbench.run.workers import ProcessWorker
 from kdbench.store import read_results
 from tests.helpers import run_folder, write_suite

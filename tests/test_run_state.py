@@ -153,7 +153,7 @@ def test_a_slow_precision_is_warned_of_in_a_dry_run_and_measured_by_default(tmp_
 def test_the_plan_time_budget_check_knows_the_backend(tmp_path):
     """S1: `where: {dist_backend: nccl}` matches data-parallel cells of a GPU run, not of a CPU run."""
     from kdbench.errors import KdbenchError
-    from kdbench.run.engine import plan_jobs
+    from kdbench.run.plan import plan_jobs
 
     raw = {
         **TINY,

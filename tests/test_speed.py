@@ -28,7 +28,7 @@ GPU = Backend("cuda", torch.device("cuda", 0))
 
 
 def _warnings(precisions, backend, probes_dir=None, **kw) -> list[str]:
-    """The plan-time lines a run prints (kdbench.run.engine.warn_slow_cells): one per slow precision."""
+    """The plan-time lines a run prints (kdbench.run.plan.warn_slow_cells): one per slow precision."""
     return [speed.warning_line(s) for s in speed.slow_precisions(precisions, backend, probes_dir, **kw).values()]
 
 

@@ -467,13 +467,13 @@ def test_median_ci_against_the_exact_binomial_interval():
 
 
 def test_the_wall_time_split_adds_up(monkeypatch):
-    from kdbench.run import engine
+    from kdbench.run import progress
     from kdbench.run.workers import PROCESS_START
 
     now = [1000.0]
-    monkeypatch.setattr(engine.time, "time", lambda: now[0])
+    monkeypatch.setattr(progress.time, "time", lambda: now[0])
     monkeypatch.setattr("kdbench.STARTED", 990.0)  # kdbench imported 10 s before the run
-    wall = engine.WallSplit()
+    wall = progress.WallSplit()
     now[0] += 30.0
     wall.job(20.0, 17.0, {"warm-up": 4.0, "measuring": 10.0, "FLOP counting": 1.0, PROCESS_START: 2.5}, 0.5)
     split = wall.finish()
@@ -482,17 +482,17 @@ def test_the_wall_time_split_adds_up(monkeypatch):
     assert split["worker, other"] == 2.0  # 17 s in the worker, 15 s of it in categories
     assert split[PROCESS_START] == 2.5 and split["writing"] == 0.5
     assert split["engine and pipe"] == pytest.approx(20.0 - 17.0 - 2.5 - 0.5 + 10.0)  # the job's rest + outside jobs
-    line = engine.WallSplit.line(split)
+    line = progress.WallSplit.line(split)
     assert line.startswith("wall time 40.0 s: start-up, imports and plan 10.0 s (25%)")
     assert line.endswith("warming up or measuring: 35%")
 
 
 def test_the_time_left_leaves_out_the_first_cells_start_up(monkeypatch, caplog):
-    from kdbench.run import engine
+    from kdbench.run import progress as progress_module
 
     now = [0.0]
-    monkeypatch.setattr(engine.time, "monotonic", lambda: now[0])
-    progress = engine.Progress(4)
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+    progress = progress_module.Progress(4)
     job = type("J", (), {"progress_label": "cell"})()
     row = [{"status": "ok", "measurement": "quality"}]
     now[0] = 10.0  # the first cell: 8 s of worker start and model building, 2 s of measuring

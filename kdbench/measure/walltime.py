@@ -1,6 +1,6 @@
 """Where a worker's wall time goes: seconds per category, taken per job and summed by the engine.
 
-The categories are the run's wall-time split (:class:`kdbench.run.engine.WallSplit`): model
+The categories are the run's wall-time split (:class:`kdbench.run.progress.WallSplit`): model
 building, cold calls (compiles, autotuning, first-use set-up), warm-up (the warm-up calls),
 measuring (the timed windows), FLOP counting,
 profiling passes, levers' one-off work (exports, compiles of served models), quality

@@ -39,9 +39,8 @@ CONFIG_JSON_NOTE = "`config.json`: a local transformers config (its model_type a
 class Family:
     name: str
     models: tuple[str, ...]  # natural order (resnet8 < resnet14 < resnet110)
-    counted_for: str  # what the parameter counts are counted at
-    num_classes: int | None = None  # image classifiers: the classes and input they are counted at
-    shape: tuple[int, ...] | None = None
+    num_classes: int | None = None  # image classifiers: the classes and input they are counted at (else: as
+    shape: tuple[int, ...] | None = None  # registered)
 
     @property
     def title(self) -> str:
@@ -79,14 +78,8 @@ def families(num_classes: int, shape: tuple[int, ...]) -> Iterator[Family]:
     for family in FAMILIES:
         names = tuple(sorted((n for n, f in registered.items() if f == family), key=natural))
         if family == "torchvision":
-            yield Family(
-                family,
-                names,
-                f"{TORCHVISION_CLASSES} classes, {shape_text(TORCHVISION_SHAPE)}",
-                TORCHVISION_CLASSES,
-                TORCHVISION_SHAPE,
-            )
+            yield Family(family, names, TORCHVISION_CLASSES, TORCHVISION_SHAPE)
         else:
-            yield Family(family, names, f"{num_classes} classes, {shape_text(shape)}", num_classes, tuple(shape))
-    yield Family("lm", tuple(LM_CONFIGS), "its registered config")
-    yield Family("encoder", tuple(ENCODER_CONFIGS), "its registered config")
+            yield Family(family, names, num_classes, tuple(shape))
+    yield Family("lm", tuple(LM_CONFIGS))
+    yield Family("encoder", tuple(ENCODER_CONFIGS))

@@ -27,19 +27,17 @@ from typing import Any
 
 import torch
 
-from kdbench.config.plan import Cell
-from kdbench.config.plan import shard as shard_cells
 from kdbench.config.schema import Suite
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import Backend, detect, resolve, thread_count
-from kdbench.measure.rows import CELL_BUDGET_S
 from kdbench.measure.step import MeasureOptions
 from kdbench.names import FAILURES, Measurement, Status
 from kdbench.run.jobs import CellJob, Job, QualityJob, failure_rows
+from kdbench.run.plan import Plan, plan_jobs, planned_backend, slow_skip, warn_slow_cells
+from kdbench.run.progress import JobTiming, Progress, WallSplit
 from kdbench.schema import SCHEMA_VERSION, Row
 from kdbench.store.probes import ceiling_columns, latest_ceiling
 from kdbench.store.results import PROBES_DIR, TRACES_DIR, Invocation, RunFolder, newest_run, open_run
-from kdbench.workloads import expand_checked, planned_measurements
 
 logger = logging.getLogger(__name__)
 
@@ -55,62 +53,6 @@ class RunOptions:
     run_id: str | None = None  # run into out_dir/run_id, continuing it when it exists (shards share one)
     shard: tuple[int, int] | None = None  # (I, N): share I of N of the plan
     inline: bool = False  # run jobs in this process (no isolation)
-
-
-@dataclass(frozen=True)
-class JobTiming:
-    job_id: str
-    label: str
-    wall_s: float  # from handing the job to a worker until its part was stored
-    worker_s: float  # inside the worker, running the job
-
-
-class WallSplit:
-    """Where the run's wall time went, from the moment the interpreter imported kdbench (``kdbench.STARTED``;
-    not the OS process's creation, which a shell that execs python after other commands would move
-    back): the workers' categories (:mod:`kdbench.measure.walltime`), their process starts, the
-    environment capture, writing, the report and the budget checks, and what is left, which makes it add
-    up.  Warming up and measuring are the share that measures; the cold calls (compiles, autotuning,
-    first-use set-up) and everything else are the harness's or the levers'."""
-
-    MEASURES = ("warm-up", "measuring")
-
-    def __init__(self) -> None:
-        import kdbench
-
-        self.start = time.time()
-        self.before = max(0.0, self.start - kdbench.STARTED)  # imports, suite loading and the plan
-        self.seconds: dict[str, float] = {"start-up, imports and plan": self.before}
-        self.total: float | None = None
-
-    def add(self, category: str, seconds: float) -> None:
-        self.seconds[category] = self.seconds.get(category, 0.0) + max(0.0, seconds)
-
-    def job(self, wall_s: float, worker_s: float, split: dict[str, float], writing_s: float) -> None:
-        from kdbench.run.workers import PROCESS_START
-
-        split = dict(split)
-        started = split.pop(PROCESS_START, 0.0)
-        for category, seconds in split.items():
-            self.add(category, seconds)
-        self.add(PROCESS_START, started)
-        self.add("worker, other", worker_s - sum(split.values()))
-        self.add("writing", writing_s)
-        self.add("engine and pipe", wall_s - worker_s - started - writing_s)
-
-    def finish(self) -> dict[str, float]:
-        total = self.before + time.time() - self.start
-        self.add("engine and pipe", total - sum(self.seconds.values()))  # set-up before the first job, close
-        self.total = total
-        return {k: round(v, 3) for k, v in self.seconds.items() if v > 0.0005} | {"total": round(total, 3)}
-
-    @classmethod
-    def line(cls, split: dict[str, float]) -> str:
-        total = split["total"]
-        parts = sorted(((k, v) for k, v in split.items() if k != "total"), key=lambda kv: -kv[1])
-        shown = ", ".join(f"{k} {v:.1f} s ({v / total:.0%})" for k, v in parts)
-        measuring = sum(split.get(k, 0.0) for k in cls.MEASURES) / total if total else 0.0
-        return f"wall time {total:.1f} s: {shown}; warming up or measuring: {measuring:.0%}"
 
 
 @dataclass
@@ -151,104 +93,6 @@ class RunOutcome:
                 aborted=self.aborted,
                 wall_time=self.wall or None,
             )
-
-
-@dataclass(frozen=True)
-class Plan:
-    cells: list[Cell]  # the whole plan (every rank and shard sees the same)
-    jobs: list[Job]  # what this invocation runs: its share of the cells, then the quality job
-    job_ids: tuple[str, ...] = ()  # every job of the whole plan (all shards): what a complete run stores
-    shard: tuple[int, int] | None = None
-    skipped: dict[str, str] = field(default_factory=dict)  # job id -> why it is stored as skipped, not run
-
-
-def plan_jobs(suite: Suite, shard: tuple[int, int] | None = None, backend_name: str = "cpu") -> Plan:
-    """The suite's jobs; KdbenchError for anything that cannot run (checked before anything does).
-    ``backend_name`` is where it will run (the budgets' ``where`` may name backend-dependent columns)."""
-    cells = expand_checked(suite)
-    share = shard_cells(cells, *shard) if shard else cells
-    # Repeats are interleaved in rounds, as asv's `rounds`: every cell once, then every cell again, each
-    # round in fresh worker processes, so a repeat sees a new process (and the machine at another time).
-    n = suite.repeat
-    jobs: list[Job] = [CellJob(c, r, n) for r in range(1, n + 1) for c in share]
-    every = [CellJob(c, r, n).job_id for r in range(1, n + 1) for c in cells]
-    check_budgets(suite, cells, backend_name)
-    if suite.quality is not None:
-        from kdbench.quality.protocol import check_quality
-
-        try:
-            check_quality(suite.quality, [c.config for c in cells])
-        except KdbenchError as exc:
-            raise suite.error(("quality",), str(exc)) from None
-        quality = QualityJob.of(suite.quality, cells, suite.allow_imports)
-        every.append(quality.job_id)
-        if shard is None or shard[0] == 1:
-            jobs.append(quality)
-    return Plan(cells, jobs, tuple(every), shard)
-
-
-def planned_backend(suite: Suite, device: str | None) -> str:
-    """The backend name a run will use (``--device``, else the suite's), without touching the device."""
-    requested = device or suite.backend
-    return detect().best if requested == "auto" else requested
-
-
-def check_budgets(suite: Suite, cells: list[Cell], backend_name: str = "cpu") -> None:
-    """A budget that no planned measurement matches is a mistake in the suite (a typo in ``where``, a batch
-    size the cells do not measure): say so before anything runs."""
-    if not suite.budgets:
-        return
-    import pandas as pd
-
-    from kdbench.config.budgets import select
-    from kdbench.run.jobs import config_columns
-
-    planned = pd.DataFrame(
-        [
-            {**config_columns(c.config, backend_name), "backend": backend_name, "measurement": str(m), "batch_size": bs}
-            for c in cells
-            for m, bs in planned_measurements(c.config)
-        ]
-    )
-    for i, budget in enumerate(suite.budgets):
-        known = {k: v for k, v in budget.where.items() if k in planned}  # backend, autocast...: known after the run
-        if select(planned, budget.model_copy(update={"where": known})).empty:
-            raise suite.error(
-                ("budgets", i),
-                f"'{budget.describe()}' matches no measurement of the plan; check its measurement, batch_size "
-                "(a step's is the cell's batch_size, inference's are inference.batch_sizes) and where",
-            )
-
-
-def warn_slow_cells(plan: Plan, backend: Backend, probes_dir: Path, threads: int | None, skip: bool = False) -> dict:
-    """One line per precision of the plan measured to run far slower than fp32 here (:mod:`kdbench.hw.speed`:
-    the newest probe, a cached or a quick measurement), before anything runs; {precision: Slowdown}."""
-    from kdbench.hw.speed import slow_precisions, warning_line
-
-    cells = [j.cell for j in plan.jobs if isinstance(j, CellJob) and j.repeat == 1]
-    used = [p for c in cells for p in (c.config.precision, c.config.teacher_precision)]
-    slow = slow_precisions(used, backend, probes_dir, threads=threads)
-    for precision, slowdown in slow.items():
-        mine = [c for c in cells if precision in (c.config.precision, c.config.teacher_precision)]
-        if skip:
-            then = f"its {len(mine)} cell(s) are skipped (slow_precisions: skip)"
-        else:
-            budget = mine[0].config.timing.cell_budget_s or CELL_BUDGET_S.get(backend.name)
-            bound = f"each within its {budget:g} s time budget" if budget else "no time budget bounds them"
-            then = f"{len(mine)} cell(s) use it, {bound} (timing.cell_budget_s; `slow_precisions: skip` skips them)"
-        logger.warning("%s; %s", warning_line(slowdown), then)
-    return slow
-
-
-def slow_skip(job: Job, slow: dict) -> str | None:
-    """Why ``job`` is skipped under ``slow_precisions: skip`` (None: it runs)."""
-    from kdbench.hw.speed import skip_reason_for_slow
-
-    if not isinstance(job, CellJob):
-        return None
-    c = job.cell.config
-    precision = next((p for p in (c.precision, c.teacher_precision) if p in slow), None)
-    return skip_reason_for_slow(precision, slow[precision]) if precision else None
 
 
 def resolve_backend(suite: Suite, options: RunOptions) -> Backend:
@@ -377,64 +221,6 @@ class Stamper:
             "timestamp": datetime.now(UTC),
         }
         return [Row({**identity, **row}) for row in rows]
-
-
-def _fmt_s(seconds: float) -> str:
-    seconds = round(seconds)
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
-
-
-def summary_line(rows: list[Row]) -> str:
-    """The main figures of a finished job, for its progress line."""
-    bad = [r for r in rows if r["status"] != Status.OK]
-    if bad and len({(r["status"], r.get("error")) for r in bad}) == 1 and len(bad) == len(rows):
-        return f"{str(bad[0]['status']).upper()}: {(bad[0].get('error') or '')[:200]}"
-    quality = [r for r in rows if r["measurement"] == Measurement.QUALITY]
-    if quality:
-        return f"{len(quality)} quality rows" + (f", {len(bad)} FAILED" if bad else "")
-    from kdbench.store.derived import speedups
-
-    speedup = speedups(rows)
-    parts = []
-    for row in rows:
-        m = row["measurement"]
-        if row["status"] != Status.OK:
-            parts.append(f"{m}@{row['batch_size']} {str(row['status']).upper()}: {(row.get('error') or '')[:120]}")
-        elif m == Measurement.DISTILL_STEP:
-            noisy = " NOISY" if row["noisy"] else ""
-            rate = (
-                f"{row['tokens_per_s']:.0f} tokens/s"
-                if row.get("tokens_per_s") is not None
-                else f"{row['throughput']:.0f} samples/s"
-            )
-            parts.append(f"step {row['median_ms']:.3g} ms ±{row['rel_iqr']:.0%}{noisy} ({rate})")
-        elif (str(m), row["batch_size"]) in speedup:
-            bs, x = row["batch_size"], speedup[(str(m), row["batch_size"])]
-            what = "student" if m == Measurement.STUDENT_INFERENCE else str(m).replace("_", " ")
-            rate = f", {row['tokens_per_s']:.0f} tokens/s" if row.get("tokens_per_s") is not None else ""
-            parts.append(f"{what}@{bs} {row['median_ms']:.3g} ms{rate} ({x:.1f}x teacher)")
-    return "; ".join(parts)
-
-
-class Progress:
-    """One line per finished job: its figures, the count done, the time elapsed and an estimate of what is left.
-
-    The estimate leaves out what a job paid once, not per cell (a worker's start and imports, building
-    a model the cache then keeps): the first cell's start-up would otherwise multiply into every later one."""
-
-    def __init__(self, total: int):
-        self.total, self.seen, self.started, self.once = total, 0, time.monotonic(), 0.0
-
-    def done(self, job: Job, rows: list[Row], once_s: float = 0.0) -> None:
-        self.seen += 1
-        self.once += once_s
-        head = f"[{self.seen}/{self.total}] {job.progress_label}"
-        if not rows:
-            logger.info("%s: measured with the other nodes; the node that ran global rank 0 stores its rows", head)
-            return
-        elapsed = time.monotonic() - self.started
-        left = max(0.0, elapsed - self.once) / self.seen * (self.total - self.seen)
-        logger.info("%s: %s  | %s elapsed, ~%s left", head, summary_line(rows), _fmt_s(elapsed), _fmt_s(left))
 
 
 REUSED = "measured_in_cell"

@@ -1,0 +1,233 @@
+"""The commands: what each subcommand does with its parsed arguments (the work itself is :mod:`kdbench.api`'s)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from kdbench import api
+    from kdbench.config import with_overrides
+    from kdbench.run.engine import RunOptions
+
+    suite = api.load_suite(args.suite)
+    suite = with_overrides(
+        suite,
+        {
+            "threads": ("--threads", args.threads),
+            "cell_timeout_s": ("--cell-timeout", args.cell_timeout),
+            "allow_imports": ("--allow-imports", True if args.allow_imports else None),
+            "profile": ("--profile", True if args.profile else None),
+            "repeat": ("--repeat", args.repeat),
+        },
+    )
+    options = RunOptions(
+        out_dir=args.out,
+        device=args.device,
+        resume=args.resume,
+        run_id=args.run_id,
+        shard=args.shard,
+        inline=args.inline,
+    )
+    if args.dry_run:
+        return _dry_run(suite, options)
+    plan = api.plan(suite, options.shard, options.device)
+    if not plan.jobs:
+        i, n = options.shard
+        print(f"shard {i}/{n} of suite '{suite.name}' holds no cells; nothing to run")
+        return 0
+    outcome = api.run_suite(suite, options, plan, close=False)
+    try:
+        return _after_run(args, outcome)
+    finally:
+        outcome.close()  # the wall-time split ends after the report and the budget checks
+
+
+def _after_run(args: argparse.Namespace, outcome) -> int:
+    """What `run` does once the jobs are done: say how it ended, render the report, check the budgets."""
+    import time
+
+    from kdbench import api
+    from kdbench.store.results import RunFolder
+
+    if outcome.follower:
+        return 0  # rank 0 stores, reports and sets the exit code
+    if outcome.interrupted:
+        again = ["kdbench", "run", str(args.suite), "--out", str(args.out)]
+        again += ["--run-id", args.run_id] if args.run_id else ["--resume"]
+        again += ["--device", args.device] if args.device else []
+        print(
+            f"interrupted: {outcome.jobs} jobs stored in {outcome.path}; resume with:\n  {shlex.join(again)}",
+            file=sys.stderr,
+        )
+        return 130
+    print(f"{outcome.jobs} jobs, {outcome.rows} rows -> {outcome.path}")
+    if outcome.aborted:
+        print(
+            f"kdbench: the run stopped after {outcome.aborted}\n  its rows are stored; continue after it with: "
+            f"kdbench run {shlex.quote(str(args.suite))} --out {shlex.quote(str(args.out))} --resume",
+            file=sys.stderr,
+        )
+    stored = bool(RunFolder(outcome.path).parts())
+    if outcome.quality:
+        print(api.quality_table([outcome.path]), end="")
+    if not args.no_report and stored:
+        began = time.perf_counter()
+        print(f"report -> {api.render([outcome.path], args.report_dir)}")
+        outcome.spent("report", time.perf_counter() - began)
+    began = time.perf_counter()
+    missed = _budgets(api.budget_checks([outcome.path]) if stored else [])
+    outcome.spent("budget checks", time.perf_counter() - began)
+    if outcome.failed or outcome.aborted:
+        print(f"{len(outcome.failed)} job(s) had failures:", file=sys.stderr)
+        for label in outcome.failed:
+            print(f"  {label}", file=sys.stderr)
+    return 1 if outcome.failed or outcome.aborted or missed else 0
+
+
+def _budgets(checks) -> int:
+    """Print the budget checks (misses to stderr); the number missed (failed measurements included)."""
+    from kdbench.config.budgets import OUTCOMES, format_value, where_text
+
+    if not checks:
+        return 0
+    missed = [c for c in checks if c.missed]
+    counts = ", ".join(f"{n} {o}" for o in OUTCOMES if (n := sum(c.outcome == o for c in checks)) and o != "met")
+    met = sum(c.met for c in checks)
+    print(f"budgets: {met} of {len(checks)} checks met" + (f" ({counts})" if counts else ""))
+    for c in missed:
+        value = format_value(c.value, c.stat) + (f" ({c.note})" if c.note else "")
+        print(f"  {c.outcome.upper()} {c.budget}: {where_text(c)}: {value}", file=sys.stderr)
+    return len(missed)
+
+
+def _dry_run(suite, options) -> int:
+    from kdbench import api
+    from kdbench.hw.backends import detect
+    from kdbench.run.jobs import CellJob
+    from kdbench.workloads import planned_measurements
+
+    plan = api.plan(suite, options.shard, options.device)
+    n_rows = 0
+    for job in plan.jobs:
+        if isinstance(job, CellJob) and job.repeat > 1:
+            continue  # the same cells again, in later rounds
+        if isinstance(job, CellJob):
+            n_rows += len(planned_measurements(job.cell.config))
+            inf = ",".join(str(b) for b in job.cell.config.inference.batch_sizes) or "-"
+            print(f"{job.cell.index + 1:4d}  {job.job_id}  {job.label}  (inference bs {inf})")
+        else:
+            print(f"after the cells, {job.describe()}")
+    requested = options.device or suite.backend
+    d = detect()
+    here = (
+        "available here"
+        if requested in ("auto", "cpu") or d.best == requested
+        else f"NOT available here: {d.describe()}"
+    )
+    cells = sum(isinstance(j, CellJob) and j.repeat == 1 for j in plan.jobs)
+    times = f" x {suite.repeat} repeats" if suite.repeat > 1 else ""
+    print(f"{cells} cells, {n_rows} measurements{times}; suite '{suite.name}', backend {requested} ({here})")
+    if here == "available here":  # the plan-time warnings a run would print (slow precisions)
+        from kdbench.hw.backends import resolve
+        from kdbench.run.plan import warn_slow_cells
+        from kdbench.store.results import PROBES_DIR
+
+        skip = suite.slow_precisions == "skip"
+        warn_slow_cells(plan, resolve(requested), options.out_dir / PROBES_DIR, suite.threads, skip)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from kdbench import api
+
+    print(f"report -> {api.render(args.results, args.out, baseline=args.baseline, threshold=args.threshold / 100)}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from kdbench import api
+    from kdbench.report.compare import Policy
+    from kdbench.report.compare_format import render, verdict_line
+    from kdbench.store.files import write_text
+
+    policy = Policy(args.gate_single_repeat, args.allow_partial, args.fail_on_skipped)
+    cmp = api.compare(args.base, args.new, args.threshold / 100, args.confidence, policy)
+    text = render(cmp, args.format)
+    if args.out is None:
+        print(text, end="")
+    else:
+        write_text(text, args.out)
+        print(f"{verdict_line(cmp)}; comparison -> {args.out}")
+    for c in cmp.bad:
+        print(f"{c.verdict}: {c.name}: {c.note or f'x{c.ratio:.3f}'}", file=sys.stderr)
+    return cmp.exit_code
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from kdbench.report.export import write_export
+    from kdbench.store import read_results
+
+    text = write_export(read_results(args.results), args.format, args.out)
+    if args.out is None:
+        print(text, end="")
+    else:
+        print(f"{args.format} -> {args.out}")
+    return 0
+
+
+def cmd_env(_args: argparse.Namespace) -> int:
+    from kdbench.hw.environment import describe_lines
+
+    print("\n".join(describe_lines()))
+    print("(tf32_* and float32_matmul_precision are this process's torch defaults: a run sets them per measurement)")
+    return 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    import torch
+
+    from kdbench.hw.backends import resolve, thread_count
+    from kdbench.measure.probe import measure_ceilings, probe_env
+    from kdbench.store.probes import write_probe
+    from kdbench.store.results import PROBES_DIR
+
+    backend = resolve(args.device)
+    with thread_count(args.threads):
+        env = probe_env(backend)  # records the thread count the probe runs with
+        print(f"probing {backend.name} ({env['device_name']}), {torch.get_num_threads()} CPU threads ...")
+        rows = measure_ceilings(backend, matmul_n=args.size, min_time_s=args.min_time)
+    for r in rows:
+        value = f"{r['value']:.3f} {r['unit']}" if r["value"] is not None else f"unavailable ({r.get('error')})"
+        print(f"  {r['kind']:6s} {r['dtype']:5s} size {r['size']}: {value}")
+    print(f"probe -> {write_probe(rows, env, args.out / PROBES_DIR)}")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    if args.what == "models":
+        from kdbench.config.schema import DataConfig
+        from kdbench.models.catalogue import CALLABLE_NOTE, CONFIG_JSON_NOTE, families, shape_text
+
+        data = DataConfig()  # the cell defaults the image classifiers are counted at
+        for family in families(data.num_classes, tuple(data.shape)):
+            if family.name == "torchvision":  # ImageNet classifiers: names only (building 80 of them takes seconds)
+                print(f"{family.name} ({len(family.models)}): {', '.join(family.models)}")
+                continue
+            at = f"at {family.num_classes} classes, {shape_text(family.shape)}" if family.shape else "as registered"
+            print(f"{family.name} ({len(family.models)}): {family.title}, parameters {at}:")
+            for name in family.models:
+                print(f"  {name:<20} {family.parameters(name) / 1e6:8.2f} M")
+        print(CONFIG_JSON_NOTE)
+        print(CALLABLE_NOTE)
+        return 0
+    from kdbench.distill.losses import METHODS
+
+    for m in METHODS.values():
+        params = ", ".join(f"{k}={v}" for k, v in m.params().model_dump().items())
+        feats = " (feature method: hooks on `features.teacher` / `features.student`)" if m.cls.needs_features else ""
+        print(f"{m.name}: {m.doc}{feats}\n    suite key `{m.name}`: {params}")
+    print("a+b: any combination, e.g. kd+at; CE counted once; `weights: {kd: 1.0, at: 1.0}` scales each term")
+    return 0
