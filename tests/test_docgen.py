@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from kdbench import docgen
+from kdbench.docgen.cell_keys import cell_keys
+from kdbench.docgen.cli_reference import cli_parser, subparsers
+from kdbench.docgen.tables import registered_methods
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = list(docgen.BLOCKS)
@@ -64,7 +67,7 @@ def body(root: Path, name: str) -> str:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_blocks_are_deterministic(name, texts, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "40")  # argparse's usage wraps at docgen.WIDTH, not the terminal's
+    monkeypatch.setenv("COLUMNS", "40")  # argparse's usage wraps at docgen.markdown.WIDTH, not the terminal's
     again = docgen.generate(name)
     assert again == texts[name]
     assert again.strip()
@@ -84,8 +87,8 @@ def test_tables_escape_pipes(name, texts):
 
 
 def test_cli_block_covers_every_subcommand(texts):
-    parser = docgen._cli_parser()
-    for command in docgen._subparsers(parser).choices:
+    parser = cli_parser()
+    for command in subparsers(parser).choices:
         assert f"\n### kdbench {command}\n" in texts["cli"]
     assert "| `--run-id` | `ID` |" in texts["cli"]
     assert "examples:" in texts["cli"]
@@ -94,7 +97,7 @@ def test_cli_block_covers_every_subcommand(texts):
 def test_cell_keys_block_covers_nested_and_method_keys(texts):
     keys = re.findall(r"^\| `([^`]+)` \|", texts["cell-keys"], re.M)
     assert {"timing.warmup", "data.shape", "kd.temperature", "dkd.warmup", "rkd.eps"} <= set(keys)
-    assert all(f"{m}" in keys for m in docgen._methods())
+    assert all(f"{m}" in keys for m in registered_methods())
     warmup = next(line for line in texts["cell-keys"].splitlines() if line.startswith("| `timing.warmup` "))
     assert "| `3` |" in warmup and "`0 <= x <= 100000`" in warmup
 
@@ -153,11 +156,11 @@ def warmup_five(monkeypatch):
 
 def test_check_fails_when_the_schema_drifts(synced, monkeypatch, request):
     # the real cell-keys generator (not this module's text): it agrees with docs generated before the edit ...
-    monkeypatch.setitem(docgen.BLOCKS, "cell-keys", docgen.Block("docs/suites.md", docgen.cell_keys))
+    monkeypatch.setitem(docgen.BLOCKS, "cell-keys", docgen.Block("docs/suites.md", cell_keys))
     assert docgen.check(synced) == []
     # ... and not after a default in the schema changes
     request.getfixturevalue("warmup_five")
-    row = next(line for line in docgen.cell_keys().splitlines() if line.startswith("| `timing.warmup` "))
+    row = next(line for line in cell_keys().splitlines() if line.startswith("| `timing.warmup` "))
     assert "| `5` |" in row
     stale = docgen.check(synced)
     assert len(stale) == 1
