@@ -274,3 +274,27 @@ def test_cells_that_differ_only_in_unlabelled_settings_get_distinct_labels(tmp_p
         )
     )
     assert alone[0].label == alone[0].short_label and alone[0].label_extra == ""
+
+
+SHIPPED_PLANS = Path(__file__).resolve().parent / "data" / "shipped_plans.json"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "rocm"])
+def test_shipped_suites_plan_the_cells_they_planned_before_the_redesign(device):
+    """Every shipped suite plans the cells (ids, and each cell's planned rows) and the quality job it planned at
+    8dd427e, before issue 29's redesign, on every backend: results stored then still resume, compare and report."""
+    import hashlib
+    import json
+
+    from kdbench.run.plan import plan_jobs
+
+    stored = json.loads(SHIPPED_PLANS.read_text())
+    assert set(stored) <= {p.name for p in SUITES.glob("*.yaml")}  # suites added since plan what they like
+    for name, before in stored.items():
+        plan = plan_jobs(load_suite(SUITES / name), None, device)
+        cells = []
+        for cell in plan.cells:
+            planned = ",".join(f"{m}@{bs}" for m, bs in planned_measurements(cell.config))
+            cells.append(f"{cell.cell_id} {hashlib.sha256(planned.encode()).hexdigest()[:8]}")
+        assert cells == before["cells"], name
+        assert [j for j in plan.job_ids if j.startswith("quality-")] == before["quality_jobs"], name
