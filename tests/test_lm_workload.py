@@ -251,7 +251,7 @@ def test_an_fsdp_cell_this_torch_or_device_cannot_shard_is_skipped_with_the_reas
 
 
 def test_a_teacher_held_in_bf16_halves_its_memory_and_distils_as_a_bf16_autocast_one():
-    from kdbench.workloads.base import hold_teacher
+    from kdbench.workloads.base import cast_teacher_weights
 
     rows = {}
     for weights in ("fp32", "bf16"):
@@ -265,7 +265,7 @@ def test_a_teacher_held_in_bf16_halves_its_memory_and_distils_as_a_bf16_autocast
     assert fp32["model_state_bytes"] - bf16["model_state_bytes"] == 2 * fp32["teacher_params"]  # 4 -> 2 bytes each
     assert bf16["final_loss"] == pytest.approx(fp32["final_loss"], rel=1e-3)
     assert bf16["tokens_per_s"] > 0 and rows["bf16"][3]["measurement"] == "teacher_prefill"
-    held = hold_teacher(
+    held = cast_teacher_weights(
         CausalLM(LM.build_pair(lm_config(), CPU, ModelCache())[0].lm), lm_config(teacher={"weights": "bf16"})
     )
     assert {p.dtype for p in held.parameters()} == {torch.bfloat16}

@@ -149,7 +149,7 @@ def serving_plan(
     return out
 
 
-def hold_teacher(teacher: nn.Module, config: CellConfig) -> nn.Module:
+def cast_teacher_weights(teacher: nn.Module, config: CellConfig) -> nn.Module:
     """``teacher`` (frozen) with its parameters cast to ``teacher.weights``, in place; its buffers (rotary
     frequencies, ...) stay as built, as transformers keeps them in float32 when it loads a model in bf16."""
     if config.teacher.weights != "fp32":

@@ -29,11 +29,11 @@ from kdbench.errors import KdbenchError
 from kdbench.models.lm import is_lm_model
 from kdbench.names import Measurement
 from kdbench.schema import Row
-from kdbench.workloads.base import Pair, Problems, Workload, hold_teacher, model_of, serving_plan
+from kdbench.workloads.base import Pair, Problems, Workload, cast_teacher_weights, model_of, serving_plan
 
 IGNORE = -100
 DEFAULT_LAYERS = 4  # hidden_mse pairs at most this many encoder layers by default
-ALSO = ("hidden_mse",)  # methods of another family's domain that run on encoder pairs too (hidden states)
+ALSO_ON_ENCODERS = ("hidden_mse",)  # methods of another family's domain that run on encoder pairs too (hidden states)
 ROLES = ("teacher", "student")
 
 
@@ -128,7 +128,7 @@ class EncoderWorkload(Workload):
             check_weights(config.method, config.weights)
         except KdbenchError:
             return problems  # the plan reports the method itself
-        other = [m.name for m in methods if m.cls.domain != "encoder" and m.name not in ALSO]
+        other = [m.name for m in methods if m.cls.domain != "encoder" and m.name not in ALSO_ON_ENCODERS]
         if other:
             problems.append(
                 (
@@ -171,7 +171,7 @@ class EncoderWorkload(Workload):
             key = ("encoder", name, repr(sorted(overrides.items())), config.seed)
             model = cache.get_built(key, config.seed, lambda n=name, o=overrides: build_encoder(n, o or None))
             wrapped = Encoder(model)
-            models.append((hold_teacher(wrapped, config) if role == "teacher" else wrapped).to(backend.device))
+            models.append((cast_teacher_weights(wrapped, config) if role == "teacher" else wrapped).to(backend.device))
         return models[0], models[1]
 
     def batch(

@@ -29,7 +29,7 @@ from kdbench.errors import KdbenchError
 from kdbench.models.lm import is_lm_model
 from kdbench.names import Measurement
 from kdbench.schema import Row
-from kdbench.workloads.base import Pair, Problems, Workload, hold_teacher, model_of, serving_plan
+from kdbench.workloads.base import Pair, Problems, Workload, cast_teacher_weights, model_of, serving_plan
 
 IGNORE = -100
 DEFAULT_LAYERS = 4  # hidden_mse pairs at most this many decoder layers by default
@@ -331,7 +331,7 @@ class LMWorkload(Workload):
             key = ("lm", name, repr(sorted(overrides.items())), config.seed)
             model = cache.get_built(key, config.seed, lambda n=name, o=overrides: build(n, o, allow))
             wrapped = CausalLM(model)
-            models.append((hold_teacher(wrapped, config) if role == "teacher" else wrapped).to(backend.device))
+            models.append((cast_teacher_weights(wrapped, config) if role == "teacher" else wrapped).to(backend.device))
         return models[0], models[1]
 
     def step_pair(self, config: Any, backend: Any, cache: Any) -> Pair:

@@ -35,7 +35,7 @@ def _keyword(forward, *names: str) -> str | None:
     return next((n for n in names if n in params), None)
 
 
-class Generator:
+class GreedyServing:
     """Prefill and greedy decode of one transformers causal LM on a fixed prompt batch."""
 
     def __init__(self, lm: nn.Module, ids: torch.Tensor, new_tokens: int):
@@ -109,7 +109,7 @@ def measure_serving(
     choice = choose_autocast(backend, config.precision)
     lm = model.lm
     lm.eval()
-    gen = Generator(lm, ids, config.inference.decode_tokens)
+    gen = GreedyServing(lm, ids, config.inference.decode_tokens)
 
     def call() -> Any:
         with torch.inference_mode(), choice.context(backend.device_type):

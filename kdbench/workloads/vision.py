@@ -206,7 +206,7 @@ def measure_inference(
 # --------------------------------------------------------------------------- the workload
 
 
-class Vision(Workload):
+class VisionWorkload(Workload):
     family = "vision"
     a_pair = "an image pair"
     pairs = "image pairs"
@@ -314,4 +314,4 @@ class Vision(Workload):
         return measure_inference(model, role, batch_size, config, backend, budget_s)
 
 
-VISION = Vision()
+VISION = VisionWorkload()
