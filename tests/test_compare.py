@@ -15,7 +15,8 @@ from scipy import stats
 
 from kdbench.cli import main
 from kdbench.repeats import bootstrap_ratio, median_draws, median_log_variance, simultaneous_t, t_ratio
-from kdbench.report.compare import Policy, Verdict, compare_frames, verdict_of
+from kdbench.report.compare import compare_frames
+from kdbench.report.verdicts import Policy, Verdict, verdict_of
 from kdbench.store import read_results
 from kdbench.store.results import job_id, open_run
 

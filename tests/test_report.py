@@ -9,7 +9,7 @@ import pytest
 
 from kdbench.errors import KdbenchError
 from kdbench.report import render_report
-from kdbench.report.html import format_ms
+from kdbench.report.format import format_ms
 from tests.helpers import as_read
 
 SCRIPT = "<script>alert(1)</script>"

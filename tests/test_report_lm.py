@@ -301,9 +301,9 @@ def test_an_lm_run_says_where_its_serving_is_instead_of_an_empty_inference_chart
 
 
 def test_bar_labels_of_a_mixed_run_leave_out_what_a_family_does_not_have(frame):
-    from kdbench.report.plots import _add_variant, _with_keys
+    from kdbench.report.charts import add_variant, with_keys
 
-    steps = _with_keys(pooled(frame))
-    variants = set(_add_variant(steps[steps.measurement == "distill_step"])["variant"])
+    steps = with_keys(pooled(frame))
+    variants = set(add_variant(steps[steps.measurement == "distill_step"])["variant"])
     assert "bf16, kd, 3x32x32" in variants and "bf16, forward_kl, dense, seq1024" in variants
     assert not any("?" in v for v in variants)  # no image shape on LM bars, no seq_len or loss_impl on image ones

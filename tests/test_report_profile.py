@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from kdbench.report import render_report
-from kdbench.report.html import trace_link
+from kdbench.report.step_tables import trace_link
 from kdbench.report.summaries import summarize_quality
 from tests.helpers import as_read
 

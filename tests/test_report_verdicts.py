@@ -13,7 +13,8 @@ import pytest
 
 from kdbench.config.budgets import Budget, check
 from kdbench.report import render_report
-from kdbench.report.plots import _add_variant, _with_keys, history_runs
+from kdbench.report.charts import add_variant, with_keys
+from kdbench.report.compare_plots import history_runs
 from kdbench.report.summaries import pooled
 from tests.helpers import as_read
 
@@ -90,7 +91,7 @@ def test_cells_that_differ_only_by_a_lever_never_share_a_bar():
         _row(0, "fused", "distill_step", 19.0, optimizer_impl="fused", config={"optimizer": {"impl": "fused"}}),
         _row(0, "hidden", "distill_step", 19.5, config={"something": "else"}),  # a difference no column shows
     ]
-    bars = _add_variant(_with_keys(pooled(as_read(rows))), within=("source", "pair"))
+    bars = add_variant(with_keys(pooled(as_read(rows))), within=("source", "pair"))
     assert bars["variant"].nunique() == 4
     labels = dict(zip(bars["cell_id"], bars["variant"]))
     assert "compile-default" in labels["comp"] and "fused" in labels["fused"]
