@@ -11,9 +11,7 @@ import torch
 from torch import nn
 
 from kdbench.cli import main
-from kdbench.distill.step import DistillStep
 from kdbench.hw.backends import Backend, resolve
-from kdbench.hw.data import synthetic_batch
 from kdbench.hw.environment import capture, kernel_caches
 from kdbench.measure.cell import phase_columns, step_flops
 from kdbench.measure.telemetry import TelemetrySampler, telemetry_columns
@@ -22,7 +20,7 @@ from kdbench.models import build_model
 from kdbench.names import PHASES, REMAINDER_COLUMN
 from kdbench.store import read_results
 from kdbench.store.schema import ENVIRONMENT_COLUMNS
-from tests.helpers import make_config, run_folder
+from tests.helpers import make_config, make_step, run_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = resolve("cpu")
@@ -45,15 +43,10 @@ def conv_net(num_classes, in_shape):
     return ConvNet(num_classes, tuple(in_shape))
 
 
-def _step(config, teacher, student):
-    x, y = synthetic_batch(config, config.batch_size, CPU.device, 0)
-    return DistillStep(teacher, student, x, y, config, CPU)
-
-
 def test_flops_of_a_linear_step_are_analytic():
     b, d, c = 4, 1 * 8 * 8, 10
     config = make_config(pair={"teacher": "linear", "student": "linear"}, data={"shape": [1, 8, 8], "num_classes": c})
-    step = _step(config, build_model("linear", c, (1, 8, 8)), build_model("linear", c, (1, 8, 8)))
+    step = make_step(config, (build_model("linear", c, (1, 8, 8)), build_model("linear", c, (1, 8, 8))))
     flops = step_flops(step)
     mm = 2 * b * d * c
     assert flops["teacher_forward_flops"] == mm
@@ -64,17 +57,16 @@ def test_flops_of_a_linear_step_are_analytic():
 def test_flops_of_a_conv_step_are_analytic():
     b, (ch, h, w), k, c = 4, (3, 8, 8), 4, 10
     config = make_config(pair={"teacher": "linear", "student": "linear"}, data={"shape": [ch, h, w], "num_classes": c})
-    step = _step(config, ConvNet(c, (ch, h, w), k), ConvNet(c, (ch, h, w), k))
+    step = make_step(config, (ConvNet(c, (ch, h, w), k), ConvNet(c, (ch, h, w), k)))
     conv = 2 * b * k * h * w * ch * 3 * 3
     fc = 2 * b * (k * h * w) * c
     flops = step_flops(step)
     assert flops["teacher_forward_flops"] == conv + fc
     # student: forward (conv + fc), backward: fc's weight and input grads, conv's weight grad only
     assert flops["student_flops"] == (conv + fc) + (2 * fc + conv)
-    cached = _step(
+    cached = make_step(
         config.model_copy(update={"teacher": config.teacher.model_copy(update={"mode": "cached"})}),
-        ConvNet(c, (ch, h, w), k),
-        ConvNet(c, (ch, h, w), k),
+        (ConvNet(c, (ch, h, w), k), ConvNet(c, (ch, h, w), k)),
     )
     f = step_flops(cached)
     assert f["teacher_forward_flops"] is None and f["flops"] == f["student_flops"] == 2 * conv + 3 * fc
@@ -82,7 +74,7 @@ def test_flops_of_a_conv_step_are_analytic():
 
 def test_phases_sum_to_the_step_within_the_remainder():
     config = make_config(pair={"teacher": "resnet8", "student": "resnet8"}, method="kd+at")
-    step = _step(config, build_model("resnet8", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16)))
+    step = make_step(config, (build_model("resnet8", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16))))
     from kdbench.measure.cell import _time
 
     raw = _time(step, config, CPU, None)
@@ -99,7 +91,7 @@ def test_phases_sum_to_the_step_within_the_remainder():
 
 def test_cached_teacher_phase_is_empty_and_the_forward_phases_reflect_it():
     config = make_config(pair={"teacher": "resnet20", "student": "resnet8"}, teacher={"mode": "cached"})
-    step = _step(config, build_model("resnet20", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16)))
+    step = make_step(config, (build_model("resnet20", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16))))
     for _ in range(3):
         step()
     phases = step.phase_ms(3)
@@ -292,7 +284,7 @@ class RecordingClock:
 
 def test_phase_stamps_add_no_sync_inside_the_step_and_are_read_after():
     config = make_config(pair={"teacher": "resnet8", "student": "resnet8"})
-    step = _step(config, build_model("resnet8", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16)))
+    step = make_step(config, (build_model("resnet8", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16))))
     clock = RecordingClock()
     step.clock = clock
     for _ in range(4):

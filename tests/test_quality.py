@@ -22,13 +22,7 @@ CPU = resolve("cpu")
 SHAPE = [1, 8, 8]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: fast on a small shared machine, and results identical from run to run."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _job(method, teacher="resnet8", student="resnet8", shape=SHAPE):

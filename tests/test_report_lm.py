@@ -82,7 +82,7 @@ def _row(loss_impl: str, seq_len: int, measurement: str, median_ms: float | None
     return row | extra
 
 
-def _step(loss_impl: str, seq_len: int) -> Row:
+def _step_row(loss_impl: str, seq_len: int) -> Row:
     figures = STEPS[(loss_impl, seq_len)]
     if figures is None:
         return _row(
@@ -124,7 +124,7 @@ def _serving(loss_impl: str, seq_len: int) -> list[Row]:
 
 
 def _lm_rows() -> list[Row]:
-    rows = [_step(impl, seq) for impl, seq in STEPS]
+    rows = [_step_row(impl, seq) for impl, seq in STEPS]
     rows.append(_row("liger", 1024, "distill_step", None, status="skipped", error=LIGER_WHY))
     for impl, seq in STEPS:
         rows += _serving(impl, seq)
