@@ -115,6 +115,7 @@ print(json.dumps({k: row[k] for k in ("status", "memory_kind", "peak_memory_byte
 """
 
 
+@pytest.mark.slow
 def test_memory_peaks_are_positive_and_grow_with_batch_size():
     # One fresh process per batch size: a process's resident memory keeps what earlier work left.
     peaks = {}
@@ -224,6 +225,7 @@ defaults:
 """
 
 
+@pytest.mark.slow
 def test_probe_then_run_reports_utilisation_and_traces(tmp_path, capsys):
     out = tmp_path / "res"
     threads = torch.get_num_threads()

@@ -324,7 +324,9 @@ def test_cached_and_live_teachers_give_the_same_loss(method):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("method", ["kd", "fitnet", "at", "kd+at", "dkd"])
-@pytest.mark.parametrize("pair", [("resnet20", "resnet8"), ("resnet18", "mobilenet_v3_small")])
+@pytest.mark.parametrize(
+    "pair", [("resnet20", "resnet8"), pytest.param(("resnet18", "mobilenet_v3_small"), marks=pytest.mark.slow)]
+)
 def test_every_method_steps_on_cifar_and_heterogeneous_pairs(pair, method, precision):
     config = make_config(
         pair={"teacher": pair[0], "student": pair[1]},

@@ -371,6 +371,7 @@ quality: {dataset: digits, epochs: 1, seeds: 1, target: 0.5}
 """
 
 
+@pytest.mark.slow
 def test_run_stores_quality_rows_once_and_resume_keeps_them(tmp_path, capsys):
     from kdbench.cli import main
     from kdbench.store import read_results
@@ -404,6 +405,7 @@ def test_run_stores_quality_rows_once_and_resume_keeps_them(tmp_path, capsys):
     assert len(read_results([run.path])) == len(rows)
 
 
+@pytest.mark.slow
 def test_a_quality_job_that_crashes_is_stored_failed_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
     from kdbench.cli import main
     from kdbench.store import read_results

@@ -272,6 +272,7 @@ def segfaulting_lm():
     return SegfaultsInQuality()
 
 
+@pytest.mark.slow
 def test_a_crashed_text_quality_job_is_stored_as_its_planned_rows(tmp_path, monkeypatch, capsys):
     from kdbench.cli import main
     from kdbench.store import read_results
