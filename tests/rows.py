@@ -22,3 +22,19 @@ def result_row(**columns: Any) -> Row:
     row = Row(IDENTITY, **columns)
     row.setdefault("cell_label", row["cell_id"])
     return row
+
+
+def timing(median_ms: float, batch_size: int, n: int, iqr: float, p05: float, p95: float) -> dict[str, Any]:
+    """The statistics columns of a timed row around ``median_ms``: ``n`` samples, the IQR and the 5th and 95th
+    percentiles as multiples of the median, three samples at the median, not noisy, and the throughput of
+    ``batch_size`` samples a call."""
+    return {
+        "n": n,
+        "median_ms": median_ms,
+        "iqr_ms": median_ms * iqr,
+        "p05_ms": median_ms * p05,
+        "p95_ms": median_ms * p95,
+        "samples_ms": [median_ms] * 3,
+        "noisy": False,
+        "throughput": batch_size / median_ms * 1000,
+    }

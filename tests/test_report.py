@@ -12,7 +12,7 @@ from kdbench.report import render_report
 from kdbench.report.format import format_ms
 from kdbench.schema import Row
 from tests.helpers import as_read
-from tests.rows import result_row
+from tests.rows import result_row, timing
 
 SCRIPT = "<script>alert(1)</script>"
 RUNS = {
@@ -33,19 +33,8 @@ def _row(label: str, measurement: str, batch_size: int, median_ms: float, **extr
     cell = dict(schema_version=1, run_id=run_id, suite="smoke", cell_id=f"id-{label}", cell_label=label)
     setting = dict(precision=precision, teacher=teacher, student=student, method="kd", world_size=1)
     row = result_row(**cell, measurement=measurement, batch_size=batch_size, **setting, **RUNS[run_id])
-    row.update(
-        timestamp=datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC),
-        torch_version="2.5.1",
-        n=50,
-        median_ms=median_ms,
-        iqr_ms=median_ms * 0.04,
-        p05_ms=median_ms * 0.95,
-        p95_ms=median_ms * 1.1,
-        samples_ms=[median_ms] * 3,
-        noisy=False,
-        throughput=batch_size / median_ms * 1000,
-    )
-    return row | extra
+    row.update(timestamp=datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC), torch_version="2.5.1")
+    return row | timing(median_ms, batch_size, n=50, iqr=0.04, p05=0.95, p95=1.1) | extra
 
 
 def _rows() -> list[dict]:

@@ -22,7 +22,7 @@ from kdbench.report.lm import (
 from kdbench.report.summaries import pooled
 from kdbench.schema import Row
 from tests.helpers import as_read
-from tests.rows import result_row
+from tests.rows import result_row, timing
 
 PAIR = ("llama-3.1-8b", "llama-3.2-1b")
 PAIR_TEXT = "llama-3.1-8b → llama-3.2-1b"
@@ -69,16 +69,7 @@ def _row(loss_impl: str, seq_len: int, measurement: str, median_ms: float | None
         torch_version="2.5.1",
     )
     if median_ms is not None:
-        row.update(
-            n=20,
-            median_ms=median_ms,
-            iqr_ms=median_ms * 0.02,
-            p05_ms=median_ms * 0.97,
-            p95_ms=median_ms * 1.05,
-            samples_ms=[median_ms] * 3,
-            noisy=False,
-            throughput=batch_size / median_ms * 1000,
-        )
+        row.update(timing(median_ms, batch_size, n=20, iqr=0.02, p05=0.97, p95=1.05))
     return row | extra
 
 
