@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kdbench.repeats import bootstrap_ratio, simultaneous_t  # noqa: E402
-from kdbench.report.compare import Verdict, verdict_of  # noqa: E402
+from kdbench.report.verdicts import Verdict, verdict_of  # noqa: E402
 
 M, WITHIN, N = 20, 0.02, 30
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kdbench.config.budgets import BudgetCheck
     from kdbench.config.schema import Suite
-    from kdbench.report.compare import Comparison
+    from kdbench.report.verdicts import Comparison
     from kdbench.run.engine import RunOptions, RunOutcome
     from kdbench.run.plan import Plan
 
@@ -81,7 +81,7 @@ def compare(
     base: str | Path, new: str | Path, threshold: float = 0.05, confidence: float = 0.95, policy=None
 ) -> Comparison:
     """NEW against BASE (each a run folder or result file), cell by cell: :mod:`kdbench.report.compare`.
-    ``threshold`` is a fraction (0.05: 5 %); ``policy`` (:class:`kdbench.report.compare.Policy`) what else
+    ``threshold`` is a fraction (0.05: 5 %); ``policy`` (:class:`kdbench.report.verdicts.Policy`) what else
     fails the gate; ``.exit_code`` is 1 when a measurement fails it."""
     from kdbench.report.compare import compare_frames
     from kdbench.store import read_results

@@ -26,3 +26,25 @@ def fresh_worker_state():
     previous = install(state)
     yield state
     install(previous)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests (``pytestmark = pytest.mark.usefixtures("one_thread")``): their
+    shapes are tiny, and on a small shared machine two threads spin against a busy core (a step 8-40x slower);
+    with one, results are also identical from run to run.  The thread count is restored after the module."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def seeded():
+    """Every test of a module (``pytestmark = pytest.mark.usefixtures("seeded")``) draws the same random tensors:
+    torch's generator seeded with 0 before each, so no value depends on the test order."""
+    import torch
+
+    torch.manual_seed(0)

@@ -7,7 +7,9 @@ import pytest
 
 from kdbench.cli import main
 from kdbench.config.budgets import Budget, check
+from kdbench.schema import Row
 from tests.helpers import run_folder, write_suite
+from tests.rows import result_row
 
 SUITE = {
     "name": "budgets",
@@ -23,18 +25,11 @@ SUITE = {
 }
 
 
-def _row(cell: str, measurement: str, bs: int, **values) -> dict:
-    return {
-        "run_id": "r",
-        "cell_id": cell,
-        "cell_label": f"label-{cell}",
-        "measurement": measurement,
-        "batch_size": bs,
-        "status": "ok",
-        "precision": "bf16" if cell == "b" else "fp32",
-        "error": None,
-        **values,
-    }
+def _row(cell: str, measurement: str, bs: int, **values) -> Row:
+    """A row of ``cell`` (labelled ``label-<cell>``; cell b runs in bf16)."""
+    precision = "bf16" if cell == "b" else "fp32"
+    row = result_row(cell_id=cell, cell_label=f"label-{cell}", measurement=measurement, batch_size=bs, error=None)
+    return row | {"precision": precision, **values}
 
 
 def test_checks_take_the_centre_over_repeats_and_a_failure_misses():
@@ -43,7 +38,7 @@ def test_checks_take_the_centre_over_repeats_and_a_failure_misses():
             *(_row("a", "student_inference", 1, p95_ms=v, throughput=900.0) for v in (4.0, 6.0, 4.5)),
             _row("b", "student_inference", 1, p95_ms=1.0, throughput=3000.0),
             _row("b", "student_inference", 4, status="oom", error="out of memory", p95_ms=None),
-            _row("a", "distill_step", 4, median_ms=150.0, peak_memory_bytes=9e9),
+            _row("a", "distill_step", 4, median_ms=150.0, peak_memory_bytes=9_000_000_000),  # int64 bytes, not 9e9
         ]
     )
     p95 = Budget(measurement="student_inference", batch_size=1, stat="p95_ms", max=5)

@@ -11,9 +11,7 @@ import torch
 from torch import nn
 
 from kdbench.cli import main
-from kdbench.distill.step import DistillStep
 from kdbench.hw.backends import Backend, resolve
-from kdbench.hw.data import synthetic_batch
 from kdbench.hw.environment import capture, kernel_caches
 from kdbench.measure.step import phase_columns, step_flops
 from kdbench.measure.telemetry import TelemetrySampler, telemetry_columns
@@ -22,8 +20,7 @@ from kdbench.models import build_model
 from kdbench.names import PHASES, REMAINDER_COLUMN
 from kdbench.schema import ENVIRONMENT_COLUMNS
 from kdbench.store import read_results
-from kdbench.workloads import workload_of
-from tests.helpers import make_config, run_folder
+from tests.helpers import make_config, make_step, run_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = resolve("cpu")
@@ -46,15 +43,10 @@ def conv_net(num_classes, in_shape):
     return ConvNet(num_classes, tuple(in_shape))
 
 
-def _step(config, teacher, student):
-    x, y = synthetic_batch(config, config.batch_size, CPU.device, 0)
-    return DistillStep(teacher, student, x, y, config, CPU, workload_of(config))
-
-
 def test_flops_of_a_linear_step_are_analytic():
     b, d, c = 4, 1 * 8 * 8, 10
     config = make_config(pair={"teacher": "linear", "student": "linear"}, data={"shape": [1, 8, 8], "num_classes": c})
-    step = _step(config, build_model("linear", c, (1, 8, 8)), build_model("linear", c, (1, 8, 8)))
+    step = make_step(config, (build_model("linear", c, (1, 8, 8)), build_model("linear", c, (1, 8, 8))))
     flops = step_flops(step)
     mm = 2 * b * d * c
     assert flops["teacher_forward_flops"] == mm
@@ -65,17 +57,16 @@ def test_flops_of_a_linear_step_are_analytic():
 def test_flops_of_a_conv_step_are_analytic():
     b, (ch, h, w), k, c = 4, (3, 8, 8), 4, 10
     config = make_config(pair={"teacher": "linear", "student": "linear"}, data={"shape": [ch, h, w], "num_classes": c})
-    step = _step(config, ConvNet(c, (ch, h, w), k), ConvNet(c, (ch, h, w), k))
+    step = make_step(config, (ConvNet(c, (ch, h, w), k), ConvNet(c, (ch, h, w), k)))
     conv = 2 * b * k * h * w * ch * 3 * 3
     fc = 2 * b * (k * h * w) * c
     flops = step_flops(step)
     assert flops["teacher_forward_flops"] == conv + fc
     # student: forward (conv + fc), backward: fc's weight and input grads, conv's weight grad only
     assert flops["student_flops"] == (conv + fc) + (2 * fc + conv)
-    cached = _step(
+    cached = make_step(
         config.model_copy(update={"teacher": config.teacher.model_copy(update={"mode": "cached"})}),
-        ConvNet(c, (ch, h, w), k),
-        ConvNet(c, (ch, h, w), k),
+        (ConvNet(c, (ch, h, w), k), ConvNet(c, (ch, h, w), k)),
     )
     f = step_flops(cached)
     assert f["teacher_forward_flops"] is None and f["flops"] == f["student_flops"] == 2 * conv + 3 * fc
@@ -83,7 +74,7 @@ def test_flops_of_a_conv_step_are_analytic():
 
 def test_phases_sum_to_the_step_within_the_remainder():
     config = make_config(pair={"teacher": "resnet8", "student": "resnet8"}, method="kd+at")
-    step = _step(config, build_model("resnet8", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16)))
+    step = make_step(config, (build_model("resnet8", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16))))
     from kdbench.measure.rows import profiled_loop
 
     raw, _, _ = profiled_loop(step, config, CPU, config.batch_size, None)
@@ -100,7 +91,7 @@ def test_phases_sum_to_the_step_within_the_remainder():
 
 def test_cached_teacher_phase_is_empty_and_the_forward_phases_reflect_it():
     config = make_config(pair={"teacher": "resnet20", "student": "resnet8"}, teacher={"mode": "cached"})
-    step = _step(config, build_model("resnet20", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16)))
+    step = make_step(config, (build_model("resnet20", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16))))
     for _ in range(3):
         step()
     phases = step.phase_ms(3)
@@ -125,6 +116,7 @@ print(json.dumps({k: row[k] for k in ("status", "memory_kind", "peak_memory_byte
 """
 
 
+@pytest.mark.slow
 def test_memory_peaks_are_positive_and_grow_with_batch_size():
     # One fresh process per batch size: a process's resident memory keeps what earlier work left.
     peaks = {}
@@ -234,6 +226,7 @@ defaults:
 """
 
 
+@pytest.mark.slow
 def test_probe_then_run_reports_utilisation_and_traces(tmp_path, capsys):
     out = tmp_path / "res"
     threads = torch.get_num_threads()
@@ -294,7 +287,7 @@ class RecordingClock:
 
 def test_phase_stamps_add_no_sync_inside_the_step_and_are_read_after():
     config = make_config(pair={"teacher": "resnet8", "student": "resnet8"})
-    step = _step(config, build_model("resnet8", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16)))
+    step = make_step(config, (build_model("resnet8", 10, (3, 16, 16)), build_model("resnet8", 10, (3, 16, 16))))
     clock = RecordingClock()
     step.clock = clock
     for _ in range(4):

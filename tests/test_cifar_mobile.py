@@ -429,19 +429,7 @@ PARAMS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread (as tests/test_quality.py): on a small shared machine two threads spin against a busy
-    core and a step takes 10-40x longer."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(autouse=True)
-def _seeded():
-    torch.manual_seed(0)
+pytestmark = pytest.mark.usefixtures("one_thread", "seeded")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("name", NEW_MODELS)

@@ -206,9 +206,7 @@ PARAMS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _seeded():
-    torch.manual_seed(0)
+pytestmark = pytest.mark.usefixtures("seeded")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("name", NEW_MODELS)

@@ -43,6 +43,7 @@ def tiny(tmp_path):
     return p
 
 
+@pytest.mark.slow
 def test_run_stores_every_measurement_and_renders_the_report(tiny, tmp_path, capsys):
     out, rep = tmp_path / "res", tmp_path / "rep"
     assert main(["run", str(tiny), "--out", str(out), "--report-dir", str(rep)]) == 0
@@ -105,6 +106,7 @@ def _cli(*args, cwd=ROOT):
     )
 
 
+@pytest.mark.slow
 def test_user_errors_exit_2_with_one_line_and_no_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(TINY.replace("student: linear", "student: linaer"))
@@ -125,6 +127,7 @@ def test_user_errors_exit_2_with_one_line_and_no_traceback(tmp_path):
     assert not list(tmp_path.glob("*.parquet"))
 
 
+@pytest.mark.slow
 def test_every_shipped_suite_dry_runs():
     for suite in sorted((ROOT / "suites").glob("*.yaml")):
         r = _cli("run", str(suite), "--dry-run")

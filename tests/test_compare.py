@@ -15,9 +15,11 @@ from scipy import stats
 
 from kdbench.cli import main
 from kdbench.repeats import bootstrap_ratio, median_draws, median_log_variance, simultaneous_t, t_ratio
-from kdbench.report.compare import Policy, Verdict, compare_frames, verdict_of
+from kdbench.report.compare import compare_frames
+from kdbench.report.verdicts import Policy, Verdict, verdict_of
 from kdbench.store import read_results
 from kdbench.store.results import job_id, open_run
+from tests.rows import result_row
 
 CELLS = {"cell-a": "resnet56->resnet20 kd fp32 bs32", "cell-b": "resnet32x4->resnet8x4 kd bf16 bs32"}
 MEASUREMENTS = (("distill_step", 32, 40.0), ("student_inference", 1, 2.0), ("teacher_inference", 1, 6.0))
@@ -34,20 +36,19 @@ def _rows(run_id: str, scale: dict | None = None, repeats: int = 1, spread: floa
             for measurement, bs, median in MEASUREMENTS:
                 factor = (scale or {}).get((cell, measurement), 1.0) * level
                 samples = (median * factor * rng.lognormal(0, 0.02, 60)).tolist()
-                row = {
-                    "run_id": run_id,
-                    "suite": "s",
-                    "cell_id": cell,
-                    "cell_label": label,
-                    "repeat": r + 1 if repeats > 1 else None,
-                    "measurement": measurement,
-                    "batch_size": bs,
-                    "status": "ok",
-                    "samples_ms": samples,
-                    "median_ms": float(np.median(samples)),
-                    "device_name": "cpu-x",
-                    "timestamp": datetime(2026, 1, 1, tzinfo=UTC),
-                }
+                row = result_row(
+                    run_id=run_id,
+                    suite="s",
+                    cell_id=cell,
+                    cell_label=label,
+                    repeat=r + 1 if repeats > 1 else None,
+                    measurement=measurement,
+                    batch_size=bs,
+                    samples_ms=samples,
+                    median_ms=float(np.median(samples)),
+                    device_name="cpu-x",
+                    timestamp=datetime(2026, 1, 1, tzinfo=UTC),
+                )
                 if status.get(cell):
                     row.update(status=status[cell], error="CUDA out of memory", samples_ms=None, median_ms=None)
                 rows.append(row)
@@ -128,7 +129,7 @@ def test_a_change_within_the_threshold_is_not_a_regression(tmp_path, capsys):
 
 def test_improvements_failures_skips_and_one_sided_cells_are_listed(tmp_path, capsys):
     base_rows = _rows("base", repeats=3) + [
-        {**r, "cell_id": "gone", "cell_label": "gone cell"} for r in _rows("base", repeats=3)[:1]
+        r | {"cell_id": "gone", "cell_label": "gone cell"} for r in _rows("base", repeats=3)[:1]
     ]
     base = _run(tmp_path, "base", base_rows)
     new_rows = _rows("new", {("cell-a", "student_inference"): 0.5}, repeats=3, seed=1, **{"cell-b": "oom"})
@@ -195,7 +196,7 @@ def test_reused_teacher_copies_are_judged_once(tmp_path):
 
 def test_differences_in_threads_torch_and_device_are_named_at_the_top():
     def rows(run_id, **env):
-        return [{**r, **env} for r in _rows(run_id, repeats=3, seed=len(run_id))]
+        return [r | env for r in _rows(run_id, repeats=3, seed=len(run_id))]
 
     base = rows("b", cpu_threads=2, torch_version="2.14.1", backend="cpu")
     new = rows("nn", cpu_threads=1, torch_version="2.13.0", backend="cpu", device_name="cpu-y")
@@ -411,7 +412,7 @@ def test_formats_and_out_file(tmp_path, capsys):
 
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
     base = _run(tmp_path, "base", _rows("base"))
-    other = _run(tmp_path, "other", [{**r, "cell_id": "x" + r["cell_id"]} for r in _rows("other")])
+    other = _run(tmp_path, "other", [r | {"cell_id": "x" + r["cell_id"]} for r in _rows("other")])
     code, _, err = _cli(capsys, base, other)
     assert code == 2 and "no cell in common" in err and len(err.strip().splitlines()) == 1
     junk = tmp_path.parent / f"{tmp_path.name}-junk.parquet"
@@ -451,7 +452,7 @@ def test_the_report_compares_with_a_baseline_regressions_first(tmp_path):
     assert (tmp_path / "rep" / "compare_1.png").stat().st_size > 10_000
     assert 'src="compare_1.png"' in section
     # Without a baseline, two runs that share cells (the same suite on two machines) compare the same way.
-    other = _run(tmp_path / "res", "other", [{**r, "device_name": "gpu-y"} for r in _rows("other", repeats=3, seed=2)])
+    other = _run(tmp_path / "res", "other", [r | {"device_name": "gpu-y"} for r in _rows("other", repeats=3, seed=2)])
     page = api.render([tmp_path / "res" / "base", other], tmp_path / "rep2").read_text()
     assert "Comparison: other against base" in page and "different devices: cpu-x vs gpu-y" in page
     assert "compare-2" not in page

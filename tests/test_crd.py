@@ -17,13 +17,10 @@ from tests.helpers import make_config, make_step
 CPU = resolve("cpu")
 
 
+pytestmark = pytest.mark.usefixtures("seeded")  # tests/conftest.py
+
+
 # --- the reference, written out after mdistiller's CRD.py (ContrastMemory, ContrastLoss) -------------
-
-
-@pytest.fixture(autouse=True)
-def _seeded():
-    """Every test draws the same random tensors: no value depends on the test order."""
-    torch.manual_seed(0)
 
 
 class RefContrastLoss(nn.Module):

@@ -43,6 +43,7 @@ matrix:
 """
 
 
+@pytest.mark.slow
 def test_two_rank_gloo_cell(tmp_path):
     suite = tmp_path / "ddp.yaml"
     suite.write_text(DDP)
@@ -62,6 +63,7 @@ def test_two_rank_gloo_cell(tmp_path):
     assert list(inf["status"]) == ["ok"] and inf["speedup_vs_teacher"].notna().all()
 
 
+@pytest.mark.slow
 def test_fitnet_adapter_trains_under_ddp(tmp_path):
     # The regressor lives in the DDP-wrapped module with the student: its gradients are reduced too.
     suite = tmp_path / "ddp.yaml"
@@ -80,6 +82,7 @@ def test_fitnet_adapter_trains_under_ddp(tmp_path):
     assert step["flops"] > 0 and step["phase_backward_ms"] > 0 and step["peak_memory_bytes"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "student,status,fragment",
     [
@@ -163,6 +166,7 @@ def _suite_from(text):
     return load_suite(path)
 
 
+@pytest.mark.slow
 def test_rendezvous_launcher_runs_a_two_rank_cell(tmp_path):
     import socket
 
@@ -192,6 +196,7 @@ def test_detect_allocation_from_torchrun_and_slurm_environments():
         detect_allocation({k: v for k, v in slurm.items() if k != "MASTER_ADDR"})
 
 
+@pytest.mark.slow
 def test_kdbench_started_by_torchrun_runs_the_same_engine(tmp_path):
     # One engine, whoever started the ranks: --profile and the quality block behave as in a plain run.
     import subprocess
@@ -225,6 +230,7 @@ def test_kdbench_started_by_torchrun_runs_the_same_engine(tmp_path):
     assert (quality["status"] == "ok").all() and "quality seed 0: teacher resnet8" in r.stdout
 
 
+@pytest.mark.slow
 def test_a_data_parallel_cell_keeps_its_step_when_inference_fails(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))  # passed on to the ranks through PYTHONPATH
     text = (
@@ -244,6 +250,7 @@ def test_a_data_parallel_cell_keeps_its_step_when_inference_fails(tmp_path, monk
     assert rows.loc["teacher_inference", "status"] == "ok"
 
 
+@pytest.mark.slow
 def test_shards_given_one_run_id_write_into_one_folder(tmp_path, capsys):
     text = (
         DDP.replace("world_size: [1, 2]", "seed: [0, 1, 2, 3]")
@@ -264,6 +271,7 @@ def test_shards_given_one_run_id_write_into_one_folder(tmp_path, capsys):
     assert "4 of 4 jobs already stored, 0 to go" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_data_parallel_cell_that_fails_inside_an_allocation_is_stored_and_resume_goes_on(tmp_path):
     import os
     import subprocess
@@ -316,6 +324,7 @@ matrix:
 """
 
 
+@pytest.mark.slow
 def test_an_fsdp2_lm_cell_holds_half_the_state_per_rank_and_trains_as_ddp_does(tmp_path):
     suite = tmp_path / "fsdp.yaml"
     suite.write_text(FSDP)

@@ -1,6 +1,7 @@
 """Derived columns, computed at read time from stored rows (kdbench.store.derived), against hand values."""
 
 import json
+from functools import partial
 
 import numpy as np
 import pandas as pd
@@ -8,21 +9,9 @@ import pytest
 
 from kdbench.store.derived import derive, payback_steps, speedups, twin_key
 from tests.helpers import as_read
+from tests.rows import result_row
 
-
-def _row(run="r", cell="c", measurement="distill_step", bs=8, median=10.0, **kw):
-    row = {
-        "run_id": run,
-        "cell_id": cell,
-        "cell_label": cell,
-        "measurement": measurement,
-        "status": "ok",
-        "batch_size": bs,
-        "median_ms": median,
-        "precision": "fp32",
-    }
-    row.update(kw)
-    return row
+_row = partial(result_row, median_ms=10.0, precision="fp32")
 
 
 def _config(**over):
@@ -33,12 +22,12 @@ def _config(**over):
 
 def test_speedup_pairs_student_and_teacher_of_the_same_run_cell_and_batch():
     rows = [
-        _row(cell="a", measurement="student_inference", bs=1, median=2.0),
-        _row(cell="a", measurement="teacher_inference", bs=1, median=7.0),
-        _row(cell="a", measurement="student_inference", bs=4, median=3.0),
-        _row(cell="a", measurement="teacher_inference", bs=4, median=9.0, status="failed"),
-        _row(cell="b", measurement="student_inference", bs=1, median=5.0),  # its teacher is another cell's
-        _row(run="other", cell="a", measurement="teacher_inference", bs=4, median=99.0),
+        _row(cell_id="a", measurement="student_inference", batch_size=1, median_ms=2.0),
+        _row(cell_id="a", measurement="teacher_inference", batch_size=1, median_ms=7.0),
+        _row(cell_id="a", measurement="student_inference", batch_size=4, median_ms=3.0),
+        _row(cell_id="a", measurement="teacher_inference", batch_size=4, median_ms=9.0, status="failed"),
+        _row(cell_id="b", measurement="student_inference", batch_size=1, median_ms=5.0),  # its teacher: another cell's
+        _row(run_id="other", cell_id="a", measurement="teacher_inference", batch_size=4, median_ms=99.0),
     ]
     df = as_read(rows)
     got = df["speedup_vs_teacher"].tolist()
@@ -49,7 +38,11 @@ def test_speedup_pairs_student_and_teacher_of_the_same_run_cell_and_batch():
 def test_scaling_efficiency_pairs_cells_that_differ_only_in_world_size():
     def step(ws, tp, run="r", **cfg):
         return _row(
-            run=run, cell=f"{run}-{ws}-{tp}", world_size=ws, throughput=tp, config_json=_config(world_size=ws, **cfg)
+            run_id=run,
+            cell_id=f"{run}-{ws}-{tp}",
+            world_size=ws,
+            throughput=tp,
+            config_json=_config(world_size=ws, **cfg),
         )
 
     rows = [
@@ -69,8 +62,8 @@ def test_scaling_twin_ignores_ddp_options_a_single_device_cell_does_not_have():
     single = json.loads(_config(world_size=1))  # a world_size 1 cell's config has no ddp options
     double = {**single, "world_size": 2, "ddp": {"bucket_cap_mb": 10.0, "static_graph": True}}
     rows = [
-        _row(cell="one", world_size=1, throughput=100.0, config_json=json.dumps(single)),
-        _row(cell="two", world_size=2, throughput=180.0, config_json=json.dumps(double)),
+        _row(cell_id="one", world_size=1, throughput=100.0, config_json=json.dumps(single)),
+        _row(cell_id="two", world_size=2, throughput=180.0, config_json=json.dumps(double)),
     ]
     assert as_read(rows)["scaling_efficiency"].tolist()[1] == pytest.approx(0.9)
 
@@ -80,18 +73,18 @@ def test_an_fsdp_cell_scales_against_the_same_single_device_cell_as_its_ddp_twin
     ddp = {**single, "world_size": 2, "ddp": {"bucket_cap_mb": 10.0}}
     fsdp = {**single, "world_size": 2, "parallel": "fsdp", "fsdp": {"reshard_after_forward": True}}
     rows = [
-        _row(cell="one", world_size=1, throughput=100.0, config_json=json.dumps(single)),
-        _row(cell="ddp", world_size=2, throughput=180.0, config_json=json.dumps(ddp)),
-        _row(cell="fsdp", world_size=2, throughput=120.0, config_json=json.dumps(fsdp)),
+        _row(cell_id="one", world_size=1, throughput=100.0, config_json=json.dumps(single)),
+        _row(cell_id="ddp", world_size=2, throughput=180.0, config_json=json.dumps(ddp)),
+        _row(cell_id="fsdp", world_size=2, throughput=120.0, config_json=json.dumps(fsdp)),
     ]
     assert as_read(rows)["scaling_efficiency"].tolist()[1:] == [pytest.approx(0.9), pytest.approx(0.6)]
 
 
 def test_utilisation_against_datasheet_and_measured_ceiling():
     rows = [
-        _row(median=10.0, flops=1e12, device_name="NVIDIA H100 80GB HBM3", precision="bf16", ceiling_tflops=500.0),
-        _row(cell="cpu", median=20.0, flops=2e9, device_name="Intel(R) Xeon(R) Processor"),
-        _row(cell="failed", status="failed", median=None, flops=1e9, device_name="NVIDIA H100 80GB HBM3"),
+        _row(median_ms=10.0, flops=1e12, device_name="NVIDIA H100 80GB HBM3", precision="bf16", ceiling_tflops=500.0),
+        _row(cell_id="cpu", median_ms=20.0, flops=2e9, device_name="Intel(R) Xeon(R) Processor"),
+        _row(cell_id="failed", status="failed", median_ms=None, flops=1e9, device_name="NVIDIA H100 80GB HBM3"),
     ]
     h100, cpu, failed = as_read(rows).to_dict("records")
     assert h100["achieved_tflops"] == pytest.approx(100.0)
@@ -105,22 +98,22 @@ def test_utilisation_against_datasheet_and_measured_ceiling():
 
 def test_teacher_cache_payback_against_the_live_twin_of_the_same_run():
     rows = [
-        _row(cell="live", median=10.0, teacher_mode="live", config_json=_config()),
+        _row(cell_id="live", median_ms=10.0, teacher_mode="live", config_json=_config()),
         _row(
-            cell="cached",
-            median=7.5,
+            cell_id="cached",
+            median_ms=7.5,
             teacher_mode="cached",
             teacher_cache_ms=101.0,
             config_json=_config(teacher={"mode": "cached"}),
         ),
         _row(
-            cell="slower",
-            median=12.0,
+            cell_id="slower",
+            median_ms=12.0,
             teacher_mode="cached",
             teacher_cache_ms=5.0,
             config_json=_config(teacher={"mode": "cached"}, seed=1),
         ),
-        _row(cell="live1", median=11.0, teacher_mode="live", config_json=_config(seed=1)),
+        _row(cell_id="live1", median_ms=11.0, teacher_mode="live", config_json=_config(seed=1)),
     ]
     df = as_read(rows).set_index("cell_id")
     assert df.loc["cached", "teacher_cache_saving_ms"] == pytest.approx(2.5)
@@ -154,8 +147,8 @@ def test_derive_on_an_empty_frame_adds_the_columns():
 def test_a_step_that_mixes_precisions_is_measured_against_both_peaks():
     # H200: fp32 67, bf16 989.4 TFLOP/s.  40 % of the step's FLOPs are the fp32 teacher's forward.
     mixed = _row(
-        cell="mixed",
-        median=10.0,
+        cell_id="mixed",
+        median_ms=10.0,
         flops=1e12,
         teacher_forward_flops=4e11,
         precision="bf16",
@@ -164,8 +157,8 @@ def test_a_step_that_mixes_precisions_is_measured_against_both_peaks():
         ceiling_tflops=800.0,
         teacher_ceiling_tflops=55.0,
     )
-    cached = {**mixed, "cell_id": "cached", "teacher_forward_flops": None}  # no teacher forward in the step
-    inference = {**mixed, "cell_id": "inf", "measurement": "teacher_inference"}  # one precision
+    cached = mixed | {"cell_id": "cached", "teacher_forward_flops": None}  # no teacher forward in the step
+    inference = mixed | {"cell_id": "inf", "measurement": "teacher_inference"}  # one precision
     rows = as_read([mixed, cached, inference]).set_index("cell_id")
     effective = 1e12 / (4e11 / 67.0 + 6e11 / 989.4)  # ≈ 152 TFLOP/s, far below the bf16 peak
     assert rows.loc["mixed", "datasheet_peak_tflops"] == pytest.approx(effective)
@@ -177,7 +170,7 @@ def test_a_step_that_mixes_precisions_is_measured_against_both_peaks():
 
 
 def test_a_partitioned_gpu_is_measured_against_its_share_of_the_chip():
-    row = _row(median=10.0, flops=1e11, device_name="AMD Instinct MI300X", precision="bf16", device_compute_units=38)
+    row = _row(median_ms=10.0, flops=1e11, device_name="AMD Instinct MI300X", precision="bf16", device_compute_units=38)
     got = as_read([row]).iloc[0]
     assert got["datasheet_device"] == "MI300X (38 of 304 CUs)"
     assert got["mfu"] == pytest.approx(10.0 / (1307.4 * 38 / 304))

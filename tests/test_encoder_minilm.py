@@ -221,6 +221,7 @@ def test_a_minilm_step_trains_on_the_loss_of_the_papers_formula_without_syncing(
 # --------------------------------------------------------------------------- the cell
 
 
+@pytest.mark.slow
 def test_an_encoder_cell_measures_the_step_and_serving_and_records_the_attention():
     config = enc_config(overrides={"teacher": {"attn_implementation": "eager"}})
     assert workload_of(config) is ENCODER and check_cell(config, False) == []

@@ -16,8 +16,9 @@ import pytest
 
 from kdbench.errors import KdbenchError
 from kdbench.report.export import FORMATS, _stats, export, write_export
-from kdbench.schema import COLUMN_NAMES
+from kdbench.schema import COLUMN_NAMES, Row
 from tests.helpers import as_read
+from tests.rows import result_row
 
 HOST = {
     "hostname": "gpu-a",
@@ -41,35 +42,36 @@ SAMPLES = {  # (measurement, batch size): samples_ms; counts of every quartile c
 LABEL = "resnet50->resnet18 kd fp16 bs64"
 
 
-def _row(measurement: str, batch_size: int, samples: list[float] | None, **extra) -> dict:
+EXPORTED = {  # what every row of this file shares
+    "schema_version": 2,
+    "run_id": "run-a",
+    "suite": "smoke",
+    "cell_id": "c0ffee1234567890",
+    "cell_label": LABEL,
+    "precision": "fp16",
+    "teacher": "resnet50",
+    "student": "resnet18",
+    "method": "kd",
+    "world_size": 1,
+    "timer": "device_event",
+    "min_iters": 5,
+    "warmup": 2,
+    "timestamp": datetime(2025, 1, 2, 3, 4, 5, 678901, tzinfo=UTC),
+    "noisy": False,
+    **HOST,
+}
+
+
+def _row(measurement: str, batch_size: int, samples: list[float] | None, **extra) -> Row:
+    """A row of this file's cell, its statistics from ``samples`` (None: not measured)."""
     s = np.asarray(samples if samples else [np.nan])
-    row = {
-        "schema_version": 2,
-        "run_id": "run-a",
-        "suite": "smoke",
-        "cell_id": "c0ffee1234567890",
-        "cell_label": LABEL,
-        "measurement": measurement,
-        "status": "ok",
-        "batch_size": batch_size,
-        "precision": "fp16",
-        "teacher": "resnet50",
-        "student": "resnet18",
-        "method": "kd",
-        "world_size": 1,
-        "timer": "device_event",
-        "min_iters": 5,
-        "warmup": 2,
-        "timestamp": datetime(2025, 1, 2, 3, 4, 5, 678901, tzinfo=UTC),
+    statistics = {
         "n": len(samples) if samples else None,
         "median_ms": float(np.median(s)) if samples else None,
         "min_ms": float(s.min()) if samples else None,
         "samples_ms": samples,
-        "noisy": False,
-        **HOST,
     }
-    row.update(extra)
-    return row
+    return result_row(**EXPORTED, measurement=measurement, batch_size=batch_size) | statistics | extra
 
 
 def _rows() -> list[dict]:

@@ -19,7 +19,9 @@ from kdbench.measure.levers import LeverWatch, device_levers, skip_reason, tunab
 from kdbench.measure.timing import RawTiming
 from kdbench.models import ModelCache
 from kdbench.run.cell import measure_cell
+from kdbench.schema import Row
 from tests.helpers import as_read, make_config, simulated_gpu, write_suite
+from tests.rows import result_row
 
 CPU = Backend("cpu", torch.device("cpu"))
 CUDA = Backend("cuda", torch.device("cuda", 0))
@@ -203,19 +205,17 @@ def test_optimizer_impl(impl, flag):
     assert chosen == ({flag} if flag else set())
 
 
-def _row(cell: str, measurement: str, median: float, config: dict, **extra) -> dict:
-    return {
-        "run_id": "r",
-        "cell_id": cell,
-        "cell_label": cell,
-        "measurement": measurement,
-        "batch_size": 32 if measurement == "distill_step" else 1,
-        "status": "ok",
-        "median_ms": median,
-        "config_json": json.dumps(config, sort_keys=True),
-        "timestamp": datetime(2026, 1, 1, tzinfo=UTC),
+def _row(cell: str, measurement: str, median: float, config: dict, **extra) -> Row:
+    """A row of ``cell`` (its step at batch size 32, its serving at 1) from the resolved ``config``."""
+    return result_row(
+        cell_id=cell,
+        measurement=measurement,
+        batch_size=32 if measurement == "distill_step" else 1,
+        median_ms=median,
+        config_json=json.dumps(config, sort_keys=True),
+        timestamp=datetime(2026, 1, 1, tzinfo=UTC),
         **extra,
-    }
+    )
 
 
 def test_break_even_against_the_same_cell_without_levers_and_the_report_table(tmp_path):

@@ -33,13 +33,7 @@ N, V, HS, HT, CHUNK = 37, 97, 16, 24, 8
 RTOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: one intra-op thread (two spin against each other on a busy 2-core machine, 8× slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_inputs(bias=True, dtype=torch.float32, shape=(N,), n=None, vocab=V, seed=0):

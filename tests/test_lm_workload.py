@@ -133,6 +133,7 @@ def test_vocab_slice_cuts_both_heads_to_the_smaller_vocabulary():
     assert [k for k, _ in check_cell(unsliced, False)] == [("data", "vocab_policy")]
 
 
+@pytest.mark.slow
 def test_a_cell_measures_the_step_and_serving_with_tokens_and_logits_memory():
     config = lm_config(method="jsd+hidden_mse", loss_impl="fused_linear", chunk_size=8)
     rows = measure_cell(Cell(0, cell_id_of(config), config), CPU, ModelCache())
@@ -250,6 +251,7 @@ def test_an_fsdp_cell_this_torch_or_device_cannot_shard_is_skipped_with_the_reas
     assert LM.skip_reason(offload, Backend("cuda", torch.device("cuda", 0))) is None
 
 
+@pytest.mark.slow
 def test_a_teacher_held_in_bf16_halves_its_memory_and_distils_as_a_bf16_autocast_one():
     from kdbench.workloads.base import cast_teacher_weights
 
@@ -323,6 +325,7 @@ def test_a_cached_teacher_keeps_its_hidden_states_and_the_step_equals_the_live_o
     assert losses["cached"] == pytest.approx(losses["live"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_module_callable_lms_run_through_the_cell():
     hf = lm_config(
         pair={"teacher": "tiny-llama-teacher", "student": "tests.lm_models:tiny_hf_student"},

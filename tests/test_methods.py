@@ -286,15 +286,9 @@ def test_default_lists_pair_on_their_deepest_stages_explicit_lists_must_match():
 # --- the step with features -------------------------------------------------------
 
 
-def _step(config, mode=None, models=None):
-    if mode:
-        config = config.model_copy(update={"teacher": config.teacher.model_copy(update={"mode": mode})})
-    return make_step(config, models)
-
-
 def test_fitnet_gradients_reach_student_and_adapter_only():
     config = make_config(pair={"teacher": "resnet20", "student": "resnet8"}, method="fitnet")
-    step = _step(config)
+    step = make_step(config)
     before = {k: v.clone() for k, v in step.distiller.teacher.state_dict().items()}
     adapter = step.distiller.trainee.adapters["fitnet"]
     a_before = [p.clone() for p in adapter.parameters()]
@@ -312,13 +306,14 @@ def test_fitnet_gradients_reach_student_and_adapter_only():
 
 @pytest.mark.parametrize("method", ["kd", "fitnet", "at", "kd+at", "dkd"])
 def test_cached_and_live_teachers_give_the_same_loss(method):
-    config = make_config(pair={"teacher": "resnet20", "student": "resnet8"}, method=method)
+    cell = dict(pair={"teacher": "resnet20", "student": "resnet8"}, method=method)
+    live, cached = make_config(**cell, teacher={"mode": "live"}), make_config(**cell, teacher={"mode": "cached"})
     torch.manual_seed(0)
-    shape = tuple(config.data.shape)
+    shape = tuple(live.data.shape)
     teacher = build_model("resnet20", 10, shape)
     student = build_model("resnet8", 10, shape)
-    live = _step(config, "live", (copy.deepcopy(teacher), copy.deepcopy(student)))
-    cached = _step(config, "cached", (copy.deepcopy(teacher), copy.deepcopy(student)))
+    live = make_step(live, (copy.deepcopy(teacher), copy.deepcopy(student)))
+    cached = make_step(cached, (copy.deepcopy(teacher), copy.deepcopy(student)))
     for _ in range(3):
         live()
         cached()
@@ -329,7 +324,9 @@ def test_cached_and_live_teachers_give_the_same_loss(method):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("method", ["kd", "fitnet", "at", "kd+at", "dkd"])
-@pytest.mark.parametrize("pair", [("resnet20", "resnet8"), ("resnet18", "mobilenet_v3_small")])
+@pytest.mark.parametrize(
+    "pair", [("resnet20", "resnet8"), pytest.param(("resnet18", "mobilenet_v3_small"), marks=pytest.mark.slow)]
+)
 def test_every_method_steps_on_cifar_and_heterogeneous_pairs(pair, method, precision):
     config = make_config(
         pair={"teacher": pair[0], "student": pair[1]},
@@ -337,7 +334,7 @@ def test_every_method_steps_on_cifar_and_heterogeneous_pairs(pair, method, preci
         precision=precision,
         data={"shape": [3, 32, 32], "num_classes": 10},
     )
-    step = _step(config)
+    step = make_step(config)
     step()
     step()
     assert torch.isfinite(step.last_loss) and step.last_loss.dtype == torch.float32
@@ -351,7 +348,7 @@ def test_every_method_steps_on_cifar_and_heterogeneous_pairs(pair, method, preci
 
 def test_nonfinite_losses_are_counted():
     config = make_config(optimizer={"name": "sgd", "lr": 1e-3, "momentum": 0.0})
-    step = _step(config)
+    step = make_step(config)
     with torch.no_grad():
         step.distiller.teacher.fc.weight.fill_(float("nan"))  # a broken teacher: NaN logits
     for _ in range(3):
@@ -361,7 +358,7 @@ def test_nonfinite_losses_are_counted():
 
 def test_grad_scaler_skips_are_counted():
     config = make_config(precision="fp16")
-    step = _step(config)
+    step = make_step(config)
     assert step.distiller.scaler is not None
     weight = step.distiller.student.fc.weight
     weight.register_hook(lambda g: g * float("inf"))  # every step's gradients overflow

@@ -170,6 +170,7 @@ def test_gpu_calls_end_with_a_synchronize(device_type, rounds):
 SMALL = {"pair": PAIR, "data": {"shape": [3, 16, 16], "num_classes": 10}, "batch_size": 4}
 
 
+@pytest.mark.slow
 def test_inference_is_served_by_the_cells_runtime_and_gpu_levers_skip_on_the_cpu(tmp_path):
     """One session: onnxruntime and int8 students are timed as `kdbench run` serves them (runtime and output check
     in extra_info), the teacher stays eager, a served student that disagrees with eager fails in one line, and

@@ -22,13 +22,7 @@ CPU = resolve("cpu")
 SHAPE = [1, 8, 8]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: fast on a small shared machine, and results identical from run to run."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _job(method, teacher="resnet8", student="resnet8", shape=SHAPE):
@@ -377,6 +371,7 @@ quality: {dataset: digits, epochs: 1, seeds: 1, target: 0.5}
 """
 
 
+@pytest.mark.slow
 def test_run_stores_quality_rows_once_and_resume_keeps_them(tmp_path, capsys):
     from kdbench.cli import main
     from kdbench.store import read_results
@@ -410,6 +405,7 @@ def test_run_stores_quality_rows_once_and_resume_keeps_them(tmp_path, capsys):
     assert len(read_results([run.path])) == len(rows)
 
 
+@pytest.mark.slow
 def test_a_quality_job_that_crashes_is_stored_failed_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
     from kdbench.cli import main
     from kdbench.store import read_results

@@ -54,12 +54,7 @@ SMALL = QualityConfig(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _job(method, student="tiny-llama-student", overrides=None):
@@ -277,6 +272,7 @@ def segfaulting_lm():
     return SegfaultsInQuality()
 
 
+@pytest.mark.slow
 def test_a_crashed_text_quality_job_is_stored_as_its_planned_rows(tmp_path, monkeypatch, capsys):
     from kdbench.cli import main
     from kdbench.store import read_results

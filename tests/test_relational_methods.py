@@ -25,13 +25,10 @@ except ImportError:  # pragma: no cover - the counter is part of kdbench; kept o
     sync_calls = None
 
 
+pytestmark = pytest.mark.usefixtures("seeded")  # tests/conftest.py
+
+
 # --- references -------------------------------------------------------------------
-
-
-@pytest.fixture(autouse=True)
-def _seeded():
-    """Every test draws the same random tensors: no value depends on the test order."""
-    torch.manual_seed(0)
 
 
 def _ref_pdist(e, squared, eps):  # mdistiller's _pdist
@@ -220,10 +217,6 @@ def test_kd_plus_dist_adds_the_terms_with_kds_ce_weight():
 # --- in the step ------------------------------------------------------------------
 
 
-def _step(method, precision, mode):
-    return make_step(make_config(method=method, precision=precision, teacher={"mode": mode}))
-
-
 STEP_METHODS = ["rkd", "dist", "kd+dist", "rkd+dist"]
 
 
@@ -231,7 +224,7 @@ STEP_METHODS = ["rkd", "dist", "kd+dist", "rkd+dist"]
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("method", STEP_METHODS)
 def test_each_method_steps_without_host_device_syncs(method, precision, mode):
-    step = _step(method, precision, mode)
+    step = make_step(make_config(method=method, precision=precision, teacher={"mode": mode}))
     step()
     step()  # warm: the optimizer's state exists
     assert torch.isfinite(step.last_loss) and step.last_loss.dtype == torch.float32
@@ -246,7 +239,8 @@ def test_each_method_steps_without_host_device_syncs(method, precision, mode):
 
 @pytest.mark.parametrize("method", ["rkd", "dist"])
 def test_cached_and_live_teachers_give_the_same_loss(method):
-    live, cached = _step(method, "fp32", "live"), _step(method, "fp32", "cached")
+    live = make_step(make_config(method=method, precision="fp32", teacher={"mode": "live"}))
+    cached = make_step(make_config(method=method, precision="fp32", teacher={"mode": "cached"}))
     for _ in range(2):
         live()
         cached()

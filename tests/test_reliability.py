@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from kdbench.cli import main
 from kdbench.store import read_results
@@ -32,6 +33,7 @@ matrix:
 """
 
 
+@pytest.mark.slow
 def test_injected_failures_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(TESTS))  # the spawned worker inherits sys.path
     students = [
@@ -69,6 +71,7 @@ def test_injected_failures_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypa
     assert "6 job(s) had failures" in err
 
 
+@pytest.mark.slow
 def test_failure_cells_after_good_ones_keep_order(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
     pairs = "".join(
@@ -108,6 +111,7 @@ def _stored_cells(out: Path) -> list[str]:
     return ids
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_stores_every_cell_exactly_once(tmp_path):
     suite, out = tmp_path / "slow.yaml", tmp_path / "res"
     suite.write_text(SLOW)
@@ -143,6 +147,7 @@ def test_sigkill_then_resume_stores_every_cell_exactly_once(tmp_path):
     assert len(_stored_cells(out)) == 12
 
 
+@pytest.mark.slow
 def test_ctrl_c_keeps_stored_cells_and_prints_the_resume_command(tmp_path):
     suite, out = tmp_path / "slow.yaml", tmp_path / "res"
     suite.write_text(SLOW)
@@ -174,6 +179,7 @@ def test_ctrl_c_keeps_stored_cells_and_prints_the_resume_command(tmp_path):
     assert 1 <= len(stored) <= 4
 
 
+@pytest.mark.slow
 def test_a_job_that_keeps_logging_still_times_out_and_its_lines_reach_the_parent(monkeypatch):
     from kdbench.hw.backends import resolve
     from kdbench.run.workers import ProcessWorker, WorkerSetup
@@ -192,6 +198,7 @@ def test_a_job_that_keeps_logging_still_times_out_and_its_lines_reach_the_parent
     assert lines.count("still busy") > 10
 
 
+@pytest.mark.slow
 def test_a_device_error_is_stored_and_the_next_job_gets_a_fresh_worker(monkeypatch):
     # After an illegal address or a device-side assert the process's CUDA/HIP context is unusable:
     # the worker stores the job's rows, then ends, and the next job starts a new one.

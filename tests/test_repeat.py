@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kdbench.cli import main
 from kdbench.config.schema import Suite
 from kdbench.run.plan import plan_jobs
@@ -33,6 +35,7 @@ def test_repeats_are_planned_in_rounds_with_their_own_job_ids():
     assert jobs[3].progress_label.endswith("(repeat 2/3)") and jobs[3].label == jobs[1].label
 
 
+@pytest.mark.slow
 def test_two_back_to_back_runs_with_three_repeats_compare_as_unchanged(tmp_path, monkeypatch, capsys):
     """Each round runs in a new worker process; two runs of the same suite on the same machine are
     not a regression (the interval holds the run-to-run noise)."""

@@ -9,8 +9,10 @@ import pytest
 
 from kdbench.errors import KdbenchError
 from kdbench.report import render_report
-from kdbench.report.html import format_ms
+from kdbench.report.format import format_ms
+from kdbench.schema import Row
 from tests.helpers import as_read
+from tests.rows import result_row, timing
 
 SCRIPT = "<script>alert(1)</script>"
 RUNS = {
@@ -25,36 +27,14 @@ STUDENT_MEDIAN = 1.23456  # student_inference, batch 1, first cell
 NULL_STATS = dict.fromkeys(("n", "median_ms", "iqr_ms", "p05_ms", "p95_ms", "samples_ms", "noisy", "throughput"))
 
 
-def _row(label: str, measurement: str, batch_size: int, median_ms: float, **extra) -> dict:
+def _row(label: str, measurement: str, batch_size: int, median_ms: float, **extra) -> Row:
+    """A row of the cell ``label`` (:data:`CELLS`), its statistics from ``median_ms``."""
     run_id, teacher, student, precision = CELLS[label]
-    row = {
-        "schema_version": 1,
-        "run_id": run_id,
-        "suite": "smoke",
-        "cell_id": f"id-{label}",
-        "cell_label": label,
-        "measurement": measurement,
-        "status": "ok",
-        "batch_size": batch_size,
-        "precision": precision,
-        "teacher": teacher,
-        "student": student,
-        "method": "kd",
-        "world_size": 1,
-        "timestamp": datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC),
-        "torch_version": "2.5.1",
-        "n": 50,
-        "median_ms": median_ms,
-        "iqr_ms": median_ms * 0.04,
-        "p05_ms": median_ms * 0.95,
-        "p95_ms": median_ms * 1.1,
-        "samples_ms": [median_ms] * 3,
-        "noisy": False,
-        "throughput": batch_size / median_ms * 1000,
-        **RUNS[run_id],
-    }
-    row.update(extra)
-    return row
+    cell = dict(schema_version=1, run_id=run_id, suite="smoke", cell_id=f"id-{label}", cell_label=label)
+    setting = dict(precision=precision, teacher=teacher, student=student, method="kd", world_size=1)
+    row = result_row(**cell, measurement=measurement, batch_size=batch_size, **setting, **RUNS[run_id])
+    row.update(timestamp=datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC), torch_version="2.5.1")
+    return row | timing(median_ms, batch_size, n=50, iqr=0.04, p05=0.95, p95=1.1) | extra
 
 
 def _rows() -> list[dict]:
@@ -173,7 +153,7 @@ def test_empty_frame_is_an_error(tmp_path):
 
 
 def test_only_failed_rows_render_without_charts(tmp_path):
-    rows = [dict(r, status="failed", median_ms=None, error="OOM") for r in _rows()]
+    rows = [r | {"status": "failed", "median_ms": None, "error": "OOM"} for r in _rows()]
     page = render_report(_frame(rows), tmp_path, title="All <failed>").read_text(encoding="utf-8")
     assert "<img" not in page and not list(tmp_path.glob("*.png"))
     # the three timing charts and the phase chart are skipped, each with its reason

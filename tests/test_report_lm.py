@@ -20,7 +20,9 @@ from kdbench.report.lm import (
     step_points,
 )
 from kdbench.report.summaries import pooled
+from kdbench.schema import Row
 from tests.helpers import as_read
+from tests.rows import result_row, timing
 
 PAIR = ("llama-3.1-8b", "llama-3.2-1b")
 PAIR_TEXT = "llama-3.1-8b → llama-3.2-1b"
@@ -38,50 +40,40 @@ DENSE_4096_LOGITS = 16.0  # GiB: computed from the shapes, also on the row that 
 DECODE_TOKENS = 64
 
 
-def _row(loss_impl: str, seq_len: int, measurement: str, median_ms: float | None, batch_size: int = 1, **extra) -> dict:
+def _row(loss_impl: str, seq_len: int, measurement: str, median_ms: float | None, batch_size: int = 1, **extra) -> Row:
+    """A row of the LM cell of ``loss_impl`` at ``seq_len`` (:data:`PAIR`, bf16); ``median_ms`` None: not timed."""
     teacher, student = PAIR
     label = f"{teacher}→{student} bf16 bs1 seq{seq_len}" + ("" if loss_impl == "dense" else f" {loss_impl}")
-    row = {
-        "schema_version": 1,
-        "run_id": "run-lm",
-        "suite": "llm-cuda",
-        "cell_id": f"id-{loss_impl}-{seq_len}",
-        "cell_label": label,
-        "measurement": measurement,
-        "status": "ok",
-        "batch_size": batch_size,
-        "precision": "bf16",
-        "teacher_precision": "bf16",
-        "teacher": teacher,
-        "student": student,
-        "method": "forward_kl",
-        "world_size": 1,
-        "data_kind": "tokens",
-        "seq_len": seq_len,
-        "loss_impl": loss_impl,
-        "chunk_size": None if loss_impl == "dense" else 1024,
-        "timestamp": datetime(2025, 3, 4, 5, 6, 7, tzinfo=UTC),
-        "device_name": "NVIDIA H200",
-        "backend": "cuda",
-        "hostname": "gpu-a",
-        "torch_version": "2.5.1",
-    }
+    row = result_row(
+        schema_version=1,
+        run_id="run-lm",
+        suite="llm-cuda",
+        cell_id=f"id-{loss_impl}-{seq_len}",
+        cell_label=label,
+        measurement=measurement,
+        batch_size=batch_size,
+        precision="bf16",
+        teacher_precision="bf16",
+        teacher=teacher,
+        student=student,
+        method="forward_kl",
+        world_size=1,
+        data_kind="tokens",
+        seq_len=seq_len,
+        loss_impl=loss_impl,
+        chunk_size=None if loss_impl == "dense" else 1024,
+        timestamp=datetime(2025, 3, 4, 5, 6, 7, tzinfo=UTC),
+        device_name="NVIDIA H200",
+        backend="cuda",
+        hostname="gpu-a",
+        torch_version="2.5.1",
+    )
     if median_ms is not None:
-        row.update(
-            n=20,
-            median_ms=median_ms,
-            iqr_ms=median_ms * 0.02,
-            p05_ms=median_ms * 0.97,
-            p95_ms=median_ms * 1.05,
-            samples_ms=[median_ms] * 3,
-            noisy=False,
-            throughput=batch_size / median_ms * 1000,
-        )
-    row.update(extra)
-    return row
+        row.update(timing(median_ms, batch_size, n=20, iqr=0.02, p05=0.97, p95=1.05))
+    return row | extra
 
 
-def _step(loss_impl: str, seq_len: int) -> dict:
+def _step_row(loss_impl: str, seq_len: int) -> Row:
     figures = STEPS[(loss_impl, seq_len)]
     if figures is None:
         return _row(
@@ -100,7 +92,7 @@ def _student_decode_ms(loss_impl: str, batch_size: int) -> float:
     return (300.0 + 10 * batch_size) * (1.1 if loss_impl == "chunked" else 1.0)  # the two cells differ a little
 
 
-def _serving(loss_impl: str, seq_len: int) -> list[dict]:
+def _serving(loss_impl: str, seq_len: int) -> list[Row]:
     """Per batch size 1 and 8: student prefill 5 ms × bs, teacher 20 ms × bs (4× the student); decode 64 tokens,
     the teacher 3× as slow, except that at seq_len 4096 and batch 8 the teacher's decode ran out of memory."""
     rows = []
@@ -122,22 +114,22 @@ def _serving(loss_impl: str, seq_len: int) -> list[dict]:
     return rows
 
 
-def _lm_rows() -> list[dict]:
-    rows = [_step(impl, seq) for impl, seq in STEPS]
+def _lm_rows() -> list[Row]:
+    rows = [_step_row(impl, seq) for impl, seq in STEPS]
     rows.append(_row("liger", 1024, "distill_step", None, status="skipped", error=LIGER_WHY))
     for impl, seq in STEPS:
         rows += _serving(impl, seq)
     return rows
 
 
-def _image_rows() -> list[dict]:
+def _image_rows() -> list[Row]:
     """An image cell: a distill step and student/teacher inference at batch 4 (no LM columns)."""
     base = _row("dense", 0, "distill_step", 40.0, batch_size=4)
     base.update(data_kind="synthetic", data_shape="3x32x32", seq_len=None, loss_impl=None, chunk_size=None,
                 cell_id="id-image", cell_label="resnet50→resnet18 bf16", teacher="resnet50", student="resnet18",
                 method="kd", run_id="run-img")  # fmt: skip
-    student = dict(base, measurement="student_inference", median_ms=1.0, throughput=4000.0)
-    teacher = dict(base, measurement="teacher_inference", median_ms=3.0, throughput=1333.0)
+    student = base | {"measurement": "student_inference", "median_ms": 1.0, "throughput": 4000.0}
+    teacher = base | {"measurement": "teacher_inference", "median_ms": 3.0, "throughput": 1333.0}
     return [base, student, teacher]
 
 
@@ -277,8 +269,8 @@ def test_a_frame_without_lm_rows_has_no_lm_section(tmp_path):
 
 
 def test_lm_cells_that_all_ran_out_of_memory_skip_their_bar_charts_with_the_reason(tmp_path):
-    rows = [dict(r, status="oom", error=OOM_ERROR, median_ms=None, tokens_per_s=None, peak_memory_bytes=None)
-            for r in _lm_rows()]  # fmt: skip
+    oom = {"status": "oom", "error": OOM_ERROR, "median_ms": None, "tokens_per_s": None, "peak_memory_bytes": None}
+    rows = [r | oom for r in _lm_rows()]
     section = _section(render_report(as_read(rows), tmp_path).read_text(encoding="utf-8"))
     assert re.findall(r'class="skipped">([^<]*)<', section) == [
         "Not drawn: no successful LM distill_step measurement.",
@@ -301,9 +293,9 @@ def test_an_lm_run_says_where_its_serving_is_instead_of_an_empty_inference_chart
 
 
 def test_bar_labels_of_a_mixed_run_leave_out_what_a_family_does_not_have(frame):
-    from kdbench.report.plots import _add_variant, _with_keys
+    from kdbench.report.charts import add_variant, with_keys
 
-    steps = _with_keys(pooled(frame))
-    variants = set(_add_variant(steps[steps.measurement == "distill_step"])["variant"])
+    steps = with_keys(pooled(frame))
+    variants = set(add_variant(steps[steps.measurement == "distill_step"])["variant"])
     assert "bf16, kd, 3x32x32" in variants and "bf16, forward_kl, dense, seq1024" in variants
     assert not any("?" in v for v in variants)  # no image shape on LM bars, no seq_len or loss_impl on image ones

@@ -12,9 +12,11 @@ import pandas as pd
 import pytest
 
 from kdbench.report import render_report
-from kdbench.report.html import trace_link
+from kdbench.report.step_tables import trace_link
 from kdbench.report.summaries import summarize_quality
+from kdbench.schema import Row
 from tests.helpers import as_read
+from tests.rows import result_row
 
 MIB = 2**20
 RUNS = {
@@ -55,34 +57,33 @@ def _phases(teacher, student, loss, backward, optimizer, remainder) -> dict:
     }
 
 
-def _row(run_id: str, label: str, measurement: str, median_ms: float | None, **extra) -> dict:
-    row = {
-        "schema_version": 1,
-        "run_id": run_id,
-        "suite": "profile",
-        "cell_id": f"id-{run_id}-{label}",
-        "cell_label": label,
-        "measurement": measurement,
-        "status": "ok",
-        "batch_size": 64,
-        "precision": "fp16",
-        "teacher": "resnet50",
-        "student": "resnet18",
-        "method": "kd",
-        "world_size": 1,
-        "timestamp": datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC),
-        "n": 20,
-        "median_ms": median_ms,
-        "iqr_ms": None if median_ms is None else median_ms * 0.02,
-        "noisy": False,
-        "throughput": None if median_ms is None else 64 / median_ms * 1000,
+def _row(run_id: str, label: str, measurement: str, median_ms: float | None, **extra) -> Row:
+    """A row of the cell ``label`` of ``run_id`` (:data:`RUNS`: its machine), at batch size 64 in fp16."""
+    row = result_row(
+        schema_version=1,
+        run_id=run_id,
+        suite="profile",
+        cell_id=f"id-{run_id}-{label}",
+        cell_label=label,
+        measurement=measurement,
+        batch_size=64,
+        precision="fp16",
+        teacher="resnet50",
+        student="resnet18",
+        method="kd",
+        world_size=1,
+        timestamp=datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC),
+        n=20,
+        median_ms=median_ms,
+        iqr_ms=None if median_ms is None else median_ms * 0.02,
+        noisy=False,
+        throughput=None if median_ms is None else 64 / median_ms * 1000,
         **RUNS[run_id],
-    }
-    row.update(extra)
-    return row
+    )
+    return row | extra
 
 
-def _step_rows(out_dir) -> list[dict]:
+def _step_rows(out_dir) -> list[Row]:
     """run-p: a live/cached pair (A, B) and a cached cell at another batch size (C); run-q: a live twin of B."""
     a = _row(
         "run-p",
@@ -153,7 +154,7 @@ def _step_rows(out_dir) -> list[dict]:
     return [a, b, c, d]
 
 
-def _inference_rows() -> list[dict]:
+def _inference_rows() -> list[Row]:
     rows = []
     for bs, student_ms, teacher_ms in ((1, 0.4, 2.0), (64, 3.0, 20.0)):
         rows.append(
@@ -178,7 +179,7 @@ DISTILLED = {"accuracy": [0.80, 0.83, 0.81], "agreement": [0.85, 0.88, 0.86], "t
 TEACHER = {"accuracy": [0.90, 0.92, 0.95], "agreement": [None] * 3, "time_to_target_s": [10.0, 11.0, 12.0]}
 
 
-def _quality_rows() -> list[dict]:
+def _quality_rows() -> list[Row]:
     rows = []
     for role, student, method, values in (
         ("teacher", None, None, TEACHER),
@@ -208,8 +209,7 @@ def _quality_rows() -> list[dict]:
                     **row,
                 )
             )
-    failed = dict(
-        rows[-1],
+    failed = rows[-1] | dict(
         seed=3,
         status="failed",
         error="RuntimeError: boom",

@@ -13,46 +13,50 @@ import pytest
 
 from kdbench.config.budgets import Budget, check
 from kdbench.report import render_report
-from kdbench.report.plots import _add_variant, _with_keys, history_runs
+from kdbench.report.charts import add_variant, with_keys
+from kdbench.report.compare_plots import history_runs
 from kdbench.report.summaries import pooled
+from kdbench.schema import Row
 from tests.helpers import as_read
+from tests.rows import result_row
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
 
 
-def _row(run: int, cell: str, measurement: str, median: float, repeat: int = 1, **extra) -> dict:
+def _row(run: int, cell: str, measurement: str, median: float, repeat: int = 1, **extra) -> Row:
+    """Repeat ``repeat`` of ``cell`` in run ``run`` of suite nightly: 40 samples around ``median``; ``config``
+    (a dict) is added to the cell's resolved config."""
     rng = np.random.default_rng(hash((run, cell, measurement, repeat)) % 2**32)
     samples = (median * rng.lognormal(0, 0.01, 40)).tolist()
     config = {"pair": {"teacher": "t", "student": "s"}, **extra.pop("config", {})}
-    return {
-        "run_id": f"run{run}",
-        "suite": "nightly",
-        "suite_commit": f"{run:07x}abcde",
-        "cell_id": cell,
-        "cell_label": f"t->s {cell}",
-        "repeat": repeat,
-        "measurement": measurement,
-        "batch_size": 8 if measurement == "distill_step" else 1,
-        "status": "ok",
-        "teacher": "t",
-        "student": "s",
-        "precision": "fp32",
-        "backend": "cpu",
-        "device_name": "cpu-x",
-        "samples_ms": samples,
-        "median_ms": float(np.median(samples)),
-        "p25_ms": float(np.percentile(samples, 25)),
-        "p75_ms": float(np.percentile(samples, 75)),
-        "n": 40,
-        "min_iters": 10,
-        "throughput": 8 / float(np.median(samples)) * 1e3,
-        "config_json": json.dumps(config, sort_keys=True),
-        "timestamp": START + timedelta(hours=run, minutes=repeat),
-        **extra,
-    }
+    row = result_row(
+        run_id=f"run{run}",
+        suite="nightly",
+        suite_commit=f"{run:07x}abcde",
+        cell_id=cell,
+        cell_label=f"t->s {cell}",
+        repeat=repeat,
+        measurement=measurement,
+        batch_size=8 if measurement == "distill_step" else 1,
+        teacher="t",
+        student="s",
+        precision="fp32",
+        backend="cpu",
+        device_name="cpu-x",
+        samples_ms=samples,
+        median_ms=float(np.median(samples)),
+        p25_ms=float(np.percentile(samples, 25)),
+        p75_ms=float(np.percentile(samples, 75)),
+        n=40,
+        min_iters=10,
+        throughput=8 / float(np.median(samples)) * 1e3,
+        config_json=json.dumps(config, sort_keys=True),
+        timestamp=START + timedelta(hours=run, minutes=repeat),
+    )
+    return row | extra
 
 
-def _run(run: int, slow: float = 1.0) -> list[dict]:
+def _run(run: int, slow: float = 1.0) -> list[Row]:
     rows = []
     for repeat in (1, 2, 3):
         level = 1 + 0.01 * (repeat - 2)
@@ -90,7 +94,7 @@ def test_cells_that_differ_only_by_a_lever_never_share_a_bar():
         _row(0, "fused", "distill_step", 19.0, optimizer_impl="fused", config={"optimizer": {"impl": "fused"}}),
         _row(0, "hidden", "distill_step", 19.5, config={"something": "else"}),  # a difference no column shows
     ]
-    bars = _add_variant(_with_keys(pooled(as_read(rows))), within=("source", "pair"))
+    bars = add_variant(with_keys(pooled(as_read(rows))), within=("source", "pair"))
     assert bars["variant"].nunique() == 4
     labels = dict(zip(bars["cell_id"], bars["variant"]))
     assert "compile-default" in labels["comp"] and "fused" in labels["fused"]
@@ -115,8 +119,8 @@ def test_budgets_judge_neither_thin_nor_skipped_rows():
     for r in rows:
         if r["cell_id"] == "b":
             r["thin"] = True
-    rows.append({**_row(0, "c", "distill_step", 1.0), "status": "skipped", "error": "no onnxruntime here"})
-    rows.append({**_row(0, "d", "distill_step", 1.0), "status": "oom", "error": "out of memory"})
+    rows.append(_row(0, "c", "distill_step", 1.0, status="skipped", error="no onnxruntime here"))
+    rows.append(_row(0, "d", "distill_step", 1.0, status="oom", error="out of memory"))
     checks = {c.cell_id: c for c in check(pd.DataFrame(rows), [Budget(measurement="distill_step", max=30)])}
     assert {k: c.outcome for k, c in checks.items()} == {"a": "met", "b": "thin", "c": "skipped", "d": "failed"}
     assert [k for k, c in checks.items() if c.missed] == ["d"]

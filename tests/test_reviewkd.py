@@ -20,13 +20,10 @@ from tests.helpers import make_config, make_step
 CPU = resolve("cpu")
 
 
+pytestmark = pytest.mark.usefixtures("seeded")  # tests/conftest.py
+
+
 # --- the reference code (dvlab-research/ReviewKD CIFAR-100/model/reviewkd.py = mdistiller's ReviewKD.py) -----
-
-
-@pytest.fixture(autouse=True)
-def _seeded():
-    """Every test draws the same random tensors: no value depends on the test order."""
-    torch.manual_seed(0)
 
 
 def ref_hcl(fstudent, fteacher):
@@ -203,6 +200,7 @@ def mdistiller_ramp(epoch: int, warmup_epochs: int = 20) -> float:
     return min(epoch / warmup_epochs, 1.0)
 
 
+@pytest.mark.slow
 def test_the_warmup_counts_epochs_of_a_quality_training(monkeypatch):
     """Quality training (kdbench.quality.train.fit driving Distiller.train_step, as the protocol's distil does): the
     term's share of its weight in each epoch is mdistiller's ramp at that epoch, the same for every step of it."""
@@ -250,7 +248,7 @@ def test_a_timing_cell_runs_the_term_at_full_weight(monkeypatch):
     seen = []
     forward = ReviewKD.forward
     monkeypatch.setattr(ReviewKD, "forward", lambda self, inp: seen.append(inp.epoch) or forward(self, inp))
-    step = _step(make_config(method="reviewkd"))
+    step = make_step(make_config(method="reviewkd"))
     for _ in range(3):
         step()
     assert seen == [None, None, None]
@@ -295,10 +293,6 @@ def test_non_square_maps_review_to_the_teachers_shapes():
 # --- the step ---------------------------------------------------------------------------------------------
 
 
-def _step(config, models=None):
-    return make_step(config, models)
-
-
 @pytest.mark.parametrize("mode", ["live", "cached"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("pair", [("resnet14", "resnet8"), ("resnet8", "resnet8")])
@@ -310,7 +304,7 @@ def test_reviewkd_steps_on_a_tiny_cifar_pair(pair, precision, mode):
         teacher={"mode": mode},
         reviewkd={"warmup": 1},
     )
-    step = _step(config)
+    step = make_step(config)
     fusion = step.distiller.trainee.adapters["reviewkd"]
     before = [p.clone() for p in fusion.parameters()]
     step()
@@ -332,7 +326,7 @@ def test_cached_and_live_teachers_give_the_same_loss():
     steps = []
     for mode in ("live", "cached"):
         c = config.model_copy(update={"teacher": config.teacher.model_copy(update={"mode": mode})})
-        steps.append(_step(c, (copy.deepcopy(teacher), copy.deepcopy(student))))
+        steps.append(make_step(c, (copy.deepcopy(teacher), copy.deepcopy(student))))
     for _ in range(2):
         for s in steps:
             s()
@@ -355,6 +349,6 @@ def test_kd_plus_reviewkd_combines():
     review = ref_hcl(ref_review(ref, feats, [s[2] for s in S_SHAPES], [t[2] for t in T_SHAPES]), teacher)
     want = 0.1 * F.cross_entropy(s_logits, y) + 0.9 * kd_kl(s_logits, t_logits, 4.0) + 0.5 * 2.0 * review
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
-    step = _step(make_config(pair={"teacher": "resnet14", "student": "resnet8"}, method="kd+reviewkd"))
+    step = make_step(make_config(pair={"teacher": "resnet14", "student": "resnet8"}, method="kd+reviewkd"))
     step()
     assert torch.isfinite(step.last_loss) and step.distiller.adapter_params > 0

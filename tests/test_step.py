@@ -6,7 +6,7 @@ from kdbench.distill.step import DistillStep
 from kdbench.hw.data import synthetic_batch
 from kdbench.models import build_model
 from kdbench.workloads.vision import VISION
-from tests.helpers import make_config
+from tests.helpers import make_config, make_step
 
 
 def _models(config):
@@ -17,14 +17,8 @@ def _models(config):
     return teacher, student
 
 
-def _step(config, cpu):
-    teacher, student = _models(config)
-    x, y = synthetic_batch(config, config.batch_size, cpu.device, 0)
-    return DistillStep(teacher, student, x, y, config, cpu, VISION)
-
-
-def test_teacher_weights_and_bn_statistics_never_change(cpu):
-    step = _step(make_config(), cpu)
+def test_teacher_weights_and_bn_statistics_never_change():
+    step = make_step(make_config())
     before = {k: v.clone() for k, v in step.distiller.teacher.state_dict().items()}
     assert any("running_mean" in k for k in before)  # the teacher has batch norm
     s_before = {k: v.clone() for k, v in step.distiller.student.state_dict().items()}
@@ -43,18 +37,18 @@ def test_teacher_weights_and_bn_statistics_never_change(cpu):
     assert step.distiller.student.training
 
 
-def test_optimizer_holds_only_student_parameters(cpu):
-    step = _step(make_config(), cpu)
+def test_optimizer_holds_only_student_parameters():
+    step = make_step(make_config())
     opt_params = {id(p) for g in step.distiller.optimizer.param_groups for p in g["params"]}
     assert opt_params == {id(p) for p in step.distiller.student.parameters()}
     assert isinstance(step.distiller.optimizer, torch.optim.AdamW)
 
 
-def test_gradients_are_zeroed_every_step(cpu):
+def test_gradients_are_zeroed_every_step():
     # With a negligible learning rate the weights stay put, so each step's gradient is the same;
     # accumulated gradients would double on the second step.
     config = make_config(optimizer={"name": "sgd", "lr": 1e-12, "momentum": 0.0})
-    step = _step(config, cpu)
+    step = make_step(config)
     step()
     g1 = [p.grad.clone() for p in step.distiller.student.parameters()]
     step()
@@ -63,11 +57,11 @@ def test_gradients_are_zeroed_every_step(cpu):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_loss_value_is_the_kd_loss_of_the_batch(cpu):
+def test_loss_value_is_the_kd_loss_of_the_batch():
     from kdbench.distill.losses.kd import kd_loss
 
     config = make_config(kd={"temperature": 3.0, "alpha": 0.6})
-    step = _step(config, cpu)
+    step = make_step(config)
     with torch.no_grad():
         step.distiller.student.train()
         expected = kd_loss(step.distiller.student(step.x), step.distiller.teacher(step.x), step.y, 3.0, 0.6)
@@ -76,8 +70,8 @@ def test_loss_value_is_the_kd_loss_of_the_batch(cpu):
     assert step.last_loss.dtype == torch.float32
 
 
-def test_bf16_student_under_autocast_loss_in_fp32(cpu):
-    step = _step(make_config(precision="bf16"), cpu)
+def test_bf16_student_under_autocast_loss_in_fp32():
+    step = make_step(make_config(precision="bf16"))
     step()
     assert step.distiller.student_ac.applied and step.distiller.student_ac.dtype == torch.bfloat16
     assert not step.distiller.teacher_ac.applied  # teacher_precision defaults to fp32
@@ -85,8 +79,8 @@ def test_bf16_student_under_autocast_loss_in_fp32(cpu):
     assert step.last_loss.dtype == torch.float32 and torch.isfinite(step.last_loss)
 
 
-def test_fp16_student_uses_a_grad_scaler(cpu):
-    step = _step(make_config(precision="fp16", teacher_precision="bf16"), cpu)
+def test_fp16_student_uses_a_grad_scaler():
+    step = make_step(make_config(precision="fp16", teacher_precision="bf16"))
     for _ in range(2):
         step()
     assert step.distiller.student_ac.applied and step.distiller.student_ac.dtype == torch.float16

@@ -19,6 +19,7 @@ from kdbench.schema import (
     DERIVED_COLUMNS,
     SCHEMA,
     STORED_SCHEMA,
+    Row,
     rows_to_table,
     schema_markdown,
 )
@@ -33,26 +34,20 @@ from kdbench.store.results import (
     read_results,
     result_files,
 )
+from tests.rows import result_row
 
 RESULTS_DOC = Path(__file__).resolve().parent.parent / "docs" / "results.md"
 
 
-def _row(i, **kw):
-    row = {
-        "schema_version": 2,
-        "run_id": "r1",
-        "suite": "s",
-        "cell_id": f"c{i}",
-        "measurement": "distill_step",
-        "status": "ok",
-        "batch_size": 8,
-        "median_ms": 1.5 + i,
+def _row(i, **columns) -> Row:
+    """Cell ``c<i>``'s step in run r1 of suite s, its median 1.5 + i ms."""
+    row = result_row(schema_version=2, run_id="r1", suite="s", cell_id=f"c{i}", median_ms=1.5 + i)
+    return row | {
         "samples_ms": [1.0, 2.0, 1.5 + i],
         "timestamp": datetime(2026, 1, 1, tzinfo=UTC),
         "noisy": False,
+        **columns,
     }
-    row.update(kw)
-    return row
 
 
 def test_the_results_page_documents_every_column_in_order():
@@ -83,7 +78,7 @@ def test_unknown_or_derived_column_in_a_row_is_a_bug():
     with pytest.raises(ValueError, match="not stored"):
         rows_to_table([{"median": 1.0}])
     with pytest.raises(ValueError, match="speedup_vs_teacher"):
-        rows_to_table([_row(0, speedup_vs_teacher=2.0)])
+        rows_to_table([{**_row(0), "speedup_vs_teacher": 2.0}])  # a plain dict: a Row refuses it where it is set
 
 
 def test_a_run_is_a_folder_of_parts_written_once(tmp_path):
@@ -195,8 +190,9 @@ def test_reader_never_sees_a_half_written_part(tmp_path):
 def test_version_1_single_file_runs_are_still_read(tmp_path):
     # Schema 1: one file per run, derived columns stored; read_results recomputes them from the rows.
     v1 = pa.schema([f for f in SCHEMA if f.name not in ("teacher_cache_saving_ms", "teacher_cache_payback_steps")])
+    student = _row(0, schema_version=1, measurement="student_inference", batch_size=1, median_ms=2.0)
     rows = [
-        _row(0, schema_version=1, measurement="student_inference", batch_size=1, median_ms=2.0, speedup_vs_teacher=9.9),
+        {**student, "speedup_vs_teacher": 9.9},  # stored as version 1 did: a plain dict, no current Row
         _row(0, schema_version=1, measurement="teacher_inference", batch_size=1, median_ms=6.0),
     ]
     table = pa.Table.from_pydict({f.name: [r.get(f.name) for r in rows] for f in v1}, schema=v1)

@@ -149,8 +149,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from kdbench import api
-    from kdbench.report.compare import Policy
     from kdbench.report.compare_format import render, verdict_line
+    from kdbench.report.verdicts import Policy
     from kdbench.store.files import write_text
 
     policy = Policy(args.gate_single_repeat, args.allow_partial, args.fail_on_skipped)

@@ -1,4 +1,4 @@
-"""A :class:`kdbench.report.compare.Comparison` written out: text for a terminal, markdown for a pull
+"""A :class:`kdbench.report.verdicts.Comparison` written out: text for a terminal, markdown for a pull
 request, json and csv for scripts.  Formatting only: the verdicts are decided in compare.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import asdict
 import pandas as pd
 
 from kdbench.errors import KdbenchError
-from kdbench.report.compare import Change, Comparison, Side, Verdict
+from kdbench.report.verdicts import Change, Comparison, Side, Verdict
 
 FORMATS = ("text", "markdown", "json", "csv")
 _QUIET = (Verdict.UNCHANGED, Verdict.UNJUDGED)  # counted, not listed one by one in text

@@ -10,7 +10,7 @@ Data (pandas only, never torch):
   prefill and decode, and the student's speed-ups (cells that differ only in their loss serve the same
   models: they are shown once, at the median over those cells).
 
-Charts (:func:`draw_lm`, drawn as :mod:`kdbench.report.plots` draws its own) and the page's part
+Charts (:func:`draw_lm`, drawn with :mod:`kdbench.report.charts` as the report's other charts are) and the page's part
 (:func:`lm_section`, None when the frame has no LM rows, so other reports do not change).
 """
 
@@ -25,21 +25,17 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, NullLocator
 
+import kdbench.report.charts as charts
 from kdbench.names import LM_SERVING, Measurement, Status
-from kdbench.report.plots import (
-    _NOISY_HATCH,
-    _THIN_HATCH,
-    NOISY_NOTE,
-    THIN_NOTE,
-    Chart,
-    _add_variant,
-    _colors,
-    _facets,
-    _grouped_bars,
-    _save,
-    _skipped,
-    _with_keys,
-    axis_label,
+from kdbench.report.charts import Chart
+from kdbench.report.format import (
+    MISSING,
+    format_int,
+    format_ms,
+    format_percent,
+    format_sig,
+    format_speedup,
+    truncate,
 )
 from kdbench.report.summaries import latest, pooled
 from kdbench.schema import COLUMN_NAMES
@@ -110,7 +106,7 @@ def step_points(df: pd.DataFrame) -> pd.DataFrame:
 
     Ok cells: their repeats pooled (:func:`kdbench.report.summaries.pooled`); cells with no ok repeat: their
     latest row (status oom, failed, skipped... and its error).  Added, besides the chart keys of
-    :mod:`kdbench.report.plots` (``pair``, ``source``): ``impl`` (the loss_impl, with its chunk size where one
+    :mod:`kdbench.report.charts` (``pair``, ``source``): ``impl`` (the loss_impl, with its chunk size where one
     loss_impl ran with several), ``setting`` (the precision and the other config columns that vary, as the
     step chart labels cells), ``loss_share`` (phase_loss_ms / median_ms) and ``logits_share``
     (logits_memory_bytes / step_memory_bytes: the step's measured footprint, else its peak)."""
@@ -123,7 +119,7 @@ def step_points(df: pd.DataFrame) -> pd.DataFrame:
     if not parts:
         return pd.DataFrame(columns=[*rows.columns, *STEP_KEY, "loss_share", "logits_share"])
     points = pd.concat(parts, ignore_index=True).reindex(columns=list(dict.fromkeys([*rows.columns, *ok.columns])))
-    points = _with_keys(points)
+    points = charts.with_keys(points)
     points["seq_len"] = pd.to_numeric(points["seq_len"]).fillna(0).astype(int)
     points["impl"] = _impl_labels(points)
     points["setting"] = _settings(points)
@@ -159,7 +155,7 @@ def _settings(points: pd.DataFrame) -> pd.Series:
     of the LM axes, its cell id's start added where two cells of one chart position would still share it."""
     hidden = points.drop(columns=[c for c in _NOT_SETTING if c in points]).assign(seq_=points["seq_len"])
     within = ("source", "pair", "impl", "seq_")
-    return _add_variant(hidden, extra=("batch_size",), within=within)["variant"].astype(str)
+    return charts.add_variant(hidden, extra=("batch_size",), within=within)["variant"].astype(str)
 
 
 def loss_shares(points: pd.DataFrame) -> pd.DataFrame:
@@ -189,7 +185,7 @@ def serving_table(df: pd.DataFrame) -> pd.DataFrame:
     columns = [*SERVING_KEY, "cells", *(f"{m}_{s}" for m in LM_SERVING for s in ("status", *SERVING_STATS))]
     if rows.empty:
         return pd.DataFrame(columns=columns)
-    rows = _serving_keys(_with_keys(rows))
+    rows = _serving_keys(charts.with_keys(rows))
     ok = pooled(rows).rename(columns={"speedup_vs_teacher": "speedup"})
     by = [*SERVING_KEY, "measurement"]
     stats = ok.groupby(by)[list(SERVING_STATS)].median().unstack("measurement")
@@ -220,7 +216,6 @@ def _serving_keys(rows: pd.DataFrame) -> pd.DataFrame:
 
 def step_rows(points: pd.DataFrame) -> list[dict]:
     """The LM step table: per cell its status, tokens/s, step time, loss share and memory, formatted."""
-    from kdbench.report.html import ERROR_CHARS, MISSING, format_int, format_ms, format_percent, format_sig
 
     def gib(n_bytes) -> str:
         return format_sig(None if pd.isna(n_bytes) else float(n_bytes) / GIB, "GiB")
@@ -246,7 +241,7 @@ def step_rows(points: pd.DataFrame) -> list[dict]:
                 "logits": gib(r["logits_memory_bytes"]),
                 "buffers": "" if pd.isna(r["logits_buffers"]) else str(r["logits_buffers"]),
                 "logits_share": format_percent(r["logits_share"]),
-                "error": error if len(error) <= ERROR_CHARS else error[: ERROR_CHARS - 1] + "…",
+                "error": truncate(error),
             }
         )
     return out
@@ -254,7 +249,6 @@ def step_rows(points: pd.DataFrame) -> list[dict]:
 
 def serving_rows(table: pd.DataFrame) -> list[dict]:
     """The serving table, formatted: a measurement that did not run shows its status (``OOM``...) instead."""
-    from kdbench.report.html import MISSING, format_int, format_ms, format_speedup
 
     def figure(r: dict, measurement: str, stat: str, fmt) -> str:
         status = r[f"{measurement}_status"]
@@ -293,7 +287,7 @@ def draw_lm(points: pd.DataFrame, out_dir: Path) -> list[Chart]:
 
 def _impl_colors(impls: list[str]) -> dict[str, tuple]:
     """One colour per loss implementation, the same in every chart and report (by :data:`LOSS_IMPLS`)."""
-    known = _colors([*LOSS_IMPLS, *(i for i in impl_order(impls) if i not in LOSS_IMPLS)])
+    known = charts.palette([*LOSS_IMPLS, *(i for i in impl_order(impls) if i not in LOSS_IMPLS)])
     return {i: known.get(i, known.get(i.split(" ")[0])) for i in impls}
 
 
@@ -308,10 +302,9 @@ def _status_bars(ax, here: pd.DataFrame, group: str, impls: list[str], value: st
     here = here.assign(bar_=here[value].where(ok).fillna(0.0))
 
     def style(bars):
-        hatch = [_THIN_HATCH if t else _NOISY_HATCH if n else "" for n, t in zip(bars["is_noisy"], bars["is_thin"])]
-        return {"color": color[bars["impl"].iloc[0]], "hatch": hatch}
+        return {"color": color[bars["impl"].iloc[0]], "hatch": charts.flag_hatches(bars)}
 
-    drawn = _grouped_bars(ax, here, group, "impl", impls, "bar_", style)
+    drawn = charts.grouped_bars(ax, here, group, "impl", impls, "bar_", style)
     for impl, bars in drawn.items():
         rows = here[here["impl"].eq(impl)]
         labels = [fmt(v) if s == Status.OK else status_text(s) for v, s in zip(rows[value], rows["status"])]
@@ -327,17 +320,14 @@ def _status_bars(ax, here: pd.DataFrame, group: str, impls: list[str], value: st
 
 def _legend(fig, impls: list[str], color: dict, rows: pd.DataFrame, extra=()) -> None:
     handles = [Patch(facecolor=color[i], edgecolor="0.25", label=i) for i in impls]
-    if rows["is_noisy"].eq(True).any():
-        handles.append(Patch(facecolor="white", edgecolor="0.25", hatch=_NOISY_HATCH, label=f"noisy\n({NOISY_NOTE})"))
-    if rows["is_thin"].eq(True).any():
-        handles.append(Patch(facecolor="white", edgecolor="0.25", hatch=_THIN_HATCH, label=THIN_NOTE))
+    handles += charts.flag_patches(rows)
     fig.legend(handles=[*handles, *extra], loc="outside right upper", fontsize=8, title="loss_impl", title_fontsize=8)
 
 
 def _tokens_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
     title = "LM distillation step: tokens per second"
     if not points["status"].eq(Status.OK).any():
-        return _skipped(title, "no successful LM distill_step measurement")
+        return charts.not_drawn(title, "no successful LM distill_step measurement")
     rows = points.assign(group=points["pair"] + "\n(" + points["setting"] + ")")
     sources = sorted(rows["source"].unique())
     seq_lens = sorted(rows["seq_len"].unique())
@@ -345,7 +335,7 @@ def _tokens_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
     color = _impl_colors(impls)
     n_groups = rows.groupby(["source", "seq_len"])["group"].nunique().max()
     width = min(18.0, max(8.0, 2.0 + len(seq_lens) * (1.0 + 0.3 * n_groups * len(impls))))
-    fig, facets = _facets(sources, len(seq_lens), width=width, height=4.0)
+    fig, facets = charts.faceted_figure(sources, len(seq_lens), width=width, height=4.0)
     for axes, source in zip(facets, sources):
         for ax, seq_len in zip(axes, seq_lens):
             ax.set_title(f"sequence length {seq_len}", fontsize=9)
@@ -356,32 +346,28 @@ def _tokens_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
                 continue
             _status_bars(ax, here, "group", impls, "tokens_per_s", color, _compact)
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}"))
-        axes[0].set_ylabel(axis_label("step throughput", "tokens_per_s"))
+        axes[0].set_ylabel(charts.axis_label("step throughput", "tokens_per_s"))
     _legend(fig, impls, color, rows)
-    return Chart(
-        title=title,
-        file=_save(fig, out_dir, "lm_tokens_per_s.png"),
-        caption=(
-            "Tokens processed per second by the distillation step of each teacher → student pair, one bar per "
-            "loss implementation, one panel per sequence length (each cell's repeats pooled as kdbench compare "
-            "centres them). A cell that did not run is an empty bar labelled with its status (OOM: the device "
-            f"ran out of memory). Hatched bars are noisy ({NOISY_NOTE}); dotted ones thin."
-        ),
+    caption = (
+        "Tokens processed per second by the distillation step of each teacher → student pair, one bar per "
+        f"loss implementation, one panel per sequence length (each cell's {charts.POOLED}). A cell that did not run is "
+        f"an empty bar labelled with its status (OOM: the device ran out of memory). {charts.HATCHED}."
     )
+    return charts.saved_chart(title, fig, out_dir, "lm_tokens_per_s.png", caption)
 
 
 def _memory_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
     title = "LM distillation step: memory against sequence length"
     table = memory_table(points)
     if table.empty:
-        return _skipped(title, "no LM distill_step row has a measured peak, a computed logits size or an OOM")
+        return charts.not_drawn(title, "no LM distill_step row has a measured peak, a computed logits size or an OOM")
     table["panel"] = table["pair"] + " · " + table["setting"]
     sources = sorted(table["source"].unique())
     panels = {s: sorted(table.loc[table["source"].eq(s), "panel"].unique()) for s in sources}
     ncols = max(len(p) for p in panels.values())
     impls = impl_order(table["impl"])
     color = _impl_colors(impls)
-    fig, facets = _facets(sources, ncols, width=min(18.0, 3.0 + 4.5 * ncols), height=3.8)
+    fig, facets = charts.faceted_figure(sources, ncols, width=min(18.0, 3.0 + 4.5 * ncols), height=3.8)
     for axes, source in zip(facets, sources):
         for ax, panel in itertools.zip_longest(axes, panels[source]):
             if panel is None:
@@ -397,18 +383,15 @@ def _memory_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
     ]
     handles = [Line2D([], [], color=color[i], linewidth=3, label=i) for i in impls]
     fig.legend(handles=[*handles, *looks], loc="outside right upper", fontsize=8, title="loss_impl", title_fontsize=8)
-    return Chart(
-        title=title,
-        file=_save(fig, out_dir, "lm_memory.png"),
-        caption=(
-            "Memory the distillation step needed against the sequence length (solid: measured, its footprint: "
-            "the peak minus what was in use as it began, the models, batch and optimizer state; on GPUs the "
-            "allocator's counters, on the CPU the worker's resident memory), and beside it in the same colour "
-            "(dashed) the memory of the B×S×V-sized buffers the loss implementation holds at its peak, computed "
-            "from the shapes: the gap between the two is what activations, gradients and the rest take. "
-            "A cross at the top marks the sequence length at which a loss implementation ran out of memory."
-        ),
+    caption = (
+        "Memory the distillation step needed against the sequence length (solid: measured, its footprint: "
+        "the peak minus what was in use as it began, the models, batch and optimizer state; on GPUs the "
+        "allocator's counters, on the CPU the worker's resident memory), and beside it in the same colour "
+        "(dashed) the memory of the B×S×V-sized buffers the loss implementation holds at its peak, computed "
+        "from the shapes: the gap between the two is what activations, gradients and the rest take. "
+        "A cross at the top marks the sequence length at which a loss implementation ran out of memory."
     )
+    return charts.saved_chart(title, fig, out_dir, "lm_memory.png", caption)
 
 
 def _memory_panel(ax, here: pd.DataFrame, impls: list[str], color: dict) -> None:
@@ -435,14 +418,14 @@ def _memory_panel(ax, here: pd.DataFrame, impls: list[str], color: dict) -> None
         ax.set_xlim(seq_lens[0] / 1.3, seq_lens[-1] * 1.3)
     top = pd.concat([here["peak_gib"], here["logits_gib"]]).max()
     ax.set_ylim(0, 1.0 if pd.isna(top) or top <= 0 else top * (1.25 + 0.1 * ooms))
-    ax.set_xlabel(axis_label("sequence length", "seq_len"))
+    ax.set_xlabel(charts.axis_label("sequence length", "seq_len"))
     ax.grid(alpha=0.3)
 
 
 def _loss_share_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
     title = "LM distillation step: share of the step in the loss"
     if not points["loss_share"].notna().any():
-        return _skipped(title, "no successful LM distill_step measurement has a loss phase timing")
+        return charts.not_drawn(title, "no successful LM distill_step measurement has a loss phase timing")
     rows = points[points["loss_share"].notna() | points["status"].ne(Status.OK)]
     rows = rows.assign(
         group=rows["pair"] + "\n(seq " + rows["seq_len"].astype(str) + ", " + rows["setting"] + ")",
@@ -454,17 +437,14 @@ def _loss_share_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
     n_groups = rows.groupby("source")["group"].nunique().max()
     label_room = 0.065 * rows["group"].str.len().max() if n_groups > 4 else 0.0  # vertical tick labels
     width = min(16.0, max(8.0, 3.0 + 0.3 * n_groups * len(impls)))
-    fig, facets = _facets(sources, 1, width=width, height=3.8 + label_room)
+    fig, facets = charts.faceted_figure(sources, 1, width=width, height=3.8 + label_room)
     for (ax,), source in zip(facets, sources):
         _status_bars(ax, rows[rows["source"].eq(source)], "group", impls, "share_pct", color, lambda v: f"{v:.0f} %")
         ax.set_ylabel("loss phase (% of the step time)")
     _legend(fig, impls, color, rows)
-    return Chart(
-        title=title,
-        file=_save(fig, out_dir, "lm_loss_share.png"),
-        caption=(
-            "The loss phase's median (for LM cells both LM heads and the token loss) as a share of the median "
-            "step time, per pair, sequence length and loss implementation: what a cheaper loss implementation "
-            "can save at most. A cell that did not run is an empty bar labelled with its status."
-        ),
+    caption = (
+        "The loss phase's median (for LM cells both LM heads and the token loss) as a share of the median "
+        "step time, per pair, sequence length and loss implementation: what a cheaper loss implementation "
+        "can save at most. A cell that did not run is an empty bar labelled with its status."
     )
+    return charts.saved_chart(title, fig, out_dir, "lm_loss_share.png", caption)

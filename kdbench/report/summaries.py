@@ -1,7 +1,7 @@
 """Summaries of result rows, as DataFrames: what the report, the CLI and a pandas session tabulate.
 
-Data only (pandas; never torch): the quality table over seeds, each measurement's repeats
-pooled as ``compare`` centres them (:func:`pooled`), and the live/cached teacher pairs with
+Data only (pandas; never torch): the quality table over seeds (and its Markdown form), each measurement's
+repeats pooled as ``compare`` centres them (:func:`pooled`), and the live/cached teacher pairs with
 their pay-back (from the derived columns of :mod:`kdbench.store.derived`).
 """
 
@@ -15,10 +15,12 @@ import pyarrow as pa
 
 from kdbench.names import QUALITY_ROLES, Measurement, Status
 from kdbench.repeats import NOISY_REL_IQR, centre_interval, median_log_variance
+from kdbench.report.format import mean_std
 from kdbench.schema import COLUMNS, DERIVED, RESULT, STATISTICS
 from kdbench.store.derived import TEACHER_MODE, payback_steps, twin_key
 
 POOL_KEY = ["run_id", "cell_id", "measurement", "batch_size"]
+MEASUREMENT_ORDER = {m: i for i, m in enumerate(Measurement)}  # the order tables list a cell's measurements in
 # The figures pooled over repeats: every numeric statistic, result and derived column of a timed row.
 POOLED = tuple(
     c.name
@@ -168,62 +170,55 @@ def summarize_quality(df: pd.DataFrame) -> pd.DataFrame:
     return ranked[list(QUALITY_COLUMNS)].reset_index(drop=True)
 
 
-def mean_std(mean, std, scale: float = 1.0, fmt=lambda v: f"{v:.1f}", missing: str = "—") -> str:
-    """ "mean ± std" (scaled); the mean alone when std is undefined (one seed); ``missing`` without a mean."""
-    if mean is None or pd.isna(mean) or not math.isfinite(float(mean)):
-        return missing
-    text = fmt(float(mean) * scale)
-    return text if std is None or pd.isna(std) else f"{text} ± {fmt(float(std) * scale)}"
+def _name(v) -> str:
+    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+
+
+def _figure(mean: str, std: str | None, scale: float = 1.0, digits: int = 1):
+    """A column of "mean ± std" from the columns ``mean`` and ``std`` (None: the mean alone), scaled, to ``digits``
+    decimals."""
+    return lambda r: mean_std(r[mean], r[std] if std else None, scale, fmt=lambda v: f"{v:.{digits}f}", missing="–")
+
+
+def _reached(r: dict) -> str:
+    return f"{r['reached']}/{r['n']}" + (f" ({r['failed']} failed)" if r.get("failed") else "")
+
+
+# The quality tables' columns: (header, the cell of one summary row).
+_WHO = (
+    ("teacher", lambda r: _name(r["teacher"])),
+    ("student", lambda r: _name(r["student"])),
+    ("model", lambda r: str(r["quality_role"])),
+    ("method", lambda r: _name(r["method"])),
+)
+_AGREEMENT = ("agreement (%)", _figure("agreement_mean", "agreement_std", 100))
+_TO_TARGET = ("time to target (s)", _figure("time_to_target_mean_s", "time_to_target_std_s", digits=2))
+IMAGE_TABLE = (
+    *_WHO,
+    ("top-1 (%)", _figure("accuracy_mean", "accuracy_std", 100)),
+    _AGREEMENT,
+    _TO_TARGET,
+    ("reached", _reached),
+)
+TEXT_TABLE = (  # language models on text: held-out perplexity and bits per byte first, and the training time
+    *_WHO,
+    ("perplexity", _figure("perplexity_mean", "perplexity_std", digits=3)),
+    ("bits/byte", _figure("bits_per_byte_mean", "bits_per_byte_std", digits=3)),
+    ("next-byte top-1 (%)", _figure("accuracy_mean", "accuracy_std", 100)),
+    _AGREEMENT,
+    ("training (s)", _figure("train_time_mean_s", None, digits=1)),
+    _TO_TARGET,
+    ("reached", _reached),
+)
 
 
 def markdown_table(summary: pd.DataFrame) -> str:
-    """A compact Markdown table of :func:`summarize_quality` (accuracies in %, times in s); with text rows, their
-    held-out perplexity and bits per byte first, and the training time."""
-
-    def text(v) -> str:
-        return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
-
-    if "perplexity_mean" in summary.columns and summary["perplexity_mean"].notna().any():
-        return _text_table(summary, text)
-
-    lines = [
-        "| teacher | student | model | method | top-1 (%) | agreement (%) | time to target (s) | reached |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in summary.to_dict("records"):
-        failed = f" ({r['failed']} failed)" if r.get("failed") else ""
-        lines.append(
-            f"| {text(r['teacher'])} | {text(r['student'])} | {r['quality_role']} | {text(r['method'])} | "
-            f"{mean_std(r['accuracy_mean'], r['accuracy_std'], 100, missing='–')} | "
-            f"{mean_std(r['agreement_mean'], r['agreement_std'], 100, missing='–')} | "
-            f"{mean_std(r['time_to_target_mean_s'], r['time_to_target_std_s'], fmt=lambda v: f'{v:.2f}', missing='–')}"
-            f" | {r['reached']}/{r['n']}{failed} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def _text_table(summary: pd.DataFrame, text) -> str:
-    """:func:`markdown_table` of language models on text: perplexity, bits per byte, next-byte top-1."""
-
-    def num(mean, std, digits: int = 3) -> str:
-        return mean_std(mean, std, fmt=lambda v: f"{v:.{digits}f}", missing="–")
-
-    lines = [
-        "| teacher | student | model | method | perplexity | bits/byte | next-byte top-1 (%) | agreement (%) | "
-        "training (s) | time to target (s) | reached |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in summary.to_dict("records"):
-        failed = f" ({r['failed']} failed)" if r.get("failed") else ""
-        lines.append(
-            f"| {text(r['teacher'])} | {text(r['student'])} | {r['quality_role']} | {text(r['method'])} | "
-            f"{num(r['perplexity_mean'], r['perplexity_std'])} | "
-            f"{num(r['bits_per_byte_mean'], r['bits_per_byte_std'])} | "
-            f"{mean_std(r['accuracy_mean'], r['accuracy_std'], 100, missing='–')} | "
-            f"{mean_std(r['agreement_mean'], r['agreement_std'], 100, missing='–')} | "
-            f"{num(r['train_time_mean_s'], None, 1)} | "
-            f"{num(r['time_to_target_mean_s'], r['time_to_target_std_s'], 2)} | {r['reached']}/{r['n']}{failed} |"
-        )
+    """A compact Markdown table of :func:`summarize_quality` (accuracies in %, times in s): :data:`IMAGE_TABLE`'s
+    columns, or with text rows :data:`TEXT_TABLE`'s."""
+    text = "perplexity_mean" in summary.columns and summary["perplexity_mean"].notna().any()
+    columns = TEXT_TABLE if text else IMAGE_TABLE
+    lines = ["| " + " | ".join(header for header, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in summary.to_dict("records")]
     return "\n".join(lines) + "\n"
 
 
