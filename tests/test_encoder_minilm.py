@@ -25,13 +25,14 @@ from kdbench.hw.backends import resolve
 from kdbench.measure.cell import measure_cell
 from kdbench.models import ModelCache
 from kdbench.models.encoders import (
+    Encoder,
     attn_implementation,
     build_encoder,
     encoder_config,
     encoder_parameter_count,
 )
 from kdbench.workloads import workload_of
-from kdbench.workloads.encoder import ENCODER, Encoder, qkv_paths
+from kdbench.workloads.encoder import ENCODER, qkv_paths
 
 CPU = resolve("cpu")
 PAIR = {"teacher": "tiny-bert-teacher", "student": "tiny-bert-student"}

@@ -16,6 +16,8 @@ with random weights: nothing is downloaded, no hub is reached.
 key, ``attn_implementation`` (``sdpa`` or ``eager``): the attention the model runs.  By default it is SDPA where
 the class has it (``BertModel`` does), eager otherwise.
 
+:class:`Encoder` wraps a built encoder for distillation: its forward is ids -> the last hidden state.
+
 ``transformers`` is imported only inside the functions (the ``lm`` extra).
 """
 
@@ -134,3 +136,30 @@ def encoder_parameter_count(name: str, overrides: dict[str, Any] | None = None) 
     """Parameters of the encoder, built on the meta device (no memory)."""
     model = build_encoder(name, overrides, device="meta")
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+class Encoder(nn.Module):
+    """A transformers encoder whose forward is ids (and an optional attention mask) -> the last hidden state."""
+
+    def __init__(self, bert: nn.Module):
+        super().__init__()
+        self.bert = bert
+
+    @property
+    def config(self):
+        return self.bert.config
+
+    @property
+    def heads(self) -> int:
+        return int(self.config.num_attention_heads)
+
+    @property
+    def attn_implementation(self) -> str:
+        return str(self.config._attn_implementation)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    def layers(self) -> list[str]:
+        """Module paths of the encoder layers, in order."""
+        return [f"bert.encoder.layer.{i}" for i in range(len(self.bert.encoder.layer))]

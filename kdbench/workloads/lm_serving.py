@@ -87,7 +87,7 @@ def sample(
 def measure_serving(
     workload, measurement: Measurement, model: nn.Module, batch_size: int, config: Any, backend: Any
 ) -> Row:
-    """The prefill or decode row of the teacher or the student (a :class:`~kdbench.workloads.lm.CausalLM`)."""
+    """The prefill or decode row of the teacher or the student (a :class:`~kdbench.models.lm.CausalLM`)."""
     from kdbench.hw.backends import choose_autocast
 
     if not getattr(model, "hf", False):
