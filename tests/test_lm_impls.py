@@ -97,6 +97,17 @@ def test_equals_dense(impl, divergence, temperature, bias):
         assert_matches(run(impl, loss, inputs), run("dense", loss, inputs), what=f"{impl} {loss}")
 
 
+def test_the_registry_names_what_the_schema_and_the_report_take():
+    import typing
+
+    from kdbench.config.schema import LossImpl
+    from kdbench.distill.lm.impls.base import IMPLS
+    from kdbench.report import lm as report_lm
+
+    assert LOSS_IMPLS == tuple(IMPLS) == typing.get_args(LossImpl) == report_lm.LOSS_IMPLS
+    assert all(IMPLS[name].name == name for name in LOSS_IMPLS)
+
+
 def test_pairs_cover_what_each_impl_supports():
     by_impl = {impl: {d for i, d in PAIRS if i == impl} for impl in LOSS_IMPLS[1:]}
     assert by_impl["chunked"] == by_impl["fused_linear"] == {None, *DIVERGENCES}

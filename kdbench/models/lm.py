@@ -6,6 +6,11 @@ model classes with random weights: nothing is downloaded, no hub is reached (no
 ``from_pretrained``).  A tiny Llama teacher and student are there for the CPU and the
 tests.
 
+A cell's LM is built by :func:`make_lm` (a registered name, a ``config.json`` path or a
+``module:callable``) and wrapped in :class:`CausalLM` for distillation: its forward returns the
+final hidden states, and its LM head is applied apart (:meth:`CausalLM.logits`, or by the loss
+through :meth:`CausalLM.head_weights`).
+
 ``transformers`` is imported only inside the functions, so ``kdbench`` imports
 without it; a function that needs it and finds it missing raises a
 :class:`~kdbench.errors.KdbenchError` naming the extra (``pip install 'kdbench[lm]'``).
