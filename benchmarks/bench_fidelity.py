@@ -24,8 +24,10 @@ The figures are printed, attached to pytest-benchmark's record (`extra_info`) an
 benchmarks/.results/fidelity.json and benchmarks/.results/fidelity_article.json.
 """
 
+import copy
 import json
 import math
+import os
 import statistics
 import time
 import warnings
@@ -341,3 +343,126 @@ def test_article_step_difference_and_its_causes(benchmark, report_line):
     assert all(math.isfinite(v) and v > 0 for v in medians.values())
     assert all(math.isfinite(v) for v in diffs.values())
     assert math.isfinite(logit_gap) and saved > 0 and teacher_grad_bytes > 0
+
+
+# --------------------------------------------------------------------------- the language-model step
+
+LM_SEQ = int(os.environ.get("KDBENCH_FIDELITY_LM_SEQ", "256"))  # tokens per sequence (the issue's figure: 512)
+LM_BATCH, LM_VOCAB, LM_PROMPT, LM_ALPHA = 2, 32000, 0.25, 0.5
+LM_ROUNDS = int(os.environ.get("KDBENCH_FIDELITY_LM_ROUNDS", "8"))  # kdbench vs hand loop
+LM_CALLS = 2  # calls per variant per round
+OUT_LM = RESULTS / "fidelity_lm.json"
+
+
+def lm_batch(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cell's batch, written out: ids uniform over the vocabulary from a generator seeded 0 (the cell's seed),
+    labels the next tokens, the first quarter of each sequence (the prompt) and its last position -100."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, LM_VOCAB, (LM_BATCH, seq_len), generator=g)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    labels[:, : round(LM_PROMPT * seq_len)] = -100
+    return ids, labels
+
+
+class HandLMLoop:
+    """A hand-written transformers distillation step: two LlamaForCausalLM with the given weights, the teacher
+    frozen in eval() under no_grad, logits from model(...).logits (no KV cache, as in training), then forward KL
+    over the valid tokens (F.kl_div of the log-softmaxes, log_target) weighted alpha, + (1 - alpha) CE with
+    ignore_index=-100, zero_grad(set_to_none=True), backward, AdamW step."""
+
+    def __init__(self, teacher: torch.nn.Module, student: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor):
+        import transformers
+
+        self.teacher, self.student = (self._copy(transformers, m) for m in (teacher, student))
+        self.teacher.eval().requires_grad_(False)
+        self.student.train()
+        self.optimizer = torch.optim.AdamW(self.student.parameters(), lr=LR)
+        self.ids, self.labels = ids, labels
+        self.mask = labels != -100
+        self.loss: torch.Tensor | None = None
+
+    @staticmethod
+    def _copy(transformers, model: torch.nn.Module) -> torch.nn.Module:
+        """A LlamaForCausalLM of the model's config (same attention implementation), its weights loaded."""
+        out = transformers.LlamaForCausalLM(copy.deepcopy(model.config))
+        out.load_state_dict(model.state_dict())
+        return out
+
+    def __call__(self) -> None:
+        with torch.no_grad():
+            t = self.teacher(input_ids=self.ids, use_cache=False).logits
+        s = self.student(input_ids=self.ids, use_cache=False).logits
+        kl = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="none").sum(-1)
+        kl = (kl * self.mask).sum() / self.mask.sum()
+        ce = F.cross_entropy(s.flatten(0, 1), self.labels.flatten(), ignore_index=-100)
+        loss = LM_ALPHA * kl + (1 - LM_ALPHA) * ce
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.loss = loss.detach()
+
+
+def test_kdbench_lm_step_is_as_fast_as_a_hand_written_transformers_loop(benchmark, report_line, cpu_lm_step):
+    step, _ = cpu_lm_step(LM_SEQ)
+    ids, labels = lm_batch(LM_SEQ)
+    assert torch.equal(ids, step.x) and torch.equal(labels, step.y)
+    ours_t, ours_s = step.distiller.teacher.lm, step.distiller.student.lm
+    hand = HandLMLoop(ours_t, ours_s, ids, labels)
+    for ours, theirs in ((ours_s, hand.student), (ours_t, hand.teacher)):
+        assert type(theirs).__name__ == type(ours).__name__ == "LlamaForCausalLM"
+        assert ours.config._attn_implementation == theirs.config._attn_implementation
+        mine, other = ours.state_dict(), theirs.state_dict()
+        assert mine.keys() == other.keys() and all(torch.equal(mine[k], other[k]) for k in mine)
+    step()
+    hand()
+    # Same models, batch and loss: the first step's losses agree.
+    torch.testing.assert_close(step.last_loss, hand.loss, rtol=1e-5, atol=1e-6)
+    first_loss = float(hand.loss)
+    step()  # warm up both (one more: the optimizer state exists)
+    hand()
+
+    threads = torch.get_num_threads()
+    samples: dict[str, list[float]] = {"kdbench": [], "hand": []}
+    rounds = []
+    for i in range(LM_ROUNDS):
+        order = ("kdbench", "hand") if i % 2 == 0 else ("hand", "kdbench")
+        med = {name: timed(step if name == "kdbench" else hand, LM_CALLS, samples[name]) for name in order}
+        rounds.append({"kdbench_ms": med["kdbench"], "hand_ms": med["hand"], "ratio": med["kdbench"] / med["hand"]})
+    ours_ms, hand_ms = statistics.median(samples["kdbench"]), statistics.median(samples["hand"])
+    ratio = statistics.median(r["ratio"] for r in rounds)
+    timed_calls = len(samples["kdbench"])
+    phases = {name: statistics.median(v) for name, v in step.phase_ms(timed_calls).items()}
+    what = (
+        f"tiny Llama pair, {LM_VOCAB} vocab, {LM_BATCH}x{LM_SEQ} tokens (prompt {LM_PROMPT:.0%}), forward KL + CE "
+        f"(alpha {LM_ALPHA}), fp32, AdamW, loss_impl dense, cpu"
+    )
+    result = {
+        "threads": threads,
+        "step": what,
+        "seq_len": LM_SEQ,
+        "rounds": rounds,
+        "calls_per_round": LM_CALLS,
+        "kdbench_median_ms": ours_ms,
+        "hand_median_ms": hand_ms,
+        "ratio_of_medians": ours_ms / hand_ms,
+        "median_paired_ratio": ratio,
+        "kdbench_phase_median_ms": phases,
+        "tolerance": TOLERANCE,
+        "first_loss": first_loss,
+    }
+    report_line(f"kdbench's LM DistillStep vs a hand-written transformers loop, {what}, {threads} threads:")
+    report_line(
+        f"  kdbench {ours_ms:.1f} ms, hand loop {hand_ms:.1f} ms (medians of {timed_calls} steps each; ratio "
+        f"{ours_ms / hand_ms:.4f}); first-step loss {first_loss:.5f} in both"
+    )
+    report_line("  kdbench's phases (ms, medians): " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+    report_line(
+        f"  median of the {LM_ROUNDS} paired round ratios (kdbench / hand): {ratio:.4f} "
+        f"(must be <= {1 + TOLERANCE:.2f}); saved to {OUT_LM}"
+    )
+    OUT_LM.parent.mkdir(parents=True, exist_ok=True)
+    OUT_LM.write_text(json.dumps(result, indent=2))
+    benchmark.extra_info.update(result)
+    benchmark.pedantic(hand, rounds=2, iterations=1)  # the hand loop, saved by pytest-benchmark
+    assert ratio <= 1 + TOLERANCE

@@ -10,9 +10,13 @@ cold call, RUNS timed ones) with kdbench's memory meter around it; the cold call
 gradients are kept (the first step from the same weights and batch: every impl must equal dense's,
 max |x - dense| / max |dense| <= 1e-5 per tensor; their copies, 40 MB, count in the peak).  The
 footprint is the rise of the kernel's high-water mark (VmHWM, reset at entry) over the RSS at entry, which
-holds the models, the batch and the optimizer state.  Bounds (issue 23): fused_linear's footprint at most
-30 % of dense's, chunked's at most 60 %.  The figures are printed, attached to pytest-benchmark's record and
-written to benchmarks/.results/lm_step_memory.json.
+holds the models, the batch and the optimizer state.  Bounds: fused_linear's footprint at most 40 % of
+dense's, chunked's at most 90 %.  Issue 23 set 30 % and 60 % against the dense of then (6,886 MiB here: the
+logits of every position, the infinite-logit masks, a float32 copy of every probability); dense written as a
+careful user writes it (issue 29: the valid rows only, no masks where no head has a bias) holds 3,284 MiB, while
+chunked (2,655 MiB, 81 %) and fused_linear (1,050 MiB, 32 %) hold what they held (2,667 and 1,045 MiB in the same
+session).  The figures are printed, attached to pytest-benchmark's record and written to
+benchmarks/.results/lm_step_memory.json.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from kdbench.distill.lm.impls import LOSS_IMPLS, unavailable
 BATCH, SEQ, VOCAB, CHUNK = 4, 1024, 32000, 1024
 RUNS = 1  # timed steps after the cold one (a dense step takes ~12 s here)
 RTOL = 1e-5
-BOUNDS = {"fused_linear": 0.30, "chunked": 0.60}  # footprint / dense's footprint
+BOUNDS = {"fused_linear": 0.40, "chunked": 0.90}  # footprint / dense's footprint
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(__file__).resolve().parent / ".results" / "lm_step_memory.json"
 MIB = 2**20
@@ -150,7 +154,7 @@ def test_lm_step_memory(benchmark, report_line, tmp_path):
         )
     for impl, why in skipped.items():
         report_line(f"  {impl}: not run ({why})")
-    report_line(f"  bounds: fused_linear <= 30 % of dense, chunked <= 60 %; saved to {OUT}")
+    report_line(f"  bounds: fused_linear <= 40 % of dense, chunked <= 90 %; saved to {OUT}")
 
     for impl, row in rows.items():
         assert max(row["rel_err"].values()) <= RTOL, f"{impl} differs from dense: {row['rel_err']}"

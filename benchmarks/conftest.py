@@ -43,6 +43,34 @@ def cpu_step():
     return make
 
 
+@pytest.fixture
+def cpu_lm_step():
+    """`cpu_lm_step(seq_len)`: the LM step the fidelity benchmark measures on the CPU, and its backend: the
+    registered tiny Llama pair at a 32,000 vocabulary (built by the LM workload from the cell's seed), 2 sequences
+    of `seq_len` tokens with their first quarter the prompt, forward KL (alpha 0.5: + CE), fp32, AdamW, dense."""
+
+    def make(seq_len: int = 512, loss_impl: str = "dense"):
+        from kdbench.models import ModelCache
+        from kdbench.workloads.lm import LM
+
+        config = CellConfig.model_validate(
+            {
+                "pair": {"teacher": "tiny-llama-teacher", "student": "tiny-llama-student"},
+                "overrides": {"teacher": {"vocab_size": 32000}, "student": {"vocab_size": 32000}},
+                "data": {"kind": "tokens", "seq_len": seq_len},
+                "method": "forward_kl",
+                "batch_size": 2,
+                "loss_impl": loss_impl,
+            }
+        )
+        backend = resolve("cpu")
+        teacher, student = LM.build_pair(config, backend, ModelCache())
+        x, y = LM.batch(config, config.batch_size, backend.device, config.seed)
+        return DistillStep(teacher, student, x, y, config, backend), backend
+
+    return make
+
+
 def pytest_terminal_summary(terminalreporter):
     if _LINES:
         terminalreporter.section("kdbench benchmarks")

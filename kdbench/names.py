@@ -1,8 +1,8 @@
 """kdbench's vocabulary: the names every layer shares, each defined once.
 
-Statuses, measurements, the phases of a distillation step, precisions and memory
-formats.  Torch-free, so the store and the report use them as the measuring code does.
-The enums are ``StrEnum``: a member *is* its string, so rows, parquet files and
+Statuses, measurements, the phases of a distillation step, precisions, memory
+formats and the ignore index of token labels.  Torch-free, so the store and the report use them as
+the measuring code does.  The enums are ``StrEnum``: a member *is* its string, so rows, parquet files and
 comparisons with plain strings keep working.
 """
 
@@ -90,6 +90,10 @@ GENERATE = Phase(
     "on-policy LM steps: the student sampling the batch's completions with its KV cache, before the teacher forward",
 )
 REMAINDER_COLUMN = "phase_remainder_ms"  # step time minus the sum of its phases
+
+# A token label that no loss counts (prompt and padding positions, a sequence's last position): the value
+# torch's cross_entropy, transformers and Liger-Kernel take as their ignore_index default.
+IGNORE_INDEX = -100
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")  # fp32 is IEEE fp32 on every vendor; tf32 only when asked
 MEMORY_FORMATS = ("contiguous", "channels_last")

@@ -24,6 +24,7 @@ from kdbench.distill.losses.minilm import MiniLM, MiniLMParams
 from kdbench.hw.backends import resolve
 from kdbench.models import ModelCache
 from kdbench.models.encoders import (
+    Encoder,
     attn_implementation,
     build_encoder,
     encoder_config,
@@ -31,7 +32,7 @@ from kdbench.models.encoders import (
 )
 from kdbench.run.cell import measure_cell
 from kdbench.workloads import check_cell, workload_of
-from kdbench.workloads.encoder import ENCODER, Encoder, qkv_paths
+from kdbench.workloads.encoder import ENCODER, qkv_paths
 
 CPU = resolve("cpu")
 PAIR = {"teacher": "tiny-bert-teacher", "student": "tiny-bert-student"}

@@ -1,4 +1,5 @@
-"""kdbench.distill.lm.impls: every implementation of "LM heads + token loss" equals dense.
+"""kdbench.distill.lm.impls: every implementation of "LM heads + token loss" equals dense, and dense equals
+token_losses' reference functions.
 
 Parity is in float32 at small shapes (37 tokens, a 97-word vocabulary, chunks of 8: several chunks
 and a ragged last one), with -100 labels, with and without biases, at T = 1 and 2; the error is
@@ -18,15 +19,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from kdbench.distill.lm.impls import (
-    DIVERGENCES,
-    LOSS_IMPLS,
-    TokenLoss,
-    lm_loss,
-    logits_memory,
-    unavailable,
-    unsupported,
-)
+from kdbench.distill.lm.divergences import DIVERGENCES, TokenLoss
+from kdbench.distill.lm.impls import LOSS_IMPLS, lm_loss, unavailable, unsupported
+from kdbench.distill.lm.impls.memory import logits_memory
 from kdbench.errors import KdbenchError
 
 N, V, HS, HT, CHUNK = 37, 97, 16, 24, 8
@@ -96,6 +91,17 @@ def test_equals_dense(impl, divergence, temperature, bias):
         assert_matches(run(impl, loss, inputs), run("dense", loss, inputs), what=f"{impl} {loss}")
 
 
+def test_the_registry_names_what_the_schema_and_the_report_take():
+    import typing
+
+    from kdbench.config.schema import LossImpl
+    from kdbench.distill.lm.impls.base import IMPLS
+    from kdbench.report import lm as report_lm
+
+    assert LOSS_IMPLS == tuple(IMPLS) == typing.get_args(LossImpl) == report_lm.LOSS_IMPLS
+    assert all(IMPLS[name].name == name for name in LOSS_IMPLS)
+
+
 def test_pairs_cover_what_each_impl_supports():
     by_impl = {impl: {d for i, d in PAIRS if i == impl} for impl in LOSS_IMPLS[1:]}
     assert by_impl["chunked"] == by_impl["fused_linear"] == {None, *DIVERGENCES}
@@ -108,10 +114,10 @@ def test_pairs_cover_what_each_impl_supports():
     [
         TokenLoss("jsd", beta=0.0, temperature=2.0, ce_weight=0.5),  # forward KL
         TokenLoss("jsd", beta=1.0, temperature=2.0, ce_weight=0.5),  # reverse KL
-        TokenLoss("skew_forward_kl", lam=0.0, temperature=2.0),  # forward KL
-        TokenLoss("skew_reverse_kl", lam=0.0, temperature=2.0),  # reverse KL
-        TokenLoss("skew_forward_kl", lam=1.0),  # identically 0
-        TokenLoss("skew_reverse_kl", lam=1.0, ce_weight=0.5),
+        TokenLoss("skew_fkl", lam=0.0, temperature=2.0),  # forward KL
+        TokenLoss("skew_rkl", lam=0.0, temperature=2.0),  # reverse KL
+        TokenLoss("skew_fkl", lam=1.0),  # identically 0
+        TokenLoss("skew_rkl", lam=1.0, ce_weight=0.5),
     ],
     ids=str,
 )
@@ -121,7 +127,7 @@ def test_the_ends_of_beta_and_lam(loss):
     for impl in LOSS_IMPLS[1:]:
         if unsupported(impl, loss) is None:
             assert_matches(run(impl, loss, inputs), want, what=impl)
-    assert unsupported("liger", TokenLoss("skew_forward_kl", lam=0.0)) is None
+    assert unsupported("liger", TokenLoss("skew_fkl", lam=0.0)) is None
     assert unsupported("torch_linear", TokenLoss("jsd", beta=0.0)) is None
 
 
@@ -221,8 +227,8 @@ def test_bad_arguments():
         lm_loss("dense", hs, ws, bs, ht, wt[:-1], None, labels, loss)
     with pytest.raises(KdbenchError, match="no term"):
         lm_loss("dense", hs, ws, bs, ht, wt, bt, labels, TokenLoss())
-    with pytest.raises(KdbenchError, match="liger cannot compute tv"):
-        lm_loss("liger", hs, ws, bs, ht, wt, bt, labels, TokenLoss("tv"))
+    with pytest.raises(KdbenchError, match="liger cannot compute tvd"):
+        lm_loss("liger", hs, ws, bs, ht, wt, bt, labels, TokenLoss("tvd"))
     for bad in ({"divergence": "kl"}, {"temperature": 0.0}, {"beta": 1.5}, {"lam": -0.1}, {"ce_weight": -1.0}):
         with pytest.raises(KdbenchError):
             TokenLoss(**bad)
@@ -233,8 +239,8 @@ def test_bad_arguments():
 
 @pytest.mark.parametrize(
     ("impl", "loss"),
-    [("liger", TokenLoss(d)) for d in ("tv", "skew_forward_kl", "skew_reverse_kl")]
-    + [("torch_linear", TokenLoss(d)) for d in ("reverse_kl", "jsd", "tv", "skew_forward_kl", "skew_reverse_kl")],
+    [("liger", TokenLoss(d)) for d in ("tvd", "skew_fkl", "skew_rkl")]
+    + [("torch_linear", TokenLoss(d)) for d in ("reverse_kl", "jsd", "tvd", "skew_fkl", "skew_rkl")],
     ids=lambda x: x if isinstance(x, str) else x.divergence,
 )
 def test_unsupported_says_why_and_what_instead(impl, loss):
@@ -281,12 +287,13 @@ class CreatedTensors(TorchDispatchMode):
 
 
 def created_by(impl, dtype, divergence="forward_kl"):
-    # 64 tokens (61 valid) × 997: a (tokens, V) tensor is larger than either head (V × 24) and a chunk (16 × V)
+    # 64 tokens (51 valid: every fifth is -100) × 997: a (valid tokens, V) tensor, the size of dense's logits, is
+    # larger than either head (V × 24) and a chunk (16 × V)
     inputs = make_inputs(dtype=dtype, n=64, vocab=997)
     mode = CreatedTensors()
     with mode:
         run(impl, loss_for(divergence), inputs, chunk_size=16)
-    return 61 * 997, mode.created
+    return int((inputs[-1] != -100).sum()) * 997, mode.created
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -313,13 +320,50 @@ def test_chunked_never_holds_float32_logits():
 def test_logits_memory_estimate():
     loss = TokenLoss("forward_kl", ce_weight=1.0)
     est = {impl: logits_memory(impl, 4096, 32000, 4, 1024, loss) for impl in LOSS_IMPLS}
-    assert est["dense"]["buffers"] == 2 + 10.25 and est["dense"]["bytes"] == 12.25 * 4096 * 32000 * 4
+    assert est["dense"]["buffers"] == 2 + 3 and est["dense"]["bytes"] == 5 * 4096 * 32000 * 4
     assert est["chunked"]["buffers"] == 3 and est["fused_linear"]["buffers"] == 0
     assert est["torch_linear"]["buffers"] == 1 and est["liger"]["chunk_rows"] == 1024
     assert est["fused_linear"]["bytes"] < est["chunked"]["bytes"] < est["dense"]["bytes"]
-    assert "4096×32000 fp32" in est["dense"]["text"] and est["dense"]["text"].endswith("6125 MiB")
+    assert "4096×32000 fp32" in est["dense"]["text"] and est["dense"]["text"].endswith("2500 MiB")
     bf16 = logits_memory("chunked", 4096, 32000, 2, 1024, loss)
     assert "16-bit" in bf16["text"] and bf16["bytes"] < est["chunked"]["bytes"]
     assert logits_memory("liger", 5000, 100, 4, 1024, loss)["chunk_rows"] == 1250  # torch.chunk into 4
     with pytest.raises(KdbenchError):
         logits_memory("dense", 4096, 32000, 4, 0, loss)
+
+
+# --------------------------------------------------------------------------------------------- dense vs the reference
+
+
+def reference(loss, inputs):
+    """ce_weight · F.cross_entropy + kd_weight · the token_losses function, on the whole logits with a mask: the
+    definition dense must equal (its value and the gradients w.r.t. h_s, W_s, b_s)."""
+    hs, ws, bs, ht, wt, bt, labels = [t.detach().clone() if t is not None else None for t in inputs]
+    for t in (hs, ws, bs):
+        if t is not None:
+            t.requires_grad_()
+    s, t = F.linear(hs, ws, bs), F.linear(ht, wt, bt)
+    out = loss.ce_weight * F.cross_entropy(s, labels, ignore_index=-100)
+    if loss.divergence is not None:
+        fn = DIVERGENCES[loss.divergence].value
+        out = out + loss.kd_weight * fn(s, t, labels != -100, temperature=loss.temperature, **loss.kwargs)
+    out.backward()
+    return [out.detach()] + [t.grad for t in (hs, ws, bs) if t is not None]
+
+
+@pytest.mark.parametrize("bias", [False, True, "inf"], ids=["nobias", "bias", "inf_bias"])
+@pytest.mark.parametrize("divergence", [None, *DIVERGENCES])
+def test_dense_equals_the_token_losses_reference(divergence, bias):
+    hs, ws, bs, ht, wt, bt, labels = make_inputs(bias=bool(bias))
+    if bias == "inf":  # student-only, teacher-only and shared -inf logits
+        with torch.no_grad():
+            bs[[3, 50]] = float("-inf")
+            bt[[3, 7]] = float("-inf")
+        labels[(labels == 3) | (labels == 50)] = 11
+    inputs = (hs, ws, bs, ht, wt, bt, labels)
+    for temperature in (1.0, 2.0):
+        for ce_weight in (0.7, 0.0) if divergence else (1.0,):
+            loss = loss_for(divergence, temperature, ce_weight)
+            want = reference(loss, inputs)
+            assert all(torch.isfinite(t).all() for t in want)
+            assert_matches(run("dense", loss, inputs), want, what=f"dense {loss}")

@@ -15,9 +15,10 @@ from kdbench.distill.losses import METHODS
 from kdbench.hw.backends import resolve
 from kdbench.measure.flops import count_flops
 from kdbench.models import ModelCache
+from kdbench.models.lm import CausalLM, analytic_forward_flops
 from kdbench.run.cell import measure_cell
 from kdbench.workloads import check_cell, planned_measurements, workload_of
-from kdbench.workloads.lm import LM, CausalLM, LMLoss, analytic_forward_flops, token_batch
+from kdbench.workloads.lm import LM, token_batch
 from kdbench.workloads.vision import VISION
 
 CPU = resolve("cpu")
@@ -89,7 +90,7 @@ def _step_inputs(pair, config):
 def test_the_lm_loss_is_ce_plus_the_divergence_on_the_heads_logits(pair, method):
     config = lm_config(method=method, **{method: {"temperature": 2.0, "alpha": 0.7}})
     teacher, student, _x, y, hs, ht = _step_inputs(pair, config)
-    loss = LMLoss(config, None, teacher, student, CPU)
+    loss = LM.loss(config, None, teacher, student, CPU)
     from kdbench.distill.losses import LossInputs
 
     got = loss(LossInputs(hs, ht, y))
@@ -122,7 +123,7 @@ def test_vocab_slice_cuts_both_heads_to_the_smaller_vocabulary():
     teacher, student = LM.build_pair(config, CPU, ModelCache())
     x, y = LM.batch(config, 2, CPU.device, 0, (teacher, student))
     assert int(x.max()) < 4000
-    loss = LMLoss(config, None, teacher, student, CPU)
+    loss = LM.loss(config, None, teacher, student, CPU)
     assert loss.vocab == 4000 and "sliced to the first 4000" in loss.notes[0]
     from kdbench.distill.losses import LossInputs
 

@@ -16,6 +16,7 @@ from torch import nn
 from kdbench.config.schema import OnPolicyConfig, QualityConfig
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import choose_autocast, resolve
+from kdbench.models.lm import CausalLM
 from kdbench.quality.protocol import planned_rows, quality_jobs, run_quality
 from kdbench.quality.text import (
     TEXT_ROW_KEYS,
@@ -175,13 +176,13 @@ def test_perplexity_of_a_model_with_known_output():
     d = load_text(QualityConfig(dataset="python-stdlib", seq_len=32, max_bytes=8_000))
     data = DeviceData(d.x_train, d.y_train, d.x_test, d.y_test, 256, torch.contiguous_format)
     choice = choose_autocast(CPU, "fp32")
-    uniform = Unigram(torch.full((256,), 1 / 256))
+    uniform = CausalLM(Unigram(torch.full((256,), 1 / 256)))  # a module that returns its logits, wrapped
     accuracy, preds, loss = evaluate_text(uniform, data, choice, CPU)
     assert math.isclose(math.exp(loss), 256, rel_tol=1e-6) and preds.shape == (d.y_test.numel(),)
     # a distribution fitted to the training bytes: the mean held-out -log p, computed here by numpy
     counts = np.bincount(d.y_train.flatten().numpy(), minlength=256) + 1.0
     p = counts / counts.sum()
-    accuracy, preds, loss = evaluate_text(Unigram(torch.tensor(p, dtype=torch.float32)), data, choice, CPU)
+    accuracy, preds, loss = evaluate_text(CausalLM(Unigram(torch.tensor(p, dtype=torch.float32))), data, choice, CPU)
     y = d.y_test.flatten().numpy()
     assert math.isclose(loss, float(-np.log(p[y]).mean()), rel_tol=1e-5)
     assert math.isclose(accuracy, float((y == p.argmax()).mean()))

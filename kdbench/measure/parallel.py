@@ -39,7 +39,7 @@ def fully_shard_api():
 def shard(root: nn.Module, model: nn.Module, config: CellConfig, backend: Backend, group: Any = None) -> nn.Module:
     """``root`` sharded with FSDP2 over the ranks: each decoder layer of ``model`` (its ``decoder_layers()``)
     its own unit, then ``root`` for the rest (embeddings, final norm, LM head, adapters), which FSDP2 keeps
-    gathered for the loss, which applies the LM head outside the forward (``workloads.lm.LMLoss``)."""
+    gathered for the loss, which applies the LM head outside the forward (``distill.lm.loss.LMLoss``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     fully_shard = fully_shard_api()
@@ -54,7 +54,7 @@ def shard(root: nn.Module, model: nn.Module, config: CellConfig, backend: Backen
     for path in model.decoder_layers():
         fully_shard(model.get_submodule(path), **kwargs)
     fully_shard(root, **kwargs)
-    model.fsdp_root = (root,)  # a tuple: no submodule cycle; the LM loss gathers the root's LM head through it
+    model.set_fsdp_root(root)  # the LM loss gathers the root's LM head through it (CausalLM.fsdp_root)
     return root
 
 

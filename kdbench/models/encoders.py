@@ -16,6 +16,8 @@ with random weights: nothing is downloaded, no hub is reached.
 key, ``attn_implementation`` (``sdpa`` or ``eager``): the attention the model runs.  By default it is SDPA where
 the class has it (``BertModel`` does), eager otherwise.
 
+:class:`Encoder` wraps a built encoder for distillation: its forward is ids -> the last hidden state.
+
 ``transformers`` is imported only inside the functions (the ``lm`` extra).
 """
 
@@ -90,12 +92,12 @@ def _split(overrides: dict[str, Any] | None) -> tuple[dict[str, Any], str | None
 def encoder_config(name: str, overrides: dict[str, Any] | None = None):
     """The ``transformers.BertConfig`` of encoder ``name`` with ``overrides`` (any config field, e.g.
     ``{"num_hidden_layers": 2}``; ``attn_implementation`` is not a field and is left out here)."""
-    from kdbench.models.lm import _check_fields, _config_class
+    from kdbench.models.lm import check_config_fields, config_class_named
 
     numbers = check_encoder_name(name)
     fields, _ = _split(overrides)
-    config_class = _config_class("BertConfig")
-    _check_fields(config_class, fields, f"override for {name}")
+    config_class = config_class_named("BertConfig")
+    check_config_fields(config_class, fields, f"override for {name}")
     config = config_class(**{**copy.deepcopy(numbers), **fields})
     if config.hidden_size % config.num_attention_heads:
         raise KdbenchError(
@@ -108,12 +110,12 @@ def encoder_config(name: str, overrides: dict[str, Any] | None = None):
 def attn_implementation(name: str, overrides: dict[str, Any] | None = None) -> str:
     """The attention implementation encoder ``name`` is built with: the override's, else SDPA where the class has
     it (``BertModel`` does), else eager."""
-    from kdbench.models.lm import _transformers
+    from kdbench.models.lm import transformers_module
 
     _, attn = _split(overrides)
     if attn is not None:
         return attn
-    return "sdpa" if getattr(_transformers().BertModel, "_supports_sdpa", False) else "eager"
+    return "sdpa" if getattr(transformers_module().BertModel, "_supports_sdpa", False) else "eager"
 
 
 def build_encoder(
@@ -124,13 +126,40 @@ def build_encoder(
 ) -> nn.Module:
     """The ``BertModel`` of encoder ``name`` with random weights, built directly on ``device`` (``"meta"``
     allocates nothing) in ``dtype``, in eval mode, with :func:`attn_implementation`'s attention."""
-    from kdbench.models.lm import _transformers, from_config
+    from kdbench.models.lm import from_config, transformers_module
 
     kwargs = {"attn_implementation": attn_implementation(name, overrides)}
-    return from_config(_transformers().AutoModel, encoder_config(name, overrides), kwargs, dtype, device)
+    return from_config(transformers_module().AutoModel, encoder_config(name, overrides), kwargs, dtype, device)
 
 
 def encoder_parameter_count(name: str, overrides: dict[str, Any] | None = None) -> int:
     """Parameters of the encoder, built on the meta device (no memory)."""
     model = build_encoder(name, overrides, device="meta")
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+class Encoder(nn.Module):
+    """A transformers encoder whose forward is ids (and an optional attention mask) -> the last hidden state."""
+
+    def __init__(self, bert: nn.Module):
+        super().__init__()
+        self.bert = bert
+
+    @property
+    def config(self):
+        return self.bert.config
+
+    @property
+    def heads(self) -> int:
+        return int(self.config.num_attention_heads)
+
+    @property
+    def attn_implementation(self) -> str:
+        return str(self.config._attn_implementation)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    def layers(self) -> list[str]:
+        """Module paths of the encoder layers, in order."""
+        return [f"bert.encoder.layer.{i}" for i in range(len(self.bert.encoder.layer))]

@@ -6,6 +6,11 @@ model classes with random weights: nothing is downloaded, no hub is reached (no
 ``from_pretrained``).  A tiny Llama teacher and student are there for the CPU and the
 tests.
 
+A cell's LM is built by :func:`make_lm` (a registered name, a ``config.json`` path or a
+``module:callable``) and wrapped in :class:`CausalLM` for distillation: its forward returns the
+final hidden states, and its LM head is applied apart (:meth:`CausalLM.logits`, or by the loss
+through :meth:`CausalLM.head_weights`).
+
 ``transformers`` is imported only inside the functions, so ``kdbench`` imports
 without it; a function that needs it and finds it missing raises a
 :class:`~kdbench.errors.KdbenchError` naming the extra (``pip install 'kdbench[lm]'``).
@@ -181,7 +186,7 @@ LM_CONFIGS: dict[str, dict[str, Any]] = {
 _ROPE_LEGACY = ("rope_theta", "rope_scaling")
 
 
-def _transformers():
+def transformers_module():
     try:
         import transformers
     except ImportError as e:
@@ -189,8 +194,8 @@ def _transformers():
     return transformers
 
 
-def _config_class(class_name: str):
-    transformers = _transformers()
+def config_class_named(class_name: str):
+    transformers = transformers_module()
     try:
         return getattr(transformers, class_name)
     except AttributeError:
@@ -220,7 +225,7 @@ def _valid_fields(config_class) -> set[str]:
     return fields
 
 
-def _check_fields(config_class, keys, what: str) -> None:
+def check_config_fields(config_class, keys, what: str) -> None:
     valid = _valid_fields(config_class)
     for key in keys:
         if key not in valid:
@@ -233,7 +238,7 @@ def is_lm_model(name: str) -> bool:
     return name in LM_CONFIGS or name.endswith(".json")
 
 
-def _check_name(name: str) -> dict[str, Any]:
+def registered_lm(name: str) -> dict[str, Any]:
     if not isinstance(name, str) or name not in LM_CONFIGS:
         hint = did_you_mean(str(name), LM_CONFIGS)
         raise KdbenchError(f"unknown language model {name!r}; {hint}known: {', '.join(LM_CONFIGS)}")
@@ -243,10 +248,10 @@ def _check_name(name: str) -> dict[str, Any]:
 def lm_config(name: str, overrides: dict[str, Any] | None = None):
     """The ``transformers`` config of registered model ``name``, with ``overrides``
     (any config field, e.g. ``{"num_hidden_layers": 2}``) applied."""
-    entry = _check_name(name)
-    config_class = _config_class(entry["config_class"])
+    entry = registered_lm(name)
+    config_class = config_class_named(entry["config_class"])
     overrides = dict(overrides or {})
-    _check_fields(config_class, overrides, f"override for {name}")
+    check_config_fields(config_class, overrides, f"override for {name}")
     return config_class(**{**copy.deepcopy(entry["config"]), **overrides})
 
 
@@ -265,7 +270,7 @@ def lm_config_from_file(path: str | Path):
     model_type = data.get("model_type")
     if not isinstance(model_type, str):
         raise KdbenchError(f'model config {path} has no "model_type" string (e.g. "llama", "qwen2", "gpt2")')
-    _transformers()
+    transformers_module()
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -288,7 +293,7 @@ def _resolve_config(name_or_config, overrides: dict[str, Any] | None):
     elif isinstance(name_or_config, str):
         return lm_config(name_or_config, overrides)
     else:
-        transformers = _transformers()
+        transformers = transformers_module()
         if not isinstance(name_or_config, transformers.PretrainedConfig):
             raise KdbenchError(
                 f"a language model is a registered name, a config.json path or a transformers config, "
@@ -296,7 +301,7 @@ def _resolve_config(name_or_config, overrides: dict[str, Any] | None):
             )
         config = copy.deepcopy(name_or_config)
     if overrides:
-        _check_fields(type(config), overrides, f"override for {type(config).__name__}")
+        check_config_fields(type(config), overrides, f"override for {type(config).__name__}")
         for key, value in overrides.items():
             setattr(config, key, value)
         # Qwen2-style per-layer attention types follow the layer count when they were uniform.
@@ -308,7 +313,7 @@ def _resolve_config(name_or_config, overrides: dict[str, Any] | None):
 
 
 def _causal_lm_class(config):
-    _transformers()
+    transformers_module()
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
@@ -328,7 +333,7 @@ def build_lm(
     allocates nothing) in ``dtype``, in eval mode, with SDPA attention where the class has it."""
     config = _resolve_config(name_or_config, overrides)
     model_class = _causal_lm_class(config)
-    transformers = _transformers()
+    transformers = transformers_module()
     kwargs: dict[str, Any] = {}
     if getattr(model_class, "_supports_sdpa", False):
         kwargs["attn_implementation"] = "sdpa"
@@ -339,7 +344,7 @@ def from_config(auto_class, config, kwargs: dict[str, Any], dtype, device) -> nn
     """``auto_class.from_config`` with random weights, built directly on ``device`` in ``dtype`` (the keyword is
     ``dtype`` from transformers 5, ``torch_dtype`` before), in eval mode."""
     if dtype is not None:
-        major = int(_transformers().__version__.split(".")[0])
+        major = int(transformers_module().__version__.split(".")[0])
         kwargs = {**kwargs, "dtype" if major >= 5 else "torch_dtype": dtype}
     where = torch.device(device) if device is not None else contextlib.nullcontext()
     with where:
@@ -353,3 +358,129 @@ def lm_parameter_count(name_or_config, overrides: dict[str, Any] | None = None) 
     model = build_lm(name_or_config, overrides, device="meta")
     unique = {id(p): p for p in model.parameters()}
     return sum(p.numel() for p in unique.values())
+
+
+def make_lm(name: str, overrides: dict[str, Any], allow_imports: bool) -> nn.Module:
+    """The LM ``name`` with random weights: a registered name or ``config.json`` path (:func:`build_lm`, with
+    ``overrides``), or a ``module:callable`` (imported; with ``allow_imports``, and no overrides)."""
+    if ":" in name:
+        from kdbench.models.registry import check_model_name
+
+        check_model_name(name, allow_imports)
+        module = _imported(name)
+        if overrides:
+            raise KdbenchError(f"overrides apply to registered LMs and config.json files, not to {name!r}")
+        return module
+    return build_lm(name, overrides or None)
+
+
+def _imported(name: str) -> nn.Module:
+    import importlib
+
+    module_name, _, attr = name.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise KdbenchError(f"model {name!r}: cannot import it ({exc}); check the name and PYTHONPATH") from None
+    model = obj() if callable(obj) and not isinstance(obj, nn.Module) else obj
+    if not isinstance(model, nn.Module):
+        raise KdbenchError(f"model {name!r} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def model_config(name: str, overrides: dict[str, Any]):
+    """The transformers config :func:`make_lm` builds ``name`` from (None for a ``module:callable``)."""
+    if ":" in name:
+        return None
+    return _resolve_config(name, overrides or None)
+
+
+def max_positions(config) -> int | None:
+    """The positions a config's model takes (``max_position_embeddings``; None where it has none)."""
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) else None
+
+
+class CausalLM(nn.Module):
+    """A causal LM whose forward is ids -> final hidden states (B, S, H), its LM head applied apart
+    (:meth:`logits`, or by a loss implementation through :meth:`head_weights`); a module that maps ids to
+    logits (no transformers model) is wrapped too, with no ``head``, its forward's output the logits.
+
+    ``fsdp_root``: the FSDP2 module whose root parameters (embeddings, final norm, LM head) this model's head
+    lives in, once :func:`kdbench.measure.parallel.shard` has sharded it (None otherwise): the loss gathers
+    them around the head, which runs outside the forward (where FSDP2 has resharded them).  It is held in a
+    tuple, so that it is no submodule (the root is this model or holds it: no module cycle)."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+        head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+        self.hf = head is not None and hasattr(lm, "base_model") and lm.base_model is not lm
+        self._head = (head,) if self.hf else (None,)  # a tuple: no second registration of the head's weights
+        self._fsdp_root: tuple[nn.Module | None] = (None,)
+
+    @property
+    def head(self) -> nn.Module | None:
+        return self._head[0]
+
+    @property
+    def fsdp_root(self) -> nn.Module | None:
+        return self._fsdp_root[0]
+
+    def set_fsdp_root(self, root: nn.Module) -> None:
+        """Name the FSDP2 module that holds this model's root parameters (:attr:`fsdp_root`)."""
+        self._fsdp_root = (root,)
+
+    @property
+    def vocab_size(self) -> int | None:
+        if self.head is not None:
+            return int(self.head.weight.shape[0])
+        config = getattr(self.lm, "config", None)
+        return getattr(config, "vocab_size", None)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.hf:
+            out = self.lm(input_ids)
+            return getattr(out, "logits", out)
+        return self.lm.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+
+    def head_weights(self, vocab: int | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's weight and bias, cut to ``vocab`` rows (None: all), at ``dtype`` (autograd flows to the
+        originals)."""
+        weight = self.head.weight[:vocab].to(dtype)
+        bias = getattr(self.head, "bias", None)
+        return weight, (bias[:vocab].to(dtype) if bias is not None else None)
+
+    def logits(self, out: torch.Tensor, dtype: torch.dtype | None = None, vocab: int | None = None) -> torch.Tensor:
+        """The logits of the forward's output ``out``: the head applied to the hidden states (at ``dtype``, the
+        hidden states and head cast to it; None: the head as it is, under whatever autocast is on); a model
+        without a head returns its logits, taken as they are.  ``vocab``: the first entries only."""
+        if self.head is None:
+            return out if vocab is None else out[..., :vocab]
+        if dtype is None and vocab is None:
+            return self.head(out)
+        weight, bias = self.head_weights(vocab, dtype if dtype is not None else self.head.weight.dtype)
+        return torch.nn.functional.linear(out.to(weight.dtype), weight, bias)
+
+    def decoder_layers(self) -> list[str]:
+        """Module paths of the decoder layers, in order (the longest ModuleList of the model)."""
+        lists = [(n, m) for n, m in self.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+        if not lists:
+            return []
+        name, layers = max(lists, key=lambda nm: len(nm[1]))
+        return [f"{name}.{i}" for i in range(len(layers))]
+
+
+def analytic_forward_flops(model: CausalLM, batch_size: int, seq_len: int, with_head: bool = True) -> int:
+    """The forward's FLOPs from the shapes, to cross-check the counted ones: 2 per multiply-add of every matmul
+    weight (the decoder layers' and, ``with_head``, the LM head's; embeddings are lookups) for each token, plus
+    attention's two S×S products per layer, 4·B·S²·H (the full square, as torch's flop counter counts SDPA)."""
+    embeddings = {id(p) for m in model.lm.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    base = model.lm.base_model
+    weights = {id(p): p for p in base.parameters() if p.dim() == 2 and id(p) not in embeddings}
+    matmul = sum(p.numel() for p in weights.values()) + (model.head.weight.numel() if with_head else 0)
+    config = model.lm.config
+    tokens = batch_size * seq_len
+    return 2 * matmul * tokens + 4 * batch_size * int(config.num_hidden_layers) * seq_len**2 * int(config.hidden_size)

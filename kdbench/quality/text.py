@@ -52,12 +52,12 @@ from kdbench.config.schema import CellConfig, QualityConfig
 from kdbench.distill.step import backward_and_update
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import AutocastChoice, Backend, grad_scaler
+from kdbench.names import IGNORE_INDEX
 from kdbench.quality.train import DeviceData, QualityRun, Trained, fit, init_seed
 
 BYTES = 256  # the vocabulary: one token per byte value
 EVAL_TOKENS = 1 << 15  # held-out tokens per evaluation forward
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
-IGNORE = -100
 
 
 def stdlib_root() -> Path:
@@ -160,8 +160,8 @@ def load_text(cfg: QualityConfig, seed: int = 0, root: Path | None = None) -> Te
 
 def check_text(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
     """The cheap checks, before anything runs: language-model cells, the windows within their positions."""
+    from kdbench.models.lm import max_positions, model_config
     from kdbench.workloads import workload_of
-    from kdbench.workloads.lm import _config, max_positions
 
     for c in configs:
         workload = workload_of(c)
@@ -178,7 +178,7 @@ def check_text(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
         for role in ("teacher", "student"):
             name = getattr(c.pair, role)
             try:
-                config = _config(name, byte_overrides(name, getattr(c.overrides, role)))
+                config = model_config(name, byte_overrides(name, getattr(c.overrides, role)))
             except KdbenchError:
                 continue  # the cell's own checks report it
             limit = max_positions(config)
@@ -216,12 +216,6 @@ TEXT_ROW_KEYS = (
 # --------------------------------------------------------------------------- training and evaluation
 
 
-def lm_logits(model: nn.Module, out: torch.Tensor) -> torch.Tensor:
-    """The logits of a CausalLM's forward output (its head applied; a module that returns logits: as they are)."""
-    head = getattr(model, "head", None)
-    return out if head is None else head(out)
-
-
 def text_ce_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, choice: AutocastChoice, backend: Backend
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -230,8 +224,8 @@ def text_ce_step(
 
     def step(x: torch.Tensor, y: torch.Tensor, _indices: torch.Tensor | None = None) -> torch.Tensor:
         with choice.context(backend.device_type):
-            logits = lm_logits(model, model(x))
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+            logits = model.logits(model(x))
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
         optimizer.zero_grad(set_to_none=True)
         backward_and_update(loss, optimizer, scaler)
         return loss.detach()
@@ -251,12 +245,14 @@ def evaluate_text(
     try:
         with torch.inference_mode(), choice.context(backend.device_type):
             for i in range(0, len(data.x_test), batch):
-                logits = lm_logits(model, model(data.x_test[i : i + batch])).float()
+                logits = model.logits(model(data.x_test[i : i + batch])).float()
                 if logits.shape[-1] != BYTES:
                     raise KdbenchError(f"the model has {logits.shape[-1]} outputs per token; byte-level text needs 256")
                 y = data.y_test[i : i + batch].to(logits.device)
-                total += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum", ignore_index=IGNORE))
-                count += int((y != IGNORE).sum())
+                total += float(
+                    F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+                )
+                count += int((y != IGNORE_INDEX).sum())
                 preds.append(logits.argmax(dim=-1).flatten().cpu())
     finally:
         model.train(was_training)
@@ -304,12 +300,12 @@ class TextRun(QualityRun):
         return cell.model_copy(update={"overrides": overrides, "data": data})
 
     def model(self, name: str, cell: CellConfig, role: str) -> nn.Module:
-        from kdbench.workloads.lm import CausalLM, build
+        from kdbench.models.lm import CausalLM, make_lm
 
         overrides = getattr(cell.overrides, role)
         seed = init_seed(cell.seed, role)
         key = ("lm", name, repr(sorted(overrides.items())), seed)
-        lm = self.cache.get_built(key, seed, lambda: build(name, overrides, self.cache.allow_imports))
+        lm = self.cache.get_built(key, seed, lambda: make_lm(name, overrides, self.cache.allow_imports))
         model = CausalLM(lm).to(self.backend.device)
         if model.vocab_size is not None and model.vocab_size != BYTES:
             raise KdbenchError(f"{name} has a vocabulary of {model.vocab_size}; byte-level text needs 256")

@@ -2,10 +2,10 @@
 (:mod:`kdbench.models.encoders`), distilled task-agnostically (``minilm``: their self-attention relations;
 ``hidden_mse``: their hidden states) on seeded token batches, served by forward latency.
 
-The models.  Each is wrapped in :class:`Encoder`, whose forward is ids -> the last hidden state (B, S, H); no MLM
-head, no labels.  The attention runs SDPA where the class has it (``minilm`` reads Q, K and V from hooks on the
-projections, so it needs no eager attention); ``overrides.*.attn_implementation: eager`` forces eager.  Every row
-says which one ran (``attn_implementation``).
+The models.  Each is wrapped in :class:`~kdbench.models.encoders.Encoder`, whose forward is ids -> the last
+hidden state (B, S, H); no MLM head, no labels.  The attention runs SDPA where the class has it (``minilm``
+reads Q, K and V from hooks on the projections, so it needs no eager attention);
+``overrides.*.attn_implementation: eager`` forces eager.  Every row says which one ran (``attn_implementation``).
 
 The batch.  ``batch_size`` sequences of ``data.seq_len`` token ids, uniform over the vocabulary both models share,
 from the cell's seed, every position attended (an all-ones attention mask).  The mask is not handed to the models:
@@ -13,8 +13,8 @@ an all-ones mask attends as no mask does, and transformers would check it on the
 sync) at every forward.  The loss's targets are the ids, with -100 where a position is padding (none here): the
 methods' mask is ``targets != -100``.  ``data.prompt_fraction`` and ``data.vocab_policy`` do not apply.
 
-The loss.  The methods' terms, weighted, summed in float32 with autocast off; no cross-entropy (there are no
-labels to distil with).
+The loss (:class:`~kdbench.distill.encoder.EncoderLoss`).  The methods' terms, weighted, summed in float32 with
+autocast off; no cross-entropy (there are no labels to distil with).
 """
 
 from __future__ import annotations
@@ -24,44 +24,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from kdbench.distill.losses import METHODS, WeightedTerms, check_method, check_weights, params_of
+from kdbench.distill.encoder import EncoderLoss
+from kdbench.distill.losses import METHODS, check_method, check_weights, params_of
 from kdbench.errors import KdbenchError
+from kdbench.models.encoders import Encoder
 from kdbench.models.lm import is_lm_model
 from kdbench.names import Measurement
 from kdbench.schema import Row
 from kdbench.workloads.base import Pair, Problems, Workload, cast_teacher_weights, model_of, serving_plan
 
-IGNORE = -100
 DEFAULT_LAYERS = 4  # hidden_mse pairs at most this many encoder layers by default
 ALSO_ON_ENCODERS = ("hidden_mse",)  # methods of another family's domain that run on encoder pairs too (hidden states)
 ROLES = ("teacher", "student")
-
-
-class Encoder(nn.Module):
-    """A transformers encoder whose forward is ids (and an optional attention mask) -> the last hidden state."""
-
-    def __init__(self, bert: nn.Module):
-        super().__init__()
-        self.bert = bert
-
-    @property
-    def config(self):
-        return self.bert.config
-
-    @property
-    def heads(self) -> int:
-        return int(self.config.num_attention_heads)
-
-    @property
-    def attn_implementation(self) -> str:
-        return str(self.config._attn_implementation)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
-    def layers(self) -> list[str]:
-        """Module paths of the encoder layers, in order."""
-        return [f"bert.encoder.layer.{i}" for i in range(len(self.bert.encoder.layer))]
 
 
 def qkv_paths(layers: list[str], index: int) -> list[str]:
@@ -270,42 +244,6 @@ def encoder_batch(
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
     return place_aligned(ids.to(device), alignment), place_aligned(ids.clone().to(device), alignment)
-
-
-# --------------------------------------------------------------------------- the loss
-
-
-class EncoderLoss(WeightedTerms):
-    """Σ_m weights[m] × term_m in float32 with autocast off; no cross-entropy (task-agnostic: no labels)."""
-
-    def __init__(self, config: Any, shapes: Any, teacher: Encoder, student: Encoder):
-        super().__init__(config, shapes)
-        for term in self.terms:
-            if hasattr(term, "set_heads"):  # minilm: the models' own heads (MiniLM v1) unless relation heads are set
-                term.set_heads(teacher.heads, student.heads)
-
-    def notes(self, x: torch.Tensor) -> list[str]:
-        """What the minilm term computes, with its relations' size."""
-        out = []
-        for term in self.terms:
-            heads = getattr(term, "heads", None)
-            if heads is None:
-                continue
-            b, s = x.shape[:2]
-            how = f"relation heads {heads[0]} (MiniLMv2)" if term.relation_heads else f"the models' {heads[0]} heads"
-            each = b * heads[0] * s * s * 4
-            out.append(
-                f"minilm: {len(term.relations)} relation(s) over {how}, each {b}×{heads[0]}×{s}×{s} float32 "
-                f"({each / 2**20:.3g} MiB) per model"
-            )
-        return out
-
-    def forward(self, inp: Any) -> torch.Tensor:
-        with torch.amp.autocast(device_type=inp.targets.device.type, enabled=False):
-            loss = torch.zeros((), device=inp.targets.device)
-            for weight, term in zip(self.weights, self.terms):
-                loss = loss + weight * term(inp)
-        return loss
 
 
 # --------------------------------------------------------------------------- serving

@@ -2,125 +2,38 @@
 (:mod:`kdbench.models.lm`), distilled on seeded token batches through their next-token distributions,
 served by prefill and greedy decoding with a KV cache.
 
-The models.  Each is wrapped in :class:`CausalLM`, whose forward returns the final hidden states
-(B, S, H): the LM head is applied in the loss phase, by the cell's ``loss_impl``
-(:mod:`kdbench.distill.lm.impls`), so that dense and fused implementations time and hold the same
-work (heads and loss together).  A ``module:callable`` may return a transformers causal LM (wrapped
-the same way) or any module mapping token ids to logits (then only ``loss_impl: dense`` can run).
+The models.  Each is wrapped in :class:`~kdbench.models.lm.CausalLM`, whose forward returns the final
+hidden states (B, S, H): the LM head is applied in the loss phase (:class:`~kdbench.distill.lm.loss.LMLoss`,
+handed the vocabulary both models share), by the cell's ``loss_impl`` (:mod:`kdbench.distill.lm.impls`), so
+that dense and fused implementations time and hold the same work (heads and loss together).  A
+``module:callable`` may return a transformers causal LM (wrapped the same way) or any module mapping token
+ids to logits (then only ``loss_impl: dense`` can run).
 
 The batch.  ``batch_size`` sequences of ``data.seq_len`` token ids, uniform over the vocabulary both
 models share, from the cell's seed; the labels are the next tokens, with the first
 ``prompt_fraction`` of each sequence (and its last position, which has no next token) set to -100:
 not counted in any loss.
+
+This module holds the LM workload (:class:`LMWorkload`) and its own helpers: its plan-time checks, the
+vocabulary the pair shares, the prompt's length and the token batch.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from kdbench.distill.lm.topk import TopKTeacher
-from kdbench.distill.losses import WeightedTerms, check_method, check_weights, params_of
+from kdbench.distill.lm.loss import LMLoss, methods_token_loss
+from kdbench.distill.losses import check_method, check_weights
 from kdbench.errors import KdbenchError
-from kdbench.models.lm import is_lm_model
-from kdbench.names import Measurement
+from kdbench.models.lm import CausalLM, is_lm_model, make_lm, max_positions, model_config
+from kdbench.names import IGNORE_INDEX, Measurement
 from kdbench.schema import Row
 from kdbench.workloads.base import Pair, Problems, Workload, cast_teacher_weights, model_of, serving_plan
 
-IGNORE = -100
 DEFAULT_LAYERS = 4  # hidden_mse pairs at most this many decoder layers by default
-
-
-class CausalLM(nn.Module):
-    """A causal LM whose forward is ids -> final hidden states; ``head`` is its LM head (None when the wrapped
-    module only maps ids to logits)."""
-
-    def __init__(self, lm: nn.Module):
-        super().__init__()
-        self.lm = lm
-        head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-        self.hf = head is not None and hasattr(lm, "base_model") and lm.base_model is not lm
-        self._head = (head,) if self.hf else (None,)  # a tuple: no second registration of the head's weights
-
-    @property
-    def head(self) -> nn.Module | None:
-        return self._head[0]
-
-    @property
-    def vocab_size(self) -> int | None:
-        if self.head is not None:
-            return int(self.head.weight.shape[0])
-        config = getattr(self.lm, "config", None)
-        return getattr(config, "vocab_size", None)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if not self.hf:
-            out = self.lm(input_ids)
-            return getattr(out, "logits", out)
-        return self.lm.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
-
-    def decoder_layers(self) -> list[str]:
-        """Module paths of the decoder layers, in order (the longest ModuleList of the model)."""
-        lists = [(n, m) for n, m in self.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-        if not lists:
-            return []
-        name, layers = max(lists, key=lambda nm: len(nm[1]))
-        return [f"{name}.{i}" for i in range(len(layers))]
-
-
-# --------------------------------------------------------------------------- building
-
-
-def build(name: str, overrides: dict[str, Any], allow_imports: bool) -> nn.Module:
-    """The LM ``name`` (registered name, ``config.json`` path or ``module:callable``) with random weights."""
-    from kdbench.models.lm import build_lm
-
-    if ":" in name:
-        from kdbench.models.registry import check_model_name
-
-        check_model_name(name, allow_imports)
-        module = _imported(name)
-        if overrides:
-            raise KdbenchError(f"overrides apply to registered LMs and config.json files, not to {name!r}")
-        return module
-    return build_lm(name, overrides or None)
-
-
-def _imported(name: str) -> nn.Module:
-    import importlib
-
-    module_name, _, attr = name.partition(":")
-    try:
-        obj = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise KdbenchError(f"model {name!r}: cannot import it ({exc}); check the name and PYTHONPATH") from None
-    model = obj() if callable(obj) and not isinstance(obj, nn.Module) else obj
-    if not isinstance(model, nn.Module):
-        raise KdbenchError(f"model {name!r} returned {type(model).__name__}, not a torch.nn.Module")
-    return model
-
-
-def _config(name: str, overrides: dict[str, Any]):
-    """The transformers config of a registered LM or config.json (None for module:callable)."""
-    from kdbench.models.lm import _resolve_config
-
-    if ":" in name:
-        return None
-    return _resolve_config(name, overrides or None)
-
-
-def max_positions(config) -> int | None:
-    value = getattr(config, "max_position_embeddings", None)
-    return int(value) if isinstance(value, int) else None
-
-
-# --------------------------------------------------------------------------- the workload
 
 
 class LMWorkload(Workload):
@@ -176,15 +89,15 @@ class LMWorkload(Workload):
                         )
                     )
                 else:
-                    from kdbench.models.lm import _check_name
+                    from kdbench.models.lm import registered_lm
 
                     try:
-                        _check_name(name)
+                        registered_lm(name)
                     except KdbenchError as exc:
                         problems.append((("pair", role), str(exc)))
                 continue
             try:
-                configs[role] = _config(name, overrides)
+                configs[role] = model_config(name, overrides)
             except KdbenchError as exc:
                 key = ("overrides", role) if overrides and "override" in str(exc) else ("pair", role)
                 problems.append((key, str(exc)))
@@ -285,7 +198,7 @@ class LMWorkload(Workload):
             finally:
                 lm.train(was_training)
             if labels is None or labels.shape != ids.shape:  # one buffer, rewritten: the loss finds its rows once
-                buffers["labels"] = torch.full_like(ids, IGNORE)
+                buffers["labels"] = torch.full_like(ids, IGNORE_INDEX)
             out = buffers["labels"]
             out[:, prompt_len - 1 : -1] = ids[:, prompt_len:]  # each completion token, predicted one position early
             return ids, out
@@ -329,7 +242,7 @@ class LMWorkload(Workload):
         for role in ("teacher", "student"):
             name, overrides = getattr(config.pair, role), getattr(config.overrides, role)
             key = ("lm", name, repr(sorted(overrides.items())), config.seed)
-            model = cache.get_built(key, config.seed, lambda n=name, o=overrides: build(n, o, allow))
+            model = cache.get_built(key, config.seed, lambda n=name, o=overrides: make_lm(n, o, allow))
             wrapped = CausalLM(model)
             models.append((cast_teacher_weights(wrapped, config) if role == "teacher" else wrapped).to(backend.device))
         return models[0], models[1]
@@ -365,7 +278,7 @@ class LMWorkload(Workload):
         return layer_pairs(teacher.decoder_layers(), student.decoder_layers(), given_t, given_s, DEFAULT_LAYERS)
 
     def loss(self, config: Any, shapes: Any, teacher: nn.Module, student: nn.Module, backend: Any) -> nn.Module:
-        return LMLoss(config, shapes, teacher, student, backend)
+        return LMLoss(config, shapes, teacher, student, backend, shared_vocab(config, teacher, student))
 
     def compact_teacher(self, distiller: Any, outputs: Any, targets: torch.Tensor) -> tuple[Any, Row]:
         """teacher.mode topk_cache: the teacher's top-k next-token log-probabilities at the loss's temperature
@@ -374,11 +287,10 @@ class LMWorkload(Workload):
         from kdbench.distill.lm.topk import build_topk, reconstruction_kl
 
         loss = distiller.loss_fn
-        teacher = loss._models[0]
         with torch.no_grad():
-            logits = _logits(teacher, outputs.logits, loss.dtypes[0])[..., : loss.vocab]
+            logits = loss.teacher.logits(outputs.logits, loss.dtypes[0], loss.vocab)
         cache = build_topk(logits, distiller.config.teacher.k, loss.token.temperature)
-        kl = reconstruction_kl(logits, cache, targets != IGNORE)
+        kl = reconstruction_kl(logits, cache, targets != IGNORE_INDEX)
         return cache, {"teacher_cache_bytes_per_token": cache.bytes_per_token, "topk_reconstruction_kl": kl}
 
     def step_columns(self, step: Any, config: Any, x: torch.Tensor) -> tuple[Row, tuple[str, ...]]:
@@ -459,19 +371,6 @@ def _topk_problems(config: Any, tokens: list, vocabs: dict[str, int]) -> Problem
     return problems
 
 
-def methods_token_loss(config: Any):
-    """The TokenLoss of the cell's token-level method (with CE at the smallest of its terms' weights)."""
-    from kdbench.distill.lm.impls import TokenLoss
-
-    methods = check_method(config.method)
-    token = [m for m in methods if getattr(m.cls, "divergence", "")]
-    ce = min(1.0 - params_of(config, m).alpha if m in token else 1.0 for m in methods)
-    if not token:
-        return TokenLoss(None, ce_weight=ce)
-    term = token[0].cls(params_of(config, token[0]), None)
-    return term.token_loss(float(config.weights.get(token[0].name, 1.0)), ce)
-
-
 def shared_vocab(config: Any, teacher: nn.Module | None = None, student: nn.Module | None = None) -> int:
     """The vocabulary both models share (the smaller, under vocab_policy slice)."""
     sizes = []
@@ -479,7 +378,7 @@ def shared_vocab(config: Any, teacher: nn.Module | None = None, student: nn.Modu
         if model is not None and model.vocab_size is not None:
             sizes.append(model.vocab_size)
             continue
-        c = _config(getattr(config.pair, role), getattr(config.overrides, role))
+        c = model_config(getattr(config.pair, role), getattr(config.overrides, role))
         if c is not None:
             sizes.append(int(c.vocab_size))
     if not sizes:
@@ -502,188 +401,8 @@ def token_batch(
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
-    labels = torch.full_like(ids, IGNORE)
+    labels = torch.full_like(ids, IGNORE_INDEX)
     labels[:, :-1] = ids[:, 1:]
     prompt = min(round(prompt_fraction * seq_len), seq_len - 1)
-    labels[:, :prompt] = IGNORE
+    labels[:, :prompt] = IGNORE_INDEX
     return place_aligned(ids.to(device), config.alignment), place_aligned(labels.to(device), config.alignment)
-
-
-# --------------------------------------------------------------------------- the loss
-
-
-class LMLoss(WeightedTerms):
-    """ce_weight × CE(next tokens) + weight × alpha × the token-level divergence, computed with the LM heads by
-    the cell's ``loss_impl``, + the feature terms (hidden_mse); the heads run at each model's precision, the
-    loss in float32."""
-
-    def __init__(self, config: Any, shapes: Any, teacher: CausalLM, student: CausalLM, backend: Any):
-        super().__init__(config, shapes)
-        from kdbench.hw.backends import choose_autocast
-
-        self.token = methods_token_loss(config)
-        self.features = [(w, t) for w, t in zip(self.weights, self.terms) if not getattr(t, "divergence", "")]
-        self.impl, self.chunk_size = config.loss_impl, config.chunk_size
-        self.topk = config.teacher.mode == "topk_cache"
-        self._models = (teacher, student)  # not submodules: the trainee owns the student's head
-        self.vocab = shared_vocab(config, teacher, student)
-        self.notes: list[str] = []
-        self._rows_of: torch.Tensor | None = None  # the labels tensor whose valid rows are kept, and those rows
-        self._rows: torch.Tensor | None = None
-        if teacher.vocab_size != student.vocab_size:
-            self.notes.append(
-                f"vocabularies {teacher.vocab_size} (teacher) and {student.vocab_size} (student): both heads sliced "
-                f"to the first {self.vocab} entries"
-            )
-        if (student.head is None or teacher.head is None) and self.impl != "dense":
-            raise KdbenchError(
-                f"loss_impl {self.impl} needs the LM heads of transformers models; a module that returns logits "
-                "runs with loss_impl: dense"
-            )
-        self.dtypes = tuple(
-            _compute_dtype(choose_autocast(backend, p)) for p in (config.teacher_precision, config.precision)
-        )
-
-    def logits_memory(self, n_tokens: int) -> dict[str, Any]:
-        from kdbench.distill.lm.impls import logits_memory
-
-        size = torch.empty((), dtype=self.dtypes[1]).element_size()
-        if self.topk:  # the student's logits whole and its float32 work: log q, the rest bucket's copy, gradients
-            each = n_tokens * self.vocab
-            shape = f"{n_tokens}×{self.vocab}"
-            text = f"1 × {shape} {_dtype_name(self.dtypes[1])} (student logits) + 4 × {shape} fp32 (float32 work)"
-            return {"bytes": each * (size + 4 * 4), "text": text}
-        return logits_memory(self.impl, n_tokens, self.vocab, size, self.chunk_size, self.token)
-
-    def valid_rows(self, labels: torch.Tensor) -> torch.Tensor:
-        """The flattened indices of the tokens ``labels`` counts, found once per labels tensor: a timed cell's
-        batch is fixed (an on-policy cell rewrites its completion labels in place, every position but the
-        prompt's valid), so no step reads the labels back (a host-device sync on a GPU)."""
-        from kdbench.distill.lm.impls import valid_rows
-
-        if self._rows_of is not labels:
-            self._rows_of, self._rows = labels, valid_rows(labels)
-        return self._rows
-
-    def forward(self, inp: Any) -> torch.Tensor:
-        from kdbench.distill.lm.impls import lm_loss
-
-        teacher, student = self._models
-        t_dtype, s_dtype = self.dtypes
-        labels = inp.targets
-        rows = self.valid_rows(labels)
-        autocast_off = torch.amp.autocast(device_type=labels.device.type, enabled=False)
-        with autocast_off, _gathered(teacher, reshard=True), _gathered(student, reshard=False):
-            if isinstance(inp.teacher_logits, TopKTeacher):  # the offline teacher: the sparse KL on its top-k
-                s_logits = _logits(student, inp.student_logits, s_dtype)[..., : self.vocab]
-                loss = _topk_loss(s_logits, inp.teacher_logits, labels, self.token, rows)
-            elif student.head is None or teacher.head is None:  # a module that returns logits: dense on them
-                s_logits = _logits(student, inp.student_logits, s_dtype)[..., : self.vocab]
-                t_logits = _logits(teacher, inp.teacher_logits, t_dtype)[..., : self.vocab]
-                loss = _dense_on_logits(s_logits, t_logits, labels, self.token, rows)
-            else:
-                sw, sb = _head(student.head, self.vocab, s_dtype)
-                tw, tb = _head(teacher.head, self.vocab, t_dtype)
-                loss = lm_loss(
-                    self.impl,
-                    inp.student_logits.to(s_dtype),
-                    sw,
-                    sb,
-                    inp.teacher_logits.to(t_dtype),
-                    tw,
-                    tb,
-                    labels,
-                    self.token,
-                    chunk_size=self.chunk_size,
-                    rows=rows,
-                )
-            for weight, term in self.features:
-                loss = loss + weight * term(inp)
-        return loss
-
-
-def _logits(model: CausalLM, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A model's logits from its forward's output: the output itself, or its head applied to it."""
-    if model.head is None:
-        return out
-    weight, bias = _head(model.head, model.head.weight.shape[0], dtype)
-    return torch.nn.functional.linear(out.to(dtype), weight, bias)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
-
-
-def _compute_dtype(choice: Any) -> torch.dtype:
-    return choice.dtype if choice.applied and choice.dtype is not None else torch.float32
-
-
-def _head(head: nn.Module, vocab: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The head's weight and bias, cut to ``vocab`` rows, at the compute dtype (autograd flows to the originals)."""
-    weight = head.weight[:vocab].to(dtype)
-    bias = head.bias[:vocab].to(dtype) if getattr(head, "bias", None) is not None else None
-    return weight, bias
-
-
-@contextlib.contextmanager
-def _gathered(model: nn.Module, reshard: bool) -> Iterator[None]:
-    """An FSDP2-sharded model's root parameters (embeddings, final norm, LM head) gathered for the loss, which
-    applies the LM head outside the forward, where FSDP2 has resharded them; with ``reshard`` sharded again after
-    (the teacher: no backward needs them), else left to FSDP2, whose backward reshards them once it has
-    reduce-scattered their gradients (the student).  Nothing for a model FSDP2 does not shard."""
-    root = getattr(model, "fsdp_root", (None,))[0]
-    if root is None:
-        yield
-        return
-    root.unshard()
-    try:
-        yield
-    finally:
-        if reshard:
-            root.reshard()
-
-
-def _ce(student: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy with the next tokens, mean over the valid ones (their count from ``rows``, on the host)."""
-    s = student.float()
-    ce = torch.nn.functional.cross_entropy(
-        s.reshape(-1, s.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum"
-    )
-    return ce / max(rows.numel(), 1)
-
-
-def _topk_loss(student: torch.Tensor, cache: Any, labels: torch.Tensor, token: Any, rows: torch.Tensor) -> torch.Tensor:
-    from kdbench.distill.lm.topk import topk_forward_kl
-
-    return token.ce_weight * _ce(student, labels, rows) + token.kd_weight * topk_forward_kl(student, cache, rows=rows)
-
-
-def _dense_on_logits(
-    student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, token: Any, rows: torch.Tensor
-) -> torch.Tensor:
-    """ce_weight × CE + kd_weight × the divergence, on whole logits (a module that returns them)."""
-    from kdbench.distill.lm.impls import DIVERGENCES
-
-    loss = token.ce_weight * _ce(student, labels, rows)
-    if token.divergence:
-        fn = DIVERGENCES[token.divergence]
-        kwargs = {"beta": token.beta} if token.divergence == "jsd" else {}
-        if token.divergence.startswith("skew"):
-            kwargs = {"lam": token.lam}
-        vocab = student.shape[-1]
-        s, t = (x.reshape(-1, vocab).index_select(0, rows) for x in (student, teacher))
-        loss = loss + token.kd_weight * fn(s, t, None, temperature=token.temperature, **kwargs)
-    return loss
-
-
-def analytic_forward_flops(model: CausalLM, batch_size: int, seq_len: int, with_head: bool = True) -> int:
-    """The forward's FLOPs from the shapes, to cross-check the counted ones: 2 per multiply-add of every matmul
-    weight (the decoder layers' and, ``with_head``, the LM head's; embeddings are lookups) for each token, plus
-    attention's two S×S products per layer, 4·B·S²·H (the full square, as torch's flop counter counts SDPA)."""
-    embeddings = {id(p) for m in model.lm.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    base = model.lm.base_model
-    weights = {id(p): p for p in base.parameters() if p.dim() == 2 and id(p) not in embeddings}
-    matmul = sum(p.numel() for p in weights.values()) + (model.head.weight.numel() if with_head else 0)
-    config = model.lm.config
-    tokens = batch_size * seq_len
-    return 2 * matmul * tokens + 4 * batch_size * int(config.num_hidden_layers) * seq_len**2 * int(config.hidden_size)

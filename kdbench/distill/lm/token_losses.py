@@ -21,6 +21,12 @@ counted; prompt and padding positions False).  They all share one convention:
 All losses are differentiable with respect to the student logits (the teacher is usually
 detached by the caller; gradients flow into it too if it is not).
 
+Each divergence is written once, as its entries over a :class:`Dists` (``forward_kl_terms`` ...);
+its function is their reduction.  The registry of divergences
+(:mod:`kdbench.distill.lm.divergences`) names each function and its terms; the ``dense`` loss
+implementation reduces the terms of a :class:`Dists` it builds with ``finite=True`` when no logit can be
+infinite, which skips the drop masks (the same values).
+
 References (their exact definitions are transcribed in ``tests/test_token_losses.py``):
 
 * TRL ``GKDTrainer.generalized_jsd_loss`` (trl/experimental/gkd/gkd_trainer.py, TRL >= 0.16 beta
@@ -31,6 +37,7 @@ References (their exact definitions are transcribed in ``tests/test_token_losses
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -39,22 +46,38 @@ import torch.nn.functional as F
 from kdbench.errors import KdbenchError
 
 __all__ = [
+    "Dists",
     "forward_kl",
     "forward_kl_ce_form",
+    "forward_kl_terms",
     "generalized_jsd",
+    "generalized_jsd_terms",
+    "log_mixture",
     "reverse_kl",
+    "reverse_kl_terms",
     "skew_forward_kl",
+    "skew_forward_kl_terms",
     "skew_reverse_kl",
+    "skew_reverse_kl_terms",
     "total_variation",
+    "total_variation_terms",
 ]
 
 
-class _Dists:
-    """Log-probabilities and probabilities of the valid tokens, (n_valid, V) float32, with the
-    entries where either logit is infinite set to log p = 0 and p = 0 (left out of every sum)."""
+class Dists:
+    """Log-probabilities of the valid tokens at temperature T, (n_valid, V) float32, and their probabilities
+    (each computed when first read), with the entries where either logit is infinite set to log p = 0 and
+    p = 0 (left out of every sum).  ``finite``: the caller knows that no logit is infinite (heads without a
+    bias: only an infinite bias makes one), so no entry is dropped and no drop mask is made; the values are
+    the same, bit for bit, when none is infinite.  The divergences' ``*_terms`` functions read it."""
 
     def __init__(
-        self, student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None, temperature: float
+        self,
+        student: torch.Tensor,
+        teacher: torch.Tensor,
+        mask: torch.Tensor | None,
+        temperature: float,
+        finite: bool = False,
     ) -> None:
         if student.shape != teacher.shape:
             raise KdbenchError(
@@ -77,18 +100,29 @@ class _Dists:
             s, t = s[valid], t[valid]  # prompt/padding rows never enter the computation
         self.n_tokens = s.shape[0]
         self.scale = temperature**2
-        drop = torch.isinf(s) | torch.isinf(t)
-        self.log_ps = torch.where(drop, 0.0, F.log_softmax(s / temperature, dim=-1))
-        self.log_pt = torch.where(drop, 0.0, F.log_softmax(t / temperature, dim=-1))
-        self.ps = torch.where(drop, 0.0, self.log_ps.exp())
-        self.pt = torch.where(drop, 0.0, self.log_pt.exp())
+        self.drop = None if finite else torch.isinf(s) | torch.isinf(t)
+        # x / 1 is x: no copy at T = 1; each float32 copy is let go as soon as its log-softmax exists
+        self.log_ps = self._kept(F.log_softmax(s / temperature if temperature != 1.0 else s, dim=-1))
+        del s
+        self.log_pt = self._kept(F.log_softmax(t / temperature if temperature != 1.0 else t, dim=-1))
+
+    def _kept(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.drop is None else torch.where(self.drop, 0.0, x)
+
+    @functools.cached_property
+    def ps(self) -> torch.Tensor:
+        return self._kept(self.log_ps.exp())
+
+    @functools.cached_property
+    def pt(self) -> torch.Tensor:
+        return self._kept(self.log_pt.exp())
 
     def reduce(self, per_entry: torch.Tensor) -> torch.Tensor:
         """Sum over the vocabulary and the valid tokens, / n_valid (1 when none), × T²."""
         return per_entry.sum() / max(self.n_tokens, 1) * self.scale
 
 
-def _log_mixture(log_a: torch.Tensor, log_b: torch.Tensor, w: float) -> torch.Tensor:
+def log_mixture(log_a: torch.Tensor, log_b: torch.Tensor, w: float) -> torch.Tensor:
     """log(w·a + (1 − w)·b) from log a and log b, in log space (logsumexp)."""
     if w == 0.0:
         return log_b
@@ -103,6 +137,11 @@ def _check_unit(name: str, value: float) -> float:
     return float(value)
 
 
+def forward_kl_terms(d: Dists) -> torch.Tensor:
+    """The entries of the forward KL, p_T (log p_T − log p_S): :func:`forward_kl` is their ``d.reduce``."""
+    return d.pt * (d.log_pt - d.log_ps)
+
+
 def forward_kl(
     student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None, temperature: float = 1.0
 ) -> torch.Tensor:
@@ -112,8 +151,8 @@ def forward_kl(
     ``ForwardKLLoss`` and DistiLLM's ``forward_kl`` return the cross-entropy form instead
     (:func:`forward_kl_ce_form`): the same gradient, a value larger by the teacher's entropy.
     """
-    d = _Dists(student, teacher, mask, temperature)
-    return d.reduce(d.pt * (d.log_pt - d.log_ps))
+    d = Dists(student, teacher, mask, temperature)
+    return d.reduce(forward_kl_terms(d))
 
 
 def forward_kl_ce_form(
@@ -125,16 +164,32 @@ def forward_kl_ce_form(
     without the teacher-entropy term, i.e. ``forward_kl + H(p_T)``.  Same gradient w.r.t. the
     student as :func:`forward_kl`, different value (not 0 when student == teacher).
     """
-    d = _Dists(student, teacher, mask, temperature)
+    d = Dists(student, teacher, mask, temperature)
     return d.reduce(-d.pt * d.log_ps)
+
+
+def reverse_kl_terms(d: Dists) -> torch.Tensor:
+    """The entries of the reverse KL, p_S (log p_S − log p_T)."""
+    return d.ps * (d.log_ps - d.log_pt)
 
 
 def reverse_kl(
     student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None, temperature: float = 1.0
 ) -> torch.Tensor:
     """Reverse KL(p_S || p_T) = Σ_v p_S (log p_S − log p_T), × T², mean over valid tokens."""
-    d = _Dists(student, teacher, mask, temperature)
-    return d.reduce(d.ps * (d.log_ps - d.log_pt))
+    d = Dists(student, teacher, mask, temperature)
+    return d.reduce(reverse_kl_terms(d))
+
+
+def generalized_jsd_terms(d: Dists, beta: float = 0.5) -> torch.Tensor:
+    """The entries of the generalised JSD at ``beta`` (its ends: the forward and the reverse KL's)."""
+    beta = _check_unit("beta", beta)
+    if beta == 0.0:
+        return forward_kl_terms(d)
+    if beta == 1.0:
+        return reverse_kl_terms(d)
+    log_m = log_mixture(d.log_pt, d.log_ps, beta)
+    return beta * d.pt * (d.log_pt - log_m) + (1.0 - beta) * d.ps * (d.log_ps - log_m)
 
 
 def generalized_jsd(
@@ -156,13 +211,13 @@ def generalized_jsd(
     TRL's ``"batchmean"`` with labels.
     """
     beta = _check_unit("beta", beta)
-    d = _Dists(student, teacher, mask, temperature)
-    if beta == 0.0:
-        return d.reduce(d.pt * (d.log_pt - d.log_ps))
-    if beta == 1.0:
-        return d.reduce(d.ps * (d.log_ps - d.log_pt))
-    log_m = _log_mixture(d.log_pt, d.log_ps, beta)
-    return d.reduce(beta * d.pt * (d.log_pt - log_m) + (1.0 - beta) * d.ps * (d.log_ps - log_m))
+    d = Dists(student, teacher, mask, temperature)
+    return d.reduce(generalized_jsd_terms(d, beta))
+
+
+def total_variation_terms(d: Dists) -> torch.Tensor:
+    """The entries of the total variation distance, ½ |p_T − p_S|."""
+    return 0.5 * (d.pt - d.ps).abs()
 
 
 def total_variation(
@@ -170,8 +225,14 @@ def total_variation(
 ) -> torch.Tensor:
     """Total variation distance 0.5·Σ_v |p_T − p_S|, × T², mean over valid tokens (DistiLLM's
     ``tv_distance`` at T = 1)."""
-    d = _Dists(student, teacher, mask, temperature)
-    return d.reduce(0.5 * (d.pt - d.ps).abs())
+    d = Dists(student, teacher, mask, temperature)
+    return d.reduce(total_variation_terms(d))
+
+
+def skew_forward_kl_terms(d: Dists, lam: float = 0.1) -> torch.Tensor:
+    """The entries of the skew forward KL, p_T (log p_T − log(lam·p_T + (1 − lam)·p_S))."""
+    log_m = log_mixture(d.log_pt, d.log_ps, _check_unit("lam", lam))
+    return d.pt * (d.log_pt - log_m)
 
 
 def skew_forward_kl(
@@ -189,9 +250,14 @@ def skew_forward_kl(
     by H(p_T).  The mixture's log is computed by logsumexp (DistiLLM: log of the mixed probs).
     """
     lam = _check_unit("lam", lam)
-    d = _Dists(student, teacher, mask, temperature)
-    log_m = _log_mixture(d.log_pt, d.log_ps, lam)
-    return d.reduce(d.pt * (d.log_pt - log_m))
+    d = Dists(student, teacher, mask, temperature)
+    return d.reduce(skew_forward_kl_terms(d, lam))
+
+
+def skew_reverse_kl_terms(d: Dists, lam: float = 0.1) -> torch.Tensor:
+    """The entries of the skew reverse KL, p_S (log p_S − log(lam·p_S + (1 − lam)·p_T))."""
+    log_m = log_mixture(d.log_ps, d.log_pt, _check_unit("lam", lam))
+    return d.ps * (d.log_ps - log_m)
 
 
 def skew_reverse_kl(
@@ -207,6 +273,5 @@ def skew_reverse_kl(
     reverse KL; lam = 1: 0).  Same value as DistiLLM's (a true KL there too) at T = 1.
     """
     lam = _check_unit("lam", lam)
-    d = _Dists(student, teacher, mask, temperature)
-    log_m = _log_mixture(d.log_ps, d.log_pt, lam)
-    return d.reduce(d.ps * (d.log_ps - log_m))
+    d = Dists(student, teacher, mask, temperature)
+    return d.reduce(skew_reverse_kl_terms(d, lam))

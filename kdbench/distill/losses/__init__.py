@@ -45,7 +45,8 @@ for _module in pkgutil.iter_modules(__path__):
 
 class WeightedTerms(nn.Module):
     """The cell's method terms, built with their parameters, their ``weights`` and the CE weight: what every
-    family's whole loss starts from (image classifiers: :class:`DistillLoss`; LMs: ``workloads.lm.LMLoss``)."""
+    family's whole loss starts from (image classifiers: :class:`DistillLoss`; LMs: ``distill.lm.loss.LMLoss``;
+    encoders: ``distill.encoder.EncoderLoss``)."""
 
     def __init__(self, config: Any, shapes: Any = None):
         super().__init__()

@@ -18,6 +18,7 @@ from torch import nn
 from kdbench.config.base import Strict
 from kdbench.distill.losses.registry import LossInputs, Term, register_method
 from kdbench.errors import KdbenchError
+from kdbench.names import IGNORE_INDEX
 
 
 class HiddenMSEParams(Strict):
@@ -56,7 +57,7 @@ class HiddenMSE(Term):
 
     def forward(self, inp: LossInputs) -> torch.Tensor:
         projected = inp.adapted["hidden_mse"]
-        mask = (inp.targets != -100).float()  # (N, L): the valid tokens
+        mask = (inp.targets != IGNORE_INDEX).float()  # (N, L): the valid tokens
         n = mask.sum().clamp_min(1.0)
         total = torch.zeros((), device=mask.device)
         for s, t in zip(projected, inp.teacher_feats):

@@ -35,6 +35,7 @@ from pydantic import Field, field_validator
 from kdbench.config.base import Strict
 from kdbench.distill.losses.registry import LossInputs, Term, register_method
 from kdbench.errors import KdbenchError
+from kdbench.names import IGNORE_INDEX
 
 Relation = Literal["qk", "vv", "qq", "kk", "kq", "qv", "vq", "kv", "vk"]
 PROJECTIONS = ("query", "key", "value")  # the order the term's features come in
@@ -134,7 +135,7 @@ class MiniLM(Term):
     def forward(self, inp: LossInputs) -> torch.Tensor:
         if self.heads is None:
             raise KdbenchError("minilm: the models' head counts were not given (set minilm.relation_heads)")
-        mask = inp.targets != -100
+        mask = inp.targets != IGNORE_INDEX
         t = [f.transpose(1, 2) for f in inp.teacher_feats]  # canonical (N, W, S) -> (N, S, W)
         s = [f.transpose(1, 2) for f in inp.student_feats]
         rt, rs = self.heads

@@ -63,7 +63,8 @@ class Term(nn.Module):
 
     needs_features: ClassVar[bool] = False
     # The pairs the method applies to: "image" (classifier logits and feature maps) or "lm" (causal language
-    # models' next-token distributions and hidden states, :mod:`kdbench.workloads.lm`).
+    # models' next-token distributions and hidden states, :mod:`kdbench.distill.lm`) or "encoder" (BERT-shaped
+    # encoders' attention relations, :mod:`kdbench.distill.encoder`).
     domain: ClassVar[str] = "image"
     ce_weight: float = 1.0
 

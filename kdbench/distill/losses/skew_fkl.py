@@ -18,4 +18,4 @@ class SkewFKLParams(TokenParams):
 
 @register_method("skew_fkl", SkewFKLParams, doc="LM: DistiLLM skew forward KL(p_T || lam*p_T+(1-lam)*p_S) per token")
 class SkewFKL(TokenTerm):
-    divergence = "skew_forward_kl"
+    divergence = "skew_fkl"

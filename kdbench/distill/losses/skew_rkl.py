@@ -18,4 +18,4 @@ class SkewRKLParams(TokenParams):
 
 @register_method("skew_rkl", SkewRKLParams, doc="LM: DistiLLM skew reverse KL(p_S || lam*p_S+(1-lam)*p_T) per token")
 class SkewRKL(TokenTerm):
-    divergence = "skew_reverse_kl"
+    divergence = "skew_rkl"

@@ -13,4 +13,4 @@ class TVDParams(TokenParams):
 
 @register_method("tvd", TVDParams, doc="LM: total variation 0.5*sum|p_T - p_S| per token (DistiLLM's tv_distance)")
 class TVD(TokenTerm):
-    divergence = "tv"
+    divergence = "tvd"

@@ -1,0 +1,105 @@
+"""What a loss implementation is: the :class:`LossImpl` record, the registry of them (:data:`IMPLS`), what
+each computes on (:class:`Heads`) and with (:class:`Settings`), and what it holds (:class:`Buffers`).
+
+Each implementation is one module of this package that builds its record and calls :func:`register_impl`;
+the package imports them in the order of :data:`kdbench.distill.lm.impls.LOSS_IMPLS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kdbench.distill.lm.divergences import TokenLoss
+from kdbench.errors import KdbenchError, did_you_mean
+
+__all__ = ["IMPLS", "Buffers", "Heads", "LossImpl", "Settings", "get_impl", "register_impl"]
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The token loss's inputs, flattened to tokens: each model's final hidden states (N, H), its LM head
+    (weight (V, H), bias (V,) or None) and the labels (N,), long, -100 (``IGNORE_INDEX``) = not counted.
+    The teacher's tensors are constants (detached)."""
+
+    student_hidden: torch.Tensor
+    student_weight: torch.Tensor
+    student_bias: torch.Tensor | None
+    teacher_hidden: torch.Tensor
+    teacher_weight: torch.Tensor
+    teacher_bias: torch.Tensor | None
+    labels: torch.Tensor
+
+    @property
+    def may_inf(self) -> bool:
+        """Whether a logit can be infinite, decided on the host (no value is read): only an infinite bias (a
+        padded vocabulary's -inf) makes one, so heads without a bias make none."""
+        return self.student_bias is not None or self.teacher_bias is not None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How to compute: ``chunk_size`` tokens per chunk (every impl but dense), and liger's ``compiled``."""
+
+    chunk_size: int = 1024
+    liger_compiled: bool = False
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """The logits-sized buffers an implementation holds at its peak: ``full`` (n_tokens, V) ones and ``chunk``
+    (``rows``, V) ones, each part (count, bytes per entry, what they are); a count None: not counted."""
+
+    full: tuple[tuple[float | None, int, str], ...]
+    chunk: tuple[tuple[float | None, int, str], ...] = ()
+    rows: int = 0
+
+
+def _every(loss: TokenLoss) -> str | None:
+    return None
+
+
+def _here() -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class LossImpl:
+    """One implementation of "LM heads + token loss".
+
+    ``compute(heads, loss, rows, settings)``: ``ce_weight · CE + kd_weight · D`` of the valid tokens (``rows``:
+    their indices in ``heads``), a float32 scalar differentiable w.r.t. the student's hidden states and head.
+    ``unsupported(loss)``: None when it computes ``loss`` (a TokenLoss with a divergence), else why and what
+    to use instead; pure logic, usable at plan time.  ``unavailable()``: None when it runs in this
+    environment, else why and the fix.  ``buffers(loss, n_tokens, chunk_size, dtype_bytes)``: its
+    logits-sized buffers at its peak, every token valid (:mod:`kdbench.distill.lm.impls.memory`).
+    """
+
+    name: str
+    compute: Callable[[Heads, TokenLoss, torch.Tensor, Settings], torch.Tensor]
+    buffers: Callable[[TokenLoss, int, int, int], Buffers]
+    unsupported: Callable[[TokenLoss], str | None] = _every
+    unavailable: Callable[[], str | None] = _here
+
+
+IMPLS: dict[str, LossImpl] = {}
+
+
+def register_impl(impl: LossImpl) -> LossImpl:
+    """Add ``impl`` to :data:`IMPLS` under its name (a name may be registered once)."""
+    if impl.name in IMPLS:
+        raise ValueError(f"loss implementation {impl.name!r} is already registered")
+    IMPLS[impl.name] = impl
+    return impl
+
+
+def get_impl(name: str) -> LossImpl:
+    """The registered implementation ``name``; a KdbenchError naming the registered ones otherwise."""
+    if name not in IMPLS:
+        raise KdbenchError(
+            f"unknown LM loss implementation {name!r}: {did_you_mean(name, IMPLS, quote=True)}"
+            f"choose one of {', '.join(IMPLS)}"
+        )
+    return IMPLS[name]

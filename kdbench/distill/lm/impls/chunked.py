@@ -1,0 +1,90 @@
+"""``chunked``: the logits whole (as the model's head makes them), the float32 work per chunk of valid tokens.
+
+One autograd.Function walks the valid tokens in chunks (:func:`~kdbench.distill.lm.impls.chunks.chunk_value_grad`)
+and writes each chunk's gradient into one buffer shaped like the student logits, in their dtype: the N × V
+tensors are the two logits and that buffer, never a float32 upcast of 16-bit logits (torchtune's
+``ForwardKLWithChunkedOutputLoss`` upcasts per chunk too, but keeps every chunk's autograd graph until
+backward).  Every divergence: by its hand-written ``chunk_grad`` (7 float32 chunk buffers at the peak for
+forward KL + CE instead of 13), or by autograd on each chunk for one that gives only its value.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kdbench.distill.lm.divergences import TokenLoss, get_divergence, resolved
+from kdbench.distill.lm.impls.base import Buffers, Heads, LossImpl, Settings, register_impl
+from kdbench.distill.lm.impls.chunks import cast_head, chunk_value_grad, consume
+
+
+class ChunkedLogitsLoss(torch.autograd.Function):
+    """loss(student logits, teacher logits); the gradient w.r.t. the student logits is computed in
+    forward, chunk by chunk of valid tokens, into one zero-filled buffer in the logits' dtype; backward
+    scales it in place (so a second backward through the graph raises)."""
+
+    @staticmethod
+    def forward(ctx, logits_s, logits_t, labels, loss: TokenLoss, chunk_size: int, grad_enabled: bool, rows, may_inf):
+        n_valid = rows.numel()
+        grad = torch.zeros_like(logits_s) if grad_enabled and ctx.needs_input_grad[0] else None
+        total = torch.zeros((), dtype=torch.float32, device=logits_s.device)
+        for start in range(0, n_valid, chunk_size):
+            idx = rows[start : start + chunk_size]
+            part, g = chunk_value_grad(
+                logits_s.index_select(0, idx).float(),
+                logits_t.index_select(0, idx) if loss.has_kd else None,
+                labels.index_select(0, idx),
+                loss,
+                n_valid,
+                grad is not None,
+                may_inf,
+            )
+            total += part
+            if g is not None:
+                grad.index_copy_(0, idx, g.to(grad.dtype))
+        ctx.grads = [grad]
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return (*consume(ctx, grad_output), None, None, None, None, None, None, None)
+
+
+def compute(heads: Heads, loss: TokenLoss, rows: torch.Tensor, settings: Settings) -> torch.Tensor:
+    h = heads
+    logits_s = F.linear(h.student_hidden, *cast_head(h.student_hidden, h.student_weight, h.student_bias))
+    with torch.no_grad():
+        if loss.has_kd:
+            logits_t = F.linear(h.teacher_hidden, *cast_head(h.teacher_hidden, h.teacher_weight, h.teacher_bias))
+        else:
+            logits_t = logits_s.new_empty(logits_s.shape[0], 0)
+    # forward runs with grad mode off: whether a gradient is wanted at all is decided here
+    return ChunkedLogitsLoss.apply(
+        logits_s, logits_t, h.labels, loss, settings.chunk_size, torch.is_grad_enabled(), rows, h.may_inf
+    )
+
+
+def chunk_work(loss: TokenLoss) -> float | None:
+    """The float32 (chunk, V) buffers of :func:`chunk_value_grad` at its peak (fused_linear's too): the
+    divergence's count (2 without one), + 1 with CE.  None where the divergence gives no count."""
+    count = resolved(loss)[0].chunk_fp32 if loss.has_kd else 2
+    return None if count is None else count + (1 if loss.has_ce else 0)
+
+
+def buffers(loss: TokenLoss, n_tokens: int, chunk_size: int, dtype_bytes: int) -> Buffers:
+    """The two logits and their gradient whole, in their dtype; the float32 work per chunk (and with 16-bit
+    logits the chunk's float32 upcast is counted in it, the chunk's own logits apart)."""
+    full = ((3 if loss.has_kd else 2, dtype_bytes, "logits, their gradient"),)
+    chunk = [(chunk_work(loss), 4, "float32 work")]
+    if dtype_bytes < 4:
+        chunk.append((1, dtype_bytes, "logits"))
+    return Buffers(full, tuple(chunk), min(chunk_size, n_tokens))
+
+
+def unsupported(loss: TokenLoss) -> str | None:
+    """None: every registered divergence runs (by autograd on each chunk where it has no ``chunk_grad``)."""
+    get_divergence(loss.divergence)
+    return None
+
+
+register_impl(LossImpl("chunked", compute, buffers, unsupported))

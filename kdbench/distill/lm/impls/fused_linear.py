@@ -1,0 +1,101 @@
+"""``fused_linear``: heads and loss fused, per chunk of valid tokens (Liger-Kernel's design, in pure torch).
+
+Per chunk: the chunk's logits (model dtype), its float32 loss and gradient g w.r.t. its student logits
+(:func:`~kdbench.distill.lm.impls.chunks.chunk_value_grad`), then the gradients w.r.t. h_s, W_s and b_s,
+all in the forward; no N × V tensor exists.  Every divergence: by its hand-written ``chunk_grad``, or by
+autograd on each chunk for one that gives only its value.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kdbench.distill.lm.divergences import TokenLoss
+from kdbench.distill.lm.impls.base import Buffers, Heads, LossImpl, Settings, register_impl
+from kdbench.distill.lm.impls.chunked import chunk_work
+from kdbench.distill.lm.impls.chunked import unsupported as every_divergence
+from kdbench.distill.lm.impls.chunks import cast_head, chunk_value_grad, consume
+
+
+class FusedLinearLoss(torch.autograd.Function):
+    """loss(h_s, W_s, b_s, h_t, W_t, b_t); per chunk of valid tokens: the chunk's logits (model dtype),
+    its float32 loss and gradient g w.r.t. its student logits, then grad_h = g W, grad_W += gᵀ h (float32
+    accumulator), grad_b += Σ g.  Backward scales them in place."""
+
+    @staticmethod
+    def forward(ctx, hs, ws, bs, ht, wt, bt, labels, loss: TokenLoss, chunk_size: int, grad_enabled: bool, rows):
+        w, b = cast_head(hs, ws, bs)
+        w_t, b_t = cast_head(ht, wt, bt)
+        need_h, need_w, need_b = (grad_enabled and need for need in ctx.needs_input_grad[:3])
+        n_valid = rows.numel()
+        f32 = torch.float32
+        grad_h = torch.zeros_like(hs) if need_h else None
+        grad_w = torch.zeros(ws.shape, dtype=f32, device=ws.device) if need_w else None
+        grad_b = torch.zeros(bs.shape, dtype=f32, device=bs.device) if need_b else None
+        total = torch.zeros((), dtype=f32, device=hs.device)
+        for start in range(0, n_valid, chunk_size):
+            idx = rows[start : start + chunk_size]
+            h = hs.index_select(0, idx)
+            part, g = chunk_value_grad(
+                F.linear(h, w, b).float(),
+                F.linear(ht.index_select(0, idx), w_t, b_t) if loss.has_kd else None,
+                labels.index_select(0, idx),
+                loss,
+                n_valid,
+                need_h or need_w or need_b,
+                bs is not None or bt is not None,  # only an infinite bias makes a logit infinite
+            )
+            total += part
+            if g is None:
+                continue
+            if need_b:
+                grad_b.add_(g.sum(0))
+            g = g.to(hs.dtype)  # the gradient w.r.t. the model-dtype logits, as autograd's cast back would give
+            if need_h:
+                grad_h.index_copy_(0, idx, (g @ w).to(grad_h.dtype))  # .to: autocast may run the mm lower
+            if need_w:
+                if g.dtype == f32:
+                    grad_w.addmm_(g.t(), h)
+                else:
+                    grad_w.add_(g.t() @ h)
+            del g
+        ctx.grads = [
+            grad_h,
+            grad_w.to(ws.dtype) if need_w else None,
+            grad_b.to(bs.dtype) if need_b else None,
+        ]
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return (*consume(ctx, grad_output), None, None, None, None, None, None, None, None)
+
+
+def compute(heads: Heads, loss: TokenLoss, rows: torch.Tensor, settings: Settings) -> torch.Tensor:
+    h = heads
+    return FusedLinearLoss.apply(
+        h.student_hidden,
+        h.student_weight,
+        h.student_bias,
+        h.teacher_hidden,
+        h.teacher_weight,
+        h.teacher_bias,
+        h.labels,
+        loss,
+        settings.chunk_size,
+        torch.is_grad_enabled(),
+        rows,
+    )
+
+
+def buffers(loss: TokenLoss, n_tokens: int, chunk_size: int, dtype_bytes: int) -> Buffers:
+    """No N × V buffer; the float32 work per chunk, and with 16-bit logits the chunk's logits and their
+    gradient in their dtype."""
+    chunk = [(chunk_work(loss), 4, "float32 work")]
+    if dtype_bytes < 4:
+        chunk.append((3, dtype_bytes, "logits"))
+    return Buffers((), tuple(chunk), min(chunk_size, n_tokens))
+
+
+register_impl(LossImpl("fused_linear", compute, buffers, every_divergence))

@@ -1,0 +1,163 @@
+"""A language-model cell's whole loss: the token-level term computed with the LM heads by the cell's
+``loss_impl``, plus the feature terms (``hidden_mse``).
+
+The models are :class:`~kdbench.models.lm.CausalLM` s, whose forward returns the final hidden states: the
+heads are applied here, in the loss phase, by the implementation (:mod:`kdbench.distill.lm.impls`), so
+dense and fused implementations time and hold the same work.  A model that returns its logits (a
+``module:callable`` that is no transformers model) runs the dense token loss on them; the offline teacher
+(``teacher.mode: topk_cache``) the sparse forward KL of :mod:`kdbench.distill.lm.topk`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from kdbench.distill.lm.divergences import TokenLoss
+from kdbench.distill.lm.impls import lm_loss
+from kdbench.distill.lm.impls.chunks import valid_rows
+from kdbench.distill.lm.impls.dense import cross_entropy, token_loss
+from kdbench.distill.lm.impls.memory import logits_memory
+from kdbench.distill.lm.topk import TopKTeacher, topk_forward_kl
+from kdbench.distill.losses import WeightedTerms, check_method, params_of
+from kdbench.errors import KdbenchError
+from kdbench.models.lm import CausalLM
+
+__all__ = ["LMLoss", "methods_token_loss"]
+
+
+def methods_token_loss(config: Any) -> TokenLoss:
+    """The TokenLoss of the cell's token-level method (with CE at the smallest of its terms' weights)."""
+    methods = check_method(config.method)
+    token = [m for m in methods if getattr(m.cls, "divergence", "")]
+    ce = min(1.0 - params_of(config, m).alpha if m in token else 1.0 for m in methods)
+    if not token:
+        return TokenLoss(None, ce_weight=ce)
+    term = token[0].cls(params_of(config, token[0]), None)
+    return term.token_loss(float(config.weights.get(token[0].name, 1.0)), ce)
+
+
+class LMLoss(WeightedTerms):
+    """ce_weight × CE(next tokens) + weight × alpha × the token-level divergence, computed with the LM heads by
+    the cell's ``loss_impl``, + the feature terms (hidden_mse); the heads run at each model's precision, the
+    loss in float32.  ``vocab``: the vocabulary both models share (the workload's; both heads are cut to it)."""
+
+    def __init__(self, config: Any, shapes: Any, teacher: CausalLM, student: CausalLM, backend: Any, vocab: int):
+        super().__init__(config, shapes)
+        from kdbench.hw.backends import choose_autocast
+
+        self.token = methods_token_loss(config)
+        self.features = [(w, t) for w, t in zip(self.weights, self.terms) if not getattr(t, "divergence", "")]
+        self.impl, self.chunk_size = config.loss_impl, config.chunk_size
+        self.topk = config.teacher.mode == "topk_cache"
+        self._models = (teacher, student)  # not submodules: the trainee owns the student's head
+        self.vocab = vocab
+        self.notes: list[str] = []
+        self._rows_of: torch.Tensor | None = None  # the labels tensor whose valid rows are kept, and those rows
+        self._rows: torch.Tensor | None = None
+        if teacher.vocab_size != student.vocab_size:
+            self.notes.append(
+                f"vocabularies {teacher.vocab_size} (teacher) and {student.vocab_size} (student): both heads sliced "
+                f"to the first {self.vocab} entries"
+            )
+        if (student.head is None or teacher.head is None) and self.impl != "dense":
+            raise KdbenchError(
+                f"loss_impl {self.impl} needs the LM heads of transformers models; a module that returns logits "
+                "runs with loss_impl: dense"
+            )
+        self.dtypes = tuple(
+            _compute_dtype(choose_autocast(backend, p)) for p in (config.teacher_precision, config.precision)
+        )
+
+    @property
+    def teacher(self) -> CausalLM:
+        return self._models[0]
+
+    def logits_memory(self, n_tokens: int) -> dict[str, Any]:
+        size = torch.empty((), dtype=self.dtypes[1]).element_size()
+        if self.topk:  # the student's logits whole and its float32 work: log q, the rest bucket's copy, gradients
+            each = n_tokens * self.vocab
+            shape = f"{n_tokens}×{self.vocab}"
+            text = f"1 × {shape} {_dtype_name(self.dtypes[1])} (student logits) + 4 × {shape} fp32 (float32 work)"
+            return {"bytes": each * (size + 4 * 4), "text": text}
+        return logits_memory(self.impl, n_tokens, self.vocab, size, self.chunk_size, self.token)
+
+    def valid_rows(self, labels: torch.Tensor) -> torch.Tensor:
+        """The flattened indices of the tokens ``labels`` counts, found once per labels tensor: a timed cell's
+        batch is fixed (an on-policy cell rewrites its completion labels in place, every position but the
+        prompt's valid), so no step reads the labels back (a host-device sync on a GPU)."""
+        if self._rows_of is not labels:
+            self._rows_of, self._rows = labels, valid_rows(labels)
+        return self._rows
+
+    def forward(self, inp: Any) -> torch.Tensor:
+        teacher, student = self._models
+        t_dtype, s_dtype = self.dtypes
+        labels = inp.targets
+        rows = self.valid_rows(labels)
+        autocast_off = torch.amp.autocast(device_type=labels.device.type, enabled=False)
+        with autocast_off, _gathered(teacher, reshard=True), _gathered(student, reshard=False):
+            if isinstance(inp.teacher_logits, TopKTeacher):  # the offline teacher: the sparse KL on its top-k
+                s_logits = student.logits(inp.student_logits, s_dtype, self.vocab)
+                loss = self.token.ce_weight * cross_entropy(s_logits, labels, rows.numel())
+                loss = loss + self.token.kd_weight * topk_forward_kl(s_logits, inp.teacher_logits, rows=rows)
+            elif student.head is None or teacher.head is None:  # a module that returns logits: dense on them
+                loss = token_loss(
+                    _valid(student.logits(inp.student_logits, s_dtype, self.vocab), rows),
+                    _valid(teacher.logits(inp.teacher_logits, t_dtype, self.vocab), rows),
+                    labels.reshape(-1).index_select(0, rows),
+                    self.token,
+                )
+            else:
+                sw, sb = student.head_weights(self.vocab, s_dtype)
+                tw, tb = teacher.head_weights(self.vocab, t_dtype)
+                loss = lm_loss(
+                    self.impl,
+                    inp.student_logits.to(s_dtype),
+                    sw,
+                    sb,
+                    inp.teacher_logits.to(t_dtype),
+                    tw,
+                    tb,
+                    labels,
+                    self.token,
+                    chunk_size=self.chunk_size,
+                    rows=rows,
+                )
+            for weight, term in self.features:
+                loss = loss + weight * term(inp)
+        return loss
+
+
+def _valid(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The (n_valid, V) logits of the valid tokens, picked by index (no boolean mask: no host-device sync)."""
+    return logits.reshape(-1, logits.shape[-1]).index_select(0, rows)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
+def _compute_dtype(choice: Any) -> torch.dtype:
+    return choice.dtype if choice.applied and choice.dtype is not None else torch.float32
+
+
+@contextlib.contextmanager
+def _gathered(model: CausalLM, reshard: bool) -> Iterator[None]:
+    """An FSDP2-sharded model's root parameters (embeddings, final norm, LM head) gathered for the loss, which
+    applies the LM head outside the forward, where FSDP2 has resharded them; with ``reshard`` sharded again after
+    (the teacher: no backward needs them), else left to FSDP2, whose backward reshards them once it has
+    reduce-scattered their gradients (the student).  Nothing for a model FSDP2 does not shard."""
+    root = model.fsdp_root
+    if root is None:
+        yield
+        return
+    root.unshard()
+    try:
+        yield
+    finally:
+        if reshard:
+            root.reshard()
