@@ -65,8 +65,8 @@ def cpu_lm_step():
         )
         backend = resolve("cpu")
         teacher, student = LM.build_pair(config, backend, ModelCache())
-        x, y = LM.batch(config, config.batch_size, backend.device, config.seed)
-        return DistillStep(teacher, student, x, y, config, backend), backend
+        x, y = LM.batch(config, config.batch_size, backend.device, config.seed, (teacher, student))
+        return DistillStep(teacher, student, x, y, config, backend, LM), backend
 
     return make
 

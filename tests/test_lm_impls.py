@@ -332,6 +332,15 @@ def test_logits_memory_estimate():
         logits_memory("dense", 4096, 32000, 4, 0, loss)
 
 
+def test_logits_memory_counts_the_valid_tokens_where_the_heads_run_on_them_alone():
+    loss = TokenLoss("forward_kl", ce_weight=1.0)
+    for impl in LOSS_IMPLS:  # a quarter of the tokens are prompt: the heads of all but liger skip them
+        masked = logits_memory(impl, 4096, 32000, 4, 1024, loss, n_valid=3072)
+        want = logits_memory(impl, 3072 if impl != "liger" else 4096, 32000, 4, 1024, loss)
+        assert masked == want, impl
+    assert "3072×32000" in logits_memory("dense", 4096, 32000, 4, 1024, loss, n_valid=3072)["text"]
+
+
 # --------------------------------------------------------------------------------------------- dense vs the reference
 
 

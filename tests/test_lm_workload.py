@@ -143,7 +143,12 @@ def test_a_cell_measures_the_step_and_serving_with_tokens_and_logits_memory():
     step = by["distill_step"]
     assert step["tokens"] == 2 * 16 and step["tokens_per_s"] == pytest.approx(32 / (step["median_ms"] / 1e3))
     assert step["loss_impl"] == "fused_linear" and step["vocab_size"] == 4096 and step["seq_len"] == 16
-    assert step["logits_memory_bytes"] > 0 and step["logits_buffers"]
+    # counted over the 2 × (16 − 4 prompt − 1 last) tokens the loss counts, whose rows the heads run on
+    from kdbench.distill.lm.impls.memory import logits_memory
+    from kdbench.distill.lm.loss import methods_token_loss
+
+    want = logits_memory("fused_linear", 32, 4096, 4, 8, methods_token_loss(config), n_valid=22)
+    assert step["logits_memory_bytes"] == want["bytes"] > 0 and step["logits_buffers"] == want["text"]
     assert step["phase_loss_ms"] > 0 and step["adapter_params"] > 0  # the hidden_mse projections train
     assert step["student_features"].startswith("lm.model.layers.")
     assert by["student_decode"]["tokens"] == 3 and by["student_prefill"]["tokens"] == 16

@@ -77,13 +77,19 @@ class LMLoss(WeightedTerms):
         return self._models[0]
 
     def logits_memory(self, n_tokens: int) -> dict[str, Any]:
+        """The logits-sized buffers of the loss at its peak (:func:`~kdbench.distill.lm.impls.memory.logits_memory`)
+        over the last step's tokens and valid tokens (an on-policy step's are its generated batch's), else over
+        ``n_tokens``, every one valid."""
         size = torch.empty((), dtype=self.dtypes[1]).element_size()
+        n_valid = None
+        if self._rows is not None:
+            n_tokens, n_valid = self._rows_of.numel(), self._rows.numel()
         if self.topk:  # the student's logits whole and its float32 work: log q, the rest bucket's copy, gradients
             each = n_tokens * self.vocab
             shape = f"{n_tokens}×{self.vocab}"
             text = f"1 × {shape} {_dtype_name(self.dtypes[1])} (student logits) + 4 × {shape} fp32 (float32 work)"
             return {"bytes": each * (size + 4 * 4), "text": text}
-        return logits_memory(self.impl, n_tokens, self.vocab, size, self.chunk_size, self.token)
+        return logits_memory(self.impl, n_tokens, self.vocab, size, self.chunk_size, self.token, n_valid)
 
     def valid_rows(self, labels: torch.Tensor) -> torch.Tensor:
         """The flattened indices of the tokens ``labels`` counts, found once per labels tensor: a timed cell's

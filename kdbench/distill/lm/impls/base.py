@@ -74,7 +74,8 @@ class LossImpl:
     ``unsupported(loss)``: None when it computes ``loss`` (a TokenLoss with a divergence), else why and what
     to use instead; pure logic, usable at plan time.  ``unavailable()``: None when it runs in this
     environment, else why and the fix.  ``buffers(loss, n_tokens, chunk_size, dtype_bytes)``: its
-    logits-sized buffers at its peak, every token valid (:mod:`kdbench.distill.lm.impls.memory`).
+    logits-sized buffers at its peak over ``n_tokens`` tokens (:mod:`kdbench.distill.lm.impls.memory`);
+    ``valid_only``: they span the valid tokens alone (its heads run on those), else every token of the batch.
     """
 
     name: str
@@ -82,6 +83,7 @@ class LossImpl:
     buffers: Callable[[TokenLoss, int, int, int], Buffers]
     unsupported: Callable[[TokenLoss], str | None] = _every
     unavailable: Callable[[], str | None] = _here
+    valid_only: bool = True
 
 
 IMPLS: dict[str, LossImpl] = {}

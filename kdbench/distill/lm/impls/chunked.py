@@ -1,8 +1,10 @@
-"""``chunked``: the logits whole (as the model's head makes them), the float32 work per chunk of valid tokens.
+"""``chunked``: the logits of the valid tokens whole (as the model's head makes them), the float32 work per chunk.
 
-One autograd.Function walks the valid tokens in chunks (:func:`~kdbench.distill.lm.impls.chunks.chunk_value_grad`)
-and writes each chunk's gradient into one buffer shaped like the student logits, in their dtype: the N × V
-tensors are the two logits and that buffer, never a float32 upcast of 16-bit logits (torchtune's
+The valid rows are picked from the hidden states before the heads (as ``dense`` does: no head runs on a masked
+prompt position).  One autograd.Function walks those logits in chunks
+(:func:`~kdbench.distill.lm.impls.chunks.chunk_value_grad`) and writes each chunk's gradient into one buffer
+shaped like the student logits, in their dtype: the n_valid × V tensors are the two logits and that buffer,
+never a float32 upcast of 16-bit logits (torchtune's
 ``ForwardKLWithChunkedOutputLoss`` upcasts per chunk too, but keeps every chunk's autograd graph until
 backward).  Every divergence: by its hand-written ``chunk_grad`` (7 float32 chunk buffers at the peak for
 forward KL + CE instead of 13), or by autograd on each chunk for one that gives only its value.
@@ -15,25 +17,25 @@ import torch.nn.functional as F
 
 from kdbench.distill.lm.divergences import TokenLoss, get_divergence, resolved
 from kdbench.distill.lm.impls.base import Buffers, Heads, LossImpl, Settings, register_impl
-from kdbench.distill.lm.impls.chunks import cast_head, chunk_value_grad, consume
+from kdbench.distill.lm.impls.chunks import cast_head, chunk_value_grad, consume, zero
 
 
 class ChunkedLogitsLoss(torch.autograd.Function):
-    """loss(student logits, teacher logits); the gradient w.r.t. the student logits is computed in
-    forward, chunk by chunk of valid tokens, into one zero-filled buffer in the logits' dtype; backward
+    """loss(student logits, teacher logits) of the valid tokens (n_valid, V); the gradient w.r.t. the student
+    logits is computed in forward, chunk by chunk, into one zero-filled buffer in the logits' dtype; backward
     scales it in place (so a second backward through the graph raises)."""
 
     @staticmethod
-    def forward(ctx, logits_s, logits_t, labels, loss: TokenLoss, chunk_size: int, grad_enabled: bool, rows, may_inf):
-        n_valid = rows.numel()
+    def forward(ctx, logits_s, logits_t, labels, loss: TokenLoss, chunk_size: int, grad_enabled: bool, may_inf):
+        n_valid = logits_s.shape[0]
         grad = torch.zeros_like(logits_s) if grad_enabled and ctx.needs_input_grad[0] else None
         total = torch.zeros((), dtype=torch.float32, device=logits_s.device)
         for start in range(0, n_valid, chunk_size):
-            idx = rows[start : start + chunk_size]
-            part, g = chunk_value_grad(
-                logits_s.index_select(0, idx).float(),
-                logits_t.index_select(0, idx) if loss.has_kd else None,
-                labels.index_select(0, idx),
+            end = start + chunk_size
+            part, g = chunk_value_grad(  # copies of the chunk: chunk_value_grad overwrites what it is given
+                logits_s[start:end].to(torch.float32, copy=True),
+                logits_t[start:end].clone() if loss.has_kd else None,
+                labels[start:end],
                 loss,
                 n_valid,
                 grad is not None,
@@ -41,26 +43,35 @@ class ChunkedLogitsLoss(torch.autograd.Function):
             )
             total += part
             if g is not None:
-                grad.index_copy_(0, idx, g.to(grad.dtype))
+                grad[start:end].copy_(g)
         ctx.grads = [grad]
         return total
 
     @staticmethod
     def backward(ctx, grad_output):
-        return (*consume(ctx, grad_output), None, None, None, None, None, None, None)
+        return (*consume(ctx, grad_output), None, None, None, None, None, None)
 
 
 def compute(heads: Heads, loss: TokenLoss, rows: torch.Tensor, settings: Settings) -> torch.Tensor:
     h = heads
-    logits_s = F.linear(h.student_hidden, *cast_head(h.student_hidden, h.student_weight, h.student_bias))
+    hs = h.student_hidden.index_select(0, rows)  # by index: the count is on the host, no sync
+    logits_s = F.linear(hs, *cast_head(hs, h.student_weight, h.student_bias))
     with torch.no_grad():
         if loss.has_kd:
-            logits_t = F.linear(h.teacher_hidden, *cast_head(h.teacher_hidden, h.teacher_weight, h.teacher_bias))
+            ht = h.teacher_hidden.index_select(0, rows)
+            logits_t = F.linear(ht, *cast_head(ht, h.teacher_weight, h.teacher_bias))
         else:
             logits_t = logits_s.new_empty(logits_s.shape[0], 0)
+    total = zero(h.student_hidden, h.student_weight, h.student_bias)  # attached even with no valid token
     # forward runs with grad mode off: whether a gradient is wanted at all is decided here
-    return ChunkedLogitsLoss.apply(
-        logits_s, logits_t, h.labels, loss, settings.chunk_size, torch.is_grad_enabled(), rows, h.may_inf
+    return total + ChunkedLogitsLoss.apply(
+        logits_s,
+        logits_t,
+        h.labels.index_select(0, rows),
+        loss,
+        settings.chunk_size,
+        torch.is_grad_enabled(),
+        h.may_inf,
     )
 
 
@@ -72,8 +83,8 @@ def chunk_work(loss: TokenLoss) -> float | None:
 
 
 def buffers(loss: TokenLoss, n_tokens: int, chunk_size: int, dtype_bytes: int) -> Buffers:
-    """The two logits and their gradient whole, in their dtype; the float32 work per chunk (and with 16-bit
-    logits the chunk's float32 upcast is counted in it, the chunk's own logits apart)."""
+    """The two logits of the valid tokens and their gradient whole, in their dtype; the float32 work per chunk
+    (and with 16-bit logits the chunk's float32 upcast is counted in it, the chunk's own logits apart)."""
     full = ((3 if loss.has_kd else 2, dtype_bytes, "logits, their gradient"),)
     chunk = [(chunk_work(loss), 4, "float32 work")]
     if dtype_bytes < 4:

@@ -96,4 +96,4 @@ def buffers(loss: TokenLoss, n_tokens: int, chunk_size: int, dtype_bytes: int) -
     return Buffers((), ((work, 4, "liger's work, fp32-equivalent"),), rows)
 
 
-register_impl(LossImpl("liger", compute, buffers, unsupported, unavailable))
+register_impl(LossImpl("liger", compute, buffers, unsupported, unavailable, valid_only=False))  # it chunks every token

@@ -15,12 +15,20 @@ _DTYPE_NAMES = {2: "16-bit", 4: "fp32", 8: "fp64"}
 
 
 def logits_memory(
-    impl: str, n_tokens: int, vocab: int, logits_dtype_bytes: int, chunk_size: int, loss: TokenLoss
+    impl: str,
+    n_tokens: int,
+    vocab: int,
+    logits_dtype_bytes: int,
+    chunk_size: int,
+    loss: TokenLoss,
+    n_valid: int | None = None,
 ) -> dict[str, Any]:
     """Estimated bytes of the logits-sized buffers `impl` holds at its peak, from shapes alone.
 
-    Counts the (n_tokens, vocab) buffers (in the logits' dtype, and float32) and the (chunk, vocab)
-    buffers alive at the peak of one forward + backward, every token valid; not the hidden states, the
+    Counts the (tokens, vocab) buffers (in the logits' dtype, and float32) and the (chunk, vocab)
+    buffers alive at the peak of one forward + backward, over the ``n_valid`` tokens the loss counts for an
+    implementation whose heads run on those alone (``LossImpl.valid_only``: every one but liger), else over
+    all ``n_tokens`` (``n_valid`` None: every token valid); not the hidden states, the
     heads or their gradients, nor the allocator's slack.  The counts are each implementation's
     (``LossImpl.buffers``) and each divergence's (``Divergence.dense_fp32`` / ``chunk_fp32``), taken with a
     dispatch mode that tracks every storage.  Against the rise of VmHWM (forward KL + CE, 4096 tokens,
@@ -37,6 +45,8 @@ def logits_memory(
     found = get_impl(impl)
     if chunk_size < 1 or n_tokens < 0 or vocab < 1:
         raise KdbenchError(f"need chunk_size >= 1, n_tokens >= 0, vocab >= 1; got {chunk_size}, {n_tokens}, {vocab}")
+    if n_valid is not None and found.valid_only:
+        n_tokens = n_valid
     held = found.buffers(loss, n_tokens, chunk_size, logits_dtype_bytes)
     parts = [(c, b, what, n_tokens) for c, b, what in held.full]
     parts += [(c, b, what, held.rows) for c, b, what in held.chunk]
