@@ -49,11 +49,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdbench.config.schema import CellConfig, QualityConfig
-from kdbench.distill.step import backward_and_update
 from kdbench.errors import KdbenchError
-from kdbench.hw.backends import AutocastChoice, Backend, grad_scaler
+from kdbench.hw.backends import AutocastChoice, Backend
 from kdbench.names import IGNORE_INDEX
-from kdbench.quality.train import DeviceData, QualityRun, Trained, fit, init_seed
+from kdbench.quality.train import DeviceData, QualityRun, Trained, ce_step, fit, init_seed
 
 BYTES = 256  # the vocabulary: one token per byte value
 EVAL_TOKENS = 1 << 15  # held-out tokens per evaluation forward
@@ -216,23 +215,6 @@ TEXT_ROW_KEYS = (
 # --------------------------------------------------------------------------- training and evaluation
 
 
-def text_ce_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, choice: AutocastChoice, backend: Backend
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """One next-byte cross-entropy step (loss in FP32; a GradScaler for fp16), as the teacher and scratch train."""
-    scaler = grad_scaler(backend, choice)
-
-    def step(x: torch.Tensor, y: torch.Tensor, _indices: torch.Tensor | None = None) -> torch.Tensor:
-        with choice.context(backend.device_type):
-            logits = model.logits(model(x))
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
-        optimizer.zero_grad(set_to_none=True)
-        backward_and_update(loss, optimizer, scaler)
-        return loss.detach()
-
-    return step
-
-
 def evaluate_text(
     model: nn.Module, data: DeviceData, choice: AutocastChoice, backend: Backend
 ) -> tuple[float, torch.Tensor, float]:
@@ -312,7 +294,7 @@ class TextRun(QualityRun):
         return model
 
     def ce_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, choice: Any) -> Callable:
-        return text_ce_step(model, optimizer, choice, self.backend)
+        return ce_step(model, optimizer, choice, self.backend, logits=lambda x: model.logits(model(x)))
 
     def fit(self, step: Callable, model: nn.Module, optimizer: Any, data: DeviceData, seed: int, choice: Any):
         def evaluate(m: nn.Module) -> tuple[float, torch.Tensor, float]:

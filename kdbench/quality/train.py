@@ -35,7 +35,7 @@ from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_s
 from kdbench.hw.layout import memory_format_of, place_model
 from kdbench.measure.failures import error_text
 from kdbench.models import ModelCache
-from kdbench.names import Status
+from kdbench.names import IGNORE_INDEX, Status
 from kdbench.quality.datasets import Dataset, load_dataset
 from kdbench.workloads import workload_of
 
@@ -173,15 +173,22 @@ def fit(
 
 
 def ce_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, choice: AutocastChoice, backend: Backend
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    choice: AutocastChoice,
+    backend: Backend,
+    logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """One cross-entropy step (loss in FP32; a GradScaler for fp16), as teachers and scratch students train."""
+    """One cross-entropy step (loss in FP32; a GradScaler for fp16), as teachers and scratch students train:
+    ``logits(x)`` (by default the model's output; a language model's next-token logits, (B, S, V)) against
+    ``y``, the labels of -100 (``IGNORE_INDEX``) not counted."""
     scaler = grad_scaler(backend, choice)
+    forward = logits or model
 
     def step(x: torch.Tensor, y: torch.Tensor, _indices: torch.Tensor | None = None) -> torch.Tensor:
         with choice.context(backend.device_type):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float(), y)
+            out = forward(x)
+        loss = F.cross_entropy(out.float().flatten(0, -2), y.flatten(), ignore_index=IGNORE_INDEX)
         optimizer.zero_grad(set_to_none=True)
         backward_and_update(loss, optimizer, scaler)
         return loss.detach()

@@ -136,6 +136,22 @@ class Workload:
         raise NotImplementedError
 
 
+def encoder_methods(methods: list, pair_is: str) -> Problems:
+    """The problem of encoder methods (``minilm``) on a pair that is not two encoders (``pair_is``: what it is)."""
+    encoder = [m.name for m in methods if m.cls.domain == "encoder"]
+    if not encoder:
+        return []
+    why = f"{', '.join(encoder)}: an encoder method; it distils BERT-shaped encoders: pair two encoders"
+    return [(("method",), f"{why} (`kdbench list models`), not {pair_is}")]
+
+
+def config_problem(role: str, overrides: dict, exc: Exception) -> tuple[tuple[str, ...], str]:
+    """A model config that cannot be built, at the key to change: ``overrides.ROLE`` when an override is at fault,
+    else ``pair.ROLE``."""
+    key = ("overrides", role) if overrides and "override" in str(exc) else ("pair", role)
+    return key, str(exc)
+
+
 def serving_plan(
     config: CellConfig, student: tuple[Measurement, ...], teacher: tuple[Measurement, ...]
 ) -> list[tuple[Measurement, int]]:

@@ -31,7 +31,15 @@ from kdbench.models.encoders import Encoder
 from kdbench.models.lm import is_lm_model
 from kdbench.names import Measurement
 from kdbench.schema import Row
-from kdbench.workloads.base import Pair, Problems, Workload, cast_teacher_weights, model_of, serving_plan
+from kdbench.workloads.base import (
+    Pair,
+    Problems,
+    Workload,
+    cast_teacher_weights,
+    config_problem,
+    model_of,
+    serving_plan,
+)
 
 DEFAULT_LAYERS = 4  # hidden_mse pairs at most this many encoder layers by default
 ALSO_ON_ENCODERS = ("hidden_mse",)  # methods of another family's domain that run on encoder pairs too (hidden states)
@@ -81,8 +89,7 @@ class EncoderWorkload(Workload):
                 configs[role] = encoder_config(name, overrides)
                 attn_implementation(name, overrides)
             except KdbenchError as exc:
-                key = ("overrides", role) if overrides and "override" in str(exc) else ("pair", role)
-                problems.append((key, str(exc)))
+                problems.append(config_problem(role, overrides, exc))
         if problems:
             return problems
         if config.data.kind != "tokens":

@@ -31,7 +31,16 @@ from kdbench.errors import KdbenchError
 from kdbench.models.lm import CausalLM, is_lm_model, make_lm, max_positions, model_config
 from kdbench.names import IGNORE_INDEX, Measurement
 from kdbench.schema import Row
-from kdbench.workloads.base import Pair, Problems, Workload, cast_teacher_weights, model_of, serving_plan
+from kdbench.workloads.base import (
+    Pair,
+    Problems,
+    Workload,
+    cast_teacher_weights,
+    config_problem,
+    encoder_methods,
+    model_of,
+    serving_plan,
+)
 
 DEFAULT_LAYERS = 4  # hidden_mse pairs at most this many decoder layers by default
 
@@ -99,8 +108,7 @@ class LMWorkload(Workload):
             try:
                 configs[role] = model_config(name, overrides)
             except KdbenchError as exc:
-                key = ("overrides", role) if overrides and "override" in str(exc) else ("pair", role)
-                problems.append((key, str(exc)))
+                problems.append(config_problem(role, overrides, exc))
         if problems:
             return problems
         if config.data.kind != "tokens":
@@ -131,10 +139,8 @@ class LMWorkload(Workload):
             check_weights(config.method, config.weights)
         except KdbenchError:
             return problems  # the plan reports the method itself
-        encoder = [m.name for m in methods if m.cls.domain == "encoder"]
-        if encoder:
-            why = f"{', '.join(encoder)}: an encoder method; it distils BERT-shaped encoders: pair two encoders"
-            return [*problems, (("method",), f"{why} (`kdbench list models`), not causal LMs")]
+        if encoder_methods(methods, "causal LMs"):
+            return problems + encoder_methods(methods, "causal LMs")
         image = [m.name for m in methods if m.cls.domain != "lm"]
         if image:
             problems.append(

@@ -34,7 +34,7 @@ from kdbench.models import ModelCache
 from kdbench.names import Measurement
 from kdbench.schema import Row
 from kdbench.worker_state import current
-from kdbench.workloads.base import Pair, Problems, Workload, model_of, serving_plan
+from kdbench.workloads.base import Pair, Problems, Workload, encoder_methods, model_of, serving_plan
 
 # --------------------------------------------------------------------------- models and layout
 
@@ -235,10 +235,8 @@ class VisionWorkload(Workload):
             methods = check_method(config.method)
         except KdbenchError:
             return problems  # the plan reports the method itself
-        encoder = [m.name for m in methods if m.cls.domain == "encoder"]
-        if encoder:
-            why = f"{', '.join(encoder)}: an encoder method; it distils BERT-shaped encoders: pair two encoders"
-            return [*problems, (("method",), f"{why} (`kdbench list models`), not image classifiers")]
+        if encoder_methods(methods, "image classifiers"):
+            return problems + encoder_methods(methods, "image classifiers")
         lm_only = [m.name for m in methods if m.cls.domain == "lm"]
         if lm_only:
             problems.append(
