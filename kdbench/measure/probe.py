@@ -22,7 +22,8 @@ from kdbench.measure.timing import timed_loop
 
 GPU_MIN_TIME_S = 2.0  # long enough for sustained, not boost, clocks
 CPU_MIN_TIME_S = 0.5
-SLOW_CALL_S = 2.0  # a dtype whose n x n matmul would take longer per call is probed at a smaller n
+SLOW_CALL_S = 0.25  # a dtype whose n x n matmul would take longer per call is probed at a smaller n (a CPU that
+# emulates bf16 and fp16 took 70 s over them at 2 s per call; its ceiling for them is "very slow" either way)
 
 
 def _matmul_size(
