@@ -106,7 +106,7 @@ def device_levers(config: CellConfig, backend: Backend, tunable_path: Path | Non
 def _tunableop(path: Path | None, row: dict[str, Any]) -> Iterator[None]:
     """TunableOp on, tuning, with its results file at ``path``, inside; off after it whatever fails
     (else it would stay on for every later cell of the worker), then its results written where this
-    torch can (torch >= ~2.9 has no ``write_file``: it writes the file when the process exits)."""
+    torch has ``write_file`` (a torch without it appends each GEMM to the file as it is tuned)."""
     state = current()
     tunable = torch.cuda.tunable
     notes = [TUNABLEOP_SCOPE]
@@ -140,10 +140,17 @@ def _tunableop(path: Path | None, row: dict[str, Any]) -> Iterator[None]:
 
 
 def _write_tunings(tunable: Any, path: Path) -> str:
-    """Write TunableOp's results to ``path`` now, where this torch has ``write_file``; a note when it cannot."""
+    """Write TunableOp's results to ``path`` now, where this torch has ``write_file``; else a note on how the file
+    is written.  A torch without ``write_file`` (2.14 has none; its module docstring still says the file is written
+    when the application terminates) appends every GEMM to the file as it is tuned (``Tunable.cpp``:
+    ``TuningResultsManager::Add`` -> ``InitRealtimeAppend`` / ``AppendResultLine``; the destructor only closes it),
+    so the file holds each tuning even when the worker is killed."""
     write = getattr(tunable, "write_file", None)
     if write is None:
-        return f"TunableOp writes {path.name} when the worker process exits (this torch has no write_file)"
+        return (
+            f"TunableOp appends each GEMM to {path.name} as it is tuned (this torch has no write_file; its realtime "
+            "append), so the file holds every tuning even if the worker is killed"
+        )
     try:
         write()
     except Exception as exc:  # the measurement stands; the file is what is lost
