@@ -51,8 +51,11 @@ class StepFamily(Protocol):
     def on_policy(self, distiller: Distiller, config: CellConfig) -> Callable | None:
         """``(x, y) -> (x, y)``: the batch an on-policy step trains on; None: the fixed batch."""
 
-    def compact_teacher(self, distiller: Distiller, outputs: Any, targets: torch.Tensor) -> tuple[Any, dict]:
-        """The teacher's outputs of the fixed batch in the family's compact form, and the columns that say so."""
+    def compact_teacher(
+        self, distiller: Distiller, outputs: Any, targets: torch.Tensor
+    ) -> tuple[Any, dict, Callable[[], dict] | None]:
+        """The teacher's outputs of the fixed batch in the family's compact form, the columns that say so, and its
+        diagnostics (columns of what the form loses; None: none), called once the build is timed."""
 
 
 def make_optimizer(params, cfg: OptimizerConfig, fused: bool = False) -> torch.optim.Optimizer:
@@ -355,6 +358,7 @@ class DistillStep:
             # cost is what a user waits for.
             backend.synchronize()
             start = time.perf_counter()
+            diagnose = None
             with math_mode(self.distiller.student_ac.tf32):
                 out = self.distiller.teacher_outputs(x)
                 # copies (place_aligned copies): they outlive a compiled teacher's CUDA-graph output buffers
@@ -362,10 +366,13 @@ class DistillStep:
                 if config.teacher.mode == "cached":
                     self.cache = TeacherOutputs(place_aligned(out.logits, config.alignment), feats)
                 else:  # the workload's compact form (topk_cache: the top-k next tokens of an LM)
-                    compact, self.cache_columns = self.distiller.workload.compact_teacher(self.distiller, out, y)
+                    workload = self.distiller.workload
+                    compact, self.cache_columns, diagnose = workload.compact_teacher(self.distiller, out, y)
                     self.cache = TeacherOutputs(compact, feats)
             backend.synchronize()
             self.cache_ms = (time.perf_counter() - start) * 1e3
+            if diagnose is not None:  # what the compact form loses, measured after its build is timed (host syncs)
+                self.cache_columns.update(diagnose())
         self.last_loss: torch.Tensor | None = None
 
     def __call__(self) -> None:

@@ -106,9 +106,10 @@ class Workload:
         forwards' (logits for classifiers, final hidden states for LMs and encoders)."""
         raise NotImplementedError
 
-    def compact_teacher(self, distiller: Any, outputs: Any, targets: torch.Tensor) -> tuple[Any, Row]:
+    def compact_teacher(self, distiller: Any, outputs: Any, targets: torch.Tensor) -> tuple[Any, Row, Any]:
         """The teacher's outputs of the fixed batch in the workload's compact form (``teacher.mode`` other than live
-        and cached), and the columns that describe it."""
+        and cached), the columns that describe it, and a call returning the columns of what it loses (or None): a
+        diagnostic, called after the build is timed (``teacher_cache_ms`` is the build alone)."""
         raise NotImplementedError(f"teacher.mode {distiller.config.teacher.mode} is not for {self.family} pairs")
 
     def on_policy(self, distiller: Any, config: CellConfig):
