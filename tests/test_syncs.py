@@ -94,7 +94,8 @@ def test_fp16_with_a_grad_scaler_gets_a_fused_optimizer_on_gpus_and_says_so(monk
 
 
 LM_CASES = [
-    # liger is left out: liger-kernel's chunked loss reads a value back itself (0.8.5: once a step), its own
+    # liger is left out: liger-kernel's chunked loss reads a value back itself (0.8.5: once a step), its own; the
+    # test after these counts it
     *({"loss_impl": impl} for impl in ("dense", "chunked", "fused_linear", "torch_linear")),
     {"method": "jsd+hidden_mse", "loss_impl": "fused_linear"},
     {"teacher": {"mode": "topk_cache", "k": 8}},
@@ -123,3 +124,29 @@ def test_no_lm_step_synchronises(case, monkeypatch):
     step()  # warm: the optimizer's state exists, the valid rows are found
     calls = sync_calls(step, CPU, exempt=optimizer_host_tensors(step.distiller.optimizer))
     assert calls == [], f"{case}: {calls}"
+
+
+def test_a_liger_step_syncs_once_in_liger_and_its_row_says_so(monkeypatch):
+    """L9: liger-kernel's chunked distillation backward tests ``torch.ne(grad_output, torch.tensor(1.0))`` on the
+    host (0.8.5): one sync per step, outside kdbench's code; the row's notes say it, the other impls' do not."""
+    import transformers.masking_utils as masking
+
+    from kdbench.models import ModelCache
+    from kdbench.workloads.lm import LM
+    from tests.test_lm_workload import lm_config
+
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
+    notes = {}
+    for impl in ("liger", "fused_linear"):
+        config = lm_config(chunk_size=8, loss_impl=impl)
+        teacher, student = LM.build_pair(config, CPU, ModelCache())
+        x, y = LM.batch(config, config.batch_size, CPU.device, 0, (teacher, student))
+        step = DistillStep(teacher, student, x, y, config, CPU, LM)
+        step()
+        step()
+        calls = sync_calls(step, CPU, exempt=optimizer_host_tensors(step.distiller.optimizer))
+        assert calls == (["aten._local_scalar_dense"] if impl == "liger" else []), f"{impl}: {calls}"
+        notes[impl] = LM.step_columns(step, config, x)[1]
+    said = [n for n in notes["liger"] if "liger syncs host and device once per step" in n]
+    assert len(said) == 1 and "torch.ne(grad_output" in said[0]
+    assert not any("sync" in n for n in notes["fused_linear"])

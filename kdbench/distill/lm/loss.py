@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kdbench.distill.lm.divergences import TokenLoss
-from kdbench.distill.lm.impls import lm_loss
+from kdbench.distill.lm.impls import impl_note, lm_loss
 from kdbench.distill.lm.impls.chunks import valid_rows
 from kdbench.distill.lm.impls.dense import cross_entropy, token_loss
 from kdbench.distill.lm.impls.memory import logits_memory
@@ -63,6 +63,8 @@ class LMLoss(WeightedTerms):
                 f"vocabularies {teacher.vocab_size} (teacher) and {student.vocab_size} (student): both heads sliced "
                 f"to the first {self.vocab} entries"
             )
+        if not self.topk and impl_note(self.impl):  # the top-k cache computes its own sparse loss
+            self.notes.append(impl_note(self.impl))
         if (student.head is None or teacher.head is None) and self.impl != "dense":
             raise KdbenchError(
                 f"loss_impl {self.impl} needs the LM heads of transformers models; a module that returns logits "

@@ -46,7 +46,7 @@ from kdbench.distill.lm.impls.base import IMPLS, Heads, Settings, get_impl
 from kdbench.distill.lm.impls.chunks import valid_rows
 from kdbench.errors import KdbenchError
 
-__all__ = ["LOSS_IMPLS", "lm_loss", "unavailable", "unsupported"]
+__all__ = ["LOSS_IMPLS", "impl_note", "lm_loss", "unavailable", "unsupported"]
 
 for _module in ("dense", "chunked", "fused_linear", "liger", "torch_linear"):  # each registers itself
     importlib.import_module(f"{__name__}.{_module}")
@@ -63,6 +63,11 @@ def unsupported(impl: str, loss: TokenLoss) -> str | None:
     """
     found = get_impl(impl)
     return found.unsupported(loss) if loss.has_kd else None
+
+
+def impl_note(impl: str) -> str:
+    """What a step row computed with `impl` must say of it ("" for nothing): a host-device sync it makes."""
+    return get_impl(impl).note()
 
 
 def unavailable(impl: str) -> str | None:

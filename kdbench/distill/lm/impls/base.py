@@ -65,6 +65,10 @@ def _here() -> str | None:
     return None
 
 
+def _silent() -> str:
+    return ""
+
+
 @dataclass(frozen=True)
 class LossImpl:
     """One implementation of "LM heads + token loss".
@@ -76,6 +80,7 @@ class LossImpl:
     environment, else why and the fix.  ``buffers(loss, n_tokens, chunk_size, dtype_bytes)``: its
     logits-sized buffers at its peak over ``n_tokens`` tokens (:mod:`kdbench.distill.lm.impls.memory`);
     ``valid_only``: they span the valid tokens alone (its heads run on those), else every token of the batch.
+    ``note()``: what a step row computed with it must say (a host-device sync it makes), "" for nothing.
     """
 
     name: str
@@ -84,6 +89,7 @@ class LossImpl:
     unsupported: Callable[[TokenLoss], str | None] = _every
     unavailable: Callable[[], str | None] = _here
     valid_only: bool = True
+    note: Callable[[], str] = _silent
 
 
 IMPLS: dict[str, LossImpl] = {}

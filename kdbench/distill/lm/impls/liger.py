@@ -83,6 +83,25 @@ def unavailable() -> str | None:
     return None
 
 
+SYNC_NOTE = (
+    "liger syncs host and device once per step: its backward (LigerFusedLinearDistillationBase.backward) tests "
+    "torch.ne(grad_output, torch.tensor(1.0, device=...)) on the host, a host-to-device copy and a read back; "
+    "kdbench's own loss_impls make no sync"
+)
+
+
+def note() -> str:
+    """The sync liger's backward makes, where this liger-kernel's backward reads ``grad_output`` on the host (0.8.5:
+    ``if torch.ne(grad_output, torch.tensor(1.0, device=grad_output.device))``, read from its source)."""
+    try:
+        from liger_kernel.chunked_loss.fused_linear_distillation import LigerFusedLinearDistillationBase
+
+        source = inspect.getsource(LigerFusedLinearDistillationBase.backward)
+    except Exception:  # not installed (the cell is skipped) or no source to read
+        return ""
+    return SYNC_NOTE if "torch.ne(grad_output" in "".join(source.split()) else ""
+
+
 # liger's (C', V) working set by its beta (autograd on its chunk), measured with float32 logits; any other beta:
 # 18.25; + 2 with CE
 _WORK = {0.0: 8.25, 1.0: 9.25}
@@ -96,4 +115,4 @@ def buffers(loss: TokenLoss, n_tokens: int, chunk_size: int, dtype_bytes: int) -
     return Buffers((), ((work, 4, "liger's work, fp32-equivalent"),), rows)
 
 
-register_impl(LossImpl("liger", compute, buffers, unsupported, unavailable, valid_only=False))  # it chunks every token
+register_impl(LossImpl("liger", compute, buffers, unsupported, unavailable, valid_only=False, note=note))  # chunks all
