@@ -373,3 +373,23 @@ def test_hidden_mse_is_the_mean_squared_error_of_the_projected_layers_over_the_v
         err = (p - w).pow(2).mean(dim=1)  # (N, L)
         want = want + err[valid].mean()
     torch.testing.assert_close(got, 3.0 * want / 2)
+
+
+def test_a_teacher_served_at_the_students_precision_says_so(pair):
+    """L11: serving rows run at the cell's ``precision`` for both models, so that speedup_vs_teacher compares them at
+    one precision and an image teacher's row stays the same measurement in every cell (the reuse key); a teacher's
+    row whose cell computes the teacher at another ``teacher_precision`` in the step says so."""
+    from kdbench.names import Measurement
+    from tests.helpers import make_config
+
+    mixed = lm_config(precision="bf16", teacher_precision="fp32", timing={"warmup": 0, "min_iters": 1, "min_time_s": 0})
+    said = "the teacher is served at precision bf16, as the student is"
+    for measurement in (Measurement.TEACHER_PREFILL, Measurement.STUDENT_PREFILL):
+        row = LM.serve(measurement, 1, pair, mixed, CPU, None)
+        assert row["status"] == "ok" and (said in (row["notes"] or "")) == (measurement == Measurement.TEACHER_PREFILL)
+    row = LM.serve(Measurement.TEACHER_DECODE, 1, pair, lm_config(timing=mixed.timing.model_dump()), CPU, None)
+    assert "served at precision" not in (row["notes"] or "")  # one precision: nothing to say
+    image = make_config(precision="bf16", timing={"warmup": 0, "min_iters": 1, "min_time_s": 0.0})
+    models = VISION.build_pair(image, CPU, ModelCache())
+    row = VISION.serve(Measurement.TEACHER_INFERENCE, 1, models, image, CPU, None)
+    assert "the teacher is served at precision bf16" in row["notes"] and "teacher_precision fp32" in row["notes"]

@@ -38,6 +38,7 @@ from kdbench.run.progress import JobTiming, Progress, WallSplit
 from kdbench.schema import SCHEMA_VERSION, Row
 from kdbench.store.probes import ceiling_columns, latest_ceiling
 from kdbench.store.results import PROBES_DIR, TRACES_DIR, Invocation, RunFolder, newest_run, open_run
+from kdbench.workloads.base import restate_served_precision
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +239,9 @@ def _with_reused(job: CellJob, rows: list[Row], reuse: dict, measured: dict) -> 
         if (str(Measurement.TEACHER_INFERENCE), bs) in have:
             continue
         note = f"reused: this teacher inference was measured once in this run, in cell {label} ({cell_id})"
-        notes = "; ".join(n for n in (ref.get("notes"), note) if n)
+        # the measuring cell's note on the teacher's served precision restated for this cell (its teacher_precision)
+        here = restate_served_precision(ref.get("notes"), Measurement.TEACHER_INFERENCE, job.cell.config)
+        notes = "; ".join(n for n in (here, note) if n)
         out.append(Row(ref, notes=notes, **{REUSED: cell_id}))
     for row in rows if job.world_size == 1 else ():  # a rank's teacher ran beside others: not a reference
         if row["measurement"] == Measurement.TEACHER_INFERENCE and row.get("status") == Status.OK:

@@ -184,3 +184,30 @@ def model_of(measurement: Measurement, pair: Pair) -> tuple[str, nn.Module]:
 
     role = role_of(measurement)
     return role, pair[0] if role == "teacher" else pair[1]
+
+
+SERVED_PRECISION = "the teacher is served at precision"  # how served_precision_note begins
+
+
+def served_precision_note(measurement: Measurement, config: CellConfig) -> str:
+    """A teacher's serving row where the cell's ``teacher_precision`` is not its ``precision``: served at
+    ``precision``, as the student is, so that ``speedup_vs_teacher`` compares the two models at one precision (and
+    a teacher's serving row is the same measurement in every cell that serves it: the reuse key).  One note with no
+    ``"; "`` in it, which :func:`restate_served_precision` finds in a row's joined notes."""
+    from kdbench.names import role_of
+
+    if role_of(measurement) != "teacher" or config.teacher_precision == config.precision:
+        return ""
+    return (
+        f"{SERVED_PRECISION} {config.precision}, as the student is, so that speedup_vs_teacher compares the models "
+        f"at one precision (teacher_precision {config.teacher_precision} is the teacher's in the distillation step)"
+    )
+
+
+def restate_served_precision(notes: str | None, measurement: Measurement, config: CellConfig) -> str | None:
+    """The joined ``notes`` (``"; "``) of a teacher row measured in another cell, reused in the cell of ``config``:
+    the measuring cell's :func:`served_precision_note` replaced by this cell's (the reuse key holds ``precision``,
+    not ``teacher_precision``, so the two cells may differ in it)."""
+    kept = [n for n in (notes or "").split("; ") if n and not n.startswith(SERVED_PRECISION)]
+    mine = served_precision_note(measurement, config)
+    return "; ".join([*kept, mine] if mine else kept) or None

@@ -38,6 +38,7 @@ from kdbench.workloads.base import (
     cast_teacher_weights,
     config_problem,
     model_of,
+    served_precision_note,
     serving_plan,
 )
 
@@ -281,4 +282,6 @@ def measure_forward(
             return model(ids)
 
     columns = {"attn_implementation": model.attn_implementation}
-    return token_serving_row(workload, measurement, batch_size, config, backend, budget_s, choice, call, ids, columns)
+    notes = (served_precision_note(measurement, config),)
+    args = (workload, measurement, batch_size, config, backend, budget_s, choice, call, ids, columns, notes)
+    return token_serving_row(*args)

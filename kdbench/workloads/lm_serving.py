@@ -24,6 +24,7 @@ from kdbench.measure.flops import count_flops
 from kdbench.measure.rows import profiled_loop, timed_row
 from kdbench.names import Measurement
 from kdbench.schema import Row
+from kdbench.workloads.base import served_precision_note
 
 
 def _keyword(forward, *names: str) -> str | None:
@@ -115,9 +116,9 @@ def measure_serving(
         with torch.inference_mode(), choice.context(backend.device_type):
             return gen.decode() if decode else gen.prefill()
 
-    notes = ()
+    notes: tuple[str, ...] = (served_precision_note(measurement, config),)
     if not decode and gen.keep is None:
-        notes = ("this model's forward has no logits_to_keep: the prefill computes the logits of every position",)
+        notes += ("this model's forward has no logits_to_keep: the prefill computes the logits of every position",)
     columns = {"decode_tokens": config.inference.decode_tokens if decode else None}
     start = gen.start if decode else None
     args = (workload, measurement, batch_size, config, backend, budget_s, choice, call, ids, columns, notes)

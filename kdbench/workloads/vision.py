@@ -34,7 +34,15 @@ from kdbench.models import ModelCache
 from kdbench.names import Measurement
 from kdbench.schema import Row
 from kdbench.worker_state import current
-from kdbench.workloads.base import Pair, Problems, Workload, encoder_methods, model_of, serving_plan
+from kdbench.workloads.base import (
+    Pair,
+    Problems,
+    Workload,
+    encoder_methods,
+    model_of,
+    served_precision_note,
+    serving_plan,
+)
 
 # --------------------------------------------------------------------------- models and layout
 
@@ -188,6 +196,7 @@ def measure_inference(
             *(served.notes if served else ()),
             *runtime_notes,
             alignment_note(x, config) or "",
+            served_precision_note(Measurement(f"{role}_inference"), config),
         ),
         judge_launch=judge_launch,
         **profile,
