@@ -344,6 +344,12 @@ def _on_policy_problems(config: Any, tokens: list, configs: dict) -> Problems:
     if not tokens:
         why = "on_policy trains on a divergence from the teacher on the student's completions: use e.g. method jsd"
         problems.append((("method",), why))
+    if config.parallel == "fsdp":
+        why = (
+            "on_policy with parallel fsdp: the student generates through its model's own forward, outside the FSDP2 "
+            "root, whose embeddings and LM head stay sharded there (DTensor); use parallel: ddp (or remove on_policy)"
+        )
+        problems.append((("on_policy",), why))
     need = prompt_length(config) + config.on_policy.new_tokens
     for role, c in configs.items():
         limit = max_positions(c)
@@ -375,6 +381,13 @@ def _topk_problems(config: Any, tokens: list, vocabs: dict[str, int]) -> Problem
             f"not {config.loss_impl}"
         )
         problems.append((("loss_impl",), why))
+    if config.parallel == "fsdp":
+        why = (
+            "teacher.mode topk_cache is not supported with parallel fsdp: the cache applies the teacher's LM head "
+            "outside its FSDP2-sharded forward, and the loss would gather the teacher's root every step for nothing; "
+            "use parallel: ddp (or teacher.mode live)"
+        )
+        problems.append((("teacher", "mode"), why))
     vocab = min(vocabs.values()) if vocabs else None
     if vocab is not None and config.teacher.k > vocab:
         problems.append((("teacher", "k"), f"teacher.k {config.teacher.k} exceeds the vocabulary's {vocab} entries"))
