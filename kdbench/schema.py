@@ -128,7 +128,13 @@ COLUMNS: tuple[Column, ...] = (
             "torch.distributed backend of world_size > 1 cells: `gloo` (CPU) or `nccl` (CUDA, RCCL on ROCm)",
         ),
         ("parallel", _S, "", "world_size > 1 cells: `ddp` (the student replicated) or `fsdp` (the pair FSDP2-sharded)"),
-        ("fsdp_reshard_after_forward", _B, "", "FSDP2 cells: each layer's gathered parameters freed after its forward"),
+        (
+            "fsdp_reshard_after_forward",
+            _B,
+            "",
+            "FSDP2 cells: each of the student's layers' gathered parameters freed after its forward (the frozen "
+            "teacher's always are)",
+        ),
         ("fsdp_cpu_offload", _B, "", "FSDP2 cells: the shards kept in host memory"),
         ("ddp_bucket_cap_mb", _F, "MiB", "DDP gradient bucket size"),
         ("ddp_gradient_as_bucket_view", _B, "", "DDP gradient_as_bucket_view"),
@@ -196,6 +202,30 @@ COLUMNS: tuple[Column, ...] = (
             "inference rows: how the model was served (`eager`, `compile`, `onnxruntime`, `int8`, `+ graphs`)",
         ),
         ("config_json", _S, "", "the whole resolved cell config as JSON"),
+    ),
+    *_group(  # what an FSDP2 step's collectives moved (fsdp.param_dtype / fsdp.reduce_dtype: its MixedPrecisionPolicy)
+        RESULT,
+        (
+            "fsdp_all_gather_dtype",
+            _S,
+            "",
+            "FSDP2 step rows: the dtype the student's parameters were all-gathered (and computed) in: "
+            "fsdp.param_dtype, else their own",
+        ),
+        (
+            "fsdp_teacher_all_gather_dtype",
+            _S,
+            "",
+            "FSDP2 step rows: the dtype the teacher's parameters were all-gathered in: fsdp.param_dtype, else their "
+            "own (teacher.weights)",
+        ),
+        (
+            "fsdp_reduce_dtype",
+            _S,
+            "",
+            "FSDP2 step rows: the dtype the student's gradients were reduce-scattered in: fsdp.reduce_dtype, else "
+            "fsdp.param_dtype, else the parameters' own",
+        ),
     ),
     *_group(
         STATISTICS,

@@ -334,6 +334,13 @@ def test_an_fsdp2_lm_cell_holds_half_the_state_per_rank_and_trains_as_ddp_does(t
     steps = df[df.measurement == "distill_step"].set_index("parallel")
     ddp, fsdp = steps.loc["ddp"], steps.loc["fsdp"]
     assert fsdp["dist_backend"] == "gloo" and bool(fsdp["fsdp_reshard_after_forward"])
+    # no MixedPrecisionPolicy by default: the parameters gathered and the gradients reduced in their own fp32
+    assert (fsdp["fsdp_all_gather_dtype"], fsdp["fsdp_teacher_all_gather_dtype"], fsdp["fsdp_reduce_dtype"]) == (
+        "fp32",
+        "fp32",
+        "fp32",
+    )
+    assert pd.isna(ddp["fsdp_all_gather_dtype"])
     assert pd.isna(fsdp["ddp_bucket_cap_mb"]) and fsdp["tokens_per_s"] > 0 and fsdp["phase_loss_ms"] > 0
     # both models' parameters, the student's gradients and AdamW's moments: sharded over 2 ranks
     assert fsdp["model_state_bytes"] == pytest.approx(ddp["model_state_bytes"] / 2, rel=0.01)

@@ -137,7 +137,7 @@ def test_planned_measurements():
         ("levers-cpu", 6),
         ("llm-cuda", 48),
         ("llm-amd", 48),
-        ("llm-fsdp", 8),
+        ("llm-fsdp", 10),
     ],
 )
 def test_shipped_suites_plan(name, cells):
@@ -277,6 +277,7 @@ def test_cells_that_differ_only_in_unlabelled_settings_get_distinct_labels(tmp_p
 
 
 SHIPPED_PLANS = Path(__file__).resolve().parent / "data" / "shipped_plans.json"
+CELLS_ADDED_SINCE = {"llm-fsdp.yaml": 2}  # issue 30: FSDP2 of a bf16-held teacher, with and without bf16 gathers
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda", "rocm"])
@@ -296,5 +297,7 @@ def test_shipped_suites_plan_the_cells_they_planned_before_the_redesign(device):
         for cell in plan.cells:
             planned = ",".join(f"{m}@{bs}" for m, bs in planned_measurements(cell.config))
             cells.append(f"{cell.cell_id} {hashlib.sha256(planned.encode()).hexdigest()[:8]}")
-        assert cells == before["cells"], name
+        # the cells it planned then, in order; the cells added to it since come after them (new ids, nothing to keep)
+        assert cells[: len(before["cells"])] == before["cells"], name
+        assert len(cells) == len(before["cells"]) + CELLS_ADDED_SINCE.get(name, 0), name
         assert [j for j in plan.job_ids if j.startswith("quality-")] == before["quality_jobs"], name

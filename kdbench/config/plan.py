@@ -57,6 +57,8 @@ IDENTITY_DEFAULTS = {
     "data.prompt_fraction": 0.25,
     "data.vocab_policy": "error",
     "teacher.weights": "fp32",
+    "fsdp.param_dtype": None,
+    "fsdp.reduce_dtype": None,
 }
 
 

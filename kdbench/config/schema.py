@@ -208,11 +208,17 @@ LossImpl = Literal["dense", "chunked", "fused_linear", "liger", "torch_linear"]
 class FSDPConfig(Strict):
     """FSDP2 (``torch.distributed.fsdp.fully_shard``) options of ``parallel: fsdp`` cells."""
 
-    # free each decoder layer's gathered parameters after its forward (re-gathered for the backward); the
-    # teacher, frozen, re-gathers them at every forward
+    # free each of the student's decoder layers' gathered parameters after its forward (re-gathered for the
+    # backward); the frozen teacher's are freed after every forward whatever this says (no backward frees them)
     reshard_after_forward: bool = True
     # keep the sharded parameters (and the student's gradients and optimizer state) in host memory (GPUs)
     cpu_offload: bool = False
+    # FSDP2's MixedPrecisionPolicy.param_dtype: both models' parameters all-gathered and computed in fp32, bf16
+    # or fp16 (cast from their shards); null: in their own dtypes (fp32, or teacher.weights)
+    param_dtype: Literal["fp32", "bf16", "fp16"] | None = None
+    # MixedPrecisionPolicy.reduce_dtype: the student's gradients reduce-scattered in fp32, bf16 or fp16; null:
+    # in param_dtype, else in the parameters' own dtype
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = None
 
 
 class _CellBase(Strict):

@@ -167,6 +167,7 @@ def measure_distill_step(
             distiller = step.distiller
             row["optimizer_state_bytes"] = optimizer_state_bytes(distiller.optimizer)
             row["model_state_bytes"] = model_state_bytes((distiller.teacher, distiller.trainee), distiller.optimizer)
+            row.update(dp.columns() if dp is not None else {})
         return row
     finally:
         step.close()

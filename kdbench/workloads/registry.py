@@ -188,6 +188,7 @@ def check_cell(config: CellConfig, allow_imports: bool, nnodes: int = 1) -> Prob
     if config.parallel == "fsdp" and config.world_size == 1:
         why = "parallel fsdp shards the pair over ranks: set world_size to 2 or more (or parallel: ddp)"
         problems.append((("parallel",), why))
+    problems.extend(fsdp_problems(config))
     if config.world_size > 1 and config.world_size % nnodes:
         why = f"world_size {config.world_size} does not split over launcher.nnodes {nnodes}; use a multiple of nnodes"
         problems.append((("world_size",), why))
@@ -200,6 +201,39 @@ def check_cell(config: CellConfig, allow_imports: bool, nnodes: int = 1) -> Prob
     except KdbenchError as exc:
         problems.append((("weights",), str(exc)))
     return problems
+
+
+def fsdp_problems(config: CellConfig) -> Problems:
+    """``fsdp.param_dtype`` / ``fsdp.reduce_dtype`` (FSDP2's MixedPrecisionPolicy): for ``parallel: fsdp`` cells
+    only, and a param_dtype only where the models compute in it as the cell says (a bf16 all-gather computes in
+    bf16, whatever ``precision`` claims) and where it does not upcast a teacher held in a low precision."""
+    fsdp = config.fsdp
+    given = [key for key in ("param_dtype", "reduce_dtype") if getattr(fsdp, key) is not None]
+    if given and config.parallel != "fsdp":
+        return [
+            (
+                ("fsdp", key),
+                f"fsdp.{key} is FSDP2's mixed precision and this cell is not sharded: remove it (or set parallel: "
+                "fsdp)",
+            )
+            for key in given
+        ]
+    param = fsdp.param_dtype
+    if param in ("bf16", "fp16"):
+        wrong = [key for key in ("precision", "teacher_precision") if getattr(config, key) != param]
+        if wrong:
+            fix = " and ".join(f"{key}: {param}" for key in wrong)
+            why = f"fsdp.param_dtype {param} gathers and computes both models in {param}: set {fix}"
+            why += " (or fsdp.param_dtype: null)"
+            return [(("fsdp", "param_dtype"), why)]
+    if param == "fp32" and config.teacher.weights != "fp32":
+        held = config.teacher.weights
+        why = (
+            f"fsdp.param_dtype fp32 would gather the teacher held in {held} (teacher.weights) upcast to fp32: set "
+            f"fsdp.param_dtype: {held} or null"
+        )
+        return [(("fsdp", "param_dtype"), why)]
+    return []
 
 
 def expand_checked(suite: Suite) -> list[Cell]:

@@ -156,9 +156,12 @@ def _compute_dtype(choice: Any) -> torch.dtype:
 @contextlib.contextmanager
 def _gathered(model: CausalLM, reshard: bool) -> Iterator[None]:
     """An FSDP2-sharded model's root parameters (embeddings, final norm, LM head) gathered for the loss, which
-    applies the LM head outside the forward, where FSDP2 has resharded them; with ``reshard`` sharded again after
-    (the teacher: no backward needs them), else left to FSDP2, whose backward reshards them once it has
-    reduce-scattered their gradients (the student).  Nothing for a model FSDP2 does not shard."""
+    applies the LM head outside the forward; with ``reshard`` sharded again after (the teacher: no backward frees
+    them), else left to FSDP2, whose backward reshards them once it has reduce-scattered their gradients (the
+    student).  A root's forward leaves its parameters gathered (torch's default for roots,
+    :func:`kdbench.measure.parallel.shard`), so ``unshard`` is a no-op after it and each root is gathered once per
+    step; it gathers only a root whose forward did not run this step (a cached teacher's).  Nothing for a model
+    FSDP2 does not shard."""
     root = model.fsdp_root
     if root is None:
         yield
