@@ -1,5 +1,5 @@
 """Data parallelism in one process: the FSDP2 sharding a cell asks for (its mesh, its units' options, its mixed
-precision), a real FSDP2 step on a world of one, and the plan's FSDP2 refusals.
+precision), a real FSDP2 step on a world of one, the ranks' agreed timing, and the plan's FSDP2 refusals.
 
 The fakes keep torch's real names: ``DeviceMesh.from_group`` / ``init_device_mesh``
 (``torch.distributed.device_mesh``), ``fully_shard(module, *, mesh, reshard_after_forward, mp_policy,
@@ -229,6 +229,57 @@ def test_a_real_fsdp2_step_gathers_each_root_once_and_frees_the_teachers_layers(
     assert isinstance(t.lm.lm_head.weight, DTensor) and isinstance(s.lm.lm_head.weight, DTensor)  # resharded after
     assert torch.isfinite(step.last_loss)
     assert dp.columns()["fsdp_all_gather_dtype"] == "fp32"
+
+
+class _FakeClock:
+    """A host clock reading a fake time that only the measured call advances."""
+
+    name = "fake"
+    host = True
+
+    def __init__(self, now):
+        self.now = now
+
+    def stamp(self):
+        return self.now[0]
+
+    def elapsed_ms(self, start, end):
+        return (end - start) * 1e3
+
+    def sync(self):
+        pass
+
+    def ready(self, stamp):
+        return True
+
+
+def test_a_data_parallel_row_keeps_the_cold_start_its_probe_paid(monkeypatch):
+    # L4: the probe loop ran the cold call and the warm-up; the returned timing kept the second loop's cold_s (one
+    # warm call) and warmup_s (none): cold_excess_ms and a lever's one_off_ms were ~0 on every world_size > 1 row
+    from kdbench.measure import timing
+    from tests.helpers import make_config
+
+    now = [0.0]
+    fake_time = types.SimpleNamespace(perf_counter=lambda: now[0])
+    monkeypatch.setattr(timing, "time", fake_time)
+    monkeypatch.setattr(parallel, "time", fake_time, raising=False)
+    reduced = []
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None, group=None: reduced.append(group))
+    calls = [0]
+
+    def step():  # the cold call takes 5 s (communicators, lazy init, first gathers); every later one 0.1 s
+        now[0] += 5.0 if calls[0] == 0 else 0.1
+        calls[0] += 1
+
+    backend = types.SimpleNamespace(clock=lambda: _FakeClock(now), device=torch.device("cpu"))
+    config = make_config(timing={"warmup": 2, "min_iters": 4, "min_time_s": 0.0})
+    raw = DataParallel("the cell's group").timed(step, config, backend)
+    assert reduced == ["the cell's group"] and calls[0] == 1 + 2 + 1 + 1 + 4  # probe: cold, warm-up, one; then 1 + 4
+    assert raw.samples_ms == pytest.approx([100.0] * 4) and raw.first_ms == pytest.approx(5000.0)
+    assert len(raw.warmup_ms) == 2 + 1 + 1  # the warm-up, the probe call, the second loop's first call
+    assert raw.cold_s == pytest.approx(5.0)
+    assert raw.first_calls_ms() == pytest.approx(5000.0 + 4 * 100.0)
+    assert raw.cold_excess_ms(100.0) == pytest.approx(4900.0)
 
 
 # ---------------------------------------------------------------------------- the plan

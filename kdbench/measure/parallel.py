@@ -10,6 +10,7 @@ wrapped in DistributedDataParallel, the teacher staying a plain frozen module; o
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from types import ModuleType
@@ -192,18 +193,30 @@ class DataParallel:
 
     def timed(self, fn: Callable[[], Any], config: CellConfig, backend: Backend, on_window=None) -> RawTiming:
         """The timed loop with one iteration count on every rank: the cold call, the warm-up and one
-        probe call tell each rank how many iterations its `min_time_s` needs; all take the largest."""
+        probe call tell each rank how many iterations its `min_time_s` needs; all take the largest.
+
+        The result is the second loop's samples and window with the probe's cold call and warm-up: its
+        ``cold_s`` is the probe's cold call, its ``warmup_s`` the host time from the probe's warm-up to the
+        second loop's window (the warm-up, the probe call, the agreement, the second loop's own first call),
+        so ``cold_excess_ms`` and a lever's ``one_off_ms`` count the cold start (communicators, FSDP2's lazy
+        init, the first gathers) as on one device."""
         t = config.timing
         clock = backend.clock()
         probe = timed_loop(fn, clock, warmup=t.warmup, min_iters=1, min_time_s=0.0, max_iters=1)
         wanted = max(t.min_iters, math.ceil(t.min_time_s * 1e3 / max(probe.samples_ms[0], 1e-6)))
+        began = time.perf_counter()
         agreed = torch.tensor([min(wanted, t.max_iters), probe.first_ms], dtype=torch.float64, device=backend.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
         n, first_ms = int(agreed[0].item()), float(agreed[1].item())
+        agreeing_s = time.perf_counter() - began
         raw = timed_loop(fn, clock, warmup=0, min_iters=n, min_time_s=0.0, max_iters=n, on_window=on_window)
         # The probe call and this loop's own first call were warm: they count as warm-up.
         warmup_ms = [*probe.warmup_ms, *probe.samples_ms, raw.first_ms]
-        return replace(raw, first_ms=first_ms, warmup_ms=warmup_ms, host_ms=probe.host_ms)
+        probe_s = probe.window_s[1] - probe.window_s[0] if probe.window_s else sum(probe.samples_ms) / 1e3
+        warmup_s = probe.warmup_s + probe_s + agreeing_s + raw.cold_s + raw.warmup_s
+        return replace(
+            raw, first_ms=first_ms, warmup_ms=warmup_ms, host_ms=probe.host_ms, cold_s=probe.cold_s, warmup_s=warmup_s
+        )
 
     def slowest(self, raw: RawTiming, backend: Backend) -> RawTiming:
         """``raw`` with every call (cold, warm-up, timed) at its slowest rank, gathered from every rank:
