@@ -24,7 +24,8 @@ def test_corpus_is_large_enough():
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
-def test_malformed_suite(path, tmp_path, capsys):
+def test_malformed_suite(path, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(CORPUS.parent.parent)  # the corpus names its config.json files from the repository's root
     out = tmp_path / "results"
     out.mkdir()
     (out / "earlier.parquet").write_bytes(b"an earlier run's results")
