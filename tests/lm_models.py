@@ -23,3 +23,10 @@ class IdsToLogits(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.out(torch.tanh(self.emb(ids)))
+
+
+def body_only() -> nn.Module:
+    """A transformers decoder without its LM head (``AutoModel``, not ``...ForCausalLM``): hidden states out."""
+    from kdbench.models.lm import lm_config, transformers_module
+
+    return transformers_module().AutoModel.from_config(lm_config("tiny-llama-student", {"num_hidden_layers": 1}))

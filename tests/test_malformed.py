@@ -24,7 +24,8 @@ def test_corpus_is_large_enough():
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
-def test_malformed_suite(path, tmp_path, capsys):
+def test_malformed_suite(path, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(CORPUS.parent.parent)  # the corpus names its config.json files from the repository's root
     out = tmp_path / "results"
     out.mkdir()
     (out / "earlier.parquet").write_bytes(b"an earlier run's results")
@@ -65,3 +66,29 @@ def test_bad_command_line_values_are_one_line_errors(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert ["--threads" in err[0], "--cell-timeout" in err[1], "--shard" in err[2]] == [True, True, True]
     assert all(line.startswith("kdbench: error: ") for line in err)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "SUITE", "--out", "FILE"],
+        ["run", "SUITE", "--dry-run", "--out", "FILE"],
+        ["run", "SUITE", "--report-dir", "FILE"],
+        ["report", "RESULTS", "--out", "FILE"],
+        ["probe", "--out", "FILE"],
+    ],
+)
+def test_an_output_folder_that_is_a_file_is_one_line(argv, tmp_path, capsys):
+    """`--out results.parquet` (a file where a folder goes) is refused before anything runs (issue 30: it was a
+    NotADirectoryError traceback once the run folder was made)."""
+    taken = tmp_path / "results.parquet"
+    taken.write_bytes(b"an earlier file")
+    flag = argv[argv.index("FILE") - 1]
+    suite = str(CORPUS.parent.parent / "suites" / "cpu.yaml")
+    argv = [{"FILE": str(taken), "SUITE": suite, "RESULTS": str(tmp_path)}.get(a, a) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"kdbench: error: {flag} {taken}: is a file, and {flag} names a folder; give a folder, e.g. {tmp_path}"
+    ]
+    assert taken.read_bytes() == b"an earlier file"

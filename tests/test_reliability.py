@@ -247,3 +247,47 @@ def test_device_errors_are_told_from_ordinary_failures():
     assert not device_fatal(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
     if hasattr(torch, "AcceleratorError"):
         assert device_fatal(torch.AcceleratorError("unspecified launch failure"))
+
+
+def test_an_allocation_the_host_cannot_satisfy_is_oom_with_the_bytes_asked():
+    """The CPU allocator's refusal is a RuntimeError, not torch.OutOfMemoryError: stored as oom, not failed, with
+    the bytes it asked for and whose memory (issue 30)."""
+    import torch
+
+    from kdbench.hw.backends import Backend
+    from kdbench.measure.failures import asked_bytes, error_text, is_oom, status_of
+    from kdbench.names import Status
+    from kdbench.run.cell import guarded
+
+    with pytest.raises(RuntimeError) as caught:
+        torch.empty(2**62, dtype=torch.uint8)  # beyond any address space: the allocator refuses it at once
+    exc = caught.value
+    assert not isinstance(exc, torch.OutOfMemoryError) and is_oom(exc)
+    assert status_of(exc) == Status.OOM
+    assert asked_bytes(exc) == 2**62
+    assert error_text(exc).endswith(f"[out of memory: asked {2**62} bytes ({2**62 / 2**30:.2f} GiB) of the host]")
+
+    def step():
+        torch.empty(2**62, dtype=torch.uint8)
+
+    row = guarded("distill_step", 4, Backend(name="cpu", device=torch.device("cpu")), step)
+    assert row["status"] == Status.OOM and f"asked {2**62} bytes" in row["error"] and "of the host" in row["error"]
+
+
+def test_every_allocation_failure_is_oom_and_others_are_not():
+    import torch
+
+    from kdbench.measure.failures import asked_bytes, error_text, status_of
+    from kdbench.names import Status
+
+    cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity")
+    assert status_of(cuda) == Status.OOM and asked_bytes(cuda) == 3 * 2**29
+    assert error_text(cuda).endswith(f"[out of memory: asked {3 * 2**29} bytes (1.50 GiB) of the device]")
+    mps = RuntimeError(
+        "MPS backend out of memory (MPS allocated: 1.00 GB). Tried to allocate 256.00 MiB on private pool"
+    )
+    assert status_of(mps) == Status.OOM and asked_bytes(mps) == 2**28
+    assert status_of(RuntimeError("HIP error: hipErrorOutOfMemory")) == Status.OOM
+    assert status_of(MemoryError()) == Status.OOM and "of the host" in error_text(MemoryError())
+    assert status_of(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) == Status.FAILED
+    assert error_text(ValueError("bad\nsecond line")) == "ValueError: bad"

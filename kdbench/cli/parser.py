@@ -54,6 +54,20 @@ def _out_file(text: str) -> Path:
     return path
 
 
+def _out_folder(flag: str):
+    """An argparse type: a folder (created when written), not an existing file."""
+
+    def parse(text: str) -> Path:
+        path = Path(text)
+        if path.exists() and not path.is_dir():
+            raise KdbenchError(
+                f"{flag} {text}: is a file, and {flag} names a folder; give a folder, e.g. {path.parent}"
+            )
+        return path
+
+    return parse
+
+
 def _shard(text: str) -> tuple[int, int]:
     from kdbench.config.plan import parse_shard
 
@@ -90,12 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("suite", type=Path, help="suite YAML file, e.g. suites/cpu.yaml")
     run.add_argument(
         "--out",
-        type=Path,
+        type=_out_folder("--out"),
         default=Path("results"),
         help="results folder; the run is stored in OUT/<run id>/ (default: results/)",
     )
     run.add_argument(
-        "--report-dir", type=Path, default=Path("reports"), help="folder for the HTML/PNG report (default: reports/)"
+        "--report-dir",
+        type=_out_folder("--report-dir"),
+        default=Path("reports"),
+        help="folder for the HTML/PNG report (default: reports/)",
     )
     run.add_argument("--no-report", action="store_true", help="store results only, render no report")
     run.add_argument(
@@ -170,7 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument(
         "results", nargs="+", type=Path, help="run folders, parquet files, or folders searched for them (e.g. results/)"
     )
-    rep.add_argument("--out", type=Path, default=Path("reports"), help="report folder (default: reports/)")
+    rep.add_argument(
+        "--out", type=_out_folder("--out"), default=Path("reports"), help="report folder (default: reports/)"
+    )
     rep.add_argument(
         "--baseline",
         type=Path,
@@ -248,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     probe.add_argument(
         "--out",
-        type=Path,
+        type=_out_folder("--out"),
         default=Path("results"),
         help="results folder; the probe goes to OUT/probes/ where `run --out OUT` finds it (default: results/)",
     )

@@ -157,7 +157,7 @@ def check_axis_name(suite: Suite, loc: tuple, key: str) -> tuple[str, ...]:
     for i, part in enumerate(path):
         names = list(model.model_fields) if model else []
         if part not in names:
-            raise suite.error(loc, f"unknown key '{key}'; {unknown_key_hint(part, names, path[:i])}")
+            raise suite.error(loc, f"unknown key '{key}'; {unknown_key_hint(part, model, path[:i]).rstrip()}")
         model = sub_model(model, part)
         if model is None and i < len(path) - 1:
             raise suite.error(loc, f"'{part}' has no sub-keys; sweep '{'.'.join(path[: i + 1])}' itself")

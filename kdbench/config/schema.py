@@ -14,7 +14,7 @@ cell model is built from that registry, so adding a method touches its own file 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, create_model, field_validator, model_validator
 
@@ -421,6 +421,9 @@ class Suite(Strict):
     defaults: dict[str, Any] = Field(default_factory=dict)
     matrix: dict[str, list[Any]] = Field(default_factory=dict)
     exclude: list[dict[str, Any]] = Field(default_factory=list)
+
+    # the keys a section holds that is no model of its own (for "did you mean": `defaults` holds a cell's keys)
+    sections: ClassVar[dict[str, Any]] = {"defaults": CellDefaults}
 
     _path: Path = PrivateAttr(default=Path("<suite>"))
     _lines: Lines = PrivateAttr(default_factory=dict)

@@ -8,13 +8,14 @@ errors are then turned into ``FILE:LINE: key.path: what to change``.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from kdbench.errors import KdbenchError, did_you_mean
+from kdbench.errors import KdbenchError
 
 Lines = dict[tuple, int]  # key path -> 1-based line
 
@@ -22,23 +23,31 @@ _MAX_NODES = 100_000  # a suite expanded through its aliases; real suites have h
 
 
 def check_expansion(path: Path, root: Any) -> None:
-    """Refuse documents whose aliases expand to a huge tree ("billion laughs").
+    """Refuse documents whose aliases expand to a huge tree ("billion laughs") or to an endless one (an alias
+    inside the value its anchor names: ``a: &a [*a]``).
 
-    The composed graph shares aliased nodes; the expanded size is counted with a
-    memo per node, so the check itself never expands anything.
+    The composed graph shares aliased nodes; the expanded size is counted with a memo per node, so the check itself
+    never expands anything; a node met again while it is being counted is inside itself.
     """
     sizes: dict[int, int] = {}
+    open_: set[int] = set()  # the nodes being counted, from the root down
 
     def size(n: Any) -> int:
+        if id(n) in open_:
+            raise KdbenchError(
+                f"{path}:{n.start_mark.line + 1}: this YAML anchor's value holds an alias of itself, so it never "
+                "ends; write the values out instead of the alias"
+            )
         if id(n) in sizes:
             return sizes[id(n)]
-        sizes[id(n)] = 1  # guards against recursive aliases
+        open_.add(id(n))
         if isinstance(n, yaml.MappingNode):
             total = 1 + sum(size(k) + size(v) for k, v in n.value)
         elif isinstance(n, yaml.SequenceNode):
             total = 1 + sum(size(v) for v in n.value)
         else:
             total = 1
+        open_.discard(id(n))
         sizes[id(n)] = min(total, _MAX_NODES + 1)
         if total > _MAX_NODES:
             raise KdbenchError(
@@ -152,10 +161,42 @@ def _model_at(loc: tuple, root: type[BaseModel]) -> type[BaseModel] | None:
     return model
 
 
-def unknown_key_hint(key: str, names: list[str], prefix: tuple[str, ...] = ()) -> str:
-    """ "did you mean 'x'?" for the closest allowed name, else the list of allowed names."""
-    close = did_you_mean(key, names, n=1, quote=True, join=".".join(prefix + ("",)) if prefix else "")
-    return close.strip() or f"allowed keys: {', '.join(names)}"
+def key_paths(model: Any, depth: int = 3) -> list[tuple[str, ...]]:
+    """Every key path inside a pydantic model, its nested models' keys included (to ``depth`` levels), and the
+    keys of the sections it declares in ``sections`` (a suite's ``defaults`` holds a cell's keys)."""
+    if model is None or depth == 0:
+        return []
+    out: list[tuple[str, ...]] = []
+    for name in model.model_fields:
+        out.append((name,))
+        out += [(name, *p) for p in key_paths(sub_model(model, name), depth - 1)]
+    for name, section in getattr(model, "sections", {}).items():
+        out += [(name, *p) for p in key_paths(section, depth - 1)]
+    return out
+
+
+def unknown_key_hint(key: str, model: Any, prefix: tuple[str, ...] = ()) -> str:
+    """ "did you mean 'x'?" for the key path closest to ``key`` that ``model`` holds (prefixed with ``prefix``, the
+    path the model sits at): a key of that name in a section below first (``vocab_policy`` -> ``data.vocab_policy``),
+    else the closest name, spelt alike or written with its section (``teacher_weights`` -> ``teacher.weights``),
+    else the list of allowed names."""
+    names = list(model.model_fields) if model is not None else []
+    paths = key_paths(model)
+    join = ".".join(prefix + ("",)) if prefix else ""
+    inside = [p for p in paths if len(p) > 1 and p[-1] == key]
+    if inside:
+        shown = [f"'{join}{'.'.join(p)}'" for p in inside[:3]]
+        more = f" (or the {key} of another of {len(inside)} sections)" if len(inside) > 3 else ""
+        return f"did you mean {', '.join(shown)}?{more} "
+
+    def score(p: tuple[str, ...]) -> float:
+        alike = [p[-1], "_".join(p)] if len(p) > 1 else [p[-1]]
+        return max(difflib.SequenceMatcher(None, key, a).ratio() for a in alike)
+
+    best = max(paths, key=lambda p: (score(p), len(p) == 1), default=None)
+    if best is not None and score(best) >= 0.6:
+        return f"did you mean '{join}{'.'.join(best)}'? "
+    return f"allowed keys: {', '.join(names)}"
 
 
 def describe(err: dict, root: type[BaseModel]) -> str:
@@ -163,8 +204,12 @@ def describe(err: dict, root: type[BaseModel]) -> str:
     loc = tuple(err["loc"])
     kind = err["type"]
     if kind == "extra_forbidden":
-        model = _model_at(loc, root)
-        return f"unknown key '{loc[-1]}'; {unknown_key_hint(str(loc[-1]), list(model.model_fields) if model else [])}"
+        hint = unknown_key_hint(str(loc[-1]), _model_at(loc, root)).rstrip()
+        joined = "_".join(str(p) for p in loc[-2:])  # `teacher: {precision: ..}` for teacher_precision
+        parent = _model_at(loc[:-1], root)
+        if hint.startswith("allowed") and len(loc) > 1 and parent is not None and joined in parent.model_fields:
+            hint = f"did you mean '{joined}' (beside '{loc[-2]}', not inside it)?"
+        return f"unknown key '{loc[-1]}'; {hint}"
     if kind == "missing":
         return "is required; add it"
     got = err.get("input")
@@ -172,7 +217,12 @@ def describe(err: dict, root: type[BaseModel]) -> str:
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
     got_text = "" if isinstance(got, (dict, list)) or "got " in msg else f" (got {got!r})"
-    return f"{msg[0].lower()}{msg[1:]}{got_text}"
+    hint = ""
+    if kind == "dict_type" and loc and not isinstance(loc[-1], int):  # a section given a value: a key of it meant?
+        model = _model_at(loc, root)
+        inside = [p for p in key_paths(model) if len(p) > 1 and p[-1] == loc[-1]]
+        hint = f"; did you mean '{'.'.join(inside[0])}'?" if inside else ""
+    return f"{msg[0].lower()}{msg[1:]}{got_text}{hint}"
 
 
 def validation_error(path: Path, lines: Lines, exc: ValidationError, prefix: tuple, root) -> KdbenchError:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from kdbench.measure.rows import failure_rows
@@ -29,6 +31,18 @@ _FATAL_TEXT = (
     "miopenStatusInternalError",
     "miopenStatusUnknownError",
 )
+
+
+# Allocation failures that are not torch.OutOfMemoryError: the host's allocator (a RuntimeError "DefaultCPUAllocator:
+# can't allocate memory: you tried to allocate N bytes"), MPS, HIP runtimes that report it as an error code.
+_OOM_TEXT = (
+    "can't allocate memory",
+    "Cannot allocate memory",
+    "out of memory",
+    "hipErrorOutOfMemory",
+    "cudaErrorMemoryAllocation",
+)
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
 
 class SkipMeasurement(Exception):
@@ -68,14 +82,44 @@ def not_run_after_device_lost() -> str:
     )
 
 
+def is_oom(exc: BaseException) -> bool:
+    """An allocation the device or the host could not satisfy: torch's OutOfMemoryError, Python's MemoryError, or
+    an allocator's RuntimeError (the CPU's "DefaultCPUAllocator: can't allocate memory", MPS, HIP error codes)."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _OOM_TEXT)
+
+
+def asked_bytes(exc: BaseException) -> int | None:
+    """The bytes the failed allocation asked for, as its message states them ("you tried to allocate N bytes",
+    "Tried to allocate 1.50 GiB"); None when it does not say."""
+    text = str(exc)
+    exact = re.search(r"tried to allocate (\d+) bytes", text, re.IGNORECASE)
+    if exact:
+        return int(exact.group(1))
+    sized = re.search(r"tried to allocate ([\d.]+) ?(B|KiB|MiB|GiB|TiB|KB|MB|GB)\b", text, re.IGNORECASE)
+    if sized:
+        unit = next(u for u in _UNITS if u.lower() == sized.group(2).lower())
+        return round(float(sized.group(1)) * _UNITS[unit])
+    return None
+
+
 def status_of(exc: BaseException) -> Status:
-    return Status.OOM if isinstance(exc, torch.OutOfMemoryError) else Status.FAILED
+    return Status.OOM if is_oom(exc) else Status.FAILED
 
 
 def error_text(exc: BaseException) -> str:
-    """`Type: first line of the message`, at most 2000 characters."""
+    """`Type: first line of the message`, at most 2000 characters; an allocation failure ends with the bytes it
+    asked for, and of which memory (the host's allocator or the device's)."""
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:2000]
+    line = f"{type(exc).__name__}: {text[0] if text else ''}"
+    if is_oom(exc):
+        asked = asked_bytes(exc)
+        where = "the host" if "CPUAllocator" in str(exc) or isinstance(exc, MemoryError) else "the device"
+        size = f"{asked} bytes ({asked / 2**30:.2f} GiB)" if asked is not None else "bytes the error does not state"
+        tail = f" [out of memory: asked {size} of {where}]"
+        return line[: 2000 - len(tail)] + tail
+    return line[:2000]
 
 
 def failure_row(measurement: str, batch_size: int, exc: BaseException) -> Row:

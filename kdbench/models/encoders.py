@@ -99,6 +99,9 @@ def encoder_config(name: str, overrides: dict[str, Any] | None = None):
     config_class = config_class_named("BertConfig")
     check_config_fields(config_class, fields, f"override for {name}")
     config = config_class(**{**copy.deepcopy(numbers), **fields})
+    heads = config.num_attention_heads
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+        raise KdbenchError(f"override for {name}: num_attention_heads {heads!r} must be a whole number, at least 1")
     if config.hidden_size % config.num_attention_heads:
         raise KdbenchError(
             f"override for {name}: hidden_size {config.hidden_size} is not a multiple of num_attention_heads "

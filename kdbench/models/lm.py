@@ -252,7 +252,7 @@ def lm_config(name: str, overrides: dict[str, Any] | None = None):
     config_class = config_class_named(entry["config_class"])
     overrides = dict(overrides or {})
     check_config_fields(config_class, overrides, f"override for {name}")
-    return config_class(**{**copy.deepcopy(entry["config"]), **overrides})
+    return config_class(**copy.deepcopy({**entry["config"], **overrides}))  # transformers fills dicts in place
 
 
 def lm_config_from_file(path: str | Path):
@@ -302,7 +302,7 @@ def _resolve_config(name_or_config, overrides: dict[str, Any] | None):
         config = copy.deepcopy(name_or_config)
     if overrides:
         check_config_fields(type(config), overrides, f"override for {type(config).__name__}")
-        for key, value in overrides.items():
+        for key, value in copy.deepcopy(overrides).items():
             setattr(config, key, value)
         # Qwen2-style per-layer attention types follow the layer count when they were uniform.
         layer_types = getattr(config, "layer_types", None)

@@ -78,16 +78,55 @@ def check_model_name(name: str, allow_imports: bool = False) -> None:
         module, _, attr = name.partition(":")
         if not module or not attr:
             raise KdbenchError(f"model {name!r} must look like 'package.module:callable'")
+        missing = missing_module(module)
+        absent = (
+            f"no module named {missing!r} (looked for on sys.path, not imported): check the module name and that its "
+            "folder is on PYTHONPATH"
+            if missing
+            else ""
+        )
         if not allow_imports:
-            raise KdbenchError(
-                f"model {name!r} imports user code; set `allow_imports: true` in the suite or pass --allow-imports"
-            )
+            also = f"; and {absent}" if absent else ""
+            why = "imports user code; set `allow_imports: true` in the suite or pass --allow-imports"
+            raise KdbenchError(f"model {name!r} {why}{also}")
+        if absent:
+            raise KdbenchError(f"model {name!r}: {absent}")
         return
     if name in _REGISTRY or name in _torchvision_names():
         return
     close = did_you_mean(name, available_models())
     hint = f"{close}(`kdbench list models` shows all)" if close else "pick one from `kdbench list models`"
     raise KdbenchError(f"unknown model {name!r}; {hint}")
+
+
+def missing_module(module: str) -> str | None:
+    """The first part of dotted ``module`` that no import finder finds (None: every part is found), asked of the
+    finders directly, so that no package's ``__init__`` runs: user code is only looked for, never imported."""
+    import sys
+
+    path = None
+    parts = module.split(".")
+    for i in range(len(parts)):
+        full = ".".join(parts[: i + 1])
+        loaded = sys.modules.get(full)
+        if loaded is not None:
+            path = getattr(loaded, "__path__", None)
+        else:
+            spec = next((s for f in sys.meta_path if (s := _find(f, full, path)) is not None), None)
+            if spec is None:
+                return full
+            path = spec.submodule_search_locations
+        if path is None and i < len(parts) - 1:
+            return ".".join(parts[: i + 2])  # a module, not a package: it has no submodules
+    return None
+
+
+def _find(finder, name: str, path):
+    find = getattr(finder, "find_spec", None)
+    try:
+        return find(name, path) if find is not None else None
+    except (ImportError, ValueError):
+        return None
 
 
 def build_model(

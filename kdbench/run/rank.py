@@ -59,11 +59,12 @@ def main(argv: list[str]) -> int:
     try:
         ctx = WorkerContext(backend, setup.options, setup.allow_imports)
         rows = measure_cell(job.cell, backend, ctx.cache, setup.options, dp=DataParallel())
-    except torch.OutOfMemoryError as exc:
-        from kdbench.measure.failures import error_text
+    except Exception as exc:
+        from kdbench.measure.failures import error_text, is_oom
 
-        text = f"rank {os.environ.get('RANK', '?')}: {error_text(exc)}"
-        write_atomic(oom_file(rows_file), lambda tmp: Path(tmp).write_text(text))
+        if is_oom(exc):  # the device's or the host's allocator (a CPU RuntimeError too)
+            text = f"rank {os.environ.get('RANK', '?')}: {error_text(exc)}"
+            write_atomic(oom_file(rows_file), lambda tmp: Path(tmp).write_text(text))
         raise
     finally:
         dist.destroy_process_group()

@@ -36,7 +36,6 @@ from kdbench.workloads.base import (
     Problems,
     Workload,
     cast_teacher_weights,
-    config_problem,
     model_of,
     served_precision_note,
     serving_plan,
@@ -77,20 +76,19 @@ class EncoderWorkload(Workload):
     # ------------------------------------------------------------------ plan time
 
     def check(self, config: Any, allow_imports: bool) -> Problems:
-        from kdbench.models.encoders import attn_implementation, encoder_config, is_encoder_model
+        from kdbench.models.encoders import is_encoder_model
+        from kdbench.workloads import lm_checks
 
         problems: Problems = []
-        configs = {}
+        roles = []
         for role in ROLES:
-            name, overrides = getattr(config.pair, role), getattr(config.overrides, role)
-            if not is_encoder_model(name):
-                problems.append((("pair", role), _not_an_encoder(name)))
-                continue
-            try:
-                configs[role] = encoder_config(name, overrides)
-                attn_implementation(name, overrides)
-            except KdbenchError as exc:
-                problems.append(config_problem(role, overrides, exc))
+            if is_encoder_model(getattr(config.pair, role)):
+                roles.append(role)
+            else:
+                problems.append((("pair", role), _not_an_encoder(getattr(config.pair, role))))
+        facts, built = lm_checks.facts_of(config, tuple(roles), self.family, allow_imports)
+        problems += built
+        configs = {role: f.config for role, f in facts.items()}
         if problems:
             return problems
         if config.data.kind != "tokens":
@@ -128,6 +126,8 @@ class EncoderWorkload(Workload):
             return problems
         if "minilm" in feature:
             problems.extend(_minilm_problems(config, configs))
+        elif feature:
+            problems.extend(lm_checks.feature_problems(config, facts, DEFAULT_LAYERS, "encoder layers"))
         return problems
 
     def planned(self, config: Any) -> list[tuple[Measurement, int]]:

@@ -36,7 +36,6 @@ from kdbench.workloads.base import (
     Problems,
     Workload,
     cast_teacher_weights,
-    config_problem,
     encoder_methods,
     model_of,
     serving_plan,
@@ -70,45 +69,22 @@ class LMWorkload(Workload):
 
     def check(self, config: Any, allow_imports: bool) -> Problems:
         from kdbench.distill.lm.impls import unsupported
+        from kdbench.workloads import lm_checks
 
         problems: Problems = []
-        configs = {}
+        roles = []
         for role in ("teacher", "student"):
             name = getattr(config.pair, role)
             overrides = getattr(config.overrides, role)
-            if ":" in name:
-                try:
-                    from kdbench.models.registry import check_model_name
-
-                    check_model_name(name, allow_imports)
-                except KdbenchError as exc:
-                    problems.append((("pair", role), str(exc)))
-                if overrides:
-                    problems.append((("overrides", role), f"overrides apply to registered LMs, not to {name!r}"))
-                continue
-            if not is_lm_model(name):
-                from kdbench.models.registry import available_models
-
-                if name in available_models():
-                    problems.append(
-                        (
-                            ("pair", role),
-                            f"{name!r} is an image classifier and this cell is a language-model cell (data.kind: "
-                            "tokens or an LM partner): pair LMs with LMs (`kdbench list models`), or use image data",
-                        )
-                    )
-                else:
-                    from kdbench.models.lm import registered_lm
-
-                    try:
-                        registered_lm(name)
-                    except KdbenchError as exc:
-                        problems.append((("pair", role), str(exc)))
-                continue
-            try:
-                configs[role] = model_config(name, overrides)
-            except KdbenchError as exc:
-                problems.append(config_problem(role, overrides, exc))
+            if ":" in name and overrides:
+                problems.append((("overrides", role), f"overrides apply to registered LMs, not to {name!r}"))
+            elif ":" in name or is_lm_model(name):
+                roles.append(role)
+            else:
+                problems.append((("pair", role), _not_an_lm(name)))
+        facts, built = lm_checks.facts_of(config, tuple(roles), self.family, allow_imports)
+        problems += built
+        configs = {role: f.config for role, f in facts.items() if f.config is not None}
         if problems:
             return problems
         if config.data.kind != "tokens":
@@ -125,15 +101,9 @@ class LMWorkload(Workload):
                         f"lower it, or raise max_position_embeddings in overrides.{role}",
                     )
                 )
-        vocabs = {role: int(c.vocab_size) for role, c in configs.items()}
-        if len(vocabs) == 2 and vocabs["teacher"] != vocabs["student"] and config.data.vocab_policy == "error":
-            problems.append(
-                (
-                    ("data", "vocab_policy"),
-                    f"the teacher's vocabulary has {vocabs['teacher']} entries and the student's {vocabs['student']}: "
-                    "set data.vocab_policy: slice (both heads cut to the smaller) or give both one vocab_size",
-                )
-            )
+        problems += lm_checks.vocab_problems(config, facts) + lm_checks.prompt_problems(config)
+        problems += lm_checks.head_problems(config, facts) + lm_checks.generation_problems(config, facts)
+        vocabs = {role: f.vocab for role, f in facts.items() if f.vocab is not None}
         try:
             methods = check_method(config.method)
             check_weights(config.method, config.weights)
@@ -169,6 +139,8 @@ class LMWorkload(Workload):
             problems.extend(_topk_problems(config, tokens, vocabs))
         if config.on_policy is not None:
             problems.extend(_on_policy_problems(config, tokens, configs))
+        if any(m.cls.needs_features for m in methods):
+            problems.extend(lm_checks.feature_problems(config, facts, DEFAULT_LAYERS, "decoder layers"))
         if config.parallel == "fsdp" and any(":" in getattr(config.pair, r) for r in ("teacher", "student")):
             why = "parallel fsdp shards registered LMs and config.json models layer by layer, not module:callable ones"
             problems.append((("parallel",), why))
@@ -192,6 +164,7 @@ class LMWorkload(Workload):
         generator = torch.Generator(device=device).manual_seed(config.seed)  # on the device: sampling never syncs
 
         buffers: dict[str, torch.Tensor] = {}
+        vocab = distiller.loss_fn.vocab  # the shared vocabulary (data.vocab_policy): the student samples within it
 
         def generate(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             labels = buffers.get("labels")
@@ -200,7 +173,7 @@ class LMWorkload(Workload):
             lm.eval()
             try:
                 with torch.no_grad(), distiller.student_ac.context(distiller.device_type):
-                    ids = sample(lm, x[:, :prompt_len], settings.new_tokens, settings.temperature, generator)
+                    ids = sample(lm, x[:, :prompt_len], settings.new_tokens, settings.temperature, generator, vocab)
             finally:
                 lm.train(was_training)
             if labels is None or labels.shape != ids.shape:  # one buffer, rewritten: the loss finds its rows once
@@ -334,6 +307,23 @@ class LMWorkload(Workload):
 LM = LMWorkload()
 
 
+def _not_an_lm(name: str) -> str:
+    """Why ``name`` (no LM, no module:callable) cannot be in an LM pair."""
+    from kdbench.models.lm import registered_lm
+    from kdbench.models.registry import available_models
+
+    if name in available_models():
+        return (
+            f"{name!r} is an image classifier and this cell is a language-model cell (data.kind: tokens or an LM "
+            "partner): pair LMs with LMs (`kdbench list models`), or use image data"
+        )
+    try:
+        registered_lm(name)
+    except KdbenchError as exc:
+        return str(exc)
+    raise AssertionError(f"{name!r} is an LM")  # only called for names that are not
+
+
 def _on_policy_problems(config: Any, tokens: list, configs: dict) -> Problems:
     """on_policy: a live teacher scores what the student generated; a divergence to train on; positions enough."""
     problems: Problems = []
@@ -395,7 +385,7 @@ def _topk_problems(config: Any, tokens: list, vocabs: dict[str, int]) -> Problem
 
 
 def shared_vocab(config: Any, teacher: nn.Module | None = None, student: nn.Module | None = None) -> int:
-    """The vocabulary both models share (the smaller, under vocab_policy slice)."""
+    """The vocabulary both models share (the smaller, under vocab_policy slice; two sizes under error raise)."""
     sizes = []
     for role, model in (("teacher", teacher), ("student", student)):
         if model is not None and model.vocab_size is not None:
@@ -406,6 +396,8 @@ def shared_vocab(config: Any, teacher: nn.Module | None = None, student: nn.Modu
             sizes.append(int(c.vocab_size))
     if not sizes:
         raise KdbenchError("cannot tell the vocabulary size of the pair; give a transformers model")
+    if len(set(sizes)) > 1 and config.data.vocab_policy == "error":  # the plan refuses it; a run never slices unasked
+        raise KdbenchError(f"the pair's vocabularies differ ({sizes[0]} and {sizes[1]}): set data.vocab_policy: slice")
     return min(sizes)
 
 

@@ -70,11 +70,16 @@ class GreedyServing:
 
 
 def sample(
-    lm: nn.Module, prompt: torch.Tensor, new_tokens: int, temperature: float, generator: torch.Generator
+    lm: nn.Module,
+    prompt: torch.Tensor,
+    new_tokens: int,
+    temperature: float,
+    generator: torch.Generator,
+    vocab: int | None = None,
 ) -> torch.Tensor:
-    """``prompt`` (B, P) followed by ``new_tokens`` tokens sampled from ``lm`` (softmax(logits / temperature),
-    multinomial from ``generator``, which lies on the prompt's device), one forward per token on its KV cache, no
-    early stop: (B, P + new_tokens)."""
+    """``prompt`` (B, P) followed by ``new_tokens`` tokens sampled from ``lm`` (softmax(logits / temperature) over
+    its first ``vocab`` entries, None: all; multinomial from ``generator``, which lies on the prompt's device), one
+    forward per token on its KV cache, no early stop: (B, P + new_tokens)."""
     forward = lm.forward
     keep = _keyword(forward, "logits_to_keep", "num_logits_to_keep")
     cache_kw = _keyword(forward, "cache", "past_key_values") or "past_key_values"
@@ -82,7 +87,7 @@ def sample(
     cache = getattr(out, "cache", None) or out.past_key_values
     tokens = [prompt]
     for i in range(new_tokens):
-        probs = torch.softmax(out.logits[:, -1].float() / temperature, dim=-1)
+        probs = torch.softmax(out.logits[:, -1, :vocab].float() / temperature, dim=-1)
         token = torch.multinomial(probs, 1, generator=generator)
         tokens.append(token)
         if i + 1 < new_tokens:

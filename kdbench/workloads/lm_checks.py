@@ -1,0 +1,158 @@
+"""The plan's checks of LM and encoder cells against their models, built on the meta device
+(:mod:`kdbench.models.meta`): the override a model cannot take, feature paths the models have and pair as given,
+LM heads a loss implementation and the vocabulary slicing can use, the vocabulary policy, the student's generation
+for on-policy distillation, and a loss with at least one token in it.
+
+Each function returns :data:`~kdbench.workloads.base.Problems` (setting path, message); a model whose facts are
+not known (user code that cannot be built on meta) is left to the run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kdbench.errors import KdbenchError, did_you_mean
+from kdbench.models.meta import ModelFacts, encoder_facts, lm_facts
+from kdbench.workloads.base import Problems, config_problem
+
+ROLES = ("teacher", "student")
+Facts = dict[str, ModelFacts]
+
+
+def model_problem(role: str, overrides: dict, exc: KdbenchError) -> tuple[tuple[str, ...], str]:
+    """A model that cannot be built, at the key to change: the override at fault (``overrides.ROLE.FIELD``), else
+    ``overrides.ROLE`` or ``pair.ROLE``."""
+    field = getattr(exc, "field", None)
+    if field is not None and field in overrides:
+        return ("overrides", role, field), str(exc)
+    return config_problem(role, overrides, exc)
+
+
+def facts_of(config: Any, roles: tuple[str, ...], family: str, allow_imports: bool) -> tuple[Facts, Problems]:
+    """The facts of the cell's ``roles`` models (LMs, or encoders with ``family`` "encoder"), built on meta, and the
+    problems of those that cannot be built."""
+    facts: Facts = {}
+    problems: Problems = []
+    for role in roles:
+        name, overrides = getattr(config.pair, role), getattr(config.overrides, role)
+        try:
+            if family == "encoder":
+                facts[role] = encoder_facts(name, overrides)
+            else:
+                facts[role] = lm_facts(name, overrides, allow_imports)
+        except KdbenchError as exc:
+            problems.append(model_problem(role, overrides, exc))
+    return facts, problems
+
+
+def feature_problems(config: Any, facts: Facts, most: int, layers: str) -> Problems:
+    """``features.teacher`` / ``features.student`` of a feature method on a stack of layers: paths the wrapped
+    models have, lists of one length when both are given, a list the other model's default layers can pair whole
+    (it is never cut), and layers to pair when none are given (``most``: the default pairs at most this many;
+    ``layers``: what the models' layers are called)."""
+    given = {role: getattr(config.features, role) for role in ROLES}
+    known = {role: f for role, f in facts.items() if f.known}
+    problems: Problems = []
+    for role, f in known.items():
+        name = getattr(config.pair, role)
+        for path in given[role] or ():
+            if path not in f.modules:
+                hint = did_you_mean(path, sorted(f.modules), n=1, quote=True)
+                example = f" (its {layers}: '{f.layers[0]}' ... '{f.layers[-1]}')" if f.layers else ""
+                why = f"{name} has no module '{path}'{example}; {hint}give paths as named_modules() lists them"
+                problems.append((("features", role), why))
+    if problems:
+        return problems
+    t, s = given["teacher"], given["student"]
+    if t and s and len(t) != len(s):
+        why = f"features.teacher lists {len(t)} modules and features.student {len(s)}: they are paired in order; "
+        return [(("features",), why + "give both the same number")]
+    for role, other in (("teacher", "student"), ("student", "teacher")):
+        f = known.get(other)
+        if given[role] and not given[other] and f is not None:
+            k = min(len(f.layers), most)
+            if len(given[role]) > k:
+                why = (
+                    f"features.{role} lists {len(given[role])} modules, and the {other}'s default is {k} of its "
+                    f"{layers}: {len(given[role]) - k} of yours would go unpaired; give features.{other} too, or "
+                    f"list at most {k}"
+                )
+                problems.append((("features", role), why))
+    for role, f in known.items():
+        if not given[role] and not f.layers:
+            why = f"{getattr(config.pair, role)} has no {layers} to pair; name its modules in features.{role}"
+            problems.append((("features", role), why))
+    return problems
+
+
+def head_problems(config: Any, facts: Facts) -> Problems:
+    """LM heads the cell's loss can use: a head with a 2-D weight (cut to the shared vocabulary), or logits
+    (then loss_impl dense, the only implementation that takes logits as they are)."""
+    problems: Problems = []
+    for role, f in facts.items():
+        name = getattr(config.pair, role)
+        if f.head is not None:
+            why = f"{name}: {f.head}; the loss multiplies the hidden states by the head's weight: give it a Linear head"
+            problems.append((("pair", role), why))
+        elif f.known and not f.hf and f.returns is not None:
+            why = (
+                f"{name} has no LM head and its forward returns {f.returns}, not logits (batch, tokens, vocabulary): "
+                "return a transformers causal LM (...ForCausalLM) or a module that maps token ids to logits"
+            )
+            problems.append((("pair", role), why))
+        elif f.known and not f.hf and config.loss_impl != "dense":
+            why = (
+                f"loss_impl {config.loss_impl} computes the logits from the LM heads' weights, and {name} has no LM "
+                "head (its forward returns the logits): use loss_impl: dense, or a transformers causal LM"
+            )
+            problems.append((("loss_impl",), why))
+    return problems
+
+
+def vocab_problems(config: Any, facts: Facts) -> Problems:
+    """The vocabularies under ``data.vocab_policy``: error refuses two sizes (slice cuts both heads to the
+    smaller); a module:callable's is its logits' width."""
+    vocabs = {role: f.vocab for role, f in facts.items() if f.vocab is not None}
+    if len(vocabs) == 2 and vocabs["teacher"] != vocabs["student"] and config.data.vocab_policy == "error":
+        why = (
+            f"the teacher's vocabulary has {vocabs['teacher']} entries and the student's {vocabs['student']}: "
+            "set data.vocab_policy: slice (both heads cut to the smaller) or give both one vocab_size"
+        )
+        return [(("data", "vocab_policy"), why)]
+    return []
+
+
+def generation_problems(config: Any, facts: Facts) -> Problems:
+    """on_policy: the student samples its completions token by token with a KV cache: a transformers causal LM."""
+    f = facts.get("student")
+    if config.on_policy is None or f is None or not f.known or f.can_generate:
+        return []
+    name = config.pair.student
+    why = (
+        f"on_policy has the student sample its completions token by token with a KV cache, and {name} is no "
+        "transformers causal LM (it returns logits): give a student that generates (a registered LM, a config.json, "
+        "or a module:callable returning ...ForCausalLM), or remove on_policy"
+    )
+    return [(("on_policy",), why)]
+
+
+def prompt_problems(config: Any) -> Problems:
+    """A loss with tokens in it: off-policy, the prompt masks its share of each sequence and the last position has
+    no next token, so a prompt of seq_len - 1 tokens leaves none; on-policy, the completions are the loss's tokens
+    and each is sampled from a prompt of at least one token."""
+    fraction, seq_len = config.data.prompt_fraction, config.data.seq_len
+    prompt = min(round(fraction * seq_len), seq_len - 1)
+    if config.on_policy is None and prompt >= seq_len - 1:
+        why = (
+            f"data.prompt_fraction {fraction:g} of seq_len {seq_len} is a {prompt}-token prompt, which masks every "
+            "next-token label (the last position has none): the loss would have no token; lower it to at most "
+            f"{(seq_len - 2) / seq_len:.4g}, or raise seq_len"
+        )
+        return [(("data", "prompt_fraction"), why)]
+    if config.on_policy is not None and prompt == 0:
+        why = (
+            f"on_policy samples each completion from its prompt, and data.prompt_fraction {fraction:g} of seq_len "
+            f"{seq_len} rounds to no token: raise it to at least {1 / seq_len:.4g}"
+        )
+        return [(("data", "prompt_fraction"), why)]
+    return []
