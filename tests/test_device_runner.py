@@ -286,6 +286,8 @@ def test_the_runner_runs_gpu_check_on_the_cpu_with_the_wheels_it_installed(wheel
     assert "math:" in done.stdout
     assert "math:" in (out / "runner.log").read_text()
     assert (tmp_path / "deps" / "jinja2").is_dir()
+    # the LM stage is there (no GPU here: it says so), and the check says which torch it ran
+    assert "no GPU: the LM suite needs one" in done.stdout and "\nsoftware: torch " in done.stdout
 
 
 # ---- the pieces, and Python 3.9
