@@ -16,7 +16,10 @@ each figure beside its verdict:
    the legacy and the new flag getters answer inside ``math_mode`` and agree with it, and fp32
    matmuls and convolutions are IEEE fp32 by their error against float64;
 3. idle: a device event pair around a 200 ms host sleep times the gap (every one_off_ms relies on it);
-4. syncs: a distillation step has no host-device sync (``torch.cuda.set_sync_debug_mode("error")``);
+4. syncs: a distillation step has no host-device sync (``torch.cuda.set_sync_debug_mode("error")``), and
+   an LM step (fused_linear) none either; a liger step has exactly liger-kernel's own (LIGER_SYNCS per
+   step, counted in ``"warn"`` mode), and transformers' LM forward its own
+   (TRANSFORMERS_SYNCS_PER_FORWARD), said so;
 5. telemetry: the management library (NVML or amdsmi) reads the GPU torch uses (UUID or
    PCI address, read back from the library), and the energy counter agrees with the
    integral of the sampled power within 25 %;
@@ -28,11 +31,15 @@ each figure beside its verdict:
    0 < mfu <= 1 (or, on a GPU without a datasheet entry, 0 < ceiling_utilization <= 1);
 10. suites/gpu-levers.yaml: every lever once; every row ok or skipped with its reason, every
     compiled row with one_off_ms > 0;
-11. the report of both runs renders.
+11. suites/gpu-lm.yaml: every loss_impl, a bf16-held teacher, the top-k cache, an on-policy step,
+    prefill and decode; every row ok or skipped with its reason, every ok row with its attention
+    kernel (attention_kernel) and 0 < mfu <= 1 on its steps;
+12. the report of the runs renders.
 
 Every ``kdbench run`` gets ``--cell-timeout`` (default 240 s), so no cell outlasts a device command.
-``--quick`` measures memory once fewer, pairs fewer phase rounds, and runs a subset of each suite
-(written into the scratch folder).  Everything lands in ``--out`` in a few files:
+``--quick`` measures memory once fewer, pairs fewer phase rounds, and runs a subset of each image suite
+(written into the scratch folder), and the LM suite whole (7 tiny cells, every ``loss_impl``).  It says
+which torch, transformers and liger-kernel it ran with.  Everything lands in ``--out`` in a few files:
 ``summary.txt`` (the review's five first-run numbers against their H200 ranges, the counts, the
 wall time, torch, device, date), ``check.log`` (all that was printed), ``results.tar.gz`` (the
 runs and the probe), ``report.tar.gz`` and ``probe.parquet``; they are rewritten after every
@@ -42,6 +49,8 @@ It ends with exit code 0 when every check passed, 1 otherwise (the first-run num
 reported, not counted).  ``--device cpu`` runs the checks that mean something on the CPU
 (clocks, math flags, phases, probe, a suite), to try the script itself on a machine without a
 GPU; ``--device cpu --quick`` runs the math flags and the probe only, and the rest say "no GPU".
+The LM stage needs transformers (kdbench's ``lm`` extra) and, for its liger cell, liger-kernel; a box
+without them gets them from benchmarks/device/run_check.py's wheels (docs/gpu-check.md).
 """
 
 from __future__ import annotations
@@ -71,13 +80,15 @@ from kdbench.names import PRECISIONS
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "suites" / "gpu-smoke.yaml"
 LEVERS = ROOT / "suites" / "gpu-levers.yaml"
+LM_SUITE = ROOT / "suites" / "gpu-lm.yaml"
 CLOCK_TOLERANCE = 0.10
 ENERGY_TOLERANCE = 0.25
 PHASE_TOLERANCE = 0.05
 IDLE_GAP_MS = 200.0
 IDLE_MIN_MS = 190.0
 CELL_TIMEOUT_S = 240.0
-DEVICE_COMMAND_S = 480  # the full plan's bound: a 10-minute device command with margin
+DEVICE_COMMAND_S = 480  # --quick's bound on a warm H200: 8 minutes of a 10-minute device command, with margin
+FULL_COMMAND_S = 600  # the full plan's: one 10-minute command on a warm box
 OUTPUTS = ("summary.txt", "check.log", "results.tar.gz", "report.tar.gz", "probe.parquet")  # all --out holds
 
 
@@ -100,17 +111,18 @@ PLAN = (
     Stage("clocks", 4, 5, 4, 5, "a GEMM and 200 tiny adds, events against wall time"),
     Stage("math", 2, 5, 2, 5, "flags, flag getters, IEEE and TF32 errors"),
     Stage("idle", 1, 2, 1, 2, "events around a 200 ms host sleep"),
-    Stage("syncs", 3, 5, 3, 5, "resnet20->resnet8 steps in sync debug mode"),
+    Stage("syncs", 10, 18, 10, 18, "resnet20->resnet8 and tiny-Llama LM steps in sync debug mode"),
     Stage("telemetry", 7, 8, 7, 8, "6 s of GEMMs under NVML/amdsmi"),
     Stage("memory", 12, 15, 8, 10, "a cell three times (--quick: twice)"),
     Stage("phases", 6, 8, 2, 3, "16 paired rounds (--quick: 4)"),
     Stage("probe", 20, 25, 20, 25, "kdbench probe"),
     Stage("suite", 80, 110, 30, 45, "gpu-smoke.yaml: 9 cells (--quick: 3)"),
     Stage("levers", 180, 240, 60, 100, "gpu-levers.yaml: 10 cells, ~5 compiles (--quick: 7, 1)"),
-    Stage("report", 15, 30, 15, 30, "the report of both runs"),
+    Stage("lm", 40, 90, 40, 90, "gpu-lm.yaml: 7 tiny-Llama cells, 15 rows (--quick: all of them)"),
+    Stage("report", 15, 30, 15, 30, "the report of the runs"),
 )
 STAGES = tuple(s.name for s in PLAN if s.name != "start-up")
-GPU_ONLY = ("idle", "syncs", "telemetry", "memory", "levers")  # on the CPU they say "no GPU" and check nothing
+GPU_ONLY = ("idle", "syncs", "telemetry", "memory", "levers", "lm")  # on the CPU they say "no GPU", check nothing
 CPU_QUICK_SKIPS = ("clocks", "phases", "suite", "report")  # slow or noise on a small shared CPU
 
 
@@ -129,7 +141,7 @@ def plan_bounds(args: argparse.Namespace) -> tuple[float, float]:
 
 
 def print_plan(args: argparse.Namespace) -> None:
-    print(f"\nplan{' (--quick)' if args.quick else ''}: seconds on a warm H200 (gpu-review-2)")
+    print(f"\nplan{' (--quick)' if args.quick else ''}: seconds on a warm H200 (gpu-review-2, -3: estimates)")
     for name, low, high, what in plan(args):
         print(f"   {name:<10} {low:>4.0f}-{high:<4.0f} {what}")
     low, high = plan_bounds(args)
@@ -246,6 +258,23 @@ def judge(fig: Figure, report: Report, device: str, stages: dict[str, str]) -> s
     )
 
 
+def software() -> str:
+    """The torch this check runs (with its CUDA or HIP runtime) and the LM stage's packages, by their metadata
+    (nothing imported): 'torch 2.11.0+cu128 (cuda 12.8), transformers 5.17.0, liger-kernel not installed'."""
+    from importlib import metadata
+
+    runtime = getattr(torch.version, "hip", None) or torch.version.cuda
+    parts = [f"torch {torch.__version__} ({'hip' if getattr(torch.version, 'hip', None) else 'cuda'} {runtime})"]
+    if runtime is None:
+        parts = [f"torch {torch.__version__} (cpu build)"]
+    for dist in ("transformers", "liger-kernel"):
+        try:
+            parts.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{dist} not installed")
+    return ", ".join(parts)
+
+
 class Run:
     """What summary.txt says about this run besides the checks."""
 
@@ -267,6 +296,7 @@ def write_summary(out: Path, report: Report, run: Run) -> None:
         f"date:      {run.date}",
         f"device:    {run.device} ({run.backend}); torch {torch.__version__}, "
         f"runtime {getattr(torch.version, 'hip', None) or torch.version.cuda or 'cpu'}",
+        f"software:  {software()} (python {sys.version.split()[0]})",
         f"arguments: {' '.join(run.args.argv) or '(none)'}",
         f"wall time: {time.perf_counter() - run.start:.0f} s (plan on a warm H200: {low:.0f}-{high:.0f} s)",
         f"checks:    {report.passed} passed, {len(report.failed)} failed" + (f"; {run.stopped}" if run.stopped else ""),
@@ -534,6 +564,143 @@ def check_syncs(backend: Backend, report: Report) -> None:
         + (f"synchronised: {error}" if error else "no host-device sync"),
         not error,
     )
+    check_lm_syncs(backend, report)
+
+
+# liger-kernel's backward, once a step (0.8.5: chunked_loss/fused_linear_distillation.py:299):
+# `if torch.ne(grad_output, torch.tensor(1.0, device=grad_output.device))` -- one sync point of the step, which
+# torch's sync debug mode reports as two synchronising calls: the scalar's blocking host-to-device copy
+# (pytorch/pytorch#120996) and the comparison read back by the `if` (#62092).
+LIGER_SYNCS = 2
+# transformers, where masking_utils has find_packed_sequence_indices (5.x), reads the position ids back once per
+# forward that has neither an attention mask nor a cache, to find packed sequences (`.all()` in an `if`): every LM
+# forward of a step, the teacher's and the student's; the model's own, not kdbench's.
+TRANSFORMERS_SYNCS_PER_FORWARD = 1
+LM_SYNC_STEPS = 3
+
+
+def lm_config(**changes):
+    """The syncs stage's LM cell: the tiny Llama pair, bf16, 32k vocabulary, 2 x 256 tokens."""
+    from kdbench.config.schema import CellConfig
+
+    base = {
+        "pair": {"teacher": "tiny-llama-teacher", "student": "tiny-llama-student"},
+        "overrides": {"teacher": {"vocab_size": 32000}, "student": {"vocab_size": 32000}},
+        "data": {"kind": "tokens", "seq_len": 256, "prompt_fraction": 0.25},
+        "method": "forward_kl",
+        "precision": "bf16",
+        "teacher_precision": "bf16",
+        "batch_size": 2,
+        "chunk_size": 256,
+        "inference": {"batch_sizes": []},
+    }
+    return CellConfig.model_validate({**base, **changes})
+
+
+def lm_step(backend: Backend, config):
+    """The distillation step of an LM cell, built as a cell builds it (its workload's pair and batch)."""
+    from kdbench.distill.step import DistillStep
+    from kdbench.models import ModelCache
+    from kdbench.workloads import workload_of
+
+    workload = workload_of(config)
+    torch.manual_seed(0)
+    teacher, student = workload.build_pair(config, backend, ModelCache())
+    x, y = workload.batch(config, config.batch_size, backend.device, config.seed, (teacher, student))
+    return DistillStep(teacher, student, x, y, config, backend, workload)
+
+
+class without_packed_check:
+    """transformers' packed-sequence check off (it finds none): what is left of a step's syncs is kdbench's and
+    its loss's.  Nothing where this transformers has no such check."""
+
+    def __enter__(self):
+        import transformers.masking_utils as masking
+
+        self.module = masking
+        self.saved = getattr(masking, "find_packed_sequence_indices", None)
+        if self.saved is not None:
+            masking.find_packed_sequence_indices = lambda position_ids: None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is not None:
+            self.module.find_packed_sequence_indices = self.saved
+
+
+def lm_sync_expectations(impl: str, packed_check: bool) -> tuple[int, int, str]:
+    """(syncs per step with transformers' packed-sequence check off, with it on, why) for an LM step of ``impl``
+    with a live teacher: kdbench's own step none, liger's LIGER_SYNCS, transformers' one per forward."""
+    own = LIGER_SYNCS if impl == "liger" else 0
+    model = 2 * TRANSFORMERS_SYNCS_PER_FORWARD if packed_check else 0
+    why = (
+        f"liger-kernel's backward: {LIGER_SYNCS} (the host-to-device copy of torch.tensor(1.0) and the `if` on the "
+        "comparison, one line)"
+        if impl == "liger"
+        else "kdbench's LM step is sync-free"
+    )
+    return own, own + model, why
+
+
+def check_lm_syncs(backend: Backend, report: Report) -> None:
+    """LM steps (tiny Llama, bf16): syncs counted per step in sync debug mode ``"warn"``; kdbench's fused_linear
+    step none, a liger step exactly liger-kernel's (said so), and transformers' packed-sequence check apart."""
+    from kdbench.distill.lm.impls import unavailable
+    from kdbench.measure.syncs import sync_calls
+
+    try:
+        import transformers.masking_utils as masking
+    except ImportError as exc:
+        report.check(f"LM steps: transformers does not import ({exc}): install kdbench's lm extra", False)
+        return
+    packed = hasattr(masking, "find_packed_sequence_indices")
+    n = LM_SYNC_STEPS
+    for impl in ("fused_linear", "liger"):
+        why_not = unavailable(impl)
+        if why_not:
+            report.check(f"tiny-Llama {impl} LM step: not checked: {why_not}", impl == "liger")
+            continue
+        step = lm_step(backend, lm_config(loss_impl=impl))
+        try:
+            for _ in range(2):  # lazy initialisation (cuBLAS handles, the optimizer's state) before counting
+                step()
+            backend.synchronize()
+            own, with_model, why = lm_sync_expectations(impl, packed)
+            steps = _repeat(step, n)
+            with without_packed_check():
+                calls = sync_calls(steps, backend)
+            report.check(
+                f"tiny-Llama {impl} bf16 LM step, {n} steps, transformers' packed-sequence check off: {len(calls)} "
+                f"synchronising calls (expected {own} a step: {why})",
+                len(calls) == own * n,
+            )
+            calls = sync_calls(steps, backend)
+            model = with_model - own
+            report.check(
+                f"tiny-Llama {impl} bf16 LM step, {n} steps, as transformers {_version('transformers')} runs it: "
+                f"{len(calls)} synchronising calls (expected {with_model} a step: {own} of the step's, {model} of "
+                "transformers' causal-mask builder, which reads the position ids back once per forward)",
+                len(calls) == with_model * n,
+            )
+        finally:
+            step.close()
+
+
+def _repeat(fn: Callable[[], object], n: int) -> Callable[[], None]:
+    def calls() -> None:
+        for _ in range(n):
+            fn()
+
+    return calls
+
+
+def _version(dist: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 def _gemm_loop(backend: Backend, seconds: float, on_window=None):
@@ -907,6 +1074,61 @@ def check_levers(backend: Backend, suite: Path, scratch: Path, report: Report, c
         )
 
 
+def lm_row_problems(r) -> list[str]:
+    """What an ok row of the LM suite lacks: its attention kernel, a utilisation in (0, 1] on a step, and what
+    its cell's path must leave on it (a bf16-held teacher, the top-k cache's bytes, the generation phase)."""
+    import pandas as pd
+
+    problems = []
+    if not _said(getattr(r, "attention_kernel", None)):
+        problems.append("no attention_kernel")
+    if r.measurement != "distill_step":
+        return problems
+    share = r.mfu if pd.notna(r.mfu) else r.ceiling_utilization
+    if pd.isna(share) or not 0 < share <= 1:
+        problems.append(f"mfu / ceiling_utilization {share} not in (0, 1]")
+    if r.teacher_mode == "topk_cache" and not (r.teacher_cache_bytes_per_token or 0) > 0:
+        problems.append("no teacher_cache_bytes_per_token")
+    if pd.notna(r.on_policy_new_tokens) and not (r.phase_generate_ms or 0) > 0:
+        problems.append("no phase_generate_ms")
+    return problems
+
+
+def check_lm(backend: Backend, suite: Path, scratch: Path, report: Report, cell_timeout: float) -> None:
+    import importlib.util
+
+    import pandas as pd
+
+    report.section(f"kdbench run {suite.name}: the LM paths")
+    if backend.device_type != "cuda":
+        report.info("no GPU: the LM suite needs one")
+        return
+    if importlib.util.find_spec("transformers") is None:
+        report.check("transformers is installed (kdbench's lm extra; run_check.py installs it from wheels)", False)
+        return
+    df = _run_suite(backend, suite, scratch, report, cell_timeout)
+    if df is None:
+        return
+    for r in df.itertuples():
+        what = f"{r.cell_label} {r.measurement} bs{r.batch_size}"
+        if r.status != "ok":
+            report.check(f"{what}: {r.status}: {r.error}", r.status == "skipped" and _said(r.error))
+            continue
+        share = ""
+        if r.measurement == "distill_step":
+            share = f", mfu {r.mfu:.3g}" if pd.notna(r.mfu) else f", ceiling_utilization {r.ceiling_utilization:.3g}"
+        flags = " launch-bound" if r.launch_bound is True else ""
+        problems = lm_row_problems(r)
+        kernel = r.attention_kernel if _said(r.attention_kernel) else "not recorded"
+        report.check(
+            f"{what}: {r.median_ms:.4g} ms, {r.tokens_per_s:.4g} tokens/s, attention {kernel}{share}{flags}"
+            + (f": {'; '.join(problems)}" if problems else ""),
+            not problems,
+        )
+    kernels = sorted({k for k in df.attention_kernel.dropna()})
+    report.info(f"attention kernels that ran: {', '.join(kernels) or 'none recorded'}")
+
+
 def check_report(scratch: Path, report: Report) -> None:
     from kdbench import api
 
@@ -935,6 +1157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", help="auto (the first visible GPU), cuda, rocm or cpu")
     parser.add_argument("--suite", type=Path, default=None, help=f"the smoke suite (default {SMOKE.relative_to(ROOT)})")
     parser.add_argument("--levers", type=Path, default=LEVERS, help="the levers suite")
+    parser.add_argument("--lm", type=Path, default=LM_SUITE, help="the LM suite")
     parser.add_argument("--out", type=Path, default=None, help="the files to copy back (default: a temp folder)")
     parser.add_argument(
         "--cell-timeout",
@@ -991,6 +1214,7 @@ def _check(args: argparse.Namespace, out: Path, scratch: Path) -> int:
         else:
             run.device = backend.name
             print(f"{backend.name}: no GPU; only the checks that mean something on the CPU run")
+        print(f"software: {software()}")
         print_plan(args)
         if backend.device_type != "cuda":
             print("   (estimates for the GPU: here the GPU stages say 'no GPU' and take no time)")
@@ -1012,6 +1236,7 @@ def _check(args: argparse.Namespace, out: Path, scratch: Path) -> int:
             "probe": lambda: check_probe(backend, scratch, report),
             "suite": lambda: check_suite(backend, smoke, scratch, report, args.cell_timeout),
             "levers": lambda: check_levers(backend, levers, scratch, report, args.cell_timeout),
+            "lm": lambda: check_lm(backend, args.lm, scratch, report, args.cell_timeout),
             "report": lambda: check_report(scratch, report),
         }
         planned = {name: (low, high) for name, low, high, _ in plan(args)}

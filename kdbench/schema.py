@@ -357,6 +357,17 @@ COLUMNS: tuple[Column, ...] = (
             "encoder rows: the attention implementation the models ran (`sdpa`, `eager`; `teacher X, student Y` "
             "when they differ); minilm reads Q, K, V from hooks on the projections, so SDPA stays",
         ),
+        (
+            "attention_kernel",
+            _S,
+            "",
+            "the kernel each scaled_dot_product_attention call of the row's counted call ran, read from the aten op "
+            "it dispatched to: `flash` (`_scaled_dot_product_flash_attention`, and on the CPU "
+            "`_scaled_dot_product_flash_attention_for_cpu`), `cudnn`, `mem_efficient`, or `math` (none of them: "
+            "torch's matmuls and softmax, the S×S scores materialised); `teacher X, student Y` on a step when the "
+            "models differ, `A+B` when one model's calls ran several (most calls first). Null: no SDPA call (eager "
+            "attention, an image model), or no FLOP count (over the time budget)",
+        ),
         ("final_loss", _F, "", "distillation loss of the last timed step (distill_step rows; mean over ranks)"),
         ("nonfinite_steps", _I, "steps", "steps whose loss was inf or NaN (all calls, warm-up included)"),
         ("scaler_skips", _I, "steps", "optimizer updates the fp16 GradScaler skipped for inf/NaN gradients"),
@@ -413,7 +424,10 @@ COLUMNS: tuple[Column, ...] = (
             "flops",
             _F,
             "FLOP",
-            "FLOPs of one iteration on one device (torch.utils.flop_counter: matmuls and convolutions)",
+            "FLOPs of one iteration on one device (torch.utils.flop_counter: matmuls, convolutions and attention), "
+            "attention as its kernel executes it: a causal call on a fused kernel (flash, cuDNN, mem-efficient, the "
+            "CPU's flash) counts its unmasked (query, key) pairs, S(S+1)/2 per head, the math kernel the whole S×S "
+            "square (attention_kernel says which ran)",
         ),
         ("teacher_forward_flops", _F, "FLOP", "the teacher forward's share of `flops` (distill_step, live teacher)"),
         ("student_flops", _F, "FLOP", "student forward + backward (+ adapters) share of `flops` (distill_step)"),
@@ -541,7 +555,13 @@ COLUMNS: tuple[Column, ...] = (
             "(kdbench.peaks.PEAKS); for a distill_step whose live teacher runs at another precision, flops / "
             "(teacher_forward_flops / teacher's peak + the rest / student's peak)",
         ),
-        ("mfu", _F, "ratio", "achieved_tflops / datasheet_peak_tflops"),
+        (
+            "mfu",
+            _F,
+            "ratio",
+            "achieved_tflops / datasheet_peak_tflops; `flops` counts causal attention as executed (half the square "
+            "on fused kernels, the whole on math: see attention_kernel), so rows of different kernels compare",
+        ),
         (
             "ceiling_utilization",
             _F,

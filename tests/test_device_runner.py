@@ -171,6 +171,47 @@ def test_a_missing_wheel_stops_the_runner_with_the_fetch_command(tmp_path):
     assert "missing wheel: pyyaml" in (out / "runner.log").read_text()
 
 
+LM_CHECK = """
+import json, sys
+import liger_kernel
+print(json.dumps({"liger_kernel": liger_kernel.__file__}))
+sys.exit(3)
+"""
+
+
+@pytest.mark.slow
+def test_the_lm_stages_packages_are_fetched_without_torch_and_installed_where_the_box_lacks_them(tmp_path):
+    """liger-kernel requires torch and triton (the box's own): fetched alone; the runner installs it where the box
+    lacks it, and without a wheel runs the check all the same, saying the LM stage goes without it."""
+    wheels = tmp_path / "wheels"
+    done = _run(
+        FETCH, "--python-version", VERSION, "--platform", _this_platform(), "--dest", wheels,
+        "--only", "liger-kernel==0.8.5",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [p.name for p in wheels.glob("*.whl")] == ["liger_kernel-0.8.5-py3-none-any.whl"]
+    assert "requires the box's own torch (never fetched): its wheel alone" in done.stdout
+    manifest = (wheels / "MANIFEST.txt").read_text()
+    assert "fetched without its dependencies (it requires the box's torch): liger-kernel==0.8.5" in manifest
+    assert "never fetched: torch torchvision triton" in manifest
+    script = tmp_path / "lm_check.py"
+    script.write_text(LM_CHECK)
+    target = tmp_path / "deps"
+    args = ("--target", target, "--script", script, "--timeout", 120)
+    done = _run(RUNNER, "--wheels", wheels, *args, "--out", tmp_path / "a", env={PRETEND: "liger-kernel"}, timeout=180)
+    assert done.returncode == 3, done.stdout + done.stderr
+    seen = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+    assert Path(seen["liger_kernel"]).is_relative_to(target)
+    assert "OPTIONAL liger-kernel>=0.6.5: missing (pretended" in done.stdout
+    summary = json.loads((tmp_path / "a" / "runner.json").read_text())
+    assert summary["optional_missing"] == ["liger-kernel"] and summary["missing"] == []
+    assert summary["installed"] == ["liger_kernel-0.8.5-py3-none-any.whl"]
+    # no wheel of it: the check runs all the same, and the runner says what the LM stage goes without
+    done = _run(RUNNER, "--wheels", tmp_path / "none", *args, "--out", tmp_path / "b", env={PRETEND: "liger-kernel"})
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "gpu_check's LM stage runs without it" in done.stdout and "--only liger-kernel" in done.stdout
+
+
 # ---- run_check.py: the hard timeout
 
 SLEEPER = """
@@ -245,6 +286,8 @@ def test_the_runner_runs_gpu_check_on_the_cpu_with_the_wheels_it_installed(wheel
     assert "math:" in done.stdout
     assert "math:" in (out / "runner.log").read_text()
     assert (tmp_path / "deps" / "jinja2").is_dir()
+    # the LM stage is there (no GPU here: it says so), and the check says which torch it ran
+    assert "no GPU: the LM suite needs one" in done.stdout and "\nsoftware: torch " in done.stdout
 
 
 # ---- the pieces, and Python 3.9

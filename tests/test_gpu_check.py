@@ -93,21 +93,27 @@ def test_the_new_gpu_checks_say_so_on_the_cpu(gpu_check, tmp_path, capsys):
     gpu_check.check_idle(cpu, report)
     gpu_check.check_syncs(cpu, report)
     gpu_check.check_levers(cpu, gpu_check.LEVERS, tmp_path, report, 240)
+    gpu_check.check_lm(cpu, gpu_check.LM_SUITE, tmp_path, report, 240)
     assert report.passed == 0 and report.failed == []
     out = capsys.readouterr().out
-    assert out.count("no GPU") == 3
-    assert "no GPU: the levers suite needs one" in out
+    assert out.count("no GPU") == 4
+    assert "no GPU: the levers suite needs one" in out and "no GPU: the LM suite needs one" in out
 
 
 def test_the_plan_fits_one_device_command_and_quick_fits_with_margin(gpu_check):
     full = gpu_check.parse_args([])
     quick = gpu_check.parse_args(["--quick"])
     names = [name for name, *_ in gpu_check.plan(full)]
-    assert names[0] == "start-up" and {"levers", "syncs", "idle", "math", "suite", "report"} <= set(names)
+    assert names[0] == "start-up" and {"levers", "syncs", "idle", "math", "suite", "lm", "report"} <= set(names)
     low, high = gpu_check.plan_bounds(full)
-    assert 0 < low <= high <= 480  # 8 minutes of a 10-minute device command
+    # the device command runs --quick: 8 minutes of a 10-minute command, the runner's install and a fresh box's
+    # start beside it; the full check, with the LM stage, fits the 10-minute command itself on a warm box
+    assert 0 < gpu_check.plan_bounds(quick)[0] <= gpu_check.plan_bounds(quick)[1] <= 480 == gpu_check.DEVICE_COMMAND_S
+    assert 0 < low <= high <= 600 == gpu_check.FULL_COMMAND_S
     assert gpu_check.plan_bounds(quick)[1] < high
     assert gpu_check.plan_bounds(gpu_check.parse_args(["--skip", "levers"]))[1] == high - 240
+    lm = {name: (low, high) for name, low, high, _ in gpu_check.plan(full)}["lm"]
+    assert gpu_check.plan_bounds(gpu_check.parse_args(["--skip", "lm"]))[1] == high - lm[1] and lm[0] > 0
     assert gpu_check.parse_args([]).cell_timeout == 240
 
 
@@ -125,6 +131,98 @@ def test_quick_suites_are_subsets_with_the_cells_the_summary_reads(gpu_check, tm
     assert any(c.pair.student == "resnet18" and c.precision == "bf16" for c in quick_smoke)
     assert [c.compile for c in quick_levers if c.compile != "off"] == ["reduce-overhead"]
     assert any(c.compile_teacher for c in quick_levers)
+
+
+def test_the_lm_suite_covers_every_lm_path_and_quick_runs_it_whole(gpu_check):
+    from kdbench.config.load import load_suite
+    from kdbench.distill.lm.impls import LOSS_IMPLS
+    from kdbench.workloads import expand_checked, planned_measurements
+
+    full = expand_checked(load_suite(gpu_check.LM_SUITE))
+    configs = [c.config for c in full]
+    assert {c.loss_impl for c in configs} == set(LOSS_IMPLS)  # every loss_impl
+    assert any(c.teacher.weights == "bf16" for c in configs) and any(c.teacher.mode == "topk_cache" for c in configs)
+    assert any(c.on_policy is not None for c in configs)
+    measured = {str(m) for c in configs for m, _ in planned_measurements(c)}
+    assert {"student_prefill", "student_decode", "teacher_prefill", "teacher_decode"} <= measured
+    assert len(full) == 7 and sum(len(planned_measurements(c)) for c in configs) == 15
+    # --quick (the device command's) runs it whole, every loss_impl: the stage planned at its full time
+    stage = {s.name: s for s in gpu_check.PLAN}["lm"]
+    assert (stage.quick_low, stage.quick_high) == (stage.low, stage.high)
+
+
+def test_the_lm_stage_on_a_simulated_gpu_judges_every_row_of_the_lm_suite(gpu_check, monkeypatch, tmp_path, capsys):
+    """The LM stage as a GPU runs it (a simulated one, the suite's rows as read_results gives them): an ok row
+    passes with its attention kernel and, on a step, 0 < mfu <= 1; a row without its kernel, a top-k cell without
+    its cache bytes, an on-policy step without its generation phase, or a failed row fails; a skip with its reason
+    passes (gpu-review-3 L10)."""
+    import pandas as pd
+
+    from kdbench.schema import COLUMNS
+    from tests.helpers import simulated_gpu
+
+    step = {"measurement": "distill_step", "status": "ok", "median_ms": 4.0, "tokens_per_s": 2.5e5, "mfu": 0.2}
+    rows = [
+        {**step, "cell_label": "dense", "attention_kernel": "cudnn"},
+        {**step, "cell_label": "dense", "measurement": "student_decode", "mfu": None, "attention_kernel": "flash"},
+        {**step, "cell_label": "fused_linear", "attention_kernel": None},  # the kernel not recorded
+        {**step, "cell_label": "topk", "attention_kernel": "cudnn", "teacher_mode": "topk_cache"},  # no cache bytes
+        {**step, "cell_label": "topk ok", "attention_kernel": "cudnn", "teacher_mode": "topk_cache"}
+        | {"teacher_cache_bytes_per_token": 1024.0},
+        {**step, "cell_label": "gkd", "attention_kernel": "cudnn", "on_policy_new_tokens": 32},  # no generate phase
+        {**step, "cell_label": "gkd ok", "attention_kernel": "cudnn", "on_policy_new_tokens": 32}
+        | {"phase_generate_ms": 1.5},
+        {**step, "cell_label": "mfu", "attention_kernel": "cudnn", "mfu": 1.5},  # more than the datasheet's peak
+        {"measurement": "distill_step", "status": "skipped", "cell_label": "liger", "error": "liger-kernel missing"},
+        {"measurement": "distill_step", "status": "failed", "cell_label": "torch_linear", "error": "boom"},
+    ]
+    df = pd.DataFrame(rows).reindex(columns=[c.name for c in COLUMNS]).assign(batch_size=2)
+    asked = []
+    monkeypatch.setattr(gpu_check, "_run_suite", lambda backend, suite, *a: asked.append((backend.name, suite)) or df)
+    report = gpu_check.Report()
+    gpu_check.check_lm(simulated_gpu("cuda"), gpu_check.LM_SUITE, tmp_path, report, 240)
+    out = capsys.readouterr().out
+    assert asked == [("cuda", gpu_check.LM_SUITE)]
+    assert "kdbench run gpu-lm.yaml: the LM paths" in out
+    assert report.passed == 5  # dense step and decode, the two complete cells, the skip with its reason
+    failed = "\n".join(report.failed)
+    assert len(report.failed) == 5
+    for problem in (
+        "fused_linear distill_step bs2: 4 ms, 2.5e+05 tokens/s, attention not recorded, mfu 0.2: no attention_kernel",
+        "topk distill_step bs2: 4 ms, 2.5e+05 tokens/s, attention cudnn, mfu 0.2: no teacher_cache_bytes_per_token",
+        "gkd distill_step bs2: 4 ms, 2.5e+05 tokens/s, attention cudnn, mfu 0.2: no phase_generate_ms",
+        "mfu / ceiling_utilization 1.5 not in (0, 1]",
+        "torch_linear distill_step bs2: failed: boom",
+    ):
+        assert problem in failed, failed
+    assert "attention kernels that ran: cudnn, flash" in out
+
+
+@pytest.mark.slow
+def test_the_lm_steps_of_the_syncs_stage_build_and_sync_where_it_says(gpu_check):
+    """The syncs stage's LM steps, built on the CPU; kdbench's counter sees there the value reads a GPU syncs on
+    (not the host-to-device copies): kdbench's step none, liger's one read-back (its copy is the GPU's second),
+    and transformers' causal-mask builder once per forward, teacher's and student's."""
+    from kdbench.measure.syncs import optimizer_host_tensors, sync_calls
+
+    cpu = resolve("cpu")
+    small = {"teacher": {"vocab_size": 256}, "student": {"vocab_size": 256}}
+    data = {"kind": "tokens", "seq_len": 16, "prompt_fraction": 0.25}
+    for impl, reads in (("fused_linear", 0), ("liger", gpu_check.LIGER_SYNCS - 1)):
+        config = gpu_check.lm_config(loss_impl=impl, precision="fp32", teacher_precision="fp32", overrides=small)
+        config = config.model_copy(update={"data": config.data.model_copy(update=data), "chunk_size": 8})
+        step = gpu_check.lm_step(cpu, config)
+        try:
+            step()
+            step()
+            exempt = optimizer_host_tensors(step.distiller.optimizer)
+            own, with_model, why = gpu_check.lm_sync_expectations(impl, packed_check=True)
+            with gpu_check.without_packed_check():
+                assert len(sync_calls(step, cpu, exempt=exempt)) == reads
+            assert len(sync_calls(step, cpu, exempt=exempt)) - reads == with_model - own == 2
+            assert ("liger-kernel" in why) == (impl == "liger")
+        finally:
+            step.close()
 
 
 def test_the_levers_suite_plans_every_lever_once():
@@ -150,6 +248,7 @@ def test_quick_runs_on_the_cpu_and_the_gpu_stages_say_no_gpu(quick_cpu_run):
     assert seconds < 120
     for line in (
         "no GPU: the levers suite needs one",
+        "no GPU: the LM suite needs one",
         "no GPU: nothing synchronises on the CPU",
         "no GPU: the host clock times the sleep",
         "no GPU: the CPU has no allocator counters",
@@ -157,6 +256,8 @@ def test_quick_runs_on_the_cpu_and_the_gpu_stages_say_no_gpu(quick_cpu_run):
     ):
         assert line in log
     assert "plan (--quick): seconds on a warm H200" in log
+    assert "   lm           40-90   gpu-lm.yaml: 7 tiny-Llama cells" in log  # the LM stage, planned
+    assert "software: torch " in log and "transformers " in log  # which torch it ran
     assert "ok   kdbench probe exit code 0" in log  # the subprocess's output is in the log too
     assert "probing cpu" in log
 
@@ -173,6 +274,8 @@ def test_summary_reports_the_five_numbers_and_the_counts(quick_cpu_run):
     _, out, _ = quick_cpu_run
     summary = (out / "summary.txt").read_text()
     assert "passed, 0 failed" in summary and "torch " in summary and "UTC" in summary and "wall time" in summary
+    assert "\nsoftware:  torch " in summary and ", transformers " in summary and ", liger-kernel " in summary
+    assert "lm no GPU" in summary  # the LM stage, listed with what became of it
     for number in range(1, 6):
         assert f"\n  {number}. " in summary
     assert "probe bf16 matmul, TFLOP/s:" in summary and "INFO: no expected range for cpu" in summary

@@ -156,6 +156,8 @@ def test_a_cell_measures_the_step_and_serving_with_tokens_and_logits_memory():
         assert by[name]["tokens_per_s"] > 0 and by[name]["flops"] > 0
     # the teacher (2 layers, 256 wide) costs more FLOPs per token than the student (1 layer, 128)
     assert by["teacher_prefill"]["flops"] > by["student_prefill"]["flops"]
+    # every row says which attention kernel ran: the CPU's flash (gpu-review-3 L8)
+    assert [r["attention_kernel"] for r in rows] == ["flash"] * 5
 
 
 def test_dense_and_fused_cells_measure_the_same_first_loss():
@@ -180,11 +182,20 @@ def test_dense_and_fused_cells_measure_the_same_first_loss():
 
 
 def test_counted_forward_flops_match_the_analytic_count(pair):
+    # at 128 tokens attention is a tenth of the forward: counted as executed (gpu-review-3 L13), the causal half
+    # on the CPU's flash kernel (torch's own counter counts it not at all), the whole square on the math kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     teacher, _ = pair
-    x = torch.randint(0, 4096, (2, 16))
+    x = torch.randint(0, 4096, (2, 128))
     with torch.no_grad():
         counted = count_flops(lambda: teacher.head(teacher(x)))
-    assert counted == pytest.approx(analytic_forward_flops(teacher, 2, 16), rel=0.02)
+        with sdpa_kernel(SDPBackend.MATH):
+            math = count_flops(lambda: teacher.head(teacher(x)))
+    assert counted == analytic_forward_flops(teacher, 2, 128)
+    assert math == analytic_forward_flops(teacher, 2, 128, fused=False)
+    # the difference is the masked half: 2 layers × QKᵀ and PV over 128·127/2 pairs of 2 sequences × 4 heads of 64
+    assert math - counted == 2 * (2 * 2 * 4 * (128 * 127 // 2) * (64 + 64))
 
 
 def test_a_module_that_returns_logits_runs_dense_only():

@@ -134,6 +134,7 @@ def test_planned_measurements():
         ("seeds", 2),
         ("methods", 72),
         ("gpu-smoke", 9),
+        ("gpu-lm", 7),
         ("levers-cpu", 6),
         ("llm-cuda", 48),
         ("llm-amd", 48),
@@ -283,7 +284,8 @@ CELLS_ADDED_SINCE = {"llm-fsdp.yaml": 2}  # issue 30: FSDP2 of a bf16-held teach
 @pytest.mark.parametrize("device", ["cpu", "cuda", "rocm"])
 def test_shipped_suites_plan_the_cells_they_planned_before_the_redesign(device):
     """Every shipped suite plans the cells (ids, and each cell's planned rows) and the quality job it planned at
-    8dd427e, before issue 29's redesign, on every backend: results stored then still resume, compare and report."""
+    8dd427e, before issue 29's redesign, on every backend: results stored then still resume, compare and report.
+    A suite added since is held from when it was added (gpu-lm.yaml: issue 30)."""
     import hashlib
     import json
 

@@ -20,8 +20,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 PYPROJECT = ROOT / "pyproject.toml"
 
-# The box's own: never fetched, never installed. torchvision must match the box's torch build.
-BOX_OWN = ("torch", "torchvision")
+# The box's own: never fetched, never installed. torchvision must match the box's torch build, and so must triton
+# (pytorch-triton-rocm on ROCm), which the torch wheels bring.
+BOX_OWN = ("torch", "torchvision", "triton", "pytorch-triton-rocm")
+
+# kdbench's extras that gpu_check's LM stage uses: transformers (lm) and, for its liger cell, liger-kernel (liger).
+# Optional: installed from the wheels where the box lacks them and a wheel is there; without them the stage says so.
+LM_EXTRAS = ("lm", "liger")
 
 # Distribution name (normalized) -> the module to import, where they differ.
 IMPORT_NAMES = {
@@ -76,6 +81,36 @@ def project_dependencies(pyproject: Path = PYPROJECT) -> list[Requirement]:
         strings = tomllib.loads(text).get("project", {}).get("dependencies", [])
     requirements = [parse_requirement(s) for s in strings]
     return [r for r in requirements if r is not None]
+
+
+def project_extras(names=LM_EXTRAS, pyproject: Path = PYPROJECT) -> list[Requirement]:
+    """[project.optional-dependencies] of pyproject.toml for the extras ``names``, in order, each once."""
+    text = pyproject.read_text(encoding="utf-8")
+    try:
+        import tomllib
+    except ImportError:  # Python 3.9, 3.10
+        strings = [s for name in names for s in _extra_strings(text, name)]
+    else:
+        extras = tomllib.loads(text).get("project", {}).get("optional-dependencies", {})
+        strings = [s for name in names for s in extras.get(name, [])]
+    requirements = [parse_requirement(s) for s in strings]
+    seen: dict[str, Requirement] = {}
+    for r in requirements:
+        if r is not None:
+            seen.setdefault(r.name, r)
+    return list(seen.values())
+
+
+def _extra_strings(text: str, name: str) -> list[str]:
+    """The strings of [project.optional-dependencies] NAME = [...], for Pythons without tomllib."""
+    section = re.search(r"^\[project\.optional-dependencies\]\s*$(.*?)(?=^\[|\Z)", text, re.M | re.S)
+    if not section:
+        return []
+    array = re.search(r"^" + re.escape(name) + r"\s*=\s*\[(.*?)\]", section.group(1), re.M | re.S)
+    if not array:
+        return []
+    body = "\n".join(line.split("#", 1)[0] for line in array.group(1).splitlines())
+    return [a or b for a, b in re.findall(r'"([^"]*)"|\'([^\']*)\'', body)]
 
 
 def project_requires_python(pyproject: Path = PYPROJECT) -> str:

@@ -9,7 +9,11 @@ machine with a registry) into a private target folder -- `pip install --no-index
 or where the box has no pip, by unpacking the wheels there -- never touching site-packages, and runs
 `python benchmarks/gpu_check.py --out OUT ARGS...` with PYTHONPATH=TARGET:<checkout> (so kdbench is
 imported from this checkout, uninstalled). torch and torchvision are the box's own: never installed;
-where either is missing the runner says so and stops.
+where either is missing the runner says so and stops. kdbench's lm and liger extras (transformers,
+liger-kernel), which gpu_check's LM stage uses, are optional: installed from the wheels folder like the
+rest where the box lacks them and a wheel is there; otherwise the runner says so and the stage runs
+without them, saying so (without liger-kernel its liger cell is skipped with the reason; without
+transformers its checks fail, naming the missing extra).
 
 The whole run, the dependency check and install included, is held to --timeout seconds: at the
 deadline gpu_check's process group (it runs in a session of its own) gets SIGTERM (gpu_check ends
@@ -48,6 +52,7 @@ from _device_common import (
     marker_applies,
     normalize,
     project_dependencies,
+    project_extras,
     project_requires_python,
     read_wheels,
     satisfies,
@@ -265,6 +270,16 @@ def describe_box(box: dict, requirements, problems: dict[str, str], say) -> None
         else:
             label = "WRONG   " if entry.get("ok") and req.name not in pretended_missing() else "MISSING "
             say(f"  {label} {req.name}{req.specifier}: {problem}{own}")
+
+
+def describe_optional(box: dict, optional, problems: dict[str, str], say) -> None:
+    """The LM stage's packages (kdbench's lm and liger extras): optional, each with what the box has."""
+    for req in optional:
+        entry = box["modules"].get(req.name, {})
+        if not problems[req.name]:
+            say(f"  ok       {req.name} {entry.get('version')} (optional: gpu_check's LM stage)")
+        else:
+            say(f"  OPTIONAL {req.name}{req.specifier}: {problems[req.name]} (gpu_check's LM stage)")
 
 
 def suggested_platform(py: dict) -> str:
@@ -561,16 +576,20 @@ def _run(args, passed: list[str], deadline: Deadline, log: Log, out: Path, targe
     pythonpath = [str(ROOT)]
     if not args.skip_deps:
         requirements = project_dependencies()
+        optional = [r for r in project_extras() if r.name not in {q.name for q in requirements}]
         pretend = pretended_missing()
         if pretend:
             log.say(f"{PRETEND_ENV}: treating {' '.join(sorted(pretend))} as absent from the box (a test hook)")
-        imports = [(r.name, import_name(r.name)) for r in requirements]
+        imports = [(r.name, import_name(r.name)) for r in requirements + optional]
         box = probe(args.python, imports, [], deadline, dists=True)
-        problems = assess(requirements, box, pretend)
+        problems = assess(requirements + optional, box, pretend)
         describe_box(box, requirements, problems, log.say)
+        describe_optional(box, optional, problems, log.say)
         missing = [r.name for r in requirements if problems[r.name] and r.name not in BOX_OWN]
+        optional_missing = [r.name for r in optional if problems[r.name]]
         own_missing = [r.name for r in requirements if r.name in BOX_OWN and not box["modules"][r.name].get("ok")]
         summary.update(python=box["python"], torch=box["modules"].get("torch"), missing=missing)
+        summary.update(optional_missing=optional_missing)
         version = "{}.{}".format(*box["python"]["version"][:2])
         needs = project_requires_python()
         too_old = (
@@ -581,17 +600,21 @@ def _run(args, passed: list[str], deadline: Deadline, log: Log, out: Path, targe
                 "gpu_check cannot run with it"
             )
         )
+        fetch = (
+            f"python benchmarks/device/fetch_wheels.py --python-version {version} "
+            f"--platform {suggested_platform(box['python'])} --only {' '.join(missing + optional_missing)}"
+        )
         if args.check:
             if too_old:
                 log.say(too_old)
             if own_missing:
                 log.say(f"the box must bring its own {' and '.join(own_missing)}: these scripts never install them")
-            if missing and not too_old:
+            if (missing or optional_missing) and not too_old:
                 log.line(
-                    "fetch them where pip reaches a registry, then copy benchmarks/device/wheels here:\n"
-                    f"  python benchmarks/device/fetch_wheels.py --python-version {version} "
-                    f"--platform {suggested_platform(box['python'])} --only {' '.join(missing)}"
+                    "fetch them where pip reaches a registry, then copy benchmarks/device/wheels here:\n  " + fetch
                 )
+            if optional_missing:
+                log.line(f"missing for gpu_check's LM stage (optional): {' '.join(optional_missing)}")
             log.line(f"missing: {' '.join(missing) if missing else '(none)'}")
             return 0
         if too_old:
@@ -604,8 +627,10 @@ def _run(args, passed: list[str], deadline: Deadline, log: Log, out: Path, targe
         for name in BOX_OWN:
             if problems.get(name):
                 log.say(f"warning: {name}: {problems[name]}; running anyway with the box's own")
+        wheels = read_wheels(args.wheels)
+        chosen, optional_chosen = [], []
         if missing:
-            chosen, warnings, errors = plan_install(missing, requirements, read_wheels(args.wheels), box, pretend)
+            chosen, warnings, errors = plan_install(missing, requirements, wheels, box, pretend)
             for warning in warnings:
                 log.say(f"warning: {warning}")
             if errors:
@@ -614,35 +639,47 @@ def _run(args, passed: list[str], deadline: Deadline, log: Log, out: Path, targe
                 fetched_for = manifest_target(args.wheels)
                 if fetched_for:
                     log.say(f"{args.wheels} was fetched for {fetched_for} (MANIFEST.txt)")
-                raise SetupError(
-                    f"fetch them into {args.wheels} where pip reaches a registry:\n  python benchmarks/device/"
-                    f"fetch_wheels.py --python-version {version} --platform {suggested_platform(box['python'])} "
-                    f"--only {' '.join(missing)}"
-                )
-            log.say(f"installing into {target}: {' '.join(w.path.name for w in chosen)}")
+                raise SetupError(f"fetch them into {args.wheels} where pip reaches a registry:\n  {fetch}")
+        if optional_missing:
+            optional_chosen, warnings, errors = plan_install(optional_missing, optional, wheels, box, pretend)
+            for warning in warnings + errors:  # optional: the LM stage runs without them and says so
+                log.say(f"warning: {warning} (gpu_check's LM stage runs without it and says so)")
+            unplanned = {w.name for w in optional_chosen}
+            if not set(optional_missing) <= unplanned:
+                log.say(f"  to bring them: {fetch}")
+        to_install = list({w.name: w for w in chosen + optional_chosen}.values())
+        if to_install:
+            log.say(f"installing into {target}: {' '.join(w.path.name for w in to_install)}")
             prepare_target(target)
             installer = args.installer
             if installer == "auto":
                 installer = "pip" if box["python"]["pip"] else "unzip"
-            if installer == "pip" and not pip_install(args.python, chosen, args.wheels, target, deadline, log):
+            if installer == "pip" and not pip_install(args.python, to_install, args.wheels, target, deadline, log):
                 log.say("pip install failed; unpacking the wheels instead")
                 installer = "unzip"
             if installer == "unzip":
-                unzip_install(chosen, target)
-            summary.update(installed=[w.path.name for w in chosen], installer=installer)
+                unzip_install(to_install, target)
+            summary.update(installed=[w.path.name for w in to_install], installer=installer)
             # What gpu_check will see: the installed distributions first, from the target.
-            recheck = [(r.name, import_name(r.name)) for r in requirements if r.name in missing]
-            after = probe(args.python, recheck, [str(target), str(ROOT)], deadline, dists=False)
-            still = assess([r for r in requirements if r.name in missing], after, set())
-            for name in missing:
-                entry = after["modules"][name]
-                if still[name]:
-                    log.say(f"  FAILED   {name}: {still[name]}")
+            installed = {w.name for w in to_install}
+            checked = [r for r in requirements + optional if r.name in missing or r.name in installed]
+            after = probe(
+                args.python,
+                [(r.name, import_name(r.name)) for r in checked],
+                [str(target), str(ROOT)],
+                deadline,
+                dists=False,
+            )
+            still = assess(checked, after, set())
+            for req in checked:
+                entry = after["modules"][req.name]
+                if still[req.name]:
+                    log.say(f"  FAILED   {req.name}: {still[req.name]}")
                 else:
                     where = entry.get("file") or "?"
                     note = "" if where.startswith(str(target)) else f" (not from {target}!)"
-                    log.say(f"  ok       {name} {entry.get('version')} from {where}{note}")
-            if any(still.values()):
+                    log.say(f"  ok       {req.name} {entry.get('version')} from {where}{note}")
+            if any(still[name] for name in missing):
                 raise SetupError("cannot run: the installed wheels do not import (see above)")
             pythonpath.insert(0, str(target))
     elif target.is_dir():

@@ -1,21 +1,162 @@
-"""FLOPs of a callable, counted by torch.
+"""FLOPs of a callable, counted by torch, and the attention kernels it ran.
 
-:func:`count_flops` runs a callable once under ``torch.utils.flop_counter.FlopCounterMode``,
-which counts only matmul-like and convolution ops (2 FLOPs per multiply-add; bias adds,
-activations, norms and optimizer updates count 0), forward and backward as they
-actually execute.
+:func:`count` runs a callable once under ``torch.utils.flop_counter.FlopCounterMode``, which counts
+only matmul-like, convolution and attention ops (2 FLOPs per multiply-add; bias adds, activations,
+norms and optimizer updates count 0), forward and backward as they actually execute, and notes
+which kernel each ``scaled_dot_product_attention`` call ran, from the aten op it dispatched to
+(:data:`ATTENTION_OPS`; a call that reaches none of them ran the math kernel, torch's composite of
+matmuls and a softmax).  No extra pass: the kernel is read in the counted call.
+
+Attention is counted as the kernel executes it (the convention MFU rests on, docs/profiling.md):
+
+* the fused kernels (flash, cuDNN, mem-efficient, and the CPU's flash kernel) skip the key blocks a
+  causal mask hides, so a causal call (``is_causal=True``) counts its unmasked (query, key) pairs,
+  S(S+1)/2 per head for S queries over S keys; torch's own formulas count the whole S×S square
+  (they ignore ``is_causal``) and count the CPU's flash kernel not at all;
+* the math kernel computes every score of the square and masks it afterwards: its matmuls are
+  counted whole, as torch counts them;
+* a call with an explicit mask (or none) counts the whole square on every kernel.
+
+The fused kernels compute the diagonal blocks whole, so they execute a little more than counted:
+about tile/S of the attention's FLOPs (3 % at 4,096 tokens with 128-row tiles).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from torch.utils.flop_counter import FlopCounterMode
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+FLASH, CUDNN, MEM_EFFICIENT, MATH = "flash", "cudnn", "mem_efficient", "math"
+
+# aten op -> the kernel it is (torch.nn.attention.SDPBackend's names); the CPU's fused kernel is flash's
+ATTENTION_OPS = {
+    "_scaled_dot_product_flash_attention": FLASH,
+    "_scaled_dot_product_flash_attention_for_cpu": FLASH,
+    "_scaled_dot_product_cudnn_attention": CUDNN,
+    "_scaled_dot_product_efficient_attention": MEM_EFFICIENT,
+}
+BACKWARD_SUFFIX = "_backward"
+
+
+@dataclass
+class Counted:
+    """What :func:`count` saw: the FLOPs, and the ``scaled_dot_product_attention`` calls per kernel."""
+
+    flops: int
+    attention: Counter = field(default_factory=Counter)
+
+
+def causal_pairs(queries: int, keys: int) -> int:
+    """The (query, key) pairs a causal mask leaves, as torch's ``is_causal`` aligns it (top left: query i
+    sees keys 0..i): S(S+1)/2 when both are S."""
+    if queries <= keys:
+        return queries * (queries + 1) // 2
+    return keys * (keys + 1) // 2 + (queries - keys) * keys
+
+
+def attention_flops(query: tuple, key: tuple, value: tuple, causal: bool, backward: bool = False) -> int:
+    """FLOPs of a fused kernel's attention forward (QKᵀ and PV) or backward (QKᵀ again, dP, dV, dQ, dK) on
+    (B, H, S, D) shapes, the key and value's heads possibly fewer (GQA: each serves H / H_kv query heads):
+    2 per multiply-add over the pairs the kernel computes (only the unmasked ones when ``causal``)."""
+    b, h, s_q, d_q = query
+    s_k, d_v = key[-2], value[-1]
+    pairs = causal_pairs(s_q, s_k) if causal else s_q * s_k
+    per_pair = (3 * d_q + 2 * d_v) if backward else (d_q + d_v)
+    return 2 * b * h * pairs * per_pair
+
+
+def _shape(x: Any) -> tuple:
+    return tuple(getattr(x, "shape", x))
+
+
+class _Attention(TorchFunctionMode):
+    """Notes each ``scaled_dot_product_attention`` call's kernel: the fused op counted inside it, else math."""
+
+    def __init__(self, calls: Counter) -> None:
+        super().__init__()
+        self.calls = calls
+        self.open: list[str | None] = []
+
+    def ran(self, kernel: str) -> None:
+        if self.open and self.open[-1] is None:
+            self.open[-1] = kernel
+        elif not self.open:  # a fused op called directly, outside any scaled_dot_product_attention
+            self.calls[kernel] += 1
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") != "scaled_dot_product_attention":
+            return func(*args, **(kwargs or {}))
+        self.open.append(None)
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.calls[self.open.pop() or MATH] += 1
+
+
+def _formula(op, kernel: str, backward: bool, seen: _Attention):
+    """The FLOP formula of one fused attention op, counting a causal call as executed (module docstring).
+    It takes the op's arguments as the flop counter passes them (tensors, or their shapes on a torch that
+    wraps custom formulas), bound to the op's schema by name."""
+    arguments = op.default._schema.arguments
+    names = [a.name for a in arguments]
+    defaults = {a.name: a.default_value for a in arguments if a.has_default_value()}
+    first = 1 if backward else 0  # a backward op's grad_out comes before query, key, value
+    torchs = flop_registry.get(op)  # torch's own formula (None for the CPU's kernel)
+
+    def formula(*args, out_val=None, out_shape=None, **kwargs) -> int:
+        bound = dict(zip(names, args))
+        causal = bool(kwargs.get("is_causal", bound.get("is_causal", defaults.get("is_causal", False))))
+        query, key, value = (_shape(a) for a in args[first : first + 3])
+        if not backward:
+            seen.ran(kernel)
+        if len(query) != 4:  # a nested (jagged) call: torch's own count (kdbench makes none)
+            return torchs(*args, out_val=out_val, **kwargs) if torchs is not None else 0
+        return attention_flops(query, key, value, causal, backward)
+
+    formula._get_raw = True  # torch >= 2.4 passes the tensors themselves; older ones their shapes (both read)
+    return formula
+
+
+def _attention_formulas(seen: _Attention) -> dict:
+    mapping = {}
+    for name, kernel in ATTENTION_OPS.items():
+        for backward in (False, True):
+            op = getattr(torch.ops.aten, name + (BACKWARD_SUFFIX if backward else ""), None)
+            if op is not None:  # an op this torch has
+                mapping[op] = _formula(op, kernel, backward, seen)
+    return mapping
+
+
+def count(fn: Callable[[], Any]) -> Counted:
+    """Run ``fn`` once: its FLOPs (2 per multiply-add; attention as executed) and its attention calls per kernel."""
+    calls: Counter = Counter()
+    seen = _Attention(calls)
+    with FlopCounterMode(display=False, custom_mapping=_attention_formulas(seen)) as counter, seen:
+        fn()
+    return Counted(int(counter.get_total_flops()), calls)
 
 
 def count_flops(fn: Callable[[], Any]) -> int:
-    """Run `fn` once and return the FLOPs torch's flop counter attributes to it (2 per multiply-add)."""
-    with FlopCounterMode(display=False) as counter:
-        fn()
-    return int(counter.get_total_flops())
+    """Run ``fn`` once and return its FLOPs (:func:`count`)."""
+    return count(fn).flops
+
+
+def kernel_label(calls: Counter) -> str | None:
+    """``flash``; ``flash+math`` when one model's calls ran several (most calls first); None: no call."""
+    kinds = [k for k, n in sorted(calls.items(), key=lambda kv: (-kv[1], kv[0])) if n > 0]
+    return "+".join(kinds) or None
+
+
+def pair_label(teacher: Counter | None, student: Counter) -> str | None:
+    """The ``attention_kernel`` column of a step: one label when the teacher's and the student's calls ran the
+    same kernels (or the teacher ran none here: cached), ``teacher X, student Y`` when they differ."""
+    t, s = kernel_label(teacher or Counter()), kernel_label(student)
+    if t is None or s is None or t == s:
+        return s or t
+    return f"teacher {t}, student {s}"

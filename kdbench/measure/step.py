@@ -24,7 +24,7 @@ from kdbench.config.schema import CellConfig
 from kdbench.distill.step import DistillStep
 from kdbench.hw.backends import Backend, math_flags, math_mode
 from kdbench.measure import walltime
-from kdbench.measure.flops import count_flops
+from kdbench.measure.flops import count, pair_label
 from kdbench.measure.levers import LeverWatch, eager, release_compiled
 from kdbench.measure.memory import model_state_bytes, optimizer_state_bytes
 from kdbench.measure.parallel import DataParallel
@@ -58,11 +58,19 @@ class StepWorkload(Protocol):
 
 
 def step_flops(step: DistillStep) -> Row:
-    """FLOPs of one more step, counted after the timed loop (teacher forward apart when live)."""
+    """FLOPs of one more step, counted after the timed loop (teacher forward apart when live), and the attention
+    kernels its models ran (the teacher's: those of its forward counted apart; the student's: the rest)."""
     distiller = step.distiller  # the teacher's input of the last step (an on-policy step's is its generated batch)
-    teacher = None if step.cache is not None else count_flops(lambda: distiller.teacher_outputs(distiller.last_input))
-    total = count_flops(step)
-    return {"flops": total, "teacher_forward_flops": teacher, "student_flops": total - (teacher or 0)}
+    teacher = None if step.cache is not None else count(lambda: distiller.teacher_outputs(distiller.last_input))
+    total = count(step)
+    teacher_flops = teacher.flops if teacher is not None else None
+    student_calls = total.attention - teacher.attention if teacher is not None else total.attention
+    return {
+        "flops": total.flops,
+        "teacher_forward_flops": teacher_flops,
+        "student_flops": total.flops - (teacher_flops or 0),
+        "attention_kernel": pair_label(teacher.attention if teacher is not None else None, student_calls),
+    }
 
 
 def phase_columns(step: DistillStep, raw: RawTiming) -> Row:

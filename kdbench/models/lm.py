@@ -473,14 +473,22 @@ class CausalLM(nn.Module):
         return [f"{name}.{i}" for i in range(len(layers))]
 
 
-def analytic_forward_flops(model: CausalLM, batch_size: int, seq_len: int, with_head: bool = True) -> int:
+def analytic_forward_flops(
+    model: CausalLM, batch_size: int, seq_len: int, with_head: bool = True, fused: bool = True
+) -> int:
     """The forward's FLOPs from the shapes, to cross-check the counted ones: 2 per multiply-add of every matmul
     weight (the decoder layers' and, ``with_head``, the LM head's; embeddings are lookups) for each token, plus
-    attention's two S×S products per layer, 4·B·S²·H (the full square, as torch's flop counter counts SDPA)."""
+    attention's two products per layer (QKᵀ and PV) as kdbench's flop counter counts them, as executed
+    (:mod:`kdbench.measure.flops`): over the S(S+1)/2 unmasked (query, key) pairs of the causal square on a
+    ``fused`` kernel (flash, cuDNN, mem-efficient, the CPU's flash: what SDPA picks), the whole S² on the math
+    kernel: 2·B·pairs·heads·(d_qk + d_v) per layer."""
     embeddings = {id(p) for m in model.lm.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     base = model.lm.base_model
     weights = {id(p): p for p in base.parameters() if p.dim() == 2 and id(p) not in embeddings}
     matmul = sum(p.numel() for p in weights.values()) + (model.head.weight.numel() if with_head else 0)
     config = model.lm.config
-    tokens = batch_size * seq_len
-    return 2 * matmul * tokens + 4 * batch_size * int(config.num_hidden_layers) * seq_len**2 * int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
+    pairs = seq_len * (seq_len + 1) // 2 if fused else seq_len**2
+    attention = 2 * batch_size * pairs * heads * 2 * head_dim
+    return 2 * matmul * batch_size * seq_len + int(config.num_hidden_layers) * attention

@@ -20,7 +20,7 @@ from torch import nn
 from kdbench.hw.backends import choose_autocast, math_flags, math_mode
 from kdbench.measure import walltime
 from kdbench.measure.failures import SkipMeasurement
-from kdbench.measure.flops import count_flops
+from kdbench.measure.flops import count, kernel_label
 from kdbench.measure.rows import profiled_loop, timed_row
 from kdbench.names import Measurement
 from kdbench.schema import Row
@@ -145,8 +145,9 @@ def token_serving_row(
     start=None,
 ) -> Row:
     """The row of a served model's timed ``call`` on the token ``ids`` (LM prefill and decode, encoder forwards):
-    timed at the cell's math mode after ``start`` (untimed, in inference mode) within ``budget_s``, FLOPs counted,
-    tokens per second from the workload's token count, with the family's ``columns`` and ``notes``."""
+    timed at the cell's math mode after ``start`` (untimed, in inference mode) within ``budget_s``, FLOPs counted
+    (and the attention kernels the call ran, read in the same pass), tokens per second from the workload's token
+    count, with the family's ``columns`` and ``notes``."""
     with math_mode(choice.tf32):
         if start is not None:
             with torch.inference_mode(), choice.context(backend.device_type):
@@ -155,7 +156,7 @@ def token_serving_row(
         raw, profile, note = profiled_loop(call, config, backend, batch_size, budget_s, what=what)
         flags = math_flags()
         with walltime.spent(walltime.FLOPS):
-            flops = None if raw.note else count_flops(call)
+            counted = None if raw.note else count(call)
     return timed_row(
         measurement,
         batch_size,
@@ -165,7 +166,8 @@ def token_serving_row(
         notes=(note, raw.note or "", *notes),
         **profile,
         **flags,
-        flops=flops,
+        flops=counted.flops if counted is not None else None,
+        attention_kernel=kernel_label(counted.attention) if counted is not None else None,
         autocast=choice.applied,
         runtime="eager",
         seq_len=config.data.seq_len,
