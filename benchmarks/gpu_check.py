@@ -145,7 +145,12 @@ def print_plan(args: argparse.Namespace) -> None:
     for name, low, high, what in plan(args):
         print(f"   {name:<10} {low:>4.0f}-{high:<4.0f} {what}")
     low, high = plan_bounds(args)
-    print(f"   {'total':<10} {low:>4.0f}-{high:<4.0f} (one device command: 600 s)", flush=True)
+    budget = (
+        f"within {DEVICE_COMMAND_S} s, the device command's budget"
+        if args.quick
+        else f"within {FULL_COMMAND_S} s, a whole 10-minute command on a warm box"
+    )
+    print(f"   {'total':<10} {low:>4.0f}-{high:<4.0f} ({budget})", flush=True)
 
 
 # --------------------------------------------------------------------------- the report and the numbers

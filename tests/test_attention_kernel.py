@@ -214,3 +214,70 @@ def test_an_encoder_forward_records_its_kernel():
     with torch.inference_mode():
         counted = count(lambda: model(input_ids=ids))
     assert counted.attention == Counter(flash=1)  # one layer, bidirectional: the CPU's flash kernel, no mask
+
+
+# --------------------------------------------------------------------------- the shipped CPU suites' rows
+
+
+def _shrunk(config, seq_len: dict[int, int], **changes):
+    """A shipped cell at a test's size: the same pair, method, loss_impl and rows, shorter sequences, one timed
+    call."""
+    from kdbench.config.schema import CellConfig
+
+    raw = config.model_dump(mode="json")
+    raw["data"]["seq_len"] = seq_len[raw["data"]["seq_len"]]
+    raw["timing"] = {"warmup": 0, "min_iters": 1, "min_time_s": 0.0}
+    for key, value in changes.items():
+        raw[key] = {**(raw.get(key) or {}), **value} if isinstance(value, dict) else value
+    return CellConfig.model_validate(raw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "suite,seq_len,changes",
+    [
+        # a 512-entry vocabulary, 16 and 64 tokens for 256 and 1,024; 2 decoded tokens
+        ("llm-cpu", {256: 16, 1024: 64}, {"inference": {"decode_tokens": 2}, "chunk_size": 16}),
+        ("encoder-cpu", {128: 16, 512: 64}, {}),
+    ],
+)
+def test_every_row_of_the_shipped_cpu_lm_and_encoder_suites_records_its_attention_kernel(suite, seq_len, changes):
+    """Every row of every cell of suites/llm-cpu.yaml (its steps, prefill and decode) and encoder-cpu.yaml (its
+    steps and forwards) says which attention kernel ran (gpu-review-3 L8): the CPU's flash, but for the encoder
+    student in training, which runs math: BERT's attention dropout (0.1) is on in train mode, and the CPU's flash
+    kernel takes no dropout."""
+    from pathlib import Path
+
+    from kdbench.config.load import load_suite
+    from kdbench.config.plan import Cell, cell_id_of
+    from kdbench.models import ModelCache
+    from kdbench.run.cell import measure_cell
+    from kdbench.workloads import expand_checked, planned_measurements
+
+    path = Path(__file__).resolve().parents[1] / "suites" / f"{suite}.yaml"
+    cells = expand_checked(load_suite(path))
+    assert len(cells) == (6 if suite == "llm-cpu" else 4)
+    measured, cache = set(), ModelCache()  # one per run, as a run's worker holds it
+    for i, cell in enumerate(cells):
+        config = _shrunk(cell.config, seq_len, **changes)
+        if suite == "llm-cpu":
+            config = config.model_copy(
+                update={"overrides": config.overrides.model_copy(update={"teacher": {"vocab_size": 512}})}
+            )
+            config = config.model_copy(
+                update={"overrides": config.overrides.model_copy(update={"student": {"vocab_size": 512}})}
+            )
+        rows = measure_cell(Cell(i, cell_id_of(config), config), CPU, cache)
+        assert [(str(r["measurement"]), r["batch_size"]) for r in rows] == [
+            (str(m), b) for m, b in planned_measurements(config)
+        ]
+        for r in rows:
+            assert r["status"] == "ok", r.get("error")
+            step = suite == "encoder-cpu" and r["measurement"] == "distill_step"
+            want = "teacher flash, student math" if step else "flash"
+            assert r["attention_kernel"] == want, (cell.label, r["measurement"])
+            measured.add(str(r["measurement"]))
+    if suite == "llm-cpu":
+        assert measured == {"distill_step", "student_prefill", "student_decode", "teacher_prefill", "teacher_decode"}
+    else:
+        assert measured == {"distill_step", "student_inference", "teacher_inference"}

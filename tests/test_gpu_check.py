@@ -256,6 +256,7 @@ def test_quick_runs_on_the_cpu_and_the_gpu_stages_say_no_gpu(quick_cpu_run):
     ):
         assert line in log
     assert "plan (--quick): seconds on a warm H200" in log
+    assert "(within 480 s, the device command's budget)" in log  # the quick plan against its bound
     assert "   lm           40-90   gpu-lm.yaml: 7 tiny-Llama cells" in log  # the LM stage, planned
     assert "software: torch " in log and "transformers " in log  # which torch it ran
     assert "ok   kdbench probe exit code 0" in log  # the subprocess's output is in the log too
