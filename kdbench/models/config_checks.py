@@ -22,6 +22,20 @@ SIZE_FIELDS = (
 _COUNT_NAME = re.compile(r"^(?!.*window)(num_\w+|\w+_size|\w+_dim)$")
 
 
+# Names other code bases give a config's fields (Meta's params.json, GPT-2, T5, fairseq) -> transformers' own.
+OTHER_NAMES = {
+    **dict.fromkeys(("n_heads", "n_head", "num_heads", "n_attention_heads"), "num_attention_heads"),
+    **dict.fromkeys(("n_kv_heads", "num_kv_heads", "n_key_value_heads"), "num_key_value_heads"),
+    **dict.fromkeys(("n_layers", "n_layer", "num_layers", "layers"), "num_hidden_layers"),
+    **dict.fromkeys(("dim", "d_model", "n_embd", "embed_dim", "hidden_dim_model"), "hidden_size"),
+    **dict.fromkeys(("ffn_dim", "hidden_dim", "d_ff", "n_inner", "ffn_hidden_size"), "intermediate_size"),
+    **dict.fromkeys(("norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rms_eps"), "rms_norm_eps"),
+    **dict.fromkeys(("max_seq_len", "n_positions", "n_ctx", "max_position"), "max_position_embeddings"),
+    **dict.fromkeys(("vocab", "n_vocab", "vocabulary_size"), "vocab_size"),
+    **dict.fromkeys(("activation", "activation_function", "act_fn", "hidden_activation"), "hidden_act"),
+}
+
+
 class ModelConfigError(KdbenchError):
     """A model that cannot be built or run as configured; ``field`` is the override at fault (None: the model or
     its config.json itself)."""
