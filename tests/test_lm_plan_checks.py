@@ -22,9 +22,9 @@ ENCODERS = {"teacher": "tiny-bert-teacher", "student": "tiny-bert-student"}
 @pytest.fixture
 def fresh_meta_cache():
     """Tests that change how models build start and end with no model built on meta kept."""
-    meta._lm_facts.cache_clear()
+    meta.clear_cache()
     yield
-    meta._lm_facts.cache_clear()
+    meta.clear_cache()
 
 
 def config(**over) -> CellConfig:
@@ -56,6 +56,9 @@ def first_problem(cfg: CellConfig, allow_imports: bool = False) -> tuple[str, st
         ("teacher", {"num_key_value_heads": 3}, "use one of 1, 2, 4 key/value heads"),
         ("student", {"num_attention_heads": 0}, "num_attention_heads 0 must be at least 1"),
         ("student", {"intermediate_size": 0}, "intermediate_size 0 must be at least 1"),
+        ("student", {"num_hidden_layers": -1}, "num_hidden_layers -1 must be 0 or more"),
+        ("student", {"num_key_value_heads": 0}, "num_key_value_heads 0 must be at least 1"),
+        ("student", {"num_experts": 0}, "LlamaConfig has no field 'num_experts'"),
         ("student", {"vocab_size": 1}, "vocab_size 1 must be at least 2"),
         ("teacher", {"pad_token_id": 5000}, "outside the vocabulary's 4096 entries"),
         # numbers YAML read as text
@@ -116,6 +119,8 @@ def test_a_config_json_transformers_refuses_names_the_file_and_its_field(tmp_pat
         ({"hidden_act": "gelu_x"}, "hidden_act", "did you mean 'gelu'"),
         ({"hidden_size": "64"}, "hidden_size", "write 64 without quotes"),
         ({"vocab_size": 0}, "vocab_size", "vocab_size 0 must be at least 1"),
+        ({"type_vocab_size": 0}, "type_vocab_size", "type_vocab_size 0 must be at least 1"),
+        ({"num_hidden_layers": "two"}, "num_hidden_layers", "expected int, got str"),
     ],
 )
 def test_an_encoder_override_the_model_cannot_take_is_refused_at_that_override(overrides, key, text):

@@ -199,6 +199,22 @@ def unknown_key_hint(key: str, model: Any, prefix: tuple[str, ...] = ()) -> str:
     return f"allowed keys: {', '.join(names)}"
 
 
+def _higher_up(loc: tuple, root: type[BaseModel]) -> str | None:
+    """ "did you mean" for a key written inside a section it does not belong to when a section above holds it
+    (``data: {loss_impl: ..}`` for ``loss_impl``, ``data: {decode_tokens: ..}`` for ``inference.decode_tokens``)."""
+    key = loc[-1]
+    for cut in range(len(loc) - 2, -1, -1):  # the model that holds loc[cut], then the one above it
+        if isinstance(loc[cut], int):
+            continue
+        found = [p for p in key_paths(_model_at(loc[: cut + 1], root)) if p[-1] == key and p[0] != loc[cut]]
+        if found:
+            if len(found[0]) == 1:
+                return f"'{key}' goes beside '{loc[cut]}', not inside it: move it out"
+            where = ".".join(str(p) for p in (*loc[:cut], *found[0]))
+            return f"did you mean '{where}'? ('{key}' belongs in '{'.'.join(found[0][:-1])}', not in '{loc[-2]}')"
+    return None
+
+
 def describe(err: dict, root: type[BaseModel]) -> str:
     """One pydantic error as a short instruction."""
     loc = tuple(err["loc"])
@@ -209,6 +225,8 @@ def describe(err: dict, root: type[BaseModel]) -> str:
         parent = _model_at(loc[:-1], root)
         if hint.startswith("allowed") and len(loc) > 1 and parent is not None and joined in parent.model_fields:
             hint = f"did you mean '{joined}' (beside '{loc[-2]}', not inside it)?"
+        elif hint.startswith("allowed"):
+            hint = _higher_up(loc, root) or hint
         return f"unknown key '{loc[-1]}'; {hint}"
     if kind == "missing":
         return "is required; add it"

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from kdbench.errors import KdbenchError, did_you_mean
+from kdbench.models.config_checks import OTHER_NAMES
 
 _EXTRA_HINT = "pip install 'kdbench[lm]'"
 
@@ -229,7 +230,11 @@ def check_config_fields(config_class, keys, what: str) -> None:
     valid = _valid_fields(config_class)
     for key in keys:
         if key not in valid:
-            hint = did_you_mean(key, sorted(valid), quote=True)
+            other = OTHER_NAMES.get(key)
+            if other is not None and other not in valid:  # this class's own name for it (GPT-2's n_inner)
+                other = next((o for o, same in OTHER_NAMES.items() if same == other and o in valid), None)
+            hint = f"did you mean {other!r} (transformers' name for it)?" if other else ""
+            hint = hint or did_you_mean(key, sorted(valid), quote=True)
             raise KdbenchError(f"{what}: {config_class.__name__} has no field {key!r}; {hint}".rstrip("; ").rstrip())
 
 

@@ -21,7 +21,6 @@ import functools
 import json
 import logging
 import re
-import types
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,6 +30,13 @@ import torch
 from torch import nn
 
 from kdbench.errors import KdbenchError, did_you_mean
+from kdbench.models.config_checks import (
+    ModelConfigError,
+    check_shapes,
+    check_values,
+    number,
+    unquote_fix,
+)
 
 PROBE_TOKENS = 8  # the fake forward's sequence length: shapes, not lengths (positions are checked apart)
 # Errors of a forward whose shapes do not fit (a fake forward raises them as a real one would).
@@ -43,16 +49,6 @@ _SHAPE_ERRORS = (
     "Sizes of tensors must match",
     "divisible",
 )
-SIZE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim")
-
-
-class ModelConfigError(KdbenchError):
-    """A model that cannot be built or run as configured; ``field`` is the override at fault (None: the model or
-    its config.json itself)."""
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,27 +107,13 @@ def _fix(text: str, key: str, value: Any) -> str:
         want, got = typed.groups()
         if want == "float" and got == "int":
             return f"write {value}.0"
-        if want in ("int", "float") and got == "str" and _number(value) is not None:
-            return _unquote(value, want)
+        if want in ("int", "float") and got == "str" and number(value) is not None:
+            return unquote_fix(value, want)
         return f"give a{'n' if want[0] in 'aeiou' else ''} {want}"
     if text.startswith("KeyError: ") and isinstance(value, str) and repr(value) in text:
         hint = _activation_hint(value) if "act" in key else ""
         return f"{value!r} is not a name transformers knows here; {hint}change it"
     return "change it or remove it"
-
-
-def _number(value: Any) -> float | None:
-    try:
-        return float(value) if isinstance(value, str) else None
-    except ValueError:
-        return None
-
-
-def _unquote(value: str, want: str) -> str:
-    if want == "float" and re.fullmatch(r"[+-]?\d+[eE][+-]?\d+", value.strip()):
-        mantissa, _, exponent = value.strip().lower().partition("e")
-        return f"YAML reads {value} (no dot) as text: write {mantissa}.0e{exponent}"
-    return f"write {value} without quotes: YAML reads a quoted number as text"
 
 
 def _activation_hint(value: str) -> str:
@@ -140,59 +122,6 @@ def _activation_hint(value: str) -> str:
     except ImportError:
         return ""
     return did_you_mean(value, sorted(ACT2FN), quote=True) or f"known: {', '.join(sorted(ACT2FN))}; "
-
-
-# --------------------------------------------------------------------------- checks of a config
-
-
-def value_problem(key: str, value: Any, expected: Any) -> str | None:
-    """A number written as text where the config holds a number (``"4"``, ``1e-5`` without a dot): transformers
-    of any version would refuse it or fail on it later."""
-    if isinstance(expected, bool) or not isinstance(expected, (int, float)) or _number(value) is None:
-        return None
-    want = "int" if isinstance(expected, int) else "float"
-    return f"{key} is the text {value!r}; {_unquote(value, want)}"
-
-
-def shape_problems(config: Any, next_token: bool) -> list[tuple[tuple[str, ...], str]]:
-    """(the fields involved, what is wrong) of the sizes a config's model cannot take: a size below 1, a vocabulary
-    of fewer than 2 entries for a next-token distribution, key/value heads that do not divide the query heads, a
-    padding token beyond the vocabulary, a negative layer count."""
-    out: list[tuple[tuple[str, ...], str]] = []
-
-    def get(name: str) -> Any:
-        value = getattr(config, name, None)
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-    for name in SIZE_FIELDS:
-        if get(name) is not None and get(name) < 1:
-            out.append(((name,), f"{name} {get(name)} must be at least 1"))
-    if get("num_hidden_layers") is not None and get("num_hidden_layers") < 0:
-        out.append((("num_hidden_layers",), f"num_hidden_layers {get('num_hidden_layers')} must be 0 or more"))
-    vocab, least = get("vocab_size"), 2 if next_token else 1
-    if vocab is not None and vocab < least:
-        why = " (a next-token distribution over one entry has nothing to distil)" if next_token else ""
-        out.append((("vocab_size",), f"vocab_size {vocab} must be at least {least}{why}"))
-    heads, kv = get("num_attention_heads"), get("num_key_value_heads")
-    if heads and kv and heads >= 1 and kv >= 1 and heads % kv:
-        divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
-        why = (
-            f"num_key_value_heads {kv} does not divide num_attention_heads {heads} (each key/value head serves an "
-            f"equal group of query heads): use one of {divisors} key/value heads"
-        )
-        out.append((("num_key_value_heads", "num_attention_heads"), why))
-    pad = get("pad_token_id")
-    if pad is not None and vocab is not None and vocab >= least and not 0 <= pad < vocab:
-        why = f"pad_token_id {pad} is outside the vocabulary's {vocab} entries: raise vocab_size or lower pad_token_id"
-        out.append((("pad_token_id", "vocab_size"), why))
-    return out
-
-
-def check_shapes(config: Any, fields: dict[str, Any], what: str, next_token: bool) -> None:
-    """:func:`shape_problems` raised at the override involved (the first; none: the model's own config)."""
-    for involved, why in shape_problems(config, next_token):
-        given = [f for f in involved if f in fields]
-        raise ModelConfigError(f"{what}: {why}", given[0] if given else None)
 
 
 def fake_forward(model: nn.Module, tokens: int = PROBE_TOKENS) -> tuple[Any, BaseException | None]:
@@ -335,6 +264,12 @@ def _key(overrides: dict[str, Any]) -> str:
     return json.dumps(overrides, sort_keys=True, default=repr)
 
 
+def clear_cache() -> None:
+    """Forget every model built on meta (a test that changes how models build)."""
+    _lm_facts.cache_clear()
+    _encoder_facts.cache_clear()
+
+
 def lm_facts(name: str, overrides: dict[str, Any], allow_imports: bool) -> ModelFacts:
     """The facts of LM ``name`` with ``overrides``, built on meta once per process (a config.json again when it
     changed); raises :class:`ModelConfigError` (or KdbenchError for a name that is no model)."""
@@ -365,7 +300,7 @@ def _build_lm_facts(name: str, overrides: dict[str, Any], allow_imports: bool) -
     except Exception as exc:  # transformers validates the file's fields
         raise config_file_error(name, exc) from None
     what = f"{name}'s {type(base).__name__}"
-    _check_values(base, overrides, what, next_token=True)
+    check_values(base, _defaults(type(base)), overrides, what, next_token=True)
     needs_forward = bool(overrides) or name.endswith(".json")
 
     def build(fields: dict[str, Any]) -> nn.Module:
@@ -381,19 +316,6 @@ def _build_lm_facts(name: str, overrides: dict[str, Any], allow_imports: bool) -
         with quiet():
             return ModelFacts(known=False, config=model_config(name, overrides))
     return _facts(CausalLM(model), getattr(model, "config", None))
-
-
-def _check_values(base: Any, overrides: dict[str, Any], what: str, next_token: bool) -> None:
-    """Numbers written as text, and sizes no model can take (a head count of 0, a vocabulary of 1), said before
-    transformers is asked (it would fail on them with a ZeroDivisionError or build a model of nothing)."""
-    defaults = _defaults(type(base))
-    for key, value in overrides.items():
-        expected = getattr(base, key, None)
-        why = value_problem(key, value, defaults.get(key, expected) if expected is None else expected)
-        if why:
-            raise ModelConfigError(f"{what}: {why}", key)
-    if overrides:
-        check_shapes(types.SimpleNamespace(**{**base.to_dict(), **overrides}), overrides, what, next_token)
 
 
 @functools.lru_cache(maxsize=32)
@@ -480,7 +402,9 @@ def _encoder_facts(name: str, key: str) -> tuple[ModelFacts | None, Exception | 
         with quiet():
             base = encoder_config(name, {})
         what = f"{name}'s {type(base).__name__}"
-        _check_values(base, {k: v for k, v in overrides.items() if k != ATTN_KEY}, what, next_token=False)
+        check_values(
+            base, _defaults(type(base)), {k: v for k, v in overrides.items() if k != ATTN_KEY}, what, next_token=False
+        )
 
         def build(fields: dict[str, Any]) -> nn.Module:
             check_shapes(encoder_config(name, fields), fields, what, next_token=False)
