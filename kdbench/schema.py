@@ -485,6 +485,17 @@ COLUMNS: tuple[Column, ...] = (
         ("data_ptr_mod64", _I, "bytes", "input batch's realised data_ptr() % 64 (labels are placed alike)"),
         ("memory_format_verified", _B, "", "the input and every 4-D weight are contiguous in `memory_format`"),
     ),
+    *_group(  # the host's memory (issue 30): measured beside the device's
+        RESULT,
+        (
+            "host_peak_bytes",
+            _I,
+            "bytes",
+            "the measuring process's peak resident memory on the host over the timed measurement (the kernel's "
+            "high-water mark VmHWM, reset at its start), on every backend: on the CPU the same peak as "
+            "peak_memory_bytes, on a GPU the host's beside the device's (null where the kernel keeps none)",
+        ),
+    ),
     *_group(
         DERIVED,
         (

@@ -373,3 +373,11 @@ def test_hidden_mse_is_the_mean_squared_error_of_the_projected_layers_over_the_v
         err = (p - w).pow(2).mean(dim=1)  # (N, L)
         want = want + err[valid].mean()
     torch.testing.assert_close(got, 3.0 * want / 2)
+
+
+def test_every_lm_step_row_records_the_hosts_peak_beside_the_devices():
+    config = lm_config()
+    rows = measure_cell(Cell(0, cell_id_of(config), config), CPU, ModelCache())
+    assert [r["status"] for r in rows] == ["ok"] * 5
+    for row in rows:  # on the CPU the host's peak is the measured peak
+        assert row["host_peak_bytes"] == row["peak_memory_bytes"] > 0
