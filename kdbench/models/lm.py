@@ -342,12 +342,16 @@ def build_lm(
 
 def from_config(auto_class, config, kwargs: dict[str, Any], dtype, device) -> nn.Module:
     """``auto_class.from_config`` with random weights, built directly on ``device`` in ``dtype`` (the keyword is
-    ``dtype`` from transformers 5, ``torch_dtype`` before), in eval mode."""
+    ``dtype`` from transformers 5, ``torch_dtype`` before), in eval mode.  Off the CPU or below float32 its random
+    draws come from the host's generator in float32, one tensor at a time (:func:`kdbench.models.seeded.host_draws`):
+    seeded alike, the weights equal a float32 CPU build's, cast, wherever and in whatever dtype it is built."""
+    from kdbench.models.seeded import host_draws, needs_host_draws
+
     if dtype is not None:
         major = int(transformers_module().__version__.split(".")[0])
         kwargs = {**kwargs, "dtype" if major >= 5 else "torch_dtype": dtype}
     where = torch.device(device) if device is not None else contextlib.nullcontext()
-    with where:
+    with where, host_draws(needs_host_draws(device, dtype)):
         model = auto_class.from_config(config, **kwargs)
     return model.eval()
 
@@ -420,6 +424,7 @@ class CausalLM(nn.Module):
         self.hf = head is not None and hasattr(lm, "base_model") and lm.base_model is not lm
         self._head = (head,) if self.hf else (None,)  # a tuple: no second registration of the head's weights
         self._fsdp_root: tuple[nn.Module | None] = (None,)
+        self._on_sharded = None  # what runs once sharded (when_sharded)
 
     @property
     def head(self) -> nn.Module | None:
@@ -430,8 +435,17 @@ class CausalLM(nn.Module):
         return self._fsdp_root[0]
 
     def set_fsdp_root(self, root: nn.Module) -> None:
-        """Name the FSDP2 module that holds this model's root parameters (:attr:`fsdp_root`)."""
+        """Name the FSDP2 module holding this model's root parameters (:attr:`fsdp_root`) once
+        :func:`kdbench.measure.parallel.shard` has sharded it; then run :meth:`when_sharded`'s ``fn``."""
         self._fsdp_root = (root,)
+        pending, self._on_sharded = self._on_sharded, None
+        if pending is not None:
+            pending(root)
+
+    def when_sharded(self, fn) -> None:
+        """Have ``fn(root)`` run once this model is sharded: an FSDP2 teacher built on ``meta`` off rank 0 receives
+        rank 0's weights (:func:`kdbench.workloads.placement.receive_from_rank0`)."""
+        self._on_sharded = fn
 
     @property
     def vocab_size(self) -> int | None:
