@@ -424,7 +424,7 @@ def test_a_model_too_large_to_keep_is_built_in_its_dtype_with_the_weights_the_ca
 
 
 def test_a_pair_whose_fp32_master_exceeds_a_simulated_host_runs_within_it_or_is_skipped_with_the_figure(
-    monkeypatch, tmp_path
+    monkeypatch, tmp_path, capsys
 ):
     from kdbench.cli import main
     from kdbench.models import cache as cache_module
@@ -452,6 +452,10 @@ def test_a_pair_whose_fp32_master_exceeds_a_simulated_host_runs_within_it_or_is_
     monkeypatch.setattr(plan_module, "host_memory", lambda: (need - 1, masters))
     suite = tmp_path / "host.yaml"
     suite.write_text(HOST_SUITE)
+    assert main(["run", str(suite), "--dry-run"]) == 0  # the dry run says so too
+    assert f"host {gib(need)} per rank: more than this machine has available, a run here skips it" in (
+        capsys.readouterr().out
+    )
     assert main(["run", str(suite), "--out", str(tmp_path / "res"), "--no-report"]) == 0
     df = read_results([tmp_path / "res"])
     assert set(df["status"]) == {"skipped"} and len(df) == 5
@@ -491,3 +495,23 @@ def test_every_lm_step_row_records_the_hosts_peak_beside_the_devices():
     assert [r["status"] for r in rows] == ["ok"] * 5
     for row in rows:  # on the CPU the host's peak is the measured peak
         assert row["host_peak_bytes"] == row["peak_memory_bytes"] > 0
+
+
+def test_a_nodes_host_figure_counts_the_ranks_on_that_node(monkeypatch):
+    from kdbench.run.plan import host_refusal, ranks_on_node
+
+    assert ranks_on_node(1, 1) == 1 and ranks_on_node(8, 1) == 8 and ranks_on_node(8, 2) == 4  # kdbench's launcher
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    allocation = object()  # an outer allocation (torchrun, srun): its ranks on this node
+    assert ranks_on_node(8, 1, allocation) == 8  # unknown: all of them
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x2)")
+    assert ranks_on_node(8, 1, allocation) == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert ranks_on_node(8, 1, allocation) == 8  # a cell of 8 ranks in an allocation of 16 per node
+    ddp = lm_config(world_size=2)
+    host = LM.host_footprint(ddp, "cpu")
+    one = host.rank_bytes()
+    assert host.node_bytes(2) == 2 * one  # every DDP rank builds both models
+    assert host_refusal(ddp, "cpu", 2, 2 * one, 4 * one) is None
+    assert "2 ranks on this node" in host_refusal(ddp, "cpu", 2, 2 * one - 1, 4 * one)

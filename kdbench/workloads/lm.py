@@ -269,7 +269,8 @@ class LMWorkload(Workload):
         teacher = self._model(config, teacher_build, backend, cache)
         if teacher_build.sharded and dp is not None and not user:
             whole = {n: p.detach() for n, p in teacher.named_parameters()} if root else None
-            teacher.when_sharded(partial(receive_from_rank0, whole=whole, group=dp.group, device=backend.device))
+            receive = partial(receive_from_rank0, whole=whole, group=dp.group, device=backend.device)
+            teacher.when_sharded(partial(receive, offload=config.fsdp.cpu_offload))
         return teacher, self._model(config, student_build, backend, cache)
 
     def _model(self, config: Any, build: ModelBuild, backend: Any, cache: Any) -> CausalLM:

@@ -275,17 +275,22 @@ def fresh_model(
 
 
 def receive_from_rank0(
-    root: nn.Module, whole: dict[str, torch.Tensor] | None, group: Any, device: torch.device
+    root: nn.Module, whole: dict[str, torch.Tensor] | None, group: Any, device: torch.device, offload: bool = False
 ) -> None:
     """Fill the FSDP2 shards of ``root`` with rank 0's weights, on every rank of ``group``: ``whole`` is rank 0's
     model as built, before sharding (name -> tensor), None on the ranks that built it on ``meta`` (they allocate
-    their shards here, ``to_empty``).  Each parameter travels whole from rank 0, one at a time, and each rank keeps
+    their shards here, ``to_empty``: on the host under ``offload``, FSDP2's CPUOffloadPolicy, the buffers on
+    ``device`` as FSDP2 places them).  Each parameter travels whole from rank 0, one at a time, and each rank keeps
     its shard (placed as the parameter's DTensor placements say); the buffers, not sharded, are broadcast."""
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
     if whole is None:
-        root.to_empty(device=device)
+        root.to_empty(device=torch.device("cpu") if offload else device)
+        for module in root.modules() if offload else ():
+            for key, buffer in module._buffers.items():  # torch's table of the module's own buffers
+                if buffer is not None:
+                    module._buffers[key] = buffer.to(device)
     src = dist.get_global_rank(group, 0) if group is not None else 0
     # torch >= 2.7 scatters from rank 0 unless told the tensor is already the same everywhere (it is: broadcast)
     local = {"src_data_rank": None} if "src_data_rank" in inspect.signature(distribute_tensor).parameters else {}
