@@ -529,6 +529,28 @@ COLUMNS: tuple[Column, ...] = (
         ("data_ptr_mod64", _I, "bytes", "input batch's realised data_ptr() % 64 (labels are placed alike)"),
         ("memory_format_verified", _B, "", "the input and every 4-D weight are contiguous in `memory_format`"),
     ),
+    *_group(  # the host's memory (issue 30): measured beside the device's, and counted by the plan
+        RESULT,
+        (
+            "host_peak_bytes",
+            _I,
+            "bytes",
+            "the measuring process's peak resident memory on the host over the timed measurement (the kernel's "
+            "high-water mark VmHWM, reset at its start), on every backend: on the CPU the same peak as "
+            "peak_memory_bytes, on a GPU the host's beside the device's (null where the kernel keeps none)",
+        ),
+        (
+            "host_models_bytes",
+            _I,
+            "bytes",
+            "the plan's count of what the cell's models take of the host on rank 0, at most at once: every copy it "
+            "holds (a cached fp32 master, a fresh copy, a model built on the host in its dtype, FSDP2 shards kept "
+            "on the host, the largest tensor drawn while a model is built on the device, the whole copies built for "
+            "serving after an FSDP2 step), parameters x bytes per dtype; not activations, gradients or optimizer "
+            "state (null: a module:callable model, not counted before it is built). `kdbench run --dry-run` prints "
+            "it per cell; a cell whose ranks on one node need more than the machine has available is skipped",
+        ),
+    ),
     *_group(
         DERIVED,
         (

@@ -140,6 +140,25 @@ def test_shipped_suite_dry_run_as_a_command():
     assert " cells, " in r.stdout.splitlines()[-1]
 
 
+def test_the_fsdp_suite_dry_run_prints_each_cells_host_figure_per_rank(capsys):
+    assert main(["run", str(ROOT / "suites" / "llm-fsdp.yaml"), "--dry-run"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "llama-3.1-8b->llama-3.2-1b" in line]
+    assert len(lines) == 8
+    size = r"([\d.]+) ([KMG])iB"
+    figure = re.compile(rf"host {size} (per rank|on rank 0, {size} on each other rank)\)$")
+
+    def nbytes(value: str, unit: str) -> float:
+        return float(value) * 2 ** {"K": 10, "M": 20, "G": 30}[unit]
+
+    for line in lines:
+        found = figure.search(line)
+        assert found, line
+        if "-fsdp" in line:  # rank 0 builds the frozen teacher on its host; the other ranks on meta
+            assert "on rank 0" in found[3] and nbytes(found[1], found[2]) < 64e9 > 10 * nbytes(found[4], found[5])
+        else:  # both models built on each rank's device: one tensor's fp32 draw at a time on the host
+            assert found[3] == "per rank" and nbytes(found[1], found[2]) < 4 * 2**30
+
+
 def test_list_and_env(capsys):
     assert main(["list", "models"]) == 0
     out = capsys.readouterr().out

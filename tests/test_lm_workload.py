@@ -301,6 +301,18 @@ def test_an_fsdp_cell_on_a_gpu_keeps_its_teacher_on_the_host_until_fully_shard_m
     assert {p.device.type for p in teacher.parameters()} == {"cpu"}
     assert {p.device.type for p in student.parameters()} == {"meta"}
     assert not LM.step_keeps_pair(fsdp) and LM.step_keeps_pair(lm_config(world_size=2))  # serving rebuilds whole
+
+    class OtherRank:  # a DataParallel's rank 1: it receives rank 0's teacher once sharded
+        root, group = False, None
+
+    teacher, student = LM.step_pair(fsdp, gpu, ModelCache(max_kept_bytes=0), OtherRank())
+    assert {p.device.type for p in teacher.parameters()} == {"meta"}  # nothing of the teacher on its host
+    assert {p.device.type for p in student.parameters()} == {"meta"}  # (the simulated device)
+    user = lm_config(
+        world_size=2, parallel="fsdp", pair={**PAIR, "teacher": "tests.lm_models:tiny_hf_student"}, overrides={}
+    )
+    teacher, _ = LM.step_pair(user, gpu, ModelCache(allow_imports=True), OtherRank())
+    assert {p.device.type for p in teacher.parameters()} == {"cpu"}  # user code: built whole, as it builds it
     teacher, student = LM.step_pair(lm_config(world_size=2), gpu, ModelCache())  # DDP: both whole on it
     assert {p.device.type for p in [*teacher.parameters(), *student.parameters()]} == {"meta"}
 
@@ -404,3 +416,133 @@ def test_a_teacher_served_at_the_students_precision_says_so(pair):
     models = VISION.build_pair(image, CPU, ModelCache())
     row = VISION.serve(Measurement.TEACHER_INFERENCE, 1, models, image, CPU, None)
     assert "the teacher is served at precision bf16" in row["notes"] and "teacher_precision fp32" in row["notes"]
+
+
+# ---------------------------------------------------------------- host memory (issue 30, review L3)
+
+HOST_SUITE = """\
+name: host
+backend: cpu
+defaults:
+  pair: {teacher: tiny-llama-teacher, student: tiny-llama-student}
+  overrides: {teacher: {num_hidden_layers: 2}, student: {num_hidden_layers: 1}}
+  data: {kind: tokens, seq_len: 16}
+  method: forward_kl
+  batch_size: 2
+  teacher_precision: bf16
+  teacher: {weights: bf16}
+  timing: {warmup: 0, min_iters: 2, min_time_s: 0.0}
+  inference: {batch_sizes: [1], decode_tokens: 3}
+"""
+
+
+def test_a_model_too_large_to_keep_is_built_in_its_dtype_with_the_weights_the_cache_would_give():
+    from kdbench.workloads.encoder import ENCODER
+
+    bf16 = lm_config(teacher_precision="bf16", teacher={"weights": "bf16"})
+    encoders = lm_config(pair={"teacher": "tiny-bert-teacher", "student": "tiny-bert-student"}, overrides={})
+    for workload, config in ((LM, bf16), (ENCODER, encoders)):
+        kept, direct = ModelCache(), ModelCache(max_kept_bytes=0)  # 0: every model is "large"
+        cached, built = workload.build_pair(config, CPU, kept), workload.build_pair(config, CPU, direct)
+        assert kept.builds == 2 and direct.builds == 0  # built directly: no float32 master in the cache
+        for a, b in zip(cached, built, strict=True):  # the same seeded weights, in the same dtypes
+            sa, sb = a.state_dict(), b.state_dict()
+            assert sa.keys() == sb.keys() and all(sa[k].dtype == sb[k].dtype for k in sa)
+            assert all(torch.equal(sa[k], sb[k]) for k in sa), [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert {p.dtype for p in built[0].parameters()} == {torch.float32}  # the encoder teacher's default weights
+    teacher = LM.build_pair(bf16, CPU, ModelCache(max_kept_bytes=0))[0]
+    assert {p.dtype for p in teacher.parameters()} == {torch.bfloat16}  # drawn in fp32, held in bf16 only
+
+
+def test_a_pair_whose_fp32_master_exceeds_a_simulated_host_runs_within_it_or_is_skipped_with_the_figure(
+    monkeypatch, tmp_path, capsys
+):
+    from kdbench.cli import main
+    from kdbench.models import cache as cache_module
+    from kdbench.run import plan as plan_module
+    from kdbench.run.jobs import config_columns
+    from kdbench.store import read_results
+    from kdbench.workloads.lm import lm_counts
+    from kdbench.workloads.placement import gib
+
+    config = lm_config(teacher_precision="bf16", teacher={"weights": "bf16"})
+    (pt, lt), (ps, _) = (
+        lm_counts(getattr(config.pair, r), getattr(config.overrides, r)) for r in ("teacher", "student")
+    )
+    masters = 4 * (pt + ps)  # the float32 masters the model cache kept for as long as the worker lived
+    # the simulated host: its models count as large (none is kept), and it has less than the masters alone
+    monkeypatch.setattr(cache_module, "MAX_KEPT_BYTES", 0)
+    need = 2 * pt + 4 * lt + 4 * ps  # the teacher in bf16 (drawn one fp32 tensor at a time) and the student
+    assert LM.host_footprint(config, "cpu").rank_bytes() == need < masters
+    monkeypatch.setattr(plan_module, "host_memory", lambda: (need, masters))
+    assert plan_module.host_refusal(config, "cpu", 1, need, masters) is None
+    rows = measure_cell(Cell(0, cell_id_of(config), config), CPU, ModelCache())
+    assert [r["status"] for r in rows] == ["ok"] * 5, [r.get("error") for r in rows]
+    assert config_columns(config, "cpu")["host_models_bytes"] == need
+    # one byte less: the cell is stored skipped with the figure before anything runs, never swapped or killed
+    monkeypatch.setattr(plan_module, "host_memory", lambda: (need - 1, masters))
+    suite = tmp_path / "host.yaml"
+    suite.write_text(HOST_SUITE)
+    assert main(["run", str(suite), "--dry-run"]) == 0  # the dry run says so too
+    assert f"host {gib(need)} per rank: more than this machine has available, a run here skips it" in (
+        capsys.readouterr().out
+    )
+    assert main(["run", str(suite), "--out", str(tmp_path / "res"), "--no-report"]) == 0
+    df = read_results([tmp_path / "res"])
+    assert set(df["status"]) == {"skipped"} and len(df) == 5
+    error = df["error"].iloc[0]
+    assert f"need {gib(need)} of host memory" in error and f"has {gib(need - 1)} available" in error
+    assert "teacher tiny-llama-teacher bf16 whole, built on the host" in error
+    assert set(df["host_models_bytes"]) == {need}
+
+
+def test_an_8_rank_fsdp2_llama_8b_to_1b_cell_plans_its_host_per_rank_under_64_gb():
+    from kdbench.workloads.lm import lm_counts
+
+    big = {"teacher": "llama-3.1-8b", "student": "llama-3.2-1b"}
+    (pt, lt), (ps, ls) = lm_counts("llama-3.1-8b", {}), lm_counts("llama-3.2-1b", {})
+    assert (pt, lt, ps, ls) == (8_030_261_248, 128_256 * 4096, 1_235_814_400, 128_256 * 2048)
+    # rank 0 builds the frozen teacher whole on its host in its dtype (the other ranks on meta: they receive rank
+    # 0's weights once sharded), then the student on its device; one tensor is drawn in fp32 at a time (in bf16 the
+    # teacher's embedding, 2.1 GB, is the largest draw; in fp32 the teacher is drawn in place, the student's is)
+    for weights, rank0 in (("fp32", 4 * pt + 4 * ls), ("bf16", 2 * pt + 4 * lt)):
+        config = lm_config(
+            pair=big, overrides={}, world_size=8, parallel="fsdp", teacher={"weights": weights}, precision="bf16"
+        )
+        host = LM.host_footprint(config, "cuda")
+        assert host.rank_bytes(True) == rank0 < 64e9 and rank0 < 34e9
+        assert host.rank_bytes(False) == 4 * ls and host.node_bytes(8) == rank0 + 7 * 4 * ls  # the draw alone
+        assert "on each other rank" in host.summary(8)
+    # DDP: every rank builds both models on its device, holding one tensor's fp32 draw at a time on the host
+    ddp = LM.host_footprint(lm_config(pair=big, overrides={}, world_size=8, precision="bf16"), "cuda")
+    assert ddp.rank_bytes(True) == ddp.rank_bytes(False) == 4 * lt  # the teacher's embedding
+    # the old build: an fp32 master of each model in the cache, and a deep copy of it per use, on every rank
+    assert 8 * (pt + ps) > 64e9
+
+
+def test_every_lm_step_row_records_the_hosts_peak_beside_the_devices():
+    config = lm_config()
+    rows = measure_cell(Cell(0, cell_id_of(config), config), CPU, ModelCache())
+    assert [r["status"] for r in rows] == ["ok"] * 5
+    for row in rows:  # on the CPU the host's peak is the measured peak
+        assert row["host_peak_bytes"] == row["peak_memory_bytes"] > 0
+
+
+def test_a_nodes_host_figure_counts_the_ranks_on_that_node(monkeypatch):
+    from kdbench.run.plan import host_refusal, ranks_on_node
+
+    assert ranks_on_node(1, 1) == 1 and ranks_on_node(8, 1) == 8 and ranks_on_node(8, 2) == 4  # kdbench's launcher
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    allocation = object()  # an outer allocation (torchrun, srun): its ranks on this node
+    assert ranks_on_node(8, 1, allocation) == 8  # unknown: all of them
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x2)")
+    assert ranks_on_node(8, 1, allocation) == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert ranks_on_node(8, 1, allocation) == 8  # a cell of 8 ranks in an allocation of 16 per node
+    ddp = lm_config(world_size=2)
+    host = LM.host_footprint(ddp, "cpu")
+    one = host.rank_bytes()
+    assert host.node_bytes(2) == 2 * one  # every DDP rank builds both models
+    assert host_refusal(ddp, "cpu", 2, 2 * one, 4 * one) is None
+    assert "2 ranks on this node" in host_refusal(ddp, "cpu", 2, 2 * one - 1, 4 * one)

@@ -232,14 +232,24 @@ def test_cuda_meter_reads_allocator_counters_after_clearing_what_earlier_work_le
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: next(allocated))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: calls.append(("max_alloc", d)) or 9_000)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: 12_000)
+    monkeypatch.setattr(memory, "_reset_hwm", lambda: calls.append("reset_hwm") or True)
+    monkeypatch.setattr(memory, "_hwm_bytes", lambda: 64 * 2**40)  # the host's high-water mark: 64 TiB
     with MemoryMeter(CUDA0) as meter:
-        # unreferenced cycles collected, the device idle, the cache emptied, and only then the peak reset
-        assert calls == ["gc", "sync", "empty_cache", ("reset", torch.device("cuda", 0))]
+        # unreferenced cycles collected, the device idle, the cache emptied, and only then the peaks reset
+        assert calls == ["gc", "sync", "empty_cache", ("reset", torch.device("cuda", 0)), "reset_hwm"]
     usage = meter.result()
-    assert usage == memory.MemoryUsage("device", 9_000, 12_000, 4_000, 8_000)  # footprint: peak - at entry
+    # footprint: peak - at entry; the host's peak read beside the device's
+    assert usage == memory.MemoryUsage("device", 9_000, 12_000, 4_000, 8_000, host_peak_bytes=64 * 2**40)
     assert calls[-1] == ("max_alloc", torch.device("cuda", 0))
     assert meter.allocated_before == 1_000 and meter.rss_before is None
     assert _rss_threads() == []
+    assert memory.memory_columns(usage)["host_peak_bytes"] == 64 * 2**40
+    # a kernel without a resettable high-water mark: no host peak on a GPU row (no sampling thread either)
+    allocated = iter([1_000, 5_000])
+    monkeypatch.setattr(memory, "_reset_hwm", lambda: False)
+    with MemoryMeter(CUDA0) as meter:
+        pass
+    assert meter.result().host_peak_bytes is None and _rss_threads() == []
 
 
 def test_a_finished_step_leaves_nothing_behind_for_the_next_measurement(monkeypatch):

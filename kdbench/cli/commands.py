@@ -110,16 +110,6 @@ def _dry_run(suite, options) -> int:
     from kdbench.workloads import planned_measurements
 
     plan = api.plan(suite, options.shard, options.device)
-    n_rows = 0
-    for job in plan.jobs:
-        if isinstance(job, CellJob) and job.repeat > 1:
-            continue  # the same cells again, in later rounds
-        if isinstance(job, CellJob):
-            n_rows += len(planned_measurements(job.cell.config))
-            inf = ",".join(str(b) for b in job.cell.config.inference.batch_sizes) or "-"
-            print(f"{job.cell.index + 1:4d}  {job.job_id}  {job.label}  (inference bs {inf})")
-        else:
-            print(f"after the cells, {job.describe()}")
     requested = options.device or suite.backend
     d = detect()
     here = (
@@ -127,6 +117,18 @@ def _dry_run(suite, options) -> int:
         if requested in ("auto", "cpu") or d.best == requested
         else f"NOT available here: {d.describe()}"
     )
+    device_type = "cpu" if (d.best if requested == "auto" else requested) == "cpu" else "cuda"
+    n_rows = 0
+    for job in plan.jobs:
+        if isinstance(job, CellJob) and job.repeat > 1:
+            continue  # the same cells again, in later rounds
+        if isinstance(job, CellJob):
+            n_rows += len(planned_measurements(job.cell.config))
+            inf = ",".join(str(b) for b in job.cell.config.inference.batch_sizes) or "-"
+            host = _host_line(job.cell.config, device_type, suite.launcher.nnodes, here == "available here")
+            print(f"{job.cell.index + 1:4d}  {job.job_id}  {job.label}  (inference bs {inf}; {host})")
+        else:
+            print(f"after the cells, {job.describe()}")
     cells = sum(isinstance(j, CellJob) and j.repeat == 1 for j in plan.jobs)
     times = f" x {suite.repeat} repeats" if suite.repeat > 1 else ""
     print(f"{cells} cells, {n_rows} measurements{times}; suite '{suite.name}', backend {requested} ({here})")
@@ -138,6 +140,19 @@ def _dry_run(suite, options) -> int:
         skip = suite.slow_precisions == "skip"
         warn_slow_cells(plan, resolve(requested), options.out_dir / PROBES_DIR, suite.threads, skip)
     return 0
+
+
+def _host_line(config, device_type: str, nnodes: int, here: bool) -> str:
+    """A cell's host figure per rank, and, where its backend is this machine's, whether the host can hold it."""
+    from kdbench.run.plan import host_memory, host_refusal, ranks_on_node
+    from kdbench.workloads import workload_of
+
+    line = workload_of(config).host_footprint(config, device_type).summary(config.world_size)
+    if here:
+        available, total = host_memory()
+        if host_refusal(config, device_type, ranks_on_node(config.world_size, nnodes), available, total):
+            line += ": more than this machine has available, a run here skips it"
+    return line
 
 
 def cmd_report(args: argparse.Namespace) -> int:

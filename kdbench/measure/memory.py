@@ -6,6 +6,11 @@ counters (exact, tensor memory only); on the CPU the kernel's high-water mark of
 process (VmHWM, reset at entry through /proc/self/clear_refs), or where that is
 unavailable RSS sampled from a thread (a sampled maximum: a spike shorter than the
 interval can be missed).
+
+The host's peak is read beside the device's on every backend (``host_peak_bytes``): the
+process's VmHWM over the block, reset at entry; on the CPU it is the same peak as the
+device's.  On a GPU where the kernel keeps no resettable high-water mark (not Linux) it is
+not read (None): a sampling thread would compete with the timed launches.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class MemoryUsage:
     peak_reserved_bytes: int | None  # torch.cuda.max_memory_reserved (None for rss)
     growth_bytes: int  # at exit minus at entry (RSS, or memory_allocated)
     footprint_bytes: int  # the peak minus what was in use at entry: what this measurement needed
+    host_peak_bytes: int | None = None  # the process's peak resident memory over the block (None: not readable)
 
 
 def _hwm_bytes() -> int | None:
@@ -106,6 +112,7 @@ class MemoryMeter:
             torch.cuda.empty_cache()  # the pool earlier measurements grew: max_memory_reserved starts from here
             torch.cuda.reset_peak_memory_stats(device)
             self.allocated_before = int(torch.cuda.memory_allocated(device))
+            self._hwm = _reset_hwm()  # the host's peak beside the device's
             return self
         self.rss_before = self._peak = self._proc.memory_info().rss
         self._hwm = _reset_hwm()
@@ -124,24 +131,27 @@ class MemoryMeter:
         device = self.backend.device
         if self._gpu:
             peak = int(torch.cuda.max_memory_allocated(device))
+            host = self._proc.memory_info().rss if self._hwm else None
             self._usage = MemoryUsage(
                 kind="device",
                 peak_bytes=peak,
                 peak_reserved_bytes=int(torch.cuda.max_memory_reserved(device)),
                 growth_bytes=int(torch.cuda.memory_allocated(device)) - self.allocated_before,
                 footprint_bytes=peak - self.allocated_before,
+                host_peak_bytes=max(_hwm_bytes() or host, host) if host is not None else None,
             )
             return
         rss_after = self._proc.memory_info().rss
         if self._hwm:
             peak = max(_hwm_bytes() or rss_after, rss_after)
-            self._usage = MemoryUsage("rss_hwm", peak, None, rss_after - self.rss_before, peak - self.rss_before)
+            growth, footprint = rss_after - self.rss_before, peak - self.rss_before
+            self._usage = MemoryUsage("rss_hwm", peak, None, growth, footprint, host_peak_bytes=peak)
             return
         self._stop.set()
         self._thread.join()
         self._thread = None
         peak = max(self._peak, rss_after)
-        self._usage = MemoryUsage("rss", peak, None, rss_after - self.rss_before, peak - self.rss_before)
+        self._usage = MemoryUsage("rss", peak, None, rss_after - self.rss_before, peak - self.rss_before, peak)
 
     def result(self) -> MemoryUsage:
         if self._usage is None:
@@ -176,4 +186,5 @@ def memory_columns(usage: MemoryUsage) -> dict[str, Any]:
         "peak_reserved_bytes": usage.peak_reserved_bytes,
         "memory_growth_bytes": usage.growth_bytes,
         "memory_footprint_bytes": usage.footprint_bytes,
+        "host_peak_bytes": usage.host_peak_bytes,
     }

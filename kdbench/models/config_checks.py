@@ -4,11 +4,12 @@ small for a next-token distribution, a padding token beyond it (:mod:`kdbench.mo
 
 from __future__ import annotations
 
+import contextlib
 import re
 import types
 from typing import Any
 
-from kdbench.errors import KdbenchError
+from kdbench.errors import KdbenchError, did_you_mean
 
 SIZE_FIELDS = (
     "hidden_size",
@@ -131,3 +132,43 @@ def check_values(base: Any, defaults: dict[str, Any], overrides: dict[str, Any],
             raise ModelConfigError(f"{what}: {key} {value} must be {'0 or more' if least == 0 else 'at least 1'}", key)
     if overrides:
         check_shapes(types.SimpleNamespace(**{**base.to_dict(), **overrides}), overrides, what, next_token)
+
+
+# Legacy names a config class still takes in its constructor (transformers 5 folds them
+# into ``rope_parameters``; 4.x keeps them as fields).
+_ROPE_LEGACY = ("rope_theta", "rope_scaling")
+
+
+def _valid_fields(config_class) -> set[str]:
+    """Every field a config of this class takes: its constructor's names, the fields of a
+    default instance, the aliases in ``attribute_map`` and the legacy rope names."""
+    import inspect
+
+    fields: set[str] = set()
+    for klass in config_class.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        with contextlib.suppress(TypeError, ValueError):
+            params = inspect.signature(init).parameters.values()
+            fields.update(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    fields.discard("self")
+    fields.update(config_class().to_dict())
+    fields.update(getattr(config_class, "attribute_map", {}))
+    if fields & {"rope_parameters", *_ROPE_LEGACY}:
+        fields.update(_ROPE_LEGACY)
+    return fields
+
+
+def check_config_fields(config_class, keys, what: str) -> None:
+    """Raise :class:`KdbenchError` for a key ``config_class`` takes under no name, with transformers' name for it
+    where another code base's name was used."""
+    valid = _valid_fields(config_class)
+    for key in keys:
+        if key not in valid:
+            other = OTHER_NAMES.get(key)
+            if other is not None and other not in valid:  # this class's own name for it (GPT-2's n_inner)
+                other = next((o for o, same in OTHER_NAMES.items() if same == other and o in valid), None)
+            hint = f"did you mean {other!r} (transformers' name for it)?" if other else ""
+            hint = hint or did_you_mean(key, sorted(valid), quote=True)
+            raise KdbenchError(f"{what}: {config_class.__name__} has no field {key!r}; {hint}".rstrip("; ").rstrip())

@@ -92,7 +92,8 @@ def _split(overrides: dict[str, Any] | None) -> tuple[dict[str, Any], str | None
 def encoder_config(name: str, overrides: dict[str, Any] | None = None):
     """The ``transformers.BertConfig`` of encoder ``name`` with ``overrides`` (any config field, e.g.
     ``{"num_hidden_layers": 2}``; ``attn_implementation`` is not a field and is left out here)."""
-    from kdbench.models.lm import check_config_fields, config_class_named
+    from kdbench.models.config_checks import check_config_fields
+    from kdbench.models.lm import config_class_named
 
     numbers = check_encoder_name(name)
     fields, _ = _split(overrides)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from kdbench.errors import KdbenchError, did_you_mean
-from kdbench.models.config_checks import OTHER_NAMES
+from kdbench.models.config_checks import check_config_fields
 
 _EXTRA_HINT = "pip install 'kdbench[lm]'"
 
@@ -182,10 +182,6 @@ LM_CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 
-# Legacy names a config class still takes in its constructor (transformers 5 folds them
-# into ``rope_parameters``; 4.x keeps them as fields).
-_ROPE_LEGACY = ("rope_theta", "rope_scaling")
-
 
 def transformers_module():
     try:
@@ -203,39 +199,6 @@ def config_class_named(class_name: str):
         raise KdbenchError(
             f"transformers {transformers.__version__} has no {class_name}; upgrade it: {_EXTRA_HINT}"
         ) from None
-
-
-def _valid_fields(config_class) -> set[str]:
-    """Every field a config of this class takes: its constructor's names, the fields of a
-    default instance, the aliases in ``attribute_map`` and the legacy rope names."""
-    import inspect
-
-    fields: set[str] = set()
-    for klass in config_class.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        with contextlib.suppress(TypeError, ValueError):
-            params = inspect.signature(init).parameters.values()
-            fields.update(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
-    fields.discard("self")
-    fields.update(config_class().to_dict())
-    fields.update(getattr(config_class, "attribute_map", {}))
-    if fields & {"rope_parameters", *_ROPE_LEGACY}:
-        fields.update(_ROPE_LEGACY)
-    return fields
-
-
-def check_config_fields(config_class, keys, what: str) -> None:
-    valid = _valid_fields(config_class)
-    for key in keys:
-        if key not in valid:
-            other = OTHER_NAMES.get(key)
-            if other is not None and other not in valid:  # this class's own name for it (GPT-2's n_inner)
-                other = next((o for o, same in OTHER_NAMES.items() if same == other and o in valid), None)
-            hint = f"did you mean {other!r} (transformers' name for it)?" if other else ""
-            hint = hint or did_you_mean(key, sorted(valid), quote=True)
-            raise KdbenchError(f"{what}: {config_class.__name__} has no field {key!r}; {hint}".rstrip("; ").rstrip())
 
 
 def is_lm_model(name: str) -> bool:
@@ -347,12 +310,16 @@ def build_lm(
 
 def from_config(auto_class, config, kwargs: dict[str, Any], dtype, device) -> nn.Module:
     """``auto_class.from_config`` with random weights, built directly on ``device`` in ``dtype`` (the keyword is
-    ``dtype`` from transformers 5, ``torch_dtype`` before), in eval mode."""
+    ``dtype`` from transformers 5, ``torch_dtype`` before), in eval mode.  Off the CPU or below float32 its random
+    draws come from the host's generator in float32, one tensor at a time (:func:`kdbench.models.seeded.host_draws`):
+    seeded alike, the weights equal a float32 CPU build's, cast, wherever and in whatever dtype it is built."""
+    from kdbench.models.seeded import host_draws, needs_host_draws
+
     if dtype is not None:
         major = int(transformers_module().__version__.split(".")[0])
         kwargs = {**kwargs, "dtype" if major >= 5 else "torch_dtype": dtype}
     where = torch.device(device) if device is not None else contextlib.nullcontext()
-    with where:
+    with where, host_draws(needs_host_draws(device, dtype)):
         model = auto_class.from_config(config, **kwargs)
     return model.eval()
 
@@ -425,6 +392,7 @@ class CausalLM(nn.Module):
         self.hf = head is not None and hasattr(lm, "base_model") and lm.base_model is not lm
         self._head = (head,) if self.hf else (None,)  # a tuple: no second registration of the head's weights
         self._fsdp_root: tuple[nn.Module | None] = (None,)
+        self._on_sharded = None  # what runs once sharded (when_sharded)
 
     @property
     def head(self) -> nn.Module | None:
@@ -435,8 +403,17 @@ class CausalLM(nn.Module):
         return self._fsdp_root[0]
 
     def set_fsdp_root(self, root: nn.Module) -> None:
-        """Name the FSDP2 module that holds this model's root parameters (:attr:`fsdp_root`)."""
+        """Name the FSDP2 module holding this model's root parameters (:attr:`fsdp_root`) once
+        :func:`kdbench.measure.parallel.shard` has sharded it; then run :meth:`when_sharded`'s ``fn``."""
         self._fsdp_root = (root,)
+        pending, self._on_sharded = self._on_sharded, None
+        if pending is not None:
+            pending(root)
+
+    def when_sharded(self, fn) -> None:
+        """Have ``fn(root)`` run once this model is sharded: an FSDP2 teacher built on ``meta`` off rank 0 receives
+        rank 0's weights (:func:`kdbench.workloads.placement.receive_from_rank0`)."""
+        self._on_sharded = fn
 
     @property
     def vocab_size(self) -> int | None:

@@ -65,6 +65,14 @@ class ModelFacts:
     vocab: int | None = None  # entries of its vocabulary (the head's rows, or the logits' width)
     can_generate: bool = False  # samples token by token with a KV cache (on-policy distillation)
     returns: str | None = None  # what a model without an LM head returns when it is not logits (B, S, V)
+    params: int | None = None  # parameters (tied ones once): the host's count of a copy (run.plan's host figure)
+    largest: int | None = None  # elements of the largest parameter (the one drawn at a time in float32)
+
+
+def sizes(model: nn.Module) -> dict[str, int]:
+    """``params`` and ``largest`` of a model (``parameters()`` yields a tied parameter once)."""
+    numels = [p.numel() for p in model.parameters()]
+    return {"params": sum(numels), "largest": max(numels, default=0)}
 
 
 # --------------------------------------------------------------------------- quiet building
@@ -378,6 +386,7 @@ def _facts(wrapped: nn.Module, config: Any) -> ModelFacts:
         head=head_problem,
         vocab=int(vocab) if isinstance(vocab, int) else None,
         can_generate=wrapped.hf and (generates() if callable(generates) else True),
+        **sizes(wrapped),
     )
 
 
@@ -421,4 +430,4 @@ def _encoder_facts(name: str, key: str) -> tuple[ModelFacts | None, Exception | 
             return ModelFacts(known=False, config=encoder_config(name, overrides)), None
     wrapped = Encoder(model)
     modules = frozenset(n for n, _ in wrapped.named_modules() if n)
-    return ModelFacts(config=model.config, modules=modules, layers=tuple(wrapped.layers())), None
+    return ModelFacts(config=model.config, modules=modules, layers=tuple(wrapped.layers()), **sizes(wrapped)), None

@@ -103,7 +103,7 @@ def measure_cell(
         return None if dp is not None and not dp.root else failure_rows(planned_rows, Status.SKIPPED, skip)
     try:
         with walltime.spent(walltime.MODELS):
-            pair = workload.step_pair(config, backend, cache)
+            pair = workload.step_pair(config, backend, cache, dp)
     except Exception as exc:
         if dp is not None:
             raise

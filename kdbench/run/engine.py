@@ -33,7 +33,7 @@ from kdbench.hw.backends import Backend, detect, resolve, thread_count
 from kdbench.measure.step import MeasureOptions
 from kdbench.names import FAILURES, Measurement, Status
 from kdbench.run.jobs import CellJob, Job, QualityJob, failure_rows
-from kdbench.run.plan import Plan, plan_jobs, planned_backend, slow_skip, warn_slow_cells
+from kdbench.run.plan import Plan, host_skips, plan_jobs, planned_backend, slow_skip, warn_slow_cells
 from kdbench.run.progress import JobTiming, Progress, WallSplit
 from kdbench.schema import SCHEMA_VERSION, Row
 from kdbench.store.probes import ceiling_columns, latest_ceiling
@@ -120,6 +120,11 @@ def run_suite(
         slow = warn_slow_cells(plan, backend, options.out_dir / PROBES_DIR, threads, suite.slow_precisions == "skip")
         if suite.slow_precisions == "skip":
             plan = replace(plan, skipped={j.job_id: why for j in plan.jobs if (why := slow_skip(j, slow))})
+        held = host_skips(plan, backend.device_type, suite.launcher.nnodes, alloc)  # the host cannot hold them
+        if held:
+            for why in dict.fromkeys(held.values()):
+                logger.warning("skipped: %s", why)
+            plan = replace(plan, skipped={**held, **plan.skipped})
     if alloc is not None:
         outcome = _run_allocated(suite, plan, backend.name, threads, options, alloc)
         if close:

@@ -225,6 +225,12 @@ FAMILY_CONFIG_COLUMNS = (
 )
 
 
+def host_models_bytes(config: CellConfig, backend_name: str) -> int | None:
+    """What the cell's models take of rank 0's host, as the plan counts it (None: not counted before the run)."""
+    device_type = "cpu" if backend_name == "cpu" else "cuda"
+    return workload_of(config).host_footprint(config, device_type).rank_bytes(True)
+
+
 def config_columns(config: CellConfig, backend_name: str) -> Row:
     """The result columns that come from a cell's config."""
     parallel = config.world_size > 1
@@ -252,6 +258,7 @@ def config_columns(config: CellConfig, backend_name: str) -> Row:
             "ddp_static_graph": config.ddp.static_graph if parallel and not fsdp else None,
             "data_kind": config.data.kind,
             **family,
+            "host_models_bytes": host_models_bytes(config, backend_name),
             "on_policy_lambda": config.on_policy.lmbda if config.on_policy else None,
             "on_policy_new_tokens": config.on_policy.new_tokens if config.on_policy else None,
             "teacher_mode": config.teacher.mode,

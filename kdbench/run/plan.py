@@ -1,6 +1,7 @@
 """A run's plan: the suite's cells as jobs (one share with ``--shard``; the quality block as one more job), checked
-before anything runs (budgets that match nothing), and the precisions this machine runs far slower than fp32,
-said before the first job (and skipped with ``slow_precisions: skip``)."""
+before anything runs (budgets that match nothing), the precisions this machine runs far slower than fp32,
+said before the first job (and skipped with ``slow_precisions: skip``), and the cells whose models this machine's
+host memory cannot hold, skipped with the figure (:func:`host_skips`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from kdbench.errors import KdbenchError
 from kdbench.hw.backends import Backend, detect
 from kdbench.measure.rows import CELL_BUDGET_S
 from kdbench.run.jobs import CellJob, Job, QualityJob
-from kdbench.workloads import expand_checked, planned_measurements
+from kdbench.workloads import expand_checked, planned_measurements, workload_of
 
 logger = logging.getLogger(__name__)
 
@@ -116,3 +117,56 @@ def slow_skip(job: Job, slow: dict) -> str | None:
     c = job.cell.config
     precision = next((p for p in (c.precision, c.teacher_precision) if p in slow), None)
     return skip_reason_for_slow(precision, slow[precision]) if precision else None
+
+
+def host_memory() -> tuple[int, int]:
+    """(available, total) bytes of this machine's memory, as psutil reads them (swap not counted)."""
+    import psutil
+
+    memory = psutil.virtual_memory()
+    return int(memory.available), int(memory.total)
+
+
+def ranks_on_node(world_size: int, nnodes: int, alloc=None) -> int:
+    """How many of a cell's ranks run on this node: kdbench's own launcher starts ``world_size / nnodes`` per node;
+    in an outer allocation, the ranks 0..world_size-1 it has on this node (``LOCAL_WORLD_SIZE``, or srun's
+    ``SLURM_NTASKS_PER_NODE``; unknown: all of them)."""
+    import os
+
+    if world_size == 1:
+        return 1
+    if alloc is None:
+        return max(world_size // nnodes, 1)
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+    return min(world_size, int(local)) if local.isdigit() else world_size
+
+
+def host_refusal(config, device_type: str, ranks: int, available: int, total: int) -> str | None:
+    """Why a cell is not run here: its models need more host memory on this node (its ``ranks`` ranks here, rank 0
+    among them) than ``available`` (None: it fits, or cannot be counted before the run)."""
+    from kdbench.workloads.placement import gib
+
+    footprint = workload_of(config).host_footprint(config, device_type)
+    need = footprint.node_bytes(ranks)
+    if need is None or need <= available:
+        return None
+    here = f"{ranks} ranks on this node: " if ranks > 1 else ""
+    return (
+        f"the cell's models need {gib(need)} of host memory ({here}{footprint.summary(config.world_size)}) and this "
+        f"machine has {gib(available)} available of {gib(total)}: it would swap or be killed; {footprint.fix} "
+        f"(counted: {footprint.details()})"
+    )
+
+
+def host_skips(plan: Plan, device_type: str, nnodes: int = 1, alloc=None) -> dict[str, str]:
+    """job id -> why, for each cell whose models the host cannot hold (:func:`host_refusal`), before anything
+    runs: stored as skipped rather than swapping or being killed part-way."""
+    available, total = host_memory()
+    skipped = {}
+    for job in plan.jobs:
+        if isinstance(job, CellJob):
+            c = job.cell.config
+            why = host_refusal(c, device_type, ranks_on_node(c.world_size, nnodes, alloc), available, total)
+            if why:
+                skipped[job.job_id] = why
+    return skipped

@@ -11,6 +11,7 @@ serving measurements (:meth:`Workload.serve`).  The settings only some families 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import torch
@@ -21,6 +22,7 @@ from kdbench.hw.backends import Backend
 from kdbench.models import ModelCache
 from kdbench.names import Measurement
 from kdbench.schema import Row
+from kdbench.workloads.placement import EVERY, STEP, HostFootprint, ModelBuild, model_copies
 
 Problems = list[tuple[tuple[str, ...], str]]
 Pair = tuple[nn.Module, nn.Module]
@@ -69,14 +71,30 @@ class Workload:
         """Fresh copies of the teacher and the student, on the device, as serving uses them."""
         raise NotImplementedError
 
-    def step_pair(self, config: CellConfig, backend: Backend, cache: ModelCache) -> Pair:
-        """The pair the distillation step trains (by default the same as :meth:`build_pair`)."""
+    def step_pair(self, config: CellConfig, backend: Backend, cache: ModelCache, dp: Any = None) -> Pair:
+        """The pair the distillation step trains, on this rank of ``dp`` (a
+        :class:`kdbench.measure.parallel.DataParallel`; None: one device); by default :meth:`build_pair`'s."""
         return self.build_pair(config, backend, cache)
 
     def step_keeps_pair(self, config: CellConfig) -> bool:
         """Whether serving can measure the pair the step trained (False: the step changed it in place, e.g.
         sharded it; the orchestrator frees it and builds whole copies for serving)."""
         return True
+
+    def host_footprint(self, config: CellConfig, device_type: str) -> HostFootprint:
+        """What the cell's models take of the host per rank on ``device_type`` (``cpu``, or a GPU's), counted without
+        building them (:class:`kdbench.workloads.placement.HostFootprint`).  By default (image classifiers): each
+        model's float32 master in the worker's cache and the fresh copy the cell uses (moved to the device on a
+        GPU), from its registered parameter count; a ``module:callable`` is not counted before it is built."""
+        copies = []
+        for role in ("teacher", "student"):
+            name = getattr(config.pair, role)
+            params = _classifier_params(name, config.data.num_classes, tuple(config.data.shape))
+            if params is None:
+                return HostFootprint(unknown=f"the {role} {name} is user code: its size is known once it is built")
+            build = ModelBuild(role, "device", "fp32")
+            copies += model_copies(f"{role} {name}", params, 0, build, True, device_type, EVERY, STEP)
+        return HostFootprint(tuple(copies), fix="free host memory or run it on a machine with more")
 
     def model_key(self, config: CellConfig, role: str) -> tuple:
         """What makes the cell's ``role`` model the same model as another cell's (the quality protocol trains
@@ -135,6 +153,19 @@ class Workload:
         """One serving measurement's row (the step is measured by :mod:`kdbench.measure.step`, the same for every
         family), timed within ``budget_s``."""
         raise NotImplementedError
+
+
+@functools.lru_cache(maxsize=256)
+def _classifier_params(name: str, num_classes: int, shape: tuple[int, ...]) -> int | None:
+    """Parameters of registered image classifier ``name`` (None: user code, or a model that cannot be counted)."""
+    if ":" in name:
+        return None
+    from kdbench.models.registry import parameter_count
+
+    try:
+        return parameter_count(name, num_classes, shape)
+    except Exception:  # a model the meta device cannot build is counted once it is built
+        return None
 
 
 def encoder_methods(methods: list, pair_is: str) -> Problems:

@@ -29,17 +29,18 @@ from kdbench.distill.losses import METHODS, check_method, check_weights, params_
 from kdbench.errors import KdbenchError
 from kdbench.models.encoders import Encoder
 from kdbench.models.lm import is_lm_model
+from kdbench.models.meta import encoder_facts
 from kdbench.names import Measurement
 from kdbench.schema import Row
 from kdbench.workloads.base import (
     Pair,
     Problems,
     Workload,
-    cast_teacher_weights,
     model_of,
     served_precision_note,
     serving_plan,
 )
+from kdbench.workloads.placement import HostFootprint, counted, fresh_model, pair_footprint, step_builds
 
 DEFAULT_LAYERS = 4  # hidden_mse pairs at most this many encoder layers by default
 ALSO_ON_ENCODERS = ("hidden_mse",)  # methods of another family's domain that run on encoder pairs too (hidden states)
@@ -145,16 +146,32 @@ class EncoderWorkload(Workload):
     # ------------------------------------------------------------------ the step
 
     def build_pair(self, config: Any, backend: Any, cache: Any) -> Pair:
+        teacher, student = (self._model(config, b, backend, cache) for b in step_builds(config))
+        return teacher, student
+
+    def _model(self, config: Any, build: Any, backend: Any, cache: Any) -> Encoder:
         from kdbench.models.encoders import build_encoder
 
-        models = []
-        for role in ROLES:
-            name, overrides = getattr(config.pair, role), getattr(config.overrides, role)
-            key = ("encoder", name, repr(sorted(overrides.items())), config.seed)
-            model = cache.get_built(key, config.seed, lambda n=name, o=overrides: build_encoder(n, o or None))
-            wrapped = Encoder(model)
-            models.append((cast_teacher_weights(wrapped, config) if role == "teacher" else wrapped).to(backend.device))
-        return models[0], models[1]
+        name, overrides = getattr(config.pair, build.role), getattr(config.overrides, build.role)
+        key = ("encoder", name, repr(sorted(overrides.items())), config.seed)
+        return fresh_model(
+            config,
+            build,
+            backend.device,
+            cache,
+            key,
+            4 * encoder_counts(name, overrides)[0],
+            lambda: build_encoder(name, overrides or None),
+            lambda device, dtype: build_encoder(name, overrides or None, device=device, dtype=dtype),
+            Encoder,
+        )
+
+    def host_footprint(self, config: Any, device_type: str) -> HostFootprint:
+        return pair_footprint(
+            config,
+            device_type,
+            lambda role: encoder_counts(getattr(config.pair, role), getattr(config.overrides, role)),
+        )
 
     def batch(
         self, config: Any, batch_size: int, device: torch.device, seed: int, models: Pair
@@ -198,6 +215,12 @@ class EncoderWorkload(Workload):
 
 
 ENCODER = EncoderWorkload()
+
+
+def encoder_counts(name: str, overrides: dict[str, Any]) -> tuple[int, int]:
+    """(parameters, elements of the largest) of encoder ``name`` with ``overrides``, from the plan's model on
+    ``meta``."""
+    return counted(encoder_facts(name, overrides), name)
 
 
 def _not_an_encoder(name: str) -> str:

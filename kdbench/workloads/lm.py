@@ -20,6 +20,7 @@ vocabulary the pair shares, the prompt's length and the token batch.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,17 +29,27 @@ from torch import nn
 from kdbench.distill.lm.loss import LMLoss, methods_token_loss
 from kdbench.distill.losses import check_method, check_weights
 from kdbench.errors import KdbenchError
-from kdbench.models.lm import CausalLM, is_lm_model, make_lm, max_positions, model_config
+from kdbench.models.lm import CausalLM, build_lm, is_lm_model, make_lm, max_positions, model_config
+from kdbench.models.meta import lm_facts
 from kdbench.names import IGNORE_INDEX, Measurement
 from kdbench.schema import Row
 from kdbench.workloads.base import (
     Pair,
     Problems,
     Workload,
-    cast_teacher_weights,
     encoder_methods,
     model_of,
     serving_plan,
+)
+from kdbench.workloads.placement import (
+    HostFootprint,
+    ModelBuild,
+    counted,
+    fresh_model,
+    pair_footprint,
+    receive_from_rank0,
+    serving_builds,
+    step_builds,
 )
 
 DEFAULT_LAYERS = 4  # hidden_mse pairs at most this many decoder layers by default
@@ -216,26 +227,49 @@ class LMWorkload(Workload):
     # ------------------------------------------------------------------ the models
 
     def build_pair(self, config: Any, backend: Any, cache: Any) -> Pair:
+        builds = serving_builds(config) or step_builds(config)  # both whole on the device
+        teacher, student = (self._model(config, b, backend, cache) for b in builds)
+        return teacher, student
+
+    def step_pair(self, config: Any, backend: Any, cache: Any, dp: Any = None) -> Pair:
+        """An FSDP2 cell's frozen teacher is built whole on rank 0's host and on ``meta`` elsewhere; once sharded, every
+        rank's shards receive rank 0's weights (:mod:`kdbench.workloads.placement`): no rank holds a whole copy on
+        its device, and only rank 0 one on the host (a ``module:callable`` teacher, which cannot be built on ``meta``,
+        is built whole on every rank's host, as the user's code builds it).  The student goes to the device whole,
+        as under DDP."""
+        user = ":" in config.pair.teacher
+        root = dp is None or dp.root
+        teacher_build, student_build = step_builds(config, root or user)
+        teacher = self._model(config, teacher_build, backend, cache)
+        if teacher_build.sharded and dp is not None and not user:
+            whole = {n: p.detach() for n, p in teacher.named_parameters()} if root else None
+            receive = partial(receive_from_rank0, whole=whole, group=dp.group, device=backend.device)
+            teacher.when_sharded(partial(receive, offload=config.fsdp.cpu_offload))
+        return teacher, self._model(config, student_build, backend, cache)
+
+    def _model(self, config: Any, build: ModelBuild, backend: Any, cache: Any) -> CausalLM:
+        name, overrides = getattr(config.pair, build.role), getattr(config.overrides, build.role)
         allow = getattr(cache, "allow_imports", False)
-        models = []
-        for role in ("teacher", "student"):
-            name, overrides = getattr(config.pair, role), getattr(config.overrides, role)
-            key = ("lm", name, repr(sorted(overrides.items())), config.seed)
-            model = cache.get_built(key, config.seed, lambda n=name, o=overrides: make_lm(n, o, allow))
-            wrapped = CausalLM(model)
-            models.append((cast_teacher_weights(wrapped, config) if role == "teacher" else wrapped).to(backend.device))
-        return models[0], models[1]
+        key = ("lm", name, repr(sorted(overrides.items())), config.seed)
+        nbytes = None if ":" in name else 4 * lm_counts(name, overrides)[0]
+        return fresh_model(
+            config,
+            build,
+            backend.device,
+            cache,
+            key,
+            nbytes,
+            lambda: make_lm(name, overrides, allow),
+            lambda device, dtype: build_lm(name, overrides or None, device=device, dtype=dtype),
+            CausalLM,
+        )
 
-    def step_pair(self, config: Any, backend: Any, cache: Any) -> Pair:
-        """An FSDP2 cell on a GPU keeps its teacher on the host: ``fully_shard`` moves each unit to the device as it
-        shards it, so no rank ever holds the whole teacher on its device (the pair that does not fit one device is
-        the point of sharding).  The student goes to the device whole, as under DDP."""
-        if config.parallel != "fsdp" or backend.device_type == "cpu":
-            return self.build_pair(config, backend, cache)
-        from kdbench.hw.backends import Backend
+    def host_footprint(self, config: Any, device_type: str) -> HostFootprint:
+        def count(role: str) -> tuple[int, int] | None:
+            name = getattr(config.pair, role)
+            return None if ":" in name else lm_counts(name, getattr(config.overrides, role))
 
-        teacher, student = self.build_pair(config, Backend("cpu", torch.device("cpu")), cache)
-        return teacher, student.to(backend.device)
+        return pair_footprint(config, device_type, count)
 
     def step_keeps_pair(self, config: Any) -> bool:
         return config.parallel != "fsdp"  # the step sharded the pair in place: serving builds whole copies
@@ -382,6 +416,11 @@ def _topk_problems(config: Any, tokens: list, vocabs: dict[str, int]) -> Problem
     if vocab is not None and config.teacher.k > vocab:
         problems.append((("teacher", "k"), f"teacher.k {config.teacher.k} exceeds the vocabulary's {vocab} entries"))
     return problems
+
+
+def lm_counts(name: str, overrides: dict[str, Any]) -> tuple[int, int]:
+    """(parameters, elements of the largest) of LM ``name`` with ``overrides``, from the plan's model on ``meta``."""
+    return counted(lm_facts(name, overrides, allow_imports=False), name)
 
 
 def shared_vocab(config: Any, teacher: nn.Module | None = None, student: nn.Module | None = None) -> int:
