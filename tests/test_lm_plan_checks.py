@@ -185,6 +185,12 @@ def test_the_vocabulary_policy_the_user_set_is_honoured_or_refused():
     assert key == "data.vocab_policy" and "set data.vocab_policy: slice" in message
     sliced = config(overrides={"student": {"vocab_size": 4000}}, data={"kind": "tokens", "vocab_policy": "slice"})
     assert check_cell(sliced, False) == [] and shared_vocab(sliced) == 4000
+    # a module:callable's vocabulary is read off its meta model (its head's rows, or its logits' width)
+    for student in ("tests.lm_models:tiny_hf_student", "tests.lm_models:IdsToLogits"):
+        pair = {"teacher": "tiny-llama-teacher", "student": student}
+        cell = config(pair=pair, loss_impl="dense", overrides={"teacher": {"vocab_size": 4000}})
+        key, message = first_problem(cell, True)
+        assert key == "data.vocab_policy" and "4000 entries and the student's 4096" in message, message
     # a run never slices what the plan was not asked to (a module:callable's vocabulary is known only there)
     with pytest.raises(KdbenchError, match="set data.vocab_policy: slice"):
         shared_vocab(config(overrides={"student": {"vocab_size": 4000}}))
