@@ -101,7 +101,14 @@ def test_a_config_json_transformers_refuses_names_the_file_and_its_field(tmp_pat
     typed.write_text(json.dumps({**fields, "num_attention_heads": "2"}))
     key, message = first_problem(config(pair={"teacher": "tiny-llama-teacher", "student": str(typed)}))
     assert key == "pair.student"
-    assert f"model config {typed}: field 'num_attention_heads'" in message and "without quotes in JSON" in message
+    assert (
+        f"model config {typed}: field 'num_attention_heads'" in message
+        and "write 2 without quotes in the file" in message
+    )
+    act = tmp_path / "act.json"  # refused by the model's constructor, not the config's: the field found all the same
+    act.write_text(json.dumps({**fields, "hidden_act": "swishy"}))
+    key, message = first_problem(config(pair={"teacher": "tiny-llama-teacher", "student": str(act)}))
+    assert key == "pair.student" and f"model config {act}: field 'hidden_act'" in message and "'swish'" in message
     shape = tmp_path / "shape.json"
     shape.write_text(json.dumps({**fields, "hidden_size": 130, "num_attention_heads": 4}))
     key, message = first_problem(config(pair={"teacher": "tiny-llama-teacher", "student": str(shape)}))
