@@ -149,6 +149,9 @@ def test_feature_paths_are_checked_against_the_meta_models():
         "student": ["lm.model.layers.0", "lm.model.layers.1"],
     }
     assert check_cell(config(method="hidden_mse", features=fine), False) == []
+    assert check_cell(config(method="forward_kl+hidden_mse", features=fine), False) == []
+    key, message = first_problem(config(method="forward_kl", features=fine))  # given, so never ignored
+    assert key == "features" and "method forward_kl pairs none: remove features" in message
 
 
 def test_a_module_callable_is_found_without_importing_it(tmp_path, monkeypatch):
