@@ -101,7 +101,14 @@ def test_a_config_json_transformers_refuses_names_the_file_and_its_field(tmp_pat
     typed.write_text(json.dumps({**fields, "num_attention_heads": "2"}))
     key, message = first_problem(config(pair={"teacher": "tiny-llama-teacher", "student": str(typed)}))
     assert key == "pair.student"
-    assert f"model config {typed}: field 'num_attention_heads'" in message and "without quotes in JSON" in message
+    assert (
+        f"model config {typed}: field 'num_attention_heads'" in message
+        and "write 2 without quotes in the file" in message
+    )
+    act = tmp_path / "act.json"  # refused by the model's constructor, not the config's: the field found all the same
+    act.write_text(json.dumps({**fields, "hidden_act": "swishy"}))
+    key, message = first_problem(config(pair={"teacher": "tiny-llama-teacher", "student": str(act)}))
+    assert key == "pair.student" and f"model config {act}: field 'hidden_act'" in message and "'swish'" in message
     shape = tmp_path / "shape.json"
     shape.write_text(json.dumps({**fields, "hidden_size": 130, "num_attention_heads": 4}))
     key, message = first_problem(config(pair={"teacher": "tiny-llama-teacher", "student": str(shape)}))
@@ -142,6 +149,9 @@ def test_feature_paths_are_checked_against_the_meta_models():
         "student": ["lm.model.layers.0", "lm.model.layers.1"],
     }
     assert check_cell(config(method="hidden_mse", features=fine), False) == []
+    assert check_cell(config(method="forward_kl+hidden_mse", features=fine), False) == []
+    key, message = first_problem(config(method="forward_kl", features=fine))  # given, so never ignored
+    assert key == "features" and "method forward_kl pairs none: remove features" in message
 
 
 def test_a_module_callable_is_found_without_importing_it(tmp_path, monkeypatch):
@@ -185,6 +195,12 @@ def test_the_vocabulary_policy_the_user_set_is_honoured_or_refused():
     assert key == "data.vocab_policy" and "set data.vocab_policy: slice" in message
     sliced = config(overrides={"student": {"vocab_size": 4000}}, data={"kind": "tokens", "vocab_policy": "slice"})
     assert check_cell(sliced, False) == [] and shared_vocab(sliced) == 4000
+    # a module:callable's vocabulary is read off its meta model (its head's rows, or its logits' width)
+    for student in ("tests.lm_models:tiny_hf_student", "tests.lm_models:IdsToLogits"):
+        pair = {"teacher": "tiny-llama-teacher", "student": student}
+        cell = config(pair=pair, loss_impl="dense", overrides={"teacher": {"vocab_size": 4000}})
+        key, message = first_problem(cell, True)
+        assert key == "data.vocab_policy" and "4000 entries and the student's 4096" in message, message
     # a run never slices what the plan was not asked to (a module:callable's vocabulary is known only there)
     with pytest.raises(KdbenchError, match="set data.vocab_policy: slice"):
         shared_vocab(config(overrides={"student": {"vocab_size": 4000}}))

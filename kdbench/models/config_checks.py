@@ -39,11 +39,12 @@ OTHER_NAMES = {
 
 class ModelConfigError(KdbenchError):
     """A model that cannot be built or run as configured; ``field`` is the override at fault (None: the model or
-    its config.json itself)."""
+    its config.json itself), ``text`` what transformers said."""
 
-    def __init__(self, message: str, field: str | None = None):
+    def __init__(self, message: str, field: str | None = None, text: str | None = None):
         super().__init__(message)
         self.field = field
+        self.text = text  # transformers' own words, when it refused
 
 
 def number(value: Any) -> float | None:

@@ -187,7 +187,7 @@ def build_checked(
     text = one_line(error)
     at_fault = [k for k in overrides if attempt({f: v for f, v in overrides.items() if f != k})[0] is not None]
     if not at_fault:
-        raise ModelConfigError(f"{what} {stage} its config: {text}; {_fix(text, *_field_of(text))}")
+        raise ModelConfigError(f"{what} {stage} its config: {text}; {_fix(text, *_field_of(text))}", text=text)
     key = at_fault[0]
     others = f" (with {', '.join(at_fault[1:])})" if len(at_fault) > 1 else ""
     raise ModelConfigError(
@@ -223,8 +223,12 @@ def config_file_error(path: str, exc: BaseException) -> ModelConfigError:
     if not field:
         field = _file_field_at_fault(path) or ""
         value = _file_fields(path).get(field)
+    return _file_error(path, field, value, text)
+
+
+def _file_error(path: str, field: str, value: Any, text: str) -> ModelConfigError:
     where = f" field {field!r}" if field else ""
-    fix = _fix(text, field, value).replace(": YAML reads a quoted number as text", " in JSON")
+    fix = f"write {value} without quotes" if number(value) is not None else _fix(text, field, value)
     return ModelConfigError(f"model config {path}:{where} {text}; {fix} in the file")
 
 
@@ -235,9 +239,12 @@ def _file_fields(path: str) -> dict[str, Any]:
         return {}
 
 
-def _file_field_at_fault(path: str) -> str | None:
-    """The field of config.json ``path`` whose absence (transformers' default instead) lets its config build."""
+def _file_field_at_fault(path: str, model: bool = False) -> str | None:
+    """The field of config.json ``path`` whose absence (transformers' default instead) lets its config build (with
+    ``model``, its model too, on meta)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from kdbench.models.lm import build_lm
 
     data = _file_fields(path)
     if data.get("model_type") not in CONFIG_MAPPING:
@@ -247,7 +254,9 @@ def _file_field_at_fault(path: str) -> str | None:
     for key in fields:
         try:
             with quiet():
-                config_class.from_dict({k: v for k, v in copy.deepcopy(fields).items() if k != key})
+                config = config_class.from_dict({k: v for k, v in copy.deepcopy(fields).items() if k != key})
+                if model:
+                    build_lm(config, device="meta")
         except Exception:  # still refused without it: not this one
             continue
         return key
@@ -319,7 +328,15 @@ def _build_lm_facts(name: str, overrides: dict[str, Any], allow_imports: bool) -
     def forward(model: nn.Module) -> tuple[Any, BaseException | None]:
         return fake_forward(CausalLM(model))
 
-    model = build_checked(build, overrides, what, forward if needs_forward else None)
+    try:
+        model = build_checked(build, overrides, what, forward if needs_forward else None)
+    except ModelConfigError as exc:  # a config.json whose model transformers refuses: which of its fields
+        field = (
+            _file_field_at_fault(name, model=True) if exc.text and name.endswith(".json") and not overrides else None
+        )
+        if field:
+            raise _file_error(name, field, _file_fields(name)[field], exc.text) from None
+        raise
     if model is None:
         with quiet():
             return ModelFacts(known=False, config=model_config(name, overrides))

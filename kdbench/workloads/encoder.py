@@ -129,6 +129,7 @@ class EncoderWorkload(Workload):
             problems.extend(_minilm_problems(config, configs))
         elif feature:
             problems.extend(lm_checks.feature_problems(config, facts, DEFAULT_LAYERS, "encoder layers"))
+        problems.extend(lm_checks.unused_features(config, methods))
         return problems
 
     def planned(self, config: Any) -> list[tuple[Measurement, int]]:

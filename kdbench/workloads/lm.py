@@ -152,6 +152,7 @@ class LMWorkload(Workload):
             problems.extend(_on_policy_problems(config, tokens, configs))
         if any(m.cls.needs_features for m in methods):
             problems.extend(lm_checks.feature_problems(config, facts, DEFAULT_LAYERS, "decoder layers"))
+        problems.extend(lm_checks.unused_features(config, methods))
         if config.parallel == "fsdp" and any(":" in getattr(config.pair, r) for r in ("teacher", "student")):
             why = "parallel fsdp shards registered LMs and config.json models layer by layer, not module:callable ones"
             problems.append((("parallel",), why))

@@ -85,6 +85,18 @@ def feature_problems(config: Any, facts: Facts, most: int, layers: str) -> Probl
     return problems
 
 
+def unused_features(config: Any, methods: list) -> Problems:
+    """``features`` given to a cell whose method pairs no layers: refused, not ignored."""
+    given = [role for role in ROLES if getattr(config.features, role)]
+    if not given or any(m.cls.needs_features for m in methods):
+        return []
+    why = (
+        f"features.{given[0]} names layers for a feature method (hidden_mse) to pair, and method {config.method} "
+        f"pairs none: remove features, or add the feature method (e.g. {config.method}+hidden_mse)"
+    )
+    return [(("features",), why)]
+
+
 def head_problems(config: Any, facts: Facts) -> Problems:
     """LM heads the cell's loss can use: a head with a 2-D weight (cut to the shared vocabulary), or logits
     (then loss_impl dense, the only implementation that takes logits as they are)."""
