@@ -143,7 +143,7 @@ def test_shipped_suite_dry_run_as_a_command():
 def test_the_fsdp_suite_dry_run_prints_each_cells_host_figure_per_rank(capsys):
     assert main(["run", str(ROOT / "suites" / "llm-fsdp.yaml"), "--dry-run"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if "llama-3.1-8b->llama-3.2-1b" in line]
-    assert len(lines) == 8
+    assert len(lines) == 10  # every cell of the suite: the 8B teacher into the 1B student
     size = r"([\d.]+) ([KMG])iB"
     figure = re.compile(rf"host {size} (per rank|on rank 0, {size} on each other rank)\)$")
 
@@ -157,6 +157,10 @@ def test_the_fsdp_suite_dry_run_prints_each_cells_host_figure_per_rank(capsys):
             assert "on rank 0" in found[3] and nbytes(found[1], found[2]) < 64e9 > 10 * nbytes(found[4], found[5])
         else:  # both models built on each rank's device: one tensor's fp32 draw at a time on the host
             assert found[3] == "per rank" and nbytes(found[1], found[2]) < 4 * 2**30
+    rank0 = {
+        "teacher-weights-bf16" in line: nbytes(*figure.search(line).group(1, 2)) for line in lines if "-fsdp" in line
+    }
+    assert rank0[True] < 0.6 * rank0[False]  # a bf16-held teacher: about half the host of an fp32 one on rank 0
 
 
 def test_list_and_env(capsys):
