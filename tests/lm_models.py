@@ -30,3 +30,10 @@ def body_only() -> nn.Module:
     from kdbench.models.lm import lm_config, transformers_module
 
     return transformers_module().AutoModel.from_config(lm_config("tiny-llama-student", {"num_hidden_layers": 1}))
+
+
+def from_the_hub() -> nn.Module:
+    """A user's factory that downloads its model (a repository that does not exist)."""
+    from kdbench.models.lm import transformers_module
+
+    return transformers_module().AutoModelForCausalLM.from_pretrained("kdbench-tests/no-such-model")

@@ -232,3 +232,25 @@ def test_each_model_is_built_on_meta_once_per_plan(monkeypatch, fresh_meta_cache
         for seq_len in (16, 32):
             assert check_cell(config(precision=precision, data={"kind": "tokens", "seq_len": seq_len}), False) == []
     assert built == ["meta", "meta"]  # the teacher and the student, once each, on meta
+
+
+def test_a_callable_is_built_on_meta_with_the_hub_offline(monkeypatch):
+    """User code that downloads its model is not let download at plan time: its checks are left to the run."""
+    from huggingface_hub import constants, is_offline_mode
+
+    seen = []
+    real = constants.HF_HUB_OFFLINE
+
+    def offline_then_fail(*args, **kwargs):
+        seen.append(is_offline_mode())
+        raise OSError("offline")
+
+    from kdbench.models import lm as lm_module
+
+    monkeypatch.setattr(lm_module.transformers_module().AutoModelForCausalLM, "from_pretrained", offline_then_fail)
+    facts = meta.lm_facts("tests.lm_models:from_the_hub", {}, True)
+    assert seen == [True] and not facts.known and real == constants.HF_HUB_OFFLINE
+    assert (
+        check_cell(config(pair={"teacher": "tiny-llama-teacher", "student": "tests.lm_models:from_the_hub"}), True)
+        == []
+    )

@@ -170,6 +170,7 @@ def check_config_fields(config_class, keys, what: str) -> None:
             other = OTHER_NAMES.get(key)
             if other is not None and other not in valid:  # this class's own name for it (GPT-2's n_inner)
                 other = next((o for o, same in OTHER_NAMES.items() if same == other and o in valid), None)
-            hint = f"did you mean {other!r} (transformers' name for it)?" if other else ""
+            hint = did_you_mean(key, sorted(valid), n=1, cutoff=0.8, quote=True)  # spelt alike: GPT-2's n_layer
+            hint = hint or (f"did you mean {other!r} (transformers' name for it)?" if other else "")
             hint = hint or did_you_mean(key, sorted(valid), quote=True)
             raise KdbenchError(f"{what}: {config_class.__name__} has no field {key!r}; {hint}".rstrip("; ").rstrip())

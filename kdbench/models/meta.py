@@ -99,6 +99,23 @@ def quiet() -> Iterator[None]:
         fake_log.disabled = disabled
 
 
+@contextlib.contextmanager
+def _hub_offline() -> Iterator[None]:
+    """The Hugging Face Hub offline (``HF_HUB_OFFLINE``, read at each request) while user code builds its model on
+    meta: a ``from_pretrained`` inside it reads the local cache or fails, and the run builds it for real."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        yield
+        return
+    offline = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = offline
+
+
 def one_line(exc: BaseException) -> str:
     """An exception as one line: transformers' validation errors by their cause (their last line)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -368,7 +385,7 @@ def _callable_facts(name: str, allow_imports: bool) -> ModelFacts:
             raise KdbenchError(f"model {name!r}: {module_name!r} has no attribute {attr!r}; fix the name after ':'")
         obj = getattr(obj, part)
     try:
-        with quiet(), torch.device("meta"):
+        with quiet(), _hub_offline(), torch.device("meta"):  # never a download at plan time
             model = obj() if callable(obj) and not isinstance(obj, nn.Module) else obj
     except Exception:  # user code that cannot run on meta: the run builds it for real
         return ModelFacts(known=False)

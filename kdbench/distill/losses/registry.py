@@ -105,6 +105,12 @@ def method_parts(name: str) -> list[str]:
     return [p.strip() for p in name.split("+")]
 
 
+def _abbreviation(name: str) -> str:
+    """How papers shorten a method's name: the initials of its words but the last (forward_kl: fkl)."""
+    words = name.split("_")
+    return "".join(w[0] for w in words[:-1]) + words[-1]
+
+
 def check_method(name: str) -> list[Method]:
     """The registered methods of `name` (`kd`, `kd+at`, ...); KdbenchError for an unknown or repeated part."""
     parts = method_parts(name)
@@ -113,7 +119,8 @@ def check_method(name: str) -> list[Method]:
     out = []
     for part in parts:
         if part not in METHODS:
-            hint = did_you_mean(part, METHODS, cutoff=0.5)
+            short = [m for m in METHODS if part.lower().replace("-", "_") in (m, _abbreviation(m))]
+            hint = f"did you mean {short[0]}? " if short else did_you_mean(part, METHODS, cutoff=0.5)
             raise KdbenchError(
                 f"unknown method '{part}'; {hint}(`kdbench list methods` shows all: "
                 f"{', '.join(sorted(METHODS))}; combine with '+')"
