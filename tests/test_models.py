@@ -154,9 +154,17 @@ def test_import_refused_without_allow_imports(user_module):
     assert user_module not in sys.modules
 
 
-def test_check_does_not_import_user_code():
-    check_model_name("kdb_no_such_module:make", allow_imports=True)
-    assert "kdb_no_such_module" not in sys.modules
+def test_check_does_not_import_user_code(tmp_path, monkeypatch):
+    # a package whose import would fail: the check finds its module without running the package's __init__
+    (tmp_path / "kdb_loud").mkdir()
+    (tmp_path / "kdb_loud" / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    (tmp_path / "kdb_loud" / "models.py").write_text("def make():\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    check_model_name("kdb_loud.models:make", allow_imports=True)
+    assert "kdb_loud" not in sys.modules and "kdb_loud.models" not in sys.modules
+    with pytest.raises(KdbenchError, match="no module named 'kdb_loud.nothing'"):  # issue 30: missing is one line
+        check_model_name("kdb_loud.nothing:make", allow_imports=True)
+    assert "kdb_loud" not in sys.modules
     with pytest.raises(KdbenchError):
         check_model_name("kdb_no_such_module:", allow_imports=True)
 
@@ -171,7 +179,7 @@ def test_import_builds_user_models(user_module):
 @pytest.mark.parametrize(
     ("name", "fragment"),
     [
-        ("kdb_no_such_module:make", "cannot import 'kdb_no_such_module'"),
+        ("kdb_no_such_module:make", "no module named 'kdb_no_such_module'"),
         ("kdb_user_models:missing", "has no attribute 'missing'"),
         ("kdb_user_models:not_a_model", "returned str, not a torch.nn.Module"),
     ],

@@ -106,7 +106,9 @@ def test_cell_of_matches_kdbench_run():
     for cell in expand_checked(load_suite(ROOT / "suites" / "cpu.yaml")):
         again = cell_of(cell.config.model_dump(mode="json"))
         assert (again.cell_id, again.label) == (cell.cell_id, cell.label)
-    assert cell_of({"pair": {"teacher": "resnet20", "student": "mine:net"}}).config.pair.student == "mine:net"
+    # a user's module:callable (found, not imported, by the check)
+    user = {"pair": {"teacher": "resnet20", "student": "tests.faulty_models:raising_rank1"}}
+    assert cell_of(user).config.pair.student == "tests.faulty_models:raising_rank1"
 
 
 @pytest.mark.parametrize(
