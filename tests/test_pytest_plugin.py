@@ -33,7 +33,8 @@ def _pytest(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """A fresh pytest session; -o addopts="" keeps the repo's benchmark baseline and JSON options out of it.  One torch
     thread: these check what is recorded, not how fast, and a busy machine slows spinning threads most."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # not an xdist worker's variables: pytest-benchmark turns itself off in a session it takes for an xdist worker
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")} | {"OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
 
 
