@@ -11,6 +11,7 @@ from __future__ import annotations
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("face", ("kdbench.cli", "kdbench.api", "kdbench.pytest_plugin", "kdbench.docgen", "kdbench.__main__")),
     ("run", ("kdbench.run",)),
+    ("fit", ("kdbench.fit",)),
     ("quality", ("kdbench.quality",)),
     ("report", ("kdbench.report",)),
     ("workloads", ("kdbench.workloads",)),
@@ -30,6 +31,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kdbench.peaks",
             "kdbench.worker_state",
             "kdbench.floors",
+            "kdbench.fakes",
             "kdbench",  # the package's own __init__ (only it: kdbench.x is on no floor unless listed)
         ),
     ),

@@ -343,6 +343,7 @@ class DistillStep:
         wrap: Callable[[nn.Module], nn.Module] | None = None,
         phases: bool = True,
         wrap_teacher: Callable[[nn.Module], nn.Module] | None = None,
+        diagnostics: bool = True,
     ):
         self.distiller = Distiller(teacher, student, config, backend, x, workload, wrap, wrap_teacher)
         self.x, self.y = x, y
@@ -371,7 +372,7 @@ class DistillStep:
                     self.cache = TeacherOutputs(compact, feats)
             backend.synchronize()
             self.cache_ms = (time.perf_counter() - start) * 1e3
-            if diagnose is not None:  # what the compact form loses, measured after its build is timed (host syncs)
+            if diagnose is not None and diagnostics:  # what the compact form loses, measured after its build is timed (host syncs)
                 self.cache_columns.update(diagnose())
         self.last_loss: torch.Tensor | None = None
 

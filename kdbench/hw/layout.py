@@ -124,7 +124,11 @@ def memory_format_of(name: str) -> torch.memory_format:
 
 def place_model(model: nn.Module, device: torch.device, memory_format: str, image: bool) -> nn.Module:
     """``model`` on ``device``; its 4-D weights in ``memory_format`` when the data are images."""
-    return model.to(device=device, memory_format=memory_format_of(memory_format) if image else torch.contiguous_format)
+    fmt = memory_format_of(memory_format) if image else torch.contiguous_format
+    tensors = (*model.parameters(), *model.buffers())
+    if all(t.device == device and (t.dim() != 4 or t.is_contiguous(memory_format=fmt)) for t in tensors):
+        return model  # already so (a fit's fake model: a fake tensor moved onto itself cannot be swapped)
+    return model.to(device=device, memory_format=fmt)
 
 
 def verify_memory_format(model: nn.Module, x: torch.Tensor, memory_format: str) -> bool:

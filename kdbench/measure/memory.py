@@ -188,3 +188,45 @@ def memory_columns(usage: MemoryUsage) -> dict[str, Any]:
         "memory_footprint_bytes": usage.footprint_bytes,
         "host_peak_bytes": usage.host_peak_bytes,
     }
+
+
+def live_tensor_bytes(device_type: str = "cpu") -> int:
+    """Bytes of every tensor storage alive in this process on ``device_type``, each storage once: the tensors the
+    garbage collector's walk of Python objects finds (parameters, gradients, optimizer state, batches, caches)."""
+    gc.collect()
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or obj.device.type != device_type:
+            continue
+        try:
+            st = obj.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):  # no storage of its own (a DTensor, a sparse tensor)
+            continue
+        if st.data_ptr():
+            storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
+def live_tensor_peak(fn) -> int:
+    """The peak of live tensor bytes on the CPU during ``fn()``: what is alive before (:func:`live_tensor_bytes`)
+    plus the peak of the allocations made during the call net of its frees, in the order ``torch.profiler``'s
+    memory profiling records them (``profile_memory``: every allocation and free of torch's CPU allocator, kernels'
+    own workspaces included).  Independent of the fit planner's count, which it checks (``predicted_peak_ratio``)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    base = live_tensor_bytes("cpu")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    net = peak = 0
+    for _, size in sorted(events):
+        net += size
+        peak = max(peak, net)
+    return base + peak

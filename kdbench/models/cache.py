@@ -30,7 +30,8 @@ class ModelCache:
     cell keeps cells independent: no optimizer state, trained weights or batch-norm
     statistics leak from one cell into the next.  The key is (name, classes, input
     shape, seed): the same seed always gives the same initial weights.  Language models and
-    encoders above ``max_kept_bytes`` are not kept (:meth:`get_built`, :meth:`keeps`).
+    encoders above ``max_kept_bytes`` are not kept (:meth:`get_built`, :meth:`keeps`).  A cache of
+    ``capacity`` 0 keeps nothing and copies nothing: every model is built afresh and handed over itself.
     """
 
     def __init__(self, allow_imports: bool = False, capacity: int = 6, max_kept_bytes: int | None = None):
@@ -44,8 +45,11 @@ class ModelCache:
         key = (name, num_classes, tuple(shape), seed)
         if key not in self._models:
             torch.manual_seed(seed)
-            self._models[key] = build_model(name, num_classes, tuple(shape), allow_imports=self.allow_imports)
+            model = build_model(name, num_classes, tuple(shape), allow_imports=self.allow_imports)
             self.builds += 1
+            if self.capacity == 0:  # keeps nothing (a fit's fake run, whose tensors cannot be deep-copied)
+                return model
+            self._models[key] = model
             while len(self._models) > self.capacity:
                 self._models.popitem(last=False)
         self._models.move_to_end(key)
@@ -58,7 +62,7 @@ class ModelCache:
     def keeps(self, nbytes: int | None) -> bool:
         """Whether a model of ``nbytes`` float32 bytes is kept (:data:`MAX_KEPT_BYTES`; None: not known before it
         is built)."""
-        return nbytes is not None and nbytes <= self.max_kept_bytes
+        return self.capacity > 0 and nbytes is not None and nbytes <= self.max_kept_bytes
 
     def get_built(self, key: tuple, seed: int, build) -> nn.Module:
         """A fresh copy of what ``build()`` returns, built once per ``key`` with torch seeded by ``seed`` (the
@@ -68,7 +72,7 @@ class ModelCache:
             torch.manual_seed(seed)
             model = build()
             self.builds += 1
-            if param_bytes(model) > self.max_kept_bytes:
+            if self.capacity == 0 or param_bytes(model) > self.max_kept_bytes:
                 return model
             self._models[key] = model
             while len(self._models) > self.capacity:

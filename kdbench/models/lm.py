@@ -375,6 +375,30 @@ def max_positions(config) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+@contextlib.contextmanager
+def as_measured_batches() -> Any:
+    """transformers' packed-sequence check answered, for a fake run (:mod:`kdbench.fit`), as a real run answers it.
+
+    Every forward without an attention mask or a cache reads its position ids back to find packed sequences
+    (``masking_utils.find_packed_sequence_indices``, transformers 5.x); a fake tensor has no values, so
+    transformers takes it for a traced graph and builds a full B x 1 x S x S mask that the real run, which
+    finds one sequence per row in kdbench's batches (position ids 0..S-1), never builds."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    saved = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if saved is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = saved
+
+
 class CausalLM(nn.Module):
     """A causal LM whose forward is ids -> final hidden states (B, S, H), its LM head applied apart
     (:meth:`logits`, or by a loss implementation through :meth:`head_weights`); a module that maps ids to

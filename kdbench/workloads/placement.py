@@ -267,7 +267,9 @@ def fresh_model(
         model = wrap(direct(where, DTYPES[build.dtype]))
     if build.role == "teacher":
         cast_teacher_weights(model, config)
-    return model if build.where == "meta" else model.to(where)
+    if build.where == "meta" or all(t.device == where for t in (*model.parameters(), *model.buffers())):
+        return model  # already there (a fit's fake build: moving a fake tensor onto its own device cannot swap it)
+    return model.to(where)
 
 
 def receive_from_rank0(

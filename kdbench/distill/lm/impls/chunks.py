@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kdbench.distill.lm.divergences import TokenLoss, resolved
+from kdbench.fakes import known_values, on_values
 from kdbench.names import IGNORE_INDEX
 
 __all__ = ["cast_head", "chunk_value_grad", "consume", "valid_rows", "zero"]
@@ -24,6 +25,8 @@ def valid_rows(labels: torch.Tensor) -> torch.Tensor:
     """The indices of the (flattened) tokens whose label is not -100.  Finding them reads the labels back (a
     host-device sync on a GPU): a caller with a fixed batch finds them once and passes them to
     :func:`~kdbench.distill.lm.impls.lm_loss` (``rows``), so that no step synchronises."""
+    if known_values(labels) is not None:  # a fit's fake labels (kdbench.fit): their rows found on their real values
+        return on_values(labels, valid_rows)
     return (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
 
 

@@ -1,0 +1,143 @@
+"""Live tensor bytes of one device, op by op, with where each byte came from: the planner's meter.
+
+:class:`LiveBytes` is a ``TorchDispatchMode`` that sees every tensor an operator returns, keeps each distinct
+storage it has not seen (by a weak reference: a storage counts from its first appearance until it is freed),
+and keeps the running total and its peak.  Under ``FakeTensorMode`` nothing is allocated: a fake storage has
+the bytes a real one would.  Tensors that exist before the step (parameters, buffers, the batch, a teacher's
+cached outputs) are counted with :meth:`LiveBytes.track`.
+
+Why not ``torch.distributed._tools.mem_tracker.MemTracker``: it installs a gradient hook on every parameter
+of every module it sees run, which raises on a frozen teacher's parameters (torch 2.14: "cannot register a hook
+on a tensor that doesn't require gradient"), and it walks every module's statistics after every operator.
+The attribution here is by the step's phases instead (the peak's phase and, at the peak, the bytes of
+parameters, gradients, optimizer state, activations, temporaries and inputs), which is what a distillation
+step's peak is explained by.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# What a byte is, at the peak (the breakdown's keys, in the order they are shown).
+PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES, INPUTS = (
+    "parameters",
+    "gradients",
+    "optimizer state",
+    "activations",
+    "temporaries",
+    "inputs",
+)
+KINDS = (PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES, INPUTS)
+# Phases whose new tensors are activations while they live (the rest, backward and the optimizer step, make
+# temporaries, but for the gradients and the optimizer state they are told of).
+FORWARD_PHASES = frozenset({"setup", "cache build", "generate", "teacher_forward", "student_forward", "loss"})
+
+
+@dataclass
+class _Storage:
+    serial: int
+    nbytes: int
+    phase: str
+
+
+@dataclass
+class Peak:
+    """The peak of live bytes and what they were at that moment."""
+
+    bytes: int = 0
+    phase: str = ""
+    live: list[tuple[int, int, str]] = field(default_factory=list)  # (serial, bytes, phase made in) at the peak
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live bytes of the tensors the code inside it makes (and of those :meth:`track` is given)."""
+
+    def __init__(self, snapshot_step: float = 0.002) -> None:
+        super().__init__()
+        self.phase = "setup"
+        self.live = 0
+        self.peak = Peak()
+        self._serials = itertools.count()
+        self._seen: dict[int, tuple[weakref.ref, _Storage]] = {}  # id(storage) -> (ref, record)
+        self._marked: dict[int, str] = {}  # serial -> PARAMETERS / GRADIENTS / OPTIMIZER / INPUTS
+        self._snapshot_step = snapshot_step  # a new peak is recorded in full when it beats the last by this share
+
+    # ------------------------------------------------------------------ counting
+
+    def _storage(self, t: torch.Tensor) -> torch.UntypedStorage | None:
+        if t.device.type == "meta" or not hasattr(t, "untyped_storage"):
+            return None
+        try:
+            return t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage (a sparse or nested view)
+            return None
+
+    def _count(self, t: torch.Tensor, kind: str | None = None) -> _Storage | None:
+        st = self._storage(t)
+        if st is None:
+            return None
+        key = id(st)
+        seen = self._seen.get(key)
+        if seen is not None and seen[0]() is st:
+            record = seen[1]
+            size = st.nbytes()
+            if size != record.nbytes:  # resized in place (resize_, FSDP2's unsharded parameters)
+                self.live += size - record.nbytes
+                record.nbytes = size
+        else:
+            record = _Storage(next(self._serials), st.nbytes(), self.phase)
+            self._seen[key] = (weakref.ref(st, lambda _, key=key, record=record: self._freed(key, record)), record)
+            self.live += record.nbytes
+        if kind is not None:
+            self._marked[record.serial] = kind
+        if self.live > self.peak.bytes:
+            self._new_peak()
+        return record
+
+    def _freed(self, key: int, record: _Storage) -> None:
+        seen = self._seen.get(key)
+        if seen is not None and seen[1] is record:
+            del self._seen[key]
+        self.live -= record.nbytes
+
+    def _new_peak(self) -> None:
+        full = self.live > self.peak.bytes * (1 + self._snapshot_step) or self.phase != self.peak.phase
+        self.peak.bytes, self.peak.phase = self.live, self.phase
+        if full:
+            self.peak.live = [(r.serial, r.nbytes, r.phase) for _, r in self._seen.values()]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._count(t)
+        return out
+
+    # ------------------------------------------------------------------ what is what
+
+    def track(self, tensors: Iterable[torch.Tensor | None], kind: str) -> None:
+        """Count tensors made before (or outside) the mode, and say what they are."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._count(t, kind)
+
+    def mark(self, tensors: Iterable[torch.Tensor | None], kind: str) -> None:
+        """Say what tensors already counted are (a parameter's gradient, an optimizer's state)."""
+        self.track(tensors, kind)
+
+    def breakdown(self) -> dict[str, int]:
+        """The bytes at the peak by kind (:data:`KINDS`): parameters, gradients and optimizer state as marked,
+        the rest activations when made in a forward phase, temporaries when made in backward or the update."""
+        out: Counter[str] = Counter({k: 0 for k in KINDS})
+        for serial, nbytes, phase in self.peak.live:
+            kind = self._marked.get(serial) or (ACTIVATIONS if phase in FORWARD_PHASES else TEMPORARIES)
+            out[kind] += nbytes
+        return dict(out)
