@@ -25,6 +25,14 @@ def known_values(tensor: Any) -> Any | None:
     return getattr(tensor, _VALUES, None)
 
 
+def carry(fake: Any, make: Any) -> Any:
+    """``fake``, carrying the values ``make()`` computes for real (outside the fake mode)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return with_values(fake, make())
+
+
 def on_values(fake: Any, fn: Any) -> Any:
     """``fn`` of the real values ``fake`` carries, computed for real (outside the fake mode) and returned as a
     fake tensor of ``fake``'s mode that carries its own values."""

@@ -173,3 +173,22 @@ class SpendsThenHangs:
         walltime.add(walltime.MODELS, 1.5)
         walltime.add(walltime.WARMUP, 0.25)
         time.sleep(3600)
+
+
+@torch.library.custom_op("kdbench_test::opaque", mutates_args=())
+def _opaque(x: torch.Tensor) -> torch.Tensor:
+    """An operator with no shape-only (fake) implementation: a fit's fake run cannot run it."""
+    return x.clone()
+
+
+class Opaque(nn.Module):
+    def __init__(self, num_classes, in_shape):
+        super().__init__()
+        self.fc = nn.Linear(int(torch.Size(in_shape).numel()), num_classes)
+
+    def forward(self, x):
+        return self.fc(_opaque(x).flatten(1))
+
+
+def opaque(num_classes, in_shape):
+    return Opaque(num_classes, in_shape)

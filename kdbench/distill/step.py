@@ -372,7 +372,8 @@ class DistillStep:
                     self.cache = TeacherOutputs(compact, feats)
             backend.synchronize()
             self.cache_ms = (time.perf_counter() - start) * 1e3
-            if diagnose is not None and diagnostics:  # what the compact form loses, measured after its build is timed (host syncs)
+            # what the compact form loses, measured after its build is timed (host syncs); not in a fit's fake run
+            if diagnose is not None and diagnostics:
                 self.cache_columns.update(diagnose())
         self.last_loss: torch.Tensor | None = None
 

@@ -15,7 +15,10 @@ run an operator (no fake implementation, a value read back) is unpredictable, wi
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +27,7 @@ import torch
 from kdbench.config.schema import CellConfig
 from kdbench.distill.step import DistillStep
 from kdbench.fakes import with_values
-from kdbench.fit.tracker import GRADIENTS, INPUTS, KINDS, OPTIMIZER, PARAMETERS, LiveBytes
+from kdbench.fit.tracker import GRADIENTS, INPUTS, OPTIMIZER, PARAMETERS, LiveBytes
 from kdbench.hw.backends import Backend
 from kdbench.models.cache import ModelCache
 from kdbench.models.lm import as_measured_batches
@@ -82,16 +85,19 @@ def unpredictable(exc: BaseException) -> str:
     """Why a fake run failed, naming the operator where torch says which."""
     func = getattr(exc, "func", None)
     what = type(exc).__name__
+    if func is not None and what in ("DataDependentOutputException", "DynamicOutputShapeException"):
+        return f"the fake run cannot run {func}: it reads a tensor's values ({what}), which a fake tensor has not"
     if func is not None:
-        return f"the fake run cannot run {func} ({what}): no shape-only implementation of it, or it reads values"
+        return f"the fake run cannot run {func}: it has no shape-only implementation ({what})"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else what
     return f"the fake run failed: {what}: {text[:300]}"
 
 
-def predict(config: CellConfig, device_type: str = "cuda") -> Prediction:
+def predict(config: CellConfig, device_type: str = "cuda", allow_imports: bool = False) -> Prediction:
     """The predicted peak of one device (rank 0's) during ``config``'s distillation step; ``device_type`` is the
-    device asked about (the host figure depends on it; the fake run is the CPU's)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    device asked about (the host figure depends on it; the fake run is the CPU's); ``allow_imports``: the suite's
+    (``module:callable`` models are built)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     workload = workload_of(config)
     host = workload.host_footprint(config, device_type)
@@ -100,25 +106,37 @@ def predict(config: CellConfig, device_type: str = "cuda") -> Prediction:
     skip = workload.skip_reason(config, CPU)
     if skip:
         return Prediction(None, host_bytes=host_bytes, host=host_text, error=f"not predicted: {skip}")
-    if config.world_size > 1:
-        return Prediction(
-            None, host_bytes=host_bytes, host=host_text, error="not predicted: data-parallel cells come with issue 31's next step"
-        )
+    if config.parallel == "fsdp" and config.world_size > 1 and _in_process_group():
+        return predict_apart(config, device_type, allow_imports)
     start = time.perf_counter()
     tracker = LiveBytes()
     notes: list[str] = []
     step = None
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode, as_measured_batches(), tracker:
+        with (
+            fake_world(config.world_size if config.parallel == "fsdp" else 1) as dp,
+            FakeTensorMode(allow_non_fake_inputs=True) as mode,
+            as_measured_batches(),
+            tracker,
+        ):
             # no model kept: a kept one is deep-copied per use, which reads a fake tensor's data pointer
-            teacher, student = workload.step_pair(config, CPU, ModelCache(capacity=0), None)
+            teacher, student = workload.step_pair(config, CPU, ModelCache(allow_imports, capacity=0), dp)
             tracker.track(_tensors(teacher, student), PARAMETERS)
-            with torch._subclasses.fake_tensor.unset_fake_temporarily():  # the batch's values decide shapes
+            with unset_fake_temporarily():  # the batch's values decide shapes: made for real, handed along
                 x, y = workload.batch(config, config.batch_size, CPU.device, config.seed, (teacher, student))
             x, y = (with_values(mode.from_tensor(t), t) for t in (x, y))
             tracker.track((x, y), INPUTS)
-            tracker.phase = "cache build"
-            step = DistillStep(teacher, student, x, y, config, CPU, workload, diagnostics=False)
+            # The device's peak is a step's (or a teacher cache's build): what building and sharding the models
+            # held on the way (an FSDP2 teacher whole on rank 0's host) is not on the device.
+            tracker.reset_peak()
+            live_teacher = config.teacher.mode == "live"
+            tracker.phase = "setup" if live_teacher else "cache build"
+            wrap, wrap_teacher = (dp.wrapper(config, CPU), dp.teacher_wrapper(config, CPU)) if dp else (None, None)
+            step = DistillStep(
+                teacher, student, x, y, config, CPU, workload, wrap=wrap, wrap_teacher=wrap_teacher, diagnostics=False
+            )
+            if live_teacher:
+                tracker.reset_peak()
             distiller = step.distiller
             if distiller.scaler is not None:  # its found-inf check reads values; it holds a few scalars
                 distiller.scaler = None
@@ -127,28 +145,72 @@ def predict(config: CellConfig, device_type: str = "cuda") -> Prediction:
             for p in distiller.trainee.parameters():
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(lambda p: tracker.mark([p.grad], GRADIENTS))
-            tracker.track(_tensors(distiller.trainee), PARAMETERS)  # the adapters feature methods train
+            # what trains (adapters too), and what sharding made of the models (FSDP2's local shards)
+            tracker.track(_tensors(distiller.trainee, distiller.model, distiller.teacher), PARAMETERS)
             for _ in range(STEPS):
                 step()
                 tracker.mark(_state(distiller.optimizer), OPTIMIZER)
             logits = _logits_bytes(distiller.loss_fn, x)
-    except Exception as exc:  # noqa: BLE001 - any failure of the fake run makes the cell unpredictable, said why
+            buckets = ddp_bucket_bytes(config, distiller.trainee)
+    except Exception as exc:  # any failure of the fake run makes the cell unpredictable, said why
+        if os.environ.get("KDBENCH_FIT_DEBUG"):
+            raise
         return Prediction(
             None, host_bytes=host_bytes, host=host_text, seconds=time.perf_counter() - start, error=unpredictable(exc)
         )
     finally:
         if step is not None:
             step.close()
+    breakdown = tracker.breakdown()
+    if buckets:
+        breakdown[GRADIENTS] += buckets
+        mib = buckets / 2**20
+        notes.append(f"DDP's gradient buckets added ({mib:,.1f} MiB: its reducer cannot run on fake tensors)")
     return Prediction(
-        tracker.peak.bytes,
+        tracker.peak.bytes + buckets,
         phase=tracker.peak.phase,
-        breakdown={k: v for k, v in tracker.breakdown().items() if k in KINDS},
+        breakdown=breakdown,
         logits_bytes=logits,
         host_bytes=host_bytes,
         host=host_text,
         seconds=time.perf_counter() - start,
         notes=tuple(notes),
     )
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[Any]:
+    """Rank 0 of a fake process group of ``world_size`` ranks (:class:`~kdbench.measure.parallel.DataParallel`;
+    None for one device): torch's ``fake`` backend, whose collectives move nothing, so that FSDP2 shards and DDP
+    buckets are made as on a real rank.  Not inside a process group this process already belongs to (a run's
+    worker): :func:`predict_apart` runs the prediction in a process of its own then."""
+    if world_size <= 1:
+        yield None
+        return
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    from kdbench.measure.parallel import DataParallel, cell_mesh
+
+    if dist.is_initialized():
+        raise RuntimeError("a data-parallel cell is predicted in a process outside any process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        dp = DataParallel()
+        dp._cell["mesh"] = cell_mesh(None, "cpu")  # before the fake mode: the mesh reads its ranks' values
+        yield dp
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_bucket_bytes(config: CellConfig, trainee: torch.nn.Module) -> int:
+    """What DDP holds beyond one device's step (a DDP cell is predicted as one device's step plus this): its
+    gradient buckets, one flat copy of every trainable parameter's gradient, made when the model is wrapped and
+    kept; none with ``ddp.gradient_as_bucket_view``, where the gradients are views into them (DDP's C++ reducer
+    cannot run on fake tensors)."""
+    if config.world_size <= 1 or config.parallel == "fsdp" or config.ddp.gradient_as_bucket_view:
+        return 0
+    return sum(p.numel() * p.element_size() for p in trainee.parameters() if p.requires_grad)
 
 
 def _tensors(*modules: torch.nn.Module) -> list[torch.Tensor]:
@@ -162,3 +224,59 @@ def _state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def _logits_bytes(loss: Any, x: torch.Tensor) -> int | None:
     count = getattr(loss, "logits_memory", None)
     return int(count(x.numel())["bytes"]) if count is not None else None
+
+
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC")
+
+
+def _in_process_group() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def predict_apart(
+    config: CellConfig, device_type: str = "cuda", allow_imports: bool = False, timeout_s: float = 600.0
+) -> Prediction:
+    """:func:`predict` in a Python process of its own (``python -m kdbench.fit.planner``): an FSDP2 cell's fake
+    process group cannot be made inside a process group this process is already a rank of (a run's worker)."""
+    import json
+    import subprocess
+    import sys
+
+    request = json.dumps(
+        {"config": config.model_dump(mode="json"), "device_type": device_type, "allow_imports": allow_imports}
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kdbench.fit.planner"],
+            input=request,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env={k: v for k, v in os.environ.items() if not k.startswith(_RANK_VARIABLES)},
+        )
+    except subprocess.TimeoutExpired:
+        return Prediction(None, error=f"the fake run took over {timeout_s:.0f} s")
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return Prediction(None, error=f"the fake run's process failed (exit {proc.returncode}): {tail[:300]}")
+    fields = json.loads(lines[-1])
+    fields["notes"] = tuple(fields.get("notes", ()))
+    return Prediction(**fields)
+
+
+def _main() -> None:
+    import dataclasses
+    import json
+    import sys
+
+    request = json.loads(sys.stdin.read())
+    config = CellConfig.model_validate(request["config"])
+    prediction = predict(config, request["device_type"], request.get("allow_imports", False))
+    print(json.dumps(dataclasses.asdict(prediction)))
+
+
+if __name__ == "__main__":
+    _main()

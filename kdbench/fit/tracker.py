@@ -73,6 +73,9 @@ class LiveBytes(TorchDispatchMode):
     # ------------------------------------------------------------------ counting
 
     def _storage(self, t: torch.Tensor) -> torch.UntypedStorage | None:
+        local = getattr(t, "_local_tensor", None)  # a DTensor (FSDP2's shards): its local shard holds the bytes
+        if isinstance(local, torch.Tensor):
+            t = local
         if t.device.type == "meta" or not hasattr(t, "untyped_storage"):
             return None
         try:
@@ -84,6 +87,9 @@ class LiveBytes(TorchDispatchMode):
         st = self._storage(t)
         if st is None:
             return None
+        return self._count_storage(st, kind)
+
+    def _count_storage(self, st: torch.UntypedStorage, kind: str | None = None) -> _Storage:
         key = id(st)
         seen = self._seen.get(key)
         if seen is not None and seen[0]() is st:
@@ -114,7 +120,29 @@ class LiveBytes(TorchDispatchMode):
         if full:
             self.peak.live = [(r.serial, r.nbytes, r.phase) for _, r in self._seen.values()]
 
+    def reset_peak(self) -> None:
+        """Start the peak again from what is live now."""
+        self.peak = Peak()
+        self._new_peak()
+
+    def __enter__(self) -> LiveBytes:
+        # FSDP2 frees and re-allocates its unsharded parameters by resizing their storages in place
+        saved = self._resize = torch.UntypedStorage.resize_
+
+        def resize_(st: torch.UntypedStorage, size: int) -> None:
+            saved(st, size)
+            self._count_storage(st)
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(getattr(t, "__name__", "") == "DTensor" for t in types):
+            return NotImplemented  # a DTensor's op runs again as ops on its local shards, which are counted
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):

@@ -196,14 +196,15 @@ def live_tensor_bytes(device_type: str = "cpu") -> int:
     gc.collect()
     storages: dict[int, int] = {}
     for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.device.type != device_type:
+        if not issubclass(type(obj), torch.Tensor) or obj.device.type != device_type:  # type(): no __class__ lookup
             continue
         try:
             st = obj.untyped_storage()
+            ptr = st.data_ptr()
         except (RuntimeError, NotImplementedError, TypeError):  # no storage of its own (a DTensor, a sparse tensor)
-            continue
-        if st.data_ptr():
-            storages[st.data_ptr()] = st.nbytes()
+            continue  # or one FSDP2 freed in place
+        if ptr:
+            storages[ptr] = st.nbytes()
     return sum(storages.values())
 
 

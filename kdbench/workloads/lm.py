@@ -29,6 +29,7 @@ from torch import nn
 from kdbench.distill.lm.loss import LMLoss, methods_token_loss
 from kdbench.distill.losses import check_method, check_weights
 from kdbench.errors import KdbenchError
+from kdbench.fakes import carry, known_values
 from kdbench.models.lm import CausalLM, build_lm, is_lm_model, make_lm, max_positions, model_config
 from kdbench.models.meta import lm_facts
 from kdbench.names import IGNORE_INDEX, Measurement
@@ -192,6 +193,8 @@ class LMWorkload(Workload):
                 buffers["labels"] = torch.full_like(ids, IGNORE_INDEX)
             out = buffers["labels"]
             out[:, prompt_len - 1 : -1] = ids[:, prompt_len:]  # each completion token, predicted one position early
+            if known_values(x) is not None:  # a fit's fake run: which labels count is known without their values
+                carry(out, partial(_counted_completions, out.shape, prompt_len))
             return ids, out
 
         return generate
@@ -417,6 +420,13 @@ def _topk_problems(config: Any, tokens: list, vocabs: dict[str, int]) -> Problem
     if vocab is not None and config.teacher.k > vocab:
         problems.append((("teacher", "k"), f"teacher.k {config.teacher.k} exceeds the vocabulary's {vocab} entries"))
     return problems
+
+
+def _counted_completions(shape: torch.Size, prompt_len: int) -> torch.Tensor:
+    """On-policy labels as the loss counts them: every completion token (its value aside), nothing else."""
+    labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
+    labels[:, prompt_len - 1 : -1] = 0
+    return labels
 
 
 def lm_counts(name: str, overrides: dict[str, Any]) -> tuple[int, int]:
