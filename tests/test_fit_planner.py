@@ -49,9 +49,11 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-@pytest.mark.parametrize("impl", ["dense", "chunked", "fused_linear"])
-def test_an_lm_steps_predicted_peak_is_its_measured_live_peak(impl):
-    config = lm(loss_impl=impl, chunk_size=64)
+@pytest.mark.parametrize(
+    ("impl", "precision"), [("dense", "fp32"), ("chunked", "fp32"), ("fused_linear", "fp32"), ("fused_linear", "bf16")]
+)
+def test_an_lm_steps_predicted_peak_is_its_measured_live_peak(impl, precision):
+    config = lm(loss_impl=impl, chunk_size=64, precision=precision, teacher_precision=precision)
     prediction = predict(config, "cpu")
     assert prediction.ok and prediction.error is None
     real = measured(config)
@@ -76,6 +78,7 @@ def test_the_breakdown_counts_parameters_gradients_and_adamw_state_exactly():
     n_tensors = len(list(student.parameters()))
     assert b[OPTIMIZER] == 2 * s_params + 4 * n_tensors
     assert b[ACTIVATIONS] > 0
+    assert predict(config, "cpu").host.startswith("host ")  # the plan's host figure beside it
 
 
 def test_the_peak_grows_with_the_batch_by_the_activations_alone():

@@ -101,8 +101,8 @@ def predict(config: CellConfig, device_type: str = "cuda", allow_imports: bool =
 
     workload = workload_of(config)
     host = workload.host_footprint(config, device_type)
-    host_bytes = host.rank_bytes(True) if host.unknown is None else None
-    host_text = host.summary(config.world_size) if host.unknown is None else host.unknown
+    host_bytes = None if host.unknown else host.rank_bytes(True)
+    host_text = host.summary(config.world_size)
     skip = workload.skip_reason(config, CPU)
     if skip:
         return Prediction(None, host_bytes=host_bytes, host=host_text, error=f"not predicted: {skip}")
