@@ -48,7 +48,7 @@ def test_the_headline_cell_is_predicted_within_a_minute(benchmark, report_line):
     results = benchmark.pedantic(run, rounds=1, iterations=1)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rows = {}
-    report_line("fit planner, Llama-3.1-8B -> Llama-3.2-1B, 4 x 4,096 tokens, bf16, fused_linear, bf16 teacher weights:")
+    report_line("fit planner, Llama-3.1-8B -> Llama-3.2-1B, 4 x 4,096 tokens, bf16, fused_linear, bf16 teacher:")
     for name, (p, seconds) in results.items():
         assert p.ok, f"{name}: {p.error}"
         assert seconds < BOUND_S, f"{name}: {seconds:.1f} s"
