@@ -220,3 +220,17 @@ def test_the_meter_counts_a_storage_once_and_frees_it_when_it_dies():
 def test_a_prediction_is_a_plain_record_for_the_rows_and_the_cli():
     p = Prediction(None, error="x")
     assert not p.ok and p.breakdown == {} and p.notes == ()
+
+
+def test_an_encoder_pairs_predicted_peak_is_its_measured_live_peak():
+    config = CellConfig.model_validate(
+        {
+            "pair": {"teacher": "tiny-bert-teacher", "student": "tiny-bert-student"},
+            "method": "minilm",
+            "batch_size": 4,
+            "data": {"kind": "tokens", "seq_len": 128},
+        }
+    )
+    prediction = predict(config, "cpu")
+    assert prediction.ok, prediction.error
+    assert abs(measured(config) / prediction.peak_bytes - 1) < 0.01
