@@ -1132,6 +1132,34 @@ def check_lm(backend: Backend, suite: Path, scratch: Path, report: Report, cell_
         )
     kernels = sorted({k for k in df.attention_kernel.dropna()})
     report.info(f"attention kernels that ran: {', '.join(kernels) or 'none recorded'}")
+    report_fit(df, report)
+
+
+def report_fit(df, report: Report) -> None:
+    """The fit planner's predicted peak (a fake run of the step on the CPU) against the measured one
+    (``torch.cuda.max_memory_allocated`` over one more step) of every LM step: information, not a check — the first
+    GPU figures of issue 31's planner, whose tolerance was measured on the CPU."""
+    import pandas as pd
+
+    if "predicted_peak_ratio" not in df.columns:
+        return
+    steps = df[(df.measurement == "distill_step") & (df.status == "ok")]
+    ratios = []
+    for r in steps.itertuples():
+        if pd.isna(r.predicted_peak_bytes) or pd.isna(r.live_peak_bytes):
+            why = "unpredictable" if pd.isna(r.predicted_peak_bytes) else "no measured peak"
+            report.info(f"fit {r.cell_label}: {why}")
+            continue
+        ratios.append(r.predicted_peak_ratio)
+        report.info(
+            f"fit {r.cell_label}: predicted {r.predicted_peak_bytes / 2**30:.3f} GiB in {r.predicted_peak_phase}, "
+            f"measured {r.live_peak_bytes / 2**30:.3f} GiB (max_memory_allocated), measured/predicted "
+            f"{r.predicted_peak_ratio:.3f}"
+        )
+    if ratios:
+        report.info(
+            f"fit planner on this GPU: measured/predicted {min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} steps"
+        )
 
 
 def check_report(scratch: Path, report: Report) -> None:

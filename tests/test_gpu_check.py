@@ -353,3 +353,26 @@ def test_the_step_figures_come_from_the_resnet50_bf16_step(gpu_check):
     assert report.figures["step_window_ratio"] == pytest.approx(1.02)
     assert report.figures["step_host_ratio"] == pytest.approx(0.1)
     assert report.figures["step_remainder_ratio"] == pytest.approx(-0.01)
+
+
+def test_the_lm_stage_reports_the_fit_planners_prediction_against_the_gpus_peak(gpu_check, capsys):
+    import pandas as pd
+
+    df = pd.DataFrame(
+        {
+            "measurement": ["distill_step", "distill_step", "student_prefill"],
+            "status": ["ok", "ok", "ok"],
+            "cell_label": ["dense", "liger", "dense"],
+            "predicted_peak_bytes": [2 * 2**30, None, None],
+            "predicted_peak_phase": ["loss", None, None],
+            "live_peak_bytes": [int(2.1 * 2**30), 3 * 2**30, None],
+            "predicted_peak_ratio": [1.05, None, None],
+        }
+    )
+    report = gpu_check.Report()
+    gpu_check.report_fit(df, report)
+    out = capsys.readouterr().out
+    assert "fit dense: predicted 2.000 GiB in loss, measured 2.100 GiB (max_memory_allocated)" in out
+    assert "measured/predicted 1.050" in out and "fit liger: unpredictable" in out
+    assert "fit planner on this GPU: measured/predicted 1.050-1.050 over 1 steps" in out
+    assert report.failed == [] and report.passed == 0  # information, not checks
