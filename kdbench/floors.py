@@ -11,8 +11,8 @@ from __future__ import annotations
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("face", ("kdbench.cli", "kdbench.api", "kdbench.pytest_plugin", "kdbench.docgen", "kdbench.__main__")),
     ("run", ("kdbench.run",)),
-    ("fit", ("kdbench.fit",)),
     ("quality", ("kdbench.quality",)),
+    ("fit", ("kdbench.fit",)),
     ("report", ("kdbench.report",)),
     ("workloads", ("kdbench.workloads",)),
     ("measure", ("kdbench.measure",)),

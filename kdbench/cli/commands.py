@@ -382,13 +382,13 @@ def _fit_cell(config, device, max_key, predictor, title: str) -> dict:
 
     p = predictor(config)
     print(title)
-    record: dict = {"prediction": dataclasses.asdict(p)}
+    host = p.host or _host_line(config, predictor.device_type, 1, False)  # the dry run's figure
+    record: dict = {"prediction": dataclasses.asdict(p), "host": host}
     if p.ok:
         kinds = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in p.breakdown.items())
         logits = f"; logits {p.logits_bytes / p.peak_bytes:.0%} of it" if p.logits_bytes else ""
         print(f"      peak {gib(p.peak_bytes)} per rank in {p.phase} ({kinds} GiB){logits}")
-        host = f"host {p.host}; " if p.host else ""
-        print(f"      {host}fake run {p.seconds:.1f} s" + "".join(f"; {n}" for n in p.notes))
+        print(f"      {host + '; ' if host else ''}fake run {p.seconds:.1f} s" + "".join(f"; {n}" for n in p.notes))
     if device is None:
         if not p.ok:
             print(f"      unpredictable: {p.error}")

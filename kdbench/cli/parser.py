@@ -111,7 +111,7 @@ def _fit(sub) -> None:
         "judged: fits, does not fit, or fits only with the first changes that make it fit (loss_impl fused_linear, "
         "a smaller chunk_size, a bf16-held teacher, FSDP2 over 2/4/8 ranks, half the batch), each predicted. "
         "Sizes: GB = 10^9 bytes, GiB = 2^30 bytes, a bare number is bytes. A GPU's usable memory is its memory "
-        "less 1 GiB of runtime context, less 5 %% of the rest for fragmentation (assumptions: docs/fit.md).",
+        "less 1 GiB of runtime context, less 5 % of the rest for fragmentation (assumptions: docs/fit.md).",
     )
     fit.add_argument("suite", type=Path, nargs="?", default=None, help="suite YAML file (or give --pair)")
     fit.add_argument(
@@ -147,16 +147,29 @@ def _fit(sub) -> None:
     )
     cell = fit.add_argument_group("the cell of --pair (each a cell key; the schema's defaults otherwise)")
     cell.add_argument("--method", default=None, help="distillation method (default: kd; LM pairs forward_kl)")
-    cell.add_argument("--batch-size", type=_number(int, "--batch-size", 1, 1 << 20), default=None, metavar="N")
-    cell.add_argument("--seq-len", type=_number(int, "--seq-len", 2, 1 << 20), default=None, metavar="N")
+    cell.add_argument(
+        "--batch-size", type=_number(int, "--batch-size", 1, 1 << 20), default=None, metavar="N", help="per device"
+    )
+    cell.add_argument(
+        "--seq-len", type=_number(int, "--seq-len", 2, 1 << 20), default=None, metavar="N", help="tokens a sequence"
+    )
     cell.add_argument("--precision", choices=PRECISIONS, default=None, help="the student's precision")
-    cell.add_argument("--teacher-precision", choices=PRECISIONS, default=None, help="(default: --teacher-weights')")
+    cell.add_argument(
+        "--teacher-precision",
+        choices=PRECISIONS,
+        default=None,
+        help="the teacher's (default: --teacher-weights' dtype, else fp32)",
+    )
     cell.add_argument("--teacher-weights", default=None, metavar="DTYPE", help="the teacher held in fp32, bf16 or fp16")
     cell.add_argument(
         "--loss-impl", default=None, metavar="IMPL", help="dense, chunked, fused_linear, liger or torch_linear"
     )
-    cell.add_argument("--chunk-size", type=_number(int, "--chunk-size", 1, 1 << 20), default=None, metavar="N")
-    cell.add_argument("--world-size", type=_number(int, "--world-size", 1, 1024), default=None, metavar="N")
+    cell.add_argument(
+        "--chunk-size", type=_number(int, "--chunk-size", 1, 1 << 20), default=None, metavar="N", help="tokens a chunk"
+    )
+    cell.add_argument(
+        "--world-size", type=_number(int, "--world-size", 1, 1024), default=None, metavar="N", help="ranks"
+    )
     cell.add_argument("--parallel", default=None, metavar="HOW", help="ddp or fsdp (world_size > 1)")
 
 
