@@ -148,7 +148,8 @@ def test_the_largest_batch_predicted_is_the_largest_a_real_step_fits(tmp_path):
         from kdbench.workloads.registry import workload_of
         torch.set_num_threads(1)
         for bs in ({b}, {2 * b}):
-            cfg = CellConfig.model_validate({{"pair": {{"teacher": "tiny-llama-teacher", "student": "tiny-llama-student"}},
+            pair = {{"teacher": "tiny-llama-teacher", "student": "tiny-llama-student"}}
+            cfg = CellConfig.model_validate({{"pair": pair,
                 "method": "forward_kl", "batch_size": bs, "data": {{"kind": "tokens", "seq_len": 1024}}}})
             backend, workload = resolve("cpu"), workload_of(cfg)
             pair = workload.step_pair(cfg, backend, ModelCache(capacity=0), None)
@@ -208,7 +209,8 @@ def test_fit_judges_every_cell_of_a_suite_and_writes_json(suite, tmp_path, capsy
     assert lines[10].startswith("2 cells: 1 fits only with, 1 fits; ") and "fake runs" in lines[10]
     assert lines[11] == f"predictions -> {out}"
     record = json.loads(out.read_text())
-    assert record["device"]["memory_bytes"] == round(1.2 * GIB) and record["device_type"] == "cuda"  # a GPU of that size
+    assert record["device"]["memory_bytes"] == round(1.2 * GIB)
+    assert record["device_type"] == "cuda"  # --device-memory is a GPU of that size
     dense, fused = record["cells"]
     assert dense["prediction"]["peak_bytes"] == peaks["dense"] and dense["verdict"]["outcome"] == FITS_WITH
     assert dense["verdict"]["changes"] == ["loss_impl fused_linear"]
