@@ -295,7 +295,10 @@ def cmd_fit(args: argparse.Namespace) -> int:
         "kdbench fit: each cell's own distillation step (its pair, batch, loss and optimizer; 2 steps, the second "
         "with the optimizer's state) run on fake tensors: shapes and bytes only, nothing allocated; peaks per rank"
     )
-    print(f"device {device.describe()}" if device else "no device given: predictions only (--gpu or --device-memory)")
+    print(
+        f"device {device.describe()}" if device else "no device given: predictions only (--gpu or --device-memory)",
+        flush=True,
+    )
     began = time.perf_counter()
     records = []
     outcomes: dict[str, int] = {}
@@ -381,21 +384,22 @@ def _fit_cell(config, device, max_key, predictor, title: str) -> dict:
     from kdbench.fit.verdict import impls_to_size, judge, largest
 
     p = predictor(config)
-    print(title)
+    print(title, flush=True)
     host = p.host or _host_line(config, predictor.device_type, 1, False)  # the dry run's figure
     record: dict = {"prediction": dataclasses.asdict(p), "host": host}
     if p.ok:
         kinds = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in p.breakdown.items())
         logits = f"; logits {p.logits_bytes / p.peak_bytes:.0%} of it" if p.logits_bytes else ""
         print(f"      peak {gib(p.peak_bytes)} per rank in {p.phase} ({kinds} GiB){logits}")
-        print(f"      {host + '; ' if host else ''}fake run {p.seconds:.1f} s" + "".join(f"; {n}" for n in p.notes))
+        notes = "".join(f"; {n}" for n in p.notes)
+        print(f"      {host + '; ' if host else ''}fake run {p.seconds:.1f} s{notes}", flush=True)
     if device is None:
         if not p.ok:
-            print(f"      unpredictable: {p.error}")
+            print(f"      unpredictable: {p.error}", flush=True)
         return record
     usable = device.usable_bytes
     verdict = judge(config, usable, predictor)
-    print(f"      {verdict.line(usable)}")
+    print(f"      {verdict.line(usable)}", flush=True)
     record["verdict"] = {
         "outcome": verdict.outcome,
         "line": verdict.line(usable),
@@ -408,7 +412,7 @@ def _fit_cell(config, device, max_key, predictor, title: str) -> dict:
         for c in variants:
             found = largest(c, max_key, usable, predictor)
             what = f" with loss_impl {c.loss_impl}" if len(variants) > 1 else ""
-            print(f"      largest {max_key}{what}: {found.text()}  [{found.runs} fake runs]")
+            print(f"      largest {max_key}{what}: {found.text()}  [{found.runs} fake runs]", flush=True)
             record["largest"].append(
                 {
                     "loss_impl": c.loss_impl,
