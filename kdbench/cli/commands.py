@@ -391,8 +391,10 @@ def _fit_cell(config, device, max_key, predictor, title: str) -> dict:
         kinds = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in p.breakdown.items())
         logits = f"; logits {p.logits_bytes / p.peak_bytes:.0%} of it" if p.logits_bytes else ""
         print(f"      peak {gib(p.peak_bytes)} per rank in {p.phase} ({kinds} GiB){logits}")
-        notes = "".join(f"; {n}" for n in p.notes)
-        print(f"      {host + '; ' if host else ''}fake run {p.seconds:.1f} s{notes}", flush=True)
+    notes = "".join(f"; {n}" for n in p.notes)
+    ran = f"fake run {p.seconds:.1f} s{notes}" if p.seconds else ""
+    if host or ran:
+        print(f"      {'; '.join(t for t in (host, ran) if t)}", flush=True)
     if device is None:
         if not p.ok:
             print(f"      unpredictable: {p.error}", flush=True)
