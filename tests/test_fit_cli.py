@@ -115,6 +115,19 @@ def test_bisection_stops_at_the_cap_and_says_when_nothing_fits():
     assert size_cap(tiny(), "seq_len") == 2048  # tiny-llama-student's max_position_embeddings
 
 
+def test_the_longest_sequence_is_bisected_up_to_the_models_positions():
+    def per_token(config, device_type):
+        return Prediction(5000 + 7 * config.data.seq_len * config.batch_size, phase="loss")
+
+    predictor = Predictor("cuda", per_token)
+    found = largest(tiny(batch_size=2, seq_len=128), "seq_len", 5000 + 7 * 2 * 1000, predictor)
+    assert (found.value, found.prediction.peak_bytes, found.above.peak_bytes) == (1000, 19_000, 19_014)
+    # the pair's 2,048 positions hold the sequence and the 32 tokens its serving decodes: 2,016 is the longest
+    longest = largest(tiny(seq_len=128), "seq_len", 10**12, Predictor("cuda", per_token))
+    assert (longest.value, longest.cap, longest.above) == (2016, 2048, None)
+    assert longest.text() == "2016 (0.00 GiB): seq_len 2017 is beyond what the cell takes"
+
+
 def test_bisection_over_real_fake_runs_returns_a_batch_whose_next_does_not_fit():
     cell = tiny(seq_len=128)
     budget = 100 * MIB

@@ -194,6 +194,8 @@ class Largest:
         if self.value == 0:
             return f"none ({self.key} {self._low()} does not fit)"
         at = f"{self.value} ({gib(self.prediction.peak_bytes)})"
+        if self.notes:
+            return f"{at}: {'; '.join(self.notes)}"
         return at + (" = the cap" if self.value == self.cap else "")
 
     def _low(self) -> int:
@@ -237,69 +239,69 @@ def with_size(config: CellConfig, key: str, value: int) -> CellConfig | None:
 def largest(config: CellConfig, key: str, usable: int, predictor: Predictor) -> Largest:
     """The largest value v of ``key`` (:data:`SIZE_KEYS`) at which ``config`` fits ``usable`` bytes, with v + 1 not
     fitting (or v the cap): from the cell's own value, doubled until it does not fit (or halved until it does),
-    then bisected."""
+    then bisected.  A value kdbench would refuse for the cell (a sequence, with the tokens its serving decodes,
+    beyond the models' positions) counts as one that does not fit: the search stays within what the cell takes."""
     low_bound = 2 if key == "seq_len" else 1
     cap = size_cap(config, key)
     runs0 = predictor.runs
     cache: dict[int, Any] = {}
+    refused: set[int] = set()
 
     def at(v: int):
+        """The prediction at ``v`` (None: kdbench refuses the cell there)."""
         if v not in cache:
             c = with_size(config, key, v)
             cache[v] = predictor(c) if c is not None else None
+            if c is None:
+                refused.add(v)
         return cache[v]
 
-    def done(value: int, error: str | None = None) -> Largest:
-        return Largest(
-            key,
-            None if error else value,
-            cap,
-            cache.get(value),
-            cache.get(value + 1) if value < cap else None,
-            error,
-            predictor.runs - runs0,
-        )
+    def result(value: int, error: str | None = None) -> Largest:
+        above = cache.get(value + 1 if value else low_bound)
+        note = (f"{key} {value + 1} is beyond what the cell takes",) if value + 1 in refused else ()
+        return Largest(key, None if error else value, cap, cache.get(value), above, error, predictor.runs - runs0, note)
+
+    def step(v: int) -> bool | str:
+        """Whether the cell fits at ``v`` (a refused value does not), or why it is unpredictable there."""
+        q = at(v)
+        if q is None:
+            return False
+        if not q.ok:
+            return q.error or "unpredictable"
+        return fits(q, usable)
 
     v = min(max(size_of(config, key), low_bound), cap)
-    p = at(v)
-    if p is None or not p.ok:
-        return done(v, p.error if p is not None else f"{key} {v} is not a cell kdbench runs")
-    if fits(p, usable):
-        lo, hi = v, None
-        while hi is None:
-            if lo == cap:
-                return done(cap)
+    lo, hi = None, None
+    first = step(v)
+    if isinstance(first, str):
+        return result(v, first)
+    if first:
+        lo = v
+        while hi is None and lo < cap:
             nxt = min(lo * 2, cap)
-            q = at(nxt)
-            if q is None or not q.ok:
-                return done(nxt, q.error if q is not None else f"{key} {nxt} is not a cell kdbench runs")
-            if fits(q, usable):
-                lo = nxt
-            else:
-                hi = nxt
+            ok = step(nxt)
+            if isinstance(ok, str):
+                return result(nxt, ok)
+            lo, hi = (nxt, None) if ok else (lo, nxt)
+        if hi is None:
+            return result(cap)
     else:
-        hi, lo = v, None
+        hi = v
         while lo is None:
             if hi == low_bound:
-                return Largest(key, 0, cap, None, cache.get(low_bound), None, predictor.runs - runs0)
+                return result(0)
             nxt = max(hi // 2, low_bound)
-            q = at(nxt)
-            if q is None or not q.ok:
-                return done(nxt, q.error if q is not None else f"{key} {nxt} is not a cell kdbench runs")
-            if fits(q, usable):
-                lo = nxt
-            else:
-                hi = nxt
+            ok = step(nxt)
+            if isinstance(ok, str):
+                return result(nxt, ok)
+            lo, hi = (nxt, hi) if ok else (None, nxt)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        q = at(mid)
-        if q is None or not q.ok:
-            return done(mid, q.error if q is not None else f"{key} {mid} is not a cell kdbench runs")
-        if fits(q, usable):
-            lo = mid
-        else:
-            hi = mid
-    return done(lo)
+        ok = step(mid)
+        if isinstance(ok, str):
+            return result(mid, ok)
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    return result(lo)
 
 
 def impls_to_size(config: CellConfig) -> list[CellConfig]:
