@@ -1,4 +1,4 @@
-"""Command line: run, report, compare, export, probe, env, list.  It parses (:mod:`.parser`) and prints
+"""Command line: run, report, compare, export, fit, probe, env, list.  It parses (:mod:`.parser`) and prints
 (:mod:`.commands`); :mod:`kdbench.api` does the work.
 
 User mistakes (KdbenchError, bad command-line values included) print one line,
@@ -15,7 +15,16 @@ import logging
 import sys
 from collections.abc import Callable
 
-from kdbench.cli.commands import cmd_compare, cmd_env, cmd_export, cmd_list, cmd_probe, cmd_report, cmd_run
+from kdbench.cli.commands import (
+    cmd_compare,
+    cmd_env,
+    cmd_export,
+    cmd_fit,
+    cmd_list,
+    cmd_probe,
+    cmd_report,
+    cmd_run,
+)
 from kdbench.cli.parser import build_parser
 from kdbench.errors import KdbenchError
 
@@ -25,6 +34,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "compare": cmd_compare,
     "export": cmd_export,
     "env": cmd_env,
+    "fit": cmd_fit,
     "probe": cmd_probe,
     "list": cmd_list,
 }

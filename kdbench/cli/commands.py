@@ -246,3 +246,184 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"{m.name}: {m.doc}{feats}\n    suite key `{m.name}`: {params}")
     print("a+b: any combination, e.g. kd+at; CE counted once; `weights: {kd: 1.0, at: 1.0}` scales each term")
     return 0
+
+
+# --------------------------------------------------------------------------- fit
+
+# --pair's cell options: argument -> (flag, the cell key's path)
+_PAIR_OPTIONS = {
+    "method": ("--method", ("method",)),
+    "batch_size": ("--batch-size", ("batch_size",)),
+    "seq_len": ("--seq-len", ("data", "seq_len")),
+    "precision": ("--precision", ("precision",)),
+    "teacher_precision": ("--teacher-precision", ("teacher_precision",)),
+    "teacher_weights": ("--teacher-weights", ("teacher", "weights")),
+    "loss_impl": ("--loss-impl", ("loss_impl",)),
+    "chunk_size": ("--chunk-size", ("chunk_size",)),
+    "world_size": ("--world-size", ("world_size",)),
+    "parallel": ("--parallel", ("parallel",)),
+}
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from kdbench.errors import KdbenchError
+    from kdbench.fit.devices import find_device, sized_device
+    from kdbench.fit.verdict import Predictor
+
+    device = find_device(args.gpu) if args.gpu else sized_device(args.device_memory) if args.device_memory else None
+    if args.max and device is None:
+        raise KdbenchError(f"--max {args.max}: needs a device to fit into; add --gpu NAME or --device-memory SIZE")
+    given = [flag for dest, (flag, _) in _PAIR_OPTIONS.items() if getattr(args, dest) is not None]
+    if args.suite is not None and args.pair:
+        raise KdbenchError(f"fit {args.suite} --pair: give a suite or --pair TEACHER STUDENT, not both")
+    if args.suite is None and not args.pair:
+        raise KdbenchError(
+            "fit: give a suite file (kdbench fit SUITE) or one pair (kdbench fit --pair TEACHER STUDENT)"
+        )
+    if args.suite is not None and given:
+        raise KdbenchError(f"{given[0]}: sets the cell of --pair; a suite's cells are set in the suite (or use --pair)")
+    if args.suite is not None:
+        cells, backend = _suite_cells(args)
+    else:
+        cells, backend = [_pair_cell(args)], "cuda"
+    device_type = ("cpu" if device.kind == "cpu" else "cuda") if device else ("cpu" if backend == "cpu" else "cuda")
+    predictor = Predictor(device_type)
+    print(
+        "kdbench fit: each cell's own distillation step (its pair, batch, loss and optimizer; 2 steps, the second "
+        "with the optimizer's state) run on fake tensors: shapes and bytes only, nothing allocated; peaks per rank"
+    )
+    print(
+        f"device {device.describe()}" if device else "no device given: predictions only (--gpu or --device-memory)",
+        flush=True,
+    )
+    began = time.perf_counter()
+    records = []
+    outcomes: dict[str, int] = {}
+    for i, (cell_id, label, config) in enumerate(cells, 1):
+        record = _fit_cell(config, device, args.max, predictor, f"[{i}/{len(cells)}] {label}  (cell {cell_id})")
+        records.append({"cell_id": cell_id, "label": label, **record})
+        outcome = record.get("verdict", {}).get("outcome") or (
+            "predicted" if record["prediction"]["error"] is None else "unpredictable"
+        )
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    counts = ", ".join(f"{n} {o}" for o, n in outcomes.items())
+    print(f"{len(cells)} cells: {counts}; {predictor.runs} fake runs in {time.perf_counter() - began:.1f} s")
+    if args.out is not None:
+        from kdbench.store.files import write_text
+
+        device_record = None
+        if device is not None:
+            device_record = {
+                "name": device.name,
+                "memory_bytes": device.memory_bytes,
+                "usable_bytes": device.usable_bytes,
+                "kind": device.kind,
+                "source": device.source,
+                "note": device.note,
+            }
+        text = json.dumps({"device": device_record, "device_type": device_type, "cells": records}, indent=1)
+        write_text(text + "\n", args.out)
+        print(f"predictions -> {args.out}")
+    return 0
+
+
+def _suite_cells(args: argparse.Namespace) -> tuple[list, str]:
+    """(cell id, label, config) of every cell of the suite, as `run --dry-run` plans them; the suite's backend."""
+    from kdbench import api
+    from kdbench.config import with_overrides
+
+    suite = api.load_suite(args.suite)
+    suite = with_overrides(suite, {"allow_imports": ("--allow-imports", True if args.allow_imports else None)})
+    plan = api.plan(suite)
+    return [(c.cell_id, c.label, c.config) for c in plan.cells], suite.backend
+
+
+def _pair_cell(args: argparse.Namespace) -> tuple[str, str, object]:
+    """The one cell of --pair: the schema's defaults, the pair's family's own (token data, its method), the options."""
+    from pydantic import ValidationError
+
+    from kdbench.config.plan import Cell, cell_id_of, deep_merge, nest
+    from kdbench.config.schema import CellConfig
+    from kdbench.config.yaml_errors import describe
+    from kdbench.errors import KdbenchError
+    from kdbench.workloads.registry import check_cell, workload_of
+
+    teacher, student = args.pair
+    raw: dict = {"pair": {"teacher": teacher, "student": student}}
+    raw = deep_merge(raw, workload_of(CellConfig.model_validate(raw)).cell_defaults)
+    values = {dest: getattr(args, dest) for dest in _PAIR_OPTIONS}
+    if values["teacher_weights"] is not None and values["teacher_precision"] is None:
+        values["teacher_precision"] = values["teacher_weights"]  # a teacher held in bf16 computes in bf16
+    for dest, value in values.items():
+        if value is not None:
+            raw = deep_merge(raw, nest(_PAIR_OPTIONS[dest][1], value))
+    flags = {path: flag for flag, path in _PAIR_OPTIONS.values()}
+    try:
+        config = CellConfig.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        flag = flags.get(tuple(str(p) for p in err["loc"]), "--pair")
+        raise KdbenchError(f"{flag}: {describe(err, CellConfig)}") from None
+    for path, message in check_cell(config, args.allow_imports):
+        flag = flags.get(
+            tuple(path), "--pair" if path and path[0] == "pair" else "--" + "-".join(path).replace("_", "-")
+        )
+        raise KdbenchError(f"{flag}: {message}")
+    cell_id = cell_id_of(config)
+    return cell_id, Cell(0, cell_id, config).label, config
+
+
+def _fit_cell(config, device, max_key, predictor, title: str) -> dict:
+    """Predict one cell, print it, judge it against ``device`` and size it with ``max_key``; its JSON record."""
+    import dataclasses
+
+    from kdbench.fit.devices import gib
+    from kdbench.fit.verdict import impls_to_size, judge, largest
+
+    p = predictor(config)
+    print(title, flush=True)
+    host = p.host or _host_line(config, predictor.device_type, 1, False)  # the dry run's figure
+    record: dict = {"prediction": dataclasses.asdict(p), "host": host}
+    if p.ok:
+        kinds = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in p.breakdown.items())
+        logits = f"; logits {p.logits_bytes / p.peak_bytes:.0%} of it" if p.logits_bytes else ""
+        print(f"      peak {gib(p.peak_bytes)} per rank in {p.phase} ({kinds} GiB){logits}")
+    notes = "".join(f"; {n}" for n in p.notes)
+    ran = f"fake run {p.seconds:.1f} s{notes}" if p.seconds else ""
+    if host or ran:
+        print(f"      {'; '.join(t for t in (host, ran) if t)}", flush=True)
+    if device is None:
+        if not p.ok:
+            print(f"      unpredictable: {p.error}", flush=True)
+        return record
+    usable = device.usable_bytes
+    verdict = judge(config, usable, predictor)
+    print(f"      {verdict.line(usable)}", flush=True)
+    record["verdict"] = {
+        "outcome": verdict.outcome,
+        "line": verdict.line(usable),
+        "changes": list(verdict.changes),
+        "changed": dataclasses.asdict(verdict.changed) if verdict.changed is not None else None,
+    }
+    if max_key:
+        record["largest"] = []
+        variants = impls_to_size(config)
+        for c in variants:
+            found = largest(c, max_key, usable, predictor)
+            what = f" with loss_impl {c.loss_impl}" if len(variants) > 1 else ""
+            print(f"      largest {max_key}{what}: {found.text()}  [{found.runs} fake runs]", flush=True)
+            record["largest"].append(
+                {
+                    "loss_impl": c.loss_impl,
+                    "key": max_key,
+                    "value": found.value,
+                    "cap": found.cap,
+                    "peak_bytes": found.prediction.peak_bytes if found.prediction is not None else None,
+                    "above_peak_bytes": found.above.peak_bytes if found.above is not None else None,
+                    "error": found.error,
+                }
+            )
+    return record

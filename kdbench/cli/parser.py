@@ -15,6 +15,8 @@ EPILOG = """examples:
   kdbench run suites/quality.yaml             methods' speed, then their accuracy on digits (minutes)
   kdbench run suites/methods.yaml --profile   every method, live and cached teacher (~20 min on 2 cores)
   kdbench run suites/amd.yaml --dry-run       validate and list the cells, run nothing
+  kdbench fit suites/llm-cuda.yaml --gpu H200  will each cell fit an H200? fake runs, ~10 min for 48 cells on 2 cores
+  kdbench fit --pair llama-3.1-8b llama-3.2-1b --seq-len 4096 --batch-size 4 --gpu MI300X --max batch_size
   kdbench run suites/levers-cpu.yaml          the levers (compile, ONNX Runtime, int8) on the CPU, ~2 min
   kdbench run suites/cuda.yaml --shard 2/4 --run-id sweep1   one of four machines, all into results/sweep1/
   kdbench report results/ --out reports/      one report over every run in results/
@@ -78,6 +80,97 @@ def _run_id(text: str) -> str:
     from kdbench.store.results import check_run_id
 
     return check_run_id(text)
+
+
+def _size_key(text: str) -> str:
+    from kdbench.fit.verdict import SIZE_KEYS
+
+    key = text.strip().replace("-", "_").removeprefix("data.")
+    if key not in SIZE_KEYS:
+        raise KdbenchError(f"--max {text}: not a size key; --max takes {' or '.join(SIZE_KEYS)}")
+    return key
+
+
+def _memory(text: str) -> str:
+    from kdbench.fit.devices import parse_size
+
+    parse_size(text, "--device-memory")  # checked here, before any suite is read
+    return text
+
+
+def _fit(sub) -> None:
+    from kdbench.names import PRECISIONS
+
+    fit = sub.add_parser(
+        "fit",
+        help="will each cell fit a device? its peak memory per rank, predicted by running the cell's own step on "
+        "fake tensors (nothing allocated)",
+        description="Predict each cell's peak memory per device: the cell's own distillation step (its pair, batch, "
+        "loss and optimizer, two steps) runs under FakeTensorMode, where every tensor has its shape and bytes and "
+        "none is allocated, metered operator by operator. With a device (--gpu or --device-memory) each cell is "
+        "judged: fits, does not fit, or fits only with the first changes that make it fit (loss_impl fused_linear, "
+        "a smaller chunk_size, a bf16-held teacher, FSDP2 over 2/4/8 ranks, half the batch), each predicted. "
+        "Sizes: GB = 10^9 bytes, GiB = 2^30 bytes, a bare number is bytes. A GPU's usable memory is its memory "
+        "less 1 GiB of runtime context, less 5 % of the rest for fragmentation (assumptions: docs/fit.md).",
+    )
+    fit.add_argument("suite", type=Path, nargs="?", default=None, help="suite YAML file (or give --pair)")
+    fit.add_argument(
+        "--pair", nargs=2, metavar=("TEACHER", "STUDENT"), default=None, help="one cell of this pair, from defaults"
+    )
+    where = fit.add_mutually_exclusive_group()
+    where.add_argument(
+        "--gpu",
+        default=None,
+        metavar="NAME",
+        help="judge against this device of the table (H100 80GB, H100 NVL, H200, A100 40GB, A100 80GB, L4, T4, "
+        "MI300X, MI325X, MI250X: case, spaces and dashes ignored) or cpu (this machine's available memory)",
+    )
+    where.add_argument(
+        "--device-memory",
+        type=_memory,
+        default=None,
+        metavar="SIZE",
+        help="judge against a GPU of this much memory per device: 141GB (GB = 10^9 bytes), 80GiB (GiB = 2^30 "
+        "bytes), 192e9 (bytes), 1.5TB",
+    )
+    fit.add_argument(
+        "--max",
+        type=_size_key,
+        default=None,
+        metavar="KEY",
+        help="also find the largest batch_size or seq_len that fits (bisection over fake runs; for every loss_impl "
+        "of an LM cell); needs --gpu or --device-memory",
+    )
+    fit.add_argument("--out", type=_out_file, default=None, metavar="FILE", help="also write the predictions as JSON")
+    fit.add_argument(
+        "--allow-imports", action="store_true", help="allow `module:callable` models, as `allow_imports: true` does"
+    )
+    cell = fit.add_argument_group("the cell of --pair (each a cell key; the schema's defaults otherwise)")
+    cell.add_argument("--method", default=None, help="distillation method (default: kd; LM pairs forward_kl)")
+    cell.add_argument(
+        "--batch-size", type=_number(int, "--batch-size", 1, 1 << 20), default=None, metavar="N", help="per device"
+    )
+    cell.add_argument(
+        "--seq-len", type=_number(int, "--seq-len", 2, 1 << 20), default=None, metavar="N", help="tokens a sequence"
+    )
+    cell.add_argument("--precision", choices=PRECISIONS, default=None, help="the student's precision")
+    cell.add_argument(
+        "--teacher-precision",
+        choices=PRECISIONS,
+        default=None,
+        help="the teacher's (default: --teacher-weights' dtype, else fp32)",
+    )
+    cell.add_argument("--teacher-weights", default=None, metavar="DTYPE", help="the teacher held in fp32, bf16 or fp16")
+    cell.add_argument(
+        "--loss-impl", default=None, metavar="IMPL", help="dense, chunked, fused_linear, liger or torch_linear"
+    )
+    cell.add_argument(
+        "--chunk-size", type=_number(int, "--chunk-size", 1, 1 << 20), default=None, metavar="N", help="tokens a chunk"
+    )
+    cell.add_argument(
+        "--world-size", type=_number(int, "--world-size", 1, 1024), default=None, metavar="N", help="ranks"
+    )
+    cell.add_argument("--parallel", default=None, metavar="HOW", help="ddp or fsdp (world_size > 1)")
 
 
 def _threshold(parser: argparse.ArgumentParser) -> None:
@@ -259,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
         "row, one machine per file (default: csv)",
     )
     exp.add_argument("--out", type=_out_file, default=None, metavar="FILE", help="write here instead of stdout")
+
+    _fit(sub)
 
     sub.add_parser("env", help="show the backend, devices and software kdbench detects")
 

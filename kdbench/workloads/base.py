@@ -39,6 +39,8 @@ class Workload:
     takes: ClassVar[frozenset[str]] = frozenset()
     # what the suite's quality block trains this family on: "images", "text", or "" (no quality protocol)
     quality_data: ClassVar[str] = ""
+    # what a cell of this family needs beyond the schema's defaults when only its pair is given (`kdbench fit --pair`)
+    cell_defaults: ClassVar[dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ plan time
 

@@ -19,7 +19,7 @@ autocast off; no cross-entropy (there are no labels to distil with).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -72,6 +72,7 @@ class EncoderWorkload(Workload):
     family = "encoder"
     a_pair = "an encoder pair"
     pairs = "encoder pairs"
+    cell_defaults: ClassVar[dict[str, Any]] = {"data": {"kind": "tokens"}, "method": "hidden_mse"}
     takes = frozenset({"teacher.weights", "overrides"})
 
     # ------------------------------------------------------------------ plan time

@@ -21,7 +21,7 @@ vocabulary the pair shares, the prompt's length and the token batch.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -60,6 +60,7 @@ class LMWorkload(Workload):
     family = "lm"
     a_pair = "an LM pair"
     pairs = "LM pairs"
+    cell_defaults: ClassVar[dict[str, Any]] = {"data": {"kind": "tokens"}, "method": "forward_kl"}
     takes = frozenset(
         {
             "parallel",

@@ -1,0 +1,320 @@
+"""A cell's predicted peak judged against a device: ``fits``, ``does not fit``, ``fits only with`` the first
+changes that make it fit, or unpredictable; and the largest batch size or sequence length that fits, by
+bisection over fake runs.
+
+Every figure here is a prediction (:func:`kdbench.fit.planner.predict`, through a :class:`Predictor` that keeps
+each cell's once); a cell fits when its predicted peak per rank is at most the device's usable memory
+(:func:`kdbench.fit.devices.usable`).  Torch is imported by the planner only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kdbench.config.plan import deep_merge
+from kdbench.config.schema import CellConfig
+from kdbench.workloads.registry import check_cell, workload_of
+
+FITS, NO_FIT, FITS_WITH, UNPREDICTABLE = "fits", "does not fit", "fits only with", "unpredictable"
+CHUNKING = ("chunked", "fused_linear", "liger")  # the loss implementations chunk_size sets the chunks of
+FSDP_RANKS = (2, 4, 8)  # the FSDP2 layouts tried for a cell that does not fit
+SIZE_KEYS = {"batch_size": ("batch_size",), "seq_len": ("data", "seq_len")}  # what --max takes, and where it sits
+BATCH_CAP = 2**16  # the largest batch size the bisection tries
+SEQ_CAP = 2**20  # the largest sequence length, where the models' positions say none (the schema's bound)
+
+
+class Predictor:
+    """:func:`kdbench.fit.planner.predict` (or a stand-in), each distinct cell predicted once."""
+
+    def __init__(self, device_type: str = "cuda", predict: Callable[..., Any] | None = None):
+        if predict is None:
+            from kdbench.fit.planner import predict
+        self._predict = predict
+        self.device_type = device_type
+        self._seen: dict[str, Any] = {}
+        self.runs = 0  # fake runs made
+
+    def __call__(self, config: CellConfig):
+        key = json.dumps(config.model_dump(mode="json"), sort_keys=True)
+        if key not in self._seen:
+            self.runs += 1
+            self._seen[key] = self._predict(config, self.device_type)
+        return self._seen[key]
+
+
+def fits(prediction, usable: int) -> bool:
+    return prediction.ok and prediction.peak_bytes <= usable
+
+
+def changed(config: CellConfig, update: dict[str, Any]) -> CellConfig | None:
+    """``config`` with ``update`` laid over it, when the result is a cell kdbench would run (else None)."""
+    raw = deep_merge(config.model_dump(mode="json"), update)
+    try:
+        new = CellConfig.model_validate(raw)
+    except ValueError:
+        return None
+    return None if check_cell(new, True) else new
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A cell against a device: ``outcome`` (:data:`FITS`, :data:`NO_FIT`, :data:`FITS_WITH`, :data:`UNPREDICTABLE`),
+    its own prediction, and for :data:`FITS_WITH` the changes made and the prediction with them."""
+
+    outcome: str
+    prediction: Any
+    changes: tuple[str, ...] = ()
+    changed: Any = None  # the prediction with the changes
+    config: CellConfig | None = None  # the cell with the changes
+    tried: tuple[str, ...] = ()  # the changes tried, in order (for a cell that does not fit)
+
+    def line(self, usable: int) -> str:
+        from kdbench.fit.devices import gib
+
+        p = self.prediction
+        if self.outcome == UNPREDICTABLE:
+            return f"unpredictable: {p.error}"
+        if self.outcome == FITS:
+            return f"fits ({gib(p.peak_bytes)} of {gib(usable)} usable)"
+        if self.outcome == FITS_WITH:
+            return (
+                f"fits only with: {', '.join(self.changes)} (predicted {gib(self.changed.peak_bytes)} of "
+                f"{gib(usable)} usable, in {self.changed.phase})"
+            )
+        tried = f"; no change tried fits ({', '.join(self.tried)})" if self.tried else ""
+        return f"does not fit ({gib(p.peak_bytes)} over {gib(usable)} usable){tried}"
+
+
+def _changes(config: CellConfig) -> list[Callable[[CellConfig], list[tuple[str, dict[str, Any]]]]]:
+    """The changes to try on a cell that does not fit, in order: each a function of the cell as changed so far that
+    gives its alternatives (tried one by one; the first that fits wins); those the cell's family does not take are
+    left out."""
+    takes = workload_of(config).takes
+    out: list[Callable[[CellConfig], list[tuple[str, dict[str, Any]]]]] = []
+    if "loss_impl" in takes:
+        out.append(
+            lambda c: (
+                [] if c.loss_impl == "fused_linear" else [("loss_impl fused_linear", {"loss_impl": "fused_linear"})]
+            )
+        )
+    if "chunk_size" in takes:
+
+        def smaller_chunks(c: CellConfig) -> list[tuple[str, dict[str, Any]]]:
+            n = max(1, c.chunk_size // 4)
+            if n == c.chunk_size:
+                return []
+            if c.loss_impl in CHUNKING:
+                return [(f"chunk_size {n}", {"chunk_size": n})]
+            # fused_linear was not kept (its chunks hold more than the whole logits of a short batch): with smaller ones
+            return [(f"loss_impl fused_linear with chunk_size {n}", {"loss_impl": "fused_linear", "chunk_size": n})]
+
+        out.append(smaller_chunks)
+    if "teacher.weights" in takes:
+        bf16 = {"teacher": {"weights": "bf16"}, "teacher_precision": "bf16"}
+        out.append(
+            lambda c: (
+                [] if c.teacher.weights != "fp32" else [("teacher.weights bf16 with teacher_precision bf16", bf16)]
+            )
+        )
+    if "parallel" in takes:
+        out.append(
+            lambda c: [
+                (f"parallel fsdp at world_size {n}", {"parallel": "fsdp", "world_size": n})
+                for n in FSDP_RANKS
+                if not (c.parallel == "fsdp" and c.world_size >= n)
+            ]
+        )
+    return out
+
+
+def judge(config: CellConfig, usable: int, predictor: Predictor) -> Verdict:
+    """``config`` against a device with ``usable`` bytes per rank.  A cell that does not fit gets the changes of
+    :func:`_changes` in order, each kept when it lowers the predicted peak (so they add up), then its batch halved
+    until it fits: the first combination that fits is the verdict's.  A change kdbench would refuse for the cell,
+    or that the planner cannot predict (data-parallel cells before it predicts them), is skipped."""
+    own = predictor(config)
+    if not own.ok:
+        return Verdict(UNPREDICTABLE, own)
+    if own.peak_bytes <= usable:
+        return Verdict(FITS, own)
+    current, best, kept, tried = config, own, [], []
+    for alternatives in _changes(config):
+        lowest = None
+        for text, update in alternatives(current):
+            candidate = changed(current, update)
+            if candidate is None:
+                continue
+            p = predictor(candidate)
+            if not p.ok:
+                continue
+            tried.append(text)
+            if p.peak_bytes <= usable:
+                return Verdict(FITS_WITH, own, (*kept, text), p, candidate)
+            if p.peak_bytes < best.peak_bytes and (lowest is None or p.peak_bytes < lowest[2].peak_bytes):
+                lowest = (text, candidate, p)
+        if lowest is not None:
+            kept.append(lowest[0])
+            current, best = lowest[1], lowest[2]
+    batch = current.batch_size // 2
+    while batch >= 1:
+        candidate = changed(current, {"batch_size": batch})
+        p = predictor(candidate) if candidate is not None else None
+        if p is not None and p.ok:
+            tried.append(f"batch_size {batch}")
+            if p.peak_bytes <= usable:
+                return Verdict(FITS_WITH, own, (*kept, f"batch_size {batch}"), p, candidate)
+        batch //= 2
+    return Verdict(NO_FIT, own, tried=tuple(dict.fromkeys(tried)))
+
+
+# --------------------------------------------------------------------------- the largest size that fits
+
+
+@dataclass(frozen=True)
+class Largest:
+    """The largest value of ``key`` that fits (0: not even the smallest; None with ``error``: unpredictable)."""
+
+    key: str
+    value: int | None
+    cap: int
+    prediction: Any = None  # at value
+    above: Any = None  # at value + 1 (None at the cap)
+    error: str | None = None
+    runs: int = 0  # fake runs made for it
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def text(self) -> str:
+        from kdbench.fit.devices import gib
+
+        if self.error:
+            return f"unpredictable: {self.error}"
+        if self.value == 0:
+            return f"none ({self.key} {self._low()} does not fit)"
+        at = f"{self.value} ({gib(self.prediction.peak_bytes)})"
+        if self.notes:
+            return f"{at}: {'; '.join(self.notes)}"
+        return at + (" = the cap" if self.value == self.cap else "")
+
+    def _low(self) -> int:
+        return 2 if self.key == "seq_len" else 1
+
+
+def size_cap(config: CellConfig, key: str) -> int:
+    """The largest ``key`` tried: :data:`BATCH_CAP` for batch_size; for seq_len the positions the pair's models
+    take (the smaller), else :data:`SEQ_CAP`."""
+    if key == "batch_size":
+        return BATCH_CAP
+    from kdbench.models.lm import max_positions, model_config
+
+    caps = []
+    for role, name in (("teacher", config.pair.teacher), ("student", config.pair.student)):
+        try:
+            model = model_config(name, getattr(config.overrides, role))
+        except Exception:  # not a registered LM (a module:callable): no positions known
+            model = None
+        n = max_positions(model) if model is not None else None
+        if n:
+            caps.append(n)
+    return min(caps) if caps else SEQ_CAP
+
+
+def size_of(config: CellConfig, key: str) -> int:
+    node: Any = config
+    for part in SIZE_KEYS[key]:
+        node = getattr(node, part)
+    return int(node)
+
+
+def with_size(config: CellConfig, key: str, value: int) -> CellConfig | None:
+    *parents, leaf = SIZE_KEYS[key]
+    update: dict[str, Any] = {leaf: value}
+    for p in reversed(parents):
+        update = {p: update}
+    return changed(config, update)
+
+
+def largest(config: CellConfig, key: str, usable: int, predictor: Predictor) -> Largest:
+    """The largest value v of ``key`` (:data:`SIZE_KEYS`) at which ``config`` fits ``usable`` bytes, with v + 1 not
+    fitting (or v the cap): from the cell's own value, doubled until it does not fit (or halved until it does),
+    then bisected.  A value kdbench would refuse for the cell (a sequence, with the tokens its serving decodes,
+    beyond the models' positions) counts as one that does not fit: the search stays within what the cell takes."""
+    low_bound = 2 if key == "seq_len" else 1
+    cap = size_cap(config, key)
+    runs0 = predictor.runs
+    cache: dict[int, Any] = {}
+    refused: set[int] = set()
+
+    def at(v: int):
+        """The prediction at ``v`` (None: kdbench refuses the cell there)."""
+        if v not in cache:
+            c = with_size(config, key, v)
+            cache[v] = predictor(c) if c is not None else None
+            if c is None:
+                refused.add(v)
+        return cache[v]
+
+    def result(value: int, error: str | None = None) -> Largest:
+        above = cache.get(value + 1 if value else low_bound)
+        note = (f"{key} {value + 1} is beyond what the cell takes",) if value + 1 in refused else ()
+        return Largest(key, None if error else value, cap, cache.get(value), above, error, predictor.runs - runs0, note)
+
+    def step(v: int) -> bool | str:
+        """Whether the cell fits at ``v`` (a refused value does not), or why it is unpredictable there."""
+        q = at(v)
+        if q is None:
+            return False
+        if not q.ok:
+            return q.error or "unpredictable"
+        return fits(q, usable)
+
+    v = min(max(size_of(config, key), low_bound), cap)
+    lo, hi = None, None
+    first = step(v)
+    if isinstance(first, str):
+        return result(v, first)
+    if first:
+        lo = v
+        while hi is None and lo < cap:
+            nxt = min(lo * 2, cap)
+            ok = step(nxt)
+            if isinstance(ok, str):
+                return result(nxt, ok)
+            lo, hi = (nxt, None) if ok else (lo, nxt)
+        if hi is None:
+            return result(cap)
+    else:
+        hi = v
+        while lo is None:
+            if hi == low_bound:
+                return result(0)
+            nxt = max(hi // 2, low_bound)
+            ok = step(nxt)
+            if isinstance(ok, str):
+                return result(nxt, ok)
+            lo, hi = (nxt, hi) if ok else (None, nxt)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        ok = step(mid)
+        if isinstance(ok, str):
+            return result(mid, ok)
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    return result(lo)
+
+
+def impls_to_size(config: CellConfig) -> list[CellConfig]:
+    """The cell once per loss implementation its family takes (LM cells: every ``loss_impl`` kdbench would run for
+    it, the cell's own first), or the cell alone."""
+    if "loss_impl" not in workload_of(config).takes:
+        return [config]
+    from kdbench.distill.lm.impls import LOSS_IMPLS
+
+    out = [config]
+    for impl in LOSS_IMPLS:
+        if impl != config.loss_impl:
+            c = changed(config, {"loss_impl": impl})
+            if c is not None:
+                out.append(c)
+    return out
