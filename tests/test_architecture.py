@@ -117,7 +117,8 @@ def test_the_circle_finder_finds_circles():
 
 def test_the_floors_are_the_design_order():
     assert [f for f, _ in FLOORS] == [
-        "face", "run", "fit", "quality", "report", "workloads", "measure", "distill", "hw", "config", "store", "models", "base"
+        "face", "run", "fit", "quality", "report", "workloads", "measure", "distill", "hw", "config", "store",
+        "models", "base",
     ]  # fmt: skip
 
 
