@@ -142,4 +142,22 @@ def test_a_profiler_that_cannot_start_costs_the_live_peak_not_the_row(monkeypatc
     teacher, student = build_model("linear", 4, (1, 4, 4)), build_model("linear", 4, (1, 4, 4))
     row = measure_distill_step(VISION, teacher, student, config, CPU, None)
     assert row["status"] == "ok" and row["median_ms"] > 0 and row["live_peak_bytes"] is None
-    assert "live peak not measured: the profiler failed: RuntimeError: profiler already running" in row["notes"]
+    assert _fit_notes(row) == [
+        f"{FIT_NOTE}live peak not measured: the profiler failed: RuntimeError: profiler already running"
+    ]
+
+
+def test_a_step_over_its_time_budget_measures_no_live_peak_and_says_so():
+    from kdbench.measure.step import measure_distill_step
+    from kdbench.models import build_model
+    from kdbench.workloads.vision import VISION
+
+    config = make_config(
+        pair={"teacher": "linear", "student": "linear"},
+        data={"shape": [1, 4, 4], "num_classes": 4},
+        timing={"warmup": 1, "min_iters": 5, "min_time_s": 0.0},
+    )
+    teacher, student = build_model("linear", 4, (1, 4, 4)), build_model("linear", 4, (1, 4, 4))
+    row = measure_distill_step(VISION, teacher, student, config, CPU, 1e-6)
+    assert row["status"] == "ok" and "shrunk to fit" in row["notes"] and row.get("live_peak_bytes") is None
+    assert _fit_notes(row) == [f"{FIT_NOTE}live peak not measured: the step ran over its time budget"]

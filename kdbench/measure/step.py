@@ -34,7 +34,7 @@ from kdbench.measure.rows import profiled_loop, timed_row
 from kdbench.measure.timing import RawTiming
 from kdbench.measure.trace import trace
 from kdbench.models import count_params
-from kdbench.names import GENERATE, PHASES, REMAINDER_COLUMN, Measurement, Status
+from kdbench.names import FIT_NOTE, GENERATE, PHASES, REMAINDER_COLUMN, Measurement, Status
 from kdbench.schema import Row
 
 
@@ -163,15 +163,15 @@ def measure_distill_step(
             if dp is not None:
                 raw, loss = dp.slowest(raw, backend), dp.mean(loss, backend)
             row = distill_row(workload, step, raw, config, x, loss, local, note) if rank == 0 else None
-            flops, live = {}, {}
+            flops, live, why = {}, {}, "the step ran over its time budget"
             if not raw.note:  # over its time budget (a note says so): no extra step to count FLOPs or the live peak
                 with eager() if watch.compiled else contextlib.nullcontext(), walltime.spent(walltime.FLOPS):
                     flops = step_flops(step)  # every rank: under DDP the counted step runs the collectives
                 with walltime.spent(walltime.FIT):  # every rank, for the same reason
                     peak, why = step_live_peak(step, backend, not_counted())
                 live = {"live_peak_bytes": peak}
-                if why and row is not None:
-                    row["notes"] = "; ".join(n for n in (row.get("notes"), f"live peak not measured: {why}") if n)
+            if why and row is not None:
+                row["notes"] = "; ".join(n for n in (row.get("notes"), f"{FIT_NOTE}live peak not measured: {why}") if n)
             traced = {}
             if options.trace_dir:  # every rank runs the traced calls; rank 0 writes the trace
                 path = Path(options.trace_dir) / f"{trace_name}.json" if rank == 0 else None
