@@ -28,6 +28,7 @@ MIB = 2**20
 def _lm_config():
     return make_config(
         pair={"teacher": "tiny-llama-teacher", "student": "tiny-llama-student"},
+        overrides={"teacher": {"num_hidden_layers": 2}, "student": {"num_hidden_layers": 1}},
         method="forward_kl",
         batch_size=2,
         data={"kind": "tokens", "seq_len": 64},
