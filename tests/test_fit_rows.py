@@ -162,3 +162,17 @@ def test_a_step_over_its_time_budget_measures_no_live_peak_and_says_so():
     row = measure_distill_step(VISION, teacher, student, config, CPU, 1e-6)
     assert row["status"] == "ok" and "shrunk to fit" in row["notes"] and row.get("live_peak_bytes") is None
     assert _fit_notes(row) == [f"{FIT_NOTE}live peak not measured: the step ran over its time budget"]
+
+
+def test_on_a_gpu_the_live_peak_is_the_allocators_peak_over_the_one_step(monkeypatch):
+    import torch
+
+    from kdbench.measure.memory import step_live_peak
+    from tests.helpers import simulated_gpu
+
+    log = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: log.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: log.append("read") or 123 * MIB)
+    assert step_live_peak(lambda: log.append("step"), simulated_gpu()) == (123 * MIB, None)
+    assert log == ["sync", "reset", "step", "sync", "read"]  # the peak of that step alone, read after it finished
