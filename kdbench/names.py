@@ -97,3 +97,8 @@ IGNORE_INDEX = -100
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")  # fp32 is IEEE fp32 on every vendor; tf32 only when asked
 MEMORY_FORMATS = ("contiguous", "channels_last")
+
+# The fit planner's stated tolerance (issue 31): a distill_step row whose measured peak (live_peak_bytes) lies
+# outside [low, high] x its predicted peak (predicted_peak_bytes) says so in its notes, and the report flags it.
+FIT_TOLERANCE = (0.90, 1.10)
+FIT_NOTE = "fit: "  # what a row's notes about its predicted peak begin with (the report picks them out by it)

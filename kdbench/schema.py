@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from kdbench.names import GENERATE, PHASES, REMAINDER_COLUMN
+from kdbench.names import FIT_TOLERANCE, GENERATE, PHASES, REMAINDER_COLUMN
 
 SCHEMA_VERSION = 2  # 1: one parquet file per run, derived columns stored; 2: a folder of parts per run
 
@@ -549,6 +549,50 @@ COLUMNS: tuple[Column, ...] = (
             "serving after an FSDP2 step), parameters x bytes per dtype; not activations, gradients or optimizer "
             "state (null: a module:callable model, not counted before it is built). `kdbench run --dry-run` prints "
             "it per cell; a cell whose ranks on one node need more than the machine has available is skipped",
+        ),
+    ),
+    *_group(  # will it fit (issue 31): the fit planner's predicted peak against the measured one
+        RESULT,
+        (
+            "predicted_peak_bytes",
+            _I,
+            "bytes",
+            "distill_step rows: the fit planner's prediction of one device's (rank 0's) peak of live tensor bytes "
+            "during the step: the cell's own step run on fake tensors, nothing allocated (kdbench.fit.planner); "
+            "null when the cell is unpredictable, with the reason in notes (`fit: ...`)",
+        ),
+        (
+            "predicted_peak_phase",
+            _S,
+            "",
+            "the phase the predicted peak falls in: `setup`, `cache build` or a step phase (`teacher_forward`, "
+            "`student_forward`, `loss`, `backward`, `optimizer`, `generate`)",
+        ),
+        (
+            "predicted_breakdown",
+            _S,
+            "",
+            "JSON: the predicted peak's bytes by kind (`parameters`, `gradients`, `optimizer state`, "
+            "`activations`, `temporaries`, `inputs`)",
+        ),
+        ("fit_seconds", _F, "s", "what the fit planner's fake run of the step took"),
+        (
+            "live_peak_bytes",
+            _I,
+            "bytes",
+            "distill_step rows: the measured peak of live tensor bytes during one more step after the timed loop "
+            "(not taken when the cell ran over its time budget): on GPUs the caching allocator's peak "
+            "(max_memory_allocated, reset as the step starts), on the CPU the bytes of the live tensors before "
+            "the step plus the peak of torch's allocations during it (its profiler's memory events), the worker's "
+            "model cache left out; counted independently of the planner, and unlike peak_memory_bytes on the CPU "
+            "not the process's resident memory (host_peak_bytes is that)",
+        ),
+        (
+            "predicted_peak_ratio",
+            _F,
+            "ratio",
+            f"live_peak_bytes / predicted_peak_bytes; outside {FIT_TOLERANCE[0]:.2f}–{FIT_TOLERANCE[1]:.2f} "
+            "(kdbench.names.FIT_TOLERANCE) the row's notes say so with both figures and the report flags it",
         ),
     ),
     *_group(

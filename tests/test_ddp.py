@@ -61,6 +61,10 @@ def test_two_rank_gloo_cell(tmp_path):
     assert pd.isna(steps.loc[1]["dist_backend"])
     inf = df[(df.measurement == "student_inference") & (df.world_size == 2)]
     assert list(inf["status"]) == ["ok"] and inf["speedup_vs_teacher"].notna().all()
+    # will it fit (issue 31): both ranks ran the extra step; rank 0's live peak is on the row, beside the prediction
+    assert 0.9 <= steps.loc[1]["predicted_peak_ratio"] <= 1.1
+    assert two["live_peak_bytes"] > 0
+    assert 0.9 <= two["predicted_peak_ratio"] <= 1.1 or "fit: peak not predicted" in two["notes"]
 
 
 @pytest.mark.slow

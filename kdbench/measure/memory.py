@@ -11,12 +11,18 @@ The host's peak is read beside the device's on every backend (``host_peak_bytes`
 process's VmHWM over the block, reset at entry; on the CPU it is the same peak as the
 device's.  On a GPU where the kernel keeps no resettable high-water mark (not Linux) it is
 not read (None): a sampling thread would compete with the timed launches.
+
+The live tensor peak of one more step (:func:`step_live_peak`, ``live_peak_bytes``) is the figure the fit
+planner's prediction is checked against: on GPUs the allocator's peak over that step, on the CPU the bytes of
+the live tensors before it plus the peak of the allocations during it (:func:`live_tensor_peak`), not the
+process's resident memory (which holds the interpreter, the libraries and the allocator's free pages too).
 """
 
 from __future__ import annotations
 
 import gc
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,44 +196,97 @@ def memory_columns(usage: MemoryUsage) -> dict[str, Any]:
     }
 
 
-def live_tensor_bytes(device_type: str = "cpu") -> int:
+def _storage_key(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage (None: it has none of its own, as a DTensor or a sparse tensor)."""
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return ptr or None
+
+
+def live_tensor_bytes(device_type: str = "cpu", not_counted: Iterable[torch.Tensor] = ()) -> int:
     """Bytes of every tensor storage alive in this process on ``device_type``, each storage once: the tensors the
-    garbage collector's walk of Python objects finds (parameters, gradients, optimizer state, batches, caches)."""
+    garbage collector's walk of Python objects finds (parameters, gradients, optimizer state, batches, caches),
+    but the storages of ``not_counted`` (what the process keeps besides the measured work: a worker's model cache)."""
+    skip = {k for k in map(_storage_key, not_counted) if k is not None}
     gc.collect()
     storages: dict[int, int] = {}
     for obj in gc.get_objects():
         if not issubclass(type(obj), torch.Tensor) or obj.device.type != device_type:  # type(): no __class__ lookup
             continue
-        try:
-            st = obj.untyped_storage()
-            ptr = st.data_ptr()
-        except (RuntimeError, NotImplementedError, TypeError):  # no storage of its own (a DTensor, a sparse tensor)
-            continue  # or one FSDP2 freed in place
-        if ptr:
-            storages[ptr] = st.nbytes()
+        key = _storage_key(obj)  # None: no storage of its own (a DTensor), or one FSDP2 freed in place
+        if key is not None and key not in skip:
+            storages[key] = obj.untyped_storage().nbytes()
     return sum(storages.values())
 
 
-def live_tensor_peak(fn) -> int:
-    """The peak of live tensor bytes on the CPU during ``fn()``: what is alive before (:func:`live_tensor_bytes`)
-    plus the peak of the allocations made during the call net of its frees, in the order ``torch.profiler``'s
-    memory profiling records them (``profile_memory``: every allocation and free of torch's CPU allocator, kernels'
-    own workspaces included).  Independent of the fit planner's count, which it checks (``predicted_peak_ratio``)."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
+class LivePeakUnavailable(RuntimeError):
+    """The live tensor peak could not be read (the profiler would not start, or its memory events could not be
+    read); the measured call ran all the same."""
 
-    base = live_tensor_bytes("cpu")
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+
+def live_tensor_peak(fn, not_counted: Iterable[torch.Tensor] = ()) -> int:
+    """The peak of live tensor bytes on the CPU during ``fn()``: what is alive before (:func:`live_tensor_bytes`,
+    ``not_counted`` left out) plus the peak of the allocations made during the call net of its frees, in the order
+    ``torch.profiler``'s memory profiling records them (``profile_memory``: every allocation and free of torch's
+    CPU allocator, kernels' own workspaces included).  Independent of the fit planner's count, which it checks
+    (``predicted_peak_ratio``).  A profiler that cannot start or be read raises :class:`LivePeakUnavailable` after
+    ``fn()`` has run (data-parallel partners count on the call); ``fn``'s own errors pass through."""
+    base = live_tensor_bytes("cpu", not_counted)
+    try:
+        from torch._C._profiler import _EventType
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        prof.__enter__()
+    except Exception as exc:
         fn()
-    events: list[tuple[int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-        stack.extend(node.children)
+        raise LivePeakUnavailable(_profiler_failed(exc)) from exc
+    try:
+        fn()
+    finally:
+        try:
+            prof.__exit__(None, None, None)
+        except Exception as exc:
+            raise LivePeakUnavailable(_profiler_failed(exc)) from exc
+    try:
+        events: list[tuple[int, int]] = []
+        stack = list(prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+                events.append((node.start_time_ns, node.extra_fields.alloc_size))
+            stack.extend(node.children)
+    except Exception as exc:
+        raise LivePeakUnavailable(_profiler_failed(exc)) from exc
     net = peak = 0
     for _, size in sorted(events):
         net += size
         peak = max(peak, net)
     return base + peak
+
+
+def _profiler_failed(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"the profiler failed: {type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def step_live_peak(fn, backend: Backend, not_counted: Iterable[torch.Tensor] = ()) -> tuple[int | None, str | None]:
+    """The peak of this device's live tensor bytes during one more call of ``fn`` (a step after the timed loop),
+    or None and why it could not be read: on GPUs the caching allocator's peak of allocated bytes over the call
+    (``max_memory_allocated``, reset to what is allocated as it starts, garbage collected first), on the CPU
+    :func:`live_tensor_peak` (``not_counted``: host tensors that are not the step's, left out).  What
+    ``live_peak_bytes`` stores."""
+    if backend.device_type != "cuda":
+        try:
+            return live_tensor_peak(fn, not_counted), None
+        except LivePeakUnavailable as exc:
+            return None, str(exc)
+    device = backend.device
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device)), None

@@ -2,7 +2,8 @@
 
 :func:`measure_distill_step` builds the cell's :class:`~kdbench.distill.step.DistillStep` on the workload's
 fixed batch, times it (:func:`kdbench.measure.rows.profiled_loop`; under data parallelism every rank takes
-part and each iteration counts at its slowest rank), then counts one more step's FLOPs, traces it when asked,
+part and each iteration counts at its slowest rank), then counts one more step's FLOPs, measures one more step's
+live tensor peak (``live_peak_bytes``: what the fit planner's prediction is checked against), traces it when asked,
 and returns the ``distill_step`` row (:func:`distill_row`); a non-finite loss makes it ``failed``.  What
 differs between families (the batch, the tokens a step processes, the family's own columns) comes from the
 workload it is handed (:class:`StepWorkload`); nothing here looks a workload up.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -26,13 +28,13 @@ from kdbench.hw.backends import Backend, math_flags, math_mode
 from kdbench.measure import walltime
 from kdbench.measure.flops import count, pair_label
 from kdbench.measure.levers import LeverWatch, eager, release_compiled
-from kdbench.measure.memory import model_state_bytes, optimizer_state_bytes
+from kdbench.measure.memory import model_state_bytes, optimizer_state_bytes, step_live_peak
 from kdbench.measure.parallel import DataParallel
 from kdbench.measure.rows import profiled_loop, timed_row
 from kdbench.measure.timing import RawTiming
 from kdbench.measure.trace import trace
 from kdbench.models import count_params
-from kdbench.names import GENERATE, PHASES, REMAINDER_COLUMN, Measurement, Status
+from kdbench.names import FIT_NOTE, GENERATE, PHASES, REMAINDER_COLUMN, Measurement, Status
 from kdbench.schema import Row
 
 
@@ -142,9 +144,11 @@ def measure_distill_step(
     options: MeasureOptions = MeasureOptions(),
     trace_name: str = "cell",
     dp: DataParallel | None = None,
+    not_counted: Callable[[], Iterable[torch.Tensor]] = tuple,
 ) -> Row | None:
     """The distill_step row (None on data-parallel ranks other than 0, which only take part), the step timed
-    within ``budget_s`` (its share of the cell's time budget)."""
+    within ``budget_s`` (its share of the cell's time budget).  ``not_counted()``: host tensors the process keeps
+    besides the step (the worker's model cache), left out of the live peak on the CPU."""
     rank = dp.rank if dp is not None else 0
     x, y = workload.batch(config, config.batch_size, backend.device, config.seed + rank, (teacher, student))
     watch = LeverWatch(config)  # before the step is built: it resets torch._dynamo
@@ -159,11 +163,15 @@ def measure_distill_step(
             if dp is not None:
                 raw, loss = dp.slowest(raw, backend), dp.mean(loss, backend)
             row = distill_row(workload, step, raw, config, x, loss, local, note) if rank == 0 else None
-            if raw.note:  # over its time budget: no extra step to count FLOPs
-                flops = {}
-            else:
+            flops, live, why = {}, {}, "the step ran over its time budget"
+            if not raw.note:  # over its time budget (a note says so): no extra step to count FLOPs or the live peak
                 with eager() if watch.compiled else contextlib.nullcontext(), walltime.spent(walltime.FLOPS):
                     flops = step_flops(step)  # every rank: under DDP the counted step runs the collectives
+                with walltime.spent(walltime.FIT):  # every rank, for the same reason
+                    peak, why = step_live_peak(step, backend, not_counted())
+                live = {"live_peak_bytes": peak}
+            if why and row is not None:
+                row["notes"] = "; ".join(n for n in (row.get("notes"), f"{FIT_NOTE}live peak not measured: {why}") if n)
             traced = {}
             if options.trace_dir:  # every rank runs the traced calls; rank 0 writes the trace
                 path = Path(options.trace_dir) / f"{trace_name}.json" if rank == 0 else None
@@ -171,7 +179,7 @@ def measure_distill_step(
                     traced = trace(step, backend, path)
             flags = math_flags()
         if row is not None:
-            row.update(profile, **flops, **traced, **flags, **watch.columns(raw, row["median_ms"]))
+            row.update(profile, **flops, **live, **traced, **flags, **watch.columns(raw, row["median_ms"]))
             distiller = step.distiller
             row["optimizer_state_bytes"] = optimizer_state_bytes(distiller.optimizer)
             row["model_state_bytes"] = model_state_bytes((distiller.teacher, distiller.trainee), distiller.optimizer)

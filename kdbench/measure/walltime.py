@@ -2,9 +2,9 @@
 
 The categories are the run's wall-time split (:class:`kdbench.run.progress.WallSplit`): model
 building, cold calls (compiles, autotuning, first-use set-up), warm-up (the warm-up calls),
-measuring (the timed windows), FLOP counting,
-profiling passes, levers' one-off work (exports, compiles of served models), quality
-training.  What a job spends outside them shows as the worker's "other".
+measuring (the timed windows), FLOP counting, the fit check (one more step's measured peak and the fit
+planner's fake run that predicts it), profiling passes, levers' one-off work (exports, compiles of served
+models), quality training.  What a job spends outside them shows as the worker's "other".
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from collections.abc import Iterator
 
 from kdbench.worker_state import current
 
-MODELS, COLD, WARMUP, MEASURING, FLOPS, PROFILING, LEVERS, QUALITY = (
+MODELS, COLD, WARMUP, MEASURING, FLOPS, FIT, PROFILING, LEVERS, QUALITY = (
     "model building",
     "cold calls",
     "warm-up",
     "measuring",
     "FLOP counting",
+    "fit check",
     "profiling",
     "lever set-up",
     "quality",

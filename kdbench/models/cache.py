@@ -55,6 +55,12 @@ class ModelCache:
         self._models.move_to_end(key)
         return copy.deepcopy(self._models[key])
 
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """The parameters and buffers of the models kept (the masters copies are made from): host memory the
+        worker holds besides any cell's step, left out of a step's live peak
+        (:func:`kdbench.measure.memory.step_live_peak`)."""
+        return [t for m in self._models.values() for t in (*m.parameters(), *m.buffers())]
+
     @property
     def max_kept_bytes(self) -> int:
         return MAX_KEPT_BYTES if self._max_kept is None else self._max_kept

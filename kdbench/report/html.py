@@ -10,7 +10,8 @@ and then HTML-escaped.
 
 This module renders the page and builds its run, comparison, budget, measurement, environment and quality
 tables; the step's tables are :mod:`kdbench.report.step_tables`', the Language models section
-:mod:`kdbench.report.lm`'s, the charts :mod:`kdbench.report.plots`' and :mod:`kdbench.report.compare_plots`'.
+:mod:`kdbench.report.lm`'s, the Will it fit section :mod:`kdbench.report.fit`'s, the charts
+:mod:`kdbench.report.plots`' and :mod:`kdbench.report.compare_plots`'.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kdbench.names import Measurement, Status
 from kdbench.report.charts import NOISY_NOTE, THIN_NOTE
 from kdbench.report.compare_format import verdict_line
 from kdbench.report.compare_plots import draw_forest, draw_history
+from kdbench.report.fit import fit_section
 from kdbench.report.format import (
     ERROR_CHARS,
     MISSING,
@@ -96,6 +98,7 @@ def render_report(
         status_counts=_status_counts(df),
         charts=draw_charts(df, out_dir),
         lm=lm_section(df, out_dir),
+        fit=fit_section(df, out_dir),
         phase_chart=draw_phases(df, out_dir),
         profile=profile_rows(df),
         remainder_limit=f"{REMAINDER_LIMIT * 100:.0f} %",

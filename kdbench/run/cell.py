@@ -5,7 +5,9 @@ measurements, on one device or as one data-parallel rank.
 the distillation step (:mod:`kdbench.measure.step`), then the family's serving measurements (inference of image
 classifiers and encoders, prefill and decode of LMs) at each inference batch size.  Every measurement is guarded
 the same way: one that raises becomes a ``failed`` row (``oom`` when the device ran out of memory; ``skipped`` when
-it cannot be taken here) and the cell's other measurements still run.
+it cannot be taken here) and the cell's other measurements still run.  Last, once everything is measured, the fit
+planner predicts the step's peak (:func:`kdbench.fit.columns.add_fit`: a fake run, nothing allocated) beside the
+peak the step measured (``live_peak_bytes``).
 
 Data parallelism (DDP or FSDP2).  With ``dp``, every rank of the group calls :func:`measure_cell` with the same cell
 and runs the same step measurement (:mod:`kdbench.measure.parallel`: one agreed iteration count, each iteration
@@ -25,6 +27,7 @@ from functools import partial
 import torch
 
 from kdbench.config.plan import Cell
+from kdbench.fit.columns import add_fit
 from kdbench.hw.backends import Backend, choose_autocast
 from kdbench.measure import walltime
 from kdbench.measure.failures import (
@@ -112,7 +115,16 @@ def measure_cell(
     tunable = tunableop_file(options.run_dir, device_kind(backend)) if config.tunableop else None
     with device_levers(config, backend, tunable) as lever_row:
         measure_step = partial(
-            measure_distill_step, workload, *pair, config, backend, budget_s, options, cell.cell_id, dp
+            measure_distill_step,
+            workload,
+            *pair,
+            config,
+            backend,
+            budget_s,
+            options,
+            cell.cell_id,
+            dp,
+            not_counted=cache.kept_tensors,
         )
         # A data-parallel step that raises ends the rank (see the module docstring): it is not guarded.
         step = (
@@ -133,6 +145,9 @@ def measure_cell(
                 continue
             serve = partial(workload.serve, measurement, bs, pair, config, backend, budget_s)
             rows.append(guarded(measurement, bs, backend, serve))
+    if step["status"] != Status.SKIPPED and not device_lost():  # after every measurement: it changes none
+        with walltime.spent(walltime.FIT):
+            add_fit(step, config, backend.device_type)
     params = {"student_params": count_params(pair[1]), "teacher_params": count_params(pair[0])}
     lever_notes = lever_row.pop("notes", None)
     for row in rows:

@@ -1,0 +1,72 @@
+"""A distill_step row's fit columns: the fit planner's predicted peak beside the measured one, and a note where the
+two differ by more than the stated tolerance (:data:`kdbench.names.FIT_TOLERANCE`).
+
+:func:`add_fit` runs the planner (:func:`kdbench.fit.planner.predict`, a fake run of the cell's own step) for a
+row whose step has been measured, and sets ``predicted_peak_bytes``, ``predicted_peak_phase``,
+``predicted_breakdown``, ``fit_seconds`` and ``predicted_peak_ratio`` = ``live_peak_bytes`` (the peak of live
+tensor bytes measured during one more step, :func:`kdbench.measure.memory.step_live_peak`) / the prediction.  An
+unpredictable cell keeps the predicted columns null and says why in its notes; every fit note begins with
+:data:`kdbench.names.FIT_NOTE`.
+"""
+
+from __future__ import annotations
+
+import json
+
+from kdbench.config.schema import CellConfig
+from kdbench.fit import planner
+from kdbench.fit.tracker import KINDS
+from kdbench.names import FIT_NOTE, FIT_TOLERANCE, Status
+from kdbench.schema import Row
+
+MIB = 2**20
+
+
+def prediction_of(config: CellConfig, device_type: str) -> planner.Prediction:
+    """The planner's prediction for ``config`` on ``device_type``; one that raises is an unpredictable cell whose
+    error says so (the planner guards its fake run, not what it asks the workload before it)."""
+    try:
+        return planner.predict(config, device_type)
+    except Exception as exc:  # the measured row stands whatever the planner does
+        text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        return planner.Prediction(None, error=f"the fit planner raised {type(exc).__name__}: {text}".rstrip(": "))
+
+
+def within_tolerance(ratio: float) -> bool:
+    low, high = FIT_TOLERANCE
+    return low <= ratio <= high
+
+
+def fit_columns(prediction: planner.Prediction, live_peak_bytes: int | None) -> tuple[Row, list[str]]:
+    """The fit columns of a row whose measured live peak is ``live_peak_bytes`` (None: not measured), and its fit
+    notes (each beginning with :data:`~kdbench.names.FIT_NOTE`)."""
+    columns = Row(fit_seconds=float(prediction.seconds))
+    if not prediction.ok:
+        reason = (prediction.error or "no reason given").removeprefix("not predicted: ")
+        return columns, [f"{FIT_NOTE}peak not predicted: {reason}"]
+    predicted = int(prediction.peak_bytes)
+    columns.update(
+        predicted_peak_bytes=predicted,
+        predicted_peak_phase=prediction.phase,
+        predicted_breakdown=json.dumps({k: int(prediction.breakdown[k]) for k in KINDS if k in prediction.breakdown}),
+    )
+    notes = [FIT_NOTE + n for n in prediction.notes]
+    if live_peak_bytes is not None and predicted > 0:
+        ratio = live_peak_bytes / predicted
+        columns["predicted_peak_ratio"] = ratio
+        if not within_tolerance(ratio):
+            low, high = FIT_TOLERANCE
+            notes.append(
+                f"{FIT_NOTE}the measured peak ({live_peak_bytes / MIB:,.1f} MiB) is {ratio:.3f}x the predicted "
+                f"({predicted / MIB:,.1f} MiB), outside the tolerance {low:.2f}-{high:.2f}"
+            )
+    return columns, notes
+
+
+def add_fit(row: Row, config: CellConfig, device_type: str) -> None:
+    """Set ``row``'s fit columns from a prediction of ``config`` on ``device_type``, its fit notes added to an ok
+    row's notes."""
+    columns, notes = fit_columns(prediction_of(config, device_type), row.get("live_peak_bytes"))
+    row.update(columns)
+    if notes and row["status"] == Status.OK:
+        row["notes"] = "; ".join(n for n in (row.get("notes"), *notes) if n)
