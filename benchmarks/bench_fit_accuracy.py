@@ -32,7 +32,7 @@ from kdbench.workloads import expand_checked, workload_of
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITES = ("suites/cpu.yaml", "suites/llm-cpu.yaml")
-WARM = 2  # steps before the measured one: the first makes the optimizer's state, as the timed loop's warm-up does
+WARM = 1  # steps before the measured one: the first makes the optimizer's state, as the timed loop's warm-up does
 OUT = Path(__file__).resolve().parent / ".results" / "fit_accuracy.json"
 MIB = 2**20
 

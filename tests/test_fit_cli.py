@@ -73,13 +73,13 @@ def test_a_cell_nothing_rescues_does_not_fit_and_says_what_was_tried():
     assert verdict.outcome == NO_FIT and not verdict.changes and verdict.changed is None
     assert verdict.tried[0] == "loss_impl fused_linear" and verdict.tried[-1] == "batch_size 1"
     assert "teacher.weights bf16 with teacher_precision bf16" in verdict.tried
-    # the planner does not predict data-parallel cells yet: FSDP is skipped silently, never judged
-    assert not any("fsdp" in t for t in verdict.tried)
+    # FSDP2 at 2, 4 and 8 ranks, each predicted per rank (it lowers the peak, so it is kept for the next change)
+    assert [t for t in verdict.tried if "fsdp" in t] == [f"parallel fsdp at world_size {n}" for n in (2, 4, 8)]
     assert verdict.line(1 * MIB).startswith("does not fit (") and "no change tried fits" in verdict.line(1 * MIB)
 
 
 def test_an_unpredictable_cell_is_never_judged_to_fit():
-    def failing(config, device_type):
+    def failing(config, device_type, allow_imports=False):
         return Prediction(None, error="the fake run cannot run aten.nonzero.default")
 
     verdict = judge(tiny(), 10**15, Predictor("cuda", failing))
@@ -93,7 +93,7 @@ def test_an_unpredictable_cell_is_never_judged_to_fit():
 def linear(base: int, per_sample: int):
     """A stand-in planner: the peak grows by ``per_sample`` bytes a sequence."""
 
-    def predict_(config, device_type):
+    def predict_(config, device_type, allow_imports=False):
         return Prediction(base + per_sample * config.batch_size, phase="loss")
 
     return predict_
@@ -116,7 +116,7 @@ def test_bisection_stops_at_the_cap_and_says_when_nothing_fits():
 
 
 def test_the_longest_sequence_is_bisected_up_to_the_models_positions():
-    def per_token(config, device_type):
+    def per_token(config, device_type, allow_imports=False):
         return Prediction(5000 + 7 * config.data.seq_len * config.batch_size, phase="loss")
 
     predictor = Predictor("cuda", per_token)

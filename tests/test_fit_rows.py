@@ -75,7 +75,7 @@ def test_a_tiny_lm_step_row_is_predicted_within_two_percent_of_its_live_peak():
 
 def test_an_unpredictable_cell_keeps_null_predictions_and_says_why(monkeypatch):
     monkeypatch.setattr(
-        planner, "predict", lambda config, device_type: Prediction(None, error="not predicted: simulated reason")
+        planner, "predict", lambda config, device_type, allow_imports=False: Prediction(None, error="not predicted: simulated reason")
     )
     row = _step_row(_linear_config())
     assert row["live_peak_bytes"] > 0  # measured whatever the planner says
@@ -85,7 +85,7 @@ def test_an_unpredictable_cell_keeps_null_predictions_and_says_why(monkeypatch):
 
 
 def test_a_planner_that_raises_is_an_unpredictable_cell_and_the_row_stands(monkeypatch):
-    def broken(config, device_type):
+    def broken(config, device_type, allow_imports=False):
         raise RuntimeError("no host table\nsecond line")
 
     monkeypatch.setattr(planner, "predict", broken)
@@ -97,8 +97,8 @@ def test_a_planner_that_raises_is_an_unpredictable_cell_and_the_row_stands(monke
 def test_a_ratio_outside_the_tolerance_adds_a_note_with_both_figures(monkeypatch):
     real = planner.predict
 
-    def halved(config, device_type):  # the real prediction, half of it: the measured peak reads twice the predicted
-        p = real(config, device_type)
+    def halved(config, device_type, allow_imports=False):  # the real prediction, half of it: the measured peak reads twice the predicted
+        p = real(config, device_type, allow_imports)
         return dataclasses.replace(p, peak_bytes=p.peak_bytes // 2)
 
     monkeypatch.setattr(planner, "predict", halved)
@@ -176,3 +176,19 @@ def test_on_a_gpu_the_live_peak_is_the_allocators_peak_over_the_one_step(monkeyp
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: log.append("read") or 123 * MIB)
     assert step_live_peak(lambda: log.append("step"), simulated_gpu()) == (123 * MIB, None)
     assert log == ["sync", "reset", "step", "sync", "read"]  # the peak of that step alone, read after it finished
+
+
+def test_a_suite_that_allows_imports_has_its_user_models_predicted(monkeypatch):
+    from kdbench.fit.columns import add_fit
+
+    asked = []
+
+    def predict(config, device_type, allow_imports=False):
+        asked.append((device_type, allow_imports))
+        return Prediction(None, error="not predicted: simulated")
+
+    monkeypatch.setattr(planner, "predict", predict)
+    row = {"status": "ok", "notes": None, "live_peak_bytes": 10}
+    add_fit(row, make_config(), "cpu", allow_imports=True)
+    add_fit(row, make_config(), "cuda")
+    assert asked == [("cpu", True), ("cuda", False)]

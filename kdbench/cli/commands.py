@@ -286,11 +286,11 @@ def cmd_fit(args: argparse.Namespace) -> int:
     if args.suite is not None and given:
         raise KdbenchError(f"{given[0]}: sets the cell of --pair; a suite's cells are set in the suite (or use --pair)")
     if args.suite is not None:
-        cells, backend = _suite_cells(args)
+        cells, backend, allow_imports = _suite_cells(args)
     else:
-        cells, backend = [_pair_cell(args)], "cuda"
+        cells, backend, allow_imports = [_pair_cell(args)], "cuda", bool(args.allow_imports)
     device_type = ("cpu" if device.kind == "cpu" else "cuda") if device else ("cpu" if backend == "cpu" else "cuda")
-    predictor = Predictor(device_type)
+    predictor = Predictor(device_type, allow_imports=allow_imports)
     print(
         "kdbench fit: each cell's own distillation step (its pair, batch, loss and optimizer; 2 steps, the second "
         "with the optimizer's state) run on fake tensors: shapes and bytes only, nothing allocated; peaks per rank"
@@ -330,15 +330,16 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _suite_cells(args: argparse.Namespace) -> tuple[list, str]:
-    """(cell id, label, config) of every cell of the suite, as `run --dry-run` plans them; the suite's backend."""
+def _suite_cells(args: argparse.Namespace) -> tuple[list, str, bool]:
+    """(cell id, label, config) of every cell of the suite, as `run --dry-run` plans them; the suite's backend and
+    allow_imports (its module:callable models are built)."""
     from kdbench import api
     from kdbench.config import with_overrides
 
     suite = api.load_suite(args.suite)
     suite = with_overrides(suite, {"allow_imports": ("--allow-imports", True if args.allow_imports else None)})
     plan = api.plan(suite)
-    return [(c.cell_id, c.label, c.config) for c in plan.cells], suite.backend
+    return [(c.cell_id, c.label, c.config) for c in plan.cells], suite.backend, bool(suite.allow_imports)
 
 
 def _pair_cell(args: argparse.Namespace) -> tuple[str, str, object]:

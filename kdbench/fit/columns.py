@@ -22,11 +22,11 @@ from kdbench.schema import Row
 MIB = 2**20
 
 
-def prediction_of(config: CellConfig, device_type: str) -> planner.Prediction:
+def prediction_of(config: CellConfig, device_type: str, allow_imports: bool = False) -> planner.Prediction:
     """The planner's prediction for ``config`` on ``device_type``; one that raises is an unpredictable cell whose
     error says so (the planner guards its fake run, not what it asks the workload before it)."""
     try:
-        return planner.predict(config, device_type)
+        return planner.predict(config, device_type, allow_imports)
     except Exception as exc:  # the measured row stands whatever the planner does
         text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         return planner.Prediction(None, error=f"the fit planner raised {type(exc).__name__}: {text}".rstrip(": "))
@@ -63,10 +63,10 @@ def fit_columns(prediction: planner.Prediction, live_peak_bytes: int | None) -> 
     return columns, notes
 
 
-def add_fit(row: Row, config: CellConfig, device_type: str) -> None:
-    """Set ``row``'s fit columns from a prediction of ``config`` on ``device_type``, its fit notes added to an ok
-    row's notes."""
-    columns, notes = fit_columns(prediction_of(config, device_type), row.get("live_peak_bytes"))
+def add_fit(row: Row, config: CellConfig, device_type: str, allow_imports: bool = False) -> None:
+    """Set ``row``'s fit columns from a prediction of ``config`` on ``device_type`` (``allow_imports``: the suite's,
+    for ``module:callable`` models), its fit notes added to an ok row's notes."""
+    columns, notes = fit_columns(prediction_of(config, device_type, allow_imports), row.get("live_peak_bytes"))
     row.update(columns)
     if notes and row["status"] == Status.OK:
         row["notes"] = "; ".join(n for n in (row.get("notes"), *notes) if n)

@@ -147,7 +147,7 @@ def measure_cell(
             rows.append(guarded(measurement, bs, backend, serve))
     if step["status"] != Status.SKIPPED and not device_lost():  # after every measurement: it changes none
         with walltime.spent(walltime.FIT):
-            add_fit(step, config, backend.device_type)
+            add_fit(step, config, backend.device_type, getattr(cache, "allow_imports", False))
     params = {"student_params": count_params(pair[1]), "teacher_params": count_params(pair[0])}
     lever_notes = lever_row.pop("notes", None)
     for row in rows:
