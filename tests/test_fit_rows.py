@@ -74,9 +74,10 @@ def test_a_tiny_lm_step_row_is_predicted_within_two_percent_of_its_live_peak():
 
 
 def test_an_unpredictable_cell_keeps_null_predictions_and_says_why(monkeypatch):
-    monkeypatch.setattr(
-        planner, "predict", lambda config, device_type, allow_imports=False: Prediction(None, error="not predicted: simulated reason")
-    )
+    def unpredictable(config, device_type, allow_imports=False):
+        return Prediction(None, error="not predicted: simulated reason")
+
+    monkeypatch.setattr(planner, "predict", unpredictable)
     row = _step_row(_linear_config())
     assert row["live_peak_bytes"] > 0  # measured whatever the planner says
     for column in ("predicted_peak_bytes", "predicted_peak_phase", "predicted_breakdown", "predicted_peak_ratio"):
@@ -97,7 +98,8 @@ def test_a_planner_that_raises_is_an_unpredictable_cell_and_the_row_stands(monke
 def test_a_ratio_outside_the_tolerance_adds_a_note_with_both_figures(monkeypatch):
     real = planner.predict
 
-    def halved(config, device_type, allow_imports=False):  # the real prediction, half of it: the measured peak reads twice the predicted
+    # the real prediction, half of it: the measured peak reads twice the predicted
+    def halved(config, device_type, allow_imports=False):
         p = real(config, device_type, allow_imports)
         return dataclasses.replace(p, peak_bytes=p.peak_bytes // 2)
 
