@@ -234,3 +234,14 @@ def test_an_encoder_pairs_predicted_peak_is_its_measured_live_peak():
     prediction = predict(config, "cpu")
     assert prediction.ok, prediction.error
     assert abs(measured(config) / prediction.peak_bytes - 1) < 0.01
+
+
+def test_a_process_without_transformers_gets_no_transformers_import_from_the_fit_check(monkeypatch):
+    """A vision worker never imports transformers for the planner's packed-sequence answer (3.6 s of its start)."""
+    from kdbench.models.lm import as_measured_batches
+
+    for name in [n for n in sys.modules if n == "transformers" or n.startswith("transformers.")]:
+        monkeypatch.delitem(sys.modules, name)
+    with as_measured_batches():
+        assert "transformers" not in sys.modules
+    assert "transformers" not in sys.modules
