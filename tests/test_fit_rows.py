@@ -11,11 +11,12 @@ import pytest
 
 import kdbench.fit.planner as planner
 from kdbench.config.plan import Cell, cell_id_of
-from kdbench.fit.columns import fit_columns
+from kdbench.fit.columns import NOT_CHECKED, fit_columns
 from kdbench.fit.planner import Prediction
 from kdbench.fit.tracker import KINDS
 from kdbench.hw.backends import resolve
 from kdbench.measure import walltime
+from kdbench.measure.step import MeasureOptions
 from kdbench.models import ModelCache
 from kdbench.names import FIT_NOTE, FIT_TOLERANCE, PHASES
 from kdbench.run.cell import measure_cell
@@ -194,3 +195,49 @@ def test_a_suite_that_allows_imports_has_its_user_models_predicted(monkeypatch):
     add_fit(row, make_config(), "cpu", allow_imports=True)
     add_fit(row, make_config(), "cuda")
     assert asked == [("cpu", True), ("cuda", False)]
+
+
+def test_a_run_without_the_fit_check_neither_predicts_nor_profiles_and_says_so(monkeypatch):
+    """`fit_check: false` / --no-fit-check: no fake run, no extra profiled step, no fit time; the row says why its
+    fit columns are null."""
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the fit check ran")
+
+    monkeypatch.setattr(planner, "predict", must_not_run)
+    monkeypatch.setattr("kdbench.measure.step.step_live_peak", must_not_run)
+    config = _linear_config()
+    walltime.take()
+    rows = measure_cell(Cell(0, cell_id_of(config), config), CPU, ModelCache(), MeasureOptions(fit_check=False))
+    row = rows[0]
+    assert row["status"] == "ok" and row["median_ms"] > 0
+    for column in ("predicted_peak_bytes", "live_peak_bytes", "predicted_peak_ratio", "fit_seconds"):
+        assert row.get(column) is None
+    assert _fit_notes(row) == [f"{FIT_NOTE}{NOT_CHECKED}"]
+    assert walltime.take().get("fit check", 0) == 0
+
+
+def test_no_fit_check_on_the_command_line_reaches_the_workers_options(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from kdbench import api
+    from kdbench.cli.commands import cmd_run
+    from kdbench.cli.parser import build_parser
+    from kdbench.run.engine import _setup
+
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\ndefaults:\n  pair: {teacher: linear, student: linear}\n")
+    seen = []
+
+    class Planned(Exception):
+        pass
+
+    def plan(suite, *args, **kwargs):
+        seen.append(_setup(suite, CPU, 1, SimpleNamespace(path=tmp_path, run_id="r")).options.fit_check)
+        raise Planned
+
+    monkeypatch.setattr(api, "plan", plan)
+    for flags in ([], ["--no-fit-check"]):
+        with pytest.raises(Planned):
+            cmd_run(build_parser().parse_args(["run", str(path), *flags]))
+    assert seen == [True, False]

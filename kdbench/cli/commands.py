@@ -20,6 +20,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "cell_timeout_s": ("--cell-timeout", args.cell_timeout),
             "allow_imports": ("--allow-imports", True if args.allow_imports else None),
             "profile": ("--profile", True if args.profile else None),
+            "fit_check": ("--no-fit-check", False if args.no_fit_check else None),
             "repeat": ("--repeat", args.repeat),
         },
     )

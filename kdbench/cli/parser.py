@@ -271,6 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
         "`profile: true`",
     )
     run.add_argument(
+        "--no-fit-check",
+        action="store_true",
+        help="leave out the fit planner's prediction beside each step's measured peak (a fake run and one "
+        "profiled step per cell: tens of ms for a tiny cell, seconds for a ResNet on the CPU); the rows say so; "
+        "as `fit_check: false`",
+    )
+    run.add_argument(
         "--inline",
         action="store_true",
         help="run jobs in this process instead of a worker process (no crash isolation; for debugging)",

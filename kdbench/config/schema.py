@@ -411,6 +411,9 @@ class Suite(Strict):
     allow_imports: bool = False
     cell_timeout_s: float = Field(3600.0, gt=0, le=7 * 86_400)
     profile: bool = False  # a torch.profiler trace of every cell's step (as --profile)
+    # The fit planner's prediction beside every step's measured peak (kdbench.fit.columns); `false` (as
+    # --no-fit-check) saves its cost, a fake run and one profiled step per cell, and says so on the rows.
+    fit_check: bool = True
     repeat: int = Field(1, ge=1, le=100)  # measure every cell this many times, each round in fresh workers
     # A precision measured at least 3x slower than fp32 here (kdbench.hw.speed): `measure` warns and measures
     # its cells; `skip` stores them as skipped, saying how much slower, so a quick suite stays quick.

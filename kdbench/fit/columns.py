@@ -63,6 +63,16 @@ def fit_columns(prediction: planner.Prediction, live_peak_bytes: int | None) -> 
     return columns, notes
 
 
+def no_fit_check(row: Row) -> None:
+    """An ok row of a run without the fit check (``fit_check: false``, ``--no-fit-check``) says so: its predicted
+    columns are null because nobody asked, not because the cell is unpredictable."""
+    if row["status"] == Status.OK:
+        row["notes"] = "; ".join(n for n in (row.get("notes"), f"{FIT_NOTE}{NOT_CHECKED}") if n)
+
+
+NOT_CHECKED = "not checked (fit_check: false / --no-fit-check)"
+
+
 def add_fit(row: Row, config: CellConfig, device_type: str, allow_imports: bool = False) -> None:
     """Set ``row``'s fit columns from a prediction of ``config`` on ``device_type`` (``allow_imports``: the suite's,
     for ``module:callable`` models), its fit notes added to an ok row's notes."""

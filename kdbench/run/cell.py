@@ -27,7 +27,7 @@ from functools import partial
 import torch
 
 from kdbench.config.plan import Cell
-from kdbench.fit.columns import add_fit
+from kdbench.fit.columns import add_fit, no_fit_check
 from kdbench.hw.backends import Backend, choose_autocast
 from kdbench.measure import walltime
 from kdbench.measure.failures import (
@@ -146,8 +146,11 @@ def measure_cell(
             serve = partial(workload.serve, measurement, bs, pair, config, backend, budget_s)
             rows.append(guarded(measurement, bs, backend, serve))
     if step["status"] != Status.SKIPPED and not device_lost():  # after every measurement: it changes none
-        with walltime.spent(walltime.FIT):
-            add_fit(step, config, backend.device_type, getattr(cache, "allow_imports", False))
+        if options.fit_check:
+            with walltime.spent(walltime.FIT):
+                add_fit(step, config, backend.device_type, getattr(cache, "allow_imports", False))
+        else:
+            no_fit_check(step)
     params = {"student_params": count_params(pair[1]), "teacher_params": count_params(pair[0])}
     lever_notes = lever_row.pop("notes", None)
     for row in rows:

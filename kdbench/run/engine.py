@@ -158,7 +158,7 @@ def _setup(suite: Suite, backend: Backend, threads: int, folder: RunFolder):
 
     trace_dir = str(folder.path.parent / TRACES_DIR / folder.run_id) if suite.profile else None
     level = logging.getLogger("kdbench").getEffectiveLevel()
-    options = MeasureOptions(trace_dir=trace_dir, run_dir=str(folder.path))
+    options = MeasureOptions(trace_dir=trace_dir, run_dir=str(folder.path), fit_check=suite.fit_check)
     return WorkerSetup(backend, suite.allow_imports, threads, options, level)
 
 
