@@ -169,6 +169,10 @@ def test_list_and_env(capsys):
     assert "resnet32x4" in out and "mobilenet_v3_large" in out and "linear" in out
     assert "parameters at 100 classes, 3x32x32" in out
     assert re.search(r"^  resnet20 +0\.28 M$", out, flags=re.M)  # RepDistiller's resnet20 at 100 classes
+    # LMs and encoders with what one needs to pick a seq_len (issue 32)
+    assert re.search(r"^  llama-3\.1-8b +8030\.26 M  vocabulary 128,256, positions 131,072$", out, flags=re.M)
+    assert re.search(r"^  gpt2 +124\.44 M  vocabulary 50,257, positions 1,024$", out, flags=re.M)  # n_positions
+    assert re.search(r"^  bert-base +109\.48 M  vocabulary 30,522, positions 512$", out, flags=re.M)
     assert main(["list", "methods"]) == 0
     assert "temperature=4.0, alpha=0.9" in capsys.readouterr().out
     assert main(["env"]) == 0
@@ -176,6 +180,54 @@ def test_list_and_env(capsys):
     assert out.startswith("backend: cpu") and "torch_version:" in out and "cpu_threads:" in out
     # the TF32 lines are this process's torch defaults, which a run does not inherit (docs review)
     assert "this process's torch defaults: a run sets them per measurement" in out
+
+
+def test_list_suites_gives_cells_description_and_the_recorded_time(capsys):
+    assert main(["list", "suites"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{len(list((ROOT / 'suites').glob('*.yaml')))} suites in ")
+    lines = out.splitlines()
+    cpu = lines.index("cpu.yaml (cpu-quick): 4 cells; Small CIFAR pairs, fp32 vs bf16, on the CPU.")
+    assert lines[cpu + 1].startswith("    CPU: 1 min 51 s; 2026-12-01; ") and "AVX-512 BF16" in lines[cpu + 1]
+    assert lines[cpu + 2] == "    one GPU: under a minute (estimate)"
+    assert "quality.yaml (quality): 8 cells, then the quality job; " in out
+    assert "llm-fsdp.yaml (llm-fsdp): 10 cells; " in out
+    assert "    CPU: about 20 min; 2026-11-30" in out  # methods.yaml: a rounded figure says so
+    assert "    CPU: not measured; 2 min 32 s when it held four methods" in out  # quality.yaml since it has eight
+
+
+def test_list_loss_impls_says_what_each_needs_and_computes(capsys):
+    assert main(["list", "loss-impls"]) == 0
+    blocks = capsys.readouterr().out.split("\n")[1:]
+    by_impl = {line.split(":")[0]: blocks[i + 1 : i + 3] for i, line in enumerate(blocks) if line[:1].isalpha()}
+    assert list(by_impl) == ["dense", "chunked", "fused_linear", "liger", "torch_linear"]
+    every = "    divergences: forward_kl, reverse_kl, jsd, tvd, skew_fkl, skew_rkl"
+    assert by_impl["dense"][0] == by_impl["fused_linear"][0] == every
+    assert by_impl["liger"][0] == "    divergences: forward_kl, reverse_kl, jsd, skew_fkl at lam=0, skew_rkl at lam=0"
+    assert by_impl["torch_linear"][0] == "    divergences: forward_kl, jsd at beta=0, skew_fkl at lam=0"
+    assert by_impl["dense"][1] == "    needs: nothing beyond kdbench [lm] (available here)"
+    assert by_impl["liger"][1].startswith("    needs: liger-kernel >= 0.6.5 (the `liger` extra) (")
+
+
+def test_list_liger_without_liger_kernel_says_so(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a)
+    )
+    assert main(["list", "loss_impls"]) == 0
+    out = capsys.readouterr().out
+    assert "(not here: liger needs liger-kernel, which is not installed: pip install liger-kernel)" in out
+
+
+def test_an_unknown_list_topic_is_one_line_with_the_fix(capsys):
+    assert main(["list", "suits"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "kdbench: error: list suits: no such topic; did you mean suites? give one of models, methods, suites, "
+        "loss_impls"
+    ]
 
 
 def test_readme_quick_start_is_what_ci_runs():

@@ -109,7 +109,7 @@ def test_write_then_check_agrees_and_keeps_the_prose(synced, texts):
         assert body(synced, name) == texts[name] + "\n"
     suites = (synced / "docs/suites.md").read_text(encoding="utf-8")
     assert suites.startswith("# docs/suites.md\n\nProse before the blocks.\n")
-    assert suites.endswith("Prose after cell-keys.\n")
+    assert suites.endswith("Prose after suites.\n")
     assert "stale text" not in suites
 
 
@@ -176,3 +176,12 @@ def test_import_is_cheap():
 def test_repository_docs_are_in_sync(cached):
     """The committed docs agree with the code: regenerate with `python -m kdbench.docgen`."""
     assert docgen.check(ROOT) == []
+
+
+def test_suites_block_gives_each_suite_its_one_recorded_time(texts):
+    rows = {line.split(" | ")[0]: line for line in texts["suites"].splitlines() if line.startswith("| `suites/")}
+    assert len(rows) == len(list((ROOT / "suites").glob("*.yaml")))
+    assert rows["| `suites/cpu.yaml` (`cpu-quick`)"].startswith("| `suites/cpu.yaml` (`cpu-quick`) | 4 | ")
+    assert "| 1 min 51 s; 2026-12-01; " in rows["| `suites/cpu.yaml` (`cpu-quick`)"]
+    quality = rows["| `suites/quality.yaml`"]
+    assert "| 8 + quality | " in quality and "| not measured; " in quality
