@@ -149,15 +149,16 @@ class ShippedSuite:
         return f"{self.cells} + quality" if self.quality else str(self.cells)
 
 
-def shipped_suites(folder: str | Path = SUITES_DIR) -> list[ShippedSuite]:
-    """Every suite of ``folder`` (loaded and expanded; nothing runs), in the order of its times.toml, then by file
-    name; a KdbenchError when the folder is missing (kdbench installed without its repository)."""
+def shipped_suites(folder: str | Path | None = None) -> list[ShippedSuite]:
+    """Every suite of ``folder`` (default: :data:`SUITES_DIR`; loaded and expanded, nothing runs), in the order of
+    its times.toml, then by file name; a KdbenchError when the folder is missing (kdbench installed without its
+    repository)."""
     from kdbench.config import load_suite
     from kdbench.config.suite_times import suite_times
     from kdbench.errors import KdbenchError
     from kdbench.workloads import expand_checked
 
-    folder = Path(folder)
+    folder = Path(folder if folder is not None else SUITES_DIR)
     if not folder.is_dir():
         raise KdbenchError(
             f"{folder}: no suites folder; the shipped suites are in a clone of kdbench's repository (suites/)"

@@ -182,18 +182,31 @@ def test_list_and_env(capsys):
     assert "this process's torch defaults: a run sets them per measurement" in out
 
 
-def test_list_suites_gives_cells_description_and_the_recorded_time(capsys):
+def test_list_suites_gives_cells_description_and_the_recorded_time(capsys, monkeypatch, tmp_path):
+    # three suites (loading all of suites/ is the docgen block's test): two shipped, one times.toml does not know
+    import shutil
+
+    from kdbench import api
+
+    for name in ("cpu.yaml", "quality.yaml", "times.toml"):
+        shutil.copy(ROOT / "suites" / name, tmp_path / name)
+    (tmp_path / "mine.yaml").write_text(TINY.replace("name: tiny", "name: mine\ndescription: my own"))
+    monkeypatch.setattr(api, "SUITES_DIR", tmp_path)
     assert main(["list", "suites"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(f"{len(list((ROOT / 'suites').glob('*.yaml')))} suites in ")
-    lines = out.splitlines()
-    cpu = lines.index("cpu.yaml (cpu-quick): 4 cells; Small CIFAR pairs, fp32 vs bf16, on the CPU.")
-    assert lines[cpu + 1].startswith("    CPU: 1 min 51 s; 2026-12-01; ") and "AVX-512 BF16" in lines[cpu + 1]
-    assert lines[cpu + 2] == "    one GPU: under a minute (estimate)"
-    assert "quality.yaml (quality): 8 cells, then the quality job; " in out
-    assert "llm-fsdp.yaml (llm-fsdp): 10 cells; " in out
-    assert "    CPU: about 20 min; 2026-11-30" in out  # methods.yaml: a rounded figure says so
-    assert "    CPU: not measured; 2 min 32 s when it held four methods" in out  # quality.yaml since it has eight
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"3 suites in {tmp_path}; CPU: the wall time of `kdbench run SUITE --device cpu` on a ")
+    assert lines[1:] == [
+        "cpu.yaml (cpu-quick): 4 cells; Small CIFAR pairs, fp32 vs bf16, on the CPU.",
+        "    CPU: 1 min 51 s; 2026-12-01; bf16 cells measured (native bf16); where bf16 is emulated they are skipped "
+        "and the run is shorter; on a 2-core AMD EPYC VM, 24 GiB, no GPU, with AVX-512 BF16 (the CI machine type)",
+        "    one GPU: under a minute (estimate)",
+        "quality.yaml (quality): 8 cells, then the quality job; Digits, resnet20 -> resnet8, "
+        "kd/fitnet/at/dkd/crd/reviewkd/rkd/dist vs scratch over 3 seeds.",
+        "    CPU: not measured; 2 min 32 s when it held four methods (kd, fitnet, at, dkd); it now holds eight",
+        "    one GPU: a few minutes (estimate)",
+        "mine.yaml (mine): 3 cells; my own",
+        "    CPU: no entry in suites/times.toml",
+    ]
 
 
 def test_list_loss_impls_says_what_each_needs_and_computes(capsys):

@@ -259,13 +259,11 @@ def _list_methods() -> None:
 
 
 def _list_suites() -> None:
-    from collections import Counter
-
     from kdbench import api
+    from kdbench.config.suite_times import default_machine
 
     suites = api.shipped_suites()
-    machines = Counter(s.time.machine for s in suites if s.time and s.time.cpu_s is not None)
-    usual = machines.most_common(1)[0][0] if machines else ""
+    usual = default_machine({s.file: s.time for s in suites if s.time})
     on = f" on a {usual}, unless said" if usual else ""
     print(f"{len(suites)} suites in {api.SUITES_DIR}; CPU: the wall time of `kdbench run SUITE --device cpu`{on}")
     for s in suites:
@@ -274,8 +272,7 @@ def _list_suites() -> None:
         if s.time is None:
             print("    CPU: no entry in suites/times.toml")
             continue
-        other = f"; on a {s.time.machine}" if s.time.cpu_s is not None and s.time.machine != usual else ""
-        print(f"    CPU: {s.time.cpu_line()}{other}")
+        print(f"    CPU: {s.time.cpu_line()}")
         if s.time.gpu:
             print(f"    one GPU: {s.time.gpu} (estimate)")
 

@@ -27,6 +27,7 @@ class SuiteTime:
     source: str = ""
     note: str = ""
     gpu: str = ""
+    own_machine: bool = False  # the entry names its machine (else: the file's default machine)
 
     def cpu_text(self) -> str:
         """The CPU time as a reader reads it: ``1 min 51 s``, ``about 20 min``, ``under 1 min 18 s``, ``about 2 h
@@ -42,13 +43,21 @@ class SuiteTime:
         }[self.how]
 
     def cpu_line(self) -> str:
-        """The CPU time with its date and note, on one line (what ``list suites`` prints)."""
+        """The CPU time with its date, note and, where it is not the file's default, machine, on one line (what
+        ``list suites`` prints)."""
         parts = [self.cpu_text()]
         if self.date:
             parts.append(self.date)
         if self.note:
             parts.append(self.note)
+        if self.own_machine and self.cpu_s is not None:
+            parts.append(f"on a {self.machine}")
         return "; ".join(parts)
+
+
+def default_machine(times: dict[str, SuiteTime]) -> str:
+    """The machine the figures of ``times`` were taken on unless an entry names its own ("" if none says)."""
+    return next((t.machine for t in times.values() if not t.own_machine and t.machine), "")
 
 
 def duration(seconds: float, rounded: bool = False) -> str:
@@ -91,5 +100,6 @@ def suite_times(folder: Path) -> dict[str, SuiteTime]:
         if cpu_s is not None and (isinstance(cpu_s, bool) or not isinstance(cpu_s, int | float) or cpu_s <= 0):
             raise KdbenchError(f"{where}: cpu_s = {cpu_s!r}; give the seconds, a number > 0")
         fields = {k: str(entry[k]) for k in ("date", "source", "note", "gpu") if k in entry}
-        times[name] = SuiteTime(cpu_s, how, str(entry.get("machine", machine)), **fields)
+        own = "machine" in entry
+        times[name] = SuiteTime(cpu_s, how, str(entry.get("machine", machine)), **fields, own_machine=own)
     return times

@@ -4,18 +4,16 @@ the time recorded for it in ``suites/times.toml`` (how it was obtained, when, wh
 
 from __future__ import annotations
 
-from collections import Counter
-
 from kdbench.docgen.markdown import NONE, code, table
 
 
 def suites_table() -> str:
-    """The table, with the machine the CPU figures were taken on (the most common one; others in their row)."""
+    """The table, with the machine the CPU figures were taken on (the file's default; others in their row)."""
     from kdbench.api import shipped_suites
+    from kdbench.config.suite_times import default_machine
 
     suites = shipped_suites()
-    machines = Counter(s.time.machine for s in suites if s.time and s.time.cpu_s is not None)
-    usual = machines.most_common(1)[0][0] if machines else ""
+    usual = default_machine({s.file: s.time for s in suites if s.time})
     rows = []
     for s in suites:
         name = code(f"suites/{s.file}") + (f" ({code(s.name)})" if s.name != s.file.removesuffix(".yaml") else "")
@@ -23,8 +21,7 @@ def suites_table() -> str:
         if t is None:
             cpu, gpu, source = "no entry in suites/times.toml", NONE, NONE
         else:
-            cpu = t.cpu_line() + (f"; on a {t.machine}" if t.cpu_s is not None and t.machine != usual else "")
-            gpu, source = t.gpu or NONE, t.source or NONE
+            cpu, gpu, source = t.cpu_line(), t.gpu or NONE, t.source or NONE
         rows.append((name, s.count, s.description, cpu, gpu, source))
     lead = (
         f"CPU: the wall time of `kdbench run SUITE --device cpu` on a {usual}, unless the row says otherwise; "
