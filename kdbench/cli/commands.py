@@ -243,7 +243,10 @@ def _list_models() -> None:
             tokens = family.tokens(name)
             sizes = f"  {tokens_text(tokens)}" if tokens else ""
             print(f"  {name:<20} {family.parameters(name) / 1e6:8.2f} M{sizes}")
-    print("data.seq_len: at most a model's positions (its max_position_embeddings)")
+    print(
+        "positions: a model's max_position_embeddings; data.seq_len (with an LM's serving rows, + "
+        "inference.decode_tokens) must not exceed them, checked before a run"
+    )
     print(CONFIG_JSON_NOTE)
     print(CALLABLE_NOTE)
 
