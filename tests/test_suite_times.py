@@ -67,3 +67,17 @@ def test_a_malformed_entry_is_one_line_naming_the_file_and_entry(tmp_path, text,
 def test_a_missing_file_says_what_it_holds(tmp_path):
     with pytest.raises(KdbenchError, match="times.toml: missing; it records how long each shipped suite takes"):
         suite_times(tmp_path)
+
+
+def test_the_help_epilogs_rough_times_agree_with_the_record():
+    """`kdbench --help` gives a long CPU run's time in passing (~20 min): it must agree, within a minute, with
+    the one figure times.toml records, so that a new figure there cannot leave an old one in the help."""
+    import re
+
+    from kdbench.cli.parser import EPILOG
+
+    times = suite_times(SUITES)
+    stated = re.findall(r"kdbench run suites/([\w.-]+\.yaml)\b.*~(\d+) min", EPILOG)  # not fit's times
+    assert {name for name, _ in stated} == {"methods.yaml", "levers-cpu.yaml"}
+    for name, minutes in stated:
+        assert abs(times[name].cpu_s / 60 - int(minutes)) <= 1, (name, minutes, times[name])
