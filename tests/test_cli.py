@@ -234,15 +234,6 @@ def test_list_liger_without_liger_kernel_says_so(capsys, monkeypatch):
     assert "(not here: liger needs liger-kernel, which is not installed: pip install liger-kernel)" in out
 
 
-def test_an_unknown_list_topic_is_one_line_with_the_fix(capsys):
-    assert main(["list", "suits"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == [
-        "kdbench: error: list suits: no such topic; did you mean suites? give one of models, methods, suites, "
-        "loss_impls"
-    ]
-
-
 def test_readme_quick_start_is_what_ci_runs():
     readme = (ROOT / "README.md").read_text()
     blocks = readme.split("## Quick start", 1)[1].split("## ", 1)[0].split("```bash")[1:]
