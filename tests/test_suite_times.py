@@ -35,6 +35,7 @@ def test_the_recorded_figures_read_as_they_were_obtained():
         (7200, True, "2 h"),
         (5400, False, "1 h 30 min"),
         (5400, True, "1 h"),
+        (14390, False, "4 h"),
     ],
 )
 def test_duration(seconds, rounded, text):

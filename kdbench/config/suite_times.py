@@ -68,8 +68,8 @@ def duration(seconds: float, rounded: bool = False) -> str:
     if s < 3600:
         minutes, rest = divmod(s, 60)
         return f"{minutes} min" if rounded or not rest else f"{minutes} min {rest} s"
-    hours, rest = divmod(s, 3600)
-    return f"{hours} h" if rounded or not rest else f"{hours} h {round(rest / 60)} min"
+    hours, minutes = divmod(round(s / 60), 60)  # past an hour, to the minute
+    return f"{hours} h" if rounded or not minutes else f"{hours} h {minutes} min"
 
 
 def suite_times(folder: Path) -> dict[str, SuiteTime]:
