@@ -12,12 +12,14 @@ import it when called.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kdbench.config.budgets import BudgetCheck
     from kdbench.config.schema import Suite
+    from kdbench.config.suite_times import SuiteTime
     from kdbench.report.verdicts import Comparison
     from kdbench.run.engine import RunOptions, RunOutcome
     from kdbench.run.plan import Plan
@@ -124,6 +126,52 @@ def quality_table(results: Iterable[str | Path]) -> str:
     from kdbench.store import read_results
 
     return markdown_table(summarize_quality(read_results(results)))
+
+
+SUITES_DIR = Path(__file__).resolve().parents[1] / "suites"  # the shipped suites, beside the package in a clone
+
+
+@dataclass(frozen=True)
+class ShippedSuite:
+    """A suite file of the suites folder: its name, cells, description and recorded time (None: no entry in
+    times.toml)."""
+
+    file: str
+    name: str
+    cells: int
+    quality: bool  # the quality block's job follows the cells
+    description: str
+    time: SuiteTime | None
+
+    @property
+    def count(self) -> str:
+        """``8``, or ``8 + quality`` (the quality block's job after the cells)."""
+        return f"{self.cells} + quality" if self.quality else str(self.cells)
+
+
+def shipped_suites(folder: str | Path | None = None) -> list[ShippedSuite]:
+    """Every suite of ``folder`` (default: :data:`SUITES_DIR`; loaded and expanded, nothing runs), in the order of
+    its times.toml, then by file name; a KdbenchError when the folder is missing (kdbench installed without its
+    repository)."""
+    from kdbench.config import load_suite
+    from kdbench.config.suite_times import suite_times
+    from kdbench.errors import KdbenchError
+    from kdbench.workloads import expand_checked
+
+    folder = Path(folder if folder is not None else SUITES_DIR)
+    if not folder.is_dir():
+        raise KdbenchError(
+            f"{folder}: no suites folder; the shipped suites are in a clone of kdbench's repository (suites/)"
+        )
+    times = suite_times(folder)
+    files = {p.name: p for p in folder.glob("*.yaml")}
+    order = [f for f in times if f in files] + sorted(f for f in files if f not in times)
+    out = []
+    for name in order:
+        suite = load_suite(files[name])
+        cells = len(expand_checked(suite))
+        out.append(ShippedSuite(name, suite.name, cells, suite.quality is not None, suite.description, times.get(name)))
+    return out
 
 
 def __getattr__(name: str):

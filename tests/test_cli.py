@@ -169,6 +169,10 @@ def test_list_and_env(capsys):
     assert "resnet32x4" in out and "mobilenet_v3_large" in out and "linear" in out
     assert "parameters at 100 classes, 3x32x32" in out
     assert re.search(r"^  resnet20 +0\.28 M$", out, flags=re.M)  # RepDistiller's resnet20 at 100 classes
+    # LMs and encoders with what one needs to pick a seq_len (issue 32)
+    assert re.search(r"^  llama-3\.1-8b +8030\.26 M  vocabulary 128,256, positions 131,072$", out, flags=re.M)
+    assert re.search(r"^  gpt2 +124\.44 M  vocabulary 50,257, positions 1,024$", out, flags=re.M)  # n_positions
+    assert re.search(r"^  bert-base +109\.48 M  vocabulary 30,522, positions 512$", out, flags=re.M)
     assert main(["list", "methods"]) == 0
     assert "temperature=4.0, alpha=0.9" in capsys.readouterr().out
     assert main(["env"]) == 0
@@ -176,6 +180,58 @@ def test_list_and_env(capsys):
     assert out.startswith("backend: cpu") and "torch_version:" in out and "cpu_threads:" in out
     # the TF32 lines are this process's torch defaults, which a run does not inherit (docs review)
     assert "this process's torch defaults: a run sets them per measurement" in out
+
+
+def test_list_suites_gives_cells_description_and_the_recorded_time(capsys, monkeypatch, tmp_path):
+    # three suites (loading all of suites/ is the docgen block's test): two shipped, one times.toml does not know
+    import shutil
+
+    from kdbench import api
+
+    for name in ("cpu.yaml", "quality.yaml", "times.toml"):
+        shutil.copy(ROOT / "suites" / name, tmp_path / name)
+    (tmp_path / "mine.yaml").write_text(TINY.replace("name: tiny", "name: mine\ndescription: my own"))
+    monkeypatch.setattr(api, "SUITES_DIR", tmp_path)
+    assert main(["list", "suites"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"3 suites in {tmp_path}; CPU: the wall time of `kdbench run SUITE --device cpu` on a ")
+    assert lines[1:] == [
+        "cpu.yaml (cpu-quick): 4 cells; Small CIFAR pairs, fp32 vs bf16, on the CPU.",
+        "    CPU: 1 min 51 s; 2026-12-01; bf16 cells measured (native bf16); where bf16 is emulated they are skipped "
+        "and the run is shorter; on a 2-core AMD EPYC VM, 24 GiB, no GPU, with AVX-512 BF16 (the CI machine type)",
+        "    one GPU: under a minute (estimate)",
+        "quality.yaml (quality): 8 cells, then the quality job; Digits, resnet20 -> resnet8, "
+        "kd/fitnet/at/dkd/crd/reviewkd/rkd/dist vs scratch over 3 seeds.",
+        "    CPU: not measured; 2 min 32 s when it held four methods (kd, fitnet, at, dkd); it now holds eight",
+        "    one GPU: a few minutes (estimate)",
+        "mine.yaml (mine): 3 cells; my own",
+        "    CPU: no entry in suites/times.toml",
+    ]
+
+
+def test_list_loss_impls_says_what_each_needs_and_computes(capsys):
+    assert main(["list", "loss-impls"]) == 0
+    blocks = capsys.readouterr().out.split("\n")[1:]
+    by_impl = {line.split(":")[0]: blocks[i + 1 : i + 3] for i, line in enumerate(blocks) if line[:1].isalpha()}
+    assert list(by_impl) == ["dense", "chunked", "fused_linear", "liger", "torch_linear"]
+    every = "    divergences: forward_kl, reverse_kl, jsd, tvd, skew_fkl, skew_rkl"
+    assert by_impl["dense"][0] == by_impl["fused_linear"][0] == every
+    assert by_impl["liger"][0] == "    divergences: forward_kl, reverse_kl, jsd, skew_fkl at lam=0, skew_rkl at lam=0"
+    assert by_impl["torch_linear"][0] == "    divergences: forward_kl, jsd at beta=0, skew_fkl at lam=0"
+    assert by_impl["dense"][1] == "    needs: nothing beyond kdbench [lm] (available here)"
+    assert by_impl["liger"][1].startswith("    needs: liger-kernel >= 0.6.5 (the `liger` extra) (")
+
+
+def test_list_liger_without_liger_kernel_says_so(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a)
+    )
+    assert main(["list", "loss_impls"]) == 0
+    out = capsys.readouterr().out
+    assert "(not here: liger needs liger-kernel, which is not installed: pip install liger-kernel)" in out
 
 
 def test_readme_quick_start_is_what_ci_runs():

@@ -109,7 +109,7 @@ def test_write_then_check_agrees_and_keeps_the_prose(synced, texts):
         assert body(synced, name) == texts[name] + "\n"
     suites = (synced / "docs/suites.md").read_text(encoding="utf-8")
     assert suites.startswith("# docs/suites.md\n\nProse before the blocks.\n")
-    assert suites.endswith("Prose after cell-keys.\n")
+    assert suites.endswith("Prose after suites.\n")
     assert "stale text" not in suites
 
 
@@ -176,3 +176,39 @@ def test_import_is_cheap():
 def test_repository_docs_are_in_sync(cached):
     """The committed docs agree with the code: regenerate with `python -m kdbench.docgen`."""
     assert docgen.check(ROOT) == []
+
+
+def test_suites_block_gives_each_suite_its_one_recorded_time(texts):
+    rows = {line.split(" | ")[0]: line for line in texts["suites"].splitlines() if line.startswith("| `suites/")}
+    assert len(rows) == len(list((ROOT / "suites").glob("*.yaml")))
+    assert rows["| `suites/cpu.yaml` (`cpu-quick`)"].startswith("| `suites/cpu.yaml` (`cpu-quick`) | 4 | ")
+    assert "| 1 min 51 s; 2026-12-01; " in rows["| `suites/cpu.yaml` (`cpu-quick`)"]
+    quality = rows["| `suites/quality.yaml`"]
+    assert "| 8 + quality | " in quality and "| not measured; " in quality
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors GitHub makes of a Markdown file's headings (lower case, punctuation dropped, spaces as -)."""
+    text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+    count: dict[str, int] = {}
+    anchors = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchors.add(f"{slug}-{count[slug]}" if slug in count else slug)  # a repeated heading: slug-1, slug-2
+        count[slug] = count.get(slug, 0) + 1
+    return anchors
+
+
+def test_every_relative_link_of_the_front_page_and_the_manual_resolves():
+    """Links moved between README.md and docs/ (issue 32) still reach their file and heading."""
+    broken = []
+    for page in [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in _anchors(dest)):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert broken == []

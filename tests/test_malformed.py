@@ -92,3 +92,30 @@ def test_an_output_folder_that_is_a_file_is_one_line(argv, tmp_path, capsys):
         f"kdbench: error: {flag} {taken}: is a file, and {flag} names a folder; give a folder, e.g. {tmp_path}"
     ]
     assert taken.read_bytes() == b"an earlier file"
+
+
+@pytest.mark.parametrize(
+    ("topic", "expected"),
+    [
+        ("suits", "list suits: no such topic; did you mean suites? give one of models, methods, suites, loss_impls"),
+        ("loss", "list loss: no such topic; give one of models, methods, suites, loss_impls"),
+        ("model", "list model: no such topic; did you mean models? give one of"),
+    ],
+)
+def test_an_unknown_list_topic_is_one_line(topic, expected, capsys):
+    assert main(["list", topic]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"kdbench: error: {expected}"), err
+
+
+def test_list_suites_without_a_suites_folder_is_one_line(tmp_path, monkeypatch, capsys):
+    """kdbench installed without its repository has no suites/ beside it: one line, not a traceback."""
+    from kdbench import api
+
+    monkeypatch.setattr(api, "SUITES_DIR", tmp_path / "suites")
+    assert main(["list", "suites"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"kdbench: error: {tmp_path / 'suites'}: no suites folder; the shipped suites are in a clone of kdbench's "
+        "repository (suites/)"
+    ]

@@ -223,22 +223,36 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    if args.what == "models":
-        from kdbench.config.schema import DataConfig
-        from kdbench.models.catalogue import CALLABLE_NOTE, CONFIG_JSON_NOTE, families, shape_text
+    {"models": _list_models, "methods": _list_methods, "suites": _list_suites, "loss_impls": _list_loss_impls}[
+        args.what
+    ]()
+    return 0
 
-        data = DataConfig()  # the cell defaults the image classifiers are counted at
-        for family in families(data.num_classes, tuple(data.shape)):
-            if family.name == "torchvision":  # ImageNet classifiers: names only (building 80 of them takes seconds)
-                print(f"{family.name} ({len(family.models)}): {', '.join(family.models)}")
-                continue
-            at = f"at {family.num_classes} classes, {shape_text(family.shape)}" if family.shape else "as registered"
-            print(f"{family.name} ({len(family.models)}): {family.title}, parameters {at}:")
-            for name in family.models:
-                print(f"  {name:<20} {family.parameters(name) / 1e6:8.2f} M")
-        print(CONFIG_JSON_NOTE)
-        print(CALLABLE_NOTE)
-        return 0
+
+def _list_models() -> None:
+    from kdbench.config.schema import DataConfig
+    from kdbench.models.catalogue import CALLABLE_NOTE, CONFIG_JSON_NOTE, families, shape_text, tokens_text
+
+    data = DataConfig()  # the cell defaults the image classifiers are counted at
+    for family in families(data.num_classes, tuple(data.shape)):
+        if family.name == "torchvision":  # ImageNet classifiers: names only (building 80 of them takes seconds)
+            print(f"{family.name} ({len(family.models)}): {', '.join(family.models)}")
+            continue
+        at = f"at {family.num_classes} classes, {shape_text(family.shape)}" if family.shape else "as registered"
+        print(f"{family.name} ({len(family.models)}): {family.title}, parameters {at}:")
+        for name in family.models:
+            tokens = family.tokens(name)
+            sizes = f"  {tokens_text(tokens)}" if tokens else ""
+            print(f"  {name:<20} {family.parameters(name) / 1e6:8.2f} M{sizes}")
+    print(
+        "positions: a model's max_position_embeddings; data.seq_len (with an LM's serving rows, + "
+        "inference.decode_tokens) must not exceed them, checked before a run"
+    )
+    print(CONFIG_JSON_NOTE)
+    print(CALLABLE_NOTE)
+
+
+def _list_methods() -> None:
     from kdbench.distill.losses import METHODS
 
     for m in METHODS.values():
@@ -246,7 +260,43 @@ def cmd_list(args: argparse.Namespace) -> int:
         feats = " (feature method: hooks on `features.teacher` / `features.student`)" if m.cls.needs_features else ""
         print(f"{m.name}: {m.doc}{feats}\n    suite key `{m.name}`: {params}")
     print("a+b: any combination, e.g. kd+at; CE counted once; `weights: {kd: 1.0, at: 1.0}` scales each term")
-    return 0
+
+
+def _list_suites() -> None:
+    from kdbench import api
+    from kdbench.config.suite_times import default_machine
+
+    suites = api.shipped_suites()
+    usual = default_machine({s.file: s.time for s in suites if s.time})
+    on = f" on a {usual}, unless said" if usual else ""
+    print(f"{len(suites)} suites in {api.SUITES_DIR}; CPU: the wall time of `kdbench run SUITE --device cpu`{on}")
+    for s in suites:
+        then = ", then the quality job" if s.quality else ""
+        print(f"{s.file} ({s.name}): {s.cells} cells{then}; {s.description}")
+        if s.time is None:
+            print("    CPU: no entry in suites/times.toml")
+            continue
+        print(f"    CPU: {s.time.cpu_line()}")
+        if s.time.gpu:
+            print(f"    one GPU: {s.time.gpu} (estimate)")
+
+
+def _list_loss_impls() -> None:
+    import sys
+
+    from kdbench.distill.lm.impls import LOSS_IMPLS, computes, unavailable
+    from kdbench.distill.lm.impls.base import get_impl
+
+    print("LM loss implementations (`loss_impl`), all equal to dense in loss and gradients; each computes CE and:")
+    for name in LOSS_IMPLS:
+        impl = get_impl(name)
+        doc = " ".join((sys.modules[impl.compute.__module__].__doc__ or "").replace("``", "`").split())
+        what = doc.split(": ", 1)[-1].split(". ")[0].rstrip(".")
+        missing = unavailable(name)
+        here = f"not here: {missing}" if missing else "available here"
+        print(f"{name}: {what}")
+        print(f"    divergences: {', '.join(computes(name))}")
+        print(f"    needs: {impl.needs or 'nothing beyond kdbench [lm]'} ({here})")
 
 
 # --------------------------------------------------------------------------- fit

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import NoReturn
 
-from kdbench.errors import KdbenchError
+from kdbench.errors import KdbenchError, did_you_mean
 
 EPILOG = """examples:
   kdbench probe                               measure this device's ceilings into results/probes/
@@ -89,6 +89,19 @@ def _size_key(text: str) -> str:
     if key not in SIZE_KEYS:
         raise KdbenchError(f"--max {text}: not a size key; --max takes {' or '.join(SIZE_KEYS)}")
     return key
+
+
+LIST_TOPICS = ("models", "methods", "suites", "loss_impls")
+
+
+def _topic(text: str) -> str:
+    """A `list` topic (``loss-impls`` as ``loss_impls``)."""
+    topic = text.strip().lower().replace("-", "_")
+    if topic not in LIST_TOPICS:
+        raise KdbenchError(
+            f"list {text}: no such topic; {did_you_mean(topic, LIST_TOPICS)}give one of {', '.join(LIST_TOPICS)}"
+        )
+    return topic
 
 
 def _memory(text: str) -> str:
@@ -399,10 +412,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="minimum timed duration per measurement (default: 2 on GPUs, for sustained clocks; 0.5 on the CPU)",
     )
 
-    lst = sub.add_parser("list", help="list models or distillation methods")
+    lst = sub.add_parser("list", help="list models, distillation methods, shipped suites or LM loss implementations")
     lst.add_argument(
         "what",
-        choices=["models", "methods"],
-        help="models: the registry's models by family; methods: the distillation methods and their parameters",
+        type=_topic,
+        metavar="{" + ",".join(LIST_TOPICS) + "}",
+        help="models: the registry's models by family (LMs and encoders with their vocabulary and positions); "
+        "methods: the distillation methods and their parameters; suites: the shipped suites with their cells, "
+        "description and recorded CPU time (suites/times.toml); loss_impls: the LM loss implementations, what "
+        "each needs and which divergences it computes",
     )
     return p

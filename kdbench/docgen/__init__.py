@@ -38,6 +38,7 @@ class DocgenError(Exception):
 from kdbench.docgen.cell_keys import cell_keys  # noqa: E402  (the blocks' writers, imported cheaply)
 from kdbench.docgen.cli_reference import cli_reference  # noqa: E402
 from kdbench.docgen.layout import layout  # noqa: E402
+from kdbench.docgen.suites import suites_table  # noqa: E402
 from kdbench.docgen.tables import methods_table, models_table, results_columns  # noqa: E402
 
 
@@ -50,6 +51,7 @@ class Block:
 BLOCKS: dict[str, Block] = {
     "cli": Block("docs/cli.md", cli_reference),
     "cell-keys": Block("docs/suites.md", cell_keys),
+    "suites": Block("docs/suites.md", suites_table),
     "methods": Block("docs/methods.md", methods_table),
     "models": Block("docs/models.md", models_table),
     "results-columns": Block("docs/results.md", results_columns),

@@ -71,6 +71,7 @@ def models_table() -> str:
         TORCHVISION_SHAPE,
         families,
         natural,
+        tokens_text,
     )
 
     classes, shape = _data_defaults()
@@ -82,14 +83,17 @@ def models_table() -> str:
         counted = f"{family.num_classes} classes, {_shape(family.shape)}" if family.shape else "its registered config"
         for name in names:
             count = family.parameters(name)
-            rows.append((code(name), family.name, f"{count:,}", f"{count / 1e6:.2f} M", counted))
+            tokens = family.tokens(name)
+            sizes = tokens_text(tokens) if tokens else NONE
+            rows.append((code(name), family.name, f"{count:,}", f"{count / 1e6:.2f} M", counted, sizes))
     lead = (
         f"Parameters as built for the cell defaults ({classes} classes, {_shape(shape)} inputs; "
         f"`data.num_classes`, `data.shape`), torchvision's classifiers for ImageNet ({TORCHVISION_CLASSES} classes, "
         f"{_shape(TORCHVISION_SHAPE)}). A model's count changes with the classes (its head) and, for ViTs, "
         "the image size."
     )
-    lines = [lead, "", *table(["model", "family", "parameters", "millions", "counted for"], rows)]
+    header = ["model", "family", "parameters", "millions", "counted for", "tokens (`data.seq_len` ≤ positions)"]
+    lines = [lead, "", *table(header, rows)]
     lines += [
         "",
         f"lm: {FAMILY_NOTES['lm']}",

@@ -58,6 +58,28 @@ class Family:
             return encoder_parameter_count(name)
         return parameter_count(name, self.num_classes, self.shape)
 
+    def tokens(self, name: str) -> tuple[int, int | None] | None:
+        """A token model's vocabulary size and positions (``max_position_embeddings``: the longest ``seq_len`` it
+        takes; None where its config sets none); None for an image classifier."""
+        if self.name == "lm":
+            from kdbench.models.lm import lm_config, max_positions
+
+            config = lm_config(name)
+        elif self.name == "encoder":
+            from kdbench.models.encoders import encoder_config
+            from kdbench.models.lm import max_positions
+
+            config = encoder_config(name)
+        else:
+            return None
+        return int(config.vocab_size), max_positions(config)
+
+
+def tokens_text(tokens: tuple[int, int | None]) -> str:
+    """``vocabulary 128,256, positions 131,072``: what one needs to pick a ``seq_len`` (at most the positions)."""
+    vocab, positions = tokens
+    return f"vocabulary {vocab:,}, positions {positions:,}" if positions else f"vocabulary {vocab:,}, positions unset"
+
 
 def natural(name: str) -> list:
     """resnet8 < resnet14 < resnet110: digit runs compare as numbers."""

@@ -46,7 +46,7 @@ from kdbench.distill.lm.impls.base import IMPLS, Heads, Settings, get_impl
 from kdbench.distill.lm.impls.chunks import valid_rows
 from kdbench.errors import KdbenchError
 
-__all__ = ["LOSS_IMPLS", "impl_note", "lm_loss", "unavailable", "unsupported"]
+__all__ = ["LOSS_IMPLS", "computes", "impl_note", "lm_loss", "unavailable", "unsupported"]
 
 for _module in ("dense", "chunked", "fused_linear", "liger", "torch_linear"):  # each registers itself
     importlib.import_module(f"{__name__}.{_module}")
@@ -63,6 +63,26 @@ def unsupported(impl: str, loss: TokenLoss) -> str | None:
     """
     found = get_impl(impl)
     return found.unsupported(loss) if loss.has_kd else None
+
+
+def computes(impl: str) -> list[str]:
+    """The registered divergences `impl` computes (CE it always does): each by name, or at the parameter bound
+    where it computes it alone (``skew_fkl at lam=0``); read from its ``unsupported``, nothing written twice."""
+    from kdbench.distill.lm.divergences import DIVERGENCES
+
+    found = get_impl(impl)
+    out = []
+    for name, div in DIVERGENCES.items():
+        if found.unsupported(TokenLoss(name)) is None:
+            out.append(name)
+            continue
+        for key, param in div.params.items():
+            bounds = (param.low, param.high)
+            at = next((v for v in bounds if found.unsupported(TokenLoss(name, **{key: v})) is None), None)
+            if at is not None:
+                out.append(f"{name} at {key}={at:g}")
+                break
+    return out
 
 
 def impl_note(impl: str) -> str:

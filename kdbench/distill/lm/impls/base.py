@@ -81,6 +81,8 @@ class LossImpl:
     logits-sized buffers at its peak over ``n_tokens`` tokens (:mod:`kdbench.distill.lm.impls.memory`);
     ``valid_only``: they span the valid tokens alone (its heads run on those), else every token of the batch.
     ``note()``: what a step row computed with it must say (a host-device sync it makes), "" for nothing.
+    ``needs``: what it needs beyond kdbench's own dependencies, in words ("" for nothing: ``kdbench list
+    loss_impls`` says it with whether this environment has it, from ``unavailable()``).
     """
 
     name: str
@@ -90,6 +92,7 @@ class LossImpl:
     unavailable: Callable[[], str | None] = _here
     valid_only: bool = True
     note: Callable[[], str] = _silent
+    needs: str = ""
 
 
 IMPLS: dict[str, LossImpl] = {}

@@ -115,4 +115,7 @@ def buffers(loss: TokenLoss, n_tokens: int, chunk_size: int, dtype_bytes: int) -
     return Buffers((), ((work, 4, "liger's work, fp32-equivalent"),), rows)
 
 
-register_impl(LossImpl("liger", compute, buffers, unsupported, unavailable, valid_only=False, note=note))  # chunks all
+NEEDS = "liger-kernel >= 0.6.5 (the `liger` extra)"
+register_impl(  # chunks every token
+    LossImpl("liger", compute, buffers, unsupported, unavailable, valid_only=False, note=note, needs=NEEDS)
+)

@@ -86,4 +86,5 @@ def buffers(loss: TokenLoss, n_tokens: int, chunk_size: int, dtype_bytes: int) -
     return Buffers(full, ((work, 4, "float32 work"),), min(chunk_size, n_tokens))
 
 
-register_impl(LossImpl("torch_linear", compute, buffers, unsupported, unavailable))
+NEEDS = "a torch with F.linear_cross_entropy and torch.nn.LinearCrossEntropyOptions"
+register_impl(LossImpl("torch_linear", compute, buffers, unsupported, unavailable, needs=NEEDS))
