@@ -160,8 +160,12 @@ def test_a_cell_measures_the_step_and_serving_with_tokens_and_logits_memory():
     assert [r["attention_kernel"] for r in rows] == ["flash"] * 5
 
 
-def test_dense_and_fused_cells_measure_the_same_first_loss():
-    losses = {}
+def test_dense_and_fused_cells_measure_the_same_first_loss_and_count_the_same_flops():
+    # the same work counted the same way: fused_linear's weight gradient (an in-place addmm_, which torch's counter
+    # does not see) counts as dense's autograd matmul does, so their MFU compare
+    from kdbench.measure.step import step_flops
+
+    losses, flops = {}, {}
     for impl in ("dense", "chunked", "fused_linear"):
         config = lm_config(
             loss_impl=impl,
@@ -176,9 +180,11 @@ def test_dense_and_fused_cells_measure_the_same_first_loss():
         step = DistillStep(teacher, student, x, y, config, CPU, LM)
         step()
         losses[impl] = float(step.last_loss)
+        flops[impl] = step_flops(step)
         step.close()
     assert losses["chunked"] == pytest.approx(losses["dense"], rel=1e-5)
     assert losses["fused_linear"] == pytest.approx(losses["dense"], rel=1e-5)
+    assert flops["dense"]["flops"] > 0 and flops["chunked"] == flops["fused_linear"] == flops["dense"]
 
 
 def test_counted_forward_flops_match_the_analytic_count(pair):
