@@ -299,3 +299,35 @@ def test_bar_labels_of_a_mixed_run_leave_out_what_a_family_does_not_have(frame):
     variants = set(add_variant(steps[steps.measurement == "distill_step"])["variant"])
     assert "bf16, kd, 3x32x32" in variants and "bf16, forward_kl, dense, seq1024" in variants
     assert not any("?" in v for v in variants)  # no image shape on LM bars, no seq_len or loss_impl on image ones
+
+
+def test_every_chart_and_table_reads_lm_cells_in_tokens_per_s(frame, page, tmp_path):
+    from kdbench.report.charts import rates
+    from kdbench.report.plots import draw_charts
+
+    steps = rates(pooled(frame))
+    steps = steps[steps["measurement"].eq("distill_step")].set_index("cell_id")
+    assert steps.loc["id-dense-1024", "rate_column"] == "tokens_per_s"
+    assert steps.loc["id-dense-1024", "rate"] == pytest.approx(1024 / 100.0 * 1e3)  # not its 10 samples/s
+    assert steps.loc["id-image", "rate_column"] == "throughput" and steps.loc["id-image", "rate"] == pytest.approx(100)
+    (step_chart, *_) = draw_charts(frame, tmp_path)
+    assert step_chart.file and "cells are drawn in tokens/s, in a panel of their own" in step_chart.caption
+    (lm_only, *_) = draw_charts(as_read(_lm_rows()), tmp_path)
+    assert lm_only.caption.endswith("Token workloads' cells (language models) in tokens/s.")
+    measurements = page[1].split("<h2>Measurements</h2>")[1]
+    rows = re.findall(r'<tr class="ok">.*?</tr>', measurements, re.S)
+    (dense,) = [tr for tr in rows if "seq1024<" in tr and ">distill_step<" in tr]  # the dense cell's label
+    assert ">10,240 tokens/s<" in dense
+
+
+def test_adds_up_judges_the_phases_shown_against_the_median_shown():
+    from kdbench.report.step_tables import profile_rows
+
+    # each iteration's phases added up to its step (a 0.4 ms median gap), but their medians sum to 4.5 s of 5.78 s
+    phases = {"phase_teacher_forward_ms": 1000.0, "phase_student_forward_ms": 500.0, "phase_loss_ms": 1500.0,
+              "phase_backward_ms": 1400.0, "phase_optimizer_ms": 100.0, "phase_remainder_ms": 0.4}  # fmt: skip
+    (row,) = profile_rows(as_read([_row("dense", 256, "distill_step", 5780.0, **phases)]))
+    assert row["remainder"] == "1280 ms (22.1 %)" and row["remainder_bad"] is True
+    assert any("phases varied between iterations" in w for w in row["warnings"])
+    (fine,) = profile_rows(as_read([_row("dense", 256, "distill_step", 4500.4, **phases)]))
+    assert fine["remainder"] == "0.400 ms (0.0 %)" and fine["remainder_bad"] is False and not fine["warnings"]

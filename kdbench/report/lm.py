@@ -328,7 +328,7 @@ def _tokens_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
     title = "LM distillation step: tokens per second"
     if not points["status"].eq(Status.OK).any():
         return charts.not_drawn(title, "no successful LM distill_step measurement")
-    rows = points.assign(group=points["pair"] + "\n(" + points["setting"] + ")")
+    rows = charts.rates(points.assign(group=points["pair"] + "\n(" + points["setting"] + ")"))  # tokens/s
     sources = sorted(rows["source"].unique())
     seq_lens = sorted(rows["seq_len"].unique())
     impls = impl_order(rows["impl"])
@@ -344,9 +344,9 @@ def _tokens_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
                 ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes, color="0.4")
                 ax.set_xticks([])
                 continue
-            _status_bars(ax, here, "group", impls, "tokens_per_s", color, _compact)
+            _status_bars(ax, here, "group", impls, "rate", color, _compact)
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}"))
-        axes[0].set_ylabel(charts.axis_label("step throughput", "tokens_per_s"))
+        axes[0].set_ylabel(charts.axis_label("step throughput", charts.RATE_COLUMNS[0]))
     _legend(fig, impls, color, rows)
     caption = (
         "Tokens processed per second by the distillation step of each teacher → student pair, one bar per "
