@@ -331,3 +331,29 @@ def test_adds_up_judges_the_phases_shown_against_the_median_shown():
     assert any("phases varied between iterations" in w for w in row["warnings"])
     (fine,) = profile_rows(as_read([_row("dense", 256, "distill_step", 4500.4, **phases)]))
     assert fine["remainder"] == "0.400 ms (0.0 %)" and fine["remainder_bad"] is False and not fine["warnings"]
+
+
+CPU = {"device_name": "Intel Xeon", "backend": "cpu"}
+
+
+def test_logits_above_the_footprint_are_compared_with_the_peak_and_say_why(tmp_path):
+    # llm-cpu's dense seq 1,024: 2.99 GiB of logits against a 2.78 GiB footprint (the resident memory's rise) and a
+    # 3.9 GiB peak: the step reused memory the process held as it began
+    memory = {"memory_kind": "rss_hwm", "peak_memory_bytes": int(3.9 * GIB), "memory_footprint_bytes": int(2.78 * GIB)}
+    cpu = _step_row("dense", 1024) | memory | {"logits_memory_bytes": 2.99 * GIB, **CPU}
+    fits = _step_row("chunked", 1024) | memory | {"logits_memory_bytes": 0.5 * GIB, **CPU}
+    points = step_points(as_read([cpu, fits])).set_index("impl")
+    assert points.loc["dense", "logits_share"] == pytest.approx(2.99 / 3.9, rel=1e-3)  # of the peak: below 100 %
+    assert "reused memory the process already held" in points.loc["dense", "memory_note"]
+    assert points.loc["chunked", "memory_note"] == ""
+    table = memory_table(points.reset_index()).set_index("impl")
+    assert table.loc["dense", "footprint_gib"] == pytest.approx(2.78, rel=1e-3)
+    html = _section(render_report(as_read([cpu, fits]), tmp_path).read_text(encoding="utf-8"))
+    (dense,) = _rows_of(html, "lm-step-row", ">dense<")
+    assert ">3.90 GiB<" in dense and ">2.78 GiB<" in dense and ">76.7 %<" in dense
+    assert '<span class="flag memory-note">⚠ logits above the footprint' in dense
+    (chunked,) = _rows_of(html, "lm-step-row", ">chunked<")
+    assert "memory-note" not in chunked
+    assert "In 1 cell the logits exceed the footprint (the table below says why)." in html
+    device = step_points(as_read([cpu | {"memory_kind": "device", "peak_memory_bytes": int(2.9 * GIB)}]))
+    assert device.loc[0, "memory_note"].startswith("the computed logits exceed the measured peak")
