@@ -357,3 +357,10 @@ def test_logits_above_the_footprint_are_compared_with_the_peak_and_say_why(tmp_p
     assert "In 1 cell the logits exceed the footprint (the table below says why)." in html
     device = step_points(as_read([cpu | {"memory_kind": "device", "peak_memory_bytes": int(2.9 * GIB)}]))
     assert device.loc[0, "memory_note"].startswith("the computed logits exceed the measured peak")
+    # the live tensor peak tells the causes apart: the logits within it (reused memory), or above it (an overcount)
+    held = step_points(as_read([cpu | {"live_peak_bytes": int(3.2 * GIB)}])).loc[0, "memory_note"]
+    assert "its live tensors peaked at 3.2 GiB, the logits within them" in held
+    over = step_points(as_read([cpu | {"live_peak_bytes": int(2.5 * GIB)}])).loc[0, "memory_note"]
+    assert over == "the computed logits exceed the footprint and the live tensors' peak: " + (
+        "the estimate from the shapes counts more buffers than were alive at once"
+    )

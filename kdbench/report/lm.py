@@ -134,35 +134,36 @@ def step_points(df: pd.DataFrame) -> pd.DataFrame:
     footprint = pd.to_numeric(points["memory_footprint_bytes"], errors="coerce").where(ok_rows)
     points["peak_bytes"], points["footprint_bytes"] = peak, footprint
     points["logits_share"] = _ratio(points["logits_memory_bytes"], peak).where(ok_rows)
-    points["memory_note"] = [
-        memory_note(logits, p, f, kind)
-        for logits, p, f, kind in zip(points["logits_memory_bytes"], peak, footprint, points["memory_kind"])
-    ]
+    live = pd.to_numeric(points["live_peak_bytes"], errors="coerce")
+    memory = zip(points["logits_memory_bytes"], peak, footprint, points["memory_kind"], live)
+    points["memory_note"] = [memory_note(*figures) for figures in memory]
     rank = points["impl"].map({impl: i for i, impl in enumerate(impl_order(points["impl"]))})
     order = ["source", "pair", "setting", "seq_len", "rank_"]
     return points.assign(rank_=rank).sort_values(order).drop(columns="rank_").reset_index(drop=True)
 
 
-def memory_note(logits, peak, footprint, kind) -> str:
-    """Why a step's computed logits memory exceeds its measured footprint (or its peak); "" where it does not."""
+_OVERCOUNT = "the estimate from the shapes counts more buffers than were alive at once"
+
+
+def memory_note(logits, peak, footprint, kind, live=None) -> str:
+    """Why a step's computed logits memory exceeds its measured footprint (or its peak); "" where it does not.
+    ``live``: the step's live tensor peak (``live_peak_bytes``), which tells the two causes apart on the CPU."""
     if pd.isna(logits):
         return ""
     if pd.notna(peak) and logits > peak:
-        return (
-            "the computed logits exceed the measured peak: the estimate from the shapes counts more buffers than were "
-            "alive at once"
-        )
+        return f"the computed logits exceed the measured peak: {_OVERCOUNT}"
     if pd.isna(footprint) or logits <= footprint:
         return ""
-    if kind == "device":
-        return (
-            "the computed logits exceed the footprint (the allocator's peak minus what was allocated as the step "
-            "began): the estimate from the shapes counts more buffers than were alive at once"
-        )
+    if kind == "device" or (pd.notna(live) and logits > live):
+        where = "the allocator's" if kind == "device" else "the live tensors'"
+        return f"the computed logits exceed the footprint and {where} peak: {_OVERCOUNT}"
+    held = ""
+    if pd.notna(live):
+        held = f" (its live tensors peaked at {float(live) / GIB:.3g} GiB, the logits within them)"
     return (
         "logits above the footprint: on the CPU the footprint is the rise of the process's resident memory, and the "
         "step reused memory the process already held as it began (freed by earlier work, kept by the allocator), "
-        "which that rise does not count; the peak holds it all"
+        f"which that rise does not count{held}; the peak holds it all"
     )
 
 
