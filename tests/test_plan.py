@@ -277,6 +277,28 @@ def test_cells_that_differ_only_in_unlabelled_settings_get_distinct_labels(tmp_p
     assert alone[0].label == alone[0].short_label and alone[0].label_extra == ""
 
 
+def test_a_swept_setting_is_in_every_label_its_default_too(tmp_path):
+    # issue 32: llm-cpu sweeps loss_impl, and its dense cells' labels left "dense" out (a default is not shown)
+    from tests.helpers import write_suite
+
+    lm = expand_checked(load_suite(SUITES / "llm-cpu.yaml"))
+    assert {c.config.loss_impl: c.label for c in lm if c.config.data.seq_len == 256} == {
+        impl: f"tiny-llama-teacher->tiny-llama-student forward_kl fp32 bs2 seq256 {impl}"
+        for impl in ("dense", "chunked", "fused_linear")
+    }
+    suite = write_suite(
+        tmp_path / "s.yaml",
+        name="s",
+        defaults={"pair": {"teacher": "linear", "student": "linear"}},
+        matrix={"memory_format": ["contiguous", "channels_last"], "seed": [0, 1]},
+    )
+    labels = [c.label for c in expand_checked(load_suite(suite))]
+    layouts = ("contiguous", "channels_last")
+    assert labels == [f"linear->linear kd fp32 bs32 {layout} seed{seed}" for layout in layouts for seed in (0, 1)]
+    alone = expand_checked(load_suite(SUITES / "llm-cpu.yaml"))[0]
+    assert "seed" not in alone.label and "contiguous" not in alone.label  # not swept, at its default: not shown
+
+
 SHIPPED_PLANS = Path(__file__).resolve().parent / "data" / "shipped_plans.json"
 CELLS_ADDED_SINCE = {"llm-fsdp.yaml": 2}  # issue 30: FSDP2 of a bf16-held teacher, with and without bf16 gathers
 
