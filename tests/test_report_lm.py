@@ -364,3 +364,12 @@ def test_logits_above_the_footprint_are_compared_with_the_peak_and_say_why(tmp_p
     assert over == "the computed logits exceed the footprint and the live tensors' peak: " + (
         "the estimate from the shapes counts more buffers than were alive at once"
     )
+
+
+def test_the_profile_table_shows_a_loss_impls_extra_flops_apart_from_the_models():
+    from kdbench.report.step_tables import profile_rows
+
+    rows = [_step_row("chunked", 1024) | {"flops": 1.0e11, "extra_flops": 0.0},
+            _step_row("dense", 1024) | {"flops": 1.0e11, "extra_flops": 2.5e10}]  # fmt: skip
+    got = {r["cell_label"].split()[-1]: r["gflops"] for r in profile_rows(as_read(rows))}
+    assert got == {"chunked": "100", "seq1024": "100 + 25.0 extra"}

@@ -103,6 +103,14 @@ def _remainder(rem, median) -> tuple[str, bool | None]:
     return f"{format_sig(rem, 'ms')} ({share * 100:.1f} %)", abs(share) > REMAINDER_LIMIT
 
 
+def _gflops(flops, extra) -> str:
+    """The step's model GFLOPs, and the loss_impl's extra work beside them where it did any (``+ 1.2 extra``)."""
+    text = format_sig(None if pd.isna(flops) else flops / 1e9)
+    if text != MISSING and pd.notna(extra) and extra > 0:
+        text += f" + {format_sig(extra / 1e9)} extra"
+    return text
+
+
 def _varied(per_iteration, gap, median) -> str | None:
     """Why the phases shown do not add up although each iteration's did (its own phases left ``per_iteration``):
     the phase medians come from different iterations."""
@@ -172,7 +180,7 @@ def profile_rows(df: pd.DataFrame) -> list[dict]:
                 "remainder_bad": bad,
                 "first": format_ms(r["first_ms"]),
                 "steady": steady,
-                "gflops": format_sig(None if pd.isna(r["flops"]) else r["flops"] / 1e9),
+                "gflops": _gflops(r["flops"], r["extra_flops"]),
                 "tflops": format_sig(r["achieved_tflops"]),
                 "mfu": mfu,
                 "mfu_title": mfu_title,
