@@ -225,7 +225,7 @@ def _speedup(rows: pd.DataFrame, out_dir: Path) -> Chart:
 # --- where the step's time goes ------------------------------------------------------
 
 PHASES = tuple((p.column, p.label) for p in STEP_PHASES)  # (column, legend label) in the order of the step
-REMAINDER = (REMAINDER_COLUMN, "remainder (between stamps)")
+REMAINDER = (REMAINDER_COLUMN, "remainder (step median − the phases)")
 PHASE_COLUMNS = tuple(c for c, _ in PHASES) + (REMAINDER[0],)
 _REMAINDER_COLOR = "0.75"
 _REMAINDER_HATCH = "xx"
