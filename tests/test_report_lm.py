@@ -37,6 +37,8 @@ STEPS = {
     ("chunked", 4096): (420.0, 105.0, 24.0, 0.5),
 }
 DENSE_4096_LOGITS = 16.0  # GiB: computed from the shapes, also on the row that ran out of memory
+# (loss_impl, seq_len): the step's footprint (GiB) where a row has one: chunked's is below its computed logits
+FOOTPRINTS = {("chunked", 1024): 0.4}
 DECODE_TOKENS = 64
 
 
@@ -81,10 +83,12 @@ def _step_row(loss_impl: str, seq_len: int) -> Row:
             logits_memory_bytes=DENSE_4096_LOGITS * GIB, logits_buffers="2 × B×S×V bf16",
         )  # fmt: skip
     median, loss, peak, logits = figures
+    footprint = FOOTPRINTS.get((loss_impl, seq_len))
     return _row(
         loss_impl, seq_len, "distill_step", median, tokens=seq_len, tokens_per_s=seq_len / median * 1e3,
         phase_loss_ms=loss, peak_memory_bytes=int(peak * GIB), logits_memory_bytes=logits * GIB,
-        logits_buffers="B×S×V bf16",
+        logits_buffers="B×S×V bf16", memory_kind="device",
+        memory_footprint_bytes=None if footprint is None else int(footprint * GIB),
     )  # fmt: skip
 
 
@@ -336,7 +340,9 @@ def test_adds_up_judges_the_phases_shown_against_the_median_shown():
 CPU = {"device_name": "Intel Xeon", "backend": "cpu"}
 
 
-def test_logits_above_the_footprint_are_compared_with_the_peak_and_say_why(tmp_path):
+def test_logits_above_the_footprint_are_compared_with_the_peak_and_say_why(page):
+    from kdbench.report.lm import step_rows
+
     # llm-cpu's dense seq 1,024: 2.99 GiB of logits against a 2.78 GiB footprint (the resident memory's rise) and a
     # 3.9 GiB peak: the step reused memory the process held as it began
     memory = {"memory_kind": "rss_hwm", "peak_memory_bytes": int(3.9 * GIB), "memory_footprint_bytes": int(2.78 * GIB)}
@@ -346,24 +352,30 @@ def test_logits_above_the_footprint_are_compared_with_the_peak_and_say_why(tmp_p
     assert points.loc["dense", "logits_share"] == pytest.approx(2.99 / 3.9, rel=1e-3)  # of the peak: below 100 %
     assert "reused memory the process already held" in points.loc["dense", "memory_note"]
     assert points.loc["chunked", "memory_note"] == ""
-    table = memory_table(points.reset_index()).set_index("impl")
-    assert table.loc["dense", "footprint_gib"] == pytest.approx(2.78, rel=1e-3)
-    html = _section(render_report(as_read([cpu, fits]), tmp_path).read_text(encoding="utf-8"))
-    (dense,) = _rows_of(html, "lm-step-row", ">dense<")
-    assert ">3.90 GiB<" in dense and ">2.78 GiB<" in dense and ">76.7 %<" in dense
-    assert '<span class="flag memory-note">⚠ logits above the footprint' in dense
-    (chunked,) = _rows_of(html, "lm-step-row", ">chunked<")
-    assert "memory-note" not in chunked
-    assert "In 1 cell the logits exceed the footprint (the table below says why)." in html
-    device = step_points(as_read([cpu | {"memory_kind": "device", "peak_memory_bytes": int(2.9 * GIB)}]))
-    assert device.loc[0, "memory_note"].startswith("the computed logits exceed the measured peak")
+    assert memory_table(points.reset_index()).set_index("impl").loc["dense", "footprint_gib"] == pytest.approx(2.78)
+    dense = step_rows(points.reset_index())[0]
+    assert (dense["peak"], dense["footprint"], dense["logits_share"]) == ("3.90 GiB", "2.78 GiB", "76.7 %")
     # the live tensor peak tells the causes apart: the logits within it (reused memory), or above it (an overcount)
     held = step_points(as_read([cpu | {"live_peak_bytes": int(3.2 * GIB)}])).loc[0, "memory_note"]
     assert "its live tensors peaked at 3.2 GiB, the logits within them" in held
     over = step_points(as_read([cpu | {"live_peak_bytes": int(2.5 * GIB)}])).loc[0, "memory_note"]
-    assert over == "the computed logits exceed the footprint and the live tensors' peak: " + (
-        "the estimate from the shapes counts more buffers than were alive at once"
+    assert over == "the computed logits exceed the footprint and the live tensors' peak: " + OVERCOUNT
+    above_peak = step_points(as_read([cpu | {"peak_memory_bytes": int(2.9 * GIB)}])).loc[0, "memory_note"]
+    assert above_peak == "the computed logits exceed the measured peak: " + OVERCOUNT
+    # on the page (a GPU row: the allocator's counters are exact), flagged and said
+    section = _section(page[1])
+    (chunked,) = _rows_of(section, "lm-step-row", ">chunked<", ">1,024<")
+    assert ">0.400 GiB<" in chunked and re.search(r'>0.500 GiB\s*<span class="flag">⚠</span>', chunked)
+    note = (
+        "the computed logits exceed the footprint (the allocator's peak minus what was allocated as the step began): "
+        "buffers allocated before the step (a cached teacher's outputs) are not in it, or " + OVERCOUNT
     )
+    assert f'<span class="flag memory-note">⚠ {note}</span>' in chunked.replace("&#39;", "'")
+    assert "memory-note" not in "".join(_rows_of(section, "lm-step-row", ">dense<"))
+    assert "In 1 cell the logits exceed the footprint (the table below says why)." in section
+
+
+OVERCOUNT = "the estimate from the shapes counts more buffers than were alive at once"
 
 
 def test_the_profile_table_shows_a_loss_impls_extra_flops_apart_from_the_models():

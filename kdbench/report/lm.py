@@ -154,9 +154,13 @@ def memory_note(logits, peak, footprint, kind, live=None) -> str:
         return f"the computed logits exceed the measured peak: {_OVERCOUNT}"
     if pd.isna(footprint) or logits <= footprint:
         return ""
-    if kind == "device" or (pd.notna(live) and logits > live):
-        where = "the allocator's" if kind == "device" else "the live tensors'"
-        return f"the computed logits exceed the footprint and {where} peak: {_OVERCOUNT}"
+    if kind == "device":
+        return (
+            "the computed logits exceed the footprint (the allocator's peak minus what was allocated as the step "
+            f"began): buffers allocated before the step (a cached teacher's outputs) are not in it, or {_OVERCOUNT}"
+        )
+    if pd.notna(live) and logits > live:  # the live tensors' peak counts those alive before the step too
+        return f"the computed logits exceed the footprint and the live tensors' peak: {_OVERCOUNT}"
     held = ""
     if pd.notna(live):
         held = f" (its live tensors peaked at {float(live) / GIB:.3g} GiB, the logits within them)"
