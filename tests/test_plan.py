@@ -297,6 +297,16 @@ def test_a_swept_setting_is_in_every_label_its_default_too(tmp_path):
     assert labels == [f"linear->linear kd fp32 bs32 {layout} seed{seed}" for layout in layouts for seed in (0, 1)]
     alone = expand_checked(load_suite(SUITES / "llm-cpu.yaml"))[0]
     assert "seed" not in alone.label and "contiguous" not in alone.label  # not swept, at its default: not shown
+    # cases are no axis of a setting: each case shows its own settings, not the others' defaults
+    cases = write_suite(
+        tmp_path / "c.yaml",
+        name="c",
+        defaults={"pair": {"teacher": "linear", "student": "linear"}},
+        matrix={"cases": [{}, {"seed": 1}, {"memory_format": "channels_last"}]},
+    )
+    labels = [c.label for c in expand_checked(load_suite(cases))]
+    base = "linear->linear kd fp32 bs32"
+    assert labels == [base, f"{base} seed1", f"{base} channels_last"]
 
 
 SHIPPED_PLANS = Path(__file__).resolve().parent / "data" / "shipped_plans.json"

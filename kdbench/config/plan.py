@@ -282,7 +282,7 @@ def expand(suite: Suite, check: Check) -> list[Cell]:
     for cell in cells:
         for key, message in check(cell.config, suite.allow_imports, suite.launcher.nnodes):
             raise suite.error(suite.locate(*key), message)
-    return distinct_labels(cells)
+    return distinct_labels(cells, tuple(suite.matrix))
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -317,17 +317,21 @@ LABEL_KEYS = (
 )
 
 
-def swept_keys(cells: list[Cell]) -> frozenset[str]:
-    """The :data:`LABEL_KEYS` whose values differ between ``cells`` (what their plan sweeps)."""
+def swept_keys(cells: list[Cell], axes: tuple[str, ...] = ()) -> frozenset[str]:
+    """The :data:`LABEL_KEYS` that a matrix axis of ``axes`` names (itself or a mapping above it: ``optimizer`` for
+    ``optimizer.impl``) and whose values differ between ``cells``.  A ``cases`` list is no axis of a setting: each
+    case's own settings show as they are away from their defaults, the others' defaults are left out."""
+    named = [k for k in LABEL_KEYS if any(k == a or k.startswith(a + ".") for a in axes if a != CASES)]
     flats = [_flat(c.config.model_dump(mode="json")) for c in cells]
-    return frozenset(k for k in LABEL_KEYS if len({f.get(k) for f in flats}) > 1)
+    return frozenset(k for k in named if len({f.get(k) for f in flats}) > 1)
 
 
-def distinct_labels(cells: list[Cell]) -> list[Cell]:
-    """The cells, each labelled with the settings the plan sweeps (:func:`swept_keys`: a swept setting shows at its
-    default too), and those whose short labels still coincide told apart by `key=value` of every setting in which
-    they differ (``kd.temperature=2.0``, ``data.shape=[3,64,64]``): the report keys its charts by label."""
-    swept = swept_keys(cells)
+def distinct_labels(cells: list[Cell], axes: tuple[str, ...] = ()) -> list[Cell]:
+    """The cells, each labelled with the settings the plan's matrix ``axes`` sweep (:func:`swept_keys`: a swept
+    setting shows at its default too, ``dense`` beside ``chunked``), and those whose short labels still coincide
+    told apart by `key=value` of every setting in which they differ (``kd.temperature=2.0``,
+    ``data.shape=[3,64,64]``): the report keys its charts by label."""
+    swept = swept_keys(cells, axes)
     cells = [replace(c, swept=swept) for c in cells]
     groups: dict[str, list[Cell]] = {}
     for cell in cells:
