@@ -432,6 +432,14 @@ COLUMNS: tuple[Column, ...] = (
         ("teacher_forward_flops", _F, "FLOP", "the teacher forward's share of `flops` (distill_step, live teacher)"),
         ("student_flops", _F, "FLOP", "student forward + backward (+ adapters) share of `flops` (distill_step)"),
         (
+            "extra_flops",
+            _F,
+            "FLOP",
+            "LM step rows: FLOPs the loss_impl executed beyond dense's for the same step (heads run on masked tokens "
+            "too, a head run twice), counted on meta tensors of the step's shapes and left out of `flops` (and of "
+            "student_flops), so that `flops` and MFU count the same model work for every loss_impl; 0 for dense",
+        ),
+        (
             "ceiling_tflops",
             _F,
             "TFLOP/s",

@@ -211,7 +211,7 @@ def test_fit_judges_every_cell_of_a_suite_and_writes_json(suite, tmp_path, capsy
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("kdbench fit: each cell's own distillation step") and "nothing allocated" in lines[0]
     assert lines[1].startswith("device a device of 1.2GiB: 1.20 GiB") and "usable 0.19 GiB per device" in lines[1]
-    assert lines[2].startswith("[1/2] tiny-llama-teacher->tiny-llama-student forward_kl fp32 bs2 seq1024  (cell ")
+    assert lines[2].startswith("[1/2] tiny-llama-teacher->tiny-llama-student forward_kl fp32 bs2 seq1024 dense  (cell ")
     assert lines[3].startswith(f"      peak {peaks['dense'] / GIB:.2f} GiB per rank in loss (parameters ")
     assert "logits" in lines[3] and "of it" in lines[3]
     assert "fake run" in lines[4]

@@ -23,6 +23,7 @@ from kdbench.distill.lm.divergences import DIVERGENCES, TokenLoss
 from kdbench.distill.lm.impls import LOSS_IMPLS, lm_loss, unavailable, unsupported
 from kdbench.distill.lm.impls.memory import logits_memory
 from kdbench.errors import KdbenchError
+from kdbench.measure.flops import count_flops
 
 N, V, HS, HT, CHUNK = 37, 97, 16, 24, 8
 RTOL = 1e-5
@@ -315,6 +316,26 @@ def test_chunked_never_holds_float32_logits():
         _, created = created_by("chunked", torch.bfloat16, divergence)
         assert any(n >= size and d == torch.bfloat16 for n, d, _ in created)  # the logits, their gradient
         assert not any(n >= size and d == torch.float32 for n, d, _ in created), divergence
+
+
+def test_every_impl_counts_the_heads_matmuls_it_runs():
+    # 2 FLOPs per multiply-add of each head matmul the impl executes, over its rows: the student's logits and its two
+    # gradients (w.r.t. h_s and W_s), the teacher's logits; fused_linear's in-place addmm_ and torch_linear's fused
+    # op counted as dense's autograd matmuls are. torch_linear's CE runs on every row (masked ones too) and its KD
+    # recomputes the student's logits; liger runs its heads on every row.
+    inputs = make_inputs(bias=False)
+    n_valid = int((inputs[-1] != -100).sum())
+    loss = loss_for("forward_kl")
+    student, teacher = 2 * V * HS, 2 * V * HT  # per row
+    want = {
+        "dense": n_valid * (3 * student + teacher),
+        "chunked": n_valid * (3 * student + teacher),
+        "fused_linear": n_valid * (3 * student + teacher),
+        "torch_linear": N * 3 * student + n_valid * (3 * student + teacher),
+        "liger": N * (3 * student + teacher),
+    }
+    for impl, flops in want.items():
+        assert count_flops(lambda impl=impl: run(impl, loss, inputs)) == flops, impl
 
 
 def test_logits_memory_estimate():

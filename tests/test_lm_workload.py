@@ -160,9 +160,13 @@ def test_a_cell_measures_the_step_and_serving_with_tokens_and_logits_memory():
     assert [r["attention_kernel"] for r in rows] == ["flash"] * 5
 
 
-def test_dense_and_fused_cells_measure_the_same_first_loss():
-    losses = {}
-    for impl in ("dense", "chunked", "fused_linear"):
+def test_dense_and_fused_cells_measure_the_same_first_loss_and_count_the_same_flops():
+    # the same work counted the same way: fused_linear's weight gradient (an in-place addmm_, which torch's counter
+    # does not see) counts as dense's autograd matmul does, so their MFU compare
+    from kdbench.measure.step import step_flops
+
+    losses, flops, extra = {}, {}, {}
+    for impl in ("dense", "chunked", "fused_linear", "torch_linear"):
         config = lm_config(
             loss_impl=impl,
             chunk_size=8,
@@ -176,9 +180,17 @@ def test_dense_and_fused_cells_measure_the_same_first_loss():
         step = DistillStep(teacher, student, x, y, config, CPU, LM)
         step()
         losses[impl] = float(step.last_loss)
+        flops[impl] = step_flops(step)
+        extra[impl] = LM.step_columns(step, config, x)[0]["extra_flops"]
         step.close()
     assert losses["chunked"] == pytest.approx(losses["dense"], rel=1e-5)
     assert losses["fused_linear"] == pytest.approx(losses["dense"], rel=1e-5)
+    assert flops["dense"]["flops"] > 0 and flops["chunked"] == flops["fused_linear"] == flops["dense"]
+    assert extra == {"dense": 0, "chunked": 0, "fused_linear": 0, "torch_linear": extra["torch_linear"]}
+    # torch_linear's CE runs the student head on all 2 × 16 tokens, its KL once more on the 2 × 11 valid ones: that
+    # extra is counted apart, and what is left is dense's work (a 4,096 vocabulary, a 128-wide student)
+    assert extra["torch_linear"] == 2 * 4096 * 128 * 3 * 2 * 16
+    assert flops["torch_linear"]["flops"] - extra["torch_linear"] == flops["dense"]["flops"]
 
 
 def test_counted_forward_flops_match_the_analytic_count(pair):

@@ -277,6 +277,38 @@ def test_cells_that_differ_only_in_unlabelled_settings_get_distinct_labels(tmp_p
     assert alone[0].label == alone[0].short_label and alone[0].label_extra == ""
 
 
+def test_a_swept_setting_is_in_every_label_its_default_too(tmp_path):
+    # issue 32: llm-cpu sweeps loss_impl, and its dense cells' labels left "dense" out (a default is not shown)
+    from tests.helpers import write_suite
+
+    lm = expand_checked(load_suite(SUITES / "llm-cpu.yaml"))
+    assert {c.config.loss_impl: c.label for c in lm if c.config.data.seq_len == 256} == {
+        impl: f"tiny-llama-teacher->tiny-llama-student forward_kl fp32 bs2 seq256 {impl}"
+        for impl in ("dense", "chunked", "fused_linear")
+    }
+    suite = write_suite(
+        tmp_path / "s.yaml",
+        name="s",
+        defaults={"pair": {"teacher": "linear", "student": "linear"}},
+        matrix={"memory_format": ["contiguous", "channels_last"], "seed": [0, 1]},
+    )
+    labels = [c.label for c in expand_checked(load_suite(suite))]
+    layouts = ("contiguous", "channels_last")
+    assert labels == [f"linear->linear kd fp32 bs32 {layout} seed{seed}" for layout in layouts for seed in (0, 1)]
+    alone = expand_checked(load_suite(SUITES / "llm-cpu.yaml"))[0]
+    assert "seed" not in alone.label and "contiguous" not in alone.label  # not swept, at its default: not shown
+    # cases are no axis of a setting: each case shows its own settings, not the others' defaults
+    cases = write_suite(
+        tmp_path / "c.yaml",
+        name="c",
+        defaults={"pair": {"teacher": "linear", "student": "linear"}},
+        matrix={"cases": [{}, {"seed": 1}, {"memory_format": "channels_last"}]},
+    )
+    labels = [c.label for c in expand_checked(load_suite(cases))]
+    base = "linear->linear kd fp32 bs32"
+    assert labels == [base, f"{base} seed1", f"{base} channels_last"]
+
+
 SHIPPED_PLANS = Path(__file__).resolve().parent / "data" / "shipped_plans.json"
 CELLS_ADDED_SINCE = {"llm-fsdp.yaml": 2}  # issue 30: FSDP2 of a bf16-held teacher, with and without bf16 gathers
 

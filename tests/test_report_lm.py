@@ -37,6 +37,8 @@ STEPS = {
     ("chunked", 4096): (420.0, 105.0, 24.0, 0.5),
 }
 DENSE_4096_LOGITS = 16.0  # GiB: computed from the shapes, also on the row that ran out of memory
+# (loss_impl, seq_len): the step's footprint (GiB) where a row has one: chunked's is below its computed logits
+FOOTPRINTS = {("chunked", 1024): 0.4}
 DECODE_TOKENS = 64
 
 
@@ -81,10 +83,12 @@ def _step_row(loss_impl: str, seq_len: int) -> Row:
             logits_memory_bytes=DENSE_4096_LOGITS * GIB, logits_buffers="2 × B×S×V bf16",
         )  # fmt: skip
     median, loss, peak, logits = figures
+    footprint = FOOTPRINTS.get((loss_impl, seq_len))
     return _row(
         loss_impl, seq_len, "distill_step", median, tokens=seq_len, tokens_per_s=seq_len / median * 1e3,
         phase_loss_ms=loss, peak_memory_bytes=int(peak * GIB), logits_memory_bytes=logits * GIB,
-        logits_buffers="B×S×V bf16",
+        logits_buffers="B×S×V bf16", memory_kind="device",
+        memory_footprint_bytes=None if footprint is None else int(footprint * GIB),
     )  # fmt: skip
 
 
@@ -299,3 +303,85 @@ def test_bar_labels_of_a_mixed_run_leave_out_what_a_family_does_not_have(frame):
     variants = set(add_variant(steps[steps.measurement == "distill_step"])["variant"])
     assert "bf16, kd, 3x32x32" in variants and "bf16, forward_kl, dense, seq1024" in variants
     assert not any("?" in v for v in variants)  # no image shape on LM bars, no seq_len or loss_impl on image ones
+
+
+def test_every_chart_and_table_reads_lm_cells_in_tokens_per_s(frame, page, tmp_path):
+    from kdbench.report.charts import rates
+    from kdbench.report.plots import draw_charts
+
+    steps = rates(pooled(frame))
+    steps = steps[steps["measurement"].eq("distill_step")].set_index("cell_id")
+    assert steps.loc["id-dense-1024", "rate_column"] == "tokens_per_s"
+    assert steps.loc["id-dense-1024", "rate"] == pytest.approx(1024 / 100.0 * 1e3)  # not its 10 samples/s
+    assert steps.loc["id-image", "rate_column"] == "throughput" and steps.loc["id-image", "rate"] == pytest.approx(100)
+    (step_chart, *_) = draw_charts(frame, tmp_path)
+    assert step_chart.file and "cells are drawn in tokens/s, in a panel of their own" in step_chart.caption
+    (lm_only, *_) = draw_charts(as_read(_lm_rows()), tmp_path)
+    assert lm_only.caption.endswith("Token workloads' cells (language models) in tokens/s.")
+    measurements = page[1].split("<h2>Measurements</h2>")[1]
+    rows = re.findall(r'<tr class="ok">.*?</tr>', measurements, re.S)
+    (dense,) = [tr for tr in rows if "seq1024<" in tr and ">distill_step<" in tr]  # the dense cell's label
+    assert ">10,240 tokens/s<" in dense
+
+
+def test_adds_up_judges_the_phases_shown_against_the_median_shown():
+    from kdbench.report.step_tables import profile_rows
+
+    # each iteration's phases added up to its step (a 0.4 ms median gap), but their medians sum to 4.5 s of 5.78 s
+    phases = {"phase_teacher_forward_ms": 1000.0, "phase_student_forward_ms": 500.0, "phase_loss_ms": 1500.0,
+              "phase_backward_ms": 1400.0, "phase_optimizer_ms": 100.0, "phase_remainder_ms": 0.4}  # fmt: skip
+    (row,) = profile_rows(as_read([_row("dense", 256, "distill_step", 5780.0, **phases)]))
+    assert row["remainder"] == "1280 ms (22.1 %)" and row["remainder_bad"] is True
+    assert any("phases varied between iterations" in w for w in row["warnings"])
+    (fine,) = profile_rows(as_read([_row("dense", 256, "distill_step", 4500.4, **phases)]))
+    assert fine["remainder"] == "0.400 ms (0.0 %)" and fine["remainder_bad"] is False and not fine["warnings"]
+
+
+CPU = {"device_name": "Intel Xeon", "backend": "cpu"}
+
+
+def test_logits_above_the_footprint_are_compared_with_the_peak_and_say_why(page):
+    from kdbench.report.lm import step_rows
+
+    # llm-cpu's dense seq 1,024: 2.99 GiB of logits against a 2.78 GiB footprint (the resident memory's rise) and a
+    # 3.9 GiB peak: the step reused memory the process held as it began
+    memory = {"memory_kind": "rss_hwm", "peak_memory_bytes": int(3.9 * GIB), "memory_footprint_bytes": int(2.78 * GIB)}
+    cpu = _step_row("dense", 1024) | memory | {"logits_memory_bytes": 2.99 * GIB, **CPU}
+    fits = _step_row("chunked", 1024) | memory | {"logits_memory_bytes": 0.5 * GIB, **CPU}
+    points = step_points(as_read([cpu, fits])).set_index("impl")
+    assert points.loc["dense", "logits_share"] == pytest.approx(2.99 / 3.9, rel=1e-3)  # of the peak: below 100 %
+    assert "reused memory the process already held" in points.loc["dense", "memory_note"]
+    assert points.loc["chunked", "memory_note"] == ""
+    assert memory_table(points.reset_index()).set_index("impl").loc["dense", "footprint_gib"] == pytest.approx(2.78)
+    dense = step_rows(points.reset_index())[0]
+    assert (dense["peak"], dense["footprint"], dense["logits_share"]) == ("3.90 GiB", "2.78 GiB", "76.7 %")
+    # the live tensor peak tells the causes apart: the logits within it (reused memory), or above it (an overcount)
+    held = step_points(as_read([cpu | {"live_peak_bytes": int(3.2 * GIB)}])).loc[0, "memory_note"]
+    assert "its live tensors peaked at 3.2 GiB, the logits within them" in held
+    over = step_points(as_read([cpu | {"live_peak_bytes": int(2.5 * GIB)}])).loc[0, "memory_note"]
+    assert over == "the computed logits exceed the footprint and the live tensors' peak: " + OVERCOUNT
+    above_peak = step_points(as_read([cpu | {"peak_memory_bytes": int(2.9 * GIB)}])).loc[0, "memory_note"]
+    assert above_peak == "the computed logits exceed the measured peak: " + OVERCOUNT
+    # on the page (a GPU row: the allocator's counters are exact), flagged and said
+    section = _section(page[1])
+    (chunked,) = _rows_of(section, "lm-step-row", ">chunked<", ">1,024<")
+    assert ">0.400 GiB<" in chunked and re.search(r'>0.500 GiB\s*<span class="flag">⚠</span>', chunked)
+    note = (
+        "the computed logits exceed the footprint (the allocator's peak minus what was allocated as the step began): "
+        "buffers allocated before the step (a cached teacher's outputs) are not in it, or " + OVERCOUNT
+    )
+    assert f'<span class="flag memory-note">⚠ {note}</span>' in chunked.replace("&#39;", "'")
+    assert "memory-note" not in "".join(_rows_of(section, "lm-step-row", ">dense<"))
+    assert "In 1 cell the logits exceed the footprint (the table below says why)." in section
+
+
+OVERCOUNT = "the estimate from the shapes counts more buffers than were alive at once"
+
+
+def test_the_profile_table_shows_a_loss_impls_extra_flops_apart_from_the_models():
+    from kdbench.report.step_tables import profile_rows
+
+    rows = [_step_row("chunked", 1024) | {"flops": 1.0e11, "extra_flops": 0.0},
+            _step_row("dense", 1024) | {"flops": 1.0e11, "extra_flops": 2.5e10}]  # fmt: skip
+    got = {r["cell_label"].split()[-1]: r["gflops"] for r in profile_rows(as_read(rows))}
+    assert got == {"chunked": "100", "seq1024": "100 + 25.0 extra"}

@@ -70,6 +70,9 @@ class Cell:
     # `key=value` of the settings that tell this cell apart from others of its plan with the same short label
     # (set by :func:`distinct_labels`)
     label_extra: str = field(default="", compare=False)
+    # the settings the plan sweeps (their values differ between its cells): shown in the label even at their
+    # defaults (set by :func:`distinct_labels`)
+    swept: frozenset[str] = field(default=frozenset(), compare=False)
 
     @property
     def label(self) -> str:
@@ -78,45 +81,50 @@ class Cell:
     @property
     def short_label(self) -> str:
         """The pair, method, precision, batch size and the settings away from their defaults that most cells
-        sweep; :func:`distinct_labels` adds what else tells the plan's cells apart."""
+        sweep, or that this cell's plan sweeps (``swept``: then shown at their defaults too, ``dense`` beside
+        ``chunked``); :func:`distinct_labels` adds what else tells the plan's cells apart."""
         c = self.config
+
+        def shown(key: str, away: bool) -> bool:
+            return away or key in self.swept
+
         parts = [f"{c.pair.teacher}->{c.pair.student}", c.method, c.precision]
-        if c.teacher.mode != "live":
+        if shown("teacher.mode", c.teacher.mode != "live"):
             parts.append(f"teacher-{c.teacher.mode}")
-        if c.teacher_precision != "fp32":
+        if shown("teacher_precision", c.teacher_precision != "fp32"):
             parts.append(f"teacher-{c.teacher_precision}")
-        if c.teacher.weights != "fp32":
+        if shown("teacher.weights", c.teacher.weights != "fp32"):
             parts.append(f"teacher-weights-{c.teacher.weights}")
         parts.append(f"bs{c.batch_size}")
         if c.data.is_tokens:
             parts.append(f"seq{c.data.seq_len}")
             if c.on_policy is not None:
                 parts.append(f"on-policy{c.on_policy.new_tokens}")
-            if c.loss_impl != "dense":
+            if shown("loss_impl", c.loss_impl != "dense"):
                 parts.append(c.loss_impl)
-        if c.memory_format != "contiguous":
+        if shown("memory_format", c.memory_format != "contiguous"):
             parts.append(c.memory_format)
-        if c.alignment != 64:
+        if shown("alignment", c.alignment != 64):
             parts.append(f"align{c.alignment}")
-        if c.pad_to != 1:
+        if shown("pad_to", c.pad_to != 1):
             parts.append(f"pad{c.pad_to}")
-        if c.world_size != 1:
+        if shown("world_size", c.world_size != 1):
             parts.append(f"ws{c.world_size}" + ("-fsdp" if c.parallel == "fsdp" else ""))
-        if c.seed != 0:
+        if shown("seed", c.seed != 0):
             parts.append(f"seed{c.seed}")
-        if c.compile != "off":
+        if shown("compile", c.compile != "off"):
             parts.append(f"compile-{c.compile}")
-        if c.compile_teacher:
-            parts.append("compile-teacher")
-        if c.optimizer.impl != "default":
-            parts.append(c.optimizer.impl)
-        if c.conv_autotune:
-            parts.append("conv-autotune")
-        if c.tunableop:
-            parts.append("tunableop")
-        if c.graphs:
-            parts.append("graphs")
-        if c.inference.runtime != "eager":
+        if shown("optimizer.impl", c.optimizer.impl != "default"):
+            parts.append(c.optimizer.impl if c.optimizer.impl != "default" else "optimizer-default")
+        for key, on, text in (
+            ("compile_teacher", c.compile_teacher, "compile-teacher"),
+            ("conv_autotune", c.conv_autotune, "conv-autotune"),
+            ("tunableop", c.tunableop, "tunableop"),
+            ("graphs", c.graphs, "graphs"),
+        ):
+            if shown(key, bool(on)):
+                parts.append(text if on else f"{text}-off")
+        if shown("inference.runtime", c.inference.runtime != "eager"):
             parts.append(f"serve-{c.inference.runtime}")
         return " ".join(parts)
 
@@ -274,7 +282,7 @@ def expand(suite: Suite, check: Check) -> list[Cell]:
     for cell in cells:
         for key, message in check(cell.config, suite.allow_imports, suite.launcher.nnodes):
             raise suite.error(suite.locate(*key), message)
-    return distinct_labels(cells)
+    return distinct_labels(cells, tuple(suite.matrix))
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -288,9 +296,43 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
-def distinct_labels(cells: list[Cell]) -> list[Cell]:
-    """The cells, those whose short labels coincide told apart by `key=value` of every setting in which they
-    differ (``kd.temperature=2.0``, ``data.shape=[3,64,64]``): the report keys its charts by label."""
+# The settings a short label shows away from their defaults (Cell.short_label), by their dotted keys.
+LABEL_KEYS = (
+    "teacher.mode",
+    "teacher_precision",
+    "teacher.weights",
+    "loss_impl",
+    "memory_format",
+    "alignment",
+    "pad_to",
+    "world_size",
+    "seed",
+    "compile",
+    "optimizer.impl",
+    "compile_teacher",
+    "conv_autotune",
+    "tunableop",
+    "graphs",
+    "inference.runtime",
+)
+
+
+def swept_keys(cells: list[Cell], axes: tuple[str, ...] = ()) -> frozenset[str]:
+    """The :data:`LABEL_KEYS` that a matrix axis of ``axes`` names (itself or a mapping above it: ``optimizer`` for
+    ``optimizer.impl``) and whose values differ between ``cells``.  A ``cases`` list is no axis of a setting: each
+    case's own settings show as they are away from their defaults, the others' defaults are left out."""
+    named = [k for k in LABEL_KEYS if any(k == a or k.startswith(a + ".") for a in axes if a != CASES)]
+    flats = [_flat(c.config.model_dump(mode="json")) for c in cells]
+    return frozenset(k for k in named if len({f.get(k) for f in flats}) > 1)
+
+
+def distinct_labels(cells: list[Cell], axes: tuple[str, ...] = ()) -> list[Cell]:
+    """The cells, each labelled with the settings the plan's matrix ``axes`` sweep (:func:`swept_keys`: a swept
+    setting shows at its default too, ``dense`` beside ``chunked``), and those whose short labels still coincide
+    told apart by `key=value` of every setting in which they differ (``kd.temperature=2.0``,
+    ``data.shape=[3,64,64]``): the report keys its charts by label."""
+    swept = swept_keys(cells, axes)
+    cells = [replace(c, swept=swept) for c in cells]
     groups: dict[str, list[Cell]] = {}
     for cell in cells:
         groups.setdefault(cell.short_label, []).append(cell)

@@ -19,10 +19,18 @@ Attention is counted as the kernel executes it (the convention MFU rests on, doc
 
 The fused kernels compute the diagonal blocks whole, so they execute a little more than counted:
 about tile/S of the attention's FLOPs (3 % at 4,096 tokens with 128-row tiles).
+
+Matmuls torch's counter does not see are counted too (:func:`_unseen_formulas`): the in-place ``addmm_`` and
+``baddbmm_`` (a fused loss accumulates its head's weight gradient with them: without them ``fused_linear``'s
+step counted one head matmul fewer than dense's for the same work), and torch's fused linear cross-entropy
+(``F.linear_cross_entropy``'s chunked op, one custom op to the dispatcher, whose matmuls run inside it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +38,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from torch.utils.flop_counter import FlopCounterMode, addmm_flop, baddbmm_flop, flop_registry
 
 FLASH, CUDNN, MEM_EFFICIENT, MATH = "flash", "cudnn", "mem_efficient", "math"
 
@@ -133,11 +141,50 @@ def _attention_formulas(seen: _Attention) -> dict:
     return mapping
 
 
+def linear_cross_entropy_flops(*args, out_val=None, **kwargs) -> int:
+    """FLOPs of torch's chunked linear cross-entropy op (``torch_nn::_linear_cross_entropy_batch_chunked``): the
+    logits of its input's rows (N×H by the C×H weight, 2·N·C·H) and, in the same forward, the gradients it is asked
+    for (its input's and its weight's: 2·N·C·H each; the bias's is a sum, 0 as torch counts bias adds)."""
+    names = ("input", "linear_weight")
+    bound = {**dict(zip(names, args)), **kwargs}
+    x, w = _shape(bound["input"]), _shape(bound["linear_weight"])
+    grads = sum(bool(kwargs.get(k, args[i] if len(args) > i else False)) for i, k in _LCE_GRADS)
+    rows = math.prod(x[:-1])
+    return 2 * rows * w[0] * x[-1] * (1 + grads)
+
+
+linear_cross_entropy_flops._get_raw = True
+_LCE_GRADS = ((12, "compute_input_grad"), (13, "compute_linear_weight_grad"))  # their places in the op's schema
+
+
+def _in_place(formula):
+    """A raw formula (tensors in) of an in-place matmul from torch's formula of its out-of-place op (shapes in)."""
+
+    def counted(self, a, b, *args, out_val=None, **kwargs) -> int:
+        return formula(_shape(self), _shape(a), _shape(b))
+
+    counted._get_raw = True
+    return counted
+
+
+def _unseen_formulas() -> dict:
+    """Formulas of the matmuls torch's counter leaves out (module docstring): in-place addmm_ / baddbmm_ as their
+    out-of-place ops, torch's fused linear cross-entropy where this torch has it."""
+    mapping = {torch.ops.aten.addmm_: _in_place(addmm_flop), torch.ops.aten.baddbmm_: _in_place(baddbmm_flop)}
+    with contextlib.suppress(ImportError):  # the module that registers the op (torch >= 2.13)
+        importlib.import_module("torch.nn.modules.linear_cross_entropy")
+    chunked = getattr(getattr(torch.ops, "torch_nn", None), "_linear_cross_entropy_batch_chunked", None)
+    if chunked is not None:
+        mapping[chunked] = linear_cross_entropy_flops
+    return mapping
+
+
 def count(fn: Callable[[], Any]) -> Counted:
     """Run ``fn`` once: its FLOPs (2 per multiply-add; attention as executed) and its attention calls per kernel."""
     calls: Counter = Counter()
     seen = _Attention(calls)
-    with FlopCounterMode(display=False, custom_mapping=_attention_formulas(seen)) as counter, seen:
+    formulas = {**_unseen_formulas(), **_attention_formulas(seen)}
+    with FlopCounterMode(display=False, custom_mapping=formulas) as counter, seen:
         fn()
     return Counted(int(counter.get_total_flops()), calls)
 

@@ -183,6 +183,9 @@ def measure_distill_step(
                     traced = trace(step, backend, path)
             flags = math_flags()
         if row is not None:
+            if flops and row.get("extra_flops"):  # the loss_impl's extra work: its own column, not the model's FLOPs
+                extra = row["extra_flops"]
+                flops = {**flops, "flops": flops["flops"] - extra, "student_flops": flops["student_flops"] - extra}
             row.update(profile, **flops, **live, **traced, **flags, **watch.columns(raw, row["median_ms"]))
             distiller = step.distiller
             row["optimizer_state_bytes"] = optimizer_state_bytes(distiller.optimizer)

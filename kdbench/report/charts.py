@@ -77,6 +77,7 @@ _SHORT = {
     "compile": "compile-{}",
     "runtime": "serve-{}",
 }
+RATE_COLUMNS = ("tokens_per_s", "throughput")  # a token workload's rate (tokens/s), any other row's (samples/s)
 NOISY_HATCH = "///"
 THIN_HATCH = ".."
 THIN_NOTE = "thin: shrunk by the time budget, not judged"
@@ -98,6 +99,27 @@ def axis_label(text: str, column: str) -> str:
     """``text`` followed by the unit of ``column`` as the schema documents it."""
     unit = _UNITS[column]
     return f"{text} ({unit})" if unit else text
+
+
+def rate_columns(rows: pd.DataFrame) -> pd.Series:
+    """The column each row's throughput is read from: ``tokens_per_s`` for a token workload's row (an LM's or an
+    encoder's: it has ``tokens``), else ``throughput`` (samples/s).  The one place that decides a row's rate unit:
+    every chart and table that shows a rate reads it through here (:func:`rates`)."""
+    tokens = pd.Series(False, index=rows.index)
+    for column in ("tokens", "tokens_per_s"):
+        if column in rows:
+            tokens |= rows[column].notna()
+    return pd.Series(RATE_COLUMNS[0], index=rows.index).where(tokens, RATE_COLUMNS[1])
+
+
+def rates(rows: pd.DataFrame) -> pd.DataFrame:
+    """``rows`` with each row's rate and its column (:func:`rate_columns`) added: ``rate`` and ``rate_column``."""
+    which = rate_columns(rows)
+    value = pd.Series(float("nan"), index=rows.index)
+    for column in RATE_COLUMNS:
+        if column in rows:
+            value = value.where(which.ne(column), pd.to_numeric(rows[column], errors="coerce"))
+    return rows.assign(rate=value.to_numpy(), rate_column=which.to_numpy())
 
 
 def with_keys(df: pd.DataFrame) -> pd.DataFrame:

@@ -23,8 +23,8 @@ from jinja2 import Environment, FileSystemLoader
 
 from kdbench.config.budgets import OUTCOMES, format_value, where_text
 from kdbench.errors import KdbenchError
-from kdbench.names import Measurement, Status
-from kdbench.report.charts import NOISY_NOTE, THIN_NOTE
+from kdbench.names import GENERATE, Measurement, Status
+from kdbench.report.charts import NOISY_NOTE, RATE_COLUMNS, THIN_NOTE, rates
 from kdbench.report.compare_format import verdict_line
 from kdbench.report.compare_plots import draw_forest, draw_history
 from kdbench.report.fit import fit_section
@@ -43,7 +43,7 @@ from kdbench.report.format import (
 from kdbench.report.lm import lm_section
 from kdbench.report.plots import draw_charts, draw_phases, draw_quality_front
 from kdbench.report.step_tables import REMAINDER_LIMIT, caching_rows, lever_rows, profile_rows, top_op_rows
-from kdbench.report.summaries import MEASUREMENT_ORDER, summarize_quality
+from kdbench.report.summaries import MEASUREMENT_ORDER, shown_phases, summarize_quality
 from kdbench.report.verdicts import Verdict
 from kdbench.schema import COLUMN_NAMES, ENVIRONMENT_COLUMNS
 
@@ -101,6 +101,7 @@ def render_report(
         fit=fit_section(df, out_dir),
         phase_chart=draw_phases(df, out_dir),
         profile=profile_rows(df),
+        profile_generated=shown_phases(df)[0] is GENERATE,
         remainder_limit=f"{REMAINDER_LIMIT * 100:.0f} %",
         caching=caching_rows(df),
         levers=lever_rows(df),
@@ -222,6 +223,9 @@ def _status_counts(df: pd.DataFrame) -> dict[str, int]:
     return {s: int(counts[s]) for s in order}
 
 
+TOKENS = RATE_COLUMNS[0]  # a token workload's rate: its cell in the table says tokens/s
+
+
 def _measurements(df: pd.DataFrame) -> list[dict]:
     """Every timing row, formatted for the table, ordered by run, cell, measurement and batch size.
 
@@ -236,6 +240,7 @@ def _measurements(df: pd.DataFrame) -> list[dict]:
         thin_=df["thin"].eq(True),
         rep_=shown,
     )
+    df = rates(df)
     df = df.sort_values(["run_id", "cell_label", "order_", "batch_size", "repeat"], na_position="last")
     return [
         {
@@ -252,7 +257,7 @@ def _measurements(df: pd.DataFrame) -> list[dict]:
             if pd.isna(r.p05_ms) or pd.isna(r.p95_ms)
             else f"{format_ms(r.p05_ms)} – {format_ms(r.p95_ms)}",
             "n": format_int(r.n),
-            "throughput": format_int(r.throughput),
+            "throughput": format_int(r.rate) + (" tokens/s" if r.rate_column == TOKENS and pd.notna(r.rate) else ""),
             "speedup": format_speedup(r.speedup_vs_teacher),
             "noisy": bool(r.noisy_),
             "thin": bool(r.thin_),

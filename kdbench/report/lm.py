@@ -108,8 +108,10 @@ def step_points(df: pd.DataFrame) -> pd.DataFrame:
     latest row (status oom, failed, skipped... and its error).  Added, besides the chart keys of
     :mod:`kdbench.report.charts` (``pair``, ``source``): ``impl`` (the loss_impl, with its chunk size where one
     loss_impl ran with several), ``setting`` (the precision and the other config columns that vary, as the
-    step chart labels cells), ``loss_share`` (phase_loss_ms / median_ms) and ``logits_share``
-    (logits_memory_bytes / step_memory_bytes: the step's measured footprint, else its peak)."""
+    step chart labels cells), ``loss_share`` (phase_loss_ms / median_ms), ``peak_bytes`` and ``footprint_bytes``
+    (the measured peak and footprint of an ok cell), ``logits_share`` (logits_memory_bytes / the peak, which holds
+    every buffer alive at once) and ``memory_note`` (why the logits exceed the footprint, where they do:
+    :func:`memory_note`)."""
     rows = lm_rows(df)
     rows = rows[rows["measurement"].eq(Measurement.DISTILL_STEP)]
     ok = pooled(rows)
@@ -125,15 +127,48 @@ def step_points(df: pd.DataFrame) -> pd.DataFrame:
     points["setting"] = _settings(points)
     ok_rows = points["status"].eq(Status.OK)
     points["loss_share"] = _ratio(points["phase_loss_ms"], points["median_ms"]).where(ok_rows)
-    # What the step itself needed: its footprint (peak minus what was in use as it began: models, batch,
-    # optimizer state), else its peak; on the CPU the peak is the process's whole resident memory.
-    peak = pd.to_numeric(points["peak_memory_bytes"], errors="coerce")
-    footprint = pd.to_numeric(points.get("memory_footprint_bytes", pd.Series(index=points.index)), errors="coerce")
-    points["step_memory_bytes"] = footprint.fillna(peak)
-    points["logits_share"] = _ratio(points["logits_memory_bytes"], points["step_memory_bytes"]).where(ok_rows)
+    # The logits are compared with the measured peak, which holds every buffer alive at once (on the CPU the
+    # process's whole resident memory); the footprint (the peak minus what was in use as the step began) is shown
+    # beside it, and can be below the logits: memory_note says why.
+    peak = pd.to_numeric(points["peak_memory_bytes"], errors="coerce").where(ok_rows)
+    footprint = pd.to_numeric(points["memory_footprint_bytes"], errors="coerce").where(ok_rows)
+    points["peak_bytes"], points["footprint_bytes"] = peak, footprint
+    points["logits_share"] = _ratio(points["logits_memory_bytes"], peak).where(ok_rows)
+    live = pd.to_numeric(points["live_peak_bytes"], errors="coerce")
+    memory = zip(points["logits_memory_bytes"], peak, footprint, points["memory_kind"], live)
+    points["memory_note"] = [memory_note(*figures) for figures in memory]
     rank = points["impl"].map({impl: i for i, impl in enumerate(impl_order(points["impl"]))})
     order = ["source", "pair", "setting", "seq_len", "rank_"]
     return points.assign(rank_=rank).sort_values(order).drop(columns="rank_").reset_index(drop=True)
+
+
+_OVERCOUNT = "the estimate from the shapes counts more buffers than were alive at once"
+
+
+def memory_note(logits, peak, footprint, kind, live=None) -> str:
+    """Why a step's computed logits memory exceeds its measured footprint (or its peak); "" where it does not.
+    ``live``: the step's live tensor peak (``live_peak_bytes``), which tells the two causes apart on the CPU."""
+    if pd.isna(logits):
+        return ""
+    if pd.notna(peak) and logits > peak:
+        return f"the computed logits exceed the measured peak: {_OVERCOUNT}"
+    if pd.isna(footprint) or logits <= footprint:
+        return ""
+    if kind == "device":
+        return (
+            "the computed logits exceed the footprint (the allocator's peak minus what was allocated as the step "
+            f"began): buffers allocated before the step (a cached teacher's outputs) are not in it, or {_OVERCOUNT}"
+        )
+    if pd.notna(live) and logits > live:  # the live tensors' peak counts those alive before the step too
+        return f"the computed logits exceed the footprint and the live tensors' peak: {_OVERCOUNT}"
+    held = ""
+    if pd.notna(live):
+        held = f" (its live tensors peaked at {float(live) / GIB:.3g} GiB, the logits within them)"
+    return (
+        "logits above the footprint: on the CPU the footprint is the rise of the process's resident memory, and the "
+        "step reused memory the process already held as it began (freed by earlier work, kept by the allocator), "
+        f"which that rise does not count{held}; the peak holds it all"
+    )
 
 
 def _ratio(num: pd.Series, den: pd.Series) -> pd.Series:
@@ -165,13 +200,15 @@ def loss_shares(points: pd.DataFrame) -> pd.DataFrame:
 
 
 def memory_table(points: pd.DataFrame) -> pd.DataFrame:
-    """Per cell against its sequence length: the status, the measured peak and the computed logits memory (GiB)
-    and their ratio; cells with neither a peak, a logits size nor an out-of-memory status are left out."""
-    peak = pd.to_numeric(points["step_memory_bytes"], errors="coerce").where(points["status"].eq(Status.OK))
+    """Per cell against its sequence length: the status, the measured peak and footprint and the computed logits
+    memory (GiB), the logits' share of the peak and the :func:`memory_note`; cells with neither a peak, a logits
+    size nor an out-of-memory status are left out."""
+    peak, footprint = points["peak_bytes"], points["footprint_bytes"]
     logits = pd.to_numeric(points["logits_memory_bytes"], errors="coerce")
-    table = points.assign(peak_gib=peak / GIB, logits_gib=logits / GIB)
+    table = points.assign(peak_gib=peak / GIB, footprint_gib=footprint / GIB, logits_gib=logits / GIB)
     keep = peak.notna() | logits.notna() | points["status"].eq(Status.OOM)
-    return table.loc[keep, [*STEP_KEY, "status", "peak_gib", "logits_gib", "logits_share"]].reset_index(drop=True)
+    columns = [*STEP_KEY, "status", "peak_gib", "footprint_gib", "logits_gib", "logits_share", "memory_note"]
+    return table.loc[keep, columns].reset_index(drop=True)
 
 
 def serving_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -237,7 +274,9 @@ def step_rows(points: pd.DataFrame) -> list[dict]:
                 "tokens_per_s": format_int(r["tokens_per_s"]) if ok else MISSING,
                 "median": format_ms(r["median_ms"]) if ok else MISSING,
                 "loss_share": format_percent(r["loss_share"]),
-                "peak": gib(r["step_memory_bytes"]) if ok else MISSING,
+                "peak": gib(r["peak_bytes"]) if ok else MISSING,
+                "footprint": gib(r["footprint_bytes"]) if ok else MISSING,
+                "memory_note": r["memory_note"],
                 "logits": gib(r["logits_memory_bytes"]),
                 "buffers": "" if pd.isna(r["logits_buffers"]) else str(r["logits_buffers"]),
                 "logits_share": format_percent(r["logits_share"]),
@@ -328,7 +367,7 @@ def _tokens_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
     title = "LM distillation step: tokens per second"
     if not points["status"].eq(Status.OK).any():
         return charts.not_drawn(title, "no successful LM distill_step measurement")
-    rows = points.assign(group=points["pair"] + "\n(" + points["setting"] + ")")
+    rows = charts.rates(points.assign(group=points["pair"] + "\n(" + points["setting"] + ")"))  # tokens/s
     sources = sorted(rows["source"].unique())
     seq_lens = sorted(rows["seq_len"].unique())
     impls = impl_order(rows["impl"])
@@ -344,9 +383,9 @@ def _tokens_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
                 ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes, color="0.4")
                 ax.set_xticks([])
                 continue
-            _status_bars(ax, here, "group", impls, "tokens_per_s", color, _compact)
+            _status_bars(ax, here, "group", impls, "rate", color, _compact)
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}"))
-        axes[0].set_ylabel(charts.axis_label("step throughput", "tokens_per_s"))
+        axes[0].set_ylabel(charts.axis_label("step throughput", charts.RATE_COLUMNS[0]))
     _legend(fig, impls, color, rows)
     caption = (
         "Tokens processed per second by the distillation step of each teacher → student pair, one bar per "
@@ -377,19 +416,29 @@ def _memory_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
             ax.set_title(panel, fontsize=9)
         axes[0].set_ylabel("memory (GiB)")
     looks = [
-        Line2D([], [], color="0.2", marker="o", ms=4, label="measured step footprint"),
+        Line2D([], [], color="0.2", marker="o", ms=4, label="measured peak"),
+        Line2D([], [], color="0.2", linestyle=":", marker="s", ms=3, label="measured footprint"),
         Line2D([], [], color="0.2", linestyle="--", label="computed logits buffers"),
         Line2D([], [], color="0.2", marker="X", linestyle="", ms=8, label="out of memory"),
     ]
     handles = [Line2D([], [], color=color[i], linewidth=3, label=i) for i in impls]
     fig.legend(handles=[*handles, *looks], loc="outside right upper", fontsize=8, title="loss_impl", title_fontsize=8)
+    below = int(table["memory_note"].astype(bool).sum())
+    note = (
+        f" In {below} cell{'s' if below != 1 else ''} the logits exceed the footprint (the table below says why)."
+        if below
+        else ""
+    )
     caption = (
-        "Memory the distillation step needed against the sequence length (solid: measured, its footprint: "
-        "the peak minus what was in use as it began, the models, batch and optimizer state; on GPUs the "
-        "allocator's counters, on the CPU the worker's resident memory), and beside it in the same colour "
-        "(dashed) the memory of the B×S×V-sized buffers the loss implementation holds at its peak, computed "
-        "from the shapes: the gap between the two is what activations, gradients and the rest take. "
-        "A cross at the top marks the sequence length at which a loss implementation ran out of memory."
+        "Memory of the distillation step against the sequence length, measured (on GPUs the allocator's "
+        "counters, on the CPU the worker's resident memory): solid, its peak, which holds every buffer alive at "
+        "once (on the CPU the whole process: interpreter, libraries, models); dotted, its footprint, the peak minus "
+        "what was in use as the step began (models, batch, optimizer state). Beside them in the same colour "
+        "(dashed) the memory of the B×S×V-sized buffers the loss implementation holds at its peak, computed from "
+        "the shapes: part of the peak, the gap to it is what activations, gradients and the rest take. The "
+        "footprint can be below the logits: on the CPU the step reuses memory the process already held as it "
+        "began (freed by earlier work, kept by the allocator), which the rise of its resident memory does not "
+        "count. A cross at the top marks the sequence length at which a loss implementation ran out of memory." + note
     )
     return charts.saved_chart(title, fig, out_dir, "lm_memory.png", caption)
 
@@ -400,7 +449,9 @@ def _memory_panel(ax, here: pd.DataFrame, impls: list[str], color: dict) -> None
     for impl in impls:
         pts = here[here["impl"].eq(impl)].sort_values("seq_len")
         peak, logits = pts[pts["peak_gib"].notna()], pts[pts["logits_gib"].notna()]
+        footprint = pts[pts["footprint_gib"].notna()]
         ax.plot(peak["seq_len"], peak["peak_gib"], "-o", ms=4, color=color[impl])
+        ax.plot(footprint["seq_len"], footprint["footprint_gib"], ":", marker="s", ms=3, color=color[impl])
         ax.plot(logits["seq_len"], logits["logits_gib"], "--", marker=".", ms=5, color=color[impl])
         for seq_len in pts.loc[pts["status"].eq(Status.OOM), "seq_len"]:
             y = 0.93 - 0.1 * ooms
@@ -416,7 +467,7 @@ def _memory_panel(ax, here: pd.DataFrame, impls: list[str], color: dict) -> None
     ax.set_xticks(seq_lens, [str(s) for s in seq_lens])
     if len(seq_lens) > 1:
         ax.set_xlim(seq_lens[0] / 1.3, seq_lens[-1] * 1.3)
-    top = pd.concat([here["peak_gib"], here["logits_gib"]]).max()
+    top = pd.concat([here["peak_gib"], here["footprint_gib"], here["logits_gib"]]).max()
     ax.set_ylim(0, 1.0 if pd.isna(top) or top <= 0 else top * (1.25 + 0.1 * ooms))
     ax.set_xlabel(charts.axis_label("sequence length", "seq_len"))
     ax.grid(alpha=0.3)

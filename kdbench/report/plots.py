@@ -23,12 +23,13 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import LogFormatter, NullLocator
 
-from kdbench.names import GENERATE, INFERENCE, LM_SERVING, REMAINDER_COLUMN, Measurement, Status
+from kdbench.names import INFERENCE, LM_SERVING, REMAINDER_COLUMN, Measurement, Status
 from kdbench.names import PHASES as STEP_PHASES
 from kdbench.report.charts import (
     HATCHED,
     NOISY_NOTE,
     POOLED,
+    RATE_COLUMNS,
     THIN_NOTE,
     Chart,
     add_variant,
@@ -40,12 +41,13 @@ from kdbench.report.charts import (
     grouped_bars,
     not_drawn,
     palette,
+    rates,
     saved_chart,
     variant_order,
     variant_rank,
     with_keys,
 )
-from kdbench.report.summaries import pooled
+from kdbench.report.summaries import REMAINDER_LIMIT, phase_gap, pooled, shown_phases
 
 
 def draw_charts(df: pd.DataFrame, out_dir: Path) -> list[Chart]:
@@ -78,21 +80,37 @@ def _distill_step(rows: pd.DataFrame, out_dir: Path) -> Chart:
         low, high = centre_spread(bars)
         return {**style(bars), "yerr": [low, high], "capsize": 3}
 
-    fig, facets = faceted_figure(sources, 2, width=min(16.0, max(9.0, 0.7 * n_bars + 5)), height=3.6)
-    for (ax_t, ax_q), source in zip(facets, sources):
+    rows = rates(rows)
+    units = [c for c in RATE_COLUMNS if rows["rate_column"].eq(c).any()]  # one throughput panel per unit
+    width = min(16.0, max(9.0, 0.7 * n_bars + 5 + 3 * (len(units) - 1)))
+    fig, facets = faceted_figure(sources, 1 + len(units), width=width, height=3.6)
+    for (ax_t, *ax_rates), source in zip(facets, sources):
         here = rows[rows["source"].eq(source)]
         grouped_bars(ax_t, here, "pair", "variant", variants, "median_ms", with_iqr)
-        grouped_bars(ax_q, here.fillna({"throughput": 0}), "pair", "variant", variants, "throughput", style)
         ax_t.set_ylabel(axis_label("step time (centre over repeats)", "median_ms"))
-        ax_q.set_ylabel(axis_label("throughput", "throughput"))
+        for ax_q, unit in zip(ax_rates, units):
+            in_unit = here[here["rate_column"].eq(unit)]
+            if in_unit.empty:
+                ax_q.set_visible(False)
+                continue
+            grouped_bars(ax_q, in_unit.fillna({"rate": 0}), "pair", "variant", variants, "rate", style)
+            ax_q.set_ylabel(axis_label("throughput", unit))
     handles = [Patch(facecolor=color[v], edgecolor="0.25", label=v) for v in variants]
     fig.legend(handles=[*handles, *flag_patches(rows, always_noisy=True)], loc="outside right upper", fontsize=8)
+    per_unit = (
+        " A language model's (or any token workload's) cells are drawn in tokens/s, in a panel of their own; other "
+        "cells in samples/s."
+        if len(units) > 1
+        else " Token workloads' cells (language models) in tokens/s."
+        if units == [RATE_COLUMNS[0]]
+        else ""
+    )
     caption = (
         "Time of one distillation step (teacher forward, student forward, backward and update) per teacher → "
         f"student pair and cell (left), and the resulting throughput (right): one bar per cell, its {POOLED} (the "
         "geometric mean of the repeats' medians). Error bars: the centre's 95 % interval over the repeats; with a "
         f"single repeat, the interquartile range of its timed iterations. {HATCHED} (shrunk by the time budget: "
-        "never judged)."
+        "never judged)." + per_unit
     )
     return saved_chart(title, fig, out_dir, "distill_step.png", caption)
 
@@ -207,7 +225,7 @@ def _speedup(rows: pd.DataFrame, out_dir: Path) -> Chart:
 # --- where the step's time goes ------------------------------------------------------
 
 PHASES = tuple((p.column, p.label) for p in STEP_PHASES)  # (column, legend label) in the order of the step
-REMAINDER = (REMAINDER_COLUMN, "remainder (between stamps)")
+REMAINDER = (REMAINDER_COLUMN, "remainder (step median − the phases)")
 PHASE_COLUMNS = tuple(c for c, _ in PHASES) + (REMAINDER[0],)
 _REMAINDER_COLOR = "0.75"
 _REMAINDER_HATCH = "xx"
@@ -221,11 +239,12 @@ def draw_phases(df: pd.DataFrame, out_dir: Path) -> Chart:
     rows = rows[rows[list(PHASE_COLUMNS)].notna().any(axis=1)]
     if rows.empty:
         return not_drawn(title, "no successful distill_step measurement has phase timings")
-    rows = rows.assign(bar=rows["cell_label"].fillna(rows["pair"])).sort_values("bar", ascending=False)
+    # the remainder drawn is what the phases drawn leave of the median drawn (the table's "adds up" judges the same)
+    rows = rows.assign(bar=rows["cell_label"].fillna(rows["pair"]), **{REMAINDER[0]: phase_gap(rows)})
+    rows = rows.sort_values("bar", ascending=False)
     sources = sorted(rows["source"].unique())
     # on-policy LM steps begin with the student's generation: drawn first where any cell has it
-    generated = GENERATE.column in rows and rows[GENERATE.column].notna().any()
-    phases = ((GENERATE.column, GENERATE.label), *PHASES) if generated else PHASES
+    phases = tuple((p.column, p.label) for p in shown_phases(rows))
     color = palette([c for c, _ in phases])
     n_bars = rows.groupby("source").size().max()
     clipped = int((rows[REMAINDER[0]] < 0).sum())
@@ -254,17 +273,19 @@ def draw_phases(df: pd.DataFrame, out_dir: Path) -> Chart:
     handles, labels = facets[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside right upper", fontsize=8)
     note = (
-        f" {clipped} negative remainder{'s were' if clipped != 1 else ' was'} drawn as 0 "
-        "(the phase medians add up to more than the step median)."
+        f" {clipped} stack{'s end' if clipped != 1 else ' ends'} past the tick: the phase medians add up to more "
+        "than the step median (no remainder drawn)."
         if clipped
         else ""
     )
     caption = (
         "The median of each phase of the distillation step (teacher forward, student forward, loss, "
         "backward, optimizer; pooled over repeats as the step's time is), "
-        "stacked; the grey hatched remainder is the median of step time minus the sum "
-        "of its phases (Python overhead between the time stamps). The black tick is the median step time: "
-        "medians do not add exactly, so the stack may end short of it or past it." + note
+        "stacked; the grey hatched remainder is the median step time minus the sum of the phase medians drawn, "
+        "so that the stack ends at the black tick, the median step time. It holds the time between the stamps "
+        "(Python overhead) and what medians taken from different iterations do not add up to: where the phases "
+        f"vary from one iteration to the next it can be large (the table below flags one above {REMAINDER_LIMIT:.0%} "
+        "of the median and says why)." + note
     )
     return saved_chart(title, fig, out_dir, "phases.png", caption)
 

@@ -15,7 +15,7 @@ from urllib.parse import quote
 
 import pandas as pd
 
-from kdbench.names import PHASES, Measurement
+from kdbench.names import REMAINDER_COLUMN, Measurement
 from kdbench.report.charts import THIN_NOTE
 from kdbench.report.format import (
     MISSING,
@@ -26,9 +26,16 @@ from kdbench.report.format import (
     format_sig,
     text,
 )
-from kdbench.report.summaries import MEASUREMENT_ORDER, caching_pairs, latest_steps, pooled
+from kdbench.report.summaries import (
+    MEASUREMENT_ORDER,
+    REMAINDER_LIMIT,
+    caching_pairs,
+    latest_steps,
+    phase_gap,
+    pooled,
+    shown_phases,
+)
 
-REMAINDER_LIMIT = 0.10  # |remainder| above this share of the median: the phases do not account for the step
 STALL_GAP = 0.05  # window throughput this far below the median-based one: the window had gaps or stalls
 
 
@@ -96,14 +103,38 @@ def _remainder(rem, median) -> tuple[str, bool | None]:
     return f"{format_sig(rem, 'ms')} ({share * 100:.1f} %)", abs(share) > REMAINDER_LIMIT
 
 
+def _gflops(flops, extra) -> str:
+    """The step's model GFLOPs, and the loss_impl's extra work beside them where it did any (``+ 1.2 extra``)."""
+    text = format_sig(None if pd.isna(flops) else flops / 1e9)
+    if text != MISSING and pd.notna(extra) and extra > 0:
+        text += f" + {format_sig(extra / 1e9)} extra"
+    return text
+
+
+def _varied(per_iteration, gap, median) -> str | None:
+    """Why the phases shown do not add up although each iteration's did (its own phases left ``per_iteration``):
+    the phase medians come from different iterations."""
+    if pd.isna(per_iteration) or pd.isna(gap) or pd.isna(median) or float(median) <= 0:
+        return None
+    if abs(float(per_iteration)) / float(median) > REMAINDER_LIMIT:
+        return None  # the stamps themselves leave time out: the remainder says so
+    return (
+        f"each iteration's phases add up to its step (median gap {format_sig(per_iteration, 'ms')}), but the phases "
+        "varied between iterations: their medians, from different iterations, do not sum to the step median"
+    )
+
+
 def profile_rows(df: pd.DataFrame) -> list[dict]:
     """Per ok distill_step cell: its phases, cold start, compute rate, memory and energy, formatted (its
-    repeats pooled as compare centres them)."""
+    repeats pooled as compare centres them).  The remainder and "adds up" are the step median minus the phases
+    the row shows (:func:`kdbench.report.summaries.phase_gap`)."""
     out = []
     steps = pooled(df)
     steps = steps[steps["measurement"].eq(Measurement.DISTILL_STEP)].sort_values(["run_id", "cell_label"])
+    phases = shown_phases(df)  # the same columns for every row (html.py heads the table with them)
+    steps = steps.assign(gap_=phase_gap(steps))
     for r in steps.to_dict("records"):
-        remainder, bad = _remainder(r["phase_remainder_ms"], r["median_ms"])
+        remainder, bad = _remainder(r["gap_"], r["median_ms"])
         steady = format_sig(r["time_to_steady_ms"])
         if steady != MISSING and pd.notna(r["steady_after_iters"]):
             steady += f" ({int(r['steady_after_iters'])} calls)"
@@ -130,6 +161,8 @@ def profile_rows(df: pd.DataFrame) -> list[dict]:
             gap = 1 - r["window_throughput"] / r["throughput"]
             if gap > STALL_GAP:
                 warnings.append(f"window {gap:.0%} below the median's throughput: gaps or stalls")
+        if bad and (why := _varied(r[REMAINDER_COLUMN], r["gap_"], r["median_ms"])):
+            warnings.append(why)
         if r["launch_bound"] is True:
             warnings.append("launch-bound: measures the host, not the GPU")
         if r["thin"] is True:
@@ -142,12 +175,12 @@ def profile_rows(df: pd.DataFrame) -> list[dict]:
                 "cell_label": text(r["cell_label"]),
                 "median": format_ms(r["median_ms"]),
                 "repeats": int(r["repeats"]),
-                "phases": [format_ms(r[p.column]) for p in PHASES],
+                "phases": [format_ms(r[p.column]) for p in phases],
                 "remainder": remainder,
                 "remainder_bad": bad,
                 "first": format_ms(r["first_ms"]),
                 "steady": steady,
-                "gflops": format_sig(None if pd.isna(r["flops"]) else r["flops"] / 1e9),
+                "gflops": _gflops(r["flops"], r["extra_flops"]),
                 "tflops": format_sig(r["achieved_tflops"]),
                 "mfu": mfu,
                 "mfu_title": mfu_title,

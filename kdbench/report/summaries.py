@@ -13,13 +13,14 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kdbench.names import QUALITY_ROLES, Measurement, Status
+from kdbench.names import GENERATE, PHASES, QUALITY_ROLES, Measurement, Status
 from kdbench.repeats import NOISY_REL_IQR, centre_interval, median_log_variance
 from kdbench.report.format import mean_std
 from kdbench.schema import COLUMNS, DERIVED, RESULT, STATISTICS
 from kdbench.store.derived import TEACHER_MODE, payback_steps, twin_key
 
 POOL_KEY = ["run_id", "cell_id", "measurement", "batch_size"]
+REMAINDER_LIMIT = 0.10  # |phase_gap| above this share of the median: the phases shown do not account for the step
 MEASUREMENT_ORDER = {m: i for i, m in enumerate(Measurement)}  # the order tables list a cell's measurements in
 # The figures pooled over repeats: every numeric statistic, result and derived column of a timed row.
 POOLED = tuple(
@@ -107,6 +108,27 @@ def pooled(df: pd.DataFrame) -> pd.DataFrame:
     if "rel_iqr" in out:  # noisy as the pooled figures say, not as the latest repeat did
         out["noisy"] = out["rel_iqr"].gt(NOISY_REL_IQR).where(out["rel_iqr"].notna(), out["noisy"])
     return out.reset_index(drop=True)
+
+
+def shown_phases(rows: pd.DataFrame) -> tuple:
+    """The step phases the report shows for ``rows`` (:data:`kdbench.names.PHASES`), the on-policy generation first
+    where a row has one."""
+    generated = GENERATE.column in rows and rows[GENERATE.column].notna().any()
+    return (GENERATE, *PHASES) if generated else PHASES
+
+
+def phase_gap(rows: pd.DataFrame) -> pd.Series:
+    """Per row, its step median minus the sum of the phase medians shown for it (:func:`shown_phases`, as pooled
+    with the step's median): what the phases the report shows leave unaccounted, the figure "adds up" judges.
+
+    Not the stored ``phase_remainder_ms``, the median over iterations of each iteration's step minus its own phases:
+    that is near 0 whenever the stamps cover the step, even where the phase medians, taken from different
+    iterations, add up to far less (or more) than the step median, as they do when the phases vary from one
+    iteration to the next.  Null where no phase was timed."""
+    columns = [p.column for p in shown_phases(rows) if p.column in rows]
+    phases = rows[columns].apply(pd.to_numeric, errors="coerce")
+    total = phases.sum(axis=1, min_count=1)
+    return (pd.to_numeric(rows["median_ms"], errors="coerce") - total).astype(float)
 
 
 def summarize_quality(df: pd.DataFrame) -> pd.DataFrame:

@@ -26,10 +26,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from kdbench.distill.lm.impls.base import get_impl
 from kdbench.distill.lm.loss import LMLoss, methods_token_loss
 from kdbench.distill.losses import check_method, check_weights
 from kdbench.errors import KdbenchError
 from kdbench.fakes import carry, known_values
+from kdbench.measure.flops import count_flops
 from kdbench.models.lm import CausalLM, build_lm, is_lm_model, make_lm, max_positions, model_config
 from kdbench.models.meta import lm_facts
 from kdbench.names import IGNORE_INDEX, Measurement
@@ -326,6 +328,7 @@ class LMWorkload(Workload):
                 "chunk_size": config.chunk_size if config.loss_impl != "dense" else None,
                 "logits_memory_bytes": memory["bytes"],
                 "logits_buffers": memory["text"],
+                "extra_flops": loss_extra_flops(loss),
                 "data_ptr_mod64": x.data_ptr() % 64,
                 **step.cache_columns,
             }
@@ -472,3 +475,19 @@ def token_batch(
     prompt = min(round(prompt_fraction * seq_len), seq_len - 1)
     labels[:, :prompt] = IGNORE_INDEX
     return place_aligned(ids.to(device), config.alignment), place_aligned(labels.to(device), config.alignment)
+
+
+def loss_extra_flops(loss: LMLoss) -> int | None:
+    """FLOPs the cell's loss implementation executes beyond dense's for the last step's shapes: its heads run on
+    the masked tokens too (liger; torch_linear's cross-entropy), or a head runs twice (torch_linear's KL after its
+    CE).  Both counted on meta tensors (:meth:`LMLoss.on_meta`); an implementation that cannot run there (liger
+    reads a value back) is taken as dense over the rows its heads run on.  0 for dense; None where not counted
+    (a top-k cached teacher, a model that returns its logits)."""
+    dense = loss.on_meta("dense")
+    if loss.impl == "dense" or dense is None or loss.topk:
+        return 0 if loss.impl == "dense" and not loss.topk else None
+    try:
+        executed = count_flops(loss.on_meta(loss.impl))
+    except RuntimeError:  # it reads a value back: dense over the rows its heads run on
+        executed = count_flops(loss.on_meta("dense", every_row=not get_impl(loss.impl).valid_only))
+    return max(0, executed - count_flops(dense))

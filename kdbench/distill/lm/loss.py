@@ -11,7 +11,7 @@ dense and fused implementations time and hold the same work.  A model that retur
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -58,6 +58,7 @@ class LMLoss(WeightedTerms):
         self.notes: list[str] = []
         self._rows_of: torch.Tensor | None = None  # the labels tensor whose valid rows are kept, and those rows
         self._rows: torch.Tensor | None = None
+        self._heads: tuple | None = None  # the last lm_loss call's (shape, dtype, requires_grad) per input
         if teacher.vocab_size != student.vocab_size:
             self.notes.append(
                 f"vocabularies {teacher.vocab_size} (teacher) and {student.vocab_size} (student): both heads sliced "
@@ -93,6 +94,25 @@ class LMLoss(WeightedTerms):
             return {"bytes": each * (size + 4 * 4), "text": text}
         return logits_memory(self.impl, n_tokens, self.vocab, size, self.chunk_size, self.token, n_valid)
 
+    def on_meta(self, impl: str, every_row: bool = False) -> Callable[[], None] | None:
+        """One forward and backward of the token loss computed by ``impl`` on meta tensors of the last step's
+        shapes (no memory, no arithmetic: what FLOPs are counted on), over its valid rows (``every_row``: over every
+        token); None before a step that ran the heads' loss (or where the loss is no head's)."""
+        if self._heads is None or self._rows is None:
+            return None
+        shapes, n_rows = self._heads, self._rows_of.numel() if every_row else self._rows.numel()
+
+        def run() -> None:
+            heads = [
+                None if s is None else torch.empty(s[0], dtype=s[1], device="meta", requires_grad=s[2]) for s in shapes
+            ]
+            rows = torch.empty(n_rows, dtype=torch.long, device="meta")
+            loss = lm_loss(impl, *heads, self.token, chunk_size=self.chunk_size, rows=rows)
+            if loss.requires_grad:
+                loss.backward()
+
+        return run
+
     def valid_rows(self, labels: torch.Tensor) -> torch.Tensor:
         """The flattened indices of the tokens ``labels`` counts, found once per labels tensor: a timed cell's
         batch is fixed (an on-policy cell rewrites its completion labels in place, every position but the
@@ -122,19 +142,9 @@ class LMLoss(WeightedTerms):
             else:
                 sw, sb = student.head_weights(self.vocab, s_dtype)
                 tw, tb = teacher.head_weights(self.vocab, t_dtype)
-                loss = lm_loss(
-                    self.impl,
-                    inp.student_logits.to(s_dtype),
-                    sw,
-                    sb,
-                    inp.teacher_logits.to(t_dtype),
-                    tw,
-                    tb,
-                    labels,
-                    self.token,
-                    chunk_size=self.chunk_size,
-                    rows=rows,
-                )
+                heads = (inp.student_logits.to(s_dtype), sw, sb, inp.teacher_logits.to(t_dtype), tw, tb, labels)
+                self._heads = tuple(None if t is None else (t.shape, t.dtype, t.requires_grad) for t in heads)
+                loss = lm_loss(self.impl, *heads, self.token, chunk_size=self.chunk_size, rows=rows)
             for weight, term in self.features:
                 loss = loss + weight * term(inp)
         return loss
