@@ -60,6 +60,7 @@ from kdbench.quality.progress import Talk
 from kdbench.quality.text import TextRun, check_text, text_columns
 from kdbench.quality.train import ModelKey, QualityRun, Trained
 from kdbench.schema import Row
+from kdbench.worker_state import finished
 from kdbench.workloads import workload_of
 
 logger = logging.getLogger(__name__)
@@ -263,8 +264,12 @@ def run_quality(
         for job in jobs:
             run.data(job)  # load (and check) every data set first
         devices = [backend.device] if backend.device_type == "cuda" else []
+        rows: list[dict[str, Any]] = []
         with torch.random.fork_rng(devices=devices):  # the caller's random state is left as it was
-            return [execute(run, entry) for entry in plan]
+            for entry in plan:
+                rows.append(execute(run, entry))
+                finished(rows)  # a worker that dies later keeps them (kdbench.run.jobs.failure_rows)
+        return rows
     finally:
         talk.account()
 

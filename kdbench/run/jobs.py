@@ -219,9 +219,11 @@ def quality_dict(quality: QualityConfig) -> dict:
     return out
 
 
-def failure_rows(job: Job, status: Status, error: str) -> list[Row]:
-    """Every row ``job`` would have produced, marked with ``status`` and ``error``."""
-    return planned_failures(job.planned(), status, error)
+def failure_rows(job: Job, status: Status, error: str, finished: list[Row] | tuple = ()) -> list[Row]:
+    """Every row ``job`` would have produced, marked with ``status`` and ``error``; but the first ``len(finished)``,
+    which the job had finished before it failed (the quality job's models trained by then), as they are."""
+    rows = planned_failures(job.planned(), status, error)
+    return [*finished, *rows[len(finished) :]]
 
 
 # The config columns a family fills (:meth:`kdbench.workloads.base.Workload.config_columns`); empty on the rows of

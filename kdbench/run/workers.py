@@ -80,13 +80,14 @@ def execute(job: Job, ctx: WorkerContext) -> JobResult:
 
     install(ctx.state)  # this worker's state (one process may hold two contexts: an allocation's rank 0)
     walltime.take()
+    ctx.state.finished_rows = []
     start = time.perf_counter()
     try:
         rows = job.run(ctx)
     except Exception as exc:
         if device_fatal(exc):
             note_device_lost(exc)
-        rows = failure_rows(job, Status.FAILED, error_text(exc))
+        rows = failure_rows(job, Status.FAILED, error_text(exc), ctx.state.finished_rows)
     return JobResult(rows, time.perf_counter() - start, split=walltime.take())
 
 
@@ -129,6 +130,7 @@ def _serve(conn: Any, setup: WorkerSetup) -> None:
     from kdbench.measure import walltime
 
     walltime.listen(lambda totals: conn.send(("split", totals)))  # a job that times out keeps its split
+    ctx.state.rows_listener = lambda rows: conn.send(("finished", rows))  # and one that dies, its finished rows
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -202,6 +204,7 @@ class ProcessWorker:
         self.conn: Any = None
         self.started = 0  # worker processes started so far
         self.seen: dict[str, float] = {}  # the running job's wall-time split, as its worker last told it
+        self.finished: list[Row] = []  # the rows the running job had finished, as its worker last told them
 
     def _start(self) -> None:
         parent, child = self.ctx.Pipe()
@@ -232,11 +235,12 @@ class ProcessWorker:
 
     def run(self, job: Job, timeout_s: float | None = None) -> JobResult:
         start = time.perf_counter()
-        self.seen = {}
+        self.seen, self.finished = {}, []
 
         def failed(status: Status, error: str) -> JobResult:
             split = {**self.seen, **started}
-            return JobResult(failure_rows(job, status, error), time.perf_counter() - start, split=split)
+            rows = failure_rows(job, status, error, self.finished)
+            return JobResult(rows, time.perf_counter() - start, split=split)
 
         started: dict[str, float] = {}
         if self.proc is None or not self.proc.is_alive():
@@ -270,6 +274,9 @@ class ProcessWorker:
                     return JobResult(message[1], message[2], split={**message[4], **started})
                 if message[0] == "split":
                     self.seen = message[1]
+                    continue
+                if message[0] == "finished":
+                    self.finished = message[1]
                     continue
                 _log(message)
             elif not self.proc.is_alive():
