@@ -377,13 +377,18 @@ class QualityRun:
             out = Trained.from_record(stored.record, identity=identity, note=note)
             if rebuild is not None:
                 out.model = rebuild(stored.state_dict)
-            self.talk.reused(f"taken from its checkpoint {path.name} (saved {stored.saved}), not trained again")
+            figures = "" if teacher is not None else f": {self.describe(out)}"  # a student's come with its row
+            kept = f"taken from its checkpoint {path.name} (saved {stored.saved}), not trained again{figures}"
+            self.talk.reused(kept)
             return out
         if why:
             logger.info("%s: %s: training it again", self.talk.head, why)
         out, model = train()
         out.identity, out.note = identity, (f"trained again: {why}" if why else None)
-        self.checkpoints.save(path, identity, out.record(), model)
+        try:
+            self.checkpoints.save(path, identity, out.record(), model)
+        except (OSError, RuntimeError) as exc:  # a full disk: the model is trained all the same, only not kept
+            logger.warning("%s: not kept, a resume would train it again: %s", self.talk.head, error_text(exc))
         return out
 
     def train_ce(self, config: CellConfig, seed: int, role: str, key: ModelKey) -> Trained | str:
