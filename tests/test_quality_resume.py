@@ -129,6 +129,7 @@ def test_the_quality_job_talks_keeps_each_model_and_a_resume_does_not_train_it_a
     assert any("quality [1/3] seed 0: teacher tiny-llama-teacher: taken from its checkpoint" in line for line in log)
     summary = "quality (python-stdlib, 1 seed): 3 quality rows, 1 of them from the models an earlier invocation kept"
     assert any(summary in line for line in log)
+    assert "1 of the 3 rows come from models an earlier invocation of the run trained and kept" in "\n".join(log)
     df = read_results([run.path])
     q = df[df["measurement"] == "quality"].set_index("quality_role")
     assert q.loc["teacher", "notes"].startswith("reused: trained by an earlier invocation of this run")

@@ -256,6 +256,7 @@ class ProcessWorker:
             return self._wait(timeout_s, failed, started)
         except KeyboardInterrupt:
             seconds = time.perf_counter() - start - started.get(PROCESS_START, 0.0)
+            self._kill()  # it is in the middle of the job (SIGINT is the parent's): waiting for it would only delay
             raise JobInterrupted(JobResult([], seconds, split={**self.seen, **started})) from None
 
     def _wait(self, timeout_s: float | None, failed, started: dict[str, float]) -> JobResult:
