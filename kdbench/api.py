@@ -121,11 +121,22 @@ def budget_checks(results: Iterable[str | Path]) -> list[BudgetCheck]:
 
 
 def quality_table(results: Iterable[str | Path]) -> str:
-    """The Markdown table of the quality rows in ``results`` (mean ± std over seeds)."""
+    """The Markdown table of the quality rows in ``results`` (mean ± std over seeds), and a line under it when some
+    come from models an earlier invocation of their run trained and kept (:mod:`kdbench.quality.checkpoints`)."""
+    from kdbench.names import Measurement
     from kdbench.report.summaries import markdown_table, summarize_quality
     from kdbench.store import read_results
 
-    return markdown_table(summarize_quality(read_results(results)))
+    df = read_results(results)
+    table = markdown_table(summarize_quality(df))
+    quality = df[df["measurement"].eq(Measurement.QUALITY)] if "measurement" in df else df.iloc[:0]
+    reused = int(quality["notes"].fillna("").str.contains("reused: trained by an earlier invocation").sum())
+    if reused:
+        table += (
+            f"{reused} of the {len(quality)} rows come from models an earlier invocation of the run trained and kept: "
+            "their training times are that invocation's (each row's notes name its checkpoint)\n"
+        )
+    return table
 
 
 SUITES_DIR = Path(__file__).resolve().parents[1] / "suites"  # the shipped suites, beside the package in a clone

@@ -14,7 +14,9 @@ job after job.  A few facts outlive a measurement, and each belongs to the worke
 * ``telemetry_readers``: the NVML / amdsmi handles, opened once per library and device
   (:mod:`kdbench.measure.telemetry`);
 * ``unwritable_slowdowns``: slow-precision measurements a cache file refused to store
-  (:mod:`kdbench.hw.speed`).
+  (:mod:`kdbench.hw.speed`);
+* ``finished_rows`` and ``rows_listener``: the rows the running job has finished so far (the quality job's, model
+  by model: :func:`finished`), and the hook that sends them to the engine, so a job whose worker dies keeps them.
 
 The worker's context (:class:`kdbench.run.jobs.WorkerContext`) makes one and installs it (:func:`install`)
 for as long as its jobs run; the code that measures reads it with :func:`current`.  Outside a worker (a
@@ -38,6 +40,8 @@ class WorkerState:
     inference_flops: dict[tuple, int] = field(default_factory=dict)
     telemetry_readers: dict[tuple, Any] = field(default_factory=dict)
     unwritable_slowdowns: dict[tuple[str, str, str], Any] = field(default_factory=dict)
+    finished_rows: list[dict[str, Any]] = field(default_factory=list)
+    rows_listener: Callable[[list[dict[str, Any]]], Any] | None = None
 
 
 _state = [WorkerState()]  # the installed one (a list: no `global` statements)
@@ -52,3 +56,12 @@ def install(state: WorkerState) -> WorkerState:
     """Make ``state`` the current one; returns the one it replaces."""
     previous, _state[0] = _state[0], state
     return previous
+
+
+def finished(rows: list[dict[str, Any]]) -> None:
+    """The running job has finished ``rows``, the first of those it planned (in order): should its worker die
+    now, they are stored as they are and only the rest as failed (:func:`kdbench.run.jobs.failure_rows`)."""
+    state = current()
+    state.finished_rows = list(rows)
+    if state.rows_listener is not None:
+        state.rows_listener(state.finished_rows)

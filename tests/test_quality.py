@@ -210,10 +210,15 @@ def test_rows_one_per_model_and_seed(two_methods):
 
 def test_teacher_trains_once_per_seed(two_methods):
     _, log = two_methods
-    teacher_lines = [line for line in log if ": teacher resnet8:" in line]
+    done = [line for line in log if line.startswith("  quality seed ")]  # a trained model's result line
+    teacher_lines = [line for line in done if ": teacher resnet8:" in line]
     assert len(teacher_lines) == 2  # two jobs share it
-    assert len([line for line in log if ": scratch resnet8:" in line]) == 2
-    assert len([line for line in log if ": distilled " in line]) == 4
+    assert len([line for line in done if ": scratch resnet8:" in line]) == 2
+    assert len([line for line in done if ": distilled " in line]) == 4
+    # and each started with its progress line: which model of the plan's 2 x 4, the epochs and steps
+    started = [line for line in log if line.startswith("quality [") and line.endswith(" steps")]
+    assert started[0] == "quality [1/8] seed 0: teacher resnet8: training 3 epochs x 21 steps"
+    assert [line.split("]")[0] for line in started] == [f"quality [{i}/8" for i in range(1, 9)]
 
 
 def test_accuracies_agreement_and_time_to_target(two_methods):
@@ -424,9 +429,12 @@ def test_a_quality_job_that_crashes_is_stored_failed_and_the_run_goes_on(tmp_pat
     df = read_results([run_folder(out).path])
     cells = df[df["measurement"] != "quality"]
     assert set(cells["status"]) == {"ok"}  # the timed cell never trains more than a step: it measured fine
-    quality = df[df["measurement"] == "quality"]
-    assert sorted(quality["quality_role"]) == ["distilled", "scratch", "teacher"]  # every planned row, marked
-    assert set(quality["status"]) == {"failed"} and quality["error"].str.contains("SIGSEGV").all()
+    quality = df[df["measurement"] == "quality"].set_index("quality_role")
+    assert sorted(quality.index) == ["distilled", "scratch", "teacher"]  # every planned row
+    # the teacher had trained before the worker died: its row is kept; the rest are marked
+    assert quality.loc["teacher", "status"] == "ok" and 0 < quality.loc["teacher", "accuracy"] <= 1
+    rest = quality.drop(index="teacher")
+    assert set(rest["status"]) == {"failed"} and rest["error"].str.contains("SIGSEGV").all()
     assert "1 job(s) had failures" in captured.err and "quality (digits, 1 seed)" in captured.err
     assert (tmp_path / "rep" / "index.html").exists()  # the run went on to its report
 

@@ -5,6 +5,11 @@ building, cold calls (compiles, autotuning, first-use set-up), warm-up (the warm
 measuring (the timed windows), FLOP counting, the fit check (one more step's measured peak and the fit
 planner's fake run that predicts it), profiling passes, levers' one-off work (exports, compiles of served
 models), quality training.  What a job spends outside them shows as the worker's "other".
+
+Every addition is told to the engine (:func:`listen`), which keeps the last totals of the job in flight: a job
+stopped half-way (its time-out, Ctrl-C) keeps the split it had told.  So a long job adds its time as it goes,
+not in one block at its end: the quality job counts its training at least every 30 s
+(:class:`kdbench.quality.progress.Talk`).
 """
 
 from __future__ import annotations

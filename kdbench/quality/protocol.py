@@ -46,6 +46,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,10 +54,13 @@ import torch
 from kdbench.config.schema import TEXT_DATASETS, CellConfig, QualityConfig
 from kdbench.hw.backends import Backend, choose_autocast
 from kdbench.names import Measurement, Status
+from kdbench.quality.checkpoints import Checkpoints
 from kdbench.quality.datasets import check_images
+from kdbench.quality.progress import Talk
 from kdbench.quality.text import TextRun, check_text, text_columns
 from kdbench.quality.train import ModelKey, QualityRun, Trained
 from kdbench.schema import Row
+from kdbench.worker_state import finished
 from kdbench.workloads import workload_of
 
 logger = logging.getLogger(__name__)
@@ -124,6 +128,15 @@ class Entry:
     def student_key(self) -> ModelKey:
         return _key(self.config, "student")
 
+    def describe(self) -> str:
+        """Which model, for the progress lines."""
+        c = self.config
+        if self.role == "teacher":
+            return f"seed {self.seed}: teacher {c.pair.teacher}"
+        if self.role == "scratch":
+            return f"seed {self.seed}: scratch {c.pair.student}"
+        return f"seed {self.seed}: distilled {c.method} {c.pair.teacher}->{c.pair.student}"
+
     def row(self, cfg: QualityConfig) -> dict[str, Any]:
         """The row without results (status ok until told otherwise)."""
         c = self.config
@@ -189,16 +202,18 @@ def planned_rows(cfg: QualityConfig, jobs: list[CellConfig]) -> list[dict[str, A
 def execute(run: QualityRun, entry: Entry) -> dict[str, Any]:
     """Train (or recall) with ``run`` what ``entry`` needs and return its row."""
     row = entry.row(run.cfg)
+    run.talk.model(entry.describe())
     c = entry.config
     skip = next((s for p in {c.precision, c.teacher_precision} if (s := choose_autocast(run.backend, p).skip)), "")
     if skip:  # a precision this backend cannot run (tf32 on the CPU)
         return row | {"status": Status.SKIPPED, "error": skip}
     if entry.role == "teacher":
         teacher = run.train_ce(c, entry.seed, "teacher", entry.teacher_key)
-        return run.fill(row, teacher, teacher)
+        return _noted(run.fill(row, teacher, teacher), teacher)
     teacher = run.trained.get((entry.seed, "teacher", entry.teacher_key))
     if entry.role == "scratch":
-        return run.fill(row, run.train_ce(c, entry.seed, "scratch", entry.student_key), teacher)
+        scratch = run.train_ce(c, entry.seed, "scratch", entry.student_key)
+        return _noted(run.fill(row, scratch, teacher), scratch)
     what = f"quality seed {entry.seed}: distilled {c.method} {c.pair.teacher}->{c.pair.student}"
     if not isinstance(teacher, Trained):
         logger.info("  %s: FAILED: the teacher failed to train", what)
@@ -207,11 +222,23 @@ def execute(run: QualityRun, entry: Entry) -> dict[str, Any]:
     run.fill(row, result, teacher)
     if isinstance(result, Trained):
         logger.info("  %s: %s", what, run.describe(result, row["agreement"]))
+    return _noted(row, result)
+
+
+def _noted(row: dict[str, Any], result: Trained | str) -> dict[str, Any]:
+    """``row`` with what its model's record says of where it came from (its checkpoint, or trained again)."""
+    note = result.note if isinstance(result, Trained) else None
+    if note:
+        row["notes"] = "; ".join(n for n in (row["notes"], note) if n)
     return row
 
 
 def run_quality(
-    cfg: QualityConfig, jobs: list[CellConfig], backend: Backend, allow_imports: bool = False
+    cfg: QualityConfig,
+    jobs: list[CellConfig],
+    backend: Backend,
+    allow_imports: bool = False,
+    checkpoints: Path | None = None,
 ) -> list[dict[str, Any]]:
     """Every row of :func:`quality_plan`: one per trained model and seed.
 
@@ -219,17 +246,32 @@ def run_quality(
     with that teacher; each distinct student trains once from scratch; each job distils
     a fresh student.  A model that fails to build or train gives a failed row (and a
     failed teacher fails its distillations); the others still run.  Data-set errors
-    (``KdbenchError``) are raised before anything trains.
+    (``KdbenchError``) are raised before anything trains.  With ``checkpoints`` (a folder) each
+    trained model is kept there as it finishes, and one already kept there with the same identity is
+    not trained again (:mod:`kdbench.quality.checkpoints`).  Progress is logged as it goes
+    (:mod:`kdbench.quality.progress`).
     """
+    plan = quality_plan(cfg, jobs)
+    store = None if checkpoints is None else Checkpoints(Path(checkpoints))
     if cfg.dataset in TEXT_DATASETS:  # language models on text (kdbench.quality.text): the same protocol
-        run: QualityRun = TextRun(cfg, backend, allow_imports)
+        run: QualityRun = TextRun(cfg, backend, allow_imports, store)
     else:
-        run = QualityRun(cfg, backend, allow_imports)
-    for job in jobs:
-        run.data(job)  # load (and check) every data set first
-    devices = [backend.device] if backend.device_type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):  # the caller's random state is left as it was
-        return [execute(run, entry) for entry in quality_plan(cfg, jobs)]
+        run = QualityRun(cfg, backend, allow_imports, store)
+    run.talk = talk = Talk(len(plan))
+    where = f"; each kept as it finishes in {checkpoints}" if checkpoints is not None else ""
+    talk.job(f"{cfg.seeds} seed(s), {cfg.epochs} epochs each on {cfg.dataset}{where}")
+    try:
+        for job in jobs:
+            run.data(job)  # load (and check) every data set first
+        devices = [backend.device] if backend.device_type == "cuda" else []
+        rows: list[dict[str, Any]] = []
+        with torch.random.fork_rng(devices=devices):  # the caller's random state is left as it was
+            for entry in plan:
+                rows.append(execute(run, entry))
+                finished(rows)  # a worker that dies later keeps them (kdbench.run.jobs.failure_rows)
+        return rows
+    finally:
+        talk.account()
 
 
 def check_quality(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:

@@ -52,6 +52,7 @@ from kdbench.config.schema import CellConfig, QualityConfig
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import AutocastChoice, Backend
 from kdbench.names import IGNORE_INDEX
+from kdbench.quality.checkpoints import Checkpoints
 from kdbench.quality.train import DeviceData, QualityRun, Trained, ce_step, fit, init_seed
 
 BYTES = 256  # the vocabulary: one token per byte value
@@ -258,8 +259,10 @@ def _perplexity(loss: float) -> float:
 class TextRun(QualityRun):
     """The quality protocol's run with language models on text: the data, the models and their record."""
 
-    def __init__(self, cfg: QualityConfig, backend: Backend, allow_imports: bool):
-        super().__init__(cfg, backend, allow_imports)
+    def __init__(
+        self, cfg: QualityConfig, backend: Backend, allow_imports: bool, checkpoints: Checkpoints | None = None
+    ):
+        super().__init__(cfg, backend, allow_imports, checkpoints)
         self.text: TextData | None = None
         self.device_text: DeviceData | None = None
 
@@ -300,7 +303,8 @@ class TextRun(QualityRun):
         def evaluate(m: nn.Module) -> tuple[float, torch.Tensor, float]:
             return evaluate_text(m, data, choice, self.backend)
 
-        return fit(step, model, optimizer, data, self.cfg, self.backend, seed, choice, evaluate=evaluate)
+        talk = self.talk
+        return fit(step, model, optimizer, data, self.cfg, self.backend, seed, choice, evaluate=evaluate, talk=talk)
 
     def fill(self, row: dict[str, Any], result: Trained | str, reference: Trained | str | None) -> dict[str, Any]:
         if self.text is not None:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kdbench.config.plan import config_dict
 from kdbench.config.schema import CellConfig, QualityConfig, TeacherConfig
 from kdbench.distill.losses import method_parts
 from kdbench.distill.losses.registry import training_epoch
@@ -36,7 +37,9 @@ from kdbench.hw.layout import memory_format_of, place_model
 from kdbench.measure.failures import error_text
 from kdbench.models import ModelCache
 from kdbench.names import IGNORE_INDEX, Status
+from kdbench.quality.checkpoints import CHECKPOINTS_DIR, Checkpoints, tensors_digest
 from kdbench.quality.datasets import Dataset, load_dataset
+from kdbench.quality.progress import Talk
 from kdbench.workloads import workload_of
 
 logger = logging.getLogger(__name__)
@@ -52,6 +55,17 @@ class Trained:
     preds: torch.Tensor  # test predictions after the last epoch (CPU)
     model: nn.Module | None = None
     test_losses: list[float] = field(default_factory=list)  # the test loss after each epoch, where one is measured
+    identity: dict[str, Any] | None = None  # what it was trained with, where checkpoints are kept (quality.checkpoints)
+    note: str | None = None  # for its row: taken from its checkpoint, or trained again and why
+
+    def record(self) -> dict[str, Any]:
+        """What its checkpoint keeps of it besides the weights: all its row is made from."""
+        return {"history": [list(h) for h in self.history], "test_losses": list(self.test_losses), "preds": self.preds}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], **fields: Any) -> Trained:
+        history = [(float(s), float(a)) for s, a in record["history"]]
+        return cls(history, record["preds"], test_losses=[float(v) for v in record["test_losses"]], **fields)
 
     @property
     def accuracy(self) -> float:
@@ -123,6 +137,7 @@ def fit(
     seed: int,
     choice: AutocastChoice,
     evaluate: Evaluate | None = None,
+    talk: Talk | None = None,
 ) -> Trained:
     """`cfg.epochs` epochs of `step(x, y, indices)` over mini-batches shuffled by a generator seeded with `seed`.
 
@@ -130,7 +145,7 @@ def fit(
     steps are timed; the evaluation after each epoch is not.  The steps of epoch e
     (1-based) run inside ``training_epoch(e)``: the loss terms that count epochs see it.
     ``evaluate`` replaces the top-1 evaluation of a classifier (the text protocol's next-byte one,
-    which also measures the test loss).
+    which also measures the test loss).  ``talk`` hears the start and every step (it speaks every 30 s).
     """
     torch.manual_seed(seed)  # anything random inside the model (dropout) starts the same way
     n = len(data.x_train)
@@ -144,6 +159,8 @@ def fit(
     seconds = 0.0
     loss = None
     preds = torch.empty(0, dtype=torch.int64)
+    if talk is not None:
+        talk.training(cfg.epochs, steps)
     for epoch in range(1, cfg.epochs + 1):  # 1-based, as mdistiller's trainer (and Trained.reach) count
         perm = torch.randperm(n, generator=order)
         backend.synchronize()
@@ -154,6 +171,8 @@ def fit(
                 idx = perm[i * bs : (i + 1) * bs]
                 loss = step(data.x_train[idx].contiguous(memory_format=data.fmt), data.y_train[idx], idx)
                 schedule.step()
+                if talk is not None:
+                    talk.step(epoch, i + 1, loss)
         backend.synchronize()
         seconds += time.perf_counter() - start
         if evaluate is None:
@@ -244,12 +263,17 @@ class QualityRun:
     """The state of one quality run: data on the device, and the models trained so far per seed; how each is
     trained.  :func:`kdbench.quality.protocol.run_quality` says which, in which order, into which rows."""
 
-    def __init__(self, cfg: QualityConfig, backend: Backend, allow_imports: bool):
+    def __init__(
+        self, cfg: QualityConfig, backend: Backend, allow_imports: bool, checkpoints: Checkpoints | None = None
+    ):
         self.cfg, self.backend = cfg, backend
         self.cache = ModelCache(allow_imports, capacity=64)
         self.datasets: dict[tuple[int, ...], Dataset] = {}
         self.on_device: dict[tuple[tuple[int, ...], str], DeviceData] = {}
         self.trained: dict[tuple[int, str, ModelKey], Trained | str] = {}  # (seed, teacher|scratch, key): or error
+        self.checkpoints = checkpoints  # where each trained model is kept (None: nowhere)
+        self.talk = Talk(0)  # the job's progress lines (run_quality gives it the plan's)
+        self.digests: dict[int, str] = {}  # id(DeviceData) -> the SHA-256 of its tensors
 
     def data(self, c: CellConfig) -> DeviceData:
         shape = tuple(c.data.shape)
@@ -290,7 +314,7 @@ class QualityRun:
         return ce_step(model, optimizer, choice, self.backend)
 
     def fit(self, step: Callable, model: nn.Module, optimizer: Any, data: DeviceData, seed: int, choice: Any):
-        return fit(step, model, optimizer, data, self.cfg, self.backend, seed, choice)
+        return fit(step, model, optimizer, data, self.cfg, self.backend, seed, choice, talk=self.talk)
 
     def fill(self, row: dict[str, Any], result: Trained | str, reference: Trained | str | None) -> dict[str, Any]:
         return _fill(row, self.cfg, result, reference)
@@ -309,15 +333,74 @@ class QualityRun:
             return error_text(exc)
         return result
 
+    def identity(self, cell: CellConfig, role: str, teacher: Trained | None = None) -> dict[str, Any]:
+        """What a model of ``role`` trained as the quality cell ``cell`` is trained with: a checkpoint is reused only
+        for the same (:mod:`kdbench.quality.checkpoints`)."""
+        data = self.data(cell)
+        if id(data) not in self.digests:
+            self.digests[id(data)] = tensors_digest(data.x_train, data.y_train, data.x_test, data.y_test)
+        return {
+            "format": 1,
+            "role": role,
+            "quality": self.cfg.model_dump(mode="json"),
+            "cell": config_dict(cell),
+            "data": self.digests[id(data)],
+            "threads": torch.get_num_threads(),
+            "backend": self.backend.name,
+            "torch": str(torch.__version__),
+            "teacher": None if teacher is None else teacher.identity,
+        }
+
+    def kept(
+        self,
+        seed: int,
+        role: str,
+        which: Any,
+        cell: CellConfig,
+        train: Callable[[], tuple[Trained, nn.Module]],
+        teacher: Trained | None = None,
+        rebuild: Callable[[dict[str, torch.Tensor]], nn.Module] | None = None,
+    ) -> Trained:
+        """``train()``'s model and record, stored as a checkpoint once trained; or, where this run already holds its
+        checkpoint with the same identity, the stored record (and with ``rebuild``, the model from its weights)."""
+        if self.checkpoints is None:
+            return train()[0]
+        identity = self.identity(cell, role, teacher)
+        path = self.checkpoints.path(seed, role, which)
+        stored, why = self.checkpoints.load(path, identity)
+        if stored is not None:
+            note = (
+                f"reused: trained by an earlier invocation of this run and kept in its checkpoint "
+                f"{CHECKPOINTS_DIR}/{path.parent.name}/{path.name} (saved {stored.saved}); its times are that "
+                "invocation's"
+            )
+            out = Trained.from_record(stored.record, identity=identity, note=note)
+            if rebuild is not None:
+                out.model = rebuild(stored.state_dict)
+            figures = "" if teacher is not None else f": {self.describe(out)}"  # a student's come with its row
+            kept = f"taken from its checkpoint {path.name} (saved {stored.saved}), not trained again{figures}"
+            self.talk.reused(kept)
+            return out
+        if why:
+            logger.info("%s: %s: training it again", self.talk.head, why)
+        out, model = train()
+        out.identity, out.note = identity, (f"trained again: {why}" if why else None)
+        try:
+            self.checkpoints.save(path, identity, out.record(), model)
+        except (OSError, RuntimeError) as exc:  # a full disk: the model is trained all the same, only not kept
+            logger.warning("%s: not kept, a resume would train it again: %s", self.talk.head, error_text(exc))
+        return out
+
     def train_ce(self, config: CellConfig, seed: int, role: str, key: ModelKey) -> Trained | str:
         """The seed's teacher or scratch student (the model ``key`` names, of the planned cell ``config``), trained
-        with cross-entropy once and remembered."""
+        with cross-entropy once and remembered (and kept as a checkpoint where the run keeps them)."""
         if (seed, role, key) not in self.trained:
             cell = self.cell(config, seed)
             name = key[0]
+            kind = "teacher" if role == "teacher" else "student"
 
-            def train() -> Trained:
-                model = self.model(name, cell, "teacher" if role == "teacher" else "student")
+            def train() -> tuple[Trained, nn.Module]:
+                model = self.model(name, cell, kind)
                 model.train()
                 optimizer = make_optimizer(model.parameters(), cell.optimizer)
                 choice = choose_autocast(self.backend, cell.precision)
@@ -327,26 +410,38 @@ class QualityRun:
                 if role == "teacher":
                     out.model = model
                 logger.info("  quality seed %d: %s %s: %s", seed, role, name, self.describe(out))
-                return out
+                return out, model
 
-            self.trained[(seed, role, key)] = self.attempt(f"quality seed {seed}: {role} {name}", train)
+            def rebuild(state: dict[str, torch.Tensor]) -> nn.Module:
+                model = self.model(name, cell, kind)
+                model.load_state_dict(state)
+                return model.train()
+
+            self.trained[(seed, role, key)] = self.attempt(
+                f"quality seed {seed}: {role} {name}",
+                lambda: self.kept(seed, role, repr(key), cell, train, rebuild=rebuild if role == "teacher" else None),
+            )
         return self.trained[(seed, role, key)]
 
     def distil(self, config: CellConfig, seed: int, teacher: Trained) -> Trained:
         """A fresh student of the planned cell ``config`` distilled from ``teacher``, the seed's trained one."""
         cell = self.cell(config, seed)
-        data = self.data(cell)
-        cell = bank_sized(cell, len(data.x_train))
-        student = self.model(cell.pair.student, cell, "student")
-        teacher_copy = copy.deepcopy(teacher.model)
-        distiller = Distiller(teacher_copy, student, cell, self.backend, data.x_train[:2], workload_of(cell))
-        try:
-            model, opt = distiller.student, distiller.optimizer
 
-            def step(x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
-                return distiller.train_step(x, y, indices=indices)
+        def train() -> tuple[Trained, nn.Module]:
+            data = self.data(cell)
+            sized = bank_sized(cell, len(data.x_train))
+            student = self.model(sized.pair.student, sized, "student")
+            teacher_copy = copy.deepcopy(teacher.model)
+            distiller = Distiller(teacher_copy, student, sized, self.backend, data.x_train[:2], workload_of(sized))
+            try:
+                model, opt = distiller.student, distiller.optimizer
 
-            with math_mode(distiller.student_ac.tf32):
-                return self.fit(step, model, opt, data, seed, distiller.student_ac)
-        finally:
-            distiller.close()
+                def step(x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+                    return distiller.train_step(x, y, indices=indices)
+
+                with math_mode(distiller.student_ac.tf32):
+                    return self.fit(step, model, opt, data, seed, distiller.student_ac), model
+            finally:
+                distiller.close()
+
+        return self.kept(seed, "distilled", config_dict(config), cell, train, teacher=teacher)

@@ -131,18 +131,18 @@ def run_suite(
             outcome.close()
         return outcome
     with thread_count(threads):  # recorded by the environment capture; the workers set their own
-        folder = _open(suite, options)
+        folder = _open(suite, options, threads)
         setup = _setup(suite, backend, threads, folder)
         from kdbench.run.workers import LocalWorkers
 
         workers = LocalWorkers(setup, options.inline, detect().gpu_count, suite.launcher)
-        outcome = _execute(suite, plan, folder, backend, workers, f"{threads} CPU threads")
+        outcome = _execute(suite, plan, folder, backend, workers, f"{threads} CPU threads", threads)
     if close:
         outcome.close()
     return outcome
 
 
-def _open(suite: Suite, options: RunOptions) -> RunFolder:
+def _open(suite: Suite, options: RunOptions, threads: int) -> RunFolder:
     run_id = options.run_id
     if options.resume and not run_id:
         folder = newest_run(options.out_dir, suite.name)
@@ -150,7 +150,27 @@ def _open(suite: Suite, options: RunOptions) -> RunFolder:
             logger.info("nothing of suite '%s' in %s to resume; starting a new run", suite.name, options.out_dir)
         else:
             run_id = folder.run_id
-    return open_run(options.out_dir, suite.name, str(suite.path), run_id)
+    folder = open_run(options.out_dir, suite.name, str(suite.path), run_id)
+    check_threads(folder, threads)
+    return folder
+
+
+def check_threads(folder: RunFolder, threads: int) -> None:
+    """Refuse to continue a run at another CPU thread count than it measured at: its rows (and the quality job's
+    kept models) would mix thread counts, which change every CPU figure.  The earlier invocations that count are
+    those that stored a job, or did not finish (killed: they may have); each records its ``threads``."""
+    earlier = {
+        r["threads"]
+        for r in folder.invocations()
+        if r.get("threads") is not None and (r.get("stored") or "finished" not in r)
+    }
+    if earlier and earlier != {threads}:
+        was = " and ".join(str(t) for t in sorted(earlier))
+        raise KdbenchError(
+            f"--threads {threads}: run {folder.run_id} in {folder.path.parent} was measured at {was} CPU threads "
+            f"and one run does not mix thread counts; continue it with --threads {was.split()[0]} (or the suite's "
+            f"`threads`), or start a new run (without --resume, or another --run-id)"
+        )
 
 
 def _setup(suite: Suite, backend: Backend, threads: int, folder: RunFolder):
@@ -177,7 +197,7 @@ def _run_allocated(suite: Suite, plan: Plan, backend_name: str, threads: int, op
         opened: list[Any] = [None]
         if alloc.rank == 0:
             try:
-                opened[0] = _open(suite, options)
+                opened[0] = _open(suite, options, threads)
             except KdbenchError as exc:
                 opened[0] = exc  # the other ranks stop too, rather than wait for a run that never comes
         dist.broadcast_object_list(opened, src=0)  # every rank measures with the same options
@@ -194,7 +214,7 @@ def _run_allocated(suite: Suite, plan: Plan, backend_name: str, threads: int, op
         single = InlineWorker(setup) if options.inline else ProcessWorker(setup)
         workers = AllocationWorkers(alloc, setup, single, groups)
         where = f"{alloc.world_size} ranks of a {alloc.source} allocation"
-        return _execute(suite, plan, folder, backend, workers, where)
+        return _execute(suite, plan, folder, backend, workers, where, threads)
     finally:
         dist.destroy_process_group()
 
@@ -257,7 +277,9 @@ def _with_reused(job: CellJob, rows: list[Row], reuse: dict, measured: dict) -> 
     return sorted(out, key=lambda r: order.get((str(r["measurement"]), r.get("batch_size")), len(order)))
 
 
-def _invocation(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, commit: str | None) -> Invocation:
+def _invocation(
+    suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, commit: str | None, threads: int
+) -> Invocation:
     """This invocation's record: the whole plan's jobs (what a complete run holds), its share, and how it ran."""
     import socket
     import sys
@@ -268,6 +290,7 @@ def _invocation(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, c
         shard=list(plan.shard) if plan.shard else None,
         repeats=suite.repeat,
         backend=backend.name,
+        threads=threads,
         budgets=[b.model_dump(mode="json", exclude_none=True) for b in suite.budgets],
         suite_commit=commit,
         host=socket.gethostname(),
@@ -276,14 +299,16 @@ def _invocation(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, c
     )
 
 
-def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, workers: Any, where: str) -> RunOutcome:
+def _execute(
+    suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, workers: Any, where: str, threads: int
+) -> RunOutcome:
     outcome = RunOutcome(run_id=folder.run_id, path=folder.path, split=WallSplit())
     wall = outcome.split
     try:  # whatever happens, the workers are closed (inside an allocation that releases the other ranks)
         began = time.perf_counter()
         stamp = Stamper(suite, backend, folder)
         wall.add("environment capture", time.perf_counter() - began)
-        outcome.invocation = _invocation(suite, plan, folder, backend, stamp.commit)
+        outcome.invocation = _invocation(suite, plan, folder, backend, stamp.commit, threads)
         stored = folder.stored_job_ids()
         todo = [job for job in plan.jobs if job.job_id not in stored]
         if stored:
@@ -372,8 +397,13 @@ def _execute(suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, work
             if result.fatal:  # stored; but the run cannot go on (an allocation whose ranks lost step)
                 outcome.aborted = f"{job.progress_label}: {result.fatal}"
                 break
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         outcome.interrupted = True
+        partial = getattr(exc, "result", None)  # the job in flight (kdbench.run.workers.JobInterrupted)
+        if partial is not None:  # its time where its worker said it went (a quality job's training: quality)
+            wall_s = time.perf_counter() - start
+            outcome.timings.append(JobTiming(job.job_id, job.progress_label, wall_s, partial.seconds))
+            wall.job(wall_s, partial.seconds, partial.split, 0.0)
     finally:
         workers.close()
     return outcome

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from kdbench.config.plan import Cell, config_dict, method_params
 from kdbench.config.schema import TEXT_DATASETS, CellConfig, QualityConfig
@@ -184,12 +185,23 @@ class QualityJob:
     def columns(self, backend_name: str) -> Row:
         return {}  # each quality row names its own teacher, student, method, seed and precision
 
+    def checkpoints(self, run_dir: str | None) -> Path | None:
+        """Where the job keeps each model it trained, in the run folder (:mod:`kdbench.quality.checkpoints`)."""
+        from kdbench.quality.checkpoints import CHECKPOINTS_DIR
+
+        return None if run_dir is None else Path(run_dir) / CHECKPOINTS_DIR / self.job_id
+
     def run(self, ctx: WorkerContext) -> list[Row]:
-        from kdbench.measure.walltime import QUALITY, spent
         from kdbench.quality.protocol import run_quality
 
-        with spent(QUALITY):
-            return run_quality(self.quality, list(self.configs), ctx.backend, allow_imports=self.allow_imports)
+        # its wall time is counted to "quality" as it trains (kdbench.quality.progress), not only at its end
+        return run_quality(
+            self.quality,
+            list(self.configs),
+            ctx.backend,
+            allow_imports=self.allow_imports,
+            checkpoints=self.checkpoints(ctx.options.run_dir),
+        )
 
 
 Job = CellJob | QualityJob
@@ -207,9 +219,11 @@ def quality_dict(quality: QualityConfig) -> dict:
     return out
 
 
-def failure_rows(job: Job, status: Status, error: str) -> list[Row]:
-    """Every row ``job`` would have produced, marked with ``status`` and ``error``."""
-    return planned_failures(job.planned(), status, error)
+def failure_rows(job: Job, status: Status, error: str, finished: list[Row] | tuple = ()) -> list[Row]:
+    """Every row ``job`` would have produced, marked with ``status`` and ``error``; but the first ``len(finished)``,
+    which the job had finished before it failed (the quality job's models trained by then), as they are."""
+    rows = planned_failures(job.planned(), status, error)
+    return [*finished, *rows[len(finished) :]]
 
 
 # The config columns a family fills (:meth:`kdbench.workloads.base.Workload.config_columns`); empty on the rows of

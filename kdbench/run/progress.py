@@ -82,7 +82,9 @@ def summary_line(rows: list[Row]) -> str:
         return f"{str(bad[0]['status']).upper()}: {(bad[0].get('error') or '')[:200]}"
     quality = [r for r in rows if r["measurement"] == Measurement.QUALITY]
     if quality:
-        return f"{len(quality)} quality rows" + (f", {len(bad)} FAILED" if bad else "")
+        reused = sum("reused: trained by an earlier invocation" in (r.get("notes") or "") for r in quality)
+        kept = f", {reused} of them from the models an earlier invocation kept" if reused else ""
+        return f"{len(quality)} quality rows{kept}" + (f", {len(bad)} FAILED" if bad else "")
     from kdbench.store.derived import speedups
 
     speedup = speedups(rows)

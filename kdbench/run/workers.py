@@ -80,14 +80,25 @@ def execute(job: Job, ctx: WorkerContext) -> JobResult:
 
     install(ctx.state)  # this worker's state (one process may hold two contexts: an allocation's rank 0)
     walltime.take()
+    ctx.state.finished_rows = []
     start = time.perf_counter()
     try:
         rows = job.run(ctx)
     except Exception as exc:
         if device_fatal(exc):
             note_device_lost(exc)
-        rows = failure_rows(job, Status.FAILED, error_text(exc))
+        rows = failure_rows(job, Status.FAILED, error_text(exc), ctx.state.finished_rows)
     return JobResult(rows, time.perf_counter() - start, split=walltime.take())
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """Ctrl-C while a worker ran a job: ``result`` holds no rows, the seconds the job had run and the wall-time
+    split its worker had told by then, so the run's split counts them where they went (a quality job's training
+    to quality), not to the engine."""
+
+    def __init__(self, result: JobResult):
+        super().__init__()
+        self.result = result
 
 
 class _PipeHandler(logging.Handler):
@@ -119,6 +130,7 @@ def _serve(conn: Any, setup: WorkerSetup) -> None:
     from kdbench.measure import walltime
 
     walltime.listen(lambda totals: conn.send(("split", totals)))  # a job that times out keeps its split
+    ctx.state.rows_listener = lambda rows: conn.send(("finished", rows))  # and one that dies, its finished rows
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -158,7 +170,13 @@ class InlineWorker:
         self.ctx = context(setup)
 
     def run(self, job: Job, timeout_s: float | None = None) -> JobResult:
-        result = execute(job, self.ctx)
+        from kdbench.measure import walltime
+
+        start = time.perf_counter()
+        try:
+            result = execute(job, self.ctx)
+        except KeyboardInterrupt:
+            raise JobInterrupted(JobResult([], time.perf_counter() - start, split=walltime.take())) from None
         if device_lost():
             logger.warning(
                 "the device context of this process is lost (%s): later jobs will fail; run without "
@@ -185,6 +203,8 @@ class ProcessWorker:
         self.proc: Any = None
         self.conn: Any = None
         self.started = 0  # worker processes started so far
+        self.seen: dict[str, float] = {}  # the running job's wall-time split, as its worker last told it
+        self.finished: list[Row] = []  # the rows the running job had finished, as its worker last told them
 
     def _start(self) -> None:
         parent, child = self.ctx.Pipe()
@@ -215,10 +235,12 @@ class ProcessWorker:
 
     def run(self, job: Job, timeout_s: float | None = None) -> JobResult:
         start = time.perf_counter()
-        seen: dict[str, float] = {}  # the job's split as the worker last told it
+        self.seen, self.finished = {}, []
 
         def failed(status: Status, error: str) -> JobResult:
-            return JobResult(failure_rows(job, status, error), time.perf_counter() - start, split={**seen, **started})
+            split = {**self.seen, **started}
+            rows = failure_rows(job, status, error, self.finished)
+            return JobResult(rows, time.perf_counter() - start, split=split)
 
         started: dict[str, float] = {}
         if self.proc is None or not self.proc.is_alive():
@@ -230,6 +252,15 @@ class ProcessWorker:
                 return failed(Status.FAILED, str(exc))
             started[PROCESS_START] = time.perf_counter() - began
         self.conn.send(job)
+        try:
+            return self._wait(timeout_s, failed, started)
+        except KeyboardInterrupt:
+            seconds = time.perf_counter() - start - started.get(PROCESS_START, 0.0)
+            self._kill()  # it is in the middle of the job (SIGINT is the parent's): waiting for it would only delay
+            raise JobInterrupted(JobResult([], seconds, split={**self.seen, **started})) from None
+
+    def _wait(self, timeout_s: float | None, failed, started: dict[str, float]) -> JobResult:
+        """The job's rows, as the worker sends them; or its failure when the worker dies or outlives ``timeout_s``."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             if self.conn.poll(_POLL_S):
@@ -243,7 +274,10 @@ class ProcessWorker:
                         self._kill()
                     return JobResult(message[1], message[2], split={**message[4], **started})
                 if message[0] == "split":
-                    seen = message[1]
+                    self.seen = message[1]
+                    continue
+                if message[0] == "finished":
+                    self.finished = message[1]
                     continue
                 _log(message)
             elif not self.proc.is_alive():
