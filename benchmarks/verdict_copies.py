@@ -77,7 +77,7 @@ def suite(repeat: int) -> dict:
             "batch_size": 64,
             "precision": "fp32",
             "data": {"kind": "synthetic", "shape": [3, 32, 32], "num_classes": 10},
-            "timing": {"warmup": 3, "min_iters": 20, "min_time_s": 0.3},
+            "timing": {"warmup": 3, "min_iters": 15, "min_time_s": 0.2},
             "inference": {"batch_sizes": [64], "teacher": False},
         },
         "matrix": {

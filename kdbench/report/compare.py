@@ -341,7 +341,7 @@ class Sequence:
         change; those it decides keep its change; the cell ids whose measurements are still undecided (none after
         the last look) are returned, to be measured again."""
         open_cells: list[str] = []
-        changes = []
+        changes, capped = [], 0
         for c in cmp.changes:
             key = (c.cell_id, c.measurement, c.batch_size)
             if key in self.decided:
@@ -353,6 +353,7 @@ class Sequence:
                 continue
             at = f"look {look} of {self.looks}, {c.base_repeats} / {c.new_repeats} repeats"
             if undecided(c.verdict, c.ratio, c.ci_high, cmp.threshold):
+                capped += 1
                 at = f"still undecided at the cap ({at}): --rerun-undecided with a larger N may decide it"
             else:
                 at = f"decided at {at}"
@@ -364,7 +365,13 @@ class Sequence:
         self.lines.append(
             f"sequential look {look} of {self.looks} (--rerun-undecided {self.rounds}): judged at α = {alpha:.3g} of "
             f"{1 - self.confidence:.3g} (O'Brien–Fleming-type spending); "
-            + (f"{len(open_cells)} cell(s) undecided, measured again" if open_cells else "nothing left undecided")
+            + (
+                f"{len(open_cells)} cell(s) undecided, measured again"
+                if open_cells
+                else f"{capped} measurement(s) still undecided at the cap"
+                if capped
+                else "nothing left undecided"
+            )
         )
         cmp.looks = list(self.lines)
         cmp.confidence = self.confidence

@@ -1,8 +1,8 @@
 """Measuring the undecided cells of a comparison again (``compare --rerun-undecided N``): one more repeat of each
-given cell on each side that can be measured here, BASE and NEW interleaved cell by cell (the side measured first
-alternating from round to round), each job in a fresh worker process, stored as a new part (``part-<cell>-r<k>``)
-of the side's own run folder, with its own invocation record (which plans just those jobs, so the run stays
-complete).  The statistics of the sequence are :class:`kdbench.report.compare.Sequence`'s.
+given cell on each side that can be measured here, as one round of each side's run in a fresh worker process (as a
+run's rounds are), BASE and NEW one after the other (the side measured first alternating from round to round),
+each job stored as a new part (``part-<cell>-r<k>``) of the side's own run folder, with its own invocation
+record (which plans just those jobs, so the run stays complete).  The statistics of the sequence are :class:`kdbench.report.compare.Sequence`'s.
 
 A side is measured here only when it can be: a run folder (not a bare file) whose suite file is here and still
 plans the cell, measured on this host with this torch.  Its repeats then use the suite file as it is now and the
@@ -64,29 +64,35 @@ def side(name: str, path: Path, rows) -> RerunSide:
 
 
 def measure_again(sides: list[RerunSide], cell_ids: list[str], round_: int) -> int:
-    """One more repeat of each of ``cell_ids`` on each side, interleaved; the number of jobs stored."""
+    """One more repeat of each of ``cell_ids`` on each side: a round of the side's run, in a fresh worker process
+    (as a run's rounds are), the sides one after the other, the side measured first alternating by round (BASE
+    first in odd rounds), so that neither side has the machine's later state to itself.  The number of jobs
+    stored."""
     from kdbench.run.engine import RunOptions, run_suite
     from kdbench.run.jobs import CellJob
     from kdbench.run.plan import Plan, plan_jobs, planned_backend
 
-    plans = {s.name: plan_jobs(s.suite, None, planned_backend(s.suite, s.device)) for s in sides}
     order = sides if round_ % 2 else list(reversed(sides))
     stored = 0
-    for cell_id in cell_ids:
-        for s in order:
-            plan = plans[s.name]
-            cell = next((c for c in plan.cells if c.cell_id == cell_id), None)
-            if cell is None:
+    for s in order:
+        plan = plan_jobs(s.suite, None, planned_backend(s.suite, s.device))
+        cells = {c.cell_id: c for c in plan.cells}
+        repeats = {}
+        for cell, r in map(parse_job_id, s.folder.stored_job_ids()):
+            repeats[cell] = max(repeats.get(cell, 0), r)
+        jobs = []
+        for cell_id in cell_ids:
+            if cell_id not in cells:
                 raise KdbenchError(
                     f"--rerun-undecided: {s.name}'s suite file {s.suite.path} no longer plans cell {cell_id}; "
-                    "it changed since the run: pass --rerun-sides new, or run the comparison without reruns"
+                    "it changed since the run: pass --rerun-sides new, or compare without --rerun-undecided"
                 )
-            repeats = [r for c, r in map(parse_job_id, s.folder.stored_job_ids()) if c == cell_id]
-            job = CellJob(cell, max(repeats, default=0) + 1, max(repeats, default=0) + 1)
-            logger.info("measuring again (round %d): %s, %s", round_, s.name, job.progress_label)
-            options = RunOptions(out_dir=s.folder.path.parent, device=s.device, run_id=s.folder.run_id)
-            outcome = run_suite(s.suite, options, Plan(plan.cells, [job], (job.job_id,)))
-            if outcome.interrupted:
-                raise KeyboardInterrupt
-            stored += outcome.jobs
+            k = repeats.get(cell_id, 0) + 1
+            jobs.append(CellJob(cells[cell_id], k, k))
+        logger.info("measuring again (round %d): %d cell(s) of %s", round_, len(jobs), s.name)
+        options = RunOptions(out_dir=s.folder.path.parent, device=s.device, run_id=s.folder.run_id)
+        outcome = run_suite(s.suite, options, Plan(plan.cells, jobs, tuple(j.job_id for j in jobs)))
+        if outcome.interrupted:
+            raise KeyboardInterrupt
+        stored += outcome.jobs
     return stored
