@@ -105,28 +105,41 @@ def t_ratio(
     return _t_ratios([(base, new, floor)], confidence, prior)[0]
 
 
+def _summary(base: Sequence[float], new: Sequence[float]) -> tuple[float, float, int, int] | None:
+    """(mean log new − mean log base, the sum of squared deviations of the logs within each side, len(base),
+    len(new)) of one measurement; None with df 0."""
+    b, n = np.log(np.asarray(base, dtype=float)), np.log(np.asarray(new, dtype=float))
+    if b.size == 0 or n.size == 0 or b.size + n.size < 3:
+        return None
+    mb, mn = b.mean(), n.mean()
+    return float(mn - mb), float(((b - mb) ** 2).sum() + ((n - mn) ** 2).sum()), b.size, n.size
+
+
 def _t_ratios(
     family: Sequence[tuple[Sequence[float], Sequence[float], float]],
     confidence: float,
     prior: tuple[float, float] | None = None,
+    summaries: Sequence[tuple[float, float, int, int] | None] | None = None,
 ) -> list[RatioInterval | None]:
     """:func:`t_ratio` of each (base, new, floor) of ``family`` at one ``confidence`` and ``prior``, with one
-    call of scipy's t quantile for all of them (a simulation judges thousands of families)."""
+    call of scipy's t quantile for all of them (a simulation judges thousands of families); ``summaries``
+    (:func:`_summary` of each) when the caller has them."""
     from scipy import stats
 
+    if summaries is None:
+        summaries = [_summary(b, n) for b, n, _ in family]
     parts = []
-    for base, new, floor in family:
-        b, n = np.log(np.asarray(base, dtype=float)), np.log(np.asarray(new, dtype=float))
-        df = b.size + n.size - 2
-        if b.size == 0 or n.size == 0 or df < 1:
+    for (_, _, floor), summary in zip(family, summaries):
+        if summary is None:
             parts.append(None)
             continue
-        squares = float(((b - b.mean()) ** 2).sum() + ((n - n.mean()) ** 2).sum())
+        diff, squares, nb, nn = summary
+        df = nb + nn - 2
         variance, dof = squares / df, float(df)
         if prior is not None and prior[1] > 0:
             s0, d0 = prior
             variance, dof = (d0 * s0 + df * variance) / (d0 + df), df + d0
-        parts.append((float(n.mean() - b.mean()), max(variance, floor) * (1 / b.size + 1 / n.size), dof))
+        parts.append((diff, max(variance, floor) * (1 / nb + 1 / nn), dof))
     known = [p for p in parts if p is not None]
     if not known:
         return [None] * len(parts)
@@ -146,11 +159,8 @@ def _t_ratios(
 
 def pooled_log_variance(base: Sequence[float], new: Sequence[float]) -> float | None:
     """The between-repeat variance of a measurement's log medians, pooled over both sides (None: df 0)."""
-    b, n = np.log(np.asarray(base, dtype=float)), np.log(np.asarray(new, dtype=float))
-    df = b.size + n.size - 2
-    if b.size == 0 or n.size == 0 or df < 1:
-        return None
-    return float((((b - b.mean()) ** 2).sum() + ((n - n.mean()) ** 2).sum()) / df)
+    summary = _summary(base, new)
+    return None if summary is None else summary[1] / (summary[2] + summary[3] - 2)
 
 
 PRIOR_WEIGHT = 0.5  # the prior's degrees of freedom count half: a suite has tens of measurements, not thousands
@@ -233,17 +243,14 @@ def simultaneous_t(
     family's (:func:`fit_prior`), which adds the prior's degrees of freedom, and is then at least its floor
     and the family's median pooled variance (flooring only widens).  ``tests/test_compare.py`` shows the
     false-alarm rate within its bound under normal, heavy-tailed, two-state and mixed-noise families."""
-    variances, dfs = [], []
-    for b, n, _ in family:
-        v = pooled_log_variance(b, n)
-        if v is not None:
-            variances.append(v)
-            dfs.append(len(b) + len(n) - 2)
+    summaries = [_summary(b, n) for b, n, _ in family]
+    variances = [x[1] / (x[2] + x[3] - 2) for x in summaries if x is not None]
+    dfs = [x[2] + x[3] - 2 for x in summaries if x is not None]
     typical = float(np.median(variances)) if variances else 0.0
     prior = fit_prior(variances, dfs)
     m = size if size is not None else len(variances)
     each = each_level(confidence, m)
-    return _t_ratios([(b, n, max(floor, typical)) for b, n, floor in family], each, prior)
+    return _t_ratios([(b, n, max(floor, typical)) for b, n, floor in family], each, prior, summaries)
 
 
 def centre_interval(values: Sequence[float], confidence: float = 0.95, floor: float = 0.0):

@@ -513,7 +513,7 @@ def test_rerun_undecided_measures_the_undecided_cells_again_until_decided(tmp_pa
     assert calls[0][0] == ["BASE", "NEW"] and "cell-a" in calls[0][1] and calls[0][2] == 1  # both sides, interleaved
     assert "note: sequential look 1 of 3 (--rerun-undecided 2): judged at α = 0.000687 of 0.05" in out
     looks = [line for line in out.splitlines() if line.startswith("note: sequential look")]
-    assert len(looks) == len(calls) + 1 and looks[-1].endswith("nothing left undecided")
+    assert len(looks) == len(calls) + 1 and looks[-1].endswith("5 measurement(s) still undecided at the cap")
     assert re.search(r"distill_step bs32  .* decided at look [123] of 3, [345] / [345] repeats", out)
     assert f"over {len(looks)} look(s), each at its share of it" in out
     stored = {p.name for p in (tmp_path / "new").glob("part-*")}
