@@ -90,8 +90,8 @@ def compare(
     ``threshold`` is a fraction (0.05: 5 %); ``policy`` (:class:`kdbench.report.verdicts.Policy`) what else
     fails the gate; ``.exit_code`` is 1 when a measurement fails it.  With ``rerun_undecided`` N, up to N
     rounds measure the undecided cells again (:mod:`kdbench.run.rerun`: the sides ``rerun_sides``, "both" or
-    "new", that can be measured here) in a sequential design (:class:`kdbench.report.compare.Sequence`)."""
-    from kdbench.report.compare import Sequence, compare_frames
+    "new", that can be measured here) in a sequential design (:class:`kdbench.report.compare.Sequential`)."""
+    from kdbench.report.compare import Sequential, compare_frames
     from kdbench.store import read_results
     from kdbench.store.results import run_states
 
@@ -114,7 +114,7 @@ def compare(
 
     if not rerun_undecided:
         return look(confidence)
-    sequence = Sequence(confidence, rerun_undecided)
+    sequence = Sequential(confidence, rerun_undecided)
     first = look(sequence.level(1))
     sides, note = _rerun_sides(first, base, new, rerun_sides)
     sequence.lines += [note] if note else []

@@ -20,6 +20,12 @@ happens to look quiet in three repeats is not trusted to be quieter than the oth
 only widens intervals.  ``tests/test_compare.py`` shows the family-wise rate by simulation at
 2, 3, 5 and 10 repeats per side.
 
+**More repeats where undecided** (:class:`Sequential`, ``compare --rerun-undecided N``): up to N rounds measure
+the cells with an undecided measurement once more a side, and the comparison looks again; look k judges at its
+share α_k of α = 1 − C (O'Brien–Fleming-type spending, :func:`kdbench.repeats.spending`), a measurement decided at a
+look keeps that verdict, so over the whole sequence the chance of a false regression stays at most 1 − C (union
+bound).  ``tests/test_sequential.py`` simulates its power and false-alarm rate.
+
 **What is not judged.** With one repeat on each side no interval can hold the run-to-run noise
 (the between-process variance is unknown): those measurements are *not judged* and do not fail
 the gate, unless :attr:`Policy.gate_single_repeat` judges them on the iterations of one
@@ -313,7 +319,7 @@ def _rank(c: Change) -> tuple:
 
 
 @dataclass
-class Sequence:
+class Sequential:
     """A sequential comparison (``compare --rerun-undecided N``): up to N + 1 looks, the undecided measurements'
     cells measured once more on each side between two looks.  Look k judges at its share α_k of the family-wise
     α = 1 − confidence (:func:`kdbench.repeats.spending`); a measurement decided at a look keeps that verdict (its
