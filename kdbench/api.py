@@ -80,12 +80,20 @@ def render(
 
 
 def compare(
-    base: str | Path, new: str | Path, threshold: float = 0.05, confidence: float = 0.95, policy=None
+    base: str | Path,
+    new: str | Path,
+    threshold: float = 0.05,
+    confidence: float = 0.95,
+    policy=None,
+    rerun_undecided: int = 0,
+    rerun_sides: str = "both",
 ) -> Comparison:
     """NEW against BASE (each a run folder or result file), cell by cell: :mod:`kdbench.report.compare`.
     ``threshold`` is a fraction (0.05: 5 %); ``policy`` (:class:`kdbench.report.verdicts.Policy`) what else
-    fails the gate; ``.exit_code`` is 1 when a measurement fails it."""
-    from kdbench.report.compare import compare_frames
+    fails the gate; ``.exit_code`` is 1 when a measurement fails it.  With ``rerun_undecided`` N, up to N
+    rounds measure the undecided cells again (:mod:`kdbench.run.rerun`: the sides ``rerun_sides``, "both" or
+    "new", that can be measured here) in a sequential design (:class:`kdbench.report.compare.Sequential`)."""
+    from kdbench.report.compare import Sequential, compare_frames
     from kdbench.store import read_results
     from kdbench.store.results import run_states
 
@@ -93,17 +101,60 @@ def compare(
         states = list(run_states([path]).values())
         return states[0] if len(states) == 1 else None
 
-    return compare_frames(
-        read_results([base]),
-        read_results([new]),
-        threshold,
-        confidence,
-        base_label=str(base),
-        new_label=str(new),
-        policy=policy,
-        base_state=state(base),
-        new_state=state(new),
-    )
+    def look(level: float) -> Comparison:
+        return compare_frames(
+            read_results([base]),
+            read_results([new]),
+            threshold,
+            level,
+            base_label=str(base),
+            new_label=str(new),
+            policy=policy,
+            base_state=state(base),
+            new_state=state(new),
+        )
+
+    if not rerun_undecided:
+        return look(confidence)
+    sequence = Sequential(confidence, rerun_undecided)
+    first = look(sequence.level(1))
+    sides, note = _rerun_sides(first, base, new, rerun_sides)
+    sequence.lines += [note] if note else []
+    cmp, number = first, 1
+    while True:
+        cells = sequence.fold(cmp, number)
+        if not cells:
+            return cmp
+        from kdbench.run.rerun import measure_again
+
+        measure_again(sides, cells, number)
+        number += 1
+        cmp = look(sequence.level(number))
+
+
+def _rerun_sides(cmp: Comparison, base, new, which: str) -> tuple[list, str]:
+    """The sides ``compare --rerun-undecided`` measures again and a note on a side left out; KdbenchError when
+    none can be (the reasons)."""
+    from kdbench.errors import KdbenchError
+    from kdbench.run.rerun import side, why_not
+    from kdbench.store import read_results
+
+    if cmp.same_run:
+        raise KdbenchError(f"--rerun-undecided: BASE and NEW are {cmp.same_run}; give the run to judge as NEW")
+    sides, reasons = [], []
+    for name, path in (("BASE", base), ("NEW", new)):
+        if name == "BASE" and which == "new":
+            continue
+        rows = read_results([path])
+        why = why_not(name, Path(path), rows)
+        if why:
+            reasons.append(why)
+        else:
+            sides.append(side(name, Path(path), rows))
+    if not sides:
+        raise KdbenchError(f"--rerun-undecided: no side can be measured again here: {'; '.join(reasons)}")
+    left_out = "BASE is not measured again (--rerun-sides new)" if which == "new" else "; ".join(reasons)
+    return sides, (f"only {sides[0].name} is measured again: {left_out}" if len(sides) == 1 else "")
 
 
 def budget_checks(results: Iterable[str | Path]) -> list[BudgetCheck]:

@@ -15,6 +15,8 @@ load) by more than the iterations of one process can show.  So the repeat is the
 * **a family of measurements** (:func:`simultaneous_t`): each variance moderated towards the family's
   (Smyth's empirical Bayes, the "moderated t" of limma, its prior weighted half: :func:`fit_prior`),
   floored at the family's median, and the bounds Bonferroni-simultaneous (:func:`each_level`);
+* **a sequence of looks** (``compare --rerun-undecided``: the undecided measurements measured again):
+  ``alpha`` shared out over the looks by an O'Brien–Fleming-type spending function (:func:`spending`);
 * **within-process interval** (one repeat per side, shown but not gated on unless asked): a percentile
   bootstrap of the iterations (:func:`bootstrap_ratio`), whose resampled medians are drawn from their
   order statistics' Beta laws (each draw O(1));
@@ -100,30 +102,65 @@ def t_ratio(
 
     Without a prior and a floor it is scipy's ``ttest_ind(log new, log base).confidence_interval`` (a
     test checks)."""
+    return _t_ratios([(base, new, floor)], confidence, prior)[0]
+
+
+def _summary(base: Sequence[float], new: Sequence[float]) -> tuple[float, float, int, int] | None:
+    """(mean log new − mean log base, the sum of squared deviations of the logs within each side, len(base),
+    len(new)) of one measurement; None with df 0."""
+    b, n = np.log(np.asarray(base, dtype=float)), np.log(np.asarray(new, dtype=float))
+    if b.size == 0 or n.size == 0 or b.size + n.size < 3:
+        return None
+    mb, mn = b.mean(), n.mean()
+    return float(mn - mb), float(((b - mb) ** 2).sum() + ((n - mn) ** 2).sum()), b.size, n.size
+
+
+def _t_ratios(
+    family: Sequence[tuple[Sequence[float], Sequence[float], float]],
+    confidence: float,
+    prior: tuple[float, float] | None = None,
+    summaries: Sequence[tuple[float, float, int, int] | None] | None = None,
+) -> list[RatioInterval | None]:
+    """:func:`t_ratio` of each (base, new, floor) of ``family`` at one ``confidence`` and ``prior``, with one
+    call of scipy's t quantile for all of them (a simulation judges thousands of families); ``summaries``
+    (:func:`_summary` of each) when the caller has them."""
     from scipy import stats
 
-    b, n = np.log(np.asarray(base, dtype=float)), np.log(np.asarray(new, dtype=float))
-    df = b.size + n.size - 2
-    if b.size == 0 or n.size == 0 or df < 1:
-        return None
-    diff = float(n.mean() - b.mean())
-    squares = float(((b - b.mean()) ** 2).sum() + ((n - n.mean()) ** 2).sum())
-    variance, dof = squares / df, float(df)
-    if prior is not None and prior[1] > 0:
-        s0, d0 = prior
-        variance, dof = (d0 * s0 + df * variance) / (d0 + df), df + d0
-    variance = max(variance, floor)
-    half = float(stats.t.ppf(0.5 + confidence / 2, dof)) * math.sqrt(variance * (1 / b.size + 1 / n.size))
-    return RatioInterval(math.exp(diff), math.exp(diff - half), math.exp(diff + half), confidence, "t", round(dof, 1))
+    if summaries is None:
+        summaries = [_summary(b, n) for b, n, _ in family]
+    parts = []
+    for (_, _, floor), summary in zip(family, summaries):
+        if summary is None:
+            parts.append(None)
+            continue
+        diff, squares, nb, nn = summary
+        df = nb + nn - 2
+        variance, dof = squares / df, float(df)
+        if prior is not None and prior[1] > 0:
+            s0, d0 = prior
+            variance, dof = (d0 * s0 + df * variance) / (d0 + df), df + d0
+        parts.append((diff, max(variance, floor) * (1 / nb + 1 / nn), dof))
+    known = [p for p in parts if p is not None]
+    if not known:
+        return [None] * len(parts)
+    quantiles = iter(np.atleast_1d(stats.t.ppf(0.5 + confidence / 2, [dof for _, _, dof in known])))
+    out: list[RatioInterval | None] = []
+    for p in parts:
+        if p is None:
+            out.append(None)
+            continue
+        diff, spread, dof = p
+        half = float(next(quantiles)) * math.sqrt(spread)
+        out.append(
+            RatioInterval(math.exp(diff), math.exp(diff - half), math.exp(diff + half), confidence, "t", round(dof, 1))
+        )
+    return out
 
 
 def pooled_log_variance(base: Sequence[float], new: Sequence[float]) -> float | None:
     """The between-repeat variance of a measurement's log medians, pooled over both sides (None: df 0)."""
-    b, n = np.log(np.asarray(base, dtype=float)), np.log(np.asarray(new, dtype=float))
-    df = b.size + n.size - 2
-    if b.size == 0 or n.size == 0 or df < 1:
-        return None
-    return float((((b - b.mean()) ** 2).sum() + ((n - n.mean()) ** 2).sum()) / df)
+    summary = _summary(base, new)
+    return None if summary is None else summary[1] / (summary[2] + summary[3] - 2)
 
 
 PRIOR_WEIGHT = 0.5  # the prior's degrees of freedom count half: a suite has tens of measurements, not thousands
@@ -175,6 +212,23 @@ def each_level(confidence: float, m: int) -> float:
     return max(0.0, 1 - 2 * (1 - confidence) / max(1, m))
 
 
+def spending(alpha: float, looks: int) -> list[float]:
+    """The share of ``alpha`` each of ``looks`` equally spaced looks of a sequential comparison may spend: the
+    increments of Lan and DeMets' O'Brien–Fleming-type spending function α(t) = 2 − 2Φ(z₁₋α/₂ / √t) at
+    t = 1/L, 2/L, ... 1 (Lan & DeMets 1983, *Discrete sequential boundaries for clinical trials*, Biometrika
+    70:659).  They sum to ``alpha``; each look judges at its own share (Bonferroni over the looks, which holds
+    whatever the looks' dependence), so the chance of a false regression over the whole sequence is at most
+    ``alpha``.  The early looks, on few repeats, spend little; the last keeps most of it.  One look: [alpha]."""
+    from scipy import stats
+
+    if looks < 1:
+        raise ValueError(f"looks must be at least 1, got {looks}")
+    t = np.arange(1, looks + 1) / looks
+    spent = 2 - 2 * stats.norm.cdf(stats.norm.ppf(1 - alpha / 2) / np.sqrt(t))
+    spent[-1] = alpha  # α(1) = alpha exactly
+    return [float(x) for x in np.diff(np.concatenate([[0.0], spent]))]
+
+
 def simultaneous_t(
     family: Sequence[tuple[Sequence[float], Sequence[float], float]], confidence: float, size: int | None = None
 ) -> list[RatioInterval | None]:
@@ -189,17 +243,14 @@ def simultaneous_t(
     family's (:func:`fit_prior`), which adds the prior's degrees of freedom, and is then at least its floor
     and the family's median pooled variance (flooring only widens).  ``tests/test_compare.py`` shows the
     false-alarm rate within its bound under normal, heavy-tailed, two-state and mixed-noise families."""
-    variances, dfs = [], []
-    for b, n, _ in family:
-        v = pooled_log_variance(b, n)
-        if v is not None:
-            variances.append(v)
-            dfs.append(len(b) + len(n) - 2)
+    summaries = [_summary(b, n) for b, n, _ in family]
+    variances = [x[1] / (x[2] + x[3] - 2) for x in summaries if x is not None]
+    dfs = [x[2] + x[3] - 2 for x in summaries if x is not None]
     typical = float(np.median(variances)) if variances else 0.0
     prior = fit_prior(variances, dfs)
     m = size if size is not None else len(variances)
     each = each_level(confidence, m)
-    return [t_ratio(b, n, each, floor=max(floor, typical), prior=prior) for b, n, floor in family]
+    return _t_ratios([(b, n, max(floor, typical)) for b, n, floor in family], each, prior, summaries)
 
 
 def centre_interval(values: Sequence[float], confidence: float = 0.95, floor: float = 0.0):

@@ -76,6 +76,7 @@ def test_a_run_compared_with_itself_exits_0(tmp_path, capsys):
     code, out, _ = _cli(capsys, base, base)
     assert code == 0
     assert "6 measurement(s) unchanged" in out and "no significant regression in 6 judged" in out
+    assert f"note: BASE and NEW are the same folder ({base}, run base): a run compared with itself" in out
     cmp = compare_frames(read_results([base]), read_results([base]))
     assert {c.verdict for c in cmp.changes} == {Verdict.UNCHANGED}
     assert all(c.ratio == pytest.approx(1.0) and c.ci_low <= 1 <= c.ci_high for c in cmp.changes)
@@ -456,3 +457,84 @@ def test_the_report_compares_with_a_baseline_regressions_first(tmp_path):
     page = api.render([tmp_path / "res" / "base", other], tmp_path / "rep2").read_text()
     assert "Comparison: other against base" in page and "different devices: cpu-x vs gpu-y" in page
     assert "compare-2" not in page
+
+
+def test_one_line_says_when_base_and_new_are_the_same_run(tmp_path, capsys):
+    """A single-repeat run against a copy of itself: not only "6 not judged", but why."""
+    import shutil
+
+    base = _run(tmp_path, "base", _rows("base"))
+    copy = tmp_path / "elsewhere" / "base"
+    shutil.copytree(base, copy)
+    code, out, _ = _cli(capsys, base, copy)
+    assert code == 0 and "6 measurement(s) not judged" in out
+    same = [line for line in out.splitlines() if "same run" in line]
+    assert same == [
+        "note: BASE and NEW are the same run (run id base, in two places): a run compared with itself, "
+        "every ratio 1; give the run to judge as NEW"
+    ]
+    other = _run(tmp_path, "new", _rows("new", seed=1))
+    assert "same run" not in _cli(capsys, base, other)[1]
+
+
+def _suite_here(tmp_path, monkeypatch):
+    """The folders' suite file `s.yaml`, in the working folder (as `kdbench run s.yaml` left it)."""
+    monkeypatch.chdir(tmp_path)
+    suite = {"name": "s", "backend": "cpu", "defaults": {"pair": {"teacher": "resnet8", "student": "resnet8"}}}
+    (tmp_path / "s.yaml").write_text(json.dumps(suite))
+
+
+def test_rerun_undecided_measures_the_undecided_cells_again_until_decided(tmp_path, capsys, monkeypatch):
+    """A 1.6x slower step under 12 % run-to-run noise: undecided at three repeats (the first look spends almost
+    none of alpha); each round stores one more repeat of the undecided cells on both sides (here synthetic, through
+    the same call), until the slow step is called regressed; the unchanged measurements that read faster are let go."""
+    from kdbench.run import rerun
+
+    _suite_here(tmp_path, monkeypatch)
+    slow = {("cell-a", "distill_step"): 1.6}
+    base = _run(tmp_path, "base", _rows("base", repeats=3, spread=0.12, seed=4))
+    new = _run(tmp_path, "new", _rows("new", slow, repeats=3, spread=0.12, seed=5))
+    calls = []
+
+    def measure_again(sides, cells, round_):
+        calls.append((sorted(s.name for s in sides), sorted(cells), round_))
+        for s in sides:
+            done = {job for job in s.folder.stored_job_ids()}
+            for cell in cells:
+                k = 1 + max(int(j.rsplit("-r", 1)[1]) if "-r" in j else 1 for j in done if j.startswith(cell))
+                rows = _rows(s.folder.run_id, slow if s.name == "NEW" else None, repeats=k, spread=0.12, seed=10 + k)
+                part = [r | {"repeat": k} for r in rows if r["cell_id"] == cell and r["repeat"] == k]
+                s.folder.write_part(job_id(cell, k), part)
+        return len(sides) * len(cells)
+
+    monkeypatch.setattr(rerun, "measure_again", measure_again)
+    code, out, err = _cli(capsys, base, new, "--rerun-undecided", "2")
+    assert code == 1 and "regressed: resnet56->resnet20 kd fp32 bs32 · distill_step bs32" in err
+    assert calls[0][0] == ["BASE", "NEW"] and "cell-a" in calls[0][1] and calls[0][2] == 1  # both sides, interleaved
+    assert "note: sequential look 1 of 3 (--rerun-undecided 2): judged at α = 0.000687 of 0.05" in out
+    looks = [line for line in out.splitlines() if line.startswith("note: sequential look")]
+    assert len(looks) == len(calls) + 1 and looks[-1].endswith("5 measurement(s) still undecided at the cap")
+    assert re.search(r"distill_step bs32  .* decided at look [123] of 3, [345] / [345] repeats", out)
+    assert f"over {len(looks)} look(s), each at its share of it" in out
+    stored = {p.name for p in (tmp_path / "new").glob("part-*")}
+    assert {f"part-cell-a-r{k}.parquet" for k in range(1, len(calls) + 4)} - {"part-cell-a-r1.parquet"} <= stored
+    from kdbench.store.results import RunFolder
+
+    assert RunFolder(new).state().complete is None  # no invocation records in this synthetic run: unknown, as before
+
+
+def test_rerun_undecided_refuses_what_it_cannot_measure_again(tmp_path, capsys, monkeypatch):
+    base = _run(tmp_path, "base", _rows("base", repeats=3, spread=0.1))
+    new = _run(tmp_path, "new", _rows("new", {("cell-a", "distill_step"): 1.3}, repeats=3, spread=0.1, seed=1))
+    for value in ("0", "-2", "21", "two"):
+        code, _, err = _cli(capsys, base, new, "--rerun-undecided", value)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "--rerun-undecided" in err, value
+    code, _, err = _cli(capsys, base, new, "--rerun-undecided", "2", "--rerun-sides", "base")
+    assert code == 2 and "--rerun-sides" in err and len(err.strip().splitlines()) == 1
+    code, _, err = _cli(capsys, base, base, "--rerun-undecided", "2")
+    assert code == 2 and "BASE and NEW are the same folder" in err and len(err.strip().splitlines()) == 1
+    code, _, err = _cli(capsys, base, new, "--rerun-undecided", "2")  # s.yaml is not in this working folder
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "no side can be measured again here: BASE's suite file 's.yaml' is not here; NEW's suite file" in err
+    code, _, err = _cli(capsys, base, new, "--rerun-undecided", "2", "--rerun-sides", "new")
+    assert code == 2 and "no side can be measured again here: NEW's suite file 's.yaml' is not here" in err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kdbench.cli import main
@@ -9,6 +11,7 @@ from kdbench.config.schema import Suite
 from kdbench.run.plan import plan_jobs
 from kdbench.run.workers import ProcessWorker
 from kdbench.store import read_results
+from kdbench.store.results import RunFolder
 from tests.helpers import run_folder, write_suite
 
 SUITE = {
@@ -59,3 +62,22 @@ def test_two_back_to_back_runs_with_three_repeats_compare_as_unchanged(tmp_path,
     out = capsys.readouterr().out
     assert code == 0, out
     assert "3 repeat(s); complete" in out and "no significant regression in 4 judged measurement(s)" in out
+    # compare --rerun-undecided's round: one more repeat of one cell on each side, a fresh worker process each,
+    # stored as new parts beside the old ones, planned by their own invocation records (the runs stay complete).
+    from kdbench.run.rerun import measure_again, side, why_not
+
+    starts.clear()
+    cell = timed["cell_id"].iloc[0]
+    sides = []
+    for name, path in (("BASE", a), ("NEW", b)):
+        rows = read_results([path])
+        assert why_not(name, Path(path), rows) is None
+        sides.append(side(name, Path(path), rows))
+    assert sides[0].suite.threads == 1 and sides[0].device == "cpu"
+    assert measure_again(sides, [cell], 1) == 2 and len(starts) == 2
+    for path in (a, b):
+        folder = RunFolder(Path(path))
+        assert folder.part_path(f"{cell}-r4").is_file() and not any("-r5" in j for j in folder.stored_job_ids())
+        assert folder.invocations()[-1]["planned"] == [f"{cell}-r4"] and folder.state().complete
+    code = main(["compare", a, b, "--confidence", "0.999"])
+    assert code == 0 and "4 repeat(s); complete" in capsys.readouterr().out

@@ -170,7 +170,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from kdbench.store.files import write_text
 
     policy = Policy(args.gate_single_repeat, args.allow_partial, args.fail_on_skipped)
-    cmp = api.compare(args.base, args.new, args.threshold / 100, args.confidence, policy)
+    cmp = api.compare(
+        args.base, args.new, args.threshold / 100, args.confidence, policy, args.rerun_undecided or 0, args.rerun_sides
+    )
     text = render(cmp, args.format)
     if args.out is None:
         print(text, end="")

@@ -354,6 +354,24 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a measurement ok in BASE and skipped in NEW (e.g. a runtime missing there) fails the gate",
     )
+    cmp.add_argument(
+        "--rerun-undecided",
+        type=_number(int, "--rerun-undecided", 1, 20),
+        default=None,
+        metavar="N",
+        help="measure the undecided cells again (one whose interval straddles the threshold, or not judged for "
+        "want of repeats), one more repeat a side per round in fresh worker processes, BASE and NEW interleaved, "
+        "stored as new parts of each run folder; up to N rounds, the false-alarm rate kept over the whole "
+        "sequence (alpha spending: docs/verdicts.md). A side is measured again only on the host and torch it "
+        "was measured with, from its suite file",
+    )
+    cmp.add_argument(
+        "--rerun-sides",
+        choices=["both", "new"],
+        default="both",
+        help="with --rerun-undecided: measure both sides again (those that can be, here), or only NEW, e.g. when "
+        "BASE was measured from other code than this machine has now (default: both)",
+    )
     cmp.add_argument("--format", choices=["text", "markdown", "json", "csv"], default="text", help="output format")
     cmp.add_argument(
         "--out", type=_out_file, default=None, metavar="FILE", help="write the comparison here, not stdout"

@@ -20,6 +20,12 @@ happens to look quiet in three repeats is not trusted to be quieter than the oth
 only widens intervals.  ``tests/test_compare.py`` shows the family-wise rate by simulation at
 2, 3, 5 and 10 repeats per side.
 
+**More repeats where undecided** (:class:`Sequential`, ``compare --rerun-undecided N``): up to N rounds measure
+the cells with an undecided measurement once more a side, and the comparison looks again; look k judges at its
+share α_k of α = 1 − C (O'Brien–Fleming-type spending, :func:`kdbench.repeats.spending`), a measurement decided at a
+look keeps that verdict, so over the whole sequence the chance of a false regression stays at most 1 − C (union
+bound).  ``tests/test_sequential.py`` simulates its power and false-alarm rate.
+
 **What is not judged.** With one repeat on each side no interval can hold the run-to-run noise
 (the between-process variance is unknown): those measurements are *not judged* and do not fail
 the gate, unless :attr:`Policy.gate_single_repeat` judges them on the iterations of one
@@ -37,7 +43,7 @@ judges what is there instead); a measurement ok in BASE and skipped in NEW only 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -45,7 +51,7 @@ import pandas as pd
 from kdbench.errors import KdbenchError
 from kdbench.names import FAILURES, TIMED, Status
 from kdbench.repeats import RatioInterval, bootstrap_ratio, centre, each_level, median_log_variance, simultaneous_t
-from kdbench.report.verdicts import ENVIRONMENT, Change, Comparison, Policy, Side, Verdict, verdict_of
+from kdbench.report.verdicts import ENVIRONMENT, Change, Comparison, Policy, Side, Verdict, undecided, verdict_of
 
 KEY = ("cell_id", "measurement", "batch_size")
 _ORDER = {v: i for i, v in enumerate(Verdict)}
@@ -307,6 +313,75 @@ def _list(values: list[int]) -> str:
 def _rank(c: Change) -> tuple:
     worst = -(c.ratio or 0) if c.verdict in (Verdict.REGRESSED, Verdict.UNCHANGED) else (c.ratio or 0)
     return (_ORDER[c.verdict], worst, c.cell_label, c.measurement, c.batch_size or 0)
+
+
+# --------------------------------------------------------------------------- a sequence of looks
+
+
+@dataclass
+class Sequential:
+    """A sequential comparison (``compare --rerun-undecided N``): up to N + 1 looks, the undecided measurements'
+    cells measured once more on each side between two looks.  Look k judges at its share α_k of the family-wise
+    α = 1 − confidence (:func:`kdbench.repeats.spending`); a measurement decided at a look keeps that verdict (its
+    later repeats, measured with its cell, change nothing), so a false regression is called at look k with
+    chance at most α_k, and over the sequence at most α.  Stopping a measurement that can no longer regress
+    (futility) only lowers that chance."""
+
+    confidence: float
+    rounds: int  # the cap: extra rounds of repeats at most
+    decided: dict[tuple, Change] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def looks(self) -> int:
+        return self.rounds + 1
+
+    def level(self, look: int) -> float:
+        """The confidence look ``look`` (1-based) judges at: 1 − α_k."""
+        from kdbench.repeats import spending
+
+        return 1 - spending(1 - self.confidence, self.looks)[look - 1]
+
+    def fold(self, cmp: Comparison, look: int) -> list[str]:
+        """Fold look ``look``'s comparison into the sequence: its measurements decided earlier take their earlier
+        change; those it decides keep its change; the cell ids whose measurements are still undecided (none after
+        the last look) are returned, to be measured again."""
+        open_cells: list[str] = []
+        changes, capped = [], 0
+        for c in cmp.changes:
+            key = (c.cell_id, c.measurement, c.batch_size)
+            if key in self.decided:
+                changes.append(self.decided[key])
+                continue
+            if undecided(c.verdict, c.ratio, c.ci_high, cmp.threshold) and look < self.looks:
+                open_cells.append(c.cell_id)
+                changes.append(c)
+                continue
+            at = f"look {look} of {self.looks}, {c.base_repeats} / {c.new_repeats} repeats"
+            if undecided(c.verdict, c.ratio, c.ci_high, cmp.threshold):
+                capped += 1
+                at = f"still undecided at the cap ({at}): --rerun-undecided with a larger N may decide it"
+            else:
+                at = f"decided at {at}"
+            self.decided[key] = c = replace(c, note="; ".join(x for x in (c.note, at) if x))
+            changes.append(c)
+        cmp.changes = sorted(changes, key=_rank)
+        open_cells = list(dict.fromkeys(open_cells))
+        alpha = 1 - self.level(look)
+        self.lines.append(
+            f"sequential look {look} of {self.looks} (--rerun-undecided {self.rounds}): judged at α = {alpha:.3g} of "
+            f"{1 - self.confidence:.3g} (O'Brien–Fleming-type spending); "
+            + (
+                f"{len(open_cells)} cell(s) undecided, measured again"
+                if open_cells
+                else f"{capped} measurement(s) still undecided at the cap"
+                if capped
+                else "nothing left undecided"
+            )
+        )
+        cmp.looks = list(self.lines)
+        cmp.confidence = self.confidence
+        return open_cells
 
 
 def side_by_side(

@@ -53,6 +53,8 @@ def header(cmp: Comparison) -> list[str]:
         return f"{s.label} (run {', '.join(s.run_ids)}; {', '.join(s.devices) or '?'}; {s.repeats} repeat(s){state})"
 
     each = f" (each interval at {cmp.each:.4g})" if cmp.rated else ""
+    if cmp.looks:
+        each = f" over {len(cmp.looks)} look(s), each at its share of it (the notes)"
     return [
         f"BASE {side(cmp.base)}",
         f"NEW  {side(cmp.new)}",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 
 from kdbench.repeats import RatioInterval, each_level
 
@@ -106,6 +107,7 @@ class Comparison:
     policy: Policy = field(default_factory=Policy)
     changes: list[Change] = field(default_factory=list)
     reused: int = 0  # teacher inference copies judged once, at the cell that measured them
+    looks: list[str] = field(default_factory=list)  # a sequential comparison's looks, one line each
 
     @property
     def rated(self) -> int:
@@ -130,8 +132,24 @@ class Comparison:
     def count(self, verdict: Verdict) -> int:
         return sum(c.verdict == verdict for c in self.changes)
 
+    @property
+    def same_run(self) -> str | None:
+        """'the same folder' or 'the same run (run id X)' when BASE and NEW are one run; else None."""
+        if not self.base.run_ids or self.base.run_ids != self.new.run_ids:
+            return None
+        ids = ", ".join(self.base.run_ids)
+        if Path(self.base.label).resolve() == Path(self.new.label).resolve():
+            return f"the same folder ({self.base.label}, run {ids})"
+        return f"the same run (run id {ids}, in two places)"
+
     def notes(self) -> list[str]:
         notes = []
+        if self.same_run:
+            notes.append(
+                f"BASE and NEW are {self.same_run}: a run compared with itself, every ratio 1; give the run to "
+                "judge as NEW"
+            )
+        notes += self.looks
         unjudged = self.count(Verdict.UNJUDGED)
         if unjudged:
             notes.append(
@@ -175,3 +193,17 @@ def verdict_of(interval: RatioInterval, threshold: float) -> Verdict:
     if interval.high < 1 and interval.ratio < 1 - threshold:
         return Verdict.IMPROVED
     return Verdict.UNCHANGED
+
+
+def undecided(verdict: Verdict, ratio: float | None, high: float | None, threshold: float) -> bool:
+    """Whether more repeats could turn a measurement's verdict into a regression: not judged for want of
+    repeats (one a side), or unchanged with its interval reaching beyond 1 + threshold (straddling it, or above
+    1 with the ratio under it) and its ratio above 1.  Decided: regressed, improved, an interval wholly under
+    1 + threshold (no regression beyond the threshold is left to find), or a ratio at or under 1 (NEW reads
+    no slower: let go for futility, which can only lower the false-alarm rate, and halves the repeats an
+    unchanged suite costs)."""
+    if verdict == Verdict.UNJUDGED:
+        return True
+    if verdict != Verdict.UNCHANGED or ratio is None or high is None:
+        return False
+    return high > 1 + threshold and ratio > 1

@@ -1,0 +1,171 @@
+"""Real copies on this machine: does `compare --rerun-undecided` catch a real 1.5x slower step, and keep quiet when
+nothing changed?  Not collected by pytest (a measurement of the machine, minutes long); run it on an idle machine:
+
+    python benchmarks/verdict_copies.py [--copies 8] [--repeat 3] [--rounds 4] [--work DIR]
+
+Each copy makes three real runs of a tiny suite (two cells: two MLP students, each distilled from a small MLP
+teacher; CPU, one thread, batch 64; a step and a student inference each) into a fresh results folder:
+
+* BASE and AGAIN with the student module of "commit A" on PYTHONPATH (the same code, measured twice: an A/A pair);
+* NEW with the student module of "commit B", in which the student `first` has a 1.5x wider hidden layer,
+  so its steps do 1.5x the student's work (honestly slower code: no sleep, nothing in kdbench), under the same
+  model name, so the cell's config and cell_id are the same as BASE's;
+
+then `compare BASE NEW --rerun-undecided R --rerun-sides new` with commit B's code on PYTHONPATH (BASE was measured
+from other code, so only NEW is measured again: the rule docs/verdicts.md gives) and `compare BASE AGAIN
+--rerun-undecided R` with commit A's (both sides measured again, interleaved).  It prints, per copy, both exit
+codes, how many repeats each side ended with and the slow step's verdict, then the catch count (exit 1 naming the
+slow cell's step) and the A/A false alarms (exit 1).
+
+Time: at `--copies 1 --repeat 2 --rounds 1`, with a third cell then, it took 236 s on the shared 2-core VM under a
+load average of about 6 (a worker process took ~25 s to start under that load).  On an idle machine a copy at the
+defaults (3 repeats, 4 rounds at most) is expected to take one to two minutes, 8 copies 10-15 minutes: an estimate,
+not measured; `--copies 1 --repeat 2 --rounds 1` is a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The student of every cell: an MLP whose hidden width the "commit" sets; the first cell's is wider in commit B.
+MODULE = '''"""The student models of one commit of a user's code base (written by benchmarks/verdict_copies.py)."""
+import torch.nn as nn
+
+WIDE = {wide}  # the first cell's hidden width, by this commit
+
+
+def _mlp(width, num_classes, in_shape):
+    size = 1
+    for d in in_shape:
+        size *= d
+    return nn.Sequential(nn.Flatten(), nn.Linear(size, width), nn.ReLU(), nn.Linear(width, num_classes))
+
+
+def first(num_classes, in_shape):
+    return _mlp(WIDE, num_classes, in_shape)
+
+
+def other(num_classes, in_shape):
+    return _mlp(768, num_classes, in_shape)
+
+
+def teacher(num_classes, in_shape):  # small, so that the student's work is most of a step
+    return _mlp(64, num_classes, in_shape)
+'''
+
+
+def suite(repeat: int) -> dict:
+    return {
+        "name": "verdict-copies",
+        "backend": "cpu",
+        "threads": 1,
+        "allow_imports": True,
+        "repeat": repeat,
+        "defaults": {
+            "batch_size": 64,
+            "precision": "fp32",
+            "data": {"kind": "synthetic", "shape": [3, 32, 32], "num_classes": 10},
+            "timing": {"warmup": 3, "min_iters": 15, "min_time_s": 0.2},
+            "inference": {"batch_sizes": [64], "teacher": False},
+        },
+        "matrix": {
+            "pair": [
+                {"teacher": "kdcopy_students:teacher", "student": "kdcopy_students:first"},
+                {"teacher": "kdcopy_students:teacher", "student": "kdcopy_students:other"},
+            ],
+        },
+    }
+
+
+def kdbench(args: list[str], code: Path, log: Path) -> int:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    with log.open("a") as out:
+        out.write(f"\n$ kdbench {' '.join(args)}\n")
+        out.flush()
+        return subprocess.run([sys.executable, "-m", "kdbench", *args], env=env, stdout=out, stderr=out).returncode
+
+
+def verdict(path: Path) -> tuple[str, str]:
+    doc = json.loads(path.read_text())
+    slow = next(c for c in doc["changes"] if c["measurement"] == "distill_step" and "first" in c["cell_label"])
+    reps = f"{doc['base']['repeats']}/{doc['new']['repeats']}"
+    return slow["verdict"], reps
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--copies", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4, help="--rerun-undecided N")
+    ap.add_argument("--width", type=int, default=1024, help="the first cell's hidden width in commit A")
+    ap.add_argument("--work", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
+    args = ap.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="kdbench-copies-"))
+    work.mkdir(parents=True, exist_ok=True)
+    commits = {}
+    for name, wide in (("A", args.width), ("B", int(args.width * 1.5))):
+        folder = work / f"commit-{name}"
+        folder.mkdir(exist_ok=True)
+        (folder / "kdcopy_students.py").write_text(MODULE.format(wide=wide))
+        commits[name] = folder
+    suite_file = work / "suite.yaml"  # JSON is YAML
+    suite_file.write_text(json.dumps(suite(args.repeat), indent=2))
+    log = work / "log.txt"
+    caught = alarms = 0
+    began = time.perf_counter()
+    for copy in range(1, args.copies + 1):
+        out = work / f"copy-{copy}"
+        shutil.rmtree(out, ignore_errors=True)
+        for run_id, commit in (("base", "A"), ("new", "B"), ("again", "A")):
+            rc = kdbench(
+                ["run", str(suite_file), "--out", str(out), "--run-id", run_id, "--no-report"], commits[commit], log
+            )
+            if rc:
+                print(f"copy {copy}: run {run_id} exited {rc}; see {log}", file=sys.stderr)
+                return 2
+        rerun = ["--rerun-undecided", str(args.rounds), "--format", "json"]
+        ab = kdbench(
+            [
+                "compare",
+                str(out / "base"),
+                str(out / "new"),
+                *rerun,
+                "--rerun-sides",
+                "new",
+                "--out",
+                str(out / "ab.json"),
+            ],
+            commits["B"],
+            log,
+        )
+        aa = kdbench(
+            ["compare", str(out / "base"), str(out / "again"), *rerun, "--out", str(out / "aa.json")], commits["A"], log
+        )
+        slow, reps = verdict(out / "ab.json")
+        caught += ab == 1 and slow == "regressed"
+        alarms += aa == 1
+        _, aa_reps = verdict(out / "aa.json")
+        print(
+            f"copy {copy}: 1.5x copy exit {ab} (slow step {slow}, repeats {reps}); A/A exit {aa} (repeats {aa_reps}); "
+            f"{time.perf_counter() - began:.0f} s so far",
+            flush=True,
+        )
+    print(
+        f"caught {caught} of {args.copies} real 1.5x slower copies; A/A false alarms {alarms} of {args.copies} "
+        f"(--repeat {args.repeat}, --rerun-undecided {args.rounds}); runs and log in {work}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
