@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kdbench.errors import KdbenchError
+from kdbench.install import extra_hint
 from kdbench.models.lm import LM_CONFIGS, build_lm, lm_config, lm_config_from_file, lm_parameter_count
 
 # transformers is in the test extra: these tests run everywhere the tests do (a missing one fails, never skips)
@@ -150,4 +151,4 @@ def test_missing_transformers_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     with pytest.raises(KdbenchError) as error:
         lm_config("gpt2")
-    assert "pip install 'kdbench[lm]'" in _one_line(error)
+    assert extra_hint("lm") in _one_line(error) and "[lm]'" in _one_line(error)

@@ -244,7 +244,7 @@ def test_a_loss_impl_this_environment_lacks_is_a_skipped_cell_with_the_fix(monke
     config = lm_config(loss_impl="liger")
     rows = measure_cell(Cell(0, cell_id_of(config), config), CPU, ModelCache())
     assert [r["status"] for r in rows] == ["skipped"] * 5
-    assert "pip install liger-kernel" in rows[0]["error"]
+    assert "liger-kernel, which is not installed: pip install" in rows[0]["error"] and "[liger]'" in rows[0]["error"]
 
 
 def test_an_fsdp_cell_this_torch_or_device_cannot_shard_is_skipped_with_the_reason(monkeypatch):

@@ -8,6 +8,9 @@ import sys
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from kdbench.install import check_install
+
+    check_install()  # before anything imports torchvision; transformers is checked where an LM is built
     from kdbench import api
     from kdbench.config import with_overrides
     from kdbench.run.engine import RunOptions
@@ -194,6 +197,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_env(_args: argparse.Namespace) -> int:
+    from kdbench.install import check_install
+
+    check_install(transformers=True)
     from kdbench.hw.environment import describe_lines
 
     print("\n".join(describe_lines()))
@@ -202,6 +208,9 @@ def cmd_env(_args: argparse.Namespace) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
+    from kdbench.install import check_install
+
+    check_install()
     import torch
 
     from kdbench.hw.backends import resolve, thread_count

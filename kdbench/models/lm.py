@@ -13,7 +13,9 @@ through :meth:`CausalLM.head_weights`).
 
 ``transformers`` is imported only inside the functions, so ``kdbench`` imports
 without it; a function that needs it and finds it missing raises a
-:class:`~kdbench.errors.KdbenchError` naming the extra (``pip install 'kdbench[lm]'``).
+:class:`~kdbench.errors.KdbenchError` naming the extra (``pip install 'kdbench[lm]'``, or
+``pip install -e '.[lm]'`` in a clone: :func:`kdbench.install.extra_hint`); one that does not work with the
+installed torch is said the same way (:func:`kdbench.install.check_transformers`).
 
 The numbers below are those of the Hugging Face ``config.json`` of each checkpoint
 (``meta-llama/Llama-3.1-8B``, ``meta-llama/Llama-3.2-1B``, ``meta-llama/Llama-3.2-3B``,
@@ -37,9 +39,8 @@ import torch
 from torch import nn
 
 from kdbench.errors import KdbenchError, did_you_mean
+from kdbench.install import check_transformers, extra_hint
 from kdbench.models.config_checks import check_config_fields
-
-_EXTRA_HINT = "pip install 'kdbench[lm]'"
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -187,7 +188,8 @@ def transformers_module():
     try:
         import transformers
     except ImportError as e:
-        raise KdbenchError(f"the language models need Hugging Face transformers ({e}): {_EXTRA_HINT}") from None
+        raise KdbenchError(f"the language models need Hugging Face transformers ({e}): {extra_hint('lm')}") from None
+    check_transformers()
     return transformers
 
 
@@ -197,7 +199,7 @@ def config_class_named(class_name: str):
         return getattr(transformers, class_name)
     except AttributeError:
         raise KdbenchError(
-            f"transformers {transformers.__version__} has no {class_name}; upgrade it: {_EXTRA_HINT}"
+            f"transformers {transformers.__version__} has no {class_name}; upgrade it: {extra_hint('lm')}"
         ) from None
 
 
