@@ -135,13 +135,15 @@ def _dry_run(suite, options) -> int:
     cells = sum(isinstance(j, CellJob) and j.repeat == 1 for j in plan.jobs)
     times = f" x {suite.repeat} repeats" if suite.repeat > 1 else ""
     print(f"{cells} cells, {n_rows} measurements{times}; suite '{suite.name}', backend {requested} ({here})")
-    if here == "available here":  # the plan-time warnings a run would print (slow precisions)
+    if here == "available here":  # the plan-time warnings a run would print (slow precisions, missing packages)
         from kdbench.hw.backends import resolve
-        from kdbench.run.plan import warn_slow_cells
+        from kdbench.run.plan import warn_environment_skips, warn_slow_cells
         from kdbench.store.results import PROBES_DIR
 
+        backend = resolve(requested)
         skip = suite.slow_precisions == "skip"
-        warn_slow_cells(plan, resolve(requested), options.out_dir / PROBES_DIR, suite.threads, skip)
+        warn_slow_cells(plan, backend, options.out_dir / PROBES_DIR, suite.threads, skip)
+        warn_environment_skips(plan, backend)
     return 0
 
 
