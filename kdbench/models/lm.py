@@ -41,6 +41,7 @@ from torch import nn
 from kdbench.errors import KdbenchError, did_you_mean
 from kdbench.install import check_transformers, extra_hint
 from kdbench.models.config_checks import check_config_fields
+from kdbench.models.hub import hf_config_path, is_callable_name, is_hf_name
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -204,8 +205,9 @@ def config_class_named(class_name: str):
 
 
 def is_lm_model(name: str) -> bool:
-    """A registered language model's name, or a local transformers ``config.json``."""
-    return name in LM_CONFIGS or name.endswith(".json")
+    """A registered language model's name, a local transformers ``config.json``, or ``hf:ORG/NAME`` (its config in
+    the local Hugging Face cache: :mod:`kdbench.models.hub`)."""
+    return name in LM_CONFIGS or name.endswith(".json") or is_hf_name(name)
 
 
 def registered_lm(name: str) -> dict[str, Any]:
@@ -256,7 +258,9 @@ def lm_config_from_file(path: str | Path):
 
 
 def _resolve_config(name_or_config, overrides: dict[str, Any] | None):
-    if isinstance(name_or_config, Path) or (
+    if is_hf_name(name_or_config):
+        config = lm_config_from_file(hf_config_path(name_or_config))
+    elif isinstance(name_or_config, Path) or (
         isinstance(name_or_config, str) and name_or_config not in LM_CONFIGS and name_or_config.endswith(".json")
     ):
         config = lm_config_from_file(name_or_config)
@@ -335,9 +339,10 @@ def lm_parameter_count(name_or_config, overrides: dict[str, Any] | None = None) 
 
 
 def make_lm(name: str, overrides: dict[str, Any], allow_imports: bool) -> nn.Module:
-    """The LM ``name`` with random weights: a registered name or ``config.json`` path (:func:`build_lm`, with
-    ``overrides``), or a ``module:callable`` (imported; with ``allow_imports``, and no overrides)."""
-    if ":" in name:
+    """The LM ``name`` with random weights: a registered name, a ``config.json`` path or ``hf:ORG/NAME``
+    (:func:`build_lm`, with ``overrides``), or a ``module:callable`` (imported; with ``allow_imports``, and no
+    overrides)."""
+    if is_callable_name(name):
         from kdbench.models.registry import check_model_name
 
         check_model_name(name, allow_imports)
@@ -366,7 +371,7 @@ def _imported(name: str) -> nn.Module:
 
 def model_config(name: str, overrides: dict[str, Any]):
     """The transformers config :func:`make_lm` builds ``name`` from (None for a ``module:callable``)."""
-    if ":" in name:
+    if is_callable_name(name):
         return None
     return _resolve_config(name, overrides or None)
 
