@@ -21,6 +21,7 @@ or without the backend's provider, skips the row, naming what to install.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import tempfile
 import time
 import warnings
@@ -61,6 +62,14 @@ def ort_providers(backend_name: str, available: list[str] | tuple[str, ...]) -> 
     have = ", ".join(available) or "none"
     fix = ORT_INSTALL[backend_name] or extra_hint("onnx")
     raise LeverSkip(f"onnxruntime: no {names} in this ONNX Runtime (it has {have}); {fix}")
+
+
+def onnxruntime_missing() -> str | None:
+    """Why ``inference.runtime: onnxruntime`` rows are skipped here for a missing package, with the line that installs
+    it (None: ONNX Runtime is installed); found without importing it, for the plan."""
+    if importlib.util.find_spec("onnxruntime") is None:
+        return f"onnxruntime: ONNX Runtime is not installed; {extra_hint('onnx')}"
+    return None
 
 
 def _import_onnxruntime():

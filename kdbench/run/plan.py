@@ -199,7 +199,26 @@ def warn_environment_skips(plan: Plan, backend: Backend) -> dict[str, str]:
     for job in plan.jobs:
         if isinstance(job, CellJob) and job.repeat == 1 and job.job_id in skipped:
             by_reason.setdefault(skipped[job.job_id], []).append(job.cell.index + 1)
-    for why, numbers in by_reason.items():
+    rows = _served_rows_skipped(plan, skipped)
+    for why, numbers in [*by_reason.items(), *rows.items()]:
         cells = f"cell {numbers[0]}" if len(numbers) == 1 else f"{len(numbers)} cells ({', '.join(map(str, numbers))})"
-        logger.warning("skipped here: %s: %s", cells, why)
+        what = "" if why in by_reason else "'s student_inference rows (inference.runtime onnxruntime)"
+        logger.warning("skipped here: %s%s: %s", cells, what, why)
     return skipped
+
+
+def _served_rows_skipped(plan: Plan, skipped: dict[str, str]) -> dict[str, list[int]]:
+    """why -> the numbers of the cells (not skipped whole) whose serving rows a missing package skips here: ONNX
+    Runtime for ``inference.runtime: onnxruntime`` (the cell's other rows run)."""
+    from kdbench.measure.onnx import onnxruntime_missing
+
+    served = [
+        j.cell.index + 1
+        for j in plan.jobs
+        if isinstance(j, CellJob)
+        and j.repeat == 1
+        and j.job_id not in skipped
+        and j.cell.config.inference.runtime == "onnxruntime"
+    ]
+    why = onnxruntime_missing() if served else None
+    return {why: served} if why else {}
