@@ -213,6 +213,27 @@ def test_an_hf_name_is_built_from_the_local_cache(hub, tmp_path, monkeypatch, ca
     )
 
 
+def test_an_hf_bert_is_an_encoder(hub, tmp_path, capsys):
+    from kdbench.cli import main
+    from kdbench.config.schema import CellConfig
+    from kdbench.models.encoders import ENCODER_CONFIGS, encoder_parameter_count
+    from kdbench.workloads import workload_of
+
+    fake_hub(tmp_path, "kdbench-test/tiny-bert", {**ENCODER_CONFIGS["tiny-bert-student"], "model_type": "bert"})
+    name = "hf:kdbench-test/tiny-bert"
+    assert encoder_parameter_count(name) == encoder_parameter_count("tiny-bert-student") == 268_224
+    pair = {"teacher": "tiny-bert-teacher", "student": name}
+    config = CellConfig.model_validate({"pair": pair, "data": {"kind": "tokens", "seq_len": 16}, "method": "minilm"})
+    assert workload_of(config).family == "encoder"
+    suite = tmp_path / "bert.yaml"
+    suite.write_text(
+        f"name: bert\ndefaults:\n  pair: {{teacher: tiny-bert-teacher, student: '{name}'}}\n  method: minilm\n"
+        "  data: {kind: tokens, seq_len: 16}\n  batch_size: 2\n"
+    )
+    assert main(["run", str(suite), "--dry-run"]) == 0
+    assert f"tiny-bert-teacher->{name} minilm" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "env, expected",
     [

@@ -23,7 +23,8 @@ FAMILY_NOTES = {
     "with `data.kind: tokens`; tied embeddings counted once. A local `config.json` path names one too, and "
     "`hf:ORG/NAME` one whose `config.json` is in the local Hugging Face cache (never downloaded).",
     "encoder": "BERT-shaped encoders (transformers' `BertModel`: embeddings, layers, pooler; no MLM head) with random "
-    "weights (the `lm` extra), for `minilm` and `hidden_mse` cells with `data.kind: tokens`",
+    "weights (the `lm` extra), for `minilm` and `hidden_mse` cells with `data.kind: tokens`; `hf:ORG/NAME` names one "
+    "whose `config.json` (`model_type: bert`) is in the local Hugging Face cache",
 }
 TITLES = {  # what each family is, in a few words
     "cifar": "CIFAR classifiers of the distillation literature",

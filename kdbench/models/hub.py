@@ -7,12 +7,14 @@ environment applies).  The lookup is ``huggingface_hub.try_to_load_from_cache`` 
 ``models--ORG--NAME``: ``refs/main`` names the snapshot whose ``config.json`` is read), which reads files and never
 connects.  A config that is not there ends in one line that says how to put it there.
 
-An ``hf:`` name contains a colon, as a ``module:callable`` does: :func:`is_callable_name` is the one test that tells
-them apart.
+A cached config whose ``model_type`` is ``bert`` names a BERT-shaped encoder (:mod:`kdbench.models.encoders`), any
+other a causal LM (:mod:`kdbench.models.lm`).  An ``hf:`` name contains a colon, as a ``module:callable`` does:
+:func:`is_callable_name` is the one test that tells them apart.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -89,3 +91,13 @@ def hf_config_path(name: str) -> Path:
         f"kdbench never downloads: on a machine with network run `hf download {repo} config.json` (or "
         f"`huggingface-cli download {repo} config.json`), then copy its {folder} folder into {cache}"
     )
+
+
+def cached_config(name: str) -> dict[str, Any] | None:
+    """The fields of ``hf:ORG/NAME``'s cached ``config.json`` (None: a malformed name, not cached, or not a JSON
+    object): what tells an encoder (``model_type: bert``) from a causal LM before either is built."""
+    try:
+        data = json.loads(hf_config_path(name).read_text())
+    except (KdbenchError, OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
