@@ -24,6 +24,7 @@ from kdbench.distill.lm.impls import LOSS_IMPLS, lm_loss, unavailable, unsupport
 from kdbench.distill.lm.impls.memory import logits_memory
 from kdbench.errors import KdbenchError
 from kdbench.measure.flops import count_flops
+from kdbench.install import extra_hint
 
 N, V, HS, HT, CHUNK = 37, 97, 16, 24, 8
 RTOL = 1e-5
@@ -258,9 +259,9 @@ def test_unavailable_by_feature(monkeypatch):
         "find_spec",
         lambda name, *a, **k: None if name == "liger_kernel" else real_find_spec(name, *a, **k),
     )
-    assert "pip install liger-kernel" in unavailable("liger")
+    assert unavailable("liger") == f"liger needs liger-kernel, which is not installed: {extra_hint('liger')}"
     hs, ws, bs, ht, wt, bt, labels = make_inputs()
-    with pytest.raises(KdbenchError, match="pip install liger-kernel"):
+    with pytest.raises(KdbenchError, match="liger-kernel, which is not installed"):
         lm_loss("liger", hs, ws, bs, ht, wt, bt, labels, loss_for("forward_kl"))
 
     monkeypatch.delattr(F, "linear_cross_entropy")

@@ -1,13 +1,17 @@
 """kdbench.models.lm: causal LMs with random weights, counted on the meta device."""
 
 import json
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from kdbench.errors import KdbenchError
+from kdbench.install import extra_hint
+from kdbench.models.hub import hf_config_path, hub_cache
 from kdbench.models.lm import LM_CONFIGS, build_lm, lm_config, lm_config_from_file, lm_parameter_count
 
 # transformers is in the test extra: these tests run everywhere the tests do (a missing one fails, never skips)
@@ -150,4 +154,97 @@ def test_missing_transformers_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     with pytest.raises(KdbenchError) as error:
         lm_config("gpt2")
-    assert "pip install 'kdbench[lm]'" in _one_line(error)
+    assert extra_hint("lm") in _one_line(error) and "[lm]'" in _one_line(error)
+
+
+# --------------------------------------------------------------------------- hf:ORG/NAME from the local cache
+
+
+def fake_hub(home: Path, repo: str, config: dict) -> Path:
+    """The local Hugging Face cache's layout of one model, as `hf download` leaves it under HF_HOME."""
+    folder = home / "hub" / ("models--" + repo.replace("/", "--"))
+    snapshot = folder / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text("0123abcd")
+    (snapshot / "config.json").write_text(json.dumps(config))
+    return snapshot / "config.json"
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """HF_HOME at a fake cache holding kdbench-test/tiny-llama (tiny-llama-student's numbers); no connection allowed."""
+    for key in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("kdbench connected to the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    numbers = {**LM_CONFIGS["tiny-llama-student"]["config"], "model_type": "llama"}
+    return fake_hub(tmp_path, "kdbench-test/tiny-llama", numbers)
+
+
+def test_an_hf_name_is_built_from_the_local_cache(hub, tmp_path, monkeypatch, capsys):
+    from kdbench.cli import main
+
+    name = "hf:kdbench-test/tiny-llama"
+    assert hf_config_path(name) == hub
+    assert lm_parameter_count(name) == lm_parameter_count("tiny-llama-student") == 1_411_712
+    model = build_lm(name, {"num_hidden_layers": 1})  # random weights, an override applied
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 1
+    suite = tmp_path / "hf.yaml"
+    suite.write_text(
+        "name: hf\ndefaults:\n  pair: {teacher: tiny-llama-teacher, student: 'hf:kdbench-test/tiny-llama'}\n"
+        "  method: forward_kl\n  data: {kind: tokens, seq_len: 32}\n"
+    )
+    assert main(["run", str(suite), "--dry-run"]) == 0
+    assert "tiny-llama-teacher->hf:kdbench-test/tiny-llama forward_kl" in capsys.readouterr().out
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "elsewhere"))  # not in this cache: one line, the key, the way in
+    assert main(["run", str(suite), "--dry-run"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (
+        f"kdbench: error: {suite}:3: defaults.pair.student: hf:kdbench-test/tiny-llama: config.json is not in the "
+        f"local Hugging Face cache ({tmp_path / 'elsewhere' / 'hub'}; HF_HOME or HF_HUB_CACHE set it) and kdbench "
+        "never downloads: on a machine with network run `hf download kdbench-test/tiny-llama config.json` (or "
+        "`huggingface-cli download kdbench-test/tiny-llama config.json`), then copy its "
+        f"models--kdbench-test--tiny-llama folder into {tmp_path / 'elsewhere' / 'hub'}"
+    )
+
+
+def test_an_hf_bert_is_an_encoder(hub, tmp_path, capsys):
+    from kdbench.cli import main
+    from kdbench.config.schema import CellConfig
+    from kdbench.models.encoders import ENCODER_CONFIGS, encoder_parameter_count
+    from kdbench.workloads import workload_of
+
+    fake_hub(tmp_path, "kdbench-test/tiny-bert", {**ENCODER_CONFIGS["tiny-bert-student"], "model_type": "bert"})
+    name = "hf:kdbench-test/tiny-bert"
+    assert encoder_parameter_count(name) == encoder_parameter_count("tiny-bert-student") == 268_224
+    pair = {"teacher": "tiny-bert-teacher", "student": name}
+    config = CellConfig.model_validate({"pair": pair, "data": {"kind": "tokens", "seq_len": 16}, "method": "minilm"})
+    assert workload_of(config).family == "encoder"
+    suite = tmp_path / "bert.yaml"
+    suite.write_text(
+        f"name: bert\ndefaults:\n  pair: {{teacher: tiny-bert-teacher, student: '{name}'}}\n  method: minilm\n"
+        "  data: {kind: tokens, seq_len: 16}\n  batch_size: 2\n"
+    )
+    assert main(["run", str(suite), "--dry-run"]) == 0
+    assert f"tiny-bert-teacher->{name} minilm" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"HF_HUB_CACHE": "/c/hub2", "HF_HOME": "/h"}, "/c/hub2"),
+        ({"HF_HOME": "/h"}, "/h/hub"),
+        ({"XDG_CACHE_HOME": "/x"}, "/x/huggingface/hub"),
+    ],
+)
+def test_the_cache_is_found_as_huggingface_hub_finds_it(env, expected, monkeypatch):
+    for key in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert hub_cache() == Path(expected)

@@ -256,7 +256,35 @@ def test_a_loss_impl_this_environment_lacks_is_a_skipped_cell_with_the_fix(monke
     config = lm_config(loss_impl="liger")
     rows = measure_cell(Cell(0, cell_id_of(config), config), CPU, ModelCache())
     assert [r["status"] for r in rows] == ["skipped"] * 5
-    assert "pip install liger-kernel" in rows[0]["error"]
+    assert "liger-kernel, which is not installed: pip install" in rows[0]["error"] and "[liger]'" in rows[0]["error"]
+
+
+def test_dry_run_and_run_say_which_cells_a_missing_package_skips(monkeypatch, tmp_path, capsys):
+    """liger-kernel simulated missing: --dry-run names the liger cell with the install line (it passed silently),
+    and the run says so at its start and stores the cell as skipped without a worker."""
+    import importlib.util
+
+    from kdbench.cli import main
+    from kdbench.install import extra_hint
+    from kdbench.store import read_results
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a)
+    )
+    why = f"liger needs liger-kernel, which is not installed: {extra_hint('liger')}"
+    suite = tmp_path / "liger.yaml"
+    fp32 = HOST_SUITE.replace("name: host", "name: liger").replace(
+        "  teacher_precision: bf16\n  teacher: {weights: bf16}\n", ""
+    )
+    suite.write_text(fp32 + "matrix:\n  loss_impl: [dense, liger]\n")
+    assert main(["run", str(suite), "--dry-run"]) == 0
+    assert f"skipped here: cell 2: {why}" in capsys.readouterr().err.splitlines()
+    suite.write_text(fp32 + "  loss_impl: liger\n")
+    assert main(["run", str(suite), "--out", str(tmp_path / "res"), "--no-report", "--inline"]) == 0
+    assert f"skipped here: cell 1: {why}" in capsys.readouterr().err.splitlines()
+    df = read_results([tmp_path / "res"])
+    assert set(df["status"]) == {"skipped"} and len(df) == 5 and set(df["error"]) == {why}
 
 
 def test_an_fsdp_cell_this_torch_or_device_cannot_shard_is_skipped_with_the_reason(monkeypatch):

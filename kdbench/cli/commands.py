@@ -8,6 +8,9 @@ import sys
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from kdbench.install import check_install
+
+    check_install()  # before anything imports torchvision; transformers is checked where an LM is built
     from kdbench import api
     from kdbench.config import with_overrides
     from kdbench.run.engine import RunOptions
@@ -133,13 +136,15 @@ def _dry_run(suite, options) -> int:
     cells = sum(isinstance(j, CellJob) and j.repeat == 1 for j in plan.jobs)
     times = f" x {suite.repeat} repeats" if suite.repeat > 1 else ""
     print(f"{cells} cells, {n_rows} measurements{times}; suite '{suite.name}', backend {requested} ({here})")
-    if here == "available here":  # the plan-time warnings a run would print (slow precisions)
+    if here == "available here":  # the plan-time warnings a run would print (slow precisions, missing packages)
         from kdbench.hw.backends import resolve
-        from kdbench.run.plan import warn_slow_cells
+        from kdbench.run.plan import warn_environment_skips, warn_slow_cells
         from kdbench.store.results import PROBES_DIR
 
+        backend = resolve(requested)
         skip = suite.slow_precisions == "skip"
-        warn_slow_cells(plan, resolve(requested), options.out_dir / PROBES_DIR, suite.threads, skip)
+        warn_slow_cells(plan, backend, options.out_dir / PROBES_DIR, suite.threads, skip)
+        warn_environment_skips(plan, backend)
     return 0
 
 
@@ -197,6 +202,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_env(_args: argparse.Namespace) -> int:
+    from kdbench.install import check_install
+
+    check_install(transformers=True)
     from kdbench.hw.environment import describe_lines
 
     print("\n".join(describe_lines()))
@@ -205,6 +213,9 @@ def cmd_env(_args: argparse.Namespace) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
+    from kdbench.install import check_install
+
+    check_install()
     import torch
 
     from kdbench.hw.backends import resolve, thread_count

@@ -21,6 +21,7 @@ or without the backend's provider, skips the row, naming what to install.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import tempfile
 import time
 import warnings
@@ -32,10 +33,10 @@ import torch
 from torch import nn
 
 from kdbench.hw.backends import AutocastChoice, Backend
+from kdbench.install import extra_hint
 from kdbench.measure.serving import Built, LeverSkip, excess_ms, wall_ms
 
 ONNX_OPSET = 18
-ONNX_INSTALL = "pip install 'kdbench[onnx]'"
 # The ONNX Runtime providers of each backend, in order of preference, and what to install for them.
 ORT_PROVIDERS = {
     "cpu": ("CPUExecutionProvider",),
@@ -43,7 +44,7 @@ ORT_PROVIDERS = {
     "rocm": ("MIGraphXExecutionProvider", "ROCMExecutionProvider"),  # ROCm EP: deprecated by ONNX Runtime
 }
 ORT_INSTALL = {
-    "cpu": ONNX_INSTALL,
+    "cpu": "",  # the onnx extra, installed as kdbench was (kdbench.install.extra_hint)
     "cuda": "pip install onnxruntime-gpu (in place of onnxruntime)",
     "rocm": "install onnxruntime-migraphx (or onnxruntime-rocm) for this ROCm release, in place of onnxruntime",
 }
@@ -59,14 +60,23 @@ def ort_providers(backend_name: str, available: list[str] | tuple[str, ...]) -> 
             return [provider]
     names = " or ".join(wanted)
     have = ", ".join(available) or "none"
-    raise LeverSkip(f"onnxruntime: no {names} in this ONNX Runtime (it has {have}); {ORT_INSTALL[backend_name]}")
+    fix = ORT_INSTALL[backend_name] or extra_hint("onnx")
+    raise LeverSkip(f"onnxruntime: no {names} in this ONNX Runtime (it has {have}); {fix}")
+
+
+def onnxruntime_missing() -> str | None:
+    """Why ``inference.runtime: onnxruntime`` rows are skipped here for a missing package, with the line that installs
+    it (None: ONNX Runtime is installed); found without importing it, for the plan."""
+    if importlib.util.find_spec("onnxruntime") is None:
+        return f"onnxruntime: ONNX Runtime is not installed; {extra_hint('onnx')}"
+    return None
 
 
 def _import_onnxruntime():
     try:
         return importlib.import_module("onnxruntime")
     except ImportError as exc:
-        raise LeverSkip(f"onnxruntime: ONNX Runtime is not installed ({exc}); {ONNX_INSTALL}") from None
+        raise LeverSkip(f"onnxruntime: ONNX Runtime is not installed ({exc}); {extra_hint('onnx')}") from None
 
 
 def export_onnx(model: nn.Module, x: torch.Tensor, path: Path) -> str:

@@ -20,9 +20,11 @@ TORCHVISION_SHAPE = (3, 224, 224)
 
 FAMILY_NOTES = {
     "lm": "causal language models built from transformers' classes with random weights (the `lm` extra), for cells "
-    "with `data.kind: tokens`; tied embeddings counted once. A local `config.json` path names one too.",
+    "with `data.kind: tokens`; tied embeddings counted once. A local `config.json` path names one too, and "
+    "`hf:ORG/NAME` one whose `config.json` is in the local Hugging Face cache (never downloaded).",
     "encoder": "BERT-shaped encoders (transformers' `BertModel`: embeddings, layers, pooler; no MLM head) with random "
-    "weights (the `lm` extra), for `minilm` and `hidden_mse` cells with `data.kind: tokens`",
+    "weights (the `lm` extra), for `minilm` and `hidden_mse` cells with `data.kind: tokens`; `hf:ORG/NAME` names one "
+    "whose `config.json` (`model_type: bert`) is in the local Hugging Face cache",
 }
 TITLES = {  # what each family is, in a few words
     "cifar": "CIFAR classifiers of the distillation literature",
@@ -32,7 +34,10 @@ TITLES = {  # what each family is, in a few words
     "encoder": "BERT-shaped encoders (data.kind: tokens)",
 }
 CALLABLE_NOTE = "`module:callable`: a user's own model factory (needs `allow_imports: true` or `--allow-imports`)"
-CONFIG_JSON_NOTE = "`config.json`: a local transformers config (its model_type a causal LM) as a model name"
+CONFIG_JSON_NOTE = (
+    "`config.json`: a local transformers config (its model_type a causal LM) as a model name; `hf:ORG/NAME`: the same "
+    "read from the local Hugging Face cache (HF_HOME; never downloaded)"
+)
 
 
 @dataclass(frozen=True)

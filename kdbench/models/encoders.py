@@ -2,7 +2,8 @@
 
 The shapes MiniLM (Wang et al. 2020) distils, held as the numbers of their published ``config.json`` files and
 built as Hugging Face ``transformers`` ``BertModel`` s (embeddings, encoder layers and the pooler; no MLM head)
-with random weights: nothing is downloaded, no hub is reached.
+with random weights: nothing is downloaded, no hub is reached.  ``hf:ORG/NAME`` names a BERT whose ``config.json``
+is in the local Hugging Face cache (:mod:`kdbench.models.hub`).
 
 - ``bert-base`` and ``bert-large``: ``google-bert/bert-base-uncased`` and ``bert-large-uncased`` (12 layers × 768,
   12 heads, 3072 FFN; 24 × 1024, 16 heads, 4096 FFN; vocabulary 30,522; 512 positions).  ``bert-base`` has
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from kdbench.errors import KdbenchError, did_you_mean
+from kdbench.models.hub import cached_config, is_hf_name
 
 ATTN_KEY = "attn_implementation"  # the override that is not a config field: the attention the model runs
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -66,11 +68,16 @@ ENCODER_CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def is_encoder_model(name: Any) -> bool:
-    """A registered encoder's name."""
+    """A registered encoder's name, or ``hf:ORG/NAME`` whose config in the local Hugging Face cache is a BERT's
+    (``model_type: bert``; :mod:`kdbench.models.hub`)."""
+    if is_hf_name(name):
+        return (cached_config(name) or {}).get("model_type") == "bert"
     return isinstance(name, str) and name in ENCODER_CONFIGS
 
 
 def check_encoder_name(name: str) -> dict[str, Any]:
+    if is_hf_name(name) and is_encoder_model(name):  # the cached config's fields
+        return {k: v for k, v in (cached_config(name) or {}).items() if k != "model_type"}
     if not is_encoder_model(name):
         hint = did_you_mean(str(name), ENCODER_CONFIGS)
         raise KdbenchError(f"unknown encoder {name!r}; {hint}known: {', '.join(ENCODER_CONFIGS)}")

@@ -13,7 +13,9 @@ through :meth:`CausalLM.head_weights`).
 
 ``transformers`` is imported only inside the functions, so ``kdbench`` imports
 without it; a function that needs it and finds it missing raises a
-:class:`~kdbench.errors.KdbenchError` naming the extra (``pip install 'kdbench[lm]'``).
+:class:`~kdbench.errors.KdbenchError` naming the extra (``pip install 'kdbench[lm]'``, or
+``pip install -e '.[lm]'`` in a clone: :func:`kdbench.install.extra_hint`); one that does not work with the
+installed torch is said the same way (:func:`kdbench.install.check_transformers`).
 
 The numbers below are those of the Hugging Face ``config.json`` of each checkpoint
 (``meta-llama/Llama-3.1-8B``, ``meta-llama/Llama-3.2-1B``, ``meta-llama/Llama-3.2-3B``,
@@ -38,9 +40,9 @@ import torch
 from torch import nn
 
 from kdbench.errors import KdbenchError, did_you_mean
+from kdbench.install import check_transformers, extra_hint
 from kdbench.models.config_checks import check_config_fields
-
-_EXTRA_HINT = "pip install 'kdbench[lm]'"
+from kdbench.models.hub import hf_config_path, is_callable_name, is_hf_name
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -188,7 +190,8 @@ def transformers_module():
     try:
         import transformers
     except ImportError as e:
-        raise KdbenchError(f"the language models need Hugging Face transformers ({e}): {_EXTRA_HINT}") from None
+        raise KdbenchError(f"the language models need Hugging Face transformers ({e}): {extra_hint('lm')}") from None
+    check_transformers()
     return transformers
 
 
@@ -198,13 +201,14 @@ def config_class_named(class_name: str):
         return getattr(transformers, class_name)
     except AttributeError:
         raise KdbenchError(
-            f"transformers {transformers.__version__} has no {class_name}; upgrade it: {_EXTRA_HINT}"
+            f"transformers {transformers.__version__} has no {class_name}; upgrade it: {extra_hint('lm')}"
         ) from None
 
 
 def is_lm_model(name: str) -> bool:
-    """A registered language model's name, or a local transformers ``config.json``."""
-    return name in LM_CONFIGS or name.endswith(".json")
+    """A registered language model's name, a local transformers ``config.json``, or ``hf:ORG/NAME`` (its config in
+    the local Hugging Face cache: :mod:`kdbench.models.hub`)."""
+    return name in LM_CONFIGS or name.endswith(".json") or is_hf_name(name)
 
 
 def registered_lm(name: str) -> dict[str, Any]:
@@ -255,7 +259,9 @@ def lm_config_from_file(path: str | Path):
 
 
 def _resolve_config(name_or_config, overrides: dict[str, Any] | None):
-    if isinstance(name_or_config, Path) or (
+    if is_hf_name(name_or_config):
+        config = lm_config_from_file(hf_config_path(name_or_config))
+    elif isinstance(name_or_config, Path) or (
         isinstance(name_or_config, str) and name_or_config not in LM_CONFIGS and name_or_config.endswith(".json")
     ):
         config = lm_config_from_file(name_or_config)
@@ -334,9 +340,10 @@ def lm_parameter_count(name_or_config, overrides: dict[str, Any] | None = None) 
 
 
 def make_lm(name: str, overrides: dict[str, Any], allow_imports: bool) -> nn.Module:
-    """The LM ``name`` with random weights: a registered name or ``config.json`` path (:func:`build_lm`, with
-    ``overrides``), or a ``module:callable`` (imported; with ``allow_imports``, and no overrides)."""
-    if ":" in name:
+    """The LM ``name`` with random weights: a registered name, a ``config.json`` path or ``hf:ORG/NAME``
+    (:func:`build_lm`, with ``overrides``), or a ``module:callable`` (imported; with ``allow_imports``, and no
+    overrides)."""
+    if is_callable_name(name):
         from kdbench.models.registry import check_model_name
 
         check_model_name(name, allow_imports)
@@ -365,7 +372,7 @@ def _imported(name: str) -> nn.Module:
 
 def model_config(name: str, overrides: dict[str, Any]):
     """The transformers config :func:`make_lm` builds ``name`` from (None for a ``module:callable``)."""
-    if ":" in name:
+    if is_callable_name(name):
         return None
     return _resolve_config(name, overrides or None)
 

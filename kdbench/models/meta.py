@@ -37,6 +37,7 @@ from kdbench.models.config_checks import (
     number,
     unquote_fix,
 )
+from kdbench.models.hub import hf_config_path, is_callable_name, is_hf_name
 
 PROBE_TOKENS = 8  # the fake forward's sequence length: shapes, not lengths (positions are checked apart)
 # Errors of a forward whose shapes do not fit (a fake forward raises them as a real one would).
@@ -284,12 +285,17 @@ def _file_field_at_fault(path: str, model: bool = False) -> str | None:
 
 
 def _stamp(name: str) -> tuple[int, int] | None:
-    """A config.json's modification time and size (a changed file is built again); None otherwise."""
-    if ":" in name or not name.endswith(".json"):
-        return None
+    """A config.json's modification time and size (a changed file is built again; an ``hf:`` name's file in the
+    cache too); None otherwise."""
     try:
-        st = Path(name).stat()
-    except OSError:
+        if is_hf_name(name):
+            path = hf_config_path(name)
+        elif is_callable_name(name) or not name.endswith(".json"):
+            return None
+        else:
+            path = Path(name)
+        st = path.stat()
+    except (OSError, KdbenchError):  # said when the model is built
         return None
     return st.st_mtime_ns, st.st_size
 
@@ -324,7 +330,7 @@ def _lm_facts(name: str, key: str, allow_imports: bool, _stamp: Any) -> tuple[Mo
 def _build_lm_facts(name: str, overrides: dict[str, Any], allow_imports: bool) -> ModelFacts:
     from kdbench.models.lm import CausalLM, build_lm, model_config
 
-    if ":" in name:
+    if is_callable_name(name):
         return _callable_facts(name, allow_imports)
     try:
         with quiet():
@@ -335,7 +341,7 @@ def _build_lm_facts(name: str, overrides: dict[str, Any], allow_imports: bool) -
         raise config_file_error(name, exc) from None
     what = f"{name}'s {type(base).__name__}"
     check_values(base, _defaults(type(base)), overrides, what, next_token=True)
-    needs_forward = bool(overrides) or name.endswith(".json")
+    needs_forward = bool(overrides) or name.endswith(".json") or is_hf_name(name)
 
     def build(fields: dict[str, Any]) -> nn.Module:
         config = model_config(name, fields)

@@ -51,6 +51,7 @@ from torch import nn
 from kdbench.config.schema import CellConfig, QualityConfig
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import AutocastChoice, Backend
+from kdbench.models.hub import is_callable_name
 from kdbench.names import IGNORE_INDEX
 from kdbench.quality.checkpoints import Checkpoints
 from kdbench.quality.train import DeviceData, QualityRun, Trained, ce_step, fit, init_seed
@@ -192,7 +193,7 @@ def check_text(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
 
 def byte_overrides(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """The model's overrides with the byte vocabulary (a ``module:callable`` takes none: it must have 256)."""
-    return dict(overrides) if ":" in name else {**overrides, "vocab_size": BYTES}
+    return dict(overrides) if is_callable_name(name) else {**overrides, "vocab_size": BYTES}
 
 
 def text_columns(cfg: QualityConfig) -> dict[str, Any]:

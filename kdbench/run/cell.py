@@ -80,6 +80,19 @@ def free_device_memory(backend: Backend) -> None:
             pass
 
 
+def cell_skip(config, backend: Backend, workload=None) -> str | None:
+    """Why the cell cannot run in this environment (None: it can): a precision this device cannot autocast, a lever
+    it lacks, a package or an API its workload needs (:meth:`kdbench.workloads.base.Workload.skip_reason`).  Known
+    before anything is built: the plan says it before the run (:func:`kdbench.run.plan.environment_skips`)."""
+    workload = workload or workload_of(config)
+    choices = [choose_autocast(backend, p) for p in (config.precision, config.teacher_precision)]
+    return (
+        next((c.skip for c in choices if c.skip), None)
+        or skip_reason(config, backend)
+        or workload.skip_reason(config, backend)
+    )
+
+
 def measure_cell(
     cell: Cell,
     backend: Backend,
@@ -95,12 +108,7 @@ def measure_cell(
     workload = workload_of(config)
     planned = workload.planned(config)
     budget_s = measurement_budget_s(config, backend, len(planned))
-    choices = [choose_autocast(backend, p) for p in (config.precision, config.teacher_precision)]
-    skip = (
-        next((c.skip for c in choices if c.skip), None)
-        or skip_reason(config, backend)
-        or workload.skip_reason(config, backend)
-    )
+    skip = cell_skip(config, backend, workload)
     planned_rows = [{"measurement": m, "batch_size": bs} for m, bs in planned]
     if skip:  # every rank sees the same, before any collective
         return None if dp is not None and not dp.root else failure_rows(planned_rows, Status.SKIPPED, skip)

@@ -33,7 +33,15 @@ from kdbench.hw.backends import Backend, detect, resolve, thread_count
 from kdbench.measure.step import MeasureOptions
 from kdbench.names import FAILURES, Measurement, Status
 from kdbench.run.jobs import CellJob, Job, QualityJob, failure_rows
-from kdbench.run.plan import Plan, host_skips, plan_jobs, planned_backend, slow_skip, warn_slow_cells
+from kdbench.run.plan import (
+    Plan,
+    host_skips,
+    plan_jobs,
+    planned_backend,
+    slow_skip,
+    warn_environment_skips,
+    warn_slow_cells,
+)
 from kdbench.run.progress import JobTiming, Progress, WallSplit
 from kdbench.schema import SCHEMA_VERSION, Row
 from kdbench.store.probes import ceiling_columns, latest_ceiling
@@ -125,6 +133,9 @@ def run_suite(
             for why in dict.fromkeys(held.values()):
                 logger.warning("skipped: %s", why)
             plan = replace(plan, skipped={**held, **plan.skipped})
+        lacking = warn_environment_skips(plan, backend)  # a package they need is missing here, ...
+        if lacking:
+            plan = replace(plan, skipped={**lacking, **plan.skipped})
     if alloc is not None:
         outcome = _run_allocated(suite, plan, backend.name, threads, options, alloc)
         if close:

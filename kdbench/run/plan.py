@@ -1,7 +1,8 @@
 """A run's plan: the suite's cells as jobs (one share with ``--shard``; the quality block as one more job), checked
 before anything runs (budgets that match nothing), the precisions this machine runs far slower than fp32,
-said before the first job (and skipped with ``slow_precisions: skip``), and the cells whose models this machine's
-host memory cannot hold, skipped with the figure (:func:`host_skips`)."""
+said before the first job (and skipped with ``slow_precisions: skip``), the cells this environment cannot run (a
+package they need is missing, with its install line: :func:`environment_skips`), and the cells whose models this
+machine's host memory cannot hold, skipped with the figure (:func:`host_skips`)."""
 
 from __future__ import annotations
 
@@ -170,3 +171,54 @@ def host_skips(plan: Plan, device_type: str, nnodes: int = 1, alloc=None) -> dic
             if why:
                 skipped[job.job_id] = why
     return skipped
+
+
+def environment_skips(plan: Plan, backend: Backend) -> dict[str, str]:
+    """job id -> why, for each cell this environment cannot run (:func:`kdbench.run.cell.cell_skip`: a package it
+    needs is missing, with the line that installs it; a lever or precision this device lacks), before anything
+    runs: said at the start and by ``--dry-run``, and stored as skipped without a worker."""
+    from kdbench.run.cell import cell_skip
+
+    reasons: dict[str, str] = {}  # cell id -> why (a repeat round's cells are the same cells)
+    skipped = {}
+    for job in plan.jobs:
+        if isinstance(job, CellJob):
+            cell = job.cell
+            if cell.cell_id not in reasons:
+                reasons[cell.cell_id] = cell_skip(cell.config, backend) or ""
+            if reasons[cell.cell_id]:
+                skipped[job.job_id] = reasons[cell.cell_id]
+    return skipped
+
+
+def warn_environment_skips(plan: Plan, backend: Backend) -> dict[str, str]:
+    """:func:`environment_skips`, each reason said once before anything runs with the cells it skips (their numbers,
+    as ``--dry-run`` prints them)."""
+    skipped = environment_skips(plan, backend)
+    by_reason: dict[str, list[int]] = {}
+    for job in plan.jobs:
+        if isinstance(job, CellJob) and job.repeat == 1 and job.job_id in skipped:
+            by_reason.setdefault(skipped[job.job_id], []).append(job.cell.index + 1)
+    rows = _served_rows_skipped(plan, skipped)
+    for why, numbers in [*by_reason.items(), *rows.items()]:
+        cells = f"cell {numbers[0]}" if len(numbers) == 1 else f"{len(numbers)} cells ({', '.join(map(str, numbers))})"
+        what = "" if why in by_reason else "'s student_inference rows (inference.runtime onnxruntime)"
+        logger.warning("skipped here: %s%s: %s", cells, what, why)
+    return skipped
+
+
+def _served_rows_skipped(plan: Plan, skipped: dict[str, str]) -> dict[str, list[int]]:
+    """why -> the numbers of the cells (not skipped whole) whose serving rows a missing package skips here: ONNX
+    Runtime for ``inference.runtime: onnxruntime`` (the cell's other rows run)."""
+    from kdbench.measure.onnx import onnxruntime_missing
+
+    served = [
+        j.cell.index + 1
+        for j in plan.jobs
+        if isinstance(j, CellJob)
+        and j.repeat == 1
+        and j.job_id not in skipped
+        and j.cell.config.inference.runtime == "onnxruntime"
+    ]
+    why = onnxruntime_missing() if served else None
+    return {why: served} if why else {}

@@ -32,6 +32,7 @@ from kdbench.distill.losses import check_method, check_weights
 from kdbench.errors import KdbenchError
 from kdbench.fakes import carry, known_values
 from kdbench.measure.flops import count_flops
+from kdbench.models.hub import is_callable_name
 from kdbench.models.lm import CausalLM, build_lm, is_lm_model, make_lm, max_positions, model_config
 from kdbench.models.meta import lm_facts
 from kdbench.names import IGNORE_INDEX, Measurement
@@ -91,9 +92,9 @@ class LMWorkload(Workload):
         for role in ("teacher", "student"):
             name = getattr(config.pair, role)
             overrides = getattr(config.overrides, role)
-            if ":" in name and overrides:
+            if is_callable_name(name) and overrides:
                 problems.append((("overrides", role), f"overrides apply to registered LMs, not to {name!r}"))
-            elif ":" in name or is_lm_model(name):
+            elif is_callable_name(name) or is_lm_model(name):
                 roles.append(role)
             else:
                 problems.append((("pair", role), _not_an_lm(name)))
@@ -157,7 +158,7 @@ class LMWorkload(Workload):
         if any(m.cls.needs_features for m in methods):
             problems.extend(lm_checks.feature_problems(config, facts, DEFAULT_LAYERS, "decoder layers"))
         problems.extend(lm_checks.unused_features(config, methods))
-        if config.parallel == "fsdp" and any(":" in getattr(config.pair, r) for r in ("teacher", "student")):
+        if config.parallel == "fsdp" and any(is_callable_name(getattr(config.pair, r)) for r in ("teacher", "student")):
             why = "parallel fsdp shards registered LMs and config.json models layer by layer, not module:callable ones"
             problems.append((("parallel",), why))
         return problems
@@ -244,7 +245,7 @@ class LMWorkload(Workload):
         its device, and only rank 0 one on the host (a ``module:callable`` teacher, which cannot be built on ``meta``,
         is built whole on every rank's host, as the user's code builds it).  The student goes to the device whole,
         as under DDP."""
-        user = ":" in config.pair.teacher
+        user = is_callable_name(config.pair.teacher)
         root = dp is None or dp.root
         teacher_build, student_build = step_builds(config, root or user)
         teacher = self._model(config, teacher_build, backend, cache)
@@ -258,7 +259,7 @@ class LMWorkload(Workload):
         name, overrides = getattr(config.pair, build.role), getattr(config.overrides, build.role)
         allow = getattr(cache, "allow_imports", False)
         key = ("lm", name, repr(sorted(overrides.items())), config.seed)
-        nbytes = None if ":" in name else 4 * lm_counts(name, overrides)[0]
+        nbytes = None if is_callable_name(name) else 4 * lm_counts(name, overrides)[0]
         return fresh_model(
             config,
             build,
@@ -274,7 +275,7 @@ class LMWorkload(Workload):
     def host_footprint(self, config: Any, device_type: str) -> HostFootprint:
         def count(role: str) -> tuple[int, int] | None:
             name = getattr(config.pair, role)
-            return None if ":" in name else lm_counts(name, getattr(config.overrides, role))
+            return None if is_callable_name(name) else lm_counts(name, getattr(config.overrides, role))
 
         return pair_footprint(config, device_type, count)
 

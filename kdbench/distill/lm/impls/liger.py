@@ -16,6 +16,7 @@ import torch
 from kdbench.distill.lm.divergences import TokenLoss, get_divergence, liger_beta
 from kdbench.distill.lm.impls.base import Buffers, Heads, LossImpl, Settings, register_impl
 from kdbench.distill.lm.impls.chunks import cast_head
+from kdbench.install import extra_hint
 from kdbench.names import IGNORE_INDEX
 
 
@@ -68,7 +69,7 @@ def unsupported(loss: TokenLoss) -> str | None:
 def unavailable() -> str | None:
     """liger-kernel installed and importable, with its JSD loss's ignore_index (detected by feature)."""
     if importlib.util.find_spec("liger_kernel") is None:
-        return "liger needs liger-kernel, which is not installed: pip install liger-kernel"
+        return f"liger needs liger-kernel, which is not installed: {extra_hint('liger')}"
     try:
         from liger_kernel.chunked_loss.jsd_loss import LigerFusedLinearJSDFunction
     except Exception as exc:  # liger imports triton and more; any failure means it cannot run here
