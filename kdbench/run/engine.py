@@ -68,6 +68,7 @@ class RunOutcome:
     follower: bool = False  # a rank other than 0 of an allocation: rank 0 stores and reports
     aborted: str | None = None  # why the run stopped before its last job (its failure is stored)
     timed_rows: int = 0  # rows stored by this invocation that say whether they were contended
+    steps: list[dict] = field(default_factory=list)  # its ok, not contended distill_step rows' config and median
     contended: list[float] = field(default_factory=list)  # host_busy_share of each contended one
     quality: bool = False  # the quality job ran (and stored its rows) in this invocation
     timings: list[JobTiming] = field(default_factory=list)
@@ -144,6 +145,10 @@ def run_suite(
 
         workers = LocalWorkers(setup, options.inline, detect().gpu_count, suite.launcher)
         outcome = _execute(suite, plan, folder, backend, workers, f"{threads} CPU threads", look)
+    from kdbench.hw.speed import check_steps
+
+    for line in check_steps(outcome.steps, backend, threads):  # a cached dtype speed its own steps contradict
+        logger.warning("%s", line)
     if close:
         outcome.close()
     return outcome
@@ -386,6 +391,13 @@ def _execute(
                     outcome.failed.append(job.progress_label)
                 outcome.timed_rows += sum(r.get("contended") is not None for r in rows)
                 outcome.contended += [r.get("host_busy_share") or 0.0 for r in rows if r.get("contended")]
+                outcome.steps += [
+                    {"config_json": r.get("config_json"), "median_ms": r.get("median_ms")}
+                    for r in rows
+                    if r["measurement"] == Measurement.DISTILL_STEP
+                    and r["status"] == Status.OK
+                    and not r.get("contended")
+                ]
             writing = time.perf_counter() - written
             outcome.timings.append(
                 JobTiming(job.job_id, job.progress_label, time.perf_counter() - start, result.seconds)
