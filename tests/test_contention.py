@@ -5,10 +5,6 @@ bounded background load of the test's own (spinning processes, as many as the co
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 from types import SimpleNamespace
 
 import pandas as pd
@@ -25,7 +21,7 @@ from kdbench.measure.telemetry import TelemetrySampler
 from kdbench.report.compare import compare_frames
 from kdbench.report.verdicts import Policy, Verdict
 from kdbench.store import read_results
-from tests.helpers import as_read, write_suite
+from tests.helpers import as_read, background_load, write_suite
 from tests.rows import result_row
 
 
@@ -171,31 +167,6 @@ SUITE = {
     },
 }
 
-SPIN_S = 8.0  # each spinner ends by itself after this, whatever becomes of the test
-_LAUNCH = (
-    "import subprocess, sys\n"
-    "spin = 'import time\\nend = time.time() + {s}\\nwhile time.time() < end: pass'\n"
-    "ps = [subprocess.Popen([sys.executable, '-c', spin], start_new_session=True) for _ in range({n})]\n"
-    "print(' '.join(str(p.pid) for p in ps))\n"
-)
-
-
-def _spin(n: int) -> list[int]:
-    """``n`` CPU-bound processes outside this process's tree (their launcher exits: they are not its
-    descendants, as another user's would not be); each stops by itself after SPIN_S."""
-    launched = subprocess.run(
-        [sys.executable, "-c", _LAUNCH.format(s=SPIN_S, n=n)], capture_output=True, text=True, check=True
-    )
-    return [int(pid) for pid in launched.stdout.split()]
-
-
-def _stop(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
 
 def _run(tmp_path, name: str) -> pd.DataFrame:
     suite = write_suite(tmp_path / f"{name}.yaml", **SUITE)
@@ -221,12 +192,8 @@ def test_a_bounded_background_load_flags_the_rows_and_compare_does_not_judge_the
         assert idle["contended"].eq(False).all(), idle[["measurement", "host_busy_share", "notes"]].to_string()
     # as many spinners as the cores and one more: under a fair scheduler the measurement's one thread keeps about
     # cores / (cores + 2) of a core, well under the rule's 0.75 (with as many as the cores it keeps 2/3)
-    pids = _spin(len(contention.usable_cores()) + 1)
-    try:
-        time.sleep(0.2)
+    with background_load():
         busy = _run(tmp_path, "busy")
-    finally:
-        _stop(pids)
     assert busy["contended"].eq(True).all(), busy[["measurement", "host_busy_share", "notes"]].to_string()
     assert (busy["host_busy_share"] > 0.5).all() and busy["notes"].str.contains("contended: other processes").all()
     cmp = compare_frames(idle, busy)
