@@ -5,6 +5,7 @@ bounded background load of the test's own (spinning processes, as many as the co
 from __future__ import annotations
 
 import os
+import time
 from types import SimpleNamespace
 
 import pandas as pd
@@ -179,11 +180,13 @@ def _run(tmp_path, name: str) -> pd.DataFrame:
 def _busy_now() -> HostLoad | None:
     meter = HostMeter(1)
     meter.start()
-    return contention.finish_look(meter)
+    time.sleep(contention.SAMPLE_S)
+    meter.stop()
+    return meter.result()
 
 
 @pytest.mark.slow
-def test_a_bounded_background_load_flags_the_rows_and_compare_does_not_judge_them(tmp_path):
+def test_a_bounded_background_load_flags_the_rows_and_compare_does_not_judge_them(tmp_path, capsys):
     before = _busy_now()
     idle = _run(tmp_path, "idle")
     after = _busy_now()
@@ -192,8 +195,13 @@ def test_a_bounded_background_load_flags_the_rows_and_compare_does_not_judge_the
         assert idle["contended"].eq(False).all(), idle[["measurement", "host_busy_share", "notes"]].to_string()
     # as many spinners as the cores and one more: under a fair scheduler the measurement's one thread keeps about
     # cores / (cores + 2) of a core, well under the rule's 0.75 (with as many as the cores it keeps 2/3)
+    capsys.readouterr()
     with background_load():
         busy = _run(tmp_path, "busy")
+    # the run said so as it started (a 0.4 s look beside its first cell) and at its end, with the figure
+    said = capsys.readouterr().err
+    assert "the machine is busy as the run starts" in said and "taskset -c" in said, said
+    assert "timed rows were measured on a busy machine (contended; host_busy_share up to" in said, said
     assert busy["contended"].eq(True).all(), busy[["measurement", "host_busy_share", "notes"]].to_string()
     assert (busy["host_busy_share"] > 0.5).all() and busy["notes"].str.contains("contended: other processes").all()
     cmp = compare_frames(idle, busy)

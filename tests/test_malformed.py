@@ -92,3 +92,13 @@ def test_an_output_folder_that_is_a_file_is_one_line(argv, tmp_path, capsys):
         f"kdbench: error: {flag} {taken}: is a file, and {flag} names a folder; give a folder, e.g. {tmp_path}"
     ]
     assert taken.read_bytes() == b"an earlier file"
+
+
+@pytest.mark.parametrize("command", [["run", "SUITE"], ["compare", "SUITE", "SUITE"]])
+def test_judge_contended_takes_no_value(command, capsys):
+    # issue 32's flag: --judge-contended is a switch; a value given to it is a one-line mistake naming it
+    suite = str(CORPUS.parent.parent / "suites" / "cpu.yaml")
+    argv = [suite if a == "SUITE" else a for a in command]
+    assert main([*argv, "--judge-contended=yes"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kdbench: error: ") and "--judge-contended" in err[0], err

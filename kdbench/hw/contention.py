@@ -22,13 +22,14 @@ cores each gets 2/3): under the 0.75 needed, so contended.  More load only leave
 On GPUs the device's other processes (NVML / amdsmi process lists, read by :mod:`kdbench.measure.telemetry`)
 are counted by :func:`others_on_device` and any one of them makes the row contended too.
 
-:func:`finish_look` ends the short look before a run's first cell (its warning, :func:`busy_warning`).
+:func:`look_later` ends the short look a run takes as it starts (its warning, :func:`busy_warning`).
 Torch-free.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -196,13 +197,21 @@ class HostMeter:
         return HostLoad(t1 - t0, cores, others, self.threads)
 
 
-def finish_look(meter: HostMeter, seconds: float = SAMPLE_S) -> HostLoad | None:
-    """The others' load over the look a run began with :meth:`HostMeter.start` (its own set-up ran meanwhile,
-    counted as its own), made at least ``seconds`` long by sleeping the rest: the look before a run's first cell."""
-    if meter._marks:
-        time.sleep(max(0.0, seconds - (time.perf_counter() - meter._marks[0][0])))
-    meter.stop()
-    return meter.result()
+def look_later(meter: HostMeter, then: Callable[[HostLoad], None], seconds: float = SAMPLE_S) -> threading.Timer:
+    """End the look ``meter`` began (:meth:`HostMeter.start`) ``seconds`` after it began, in a timer thread so
+    that the run does not wait for it, and hand its load to ``then``; ``cancel()`` the timer to drop it."""
+
+    def end() -> None:
+        meter.stop()
+        load = meter.result()
+        if load is not None:
+            then(load)
+
+    began = meter._marks[0][0] if meter._marks else time.perf_counter()
+    timer = threading.Timer(max(0.0, seconds - (time.perf_counter() - began)), end)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def others_on_device(listed: Iterable[int], own: Iterable[int]) -> int:

@@ -30,7 +30,7 @@ import torch
 from kdbench.config.schema import Suite
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import Backend, detect, resolve, thread_count
-from kdbench.hw.contention import RUN_PID_ENV, HostMeter, busy_warning, finish_look
+from kdbench.hw.contention import RUN_PID_ENV, HostLoad, HostMeter, busy_warning, look_later
 from kdbench.measure.step import MeasureOptions
 from kdbench.names import FAILURES, Measurement, Status
 from kdbench.run.jobs import CellJob, Job, QualityJob, failure_rows
@@ -298,9 +298,10 @@ def _execute(
     look: HostMeter | None = None,
 ) -> RunOutcome:
     """Run ``plan``'s jobs not stored yet.  ``look``: a host meter started when the run began, ended (and warned
-    about when the machine is busy) before the first job."""
+    about when the machine is busy) 0.4 s after that, in a timer thread beside the first job."""
     outcome = RunOutcome(run_id=folder.run_id, path=folder.path, split=WallSplit())
     wall = outcome.split
+    timer = None
     try:  # whatever happens, the workers are closed (inside an allocation that releases the other ranks)
         began = time.perf_counter()
         stamp = Stamper(suite, backend, folder)
@@ -341,10 +342,8 @@ def _execute(
             )
         if suite.profile:
             logger.info("profiler traces -> %s", folder.path.parent / TRACES_DIR / folder.run_id)
-        if look is not None:
-            load = finish_look(look)
-            if load is not None and load.contended:
-                logger.warning("%s", busy_warning(load, f"before the first cell (a {load.wall_s:.1f} s look)"))
+        if look is not None:  # the look ends 0.4 s after the run began, beside the first cell: nobody waits for it
+            timer = look_later(look, _warn_if_busy)
         progress = Progress(len(todo))
         if suite.repeat > 1:
             logger.info(
@@ -412,8 +411,15 @@ def _execute(
     except KeyboardInterrupt:
         outcome.interrupted = True
     finally:
+        if timer is not None:
+            timer.cancel()  # a run over before its look: its rows say what the machine did
         workers.close()
     return outcome
+
+
+def _warn_if_busy(load: HostLoad) -> None:
+    if load.contended:
+        logger.warning("%s", busy_warning(load, f"as the run starts (a {load.wall_s:.1f} s look)"))
 
 
 def contended_summary(outcome: RunOutcome) -> str:
