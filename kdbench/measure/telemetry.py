@@ -11,7 +11,9 @@ after its synchronisations (NVML's total energy consumption, amdsmi's energy cou
 sampled power is integrated only where there is no counter.  A thread samples power,
 clock, temperature and activity for their means and maxima; what the driver reports is
 smoothed (NVML's power is a ~1 s average on recent GPUs), so figures over windows shorter
-than :data:`SHORT_WINDOW_S` are flagged as rough.
+than :data:`SHORT_WINDOW_S` are flagged as rough.  At the same edges the device's process list is
+read (NVML's compute processes, amdsmi's process list): the processes on it other than this run's
+(:func:`kdbench.hw.contention.others_on_device`) make the row ``contended``.
 """
 
 from __future__ import annotations
