@@ -199,8 +199,9 @@ def test_a_bounded_background_load_flags_the_rows_and_compare_does_not_judge_the
     with background_load():
         busy = _run(tmp_path, "busy")
     # the run said so as it started (a 0.4 s look beside its first cell) and at its end, with the figure
-    said = capsys.readouterr().err
+    out, said = capsys.readouterr()
     assert "the machine is busy as the run starts" in said and "taskset -c" in said, said
+    assert " CONTENDED (host_busy_share " in out, out  # the cell's progress line
     assert "timed rows were measured on a busy machine (contended; host_busy_share up to" in said, said
     assert busy["contended"].eq(True).all(), busy[["measurement", "host_busy_share", "notes"]].to_string()
     assert (busy["host_busy_share"] > 0.5).all() and busy["notes"].str.contains("contended: other processes").all()
