@@ -209,3 +209,12 @@ def test_a_bounded_background_load_flags_the_rows_and_compare_does_not_judge_the
     assert {c.verdict for c in cmp.changes} == {Verdict.CONTENDED} and cmp.exit_code == 0
     if not quiet:
         pytest.skip(f"the load's half passed; the machine was busy around the idle run: {before.describe()}")
+
+
+def test_the_report_marks_contended_rows_with_their_share():
+    from kdbench.report.html import CONTENDED_TITLE, _measurements
+
+    shown = _measurements(as_read(_rows("busy", True, repeats=1) + _rows("idle", False, repeats=1)))
+    marks = {(m["run_id"], m["contended"], m["busy"]) for m in shown}
+    assert marks == {("busy", True, "0.80"), ("idle", False, "0.10")}
+    assert "--judge-contended" in CONTENDED_TITLE
