@@ -385,3 +385,21 @@ def test_under_a_bounded_background_load_the_real_factor_stays_near_the_idle_one
         busy, cached = measured("busy")
     assert cached == (busy.source == speed.MEASURED_NOW)
     assert not cached or 0.5 <= busy.factor / idle.factor <= 2.0, (idle.describe(), busy.describe())
+
+
+def test_a_slow_figure_from_a_busy_moment_skips_no_cell(monkeypatch, tmp_path, quiet_host):
+    # measured under load, bf16 reads 8x slower: used for this run's warning, but no cell is skipped on it
+    from pathlib import Path
+
+    from kdbench import api
+    from kdbench.run.plan import slow_skip, warn_slow_cells
+
+    quiet_host.others_cores = 1.9
+    m = Machine(fp32=FP32, bf16=8 * FP32)
+    measure = speed.measure_slowdown
+    monkeypatch.setattr(speed, "measure_slowdown", lambda p, **kw: measure(p, clock=m.clock, matmul=m.matmul))
+    plan = api.plan(api.load_suite(Path(__file__).parent.parent / "suites" / "cpu.yaml"), device="cpu")
+    slow = warn_slow_cells(plan, CPU, tmp_path / "probes", 1, skip=True)
+    assert slow["bf16"].source == speed.MEASURED_BUSY and slow["bf16"].slow
+    assert all(slow_skip(j, slow) is None for j in plan.jobs)
+    assert not default_cache_file().exists()
