@@ -157,8 +157,9 @@ def _rerun_sides(cmp: Comparison, base, new, which: str) -> tuple[list, str]:
     return sides, (f"only {sides[0].name} is measured again: {left_out}" if len(sides) == 1 else "")
 
 
-def budget_checks(results: Iterable[str | Path]) -> list[BudgetCheck]:
-    """Every budget check of the runs in ``results``: each run against the budgets its manifest stored."""
+def budget_checks(results: Iterable[str | Path], judge_contended: bool = False) -> list[BudgetCheck]:
+    """Every budget check of the runs in ``results``: each run against the budgets its manifest stored (rows
+    measured on a busy machine left out unless ``judge_contended``)."""
     from kdbench.config.budgets import budgets_of, check
     from kdbench.store import read_results
     from kdbench.store.results import result_files, run_budgets
@@ -168,7 +169,11 @@ def budget_checks(results: Iterable[str | Path]) -> list[BudgetCheck]:
     if not stored:
         return []
     df = read_results(results)
-    return [c for run_id, raw in stored.items() for c in check(df[df["run_id"].eq(run_id)], budgets_of(raw))]
+    return [
+        c
+        for run_id, raw in stored.items()
+        for c in check(df[df["run_id"].eq(run_id)], budgets_of(raw), judge_contended)
+    ]
 
 
 def quality_table(results: Iterable[str | Path]) -> str:

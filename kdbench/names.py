@@ -102,3 +102,10 @@ MEMORY_FORMATS = ("contiguous", "channels_last")
 # outside [low, high] x its predicted peak (predicted_peak_bytes) says so in its notes, and the report flags it.
 FIT_TOLERANCE = (0.90, 1.10)
 FIT_NOTE = "fit: "  # what a row's notes about its predicted peak begin with (the report picks them out by it)
+
+# Contention (issue 32, kdbench.hw.contention): a measurement is `contended` when other processes left it fewer than
+# this share of the cores its threads need.  0.75: one other single-threaded process beside a 1-thread measurement
+# on 2 cores (CI's two pytest-xdist workers) leaves it 1.0 of 1.0 (not flagged, with room for kernel threads and
+# daemons); two CPU-bound ones share the 2 cores fairly with it and leave it 2/3 (flagged).
+CONTENDED_FREE_SHARE = 0.75
+CONTENDED_NOTE = "contended: "  # what a row's note about a busy machine begins with

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from kdbench.names import FIT_TOLERANCE, GENERATE, PHASES, REMAINDER_COLUMN
+from kdbench.names import CONTENDED_FREE_SHARE, FIT_TOLERANCE, GENERATE, PHASES, REMAINDER_COLUMN
 
 SCHEMA_VERSION = 2  # 1: one parquet file per run, derived columns stored; 2: a folder of parts per run
 
@@ -273,6 +273,31 @@ COLUMNS: tuple[Column, ...] = (
             "",
             "fewer timed calls than `min_iters` (the time budget stopped the loop; notes say how): kept and "
             "shown, never judged by compare, budgets or break-even (null in older rows: read as n < min_iters)",
+        ),
+        (
+            "host_busy_share",
+            _F,
+            "ratio",
+            "CPU time other processes used on the cores this run may run on (its affinity) over the timed window, "
+            "over the window's wall time x those cores: 0 idle, 1 every core busy with others; this run's own "
+            "process tree (engine, workers, ranks) left out (kdbench.hw.contention); a window under 0.25 s is read "
+            "from the measurement's start, and one still shorter gives null (the per-core counters tick every 10 ms)",
+        ),
+        (
+            "device_other_processes",
+            _I,
+            "",
+            "GPUs: the most processes other than this run's seen on the measured GPU at the timed window's edges "
+            "(NVML / amdsmi process lists); null where they cannot be read and on the CPU",
+        ),
+        (
+            "contended",
+            _B,
+            "",
+            f"measured on a busy machine: other processes left this run fewer than {CONTENDED_FREE_SHARE:g} x the "
+            "cores its threads need, or ran on its GPU (notes give the figure); kept and shown, not judged by "
+            "compare or budgets unless --judge-contended (null: too short a measurement to tell, or a row from "
+            "before it was measured)",
         ),
         ("timer", _S, "", "`perf_counter_ns` (host clock) or `device_event` (CUDA/HIP events)"),
         (

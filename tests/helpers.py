@@ -106,3 +106,42 @@ def log_lines(logger: str = "kdbench"):
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
+
+
+_SPIN = (
+    "import subprocess, sys\n"
+    "spin = 'import time\\nend = time.time() + {s}\\nwhile time.time() < end: pass'\n"
+    "quiet = dict(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+    "ps = [subprocess.Popen([sys.executable, '-S', '-c', spin], start_new_session=True, **quiet) for _ in range({n})]\n"
+    "print(' '.join(str(p.pid) for p in ps))\n"
+)
+
+
+@contextlib.contextmanager
+def background_load(extra: int = 1, seconds: float = 8.0):
+    """A bounded load of the test's own: as many CPU-bound processes as the usable cores, and ``extra`` more,
+    outside this process's tree (their launcher exits, so they are not its descendants, as another user's would
+    not be: kdbench leaves its own tree out of what others used); killed on leaving, and each ends by itself after
+    ``seconds`` whatever becomes of the test (their output goes nowhere: the launcher's pipe closes with it)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from kdbench.hw.contention import usable_cores
+
+    n = len(usable_cores()) + extra
+    launched = subprocess.run(
+        [sys.executable, "-S", "-c", _SPIN.format(s=seconds, n=n)], capture_output=True, text=True, check=True
+    )
+    pids = [int(pid) for pid in launched.stdout.split()]
+    try:
+        time.sleep(0.1)  # under way
+        yield pids
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

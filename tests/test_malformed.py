@@ -119,3 +119,13 @@ def test_list_suites_without_a_suites_folder_is_one_line(tmp_path, monkeypatch, 
         f"kdbench: error: {tmp_path / 'suites'}: no suites folder; the shipped suites are in a clone of kdbench's "
         "repository (suites/)"
     ]
+
+
+@pytest.mark.parametrize("command", [["run", "SUITE"], ["compare", "SUITE", "SUITE"]])
+def test_judge_contended_takes_no_value(command, capsys):
+    # issue 32's flag: --judge-contended is a switch; a value given to it is a one-line mistake naming it
+    suite = str(CORPUS.parent.parent / "suites" / "cpu.yaml")
+    argv = [suite if a == "SUITE" else a for a in command]
+    assert main([*argv, "--judge-contended=yes"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kdbench: error: ") and "--judge-contended" in err[0], err

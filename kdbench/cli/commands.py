@@ -82,7 +82,7 @@ def _after_run(args: argparse.Namespace, outcome) -> int:
         print(f"report -> {api.render([outcome.path], args.report_dir)}")
         outcome.spent("report", time.perf_counter() - began)
     began = time.perf_counter()
-    missed = _budgets(api.budget_checks([outcome.path]) if stored else [])
+    missed = _budgets(api.budget_checks([outcome.path], args.judge_contended) if stored else [])
     outcome.spent("budget checks", time.perf_counter() - began)
     if outcome.failed or outcome.aborted:
         print(f"{len(outcome.failed)} job(s) had failures:", file=sys.stderr)
@@ -174,7 +174,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from kdbench.report.verdicts import Policy
     from kdbench.store.files import write_text
 
-    policy = Policy(args.gate_single_repeat, args.allow_partial, args.fail_on_skipped)
+    policy = Policy(args.gate_single_repeat, args.allow_partial, args.fail_on_skipped, args.judge_contended)
     cmp = api.compare(
         args.base, args.new, args.threshold / 100, args.confidence, policy, args.rerun_undecided or 0, args.rerun_sides
     )

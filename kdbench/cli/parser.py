@@ -291,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
         "as `fit_check: false`",
     )
     run.add_argument(
+        "--judge-contended",
+        action="store_true",
+        help="check the budgets on rows measured on a busy machine too (`contended`: other processes took the "
+        "cores or GPU a measurement needed); by default they are left out, as thin rows are",
+    )
+    run.add_argument(
         "--inline",
         action="store_true",
         help="run jobs in this process instead of a worker process (no crash isolation; for debugging)",
@@ -323,8 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the measurements judged, so that two runs of one suite with nothing changed fail the gate in at most "
         "1 - C of comparisons. A change is significant when the interval excludes 1 and the ratio passes the "
         "threshold. A measurement with a single repeat on each side is not judged (the noise from run to run is "
-        "unknown), nor are thin or skipped rows. Exit 0: nothing fails the gate; 1: a regression, a measurement "
-        "that failed in NEW, a failed NEW repeat, or a cell an incomplete NEW run never stored; 2: bad input.",
+        "unknown), nor are thin, contended (measured on a busy machine) or skipped rows. Exit 0: nothing fails "
+        "the gate; 1: a regression, a measurement that failed in NEW, a failed NEW repeat, or a cell an "
+        "incomplete NEW run never stored; 2: bad input.",
     )
     cmp.add_argument("base", type=Path, help="the baseline: a run folder or result file")
     cmp.add_argument("new", type=Path, help="the run to judge: a run folder or result file")
@@ -371,6 +378,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="both",
         help="with --rerun-undecided: measure both sides again (those that can be, here), or only NEW, e.g. when "
         "BASE was measured from other code than this machine has now (default: both)",
+    )
+    cmp.add_argument(
+        "--judge-contended",
+        action="store_true",
+        help="judge rows measured on a busy machine too (`contended`: other processes took the cores or GPU a "
+        "measurement needed, so it reads slow); by default they are left out, as thin rows are",
     )
     cmp.add_argument("--format", choices=["text", "markdown", "json", "csv"], default="text", help="output format")
     cmp.add_argument(

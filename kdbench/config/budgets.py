@@ -13,8 +13,9 @@ have given values::
 Every matching measurement is checked: its value is the centre over the cell's ok repeats
 (the geometric mean, as :mod:`kdbench.repeats` pools them for compare).  Each check has an
 outcome: ``met``, ``missed``, ``failed`` (the measurement failed: a miss too), ``skipped``
-(it cannot run here: not a miss) or ``thin`` (a time budget shrank it below ``min_iters``:
-too few calls to judge, not a miss).  ``kdbench run`` prints every miss and exits 1; the
+(it cannot run here: not a miss), ``thin`` (a time budget shrank it below ``min_iters``:
+too few calls to judge, not a miss) or ``contended`` (measured on a busy machine: not a miss, unless
+``run --judge-contended`` judges such rows like any other).  ``kdbench run`` prints every miss and exits 1; the
 report shows each check.  Torch-free: the report checks the budgets a run stored with it.
 """
 
@@ -96,7 +97,7 @@ class Budget(Strict):
         return (self.max is None or value <= self.max) and (self.min is None or value >= self.min)
 
 
-OUTCOMES = ("missed", "failed", "thin", "skipped", "met")  # in the order the report lists them
+OUTCOMES = ("missed", "failed", "thin", "contended", "skipped", "met")  # in the order the report lists them
 MISSES = ("missed", "failed")  # outcomes that make `kdbench run` exit 1
 
 
@@ -133,15 +134,17 @@ def select(df: pd.DataFrame, budget: Budget) -> pd.DataFrame:
     return df[mask]
 
 
-def check(df: pd.DataFrame, budgets: list[Budget]) -> list[BudgetCheck]:
-    """Every (budget, measurement) check on ``df``'s rows, in budget order."""
+def check(df: pd.DataFrame, budgets: list[Budget], judge_contended: bool = False) -> list[BudgetCheck]:
+    """Every (budget, measurement) check on ``df``'s rows, in budget order; rows measured on a busy machine
+    (``contended``) are left out as thin ones are, unless ``judge_contended``."""
     checks = []
     thin_column = df["thin"] if "thin" in df else pd.Series(False, index=df.index)
+    busy = df["contended"].eq(True) if "contended" in df and not judge_contended else pd.Series(False, index=df.index)
     for budget in budgets:
         rows = select(df, budget)
         for (run_id, cell_id, bs), group in rows.groupby(["run_id", "cell_id", "batch_size"], dropna=False, sort=False):
             ok = group[group["status"].eq(Status.OK)]
-            judged = ok[~thin_column[ok.index].eq(True)]
+            judged = ok[~thin_column[ok.index].eq(True) & ~busy[ok.index]]
             values = pd.to_numeric(judged[budget.stat], errors="coerce").dropna() if budget.stat in ok else pd.Series()
             common = dict(
                 budget=budget.describe(),
@@ -169,6 +172,11 @@ def _unjudged(group: pd.DataFrame, ok: pd.DataFrame, judged: pd.DataFrame, stat:
         why = f"{failed['status'].iloc[-1]}: {' '.join(str(failed['error'].iloc[-1] or '').split())[:120]}"
         return {"outcome": "failed", "note": why}
     if not ok.empty and judged.empty:
+        if "thin" not in ok or not ok["thin"].eq(True).all():
+            return {
+                "outcome": "contended",
+                "note": "measured on a busy machine (contended): not judged; rerun it idle, or --judge-contended",
+            }
         return {"outcome": "thin", "note": "shrunk by the time budget below min_iters: too few calls to judge"}
     if ok.empty:
         skipped = group[group["status"].eq(Status.SKIPPED)]

@@ -9,8 +9,15 @@ twice as fast as fp32; CPUs that report AVX512-FP16 may still run fp16 matmuls ~
    matmul TFLOP/s over the precision's;
 2. on the CPU, a small JSON cache per machine (``$KDBENCH_CACHE_DIR`` or ``~/.cache/kdbench``), keyed
    by the CPU model, the torch version, torch's CPU capability and the thread count;
-3. on the CPU, a quick measurement (a 256 x 256 matmul per dtype, a few calls each after one warm-up
-   call; a fraction of a second even where fp16 runs 100x slower), stored in that cache.
+3. on the CPU, a measurement (a 512 x 512 matmul per dtype, or smaller for a dtype whose first call is slow,
+   in at least 7 interleaved rounds and 0.3 s, the fastest call of each: :func:`measure_slowdown`; about a
+   second even where fp16 is emulated), watched by the contention meter (:mod:`kdbench.hw.contention`):
+   stored in that cache with when and under what load it was taken, and never stored when the machine was
+   busy (issue 32: a busy moment cached bf16 as 280x slower on a CPU whose bf16 is faster than its fp32).
+
+A cached figure that a run's own steps contradict (:func:`check_steps`: the precision's measured step over
+fp32's, cells otherwise equal, off by more than :data:`DISAGREE` times) is dropped, so the next run measures it
+again.
 
 GPUs are never measured here: that would create a CUDA context in the parent process, which the
 cells' workers must not inherit.  Without a probe a GPU keeps the flag rule (bf16 before compute
@@ -23,6 +30,7 @@ run warns about it before anything runs (:func:`warning_line`, one per slow prec
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -35,20 +43,34 @@ from typing import Any
 import torch
 
 from kdbench.hw.backends import DTYPES, Backend, thread_count
+from kdbench.hw.contention import HostLoad, HostMeter
 from kdbench.worker_state import current
 
 SLOW_FACTOR = 3.0  # a precision this many times slower than fp32 (or more) is slow
-MEASURE_N = 256  # the measured matmul's size
-SLOW_CALL_S = 0.02  # a dtype whose first call takes longer is measured at a smaller size...
-SHRUNK_CALL_S = 0.01  # ... one whose calls take about this long
+# The measurement (issue 32): a busy moment once cached bf16 as 280x slower than fp32 on a CPU with native
+# AVX-512 BF16 (measured with care it is faster), and three fresh 192-256^2 measurements beside one other 2-thread
+# process gave bf16 15x, 0.37x and 0.26x.  So: larger matmuls, the two dtypes interleaved round by round (a busy
+# spell slows both alike), the fastest call of each, and the host watched meanwhile (never cached when contended).
+MEASURE_N = 512  # the measured matmul's size: 0.27 GFLOP, a few ms in fp32 on one core
+ROUNDS = 7  # interleaved rounds at least (fp32 and the precision once each, the order alternating) ...
+MIN_TIME_S = 0.3  # ... and until this much time has passed (the contention meter's window: MIN_WINDOW_S)
+MAX_ROUNDS = 40
+SLOW_CALL_S = 0.05  # a dtype whose first call takes longer is measured at a smaller size (emulated fp16: ~0.6 s
+SHRUNK_CALL_S = 0.02  # at 512), one whose calls take about this long (fp32 at the same size)
 MIN_N = 32
-TIMED_CALLS = 3  # after one warm-up call; the fastest counts
 CACHE_FILE = "dtype_speed.json"
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: interleaved rounds, with the host's load; entries of format 1 are measured again
+# A cached factor this many times off a run's own measured step ratio (the precision's distill_step over fp32's,
+# cells otherwise equal) is dropped from the cache (:func:`check_steps`): a step is not a matmul (casts, memory-bound
+# ops), so only a gross disagreement says the cached figure was taken at a bad moment.
+DISAGREE = 4.0
 
 MEASURED_NOW = "measured now"
+MEASURED_BUSY = "measured now on a busy machine, not cached"
 CACHED = "cached measurement"
 FLAGS = "flags"
+
+logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]  # seconds, like time.perf_counter
 Matmul = Callable[[torch.Tensor, torch.Tensor], Any]  # like torch.mm
@@ -111,6 +133,7 @@ def dtype_slowdown(
     cache_file: Path | None = None,
     clock: Clock = time.perf_counter,
     matmul: Matmul = torch.mm,
+    meter: HostMeter | None = None,
 ) -> Slowdown | None:
     """How many times slower a dense matmul runs at ``precision`` ("fp16" or "bf16") than in fp32 on
     ``backend``'s device; None for fp32 and tf32 (fp32 tensors), and where nothing is known (a GPU
@@ -118,8 +141,9 @@ def dtype_slowdown(
 
     From the newest probe of the device in ``probes_dir``; else, on the CPU, from the cache
     (``cache_file``, default :func:`default_cache_file`) or a measurement stored there, made with
-    ``threads`` torch threads (None: as set now), timed with ``clock`` on ``matmul``; else, on a
-    GPU, from the flag rule."""
+    ``threads`` torch threads (None: as set now), timed with ``clock`` on ``matmul`` while ``meter`` (default:
+    a :class:`~kdbench.hw.contention.HostMeter`) watches the host: a measurement taken while it was contended is
+    used but not cached.  Else, on a GPU, from the flag rule."""
     if precision not in DTYPES or DTYPES[precision] is torch.float32:
         return None
     name = device_name(backend)
@@ -135,40 +159,52 @@ def dtype_slowdown(
         cached = _read_cache(path, key, precision)
         if cached is not None:
             return cached
+        host = meter if meter is not None else HostMeter(used)
+        host.start()
         try:
-            size, factor = measure_slowdown(precision, clock=clock, matmul=matmul)
+            size, factor, rounds = measure_slowdown(precision, clock=clock, matmul=matmul)
         except (RuntimeError, TypeError, NotImplementedError):  # the CPU cannot multiply the dtype
             return None
-        result = Slowdown(precision, factor, MEASURED_NOW, {precision: size, "fp32": size})
-        _write_cache(path, key, name, used, result)
+        finally:
+            host.stop()
+        load = host.result()
+        busy = load is not None and load.contended
+        result = Slowdown(precision, factor, MEASURED_BUSY if busy else MEASURED_NOW, {precision: size, "fp32": size})
+        if busy:  # a figure taken under load never outlives this run (issue 32: a cached 280x)
+            logger.warning("%s: %s", result.describe(), load.describe())
+        else:
+            _write_cache(path, key, name, used, result, load, rounds)
         return result
 
 
 def measure_slowdown(
     precision: str, n: int = MEASURE_N, *, clock: Clock = time.perf_counter, matmul: Matmul = torch.mm
-) -> tuple[int, float]:
-    """(size, factor): an n x n matmul's time at ``precision`` over fp32's, on the CPU, at the size the
-    precision was measured at (``n``, or smaller where its first call is slow: then fp32 is measured
-    at that smaller size too, so both run equally far below the device's rate)."""
-    size, seconds = _per_call(DTYPES[precision], n, clock, matmul, shrink=True)
-    _, fp32 = _per_call(torch.float32, size, clock, matmul, shrink=False)
-    return size, seconds / max(fp32, 1e-12)
-
-
-def _per_call(dtype: torch.dtype, n: int, clock: Clock, matmul: Matmul, shrink: bool) -> tuple[int, float]:
-    """(size, seconds): the fastest of a few timed n x n matmuls after one warm-up call.  When the
-    warm-up call takes over SLOW_CALL_S (a dtype the CPU emulates) and ``shrink``, the matmul shrinks
-    to a size whose calls it predicts to take SHRUNK_CALL_S (the warm-up call, maybe setting things
-    up, overestimates a later one: the prediction errs on the fast side) and warms up once more."""
+) -> tuple[int, float, int]:
+    """(size, factor, rounds): an n x n matmul's time at ``precision`` over fp32's, on the CPU, at the size the
+    precision was measured at (``n``, or smaller where its first call is slow: fp32 is measured at that smaller
+    size too, so both run equally far below the device's rate).  After a warm-up call each, the two dtypes are
+    timed in interleaved rounds (the order alternating), at least ROUNDS and MIN_TIME_S, at most MAX_ROUNDS; each
+    dtype's fastest call counts: a busy spell slows both, and the least disturbed call of each is compared."""
     generator = torch.Generator().manual_seed(0)  # leaves the global RNG as the caller had it
+    dtype = DTYPES[precision]
     size = n
     a = torch.randn(size, size, generator=generator).to(dtype)
     first = _timed(matmul, a, clock)
-    if shrink and first > SLOW_CALL_S and size > MIN_N:
+    if first > SLOW_CALL_S and size > MIN_N:
+        # the warm-up call, maybe setting things up, overestimates a later one: the prediction errs on the fast side
         size = max(MIN_N, int(size * (SHRUNK_CALL_S / first) ** (1 / 3)) // 8 * 8)
         a = torch.randn(size, size, generator=generator).to(dtype)
         _timed(matmul, a, clock)
-    return size, min(_timed(matmul, a, clock) for _ in range(TIMED_CALLS))
+    b = torch.randn(size, size, generator=generator)
+    _timed(matmul, b, clock)  # fp32's warm-up call
+    best = {dtype: math.inf, torch.float32: math.inf}
+    began, rounds = clock(), 0
+    while rounds < MAX_ROUNDS and (rounds < ROUNDS or clock() - began < MIN_TIME_S):
+        pair = ((a, dtype), (b, torch.float32))
+        for x, d in pair if rounds % 2 == 0 else reversed(pair):
+            best[d] = min(best[d], _timed(matmul, x, clock))
+        rounds += 1
+    return size, best[dtype] / max(best[torch.float32], 1e-12), rounds
 
 
 def _timed(matmul: Matmul, a: torch.Tensor, clock: Clock) -> float:
@@ -270,9 +306,12 @@ def _read_cache(path: Path, key: str, precision: str) -> Slowdown | None:
     return Slowdown(precision, float(factor), CACHED, {str(k): int(v) for k, v in sizes.items()})
 
 
-def _write_cache(path: Path, key: str, name: str, threads: int, result: Slowdown) -> None:
-    """Add ``result`` to the cache file, atomically; a file that cannot be written is remembered in
-    this process instead (the next run measures again)."""
+def _write_cache(
+    path: Path, key: str, name: str, threads: int, result: Slowdown, load: HostLoad | None = None, rounds: int = 0
+) -> None:
+    """Add ``result`` to the cache file, atomically, with when it was taken, in how many rounds and under what
+    load (``load``: the host's other processes meanwhile; None where the measurement was too short to tell); a
+    file that cannot be written is remembered in this process instead (the next run measures again)."""
     from kdbench.store.files import write_text
 
     data = _load(path) or {"format": CACHE_FORMAT, "machines": {}}
@@ -289,11 +328,74 @@ def _write_cache(path: Path, key: str, name: str, threads: int, result: Slowdown
         "factor": result.factor,
         "sizes": dict(result.sizes),
         "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "rounds": rounds,
+        "host_busy_share": round(load.busy_share, 3) if load is not None else None,
+        "load": load.describe() if load is not None else "not read (too short a measurement)",
     }
     try:
         write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", path)
     except OSError:
         current().unwritable_slowdowns[(str(path), key, result.precision)] = result
+
+
+def _drop_cache(path: Path, key: str, precision: str) -> bool:
+    """Remove one cached factor (atomically); whether there was one to remove and the file could be written."""
+    from kdbench.store.files import write_text
+
+    data = _load(path)
+    entries = data.get("machines", {}).get(key, {}).get("precisions", {}) if data else {}
+    if not isinstance(entries, dict) or precision not in entries:
+        return False
+    del entries[precision]
+    try:
+        write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", path)
+    except OSError:
+        return False
+    return True
+
+
+def step_ratios(steps: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Per 16-bit precision, the median over matching cells of its distill_step median over fp32's, the cells
+    otherwise equal (their ``config_json`` without the precisions); ``steps``: ok distill_step rows."""
+    by_key: dict[str, dict[str, float]] = {}
+    for row in steps:
+        try:
+            config = json.loads(row["config_json"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        precision, teacher = config.pop("precision", None), config.pop("teacher_precision", None)
+        if teacher not in (None, precision) or not row.get("median_ms"):
+            continue  # mixed precisions: not one precision's step
+        by_key.setdefault(json.dumps(config, sort_keys=True), {})[precision] = float(row["median_ms"])
+    ratios: dict[str, list[float]] = {}
+    for medians in by_key.values():
+        for precision in ("bf16", "fp16"):
+            if precision in medians and medians.get("fp32"):
+                ratios.setdefault(precision, []).append(medians[precision] / medians["fp32"])
+    return {p: float(sorted(r)[len(r) // 2]) for p, r in ratios.items()}
+
+
+def check_steps(
+    steps: Iterable[Mapping[str, Any]], backend: Backend, threads: int, cache_file: Path | None = None
+) -> list[str]:
+    """Drop the cached factors that a run's own steps contradict (off by more than :data:`DISAGREE` times either
+    way: :func:`step_ratios`), so that the next run measures them again; a line for each one dropped."""
+    if backend.device_type != "cpu":
+        return []
+    path = Path(cache_file) if cache_file is not None else default_cache_file()
+    key = machine_key(device_name(backend), threads)
+    lines = []
+    for precision, ratio in step_ratios(steps).items():
+        cached = _read_cache(path, key, precision)
+        if cached is None or cached.factor is None:
+            continue
+        off = max(cached.factor / ratio, ratio / cached.factor)
+        if off > DISAGREE and _drop_cache(path, key, precision):
+            lines.append(
+                f"the cached {precision} speed ({cached.describe()}) is {off:.0f}x off this run's own steps "
+                f"({precision} {_times(ratio)} fp32's time): dropped from {path}, measured again next run"
+            )
+    return lines
 
 
 # --------------------------------------------------------------------------- what a run does with it

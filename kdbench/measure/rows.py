@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kdbench.config.schema import CellConfig
 from kdbench.hw.backends import Backend
+from kdbench.hw.contention import HostMeter, contention_columns
 from kdbench.measure import walltime
 from kdbench.measure.levers import LeverWatch
 from kdbench.measure.memory import MemoryMeter, memory_columns
@@ -75,9 +76,14 @@ def profiled_loop(
 ) -> tuple[RawTiming, Row, str]:
     """``fn`` timed by the cell's timing settings (within ``budget_s``; under data parallelism the ranks' agreed
     loop), with memory and (on GPUs) telemetry watched over the loop, and the levers' counters (``watch``):
-    the timing, the profile columns and a note on them."""
+    the timing, the profile columns and a note on them.  The host's other processes (and the GPU's) are
+    watched over the timed window too (:mod:`kdbench.hw.contention`): the contention columns, and a note when
+    the row is contended."""
+    host = HostMeter(threads_needed(backend, dp))
+    host.begin()
     with MemoryMeter(backend) as memory, TelemetrySampler(backend) as telemetry:
-        on_window = watch.chain(telemetry.on_window) if watch is not None else telemetry.on_window
+        edges = _both(telemetry.on_window, host.on_window)
+        on_window = watch.chain(edges) if watch is not None else edges
         if dp is not None:
             raw = dp.timed(fn, config, backend, on_window)
         else:
@@ -100,7 +106,32 @@ def profiled_loop(
     if raw.window_s:
         walltime.add(walltime.MEASURING, raw.window_s[1] - raw.window_s[0])
     tele = telemetry.result(len(raw.samples_ms), batch_size, raw.window_s)
-    return raw, {**memory_columns(memory.result()), **telemetry_columns(tele)}, tele.note
+    contention, busy = contention_columns(host.result(), telemetry.other_processes)
+    note = "; ".join(n for n in (tele.note, busy) if n)
+    return raw, {**memory_columns(memory.result()), **telemetry_columns(tele), **contention}, note
+
+
+def threads_needed(backend: Backend, dp: DataParallel | None = None) -> int:
+    """The host threads a measurement keeps busy: torch's intra-op threads on the CPU (one per rank on a GPU,
+    which launches), times the ranks (on one host: kdbench starts a cell's ranks together)."""
+    import torch
+
+    per_rank = torch.get_num_threads() if backend.device_type == "cpu" else 1
+    return per_rank * (dp.world_size if dp is not None else 1)
+
+
+def _both(*pairs: tuple[Callable[[], Any], Callable[[], Any]]) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One (start, end) pair of window callbacks that calls each pair's, the ends in reverse order."""
+
+    def start() -> None:
+        for pair in pairs:
+            pair[0]()
+
+    def end() -> None:
+        for pair in reversed(pairs):
+            pair[1]()
+
+    return start, end
 
 
 def timing_columns(raw: RawTiming, world_size: int, batch_size: int) -> Row:

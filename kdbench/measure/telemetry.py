@@ -11,7 +11,9 @@ after its synchronisations (NVML's total energy consumption, amdsmi's energy cou
 sampled power is integrated only where there is no counter.  A thread samples power,
 clock, temperature and activity for their means and maxima; what the driver reports is
 smoothed (NVML's power is a ~1 s average on recent GPUs), so figures over windows shorter
-than :data:`SHORT_WINDOW_S` are flagged as rough.
+than :data:`SHORT_WINDOW_S` are flagged as rough.  At the same edges the device's process list is
+read (NVML's compute processes, amdsmi's process list): the processes on it other than this run's
+(:func:`kdbench.hw.contention.others_on_device`) make the row ``contended``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from kdbench.hw.backends import Backend
+from kdbench.hw.contention import others_on_device, own_processes
 from kdbench.worker_state import current
 
 SHORT_WINDOW_S = 5.0  # energy over a shorter timed window is flagged: counter granularity, power averaging
@@ -127,6 +130,13 @@ class _Nvml:
         """The energy counter since the driver loaded (Volta and newer), in mJ."""
         return _read(lambda: self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle))
 
+    def pids(self) -> list[int] | None:
+        """The processes with a compute context on the device (None where the driver will not say)."""
+        try:
+            return [int(p.pid) for p in self.lib.nvmlDeviceGetComputeRunningProcesses(self.handle)]
+        except Exception:
+            return None
+
 
 class _AmdSmi:
     """amdsmi: power in W, clock in MHz, temperature in C, gfx activity in %, energy in µJ counts.  Key
@@ -214,6 +224,20 @@ class _AmdSmi:
 
         return _read(read)
 
+    def pids(self) -> list[int] | None:
+        """The processes on the device: amdsmi's list holds dicts with a pid (ROCm 6+), or process handles whose
+        info has one (earlier); None where it will not say."""
+        try:
+            listed = self.lib.amdsmi_get_gpu_process_list(self.handle)
+            pids = []
+            for item in listed:
+                if not isinstance(item, dict):
+                    item = self.lib.amdsmi_get_gpu_process_info(self.handle, item)
+                pids.append(int(item["pid"]))
+            return pids
+        except Exception:
+            return None
+
 
 def _read_str(getter: Callable[[], Any]) -> str | None:
     try:
@@ -274,12 +298,14 @@ class TelemetrySampler:
         self.duration_s: float | None = None
         self.source: str | None = None
         self.energy_marks: list[tuple[float, float | None]] = []  # (perf_counter, mJ) at the window's edges
+        self.others_marks: list[int] = []  # other processes on the device at the window's edges
         self._reader: _Nvml | _AmdSmi | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def _open(self) -> None:
         self.available, self.reason, self.samples, self.duration_s, self.energy_marks = False, None, [], None, []
+        self.others_marks = []
         if self.backend.device_type != "cuda":
             self.reason = f"no GPU telemetry on the {self.backend.name} backend"
             return
@@ -315,6 +341,14 @@ class TelemetrySampler:
     def _mark(self) -> None:
         if self.available:
             self.energy_marks.append((time.perf_counter(), self._reader.energy_mj()))
+            pids = self._reader.pids()
+            if pids is not None:
+                self.others_marks.append(others_on_device(pids, (p.pid for p in own_processes())))
+
+    @property
+    def other_processes(self) -> int | None:
+        """The most other processes seen on the device at the timed window's edges (None: not read)."""
+        return max(self.others_marks) if self.others_marks else None
 
     @property
     def on_window(self) -> tuple[Callable[[], None], Callable[[], None]]:

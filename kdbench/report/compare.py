@@ -30,7 +30,8 @@ bound).  ``tests/test_sequential.py`` simulates its power and false-alarm rate.
 (the between-process variance is unknown): those measurements are *not judged* and do not fail
 the gate, unless :attr:`Policy.gate_single_repeat` judges them on the iterations of one
 process (a within-process bootstrap that calls two identical runs different most of the
-time).  Rows thinned by a time budget (``thin``), skipped rows and rows of cells that an
+time).  Rows thinned by a time budget (``thin``), rows measured on a busy machine (``contended``, unless
+:attr:`Policy.judge_contended`), skipped rows and rows of cells that an
 incomplete NEW run has not stored yet are their own outcomes.
 
 **What fails the gate** (exit 1): a regression; a measurement ok in BASE that failed (or ran
@@ -78,6 +79,7 @@ def _timed(df: pd.DataFrame, label: str) -> pd.DataFrame:
     rows["batch_size"] = rows["batch_size"].astype("Int64")
     rows["repeat"] = rows["repeat"].fillna(1).astype(int) if "repeat" in rows else 1
     rows["thin_"] = rows["thin"].eq(True) if "thin" in rows else False
+    rows["contended_"] = rows["contended"].eq(True) & ~rows["thin_"] if "contended" in rows else False
     copies = rows["measured_in_cell"] if "measured_in_cell" in rows else pd.Series(None, index=rows.index)
     rows["source_"] = copies.where(copies.notna() & copies.ne(rows["cell_id"]), None)
     return rows
@@ -101,6 +103,7 @@ class _Measured:
     samples: list[np.ndarray]  # the judged repeats' raw samples
     ok: int  # ok rows (thin included)
     thin: int
+    contended: int  # ok rows left out as contended (not thin)
     failed: int
     skipped: int
 
@@ -109,11 +112,12 @@ class _Measured:
         return bool(self.rows["source_"].notna().all())
 
 
-def _measured(rows: pd.DataFrame | None) -> _Measured | None:
+def _measured(rows: pd.DataFrame | None, judge_contended: bool = False) -> _Measured | None:
     if rows is None:
         return None
     ok = rows[rows["status"].eq(Status.OK)]
-    judged = ok[~ok["thin_"]].sort_values("repeat")
+    contended = ok["contended_"] & (not judge_contended)
+    judged = ok[~ok["thin_"] & ~contended].sort_values("repeat")
     medians, samples, floors = [], [], []
     for raw, median in zip(judged["samples_ms"], judged["median_ms"]):
         a = np.asarray(raw if raw is not None else [], dtype=float)
@@ -131,6 +135,7 @@ def _measured(rows: pd.DataFrame | None) -> _Measured | None:
         samples,
         ok=len(ok),
         thin=int(ok["thin_"].sum()),
+        contended=int(contended.sum()),
         failed=int(rows["status"].isin(list(FAILURES)).sum()),
         skipped=int(rows["status"].eq(Status.SKIPPED).sum()),
     )
@@ -169,8 +174,9 @@ def compare_frames(
             "resolved cell config): compare runs of the same suite"
         )
     result = Comparison(_side(b, base_label, base_state), _side(n, new_label, new_state), threshold, confidence, policy)
-    groups_b = {k: _measured(g) for k, g in b.groupby(list(KEY), dropna=False, sort=False)}
-    groups_n = {k: _measured(g) for k, g in n.groupby(list(KEY), dropna=False, sort=False)}
+    judge = policy.judge_contended
+    groups_b = {k: _measured(g, judge) for k, g in b.groupby(list(KEY), dropna=False, sort=False)}
+    groups_n = {k: _measured(g, judge) for k, g in n.groupby(list(KEY), dropna=False, sort=False)}
     keys = list(dict.fromkeys([*groups_b, *groups_n]))
     keys = [k for k in keys if not _judged_elsewhere(k, groups_b, groups_n, result)]
     plans = {k: _plan(k, groups_b.get(k), groups_n.get(k), result) for k in keys}
@@ -255,8 +261,11 @@ def _plan(key: tuple, b: _Measured | None, n: _Measured | None, result: Comparis
     for side, m in (("BASE", b), ("NEW", n)):
         if m.thin:
             notes.append(f"{side}: {m.thin} thin repeat(s) left out")
+        if m.contended:
+            notes.append(f"{side}: {m.contended} contended repeat(s) left out (--judge-contended judges them)")
     if not b.medians or not n.medians:
-        return _Plan(b, n, Verdict.THIN, "; ".join(notes))
+        busy = any(m.contended and not m.medians for m in (b, n))
+        return _Plan(b, n, Verdict.CONTENDED if busy else Verdict.THIN, "; ".join(notes))
     plan = _Plan(b, n, note="; ".join(notes))
     if len(b.medians) + len(n.medians) >= 3 or policy.gate_single_repeat:
         plan.gated = True

@@ -48,6 +48,10 @@ from kdbench.report.verdicts import Verdict
 from kdbench.schema import COLUMN_NAMES, ENVIRONMENT_COLUMNS
 
 _STATUS_ORDER = tuple(Status)
+CONTENDED_TITLE = (
+    "contended: measured on a busy machine (other processes used the cores or the GPU it needed), so it reads "
+    "slow; compare and budgets leave it out unless --judge-contended"
+)
 ENV_COLUMNS = ("backend", *ENVIRONMENT_COLUMNS)
 
 _TEMPLATES = Environment(
@@ -113,6 +117,7 @@ def render_report(
         environments=_environments(df),
         noisy_note=NOISY_NOTE,
         thin_note=THIN_NOTE,
+        contended_note=CONTENDED_TITLE,
         error_chars=ERROR_CHARS,
     )
     index = out_dir / "index.html"
@@ -238,6 +243,8 @@ def _measurements(df: pd.DataFrame) -> list[dict]:
         order_=df["measurement"].map(MEASUREMENT_ORDER),
         noisy_=df["noisy"].eq(True),
         thin_=df["thin"].eq(True),
+        contended_=df["contended"].eq(True) if "contended" in df else False,
+        busy_=pd.to_numeric(df["host_busy_share"], errors="coerce") if "host_busy_share" in df else None,
         rep_=shown,
     )
     df = rates(df)
@@ -261,6 +268,8 @@ def _measurements(df: pd.DataFrame) -> list[dict]:
             "speedup": format_speedup(r.speedup_vs_teacher),
             "noisy": bool(r.noisy_),
             "thin": bool(r.thin_),
+            "contended": bool(r.contended_),
+            "busy": f"{r.busy_:.2f}" if r.busy_ is not None and pd.notna(r.busy_) else MISSING,
             "launch_bound": r.launch_bound is True,
             "error": truncate(r.error),
         }

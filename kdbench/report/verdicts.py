@@ -38,6 +38,7 @@ class Verdict(StrEnum):
     UNCHANGED = "unchanged"  # within noise or within the threshold
     UNJUDGED = "not judged"  # one repeat per side: the run-to-run noise is unknown
     THIN = "thin"  # a side's rows were shrunk by a time budget: too few calls to judge
+    CONTENDED = "contended"  # a side's rows were measured on a busy machine: not judged unless --judge-contended
     SKIPPED = "skipped"  # skipped in NEW (or on both sides): cannot run there
     BOTH_FAILED = "both failed"
     ONLY_BASE = "only in base"
@@ -51,6 +52,7 @@ class Policy:
     gate_single_repeat: bool = False  # judge one-repeat sides on their within-process interval
     allow_partial: bool = False  # judge an incomplete NEW run, or one with failed repeats, on what it has
     fail_on_skipped: bool = False  # a measurement ok in BASE and skipped in NEW fails the gate
+    judge_contended: bool = False  # judge rows measured on a busy machine (``contended``) like any other
 
     def bad(self) -> tuple[Verdict, ...]:
         """The verdicts that make `compare` exit 1 under this policy."""
@@ -181,6 +183,12 @@ class Comparison:
             notes.append(
                 f"{thin} measurement(s) are thin (a time budget shrank them below min_iters): not judged; raise "
                 "timing.cell_budget_s or lower their counts"
+            )
+        contended = self.count(Verdict.CONTENDED)
+        if contended:
+            notes.append(
+                f"{contended} measurement(s) were measured on a busy machine (contended: other processes took the "
+                "cores or GPU they needed): not judged; rerun them on an idle machine, or pass --judge-contended"
             )
         return notes
 

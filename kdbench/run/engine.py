@@ -30,6 +30,7 @@ import torch
 from kdbench.config.schema import Suite
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import Backend, detect, resolve, thread_count
+from kdbench.hw.contention import RUN_PID_ENV, HostLoad, HostMeter, busy_warning, look_later
 from kdbench.measure.step import MeasureOptions
 from kdbench.names import FAILURES, Measurement, Status
 from kdbench.run.jobs import CellJob, Job, QualityJob, failure_rows
@@ -74,6 +75,9 @@ class RunOutcome:
     interrupted: bool = False
     follower: bool = False  # a rank other than 0 of an allocation: rank 0 stores and reports
     aborted: str | None = None  # why the run stopped before its last job (its failure is stored)
+    timed_rows: int = 0  # rows stored by this invocation that say whether they were contended
+    steps: list[dict] = field(default_factory=list)  # its ok, not contended distill_step rows' config and median
+    contended: list[float] = field(default_factory=list)  # host_busy_share of each contended one
     quality: bool = False  # the quality job ran (and stored its rows) in this invocation
     timings: list[JobTiming] = field(default_factory=list)
     wall: dict[str, float] = field(default_factory=dict)  # WallSplit.finish() of this invocation
@@ -124,7 +128,11 @@ def run_suite(
     from kdbench.run.allocation import detect_allocation
 
     alloc = detect_allocation()
+    os.environ.setdefault(RUN_PID_ENV, str(os.getpid()))  # the run's process tree: this engine and what it starts
+    look = None
     if alloc is None or alloc.rank == 0:  # measured once, where the engine runs
+        look = HostMeter(threads if backend.device_type == "cpu" else 1)
+        look.start()  # ended before the first cell: is the machine busy?
         slow = warn_slow_cells(plan, backend, options.out_dir / PROBES_DIR, threads, suite.slow_precisions == "skip")
         if suite.slow_precisions == "skip":
             plan = replace(plan, skipped={j.job_id: why for j in plan.jobs if (why := slow_skip(j, slow))})
@@ -147,7 +155,11 @@ def run_suite(
         from kdbench.run.workers import LocalWorkers
 
         workers = LocalWorkers(setup, options.inline, detect().gpu_count, suite.launcher)
-        outcome = _execute(suite, plan, folder, backend, workers, f"{threads} CPU threads", threads)
+        outcome = _execute(suite, plan, folder, backend, workers, f"{threads} CPU threads", threads, look)
+    from kdbench.hw.speed import check_steps
+
+    for line in check_steps(outcome.steps, backend, threads):  # a cached dtype speed its own steps contradict
+        logger.warning("%s", line)
     if close:
         outcome.close()
     return outcome
@@ -311,10 +323,20 @@ def _invocation(
 
 
 def _execute(
-    suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, workers: Any, where: str, threads: int
+    suite: Suite,
+    plan: Plan,
+    folder: RunFolder,
+    backend: Backend,
+    workers: Any,
+    where: str,
+    threads: int,
+    look: HostMeter | None = None,
 ) -> RunOutcome:
+    """Run ``plan``'s jobs not stored yet.  ``look``: a host meter started when the run began, ended (and warned
+    about when the machine is busy) 0.4 s after that, in a timer thread beside the first job."""
     outcome = RunOutcome(run_id=folder.run_id, path=folder.path, split=WallSplit())
     wall = outcome.split
+    timer = None
     try:  # whatever happens, the workers are closed (inside an allocation that releases the other ranks)
         began = time.perf_counter()
         stamp = Stamper(suite, backend, folder)
@@ -355,6 +377,8 @@ def _execute(
             )
         if suite.profile:
             logger.info("profiler traces -> %s", folder.path.parent / TRACES_DIR / folder.run_id)
+        if look is not None:  # the look ends 0.4 s after the run began, beside the first cell: nobody waits for it
+            timer = look_later(look, _warn_if_busy)
         progress = Progress(len(todo))
         if suite.repeat > 1:
             logger.info(
@@ -399,6 +423,15 @@ def _execute(
                 outcome.quality |= isinstance(job, QualityJob)
                 if any(r["status"] in FAILURES for r in rows):
                     outcome.failed.append(job.progress_label)
+                outcome.timed_rows += sum(r.get("contended") is not None for r in rows)
+                outcome.contended += [r.get("host_busy_share") or 0.0 for r in rows if r.get("contended")]
+                outcome.steps += [
+                    {"config_json": r.get("config_json"), "median_ms": r.get("median_ms")}
+                    for r in rows
+                    if r["measurement"] == Measurement.DISTILL_STEP
+                    and r["status"] == Status.OK
+                    and not r.get("contended")
+                ]
             writing = time.perf_counter() - written
             outcome.timings.append(
                 JobTiming(job.job_id, job.progress_label, time.perf_counter() - start, result.seconds)
@@ -408,6 +441,8 @@ def _execute(
             if result.fatal:  # stored; but the run cannot go on (an allocation whose ranks lost step)
                 outcome.aborted = f"{job.progress_label}: {result.fatal}"
                 break
+        if outcome.contended:
+            logger.warning("%s", contended_summary(outcome))
     except KeyboardInterrupt as exc:
         outcome.interrupted = True
         partial = getattr(exc, "result", None)  # the job in flight (kdbench.run.workers.JobInterrupted)
@@ -416,5 +451,22 @@ def _execute(
             outcome.timings.append(JobTiming(job.job_id, job.progress_label, wall_s, partial.seconds))
             wall.job(wall_s, partial.seconds, partial.split, 0.0)
     finally:
+        if timer is not None:
+            timer.cancel()  # a run over before its look: its rows say what the machine did
         workers.close()
     return outcome
+
+
+def _warn_if_busy(load: HostLoad) -> None:
+    if load.contended:
+        logger.warning("%s", busy_warning(load, f"as the run starts (a {load.wall_s:.1f} s look)"))
+
+
+def contended_summary(outcome: RunOutcome) -> str:
+    """The run's closing word on rows measured on a busy machine, with the figure and what to do."""
+    return (
+        f"{len(outcome.contended)} of {outcome.timed_rows} timed rows were measured on a busy machine (contended; "
+        f"host_busy_share up to {max(outcome.contended):.2f}): their figures read slow, and compare and budgets "
+        "leave them out unless --judge-contended; measure them again in a new run when the machine is idle, with "
+        "--threads 1, or pinned to free cores (taskset -c CORES python -m kdbench run ...)"
+    )

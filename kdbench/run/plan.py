@@ -97,9 +97,13 @@ def warn_slow_cells(plan: Plan, backend: Backend, probes_dir: Path, threads: int
     cells = [j.cell for j in plan.jobs if isinstance(j, CellJob) and j.repeat == 1]
     used = [p for c in cells for p in (c.config.precision, c.config.teacher_precision)]
     slow = slow_precisions(used, backend, probes_dir, threads=threads)
+    from kdbench.hw.speed import MEASURED_BUSY
+
     for precision, slowdown in slow.items():
         mine = [c for c in cells if precision in (c.config.precision, c.config.teacher_precision)]
-        if skip:
+        if skip and slowdown.source == MEASURED_BUSY:
+            then = f"measured on a busy machine, so its {len(mine)} cell(s) are measured, not skipped on that figure"
+        elif skip:
             then = f"its {len(mine)} cell(s) are skipped (slow_precisions: skip)"
         else:
             budget = mine[0].config.timing.cell_budget_s or CELL_BUDGET_S.get(backend.name)
@@ -115,9 +119,12 @@ def slow_skip(job: Job, slow: dict) -> str | None:
 
     if not isinstance(job, CellJob):
         return None
+    from kdbench.hw.speed import MEASURED_BUSY
+
     c = job.cell.config
-    precision = next((p for p in (c.precision, c.teacher_precision) if p in slow), None)
-    return skip_reason_for_slow(precision, slow[precision]) if precision else None
+    trusted = {p: s for p, s in slow.items() if s.source != MEASURED_BUSY}  # a busy moment's figure skips nothing
+    precision = next((p for p in (c.precision, c.teacher_precision) if p in trusted), None)
+    return skip_reason_for_slow(precision, trusted[precision]) if precision else None
 
 
 def host_memory() -> tuple[int, int]:

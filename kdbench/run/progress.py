@@ -95,6 +95,9 @@ def summary_line(rows: list[Row]) -> str:
             parts.append(f"{m}@{row['batch_size']} {str(row['status']).upper()}: {(row.get('error') or '')[:120]}")
         elif m == Measurement.DISTILL_STEP:
             noisy = " NOISY" if row["noisy"] else ""
+            if row.get("contended"):  # measured on a busy machine (kdbench.hw.contention)
+                share = row.get("host_busy_share")
+                noisy += " CONTENDED" + (f" (host_busy_share {share:.2f})" if share is not None else "")
             rate = (
                 f"{row['tokens_per_s']:.0f} tokens/s"
                 if row.get("tokens_per_s") is not None
