@@ -23,8 +23,8 @@ from kdbench.distill.lm.divergences import DIVERGENCES, TokenLoss
 from kdbench.distill.lm.impls import LOSS_IMPLS, lm_loss, unavailable, unsupported
 from kdbench.distill.lm.impls.memory import logits_memory
 from kdbench.errors import KdbenchError
-from kdbench.measure.flops import count_flops
 from kdbench.install import extra_hint
+from kdbench.measure.flops import count_flops
 
 N, V, HS, HT, CHUNK = 37, 97, 16, 24, 8
 RTOL = 1e-5
