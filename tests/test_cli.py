@@ -231,7 +231,9 @@ def test_list_liger_without_liger_kernel_says_so(capsys, monkeypatch):
     )
     assert main(["list", "loss_impls"]) == 0
     out = capsys.readouterr().out
-    assert "(not here: liger needs liger-kernel, which is not installed: pip install liger-kernel)" in out
+    from kdbench.install import extra_hint
+
+    assert f"(not here: liger needs liger-kernel, which is not installed: {extra_hint('liger')})" in out
 
 
 def test_readme_quick_start_is_what_ci_runs():
