@@ -14,13 +14,14 @@ teacher; CPU, one thread, batch 64; a step and a student inference each) into a 
 then `compare BASE NEW --rerun-undecided R --rerun-sides new` with commit B's code on PYTHONPATH (BASE was measured
 from other code, so only NEW is measured again: the rule docs/verdicts.md gives) and `compare BASE AGAIN
 --rerun-undecided R` with commit A's (both sides measured again, interleaved).  It prints, per copy, both exit
-codes, how many repeats each side ended with and the slow step's verdict, then the catch count (exit 1 naming the
-slow cell's step) and the A/A false alarms (exit 1).
+codes, how many repeats each side ended with, the slow step's verdict and ratio and any measurement of the unchanged
+cell called regressed, then the catch count (exit 1 and the slow cell's step regressed), the gate's failures and the
+A/A false alarms (exit 1).
 
-Time: at `--copies 1 --repeat 2 --rounds 1`, with a third cell then, it took 236 s on the shared 2-core VM under a
-load average of about 6 (a worker process took ~25 s to start under that load).  On an idle machine a copy at the
-defaults (3 repeats, 4 rounds at most) is expected to take one to two minutes, 8 copies 10-15 minutes: an estimate,
-not measured; `--copies 1 --repeat 2 --rounds 1` is a smoke test.
+Time: on the idle 2-core VM (2026-12-03) a copy at the defaults (3 repeats, 4 rounds at most) took 2.5 min, 12
+copies 30 min; it then found: the gate failed in 12 of 12 copies, the slow step regressed in 9 of 12, the unchanged
+cell called regressed once (drift between BASE and NEW's later reruns), A/A 0 of 12 (docs/verdicts.md).  It writes
+summary.json into its work folder.  `--copies 1 --repeat 2 --rounds 1` is a smoke test.
 """
 
 from __future__ import annotations
@@ -95,11 +96,14 @@ def kdbench(args: list[str], code: Path, log: Path) -> int:
         return subprocess.run([sys.executable, "-m", "kdbench", *args], env=env, stdout=out, stderr=out).returncode
 
 
-def verdict(path: Path) -> tuple[str, str]:
+def verdict(path: Path) -> tuple[str, str, float, int]:
+    """The slow cell's step verdict, the repeats each side ended with, the step's ratio, and how many measurements
+    of the unchanged cell were called regressed (false alarms inside an A/B comparison)."""
     doc = json.loads(path.read_text())
     slow = next(c for c in doc["changes"] if c["measurement"] == "distill_step" and "first" in c["cell_label"])
     reps = f"{doc['base']['repeats']}/{doc['new']['repeats']}"
-    return slow["verdict"], reps
+    false = sum(c["verdict"] == "regressed" for c in doc["changes"] if "other" in c["cell_label"])
+    return slow["verdict"], reps, slow["ratio"], false
 
 
 def main() -> int:
@@ -121,7 +125,8 @@ def main() -> int:
     suite_file = work / "suite.yaml"  # JSON is YAML
     suite_file.write_text(json.dumps(suite(args.repeat), indent=2))
     log = work / "log.txt"
-    caught = alarms = 0
+    caught = alarms = gate = false_ab = 0
+    copies = []
     began = time.perf_counter()
     for copy in range(1, args.copies + 1):
         out = work / f"copy-{copy}"
@@ -151,18 +156,44 @@ def main() -> int:
         aa = kdbench(
             ["compare", str(out / "base"), str(out / "again"), *rerun, "--out", str(out / "aa.json")], commits["A"], log
         )
-        slow, reps = verdict(out / "ab.json")
+        slow, reps, ratio, false = verdict(out / "ab.json")
         caught += ab == 1 and slow == "regressed"
+        gate += ab == 1
+        false_ab += false
         alarms += aa == 1
-        _, aa_reps = verdict(out / "aa.json")
+        _, aa_reps, _, _ = verdict(out / "aa.json")
+        copies.append(
+            {
+                "ab_exit": ab,
+                "slow_step": slow,
+                "step_ratio": ratio,
+                "unchanged_cell_regressed": false,
+                "ab_repeats": reps,
+                "aa_exit": aa,
+                "aa_repeats": aa_reps,
+            }
+        )
         print(
-            f"copy {copy}: 1.5x copy exit {ab} (slow step {slow}, repeats {reps}); A/A exit {aa} (repeats {aa_reps}); "
-            f"{time.perf_counter() - began:.0f} s so far",
+            f"copy {copy}: 1.5x copy exit {ab} (slow step {slow} at {ratio:.2f}, repeats {reps}; unchanged cell "
+            f"regressed {false}); A/A exit {aa} (repeats {aa_reps}); {time.perf_counter() - began:.0f} s so far",
             flush=True,
         )
+    summary = {
+        "caught": caught,
+        "gate_failed": gate,
+        "unchanged_cell_regressed": false_ab,
+        "false_alarms": alarms,
+        "copies": args.copies,
+        "repeat": args.repeat,
+        "rerun_undecided": args.rounds,
+        "seconds": round(time.perf_counter() - began, 1),
+        "per_copy": copies,
+    }
+    (work / "summary.json").write_text(json.dumps(summary, indent=2))
     print(
-        f"caught {caught} of {args.copies} real 1.5x slower copies; A/A false alarms {alarms} of {args.copies} "
-        f"(--repeat {args.repeat}, --rerun-undecided {args.rounds}); runs and log in {work}"
+        f"caught {caught} of {args.copies} real 1.5x slower copies (the step regressed; the gate failed in {gate}, "
+        f"and called the unchanged cell regressed {false_ab} times); A/A false alarms {alarms} of {args.copies} "
+        f"(--repeat {args.repeat}, --rerun-undecided {args.rounds}); runs, log and summary.json in {work}"
     )
     return 0
 
