@@ -217,6 +217,21 @@ def test_a_dtype_whose_first_call_is_very_slow_is_measured_at_a_smaller_size():
     assert found.describe().startswith(f"fp16 runs 200x slower than fp32 here (a {size}x{size} matmul, measured now)")
 
 
+def test_a_first_call_slowed_by_one_time_set_up_is_timed_again_and_keeps_the_full_size():
+    # AVX-512 BF16: oneDNN builds its bf16 kernel on the first call (~80 ms here), the next 512^2 call takes ~7 ms
+    m = Machine(fp32=FP32, bf16=0.5 * FP32)
+    plain, set_up = m.matmul, [0.08]
+
+    def matmul(a, b):
+        if a.dtype == torch.bfloat16:
+            m.now += set_up.pop() if set_up else 0.0
+        return plain(a, b)
+
+    found = dtype_slowdown(CPU, "bf16", clock=m.clock, matmul=matmul)
+    assert found.sizes == {"bf16": 512, "fp32": 512} and found.factor == pytest.approx(0.5)
+    assert m.calls[:2] == [("bfloat16", 512), ("bfloat16", 512)]  # the first call, then once more
+
+
 def test_interleaved_rounds_take_each_dtypes_fastest_call_so_a_busy_spell_does_not_poison_the_factor():
     # issue 32: one busy moment made a bf16 call 280x slower; here every other call is 50x slower (a descheduled
     # thread), on both dtypes in turn: the fastest of each is the machine's own ratio
