@@ -16,7 +16,8 @@ def test_every_shipped_suite_has_one_entry_and_every_entry_a_suite():
 
 def test_the_recorded_figures_read_as_they_were_obtained():
     times = suite_times(SUITES)
-    assert times["cpu.yaml"].cpu_text() == "1 min 51 s"
+    cpu = times["cpu.yaml"]
+    assert cpu.how == "measured" and cpu.cpu_text() == f"{cpu.cpu_s // 60} min {cpu.cpu_s % 60} s"
     assert times["methods.yaml"].cpu_text() == "about 20 min"
     assert times["encoder-cpu.yaml"].cpu_text() == "under 1 min 18 s"  # taken under load: an upper bound
     assert times["cifar100-tables.yaml"].cpu_text() == "about 2 h (extrapolated)"
