@@ -43,7 +43,7 @@ def test_any_nonzero_exit_of_either_lane_fails_and_both_lanes_run(tmp_path, unit
 
 def test_one_lane_takes_pytest_arguments(tmp_path):
     code, calls = _lanes(tmp_path, "unit", "-m", "not slow", unit=5)
-    assert code == 5 and calls == ["-m pytest tests -n 2 --durations=25 -m not slow"]
+    assert code == 5 and calls == ["-m pytest tests -n 2 --dist worksteal --durations=25 -m not slow"]
     assert _lanes(tmp_path, "everything")[0] == 2
 
 
