@@ -241,3 +241,22 @@ def test_no_fit_check_on_the_command_line_reaches_the_workers_options(tmp_path, 
         with pytest.raises(Planned):
             cmd_run(build_parser().parse_args(["run", str(path), *flags]))
     assert seen == [True, False]
+
+
+def test_fake_tensors_left_alive_are_not_counted_and_raise_no_warning():
+    # a compile or the fit check can leave FakeTensors alive; reading their data pointer warns (an error to come)
+    import warnings
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kdbench.measure.memory import live_tensor_bytes
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        before = live_tensor_bytes()
+        with FakeTensorMode():
+            fake = torch.empty(1 << 20)  # 4 MiB, were it real
+        assert live_tensor_bytes() == before
+        real = torch.ones(1 << 20)
+        assert live_tensor_bytes() - before == real.nbytes and fake.shape == real.shape

@@ -197,7 +197,12 @@ def memory_columns(usage: MemoryUsage) -> dict[str, Any]:
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
-    """The address of ``t``'s storage (None: it has none of its own, as a DTensor or a sparse tensor)."""
+    """The address of ``t``'s storage (None: it has none of its own, as a DTensor, a sparse tensor or a fake tensor
+    a compile or the fit check left alive, whose data pointer torch warns about reading)."""
+    from torch._subclasses.fake_tensor import FakeTensor  # torch 2.5-2.14 keep it here
+
+    if isinstance(t, FakeTensor):
+        return None
     try:
         ptr = t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError, TypeError):
