@@ -260,3 +260,20 @@ def test_fake_tensors_left_alive_are_not_counted_and_raise_no_warning():
         assert live_tensor_bytes() == before
         real = torch.ones(1 << 20)
         assert live_tensor_bytes() - before == real.nbytes and fake.shape == real.shape
+
+
+def test_the_cpu_live_peak_leaves_no_profiler_lines_on_stderr():
+    # kineto printed 'USDT: ... profiler_start/stop' and 'ERROR: ... gpuGetDeviceCount failed' between every CPU
+    # run's progress lines; a fresh process, as a worker is (kineto reads its level when it first starts)
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\nfrom kdbench.measure.memory import live_tensor_peak\n"
+        "print(live_tensor_peak(lambda: torch.ones(1 << 16) * 2) > 0)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
+    assert not [line for line in done.stderr.splitlines() if line.startswith(("USDT:", "ERROR:", "STAGE:"))]

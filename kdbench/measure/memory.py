@@ -21,6 +21,7 @@ process's resident memory (which holds the interpreter, the libraries and the al
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -239,6 +240,11 @@ def live_tensor_peak(fn, not_counted: Iterable[torch.Tensor] = ()) -> int:
     (``predicted_peak_ratio``).  A profiler that cannot start or be read raises :class:`LivePeakUnavailable` after
     ``fn()`` has run (data-parallel partners count on the call); ``fn``'s own errors pass through."""
     base = live_tensor_bytes("cpu", not_counted)
+    # kineto (torch's profiler library) prints 'USDT: ... profiler_start', '... profiler_stop' and, on a machine
+    # without a GPU, 'ERROR: ... gpuGetDeviceCount failed' on stderr each time: between every CPU run's progress
+    # lines.  Its level 6 is above all of them; it is read when the profiler first starts in the process, and a
+    # KINETO_LOG_LEVEL of the user's own stands.  Only this CPU path sets it (a GPU's live peak is its allocator's).
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     try:
         from torch._C._profiler import _EventType
         from torch.profiler import ProfilerActivity, profile
