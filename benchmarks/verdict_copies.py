@@ -11,14 +11,15 @@ teacher; CPU, one thread, batch 64; a step and a student inference each) into a 
   so its steps do 1.5x the student's work (honestly slower code: no sleep, nothing in kdbench), under the same
   model name, so the cell's config and cell_id are the same as BASE's;
 
-then `compare BASE NEW --rerun-undecided R --rerun-sides new` with commit B's code on PYTHONPATH (BASE was measured
-from other code, so only NEW is measured again: the rule docs/verdicts.md gives) and `compare BASE AGAIN
---rerun-undecided R` with commit A's (both sides measured again, interleaved).  It prints, per copy, both exit
+then `compare BASE NEW --rerun-undecided R --base-code commit-A` with commit B's code on PYTHONPATH (BASE was
+measured from other code: its new repeats import commit A's module first, so both sides are measured again,
+interleaved; `--sides new` compares as `--rerun-sides new` instead, NEW alone measured again) and `compare BASE
+AGAIN --rerun-undecided R` with commit A's (both sides measured again, interleaved).  It prints, per copy, both exit
 codes, how many repeats each side ended with, the slow step's verdict and ratio and any measurement of the unchanged
 cell called regressed, then the catch count (exit 1 and the slow cell's step regressed), the gate's failures and the
 A/A false alarms (exit 1).
 
-Time: on the idle 2-core VM (2026-12-03) a copy at the defaults (3 repeats, 4 rounds at most) took 2.5 min, 12
+Time: on the idle 2-core VM (2026-12-03) a copy with `--sides new` (3 repeats, 4 rounds at most) took 2.5 min, 12
 copies 30 min; it then found: the gate failed in 12 of 12 copies, the slow step regressed in 9 of 12, the unchanged
 cell called regressed once (drift between BASE and NEW's later reruns), A/A 0 of 12 (docs/verdicts.md).  It writes
 summary.json into its work folder.  `--copies 1 --repeat 2 --rounds 1` is a smoke test.
@@ -112,6 +113,12 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=4, help="--rerun-undecided N")
     ap.add_argument("--width", type=int, default=1024, help="the first cell's hidden width in commit A")
+    ap.add_argument(
+        "--sides",
+        choices=["both", "new"],
+        default="both",
+        help="A/B: BASE measured again from commit A's code (--base-code), or NEW alone (--rerun-sides new)",
+    )
     ap.add_argument("--work", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="kdbench-copies-"))
@@ -145,8 +152,7 @@ def main() -> int:
                 str(out / "base"),
                 str(out / "new"),
                 *rerun,
-                "--rerun-sides",
-                "new",
+                *(["--base-code", str(commits["A"])] if args.sides == "both" else ["--rerun-sides", "new"]),
                 "--out",
                 str(out / "ab.json"),
             ],
@@ -186,6 +192,7 @@ def main() -> int:
         "copies": args.copies,
         "repeat": args.repeat,
         "rerun_undecided": args.rounds,
+        "sides": args.sides,
         "seconds": round(time.perf_counter() - began, 1),
         "per_copy": copies,
     }
@@ -193,7 +200,8 @@ def main() -> int:
     print(
         f"caught {caught} of {args.copies} real 1.5x slower copies (the step regressed; the gate failed in {gate}, "
         f"and called the unchanged cell regressed {false_ab} times); A/A false alarms {alarms} of {args.copies} "
-        f"(--repeat {args.repeat}, --rerun-undecided {args.rounds}); runs, log and summary.json in {work}"
+        f"(--repeat {args.repeat}, --rerun-undecided {args.rounds}, A/B sides {args.sides}); runs, log and "
+        f"summary.json in {work}"
     )
     return 0
 

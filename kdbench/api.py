@@ -87,12 +87,14 @@ def compare(
     policy=None,
     rerun_undecided: int = 0,
     rerun_sides: str = "both",
+    base_code: str | Path | None = None,
 ) -> Comparison:
     """NEW against BASE (each a run folder or result file), cell by cell: :mod:`kdbench.report.compare`.
     ``threshold`` is a fraction (0.05: 5 %); ``policy`` (:class:`kdbench.report.verdicts.Policy`) what else
     fails the gate; ``.exit_code`` is 1 when a measurement fails it.  With ``rerun_undecided`` N, up to N
     rounds measure the undecided cells again (:mod:`kdbench.run.rerun`: the sides ``rerun_sides``, "both" or
-    "new", that can be measured here) in a sequential design (:class:`kdbench.report.compare.Sequential`)."""
+    "new", that can be measured here; BASE's from the code in ``base_code`` first) in a sequential design
+    (:class:`kdbench.report.compare.Sequential`)."""
     from kdbench.report.compare import Sequential, compare_frames
     from kdbench.store import read_results
     from kdbench.store.results import run_states
@@ -114,11 +116,18 @@ def compare(
             new_state=state(new),
         )
 
+    if base_code is not None and (not rerun_undecided or rerun_sides != "both"):
+        from kdbench.errors import KdbenchError
+
+        raise KdbenchError(
+            "--base-code gives the code BASE's new repeats run: use it with --rerun-undecided N and both sides "
+            "measured again (not --rerun-sides new)"
+        )
     if not rerun_undecided:
         return look(confidence)
     sequence = Sequential(confidence, rerun_undecided)
     first = look(sequence.level(1))
-    sides, note = _rerun_sides(first, base, new, rerun_sides)
+    sides, note = _rerun_sides(first, base, new, rerun_sides, base_code)
     sequence.lines += [note] if note else []
     cmp, number = first, 1
     while True:
@@ -132,7 +141,7 @@ def compare(
         cmp = look(sequence.level(number))
 
 
-def _rerun_sides(cmp: Comparison, base, new, which: str) -> tuple[list, str]:
+def _rerun_sides(cmp: Comparison, base, new, which: str, base_code=None) -> tuple[list, str]:
     """The sides ``compare --rerun-undecided`` measures again and a note on a side left out; KdbenchError when
     none can be (the reasons)."""
     from kdbench.errors import KdbenchError
@@ -150,7 +159,7 @@ def _rerun_sides(cmp: Comparison, base, new, which: str) -> tuple[list, str]:
         if why:
             reasons.append(why)
         else:
-            sides.append(side(name, Path(path), rows))
+            sides.append(side(name, Path(path), rows, base_code if name == "BASE" else None))
     if not sides:
         raise KdbenchError(f"--rerun-undecided: no side can be measured again here: {'; '.join(reasons)}")
     left_out = "BASE is not measured again (--rerun-sides new)" if which == "new" else "; ".join(reasons)

@@ -538,3 +538,61 @@ def test_rerun_undecided_refuses_what_it_cannot_measure_again(tmp_path, capsys, 
     assert "no side can be measured again here: BASE's suite file 's.yaml' is not here; NEW's suite file" in err
     code, _, err = _cli(capsys, base, new, "--rerun-undecided", "2", "--rerun-sides", "new")
     assert code == 2 and "no side can be measured again here: NEW's suite file 's.yaml' is not here" in err
+
+
+def test_base_code_measures_base_again_from_its_own_code(tmp_path, capsys, monkeypatch):
+    """--base-code DIR: BASE's repeats run with DIR first on their import path (a checkout of BASE's commit), NEW's
+    as this process; both sides measured again, interleaved.  Misuse is one line, exit 2."""
+    from kdbench.run import rerun
+
+    _suite_here(tmp_path, monkeypatch)
+    base = _run(tmp_path, "base", _rows("base", repeats=3, spread=0.12, seed=4))
+    new = _run(tmp_path, "new", _rows("new", {("cell-a", "distill_step"): 1.6}, repeats=3, spread=0.12, seed=5))
+    checkout = tmp_path / "base-checkout"
+    checkout.mkdir()
+    seen = []
+
+    def measure_again(sides, cells, round_):
+        seen.append({s.name: s.code for s in sides})
+        raise KeyboardInterrupt  # one round is enough to see the sides
+
+    monkeypatch.setattr(rerun, "measure_again", measure_again)
+    code = main(["compare", str(base), str(new), "--rerun-undecided", "2", "--base-code", str(checkout)])
+    assert code == 130 and seen == [{"BASE": checkout.resolve(), "NEW": None}]  # interrupted: 130
+    capsys.readouterr()
+    for args, says in (
+        (["--base-code", str(checkout)], "use it with --rerun-undecided N"),
+        (["--rerun-undecided", "2", "--rerun-sides", "new", "--base-code", str(checkout)], "not --rerun-sides new"),
+        (["--rerun-undecided", "2", "--base-code", str(tmp_path / "nowhere")], "not a folder; give a checkout"),
+    ):
+        code, _, err = _cli(capsys, base, new, *args)
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def _import_path(queue) -> None:
+    import os
+    import sys
+
+    queue.put((sys.path[:2], os.environ.get("PYTHONPATH")))
+
+
+def test_code_first_is_what_a_spawned_worker_imports_from_and_is_undone_after(tmp_path, monkeypatch):
+    import multiprocessing as mp
+    import os
+    import sys
+
+    from kdbench.run.rerun import code_first
+
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    path = list(sys.path)
+    ctx = mp.get_context("spawn")  # as ProcessWorker starts its worker
+    queue = ctx.Queue()
+    with code_first(tmp_path):
+        child = ctx.Process(target=_import_path, args=(queue,))
+        child.start()
+        child_path, child_env = queue.get(timeout=60)
+        child.join(timeout=60)
+    assert child_path[0] == str(tmp_path) and child_env == os.pathsep.join([str(tmp_path), "/elsewhere"])
+    assert sys.path == path and os.environ["PYTHONPATH"] == "/elsewhere"
+    with code_first(None):
+        assert sys.path == path

@@ -176,7 +176,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     policy = Policy(args.gate_single_repeat, args.allow_partial, args.fail_on_skipped, args.judge_contended)
     cmp = api.compare(
-        args.base, args.new, args.threshold / 100, args.confidence, policy, args.rerun_undecided or 0, args.rerun_sides
+        args.base,
+        args.new,
+        args.threshold / 100,
+        args.confidence,
+        policy,
+        args.rerun_undecided or 0,
+        args.rerun_sides,
+        args.base_code,
     )
     text = render(cmp, args.format)
     if args.out is None:

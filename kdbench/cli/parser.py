@@ -377,7 +377,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["both", "new"],
         default="both",
         help="with --rerun-undecided: measure both sides again (those that can be, here), or only NEW, e.g. when "
-        "BASE was measured from other code than this machine has now (default: both)",
+        "BASE was measured from other code than this machine has now and --base-code cannot give it (default: both)",
+    )
+    cmp.add_argument(
+        "--base-code",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="with --rerun-undecided: BASE's new repeats import the code they run (its suite's module:callable "
+        "models) from DIR first, a checkout or worktree of the commit BASE was measured from, so that both sides "
+        "are measured again, interleaved, each from its own code (a side's later repeats alone read a machine "
+        "that drifts as a change); kdbench itself is this one",
     )
     cmp.add_argument(
         "--judge-contended",

@@ -8,13 +8,18 @@ record (which plans just those jobs, so the run stays complete).  The statistics
 A side is measured here only when it can be: a run folder (not a bare file) whose suite file is here and still
 plans the cell, measured on this host with this torch.  Its repeats then use the suite file as it is now and the
 software this process runs: a BASE measured from other code (another commit, an uncommitted edit) must not be
-measured again here, which ``--rerun-sides new`` says.
+measured again here as it is, which ``--rerun-sides new`` says, or is measured again from that code, which
+``--base-code DIR`` gives (a checkout of BASE's commit: DIR comes first on the worker's import path).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import socket
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +36,7 @@ class RerunSide:
     folder: RunFolder
     suite: Suite
     device: str | None = None  # the backend its rows recorded
+    code: Path | None = None  # where its repeats import their code from first (--base-code); None: as this process
 
 
 def why_not(name: str, path: Path, rows) -> str | None:
@@ -51,8 +57,9 @@ def why_not(name: str, path: Path, rows) -> str | None:
     return None
 
 
-def side(name: str, path: Path, rows) -> RerunSide:
-    """The side, ready to measure again: its suite as stored, at the thread count its rows recorded."""
+def side(name: str, path: Path, rows, code: str | Path | None = None) -> RerunSide:
+    """The side, ready to measure again: its suite as stored, at the thread count its rows recorded, and its code
+    from ``code`` first (a folder; KdbenchError when it is not one)."""
     from kdbench.config import load_suite, with_overrides
 
     folder = RunFolder(Path(path))
@@ -61,7 +68,30 @@ def side(name: str, path: Path, rows) -> RerunSide:
     if len(threads):
         suite = with_overrides(suite, {"threads": ("recorded cpu_threads", int(threads.iloc[-1]))})
     backends = rows["backend"].dropna() if "backend" in rows else []
-    return RerunSide(name, folder, suite, str(backends.iloc[-1]) if len(backends) else None)
+    if code is not None and not Path(code).is_dir():
+        raise KdbenchError(f"--base-code {code}: not a folder; give a checkout of the commit {name} was measured from")
+    where = Path(code).resolve() if code is not None else None
+    return RerunSide(name, folder, suite, str(backends.iloc[-1]) if len(backends) else None, where)
+
+
+@contextlib.contextmanager
+def code_first(code: Path | None) -> Iterator[None]:
+    """``code`` first on the import path of the workers started meanwhile: on ``sys.path`` (a ``spawn`` worker
+    starts from its parent's) and in ``PYTHONPATH`` (a rank torchrun starts); both as they were afterwards."""
+    if code is None:
+        yield
+        return
+    path, env = list(sys.path), os.environ.get("PYTHONPATH")
+    sys.path.insert(0, str(code))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(code), *([env] if env else [])])
+    try:
+        yield
+    finally:
+        sys.path[:] = path
+        if env is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = env
 
 
 def measure_again(sides: list[RerunSide], cell_ids: list[str], round_: int) -> int:
@@ -92,7 +122,8 @@ def measure_again(sides: list[RerunSide], cell_ids: list[str], round_: int) -> i
             jobs.append(CellJob(cells[cell_id], k, k))
         logger.info("measuring again (round %d): %d cell(s) of %s", round_, len(jobs), s.name)
         options = RunOptions(out_dir=s.folder.path.parent, device=s.device, run_id=s.folder.run_id)
-        outcome = run_suite(s.suite, options, Plan(plan.cells, jobs, tuple(j.job_id for j in jobs)))
+        with code_first(s.code):
+            outcome = run_suite(s.suite, options, Plan(plan.cells, jobs, tuple(j.job_id for j in jobs)))
         if outcome.interrupted:
             raise KeyboardInterrupt
         stored += outcome.jobs
