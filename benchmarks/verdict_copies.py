@@ -21,8 +21,9 @@ A/A false alarms (exit 1).
 
 Time: on the idle 2-core VM (2026-12-03) a copy with `--sides new` (3 repeats, 4 rounds at most) took 2.5 min, 12
 copies 30 min; it then found: the gate failed in 12 of 12 copies, the slow step regressed in 9 of 12, the unchanged
-cell called regressed once (drift between BASE and NEW's later reruns), A/A 0 of 12 (docs/verdicts.md).  It writes
-summary.json into its work folder.  `--copies 1 --repeat 2 --rounds 1` is a smoke test.
+cell called regressed once (drift between BASE and NEW's later reruns), A/A 0 of 12; at the default `--sides both`
+(8 copies, 23 min): the slow step regressed in 8 of 8, no unchanged cell regressed, A/A 0 of 8 (docs/verdicts.md).
+It writes summary.json into its work folder.  `--copies 1 --repeat 2 --rounds 1` is a smoke test.
 """
 
 from __future__ import annotations
