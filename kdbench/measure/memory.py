@@ -29,6 +29,7 @@ from typing import Any
 
 import psutil
 import torch
+from torch._subclasses.fake_tensor import FakeTensor  # torch 2.5-2.14 keep it here
 
 from kdbench.hw.backends import Backend
 
@@ -200,8 +201,6 @@ def memory_columns(usage: MemoryUsage) -> dict[str, Any]:
 def _storage_key(t: torch.Tensor) -> int | None:
     """The address of ``t``'s storage (None: it has none of its own, as a DTensor, a sparse tensor or a fake tensor
     a compile or the fit check left alive, whose data pointer torch warns about reading)."""
-    from torch._subclasses.fake_tensor import FakeTensor  # torch 2.5-2.14 keep it here
-
     if isinstance(t, FakeTensor):
         return None
     try:
