@@ -29,6 +29,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kdbench.errors",
             "kdbench.repeats",
             "kdbench.peaks",
+            "kdbench.speculation",
             "kdbench.worker_state",
             "kdbench.floors",
             "kdbench.fakes",

@@ -37,6 +37,9 @@ class Measurement(StrEnum):
     STUDENT_DECODE = "student_decode"
     TEACHER_PREFILL = "teacher_prefill"
     TEACHER_DECODE = "teacher_decode"
+    # The teacher decoding with the student as its draft (speculative decoding, inference.speculative): one row
+    # per draft length and temperature, at batch size 1.
+    SPECULATIVE_DECODE = "speculative_decode"
     QUALITY = "quality"  # accuracy after training on real data (times nothing)
 
 
@@ -47,18 +50,57 @@ LM_SERVING = (
     Measurement.TEACHER_PREFILL,
     Measurement.TEACHER_DECODE,
 )
-SERVING = (*INFERENCE, *LM_SERVING)  # every measurement of one model's forward (no training)
+SPECULATIVE = (Measurement.SPECULATIVE_DECODE,)  # both models serving together (neither the student's nor the teacher's)
+SERVING = (*INFERENCE, *LM_SERVING, *SPECULATIVE)  # every measurement of serving (no training)
 TIMED = (Measurement.DISTILL_STEP, *SERVING)  # every measurement that times something
 
 
 def role_of(measurement: str) -> str:
-    """``student`` or ``teacher`` for a serving measurement (``student_decode`` -> ``student``)."""
+    """``student`` or ``teacher`` for a serving measurement (``student_decode`` -> ``student``); ``speculative`` for
+    speculative_decode, which serves both models (neither a student's row nor a teacher's)."""
     return str(measurement).split("_", 1)[0]
 
 
 def counterpart(measurement: str) -> str:
     """The teacher's measurement a student's is compared with (``student_decode`` -> ``teacher_decode``)."""
     return "teacher_" + str(measurement).split("_", 1)[1]
+
+
+# What tells a cell's speculative_decode rows apart (one per draft length and temperature): the columns that, with
+# (run, cell, measurement, batch size, repeat), key a row (null on every other row).
+VARIANT_COLUMNS = ("draft_tokens", "spec_temperature")
+
+
+class Speculative(str):
+    """A planned speculative_decode measurement at one draft length (γ) and temperature: the string
+    ``speculative_decode`` (what its row's ``measurement`` holds; equal to :attr:`Measurement.SPECULATIVE_DECODE`)
+    carrying which variant it is, which the row's :data:`VARIANT_COLUMNS` hold."""
+
+    draft_tokens: int
+    temperature: float
+
+    def __new__(cls, draft_tokens: int, temperature: float) -> Speculative:
+        self = super().__new__(cls, Measurement.SPECULATIVE_DECODE.value)
+        self.draft_tokens, self.temperature = int(draft_tokens), float(temperature)
+        return self
+
+    def __reduce__(self):  # pickles with its variant (str's would call __new__ with the string)
+        return Speculative, (self.draft_tokens, self.temperature)
+
+    def __repr__(self) -> str:
+        return f"Speculative(draft_tokens={self.draft_tokens}, temperature={self.temperature:g})"
+
+
+def variant_columns(measurement: str) -> dict[str, int | float]:
+    """The :data:`VARIANT_COLUMNS` of a planned measurement (empty for all but :class:`Speculative`)."""
+    if isinstance(measurement, Speculative):
+        return {"draft_tokens": measurement.draft_tokens, "spec_temperature": measurement.temperature}
+    return {}
+
+
+def planned_row(measurement: str, batch_size: int) -> dict:
+    """A planned measurement as the keys of its row: measurement (a plain string), batch size and its variant."""
+    return {"measurement": Measurement(str(measurement)), "batch_size": batch_size, **variant_columns(measurement)}
 
 
 QUALITY_ROLES = ("teacher", "scratch", "distilled")  # what a quality row's model was trained as, in report order

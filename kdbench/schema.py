@@ -86,7 +86,13 @@ COLUMNS: tuple[Column, ...] = (
             "which of the cell's measurements in fresh worker processes this row is: 1..N with the "
             "suite's `repeat: N` (null in runs stored before repeats: read as 1)",
         ),
-        ("measurement", _S, "", "`distill_step`, `student_inference`, `teacher_inference` or `quality`"),
+        (
+            "measurement",
+            _S,
+            "",
+            "`distill_step`, `student_inference`, `teacher_inference`, LM pairs' `student_prefill`, `student_decode`, "
+            "`teacher_prefill`, `teacher_decode` and `speculative_decode`, or `quality`",
+        ),
         ("status", _S, "", "`ok`, `failed`, `oom`, `timeout` or `skipped`"),
         ("error", _S, "", "why the measurement failed or was skipped (null when ok)"),
         ("notes", _S, "", "caveats of an ok row, e.g. why autocast was not applied at the asked precision"),
@@ -156,7 +162,27 @@ COLUMNS: tuple[Column, ...] = (
             "`liger`, `torch_linear`)",
         ),
         ("chunk_size", _I, "tokens", "LM pairs: tokens per chunk of the loss implementation (null for dense)"),
-        ("decode_tokens", _I, "tokens", "decode rows: new tokens each timed call generates greedily"),
+        (
+            "decode_tokens",
+            _I,
+            "tokens",
+            "decode rows: new tokens each timed call generates greedily (speculative_decode: the teacher generates, "
+            "the student drafting)",
+        ),
+        (
+            "draft_tokens",
+            _I,
+            "tokens",
+            "speculative_decode rows: γ, the tokens the student (the draft) proposes per round for the teacher to "
+            "verify in one forward (inference.speculative.draft_tokens)",
+        ),
+        (
+            "spec_temperature",
+            _F,
+            "",
+            "speculative_decode rows: the verification temperature T; 0: greedy (the output is the teacher's greedy "
+            "output), above 0: sampled (Leviathan et al. 2023's rejection sampling, distributed as the teacher's own)",
+        ),
         (
             "on_policy_lambda",
             _F,
@@ -354,6 +380,27 @@ COLUMNS: tuple[Column, ...] = (
             "LM rows: world_size × tokens / median time (the step's and prefill's processed tokens, decode's new ones)",
         ),
         ("vocab_size", _I, "", "LM step rows: the vocabulary both heads cover in the loss"),
+        (
+            "spec_alpha",
+            _F,
+            "ratio",
+            "speculative_decode rows: the acceptance rate α, the draft's proposals the teacher accepted over those it "
+            "judged (a round's proposals after its first rejection are never judged); for sampled verification "
+            "E[α] = 1 − TV(teacher, student) at the temperature",
+        ),
+        (
+            "spec_accepted_per_verify",
+            _F,
+            "tokens",
+            "speculative_decode rows: accepted draft tokens per verify step (teacher forward)",
+        ),
+        (
+            "spec_tokens_per_verify",
+            _F,
+            "tokens",
+            "speculative_decode rows: new tokens per verify step (the accepted draft tokens and the teacher's own); "
+            "decode_tokens / spec_tokens_per_verify teacher forwards replace decode_tokens",
+        ),
         (
             "logits_memory_bytes",
             _F,
@@ -636,6 +683,34 @@ COLUMNS: tuple[Column, ...] = (
             "×",
             "teacher median / student median at this batch size, same run and cell (student_inference rows; on LM "
             "pairs student_prefill and student_decode rows, against the teacher's prefill and decode)",
+        ),
+        (
+            "spec_speedup",
+            _F,
+            "×",
+            "speculative_decode rows: the median of the same cell's batch-size-1 teacher_decode row (same run and "
+            "repeat, the same decode_tokens) over this row's median: the teacher's speed-up from its draft, measured",
+        ),
+        (
+            "spec_cost_ratio",
+            _F,
+            "ratio",
+            "speculative_decode rows: c, the same cell's batch-size-1 student_decode median over its teacher_decode "
+            "median (a draft forward's time over a target forward's)",
+        ),
+        (
+            "spec_predicted_speedup",
+            _F,
+            "×",
+            "speculative_decode rows: the speed-up predicted from spec_alpha, draft_tokens and spec_cost_ratio, "
+            "(1 − α^(γ+1)) / ((1 − α)(γc + 1)) (Leviathan et al. 2023, Theorem 3.8)",
+        ),
+        (
+            "spec_predicted_tokens_per_verify",
+            _F,
+            "tokens",
+            "speculative_decode rows: the tokens per verify step predicted from spec_alpha and draft_tokens, "
+            "(1 − α^(γ+1)) / (1 − α) (Leviathan et al. 2023, eq. 1), beside the measured spec_tokens_per_verify",
         ),
         (
             "scaling_efficiency",

@@ -51,6 +51,7 @@ IDENTITY_DEFAULTS = {
     "on_policy": None,
     "parallel": "ddp",
     "inference.decode_tokens": 32,
+    "inference.speculative": None,
     "overrides.teacher": {},
     "overrides.student": {},
     "data.seq_len": 512,

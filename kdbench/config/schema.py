@@ -150,6 +150,38 @@ class TimingConfig(Strict):
         return self
 
 
+class SpeculativeConfig(Strict):
+    """LM pairs: the teacher generating ``inference.decode_tokens`` new tokens with the student as its draft
+    (speculative decoding), one speculative_decode row per draft length and temperature, at batch size 1."""
+
+    # draft tokens (γ) the student proposes per round, each a row
+    draft_tokens: list[int] = Field(default_factory=lambda: [4], min_length=1, max_length=16)
+    # verification temperatures, each a row: 0 greedy (the output is the teacher's greedy output), above 0 sampled
+    # (Leviathan et al. 2023's rejection sampling: the output is distributed as the teacher's own sampling)
+    temperature: list[float] = Field(default_factory=lambda: [0.0], min_length=1, max_length=16)
+
+    @field_validator("draft_tokens")
+    @classmethod
+    def _draft_tokens(cls, v: list[int]) -> list[int]:
+        if any(g < 1 or g > SPECULATIVE_MAX_DRAFT for g in v):
+            raise ValueError(f"every draft length must be between 1 and {SPECULATIVE_MAX_DRAFT}")
+        if len(set(v)) != len(v):
+            raise ValueError("draft lengths must not repeat")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: list[float]) -> list[float]:
+        if any(not (0 <= t <= 100) for t in v):
+            raise ValueError("every temperature must be between 0 (greedy) and 100")
+        if len(set(v)) != len(v):
+            raise ValueError("temperatures must not repeat")
+        return v
+
+
+SPECULATIVE_MAX_DRAFT = 64  # draft tokens per round at most: past it a draft's proposals are almost never all accepted
+
+
 class InferenceConfig(Strict):
     # batch sizes of the inference measurements (empty: the step alone)
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 32], max_length=64)
@@ -158,6 +190,8 @@ class InferenceConfig(Strict):
     runtime: Runtime = "eager"  # how the student is served: eager, torch.compile, ONNX Runtime, int8 (CPU)
     # LM pairs: new tokens each decode measurement generates greedily from the prompt's KV cache (no early stop)
     decode_tokens: int = Field(32, ge=1, le=1 << 16)
+    # LM pairs: speculative decoding rows, the teacher generating with the student as its draft (null: none)
+    speculative: SpeculativeConfig | None = None
 
     @field_validator("batch_sizes")
     @classmethod

@@ -50,7 +50,7 @@ import numpy as np
 import pandas as pd
 
 from kdbench.errors import KdbenchError
-from kdbench.names import FAILURES, TIMED, Status
+from kdbench.names import FAILURES, TIMED, VARIANT_COLUMNS, Status
 from kdbench.repeats import RatioInterval, bootstrap_ratio, centre, each_level, median_log_variance, simultaneous_t
 from kdbench.report.verdicts import ENVIRONMENT, Change, Comparison, Policy, Side, Verdict, undecided, verdict_of
 
@@ -77,12 +77,26 @@ def _timed(df: pd.DataFrame, label: str) -> pd.DataFrame:
         shown = ", ".join(runs[:4]) + (" ..." if len(runs) > 4 else "")
         raise KdbenchError(f"{label}: holds {len(runs)} runs ({shown}); give one run folder on each side")
     rows["batch_size"] = rows["batch_size"].astype("Int64")
+    rows["measurement"] = variant_labels(rows)  # a cell's speculative rows: one measurement per variant
     rows["repeat"] = rows["repeat"].fillna(1).astype(int) if "repeat" in rows else 1
     rows["thin_"] = rows["thin"].eq(True) if "thin" in rows else False
     rows["contended_"] = rows["contended"].eq(True) & ~rows["thin_"] if "contended" in rows else False
     copies = rows["measured_in_cell"] if "measured_in_cell" in rows else pd.Series(None, index=rows.index)
     rows["source_"] = copies.where(copies.notna() & copies.ne(rows["cell_id"]), None)
     return rows
+
+
+def variant_labels(rows: pd.DataFrame) -> pd.Series:
+    """The measurement of each row, with its speculative variant where it has one (``speculative_decode γ4 T0``):
+    a cell's speculative_decode rows are one measurement per draft length and temperature."""
+    labels = rows["measurement"].astype(str)
+    if not all(c in rows for c in VARIANT_COLUMNS):
+        return labels
+    gamma = pd.to_numeric(rows["draft_tokens"], errors="coerce")
+    temperature = pd.to_numeric(rows["spec_temperature"], errors="coerce")
+    has = gamma.notna()
+    text = [f"{m} γ{int(g)} T{t:g}" for m, g, t in zip(labels[has], gamma[has], temperature[has].fillna(0))]
+    return labels.where(~has, pd.Series(text, index=labels.index[has], dtype=object))
 
 
 def _side(rows: pd.DataFrame, label: str, state) -> Side:

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kdbench.names import GENERATE, PHASES, QUALITY_ROLES, Measurement, Status
+from kdbench.names import GENERATE, PHASES, QUALITY_ROLES, VARIANT_COLUMNS, Measurement, Status
 from kdbench.repeats import NOISY_REL_IQR, centre_interval, median_log_variance
 from kdbench.report.format import mean_std
 from kdbench.schema import COLUMNS, DERIVED, RESULT, STATISTICS
@@ -66,7 +66,8 @@ def latest_steps(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def pooled(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per run, cell, measurement and batch size of the ok timed rows: its repeats pooled as
+    """One row per run, cell, measurement and batch size (and speculative variant) of the ok timed rows: its
+    repeats pooled as
     ``compare`` centres them.
 
     Every numeric figure (median, percentiles, phases, throughput, memory, FLOP rates ...) is the
@@ -80,7 +81,8 @@ def pooled(df: pd.DataFrame) -> pd.DataFrame:
     if timed.empty:
         return timed.assign(repeats=pd.Series(dtype=int), centre_low_ms=np.nan, centre_high_ms=np.nan)
     thin = timed["thin"].eq(True) if "thin" in timed else pd.Series(False, index=timed.index)
-    keys = timed[POOL_KEY].astype(str).agg("\0".join, axis=1)
+    # a cell's speculative_decode rows: one measurement per draft length and temperature
+    keys = timed[[*POOL_KEY, *(c for c in VARIANT_COLUMNS if c in timed)]].astype(str).agg("\0".join, axis=1)
     has_judged = (~thin).groupby(keys).transform("any")
     rows = timed[~thin | ~has_judged].sort_values("timestamp", na_position="first")
     keys = keys[rows.index]

@@ -45,7 +45,7 @@ from kdbench.measure.parallel import DataParallel
 from kdbench.measure.rows import failure_rows, measurement_budget_s
 from kdbench.measure.step import MeasureOptions, measure_distill_step
 from kdbench.models import ModelCache, count_params
-from kdbench.names import Measurement, Status
+from kdbench.names import Measurement, Status, planned_row
 from kdbench.schema import Row
 from kdbench.workloads import workload_of
 
@@ -109,7 +109,7 @@ def measure_cell(
     planned = workload.planned(config)
     budget_s = measurement_budget_s(config, backend, len(planned))
     skip = cell_skip(config, backend, workload)
-    planned_rows = [{"measurement": m, "batch_size": bs} for m, bs in planned]
+    planned_rows = [planned_row(m, bs) for m, bs in planned]
     if skip:  # every rank sees the same, before any collective
         return None if dp is not None and not dp.root else failure_rows(planned_rows, Status.SKIPPED, skip)
     try:
@@ -152,7 +152,7 @@ def measure_cell(
             if measurement == Measurement.TEACHER_INFERENCE and bs in skip_teacher:
                 continue
             serve = partial(workload.serve, measurement, bs, pair, config, backend, budget_s)
-            rows.append(guarded(measurement, bs, backend, serve))
+            rows.append(Row(guarded(measurement, bs, backend, serve), **planned_row(measurement, bs)))
     if step["status"] != Status.SKIPPED and not device_lost():  # after every measurement: it changes none
         if options.fit_check:
             with walltime.spent(walltime.FIT):

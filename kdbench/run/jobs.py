@@ -22,7 +22,7 @@ from kdbench.measure.memory import freeze_imports
 from kdbench.measure.rows import failure_rows as planned_failures
 from kdbench.measure.step import MeasureOptions
 from kdbench.models import ModelCache
-from kdbench.names import Status
+from kdbench.names import Status, planned_row
 from kdbench.schema import Row
 from kdbench.worker_state import WorkerState, install
 from kdbench.workloads import planned_measurements, workload_of
@@ -111,7 +111,7 @@ class CellJob:
         return self.cell.config.teacher_precision
 
     def planned(self) -> list[Row]:
-        return [Row(measurement=m, batch_size=bs) for m, bs in self.planned_order()]
+        return [Row(planned_row(m, bs)) for m, bs in self.planned_order()]
 
     def planned_order(self) -> list[tuple[str, int]]:
         return planned_measurements(self.cell.config)

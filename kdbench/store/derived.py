@@ -6,6 +6,9 @@ it would mean rewriting earlier parts whenever a later one arrives:
 * ``thin`` where an older row lacks it: fewer timed calls than ``min_iters``;
 * ``speedup_vs_teacher`` (student_inference rows): the teacher's median over the
   student's at the same batch size, in the same run, cell and repeat;
+* ``spec_speedup``, ``spec_cost_ratio``, ``spec_predicted_speedup`` and ``spec_predicted_tokens_per_verify``
+  (speculative_decode rows): against the batch-size-1 teacher_decode and student_decode rows of the same run, cell
+  and repeat (:func:`_speculative`);
 * ``scaling_efficiency`` (distill_step, world_size > 1): throughput over world_size
   times the throughput of the *twin* cell at world_size 1 in the same run and repeat;
 * ``achieved_tflops``, ``datasheet_device``, ``datasheet_peak_tflops``, ``mfu`` and
@@ -42,6 +45,7 @@ from kdbench.names import PRECISIONS, SERVING, Measurement, Status, counterpart,
 from kdbench.peaks import datasheet_peak
 from kdbench.repeats import centre, paired_t
 from kdbench.schema import COLUMNS
+from kdbench.speculation import expected_tokens_per_verify, predicted_speedup
 
 # A world_size 1 cell has no DDP or FSDP options to compare: an FSDP2 cell's twin is the same single-device cell
 WORLD_SIZE = (("world_size",), ("ddp",), ("parallel",), ("fsdp",))
@@ -96,6 +100,7 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
         df.loc[older, "thin"] = (df.loc[older, "n"] < df.loc[older, "min_iters"]).to_numpy()
     ok = df["status"].eq(Status.OK)
     _speedups(df, ok)
+    _speculative(df, ok)
     _scaling(df)
     _utilisation(df, ok)
     _cache_payback(df)
@@ -130,6 +135,38 @@ def _speedups(df: pd.DataFrame, ok: pd.Series) -> None:
             continue
         t = teacher.reindex(pd.MultiIndex.from_frame(students[key])).to_numpy(dtype=float)
         df.loc[students.index, "speedup_vs_teacher"] = t / students["median_ms"].to_numpy(dtype=float)
+
+
+def _speculative(df: pd.DataFrame, ok: pd.Series) -> None:
+    """Each ok speculative_decode row against the batch-size-1 teacher_decode and student_decode rows of its run,
+    cell and repeat (the teacher decoding alone, the draft's cost), both of the same decode_tokens: the measured
+    speed-up, the cost ratio c, and the speed-up and tokens per verify predicted from the row's α, γ and c."""
+    spec = df["measurement"].eq(Measurement.SPECULATIVE_DECODE) & ok & df["median_ms"].gt(0)
+    if not spec.any():
+        return
+    key = ["run_id", "cell_id", "_repeat", "decode_tokens"]
+    repeat = df["repeat"].fillna(1) if "repeat" in df else pd.Series(1, index=df.index)
+    rows = df[ok & df["median_ms"].gt(0) & df["batch_size"].eq(1)].assign(_repeat=repeat)
+
+    def medians(measurement: str) -> np.ndarray:
+        alone = rows[rows["measurement"].eq(measurement)].drop_duplicates(key, keep="last").set_index(key)
+        return alone["median_ms"].reindex(pd.MultiIndex.from_frame(specs[key])).to_numpy(dtype=float)
+
+    specs = df[spec].assign(_repeat=repeat)
+    teacher, student = medians(Measurement.TEACHER_DECODE), medians(Measurement.STUDENT_DECODE)
+    cost = student / teacher
+    df.loc[specs.index, "spec_speedup"] = teacher / specs["median_ms"].to_numpy(dtype=float)
+    df.loc[specs.index, "spec_cost_ratio"] = cost
+    alpha = pd.to_numeric(specs["spec_alpha"], errors="coerce").to_numpy(dtype=float)
+    gamma = pd.to_numeric(specs["draft_tokens"], errors="coerce").to_numpy(dtype=float)
+    known = ~np.isnan(alpha) & ~np.isnan(gamma)
+    df.loc[specs.index, "spec_predicted_tokens_per_verify"] = [
+        expected_tokens_per_verify(a, int(g)) if k else np.nan for a, g, k in zip(alpha, gamma, known)
+    ]
+    df.loc[specs.index, "spec_predicted_speedup"] = [
+        predicted_speedup(a, int(g), c) if k and not np.isnan(c) else np.nan
+        for a, g, c, k in zip(alpha, gamma, cost, known)
+    ]
 
 
 def match_twins(df: pd.DataFrame, targets: pd.Series, bases: pd.Series, drop) -> pd.Series:

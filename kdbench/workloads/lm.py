@@ -74,6 +74,7 @@ class LMWorkload(Workload):
             "loss_impl",
             "chunk_size",
             "inference.decode_tokens",
+            "inference.speculative",
             "data.prompt_fraction",
             "data.vocab_policy",
             "overrides",
@@ -119,6 +120,7 @@ class LMWorkload(Workload):
                 )
         problems += lm_checks.vocab_problems(config, facts) + lm_checks.prompt_problems(config)
         problems += lm_checks.head_problems(config, facts) + lm_checks.generation_problems(config, facts)
+        problems += speculative_problems(config, facts)
         vocabs = {role: f.vocab for role, f in facts.items() if f.vocab is not None}
         try:
             methods = check_method(config.method)
@@ -164,8 +166,11 @@ class LMWorkload(Workload):
         return problems
 
     def planned(self, config: Any) -> list[tuple[Measurement, int]]:
+        from kdbench.workloads.speculative import planned_speculative
+
         student = (Measurement.STUDENT_PREFILL, Measurement.STUDENT_DECODE)
-        return serving_plan(config, student, (Measurement.TEACHER_PREFILL, Measurement.TEACHER_DECODE))
+        serving = serving_plan(config, student, (Measurement.TEACHER_PREFILL, Measurement.TEACHER_DECODE))
+        return serving + planned_speculative(config)
 
     def on_policy(self, distiller: Any, config: Any):
         """GKD's on-policy batch: each sequence's prompt (its first ``data.prompt_fraction``) completed by
@@ -218,7 +223,7 @@ class LMWorkload(Workload):
     def tokens(self, measurement: Measurement, batch_size: int, config: Any) -> int | None:
         if measurement == Measurement.DISTILL_STEP and config.on_policy is not None:  # prompt + completion
             return batch_size * (prompt_length(config) + config.on_policy.new_tokens)
-        if measurement in (Measurement.STUDENT_DECODE, Measurement.TEACHER_DECODE):
+        if measurement in (Measurement.STUDENT_DECODE, Measurement.TEACHER_DECODE, Measurement.SPECULATIVE_DECODE):
             return batch_size * config.inference.decode_tokens
         return batch_size * config.data.seq_len
 
@@ -343,6 +348,10 @@ class LMWorkload(Workload):
     ) -> Row:
         from kdbench.workloads.lm_serving import measure_serving
 
+        if measurement == Measurement.SPECULATIVE_DECODE:  # both models: the teacher with the student as its draft
+            from kdbench.workloads.speculative import measure_speculative
+
+            return measure_speculative(self, measurement, pair, batch_size, config, backend, budget_s)
         _, model = model_of(measurement, pair)
         return measure_serving(self, measurement, model, pair, batch_size, config, backend, budget_s)
 
@@ -365,6 +374,44 @@ def _not_an_lm(name: str) -> str:
     except KdbenchError as exc:
         return str(exc)
     raise AssertionError(f"{name!r} is an LM")  # only called for names that are not
+
+
+def speculative_problems(config: Any, facts: dict) -> Problems:
+    """inference.speculative: the teacher's batch-size-1 decode row to compare with, and two transformers causal LMs
+    (a KV cache each) drafting and verifying over one vocabulary."""
+    if config.inference.speculative is None:
+        return []
+    problems: Problems = []
+    key = ("inference", "speculative")
+    if not config.inference.teacher:
+        why = (
+            "inference.speculative is timed against the teacher decoding alone, and inference.teacher: false "
+            "measures no teacher: set inference.teacher: true (or remove inference.speculative)"
+        )
+        problems.append((key, why))
+    if 1 not in config.inference.batch_sizes:
+        why = (
+            "inference.speculative decodes at batch size 1 and is compared with the batch-size-1 decode rows: add 1 "
+            f"to inference.batch_sizes (now {list(config.inference.batch_sizes)})"
+        )
+        problems.append((key, why))
+    vocabs = {role: f.vocab for role, f in facts.items() if f.vocab is not None}
+    if len(vocabs) == 2 and vocabs["teacher"] != vocabs["student"] and config.data.vocab_policy != "slice":
+        why = (
+            f"inference.speculative: the student drafts tokens the teacher verifies, and the teacher's vocabulary has "
+            f"{vocabs['teacher']} entries and the student's {vocabs['student']}: set data.vocab_policy: slice (both "
+            "decode over the shared entries) or give both one vocab_size"
+        )
+        problems.append((key, why))
+    for role, f in facts.items():
+        if f.known and not f.can_generate:
+            why = (
+                f"inference.speculative decodes with a KV cache per model, and the {role} {getattr(config.pair, role)} "
+                "is no transformers causal LM (it returns logits): give a registered LM, a config.json or a "
+                "module:callable returning ...ForCausalLM, or remove inference.speculative"
+            )
+            problems.append((key, why))
+    return problems
 
 
 def _on_policy_problems(config: Any, tokens: list, configs: dict) -> Problems:

@@ -120,6 +120,12 @@ FAMILY_SETTINGS: dict[str, FamilySetting] = {
         lambda c: c.inference.decode_tokens != 32,
         "inference.decode_tokens is what a causal LM decodes when served; {a_pair} does not decode: remove it",
     ),
+    "inference.speculative": FamilySetting(
+        ("inference", "speculative"),
+        lambda c: c.inference.speculative is not None,
+        "inference.speculative has the teacher decode with the student as its draft: it is for language-model "
+        "pairs, and {a_pair} does not decode: remove it",
+    ),
     # token data only (image data leaves them out of the cell)
     "data.prompt_fraction": FamilySetting(
         ("data", "prompt_fraction"),

@@ -34,6 +34,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from kdbench.speculation import expected_tokens_per_verify, predicted_speedup
+
+__all__ = [
+    "Speculation",
+    "expected_tokens_per_verify",
+    "greedy_generate",
+    "predicted_speedup",
+    "speculative_generate",
+    "total_variation",
+]
+
 
 def _keyword(forward, *names: str) -> str | None:
     try:
@@ -111,21 +122,67 @@ def speculative_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     vocab: int | None = None,
+    caches: tuple[Any, Any] | None = None,
 ) -> Speculation:
     """``prompt`` (1, P), P >= 1, followed by ``new_tokens`` tokens of ``target`` (a transformers causal LM) with
     ``draft`` proposing ``draft_tokens`` per round (see the module's docstring); ``vocab``: the first entries of
     both models' logits that count (None: all; they must then be the same size).  Call it under
     ``torch.inference_mode()`` with both models in eval mode; sampling draws from ``generator`` (on the prompt's
-    device)."""
+    device).
+
+    ``caches``: the target's and the draft's KV caches already holding the prompt but its last token
+    (:func:`prefill`, e.g. done once before a timed loop); the call continues from them, as it would from its own
+    prefill (same tokens, same counts), and cuts both back to those P - 1 tokens before it returns, so that every
+    call starts from the same state.  None: the call prefills its own."""
     if prompt.dim() != 2 or prompt.shape[0] != 1 or prompt.shape[1] < 1:
         raise ValueError(f"speculative decoding takes one prompt of at least one token, shape (1, P): {prompt.shape}")
     if draft_tokens < 1 or new_tokens < 1:
         raise ValueError(f"draft_tokens ({draft_tokens}) and new_tokens ({new_tokens}) must be at least 1")
     greedy = temperature == 0
+    if caches is not None:
+        t, d = _Cached(target, vocab, caches[0]), _Cached(draft, vocab, caches[1])
+        if t.length != prompt.shape[1] - 1 or d.length != prompt.shape[1] - 1:
+            why = f"the caches hold {t.length} and {d.length} tokens, not the prompt's {prompt.shape[1]} but its last"
+            raise ValueError(why)
+        try:
+            return _rounds(t, d, prompt, new_tokens, draft_tokens, temperature, greedy, generator)
+        finally:  # back to the prompt: the next call starts from the same state
+            t.cut(prompt.shape[1] - 1)
+            d.cut(prompt.shape[1] - 1)
     t, d = _Cached(target, vocab), _Cached(draft, vocab)
     if prompt.shape[1] > 1:  # both caches hold the prompt but its last token, which the first round feeds
         t.feed(prompt[:, :-1])
         d.feed(prompt[:, :-1])
+    return _rounds(t, d, prompt, new_tokens, draft_tokens, temperature, greedy, generator)
+
+
+def prefill(lm: nn.Module, prompt: torch.Tensor) -> Any:
+    """``lm``'s KV cache holding ``prompt`` (1, P) but its last token: the state :func:`speculative_generate` starts
+    from (``caches``).  A one-token prompt: an empty cache of the model's kind (transformers' DynamicCache)."""
+    if prompt.shape[1] > 1:
+        cached = _Cached(lm, None)
+        cached.feed(prompt[:, :-1])
+        return cached.cache
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=lm.config)  # transformers >= 4.56 builds its layers from the config
+    except TypeError:
+        return DynamicCache()
+
+
+def _rounds(
+    t: _Cached,
+    d: _Cached,
+    prompt: torch.Tensor,
+    new_tokens: int,
+    draft_tokens: int,
+    temperature: float,
+    greedy: bool,
+    generator: torch.Generator | None,
+) -> Speculation:
+    """The rounds of :func:`speculative_generate` from caches ``t`` and ``d`` that hold the prompt but its last
+    token."""
     ids = prompt
     out = Speculation(prompt, new_tokens)
     while ids.shape[1] - prompt.shape[1] < new_tokens:
@@ -183,21 +240,6 @@ def speculative_generate(
     return out
 
 
-def expected_tokens_per_verify(alpha: float, draft_tokens: int) -> float:
-    """(1 - α^(γ+1)) / (1 - α): the tokens a verify step yields on average when each proposal is accepted with
-    probability α independently (Leviathan et al. 2023, eq. 1); γ + 1 at α = 1."""
-    if alpha >= 1:
-        return draft_tokens + 1.0
-    return (1 - alpha ** (draft_tokens + 1)) / (1 - alpha)
-
-
-def predicted_speedup(alpha: float, draft_tokens: int, cost_ratio: float) -> float:
-    """The expected wall-time speed-up of speculative decoding over the target alone (Leviathan et al. 2023,
-    Theorem 3.8): (1 - α^(γ+1)) / ((1 - α)(γc + 1)), with c the time of a draft forward over a target forward
-    (a verify step costed as one target forward)."""
-    return expected_tokens_per_verify(alpha, draft_tokens) / (draft_tokens * cost_ratio + 1)
-
-
 def greedy_generate(lm: nn.Module, prompt: torch.Tensor, new_tokens: int, vocab: int | None = None) -> torch.Tensor:
     """``prompt`` (B, P) followed by ``new_tokens`` greedy tokens of ``lm`` on its KV cache: (B, P + new_tokens).
     The reference speculative greedy output is held to, and the target-alone baseline a speculative row is timed
@@ -219,3 +261,91 @@ def total_variation(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature:
     p = _probs(p_logits.float(), temperature)
     q = _probs(q_logits.float(), temperature)
     return 0.5 * (p - q).abs().sum(-1)
+
+
+# --------------------------------------------------------------------------- the cell's speculative_decode rows
+
+SAMPLED_AGAINST_GREEDY = (
+    "sampled verification (temperature {t:g}) against the teacher's greedy decode row: spec_speedup compares this "
+    "row with an argmax per token; sampling adds a softmax and a draw per position to this row's work"
+)
+
+
+def planned_speculative(config: Any) -> list[tuple[Any, int]]:
+    """The cell's speculative_decode measurements (``inference.speculative``): one per draft length and temperature
+    (draft-length-major), each at batch size 1, as :class:`~kdbench.names.Speculative` (the measurement carrying
+    its variant)."""
+    from kdbench.names import Speculative
+
+    spec = config.inference.speculative
+    if spec is None:
+        return []
+    return [(Speculative(g, t), 1) for g in spec.draft_tokens for t in spec.temperature]
+
+
+def measure_speculative(
+    workload: Any, measurement: Any, pair: tuple, batch_size: int, config: Any, backend: Any, budget_s: float | None
+) -> Any:
+    """The speculative_decode row of ``measurement`` (a :class:`~kdbench.names.Speculative`: its draft length and
+    temperature): the teacher (``pair[0]``) generating ``inference.decode_tokens`` new tokens after the cell's
+    batch-size-1 prompt (the decode rows' first prompt) with the student (``pair[1]``) as its draft, timed within
+    ``budget_s``.  Both models eval, under inference mode and the cell's precision; both prompts prefilled before
+    the timed loop (untimed) and their caches cut back to them after each call; a sampled call draws from a
+    generator seeded the same at its start (every call does the same work).  The row holds the counts of the last
+    call (every call's are the same)."""
+    from kdbench.hw.backends import choose_autocast
+    from kdbench.measure.failures import SkipMeasurement
+    from kdbench.names import Measurement, variant_columns
+    from kdbench.workloads.lm import shared_vocab
+    from kdbench.workloads.lm_serving import token_serving_row
+
+    if batch_size != 1:
+        raise SkipMeasurement(f"speculative decoding runs at batch size 1, not {batch_size}")
+    teacher, student = pair
+    if not (getattr(teacher, "hf", False) and getattr(student, "hf", False)):
+        why = "speculative decoding needs two transformers causal LMs (a KV cache each); this pair's return logits"
+        raise SkipMeasurement(why)
+    variant = variant_columns(measurement)
+    gamma, temperature = variant["draft_tokens"], variant["spec_temperature"]
+    new_tokens = config.inference.decode_tokens
+    ids, _ = workload.batch(config, 1, backend.device, config.seed + 1, pair)  # the decode rows' first prompt
+    vocab = shared_vocab(config, teacher, student)
+    sizes = {teacher.vocab_size, student.vocab_size}
+    target, draft = teacher.lm, student.lm
+    target.eval()
+    draft.eval()
+    choice = choose_autocast(backend, config.precision)
+    seed = config.seed + 2
+    generator = torch.Generator(device=backend.device) if temperature > 0 else None
+    state: dict[str, Any] = {}
+
+    def start() -> None:  # both prompts in their caches (untimed; called under inference mode and the precision)
+        state["caches"] = (prefill(target, ids), prefill(draft, ids))
+
+    def call() -> Speculation:
+        if generator is not None:
+            generator.manual_seed(seed)  # the same draws every call: the same work
+        with torch.inference_mode(), choice.context(backend.device_type):
+            out = speculative_generate(
+                target, draft, ids, new_tokens, gamma, temperature, generator, vocab, caches=state["caches"]
+            )
+        state["last"] = out
+        return out
+
+    notes: tuple[str, ...] = ()
+    if temperature > 0:
+        notes += (SAMPLED_AGAINST_GREEDY.format(t=temperature),)
+    if len(sizes - {None}) > 1:
+        notes += (f"the vocabularies differ: both models draft and verify over the {vocab} entries they share",)
+    columns = {"decode_tokens": new_tokens, **variant}
+    measured = Measurement.SPECULATIVE_DECODE
+    args = (workload, measured, 1, config, backend, budget_s, choice, call, ids, columns, notes)
+    row = token_serving_row(*args, start=start)
+    last: Speculation | None = state.get("last")
+    if last is not None:
+        row.update(
+            spec_alpha=last.alpha,
+            spec_accepted_per_verify=last.accepted_per_verify,
+            spec_tokens_per_verify=last.tokens_per_verify,
+        )
+    return row
