@@ -9,6 +9,9 @@ Data (pandas only, never torch):
 * :func:`serving_table`: per pair, setting, prompt length and batch size, the student's and the teacher's
   prefill and decode, and the student's speed-ups (cells that differ only in their loss serve the same
   models: they are shown once, at the median over those cells).
+* :func:`speculative_table`: per pair, setting, prompt length, new tokens, draft length γ and temperature T, the
+  teacher decoding with the student as its draft (speculative_decode rows): α, tokens per verify (measured and
+  predicted), tokens/s, the measured and predicted speed-ups over the teacher alone, and the cost ratio c.
 
 Charts (:func:`draw_lm`, drawn with :mod:`kdbench.report.charts` as the report's other charts are) and the page's part
 (:func:`lm_section`, None when the frame has no LM rows, so other reports do not change).
@@ -17,7 +20,7 @@ Charts (:func:`draw_lm`, drawn with :mod:`kdbench.report.charts` as the report's
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -58,6 +61,7 @@ class LmSection:
     charts: list[Chart]
     steps: list[dict]  # one formatted row per LM distill_step cell of a run
     serving: list[dict]  # one formatted row per pair, setting, prompt length and batch size
+    speculative: list[dict] = field(default_factory=list)  # one formatted row per pair, setting, γ and T
 
 
 def lm_section(df: pd.DataFrame, out_dir: Path) -> LmSection | None:
@@ -65,7 +69,12 @@ def lm_section(df: pd.DataFrame, out_dir: Path) -> LmSection | None:
     if not has_lm(df):
         return None
     points = step_points(df)
-    return LmSection(charts=draw_lm(points, out_dir), steps=step_rows(points), serving=serving_rows(serving_table(df)))
+    return LmSection(
+        charts=draw_lm(points, out_dir),
+        steps=step_rows(points),
+        serving=serving_rows(serving_table(df)),
+        speculative=speculative_rows(speculative_table(df)),
+    )
 
 
 # --- data ----------------------------------------------------------------------------
@@ -246,6 +255,73 @@ def _serving_keys(rows: pd.DataFrame) -> pd.DataFrame:
     for column in ("seq_len", "decode_tokens", "batch_size"):  # 0: unknown (groupby drops null keys)
         rows[column] = pd.to_numeric(rows[column], errors="coerce").fillna(0).astype(int)
     return rows
+
+
+SPECULATIVE_KEY = ["source", "pair", "setting", "seq_len", "decode_tokens", "draft_tokens", "spec_temperature"]
+SPECULATIVE_STATS = (
+    "spec_alpha",
+    "spec_tokens_per_verify",
+    "spec_predicted_tokens_per_verify",
+    "tokens_per_s",
+    "spec_speedup",
+    "spec_predicted_speedup",
+    "spec_cost_ratio",
+)
+
+
+def speculative_table(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per :data:`SPECULATIVE_KEY`: the speculative_decode rows' ``status`` (ok when one cell's was) and
+    :data:`SPECULATIVE_STATS` (α, tokens per verify measured and predicted, tokens/s, the speed-ups measured and
+    predicted, the cost ratio), each the median over the cells with that key (``cells``: how many) of their centres
+    over repeats (the derived columns of :mod:`kdbench.store.derived`)."""
+    rows = lm_rows(df)
+    rows = rows[rows["measurement"].eq(Measurement.SPECULATIVE_DECODE)]
+    columns = [*SPECULATIVE_KEY, "cells", "status", "error", *SPECULATIVE_STATS]
+    if rows.empty:
+        return pd.DataFrame(columns=columns)
+    rows = _serving_keys(charts.with_keys(rows))
+    rows["draft_tokens"] = pd.to_numeric(rows["draft_tokens"], errors="coerce").fillna(0).astype(int)
+    rows["spec_temperature"] = pd.to_numeric(rows["spec_temperature"], errors="coerce").fillna(0.0)
+    ok = pooled(rows)
+    stats = ok.groupby(SPECULATIVE_KEY)[list(SPECULATIVE_STATS)].median() if len(ok) else None
+    ordered = rows.sort_values("timestamp", na_position="first")
+    status = ordered.groupby(SPECULATIVE_KEY)["status"].agg(lambda s: Status.OK if s.eq(Status.OK).any() else s.iloc[-1])
+    error = ordered.groupby(SPECULATIVE_KEY)["error"].last()
+    cells = rows.groupby(SPECULATIVE_KEY)["cell_id"].nunique().rename("cells")
+    parts = [cells, status.rename("status"), error.rename("error")] + ([stats] if stats is not None else [])
+    table = pd.concat(parts, axis=1).reset_index().reindex(columns=columns)
+    table = table.assign(cells=table["cells"].astype(int))
+    return table.sort_values(SPECULATIVE_KEY).reset_index(drop=True)
+
+
+def speculative_rows(table: pd.DataFrame) -> list[dict]:
+    """The speculative table, formatted: a row that did not run shows its status and error instead."""
+
+    def fixed(x, digits: int = 3) -> str:
+        return MISSING if pd.isna(x) else f"{float(x):.{digits}f}"
+
+    out = []
+    for r in table.to_dict("records"):
+        ok = r["status"] == Status.OK
+        row = {key: r[key] for key in ("source", "pair", "setting", "cells")}
+        row.update(
+            ok=ok,
+            status=status_text(r["status"]),
+            error="" if ok or pd.isna(r["error"]) else truncate(str(r["error"])),
+            seq_len=format_int(r["seq_len"] or None),
+            decode_tokens=format_int(r["decode_tokens"] or None),
+            draft_tokens=str(int(r["draft_tokens"])),
+            temperature="greedy" if float(r["spec_temperature"]) == 0 else f"{float(r['spec_temperature']):g}",
+            alpha=fixed(r["spec_alpha"]) if ok else MISSING,
+            tokens_per_verify=fixed(r["spec_tokens_per_verify"], 2) if ok else MISSING,
+            predicted_tokens_per_verify=fixed(r["spec_predicted_tokens_per_verify"], 2) if ok else MISSING,
+            tokens_per_s=format_int(r["tokens_per_s"]) if ok else MISSING,
+            speedup=format_speedup(r["spec_speedup"]) if ok else MISSING,
+            predicted_speedup=format_speedup(r["spec_predicted_speedup"]) if ok else MISSING,
+            cost_ratio=fixed(r["spec_cost_ratio"]) if ok else MISSING,
+        )
+        out.append(row)
+    return out
 
 
 # --- table rows ----------------------------------------------------------------------

@@ -82,7 +82,9 @@ def pooled(df: pd.DataFrame) -> pd.DataFrame:
         return timed.assign(repeats=pd.Series(dtype=int), centre_low_ms=np.nan, centre_high_ms=np.nan)
     thin = timed["thin"].eq(True) if "thin" in timed else pd.Series(False, index=timed.index)
     # a cell's speculative_decode rows: one measurement per draft length and temperature
-    keys = timed[[*POOL_KEY, *(c for c in VARIANT_COLUMNS if c in timed)]].astype(str).agg("\0".join, axis=1)
+    keys = timed[POOL_KEY].astype(str).agg("\0".join, axis=1)
+    for column in (c for c in VARIANT_COLUMNS if c in timed):  # null on all other rows
+        keys = keys + "\0" + timed[column].astype("string").fillna("").astype(str)
     has_judged = (~thin).groupby(keys).transform("any")
     rows = timed[~thin | ~has_judged].sort_values("timestamp", na_position="first")
     keys = keys[rows.index]

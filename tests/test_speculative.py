@@ -1,0 +1,348 @@
+"""Speculative decoding (issue 33): the core loop against the teacher's own greedy output on every shipped LM
+family, a draft identical to the teacher (α = 1), drafts that share little or nothing with it (α against the
+total-variation bound 1 − TV), the sampled output's distribution, and the cell's speculative_decode rows with their
+derived speed-ups.  Tiny fp32 models; nothing here depends on the machine's speed."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from kdbench.models.lm import build_lm
+from kdbench.speculation import expected_tokens_per_verify, predicted_speedup
+from kdbench.workloads.speculative import greedy_generate, prefill, speculative_generate, total_variation
+
+VOCAB = 128
+# every shipped LM family at a tiny size: (registered name, overrides)
+# (Qwen2's and GPT-2's default initializer_range, 0.02, makes a tiny random model repeat one token: 0.1 varies it)
+FAMILIES = {
+    "llama": ("tiny-llama-student", {"vocab_size": VOCAB, "num_hidden_layers": 2}),
+    "qwen2": (
+        "qwen2.5-0.5b",
+        {
+            "vocab_size": VOCAB,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+            "initializer_range": 0.1,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
+        "gpt2": (
+        "gpt2",
+        {
+            **{"vocab_size": VOCAB, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512},
+            **{"initializer_range": 0.1, "bos_token_id": 1, "eos_token_id": 2},
+        },
+    ),
+}
+
+
+def tiny(family: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    name, overrides = FAMILIES[family]
+    return build_lm(name, overrides).eval()
+
+
+def perturbed(lm: torch.nn.Module, scale: float, seed: int = 1) -> torch.nn.Module:
+    """A copy of ``lm`` with noise on every weight: a draft that agrees with it on part of its tokens."""
+    draft = copy.deepcopy(lm)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * (p.std() if p.numel() > 1 else 1.0))
+    return draft
+
+
+def prompt_of(length: int, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_pair(request):
+    target = tiny(request.param)
+    return request.param, target, perturbed(target, 0.1)
+
+
+# ---------------------------------------------------------------- greedy: the teacher's own output
+
+
+@pytest.mark.parametrize("prompt_len", [1, 6])
+def test_greedy_speculative_output_is_the_teachers_greedy_output_on_every_family(family_pair, prompt_len):
+    family, target, draft = family_pair
+    prompt, new = prompt_of(prompt_len), 24
+    with torch.inference_mode():
+        want = greedy_generate(target, prompt, new)
+        accepted = rejected = 0
+        for gamma in (1, 2, 4):
+            out = speculative_generate(target, draft, prompt, new, gamma)
+            assert torch.equal(out.tokens, want), (family, gamma)
+            assert out.tokens.shape == (1, prompt_len + new)
+            assert out.accepted + out.verifies >= new and out.proposed >= out.accepted + out.rejected
+            accepted, rejected = accepted + out.accepted, rejected + out.rejected
+            # from caches prefilled once, twice in a row: the same tokens and counts, the caches back to the prompt
+            caches = (prefill(target, prompt), prefill(draft, prompt))
+            for _ in range(2):
+                again = speculative_generate(target, draft, prompt, new, gamma, caches=caches)
+                assert torch.equal(again.tokens, want)
+                assert (again.accepted, again.rejected, again.verifies) == (out.accepted, out.rejected, out.verifies)
+                assert [int(c.get_seq_length()) for c in caches] == [prompt_len - 1] * 2
+        # the perturbed draft agrees on some tokens (and after the longer prompt not on all: both branches ran)
+        assert accepted > 0 and (rejected > 0 or prompt_len == 1), family
+
+
+def test_greedy_speculative_output_is_what_transformers_generate_gives(family_pair):
+    family, target, draft = family_pair
+    prompt, new = prompt_of(5), 16
+    lm = copy.deepcopy(target)
+    lm.generation_config.eos_token_id = None  # no early stop: every new token counts
+    lm.generation_config.pad_token_id = 0
+    with torch.inference_mode():
+        hf = lm.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False)
+        out = speculative_generate(target, draft, prompt, new, 3)
+    assert torch.equal(out.tokens, hf), family
+
+
+# ---------------------------------------------------------------- a draft identical to the teacher
+
+
+def rounds_of(new_tokens: int, gamma: int) -> int:
+    """Verify steps when every proposal is accepted: each round yields min(γ, what is left) + 1 tokens."""
+    made = rounds = 0
+    while made < new_tokens:
+        made += min(gamma, new_tokens - made) + 1
+        rounds += 1
+    return rounds
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("gamma", [1, 3, 4])
+def test_a_draft_identical_to_the_teacher_has_every_proposal_accepted(temperature, gamma):
+    target = tiny("llama")
+    draft = copy.deepcopy(target)
+    prompt, new = prompt_of(4), 23
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        out = speculative_generate(target, draft, prompt, new, gamma, temperature, g)
+    rounds = rounds_of(new, gamma)
+    assert out.alpha == 1.0 and out.rejected == 0
+    assert out.verifies == rounds and out.accepted == out.proposed
+    # the rounds propose γ each, the last what is left (23 = 5 rounds of γ + 1 = 4 + 1 ... and the rest)
+    assert out.proposed == sum(min(gamma, new - i * (gamma + 1)) for i in range(rounds))
+    assert out.tokens_per_verify == new / rounds
+    if new % (gamma + 1) == 0:
+        assert out.tokens_per_verify == gamma + 1
+    if temperature == 0:
+        with torch.inference_mode():
+            assert torch.equal(out.tokens, greedy_generate(target, prompt, new))
+
+
+# ---------------------------------------------------------------- α against its total-variation bound
+
+
+class _Length:
+    """A KV cache that holds nothing but its length (what speculative decoding reads of it and cuts)."""
+
+    def __init__(self) -> None:
+        self.length = 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, length: int) -> None:
+        self.length = self.length + length if length < 0 else length
+
+
+class FixedDistribution(torch.nn.Module):
+    """A causal LM whose next-token distribution is ``softmax(bias)`` at every position, whatever the context, with
+    the interface speculative decoding takes (``input_ids``, ``use_cache``, ``past_key_values``; logits out)."""
+
+    def __init__(self, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.bias = bias
+
+    def forward(self, input_ids, use_cache=True, past_key_values=None):
+        from types import SimpleNamespace
+
+        cache = past_key_values if past_key_values is not None else _Length()
+        cache.length += input_ids.shape[1]
+        logits = self.bias.expand(input_ids.shape[0], input_ids.shape[1], -1)
+        return SimpleNamespace(logits=logits, past_key_values=cache)
+
+
+def fixed_distribution(bias: torch.Tensor) -> torch.nn.Module:
+    return FixedDistribution(bias)
+
+
+def bias_on(tokens: range, height: float) -> torch.Tensor:
+    bias = torch.zeros(VOCAB)
+    bias[list(tokens)] = height
+    return bias
+
+
+@pytest.mark.parametrize(
+    "target_tokens, draft_tokens, height",
+    [
+        (range(0, 8), range(8, 16), 12.0),  # disjoint: the draft shares nothing with the teacher (TV ≈ 1)
+        (range(0, 16), range(8, 24), 3.0),  # partial overlap
+    ],
+)
+def test_sampled_alpha_is_one_minus_the_total_variation_of_fixed_distributions(target_tokens, draft_tokens, height):
+    p_bias, q_bias = bias_on(target_tokens, height), bias_on(draft_tokens, height)
+    target, draft = fixed_distribution(p_bias), fixed_distribution(q_bias)
+    tv = float(total_variation(p_bias, q_bias))
+    accepted = judged = 0
+    g = torch.Generator().manual_seed(7)
+    with torch.inference_mode():
+        for seed in range(4):
+            out = speculative_generate(target, draft, prompt_of(3, seed), 64, 4, 1.0, g)
+            accepted, judged = accepted + out.accepted, judged + out.accepted + out.rejected
+    alpha, bound = accepted / judged, 1 - tv
+    # each judged proposal is accepted independently with probability 1 - TV: 4 standard errors, and at least 0.02
+    tolerance = max(0.02, 4 * math.sqrt(max(bound * (1 - bound), 1e-4) / judged))
+    assert abs(alpha - bound) <= tolerance, (alpha, bound, judged)
+
+
+def test_sampled_alpha_of_two_random_models_is_near_one_minus_their_mean_tv_along_the_output(temperature=0.8):
+    target, draft = tiny("llama", seed=0), tiny("llama", seed=5)
+    g = torch.Generator().manual_seed(11)
+    accepted = judged = 0
+    tvs = []
+    with torch.inference_mode():
+        for seed in range(3):
+            prompt = prompt_of(4, seed)
+            out = speculative_generate(target, draft, prompt, 96, 4, temperature, g)
+            accepted, judged = accepted + out.accepted, judged + out.accepted + out.rejected
+            # the TV of the two models' next-token distributions at every position of the generated text
+            ids = out.tokens[:, :-1]
+            p, q = target(input_ids=ids).logits[0, 3:], draft(input_ids=ids).logits[0, 3:]
+            tvs.append(total_variation(p, q, temperature))
+    bound = 1 - float(torch.cat(tvs).mean())
+    alpha = accepted / judged
+    assert 0.05 < bound < 0.95  # the models overlap in part: the test can tell the bound from 0 or 1
+    assert abs(alpha - bound) <= 0.06 + 4 * math.sqrt(bound * (1 - bound) / judged), (alpha, bound, judged)
+
+
+def test_sampled_first_tokens_are_distributed_as_the_teachers():
+    """Leviathan et al.'s guarantee: whatever the draft, the output is distributed as the teacher's sampling; here
+    the first new token's frequencies over 1500 seeded draws against the teacher's probabilities (chi-square)."""
+    small = 8
+    p_bias = torch.full((VOCAB,), -30.0)
+    q_bias = p_bias.clone()
+    p_bias[:small] = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 0.2])
+    q_bias[:small] = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 0.0, 0.0, -1.0])
+    target, draft = fixed_distribution(p_bias), fixed_distribution(q_bias)
+    g = torch.Generator().manual_seed(2024)
+    counts = torch.zeros(small)
+    draws = 1500
+    prompt = prompt_of(1)
+    with torch.inference_mode():
+        for _ in range(draws):
+            out = speculative_generate(target, draft, prompt, 1, 2, 1.0, g)
+            counts[int(out.tokens[0, -1])] += 1
+    p = torch.softmax(p_bias, -1)[:small]
+    chi2 = float(((counts - draws * p) ** 2 / (draws * p)).sum())
+    assert counts.sum() == draws
+    assert chi2 < 24.3, (chi2, counts.tolist())  # the 0.999 quantile of chi-square with 7 degrees of freedom
+
+
+# ---------------------------------------------------------------- the formulas
+
+
+def test_the_formulas_are_leviathans():
+    assert expected_tokens_per_verify(1.0, 4) == 5.0
+    assert expected_tokens_per_verify(0.0, 4) == 1.0
+    assert expected_tokens_per_verify(0.5, 2) == pytest.approx((1 - 0.5**3) / 0.5)
+    # Leviathan et al. 2023, Table/Figure 3's regime: α 0.8, γ 4, c 0.05 -> (1 - 0.8^5) / (0.2 * 1.2)
+    assert predicted_speedup(0.8, 4, 0.05) == pytest.approx((1 - 0.8**5) / (0.2 * 1.2))
+
+
+# ---------------------------------------------------------------- the cell's rows
+
+
+SPEC_SUITE = {
+    "name": "spec",
+    "backend": "cpu",
+    "threads": 1,
+    "defaults": {
+        "pair": {"teacher": "tiny-llama-teacher", "student": "tiny-llama-student"},
+        "overrides": {
+            "teacher": {"num_hidden_layers": 2, "vocab_size": 256},
+            "student": {"num_hidden_layers": 1, "vocab_size": 256},
+        },
+        "method": "forward_kl",
+        "batch_size": 2,
+        "data": {"kind": "tokens", "seq_len": 16},
+        "timing": {"warmup": 0, "min_iters": 2, "min_time_s": 0.0},
+        "inference": {
+            "batch_sizes": [1],
+            "decode_tokens": 6,
+            "speculative": {"draft_tokens": [1, 3], "temperature": [0, 1]},
+        },
+    },
+}
+
+
+def test_a_cell_stores_a_speculative_row_per_draft_length_and_temperature_with_its_speedups(tmp_path):
+    from kdbench.cli import main
+    from kdbench.store import read_results
+    from tests.helpers import write_suite
+
+    suite = write_suite(tmp_path / "s.yaml", **SPEC_SUITE)
+    assert main(["run", str(suite), "--out", str(tmp_path / "res"), "--no-report", "--inline"]) == 0
+    df = read_results([tmp_path / "res"])
+    spec = df[df["measurement"].eq("speculative_decode")].sort_values(["draft_tokens", "spec_temperature"])
+    assert spec["status"].tolist() == ["ok"] * 4, spec["error"].tolist()
+    assert spec[["draft_tokens", "spec_temperature"]].values.tolist() == [[1, 0], [1, 1], [3, 0], [3, 1]]
+    assert (spec["batch_size"] == 1).all() and (spec["decode_tokens"] == 6).all() and (spec["tokens"] == 6).all()
+    by = df[df["batch_size"].eq(1)].set_index("measurement")
+    teacher, student = by.loc["teacher_decode", "median_ms"], by.loc["student_decode", "median_ms"]
+    for r in spec.to_dict("records"):
+        alpha, gamma = r["spec_alpha"], int(r["draft_tokens"])
+        assert 0 <= alpha <= 1 and 1 <= r["spec_tokens_per_verify"] <= gamma + 1
+        assert r["spec_accepted_per_verify"] == pytest.approx(r["spec_tokens_per_verify"] - 1, abs=1e-9) or alpha < 1
+        assert r["tokens_per_s"] == pytest.approx(6 / (r["median_ms"] / 1e3))
+        assert r["spec_speedup"] == pytest.approx(teacher / r["median_ms"])
+        assert r["spec_cost_ratio"] == pytest.approx(student / teacher)
+        assert r["spec_predicted_speedup"] == pytest.approx(predicted_speedup(alpha, gamma, student / teacher))
+        assert r["spec_predicted_tokens_per_verify"] == pytest.approx(expected_tokens_per_verify(alpha, gamma))
+        sampled = r["spec_temperature"] > 0
+        assert ("sampled verification" in (r["notes"] if isinstance(r["notes"], str) else "")) == sampled
+    # the other rows have no speculative figures
+    others = df[df["measurement"].ne("speculative_decode")]
+    assert others["spec_speedup"].isna().all() and others["draft_tokens"].isna().all()
+    # the report's LM section lists the four rows
+    assert main(["report", str(tmp_path / "res"), "--out", str(tmp_path / "page")]) == 0
+    page = (tmp_path / "page" / "index.html").read_text()
+    assert page.count('class="lm-speculative-row') == 4 and "greedy" in page
+
+
+def test_the_report_shows_a_speculative_table(tmp_path):
+    from kdbench.report.lm import speculative_rows, speculative_table
+    from tests.helpers import as_read
+
+    rows = [
+        {"run_id": "r", "cell_id": "c", "measurement": m, "status": "ok", "batch_size": 1, "median_ms": ms,
+         "decode_tokens": 8, "data_kind": "tokens", "loss_impl": "dense", "teacher": "t", "student": "s",
+         "precision": "fp32", "seq_len": 16, "tokens_per_s": 8 / (ms / 1e3), **extra}
+        for m, ms, extra in [
+            ("teacher_decode", 40.0, {}),
+            ("student_decode", 10.0, {}),
+            ("speculative_decode", 20.0, {"draft_tokens": 4, "spec_temperature": 0.0, "spec_alpha": 0.5,
+                                          "spec_tokens_per_verify": 1.6, "spec_accepted_per_verify": 0.6}),
+        ]
+    ]  # fmt: skip
+    table = speculative_table(as_read(rows))
+    assert len(table) == 1
+    r = table.iloc[0]
+    assert r["spec_speedup"] == pytest.approx(2.0) and r["spec_cost_ratio"] == pytest.approx(0.25)
+    assert r["spec_predicted_speedup"] == pytest.approx(predicted_speedup(0.5, 4, 0.25))
+    shown = speculative_rows(table)[0]
+    assert shown["draft_tokens"] == "4" and shown["alpha"] == "0.500" and shown["speedup"].startswith("2.0")
