@@ -50,7 +50,7 @@ LM_SERVING = (
     Measurement.TEACHER_PREFILL,
     Measurement.TEACHER_DECODE,
 )
-SPECULATIVE = (Measurement.SPECULATIVE_DECODE,)  # both models serving together (neither the student's nor the teacher's)
+SPECULATIVE = (Measurement.SPECULATIVE_DECODE,)  # both models serving together (neither a student's nor a teacher's)
 SERVING = (*INFERENCE, *LM_SERVING, *SPECULATIVE)  # every measurement of serving (no training)
 TIMED = (Measurement.DISTILL_STEP, *SERVING)  # every measurement that times something
 

@@ -35,7 +35,7 @@ FAMILIES = {
             "eos_token_id": 2,
         },
     ),
-        "gpt2": (
+    "gpt2": (
         "gpt2",
         {
             **{"vocab_size": VOCAB, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512},
@@ -346,3 +346,52 @@ def test_the_report_shows_a_speculative_table(tmp_path):
     assert r["spec_predicted_speedup"] == pytest.approx(predicted_speedup(0.5, 4, 0.25))
     shown = speculative_rows(table)[0]
     assert shown["draft_tokens"] == "4" and shown["alpha"] == "0.500" and shown["speedup"].startswith("2.0")
+
+
+def test_a_draft_with_a_smaller_vocabulary_drafts_over_the_shared_entries():
+    """data.vocab_policy slice: both models' logits cut to the shared vocabulary; the output is the teacher's greedy
+    output over it, and the cell's row says so."""
+    from kdbench.config.schema import CellConfig
+    from kdbench.hw.backends import resolve
+    from kdbench.models import ModelCache
+    from kdbench.names import Speculative
+    from kdbench.workloads.lm import LM
+
+    target = tiny("llama")
+    torch.manual_seed(1)
+    draft = build_lm("tiny-llama-student", {"vocab_size": 100, "num_hidden_layers": 1}).eval()
+    prompt = prompt_of(5) % 100
+    with torch.inference_mode():
+        out = speculative_generate(target, draft, prompt, 12, 3, vocab=100)
+        assert torch.equal(out.tokens, greedy_generate(target, prompt, 12, vocab=100))
+    overrides = {"teacher": {"num_hidden_layers": 1, "vocab_size": 256}, "student": {"vocab_size": 200}}
+    data = {"kind": "tokens", "seq_len": 16, "vocab_policy": "slice"}
+    config = CellConfig.model_validate({**SPEC_SUITE["defaults"], "overrides": overrides, "data": data})
+    pair = LM.build_pair(config, resolve("cpu"), ModelCache())
+    row = LM.serve(Speculative(2, 1.0), 1, pair, config, resolve("cpu"), None)
+    assert row["status"] == "ok" and row["draft_tokens"] == 2 and row["spec_temperature"] == 1.0
+    assert "both models draft and verify over the 200 entries they share" in row["notes"]
+    assert 0 <= row["spec_alpha"] <= 1 and row["decode_tokens"] == 6
+
+
+def test_the_plan_has_a_speculative_row_per_variant_at_batch_size_1_that_pickles_with_it():
+    import pickle
+
+    from kdbench.config.plan import cell_id_of, config_dict
+    from kdbench.config.schema import CellConfig
+    from kdbench.names import Measurement, Speculative, planned_row
+    from kdbench.workloads import planned_measurements
+
+    config = CellConfig.model_validate(SPEC_SUITE["defaults"])
+    spec = [(m, bs) for m, bs in planned_measurements(config) if m == Measurement.SPECULATIVE_DECODE]
+    assert [(m.draft_tokens, m.temperature, bs) for m, bs in spec] == [(1, 0, 1), (1, 1, 1), (3, 0, 1), (3, 1, 1)]
+    again = pickle.loads(pickle.dumps(spec[3][0]))
+    assert isinstance(again, Speculative) and (again.draft_tokens, again.temperature) == (3, 1.0)
+    assert planned_row(spec[1][0], 1) == {
+        "measurement": "speculative_decode", "batch_size": 1, "draft_tokens": 1, "spec_temperature": 1.0,
+    }  # fmt: skip
+    assert type(planned_row(spec[1][0], 1)["measurement"]) is Measurement
+    # a cell without inference.speculative keeps its id (the key is left out at its default)
+    plain = {k: v for k, v in SPEC_SUITE["defaults"].items() if k != "inference"}
+    with_none = CellConfig.model_validate({**plain, "inference": {"batch_sizes": [1], "decode_tokens": 6}})
+    assert "speculative" not in config_dict(with_none)["inference"] and cell_id_of(with_none) != cell_id_of(config)

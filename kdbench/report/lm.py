@@ -285,13 +285,18 @@ def speculative_table(df: pd.DataFrame) -> pd.DataFrame:
     ok = pooled(rows)
     stats = ok.groupby(SPECULATIVE_KEY)[list(SPECULATIVE_STATS)].median() if len(ok) else None
     ordered = rows.sort_values("timestamp", na_position="first")
-    status = ordered.groupby(SPECULATIVE_KEY)["status"].agg(lambda s: Status.OK if s.eq(Status.OK).any() else s.iloc[-1])
+    status = ordered.groupby(SPECULATIVE_KEY)["status"].agg(_any_ok)
     error = ordered.groupby(SPECULATIVE_KEY)["error"].last()
     cells = rows.groupby(SPECULATIVE_KEY)["cell_id"].nunique().rename("cells")
     parts = [cells, status.rename("status"), error.rename("error")] + ([stats] if stats is not None else [])
     table = pd.concat(parts, axis=1).reset_index().reindex(columns=columns)
     table = table.assign(cells=table["cells"].astype(int))
     return table.sort_values(SPECULATIVE_KEY).reset_index(drop=True)
+
+
+def _any_ok(statuses: pd.Series):
+    """ok when one cell's was, else the latest status."""
+    return Status.OK if statuses.eq(Status.OK).any() else statuses.iloc[-1]
 
 
 def speculative_rows(table: pd.DataFrame) -> list[dict]:

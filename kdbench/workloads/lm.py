@@ -378,7 +378,8 @@ def _not_an_lm(name: str) -> str:
 
 def speculative_problems(config: Any, facts: dict) -> Problems:
     """inference.speculative: the teacher's batch-size-1 decode row to compare with, and two transformers causal LMs
-    (a KV cache each) drafting and verifying over one vocabulary."""
+    (a KV cache each).  Two vocabularies are refused unless data.vocab_policy slices them (as for every LM cell:
+    :func:`kdbench.workloads.lm_checks.vocab_problems`); sliced, both draft and verify over the shared entries."""
     if config.inference.speculative is None:
         return []
     problems: Problems = []
@@ -393,14 +394,6 @@ def speculative_problems(config: Any, facts: dict) -> Problems:
         why = (
             "inference.speculative decodes at batch size 1 and is compared with the batch-size-1 decode rows: add 1 "
             f"to inference.batch_sizes (now {list(config.inference.batch_sizes)})"
-        )
-        problems.append((key, why))
-    vocabs = {role: f.vocab for role, f in facts.items() if f.vocab is not None}
-    if len(vocabs) == 2 and vocabs["teacher"] != vocabs["student"] and config.data.vocab_policy != "slice":
-        why = (
-            f"inference.speculative: the student drafts tokens the teacher verifies, and the teacher's vocabulary has "
-            f"{vocabs['teacher']} entries and the student's {vocabs['student']}: set data.vocab_policy: slice (both "
-            "decode over the shared entries) or give both one vocab_size"
         )
         problems.append((key, why))
     for role, f in facts.items():
