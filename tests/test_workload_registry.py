@@ -35,6 +35,7 @@ SETTING = {  # a cell that sets each family-specific setting away from its defau
     "loss_impl": {"loss_impl": "chunked"},
     "chunk_size": {"chunk_size": 64},
     "inference.decode_tokens": {"inference": {"decode_tokens": 8}},
+    "inference.speculative": {"inference": {"speculative": {"draft_tokens": [2]}}},
     "data.prompt_fraction": {"data": {"prompt_fraction": 0.5}},
     "data.vocab_policy": {"data": {"vocab_policy": "slice"}},
     "overrides": {"overrides": {"student": {"num_hidden_layers": 1}}},
