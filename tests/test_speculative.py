@@ -395,3 +395,34 @@ def test_the_plan_has_a_speculative_row_per_variant_at_batch_size_1_that_pickles
     plain = {k: v for k, v in SPEC_SUITE["defaults"].items() if k != "inference"}
     with_none = CellConfig.model_validate({**plain, "inference": {"batch_sizes": [1], "decode_tokens": 6}})
     assert "speculative" not in config_dict(with_none)["inference"] and cell_id_of(with_none) != cell_id_of(config)
+
+
+def test_sampled_speculation_from_prefilled_caches_is_the_same_as_from_its_own_prefill():
+    target, draft = tiny("llama", seed=0), tiny("llama", seed=5)
+    prompt = prompt_of(7)
+    with torch.inference_mode():
+        own = speculative_generate(target, draft, prompt, 20, 3, 1.0, torch.Generator().manual_seed(5))
+        caches = (prefill(target, prompt), prefill(draft, prompt))
+        for _ in range(2):  # twice: the caches are back at the prompt after each call
+            again = speculative_generate(
+                target, draft, prompt, 20, 3, 1.0, torch.Generator().manual_seed(5), caches=caches
+            )
+            assert torch.equal(again.tokens, own.tokens)
+            assert (again.accepted, again.rejected, again.verifies) == (own.accepted, own.rejected, own.verifies)
+    with pytest.raises(ValueError, match=r"hold 6 and 6 tokens, not the prompt but its last \(4\)"):
+        speculative_generate(target, draft, prompt[:, :5], 4, 2, caches=caches)
+
+
+def test_compare_tells_a_cells_speculative_variants_apart():
+    import pandas as pd
+
+    from kdbench.report.compare import variant_labels
+
+    rows = pd.DataFrame(
+        {
+            "measurement": ["teacher_decode", "speculative_decode", "speculative_decode"],
+            "draft_tokens": [None, 4, 4],
+            "spec_temperature": [None, 0.0, 1.0],
+        }
+    )
+    assert variant_labels(rows).tolist() == ["teacher_decode", "speculative_decode γ4 T0", "speculative_decode γ4 T1"]

@@ -104,6 +104,13 @@ def summary_line(rows: list[Row]) -> str:
                 else f"{row['throughput']:.0f} samples/s"
             )
             parts.append(f"step {row['median_ms']:.3g} ms ±{row['rel_iqr']:.0%}{noisy} ({rate})")
+        elif m == Measurement.SPECULATIVE_DECODE:  # the teacher with the student as its draft
+            teacher = [r for r in rows if r["measurement"] == Measurement.TEACHER_DECODE and r["batch_size"] == 1]
+            ok = teacher and teacher[0]["status"] == Status.OK and row["median_ms"]
+            x = f", {teacher[0]['median_ms'] / row['median_ms']:.1f}x teacher decode" if ok else ""
+            alpha = "" if row.get("spec_alpha") is None else f" α {row['spec_alpha']:.2f}"
+            what = f"speculative γ{row.get('draft_tokens')} T{row.get('spec_temperature') or 0:g}"
+            parts.append(f"{what}{alpha} {row['median_ms']:.3g} ms{x}")
         elif (str(m), row["batch_size"]) in speedup:
             bs, x = row["batch_size"], speedup[(str(m), row["batch_size"])]
             what = "student" if m == Measurement.STUDENT_INFERENCE else str(m).replace("_", " ")

@@ -141,8 +141,9 @@ def speculative_generate(
     greedy = temperature == 0
     if caches is not None:
         t, d = _Cached(target, vocab, caches[0]), _Cached(draft, vocab, caches[1])
-        if t.length != prompt.shape[1] - 1 or d.length != prompt.shape[1] - 1:
-            why = f"the caches hold {t.length} and {d.length} tokens, not the prompt's {prompt.shape[1]} but its last"
+        held = prompt.shape[1] - 1
+        if t.length != held or d.length != held:
+            why = f"the caches hold {t.length} and {d.length} tokens, not the prompt but its last ({held})"
             raise ValueError(why)
         try:
             return _rounds(t, d, prompt, new_tokens, draft_tokens, temperature, greedy, generator)
