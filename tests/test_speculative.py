@@ -329,6 +329,7 @@ def test_a_cell_stores_a_speculative_row_per_draft_length_and_temperature_with_i
     assert main(["report", str(tmp_path / "res"), "--out", str(tmp_path / "page")]) == 0
     page = (tmp_path / "page" / "index.html").read_text()
     assert page.count('class="lm-speculative-row') == 4 and "greedy" in page
+    assert (tmp_path / "page" / "lm_speculative.png").is_file() and 'src="lm_speculative.png"' in page
 
 
 def test_the_report_shows_a_speculative_table(tmp_path):

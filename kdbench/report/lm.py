@@ -69,11 +69,15 @@ def lm_section(df: pd.DataFrame, out_dir: Path) -> LmSection | None:
     if not has_lm(df):
         return None
     points = step_points(df)
+    speculative = speculative_table(df)
+    drawn = draw_lm(points, out_dir)
+    if speculative["status"].eq(Status.OK).any():  # only runs with speculative rows get their chart
+        drawn.append(_speculative_chart(speculative, out_dir))
     return LmSection(
-        charts=draw_lm(points, out_dir),
+        charts=drawn,
         steps=step_rows(points),
         serving=serving_rows(serving_table(df)),
-        speculative=speculative_rows(speculative_table(df)),
+        speculative=speculative_rows(speculative),
     )
 
 
@@ -580,3 +584,53 @@ def _loss_share_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
         "can save at most. A cell that did not run is an empty bar labelled with its status."
     )
     return charts.saved_chart(title, fig, out_dir, "lm_loss_share.png", caption)
+
+
+def _speculative_chart(table: pd.DataFrame, out_dir: Path) -> Chart:
+    """Per source, one panel per pair and setting: the measured speed-up of speculative decoding over the teacher
+    alone against the draft length γ (solid, one line per temperature) and the speed-up predicted from α, γ and
+    the cost ratio (dashed, same colour)."""
+    title = "Speculative decoding: measured and predicted speed-up over the teacher alone"
+    rows = table[table["status"].eq(Status.OK)].assign(panel=lambda t: t["pair"] + " · " + t["setting"])
+    sources = sorted(rows["source"].unique())
+    panels = {src: sorted(rows.loc[rows["source"].eq(src), "panel"].unique()) for src in sources}
+    ncols = max(len(p) for p in panels.values())
+    temperatures = sorted(rows["spec_temperature"].unique())
+    color = charts.palette([f"{t:g}" for t in temperatures])
+    fig, facets = charts.faceted_figure(sources, ncols, width=min(16.0, 3.0 + 4.0 * ncols), height=3.4)
+    for axes, source in zip(facets, sources):
+        for ax, panel in itertools.zip_longest(axes, panels[source]):
+            if panel is None:
+                ax.set_visible(False)
+                continue
+            here = rows[rows["source"].eq(source) & rows["panel"].eq(panel)]
+            for t in temperatures:
+                line = here[here["spec_temperature"].eq(t)].sort_values("draft_tokens")
+                c = color[f"{t:g}"]
+                ax.plot(line["draft_tokens"], line["spec_speedup"], "-o", ms=4, color=c)
+                ax.plot(line["draft_tokens"], line["spec_predicted_speedup"], "--", marker=".", color=c)
+            ax.axhline(1.0, color="0.5", linewidth=0.8, linestyle=":")
+            gammas = sorted(here["draft_tokens"].unique())
+            ax.set_xticks(gammas, [str(g) for g in gammas])
+            ax.set_xlabel("draft tokens per round (γ)")
+            ax.set_title(panel, fontsize=9)
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("speed-up over the teacher alone (×)")
+    handles = [
+        Line2D([], [], color=color[f"{t:g}"], linewidth=3, label="greedy" if t == 0 else f"T {t:g}")
+        for t in temperatures
+    ]
+    handles += [
+        Line2D([], [], color="0.2", marker="o", ms=4, label="measured"),
+        Line2D([], [], color="0.2", linestyle="--", label="predicted from α, γ, c"),
+    ]
+    fig.legend(handles=handles, loc="outside right upper", fontsize=8, title="verification", title_fontsize=8)
+    caption = (
+        "The teacher generating with the student as its draft (speculative_decode rows, batch size 1): its speed-up "
+        "over the same cell's teacher decoding alone (solid), and the speed-up predicted from the measured "
+        "acceptance rate α, the draft length γ and the cost ratio c of the two models' decode rows, "
+        "(1 − α^(γ+1)) / ((1 − α)(γc + 1)) (dashed; Leviathan et al. 2023). Below the dotted line the draft slows "
+        "the teacher down. The predicted speed-up costs a verify step as one decode step and takes α independent "
+        "from token to token: the gap between the lines is what that leaves out (and the loop's own overhead)."
+    )
+    return charts.saved_chart(title, fig, out_dir, "lm_speculative.png", caption)
