@@ -434,3 +434,20 @@ def test_compare_tells_a_cells_speculative_variants_apart():
         }
     )
     assert variant_labels(rows).tolist() == ["teacher_decode", "speculative_decode γ4 T0", "speculative_decode γ4 T1"]
+
+
+def test_a_budget_checks_each_speculative_variant_apart():
+    from kdbench.config.budgets import Budget, check
+    from tests.helpers import as_read
+
+    rows = [
+        {"run_id": "r", "cell_id": "c", "cell_label": "cell", "measurement": "speculative_decode", "status": "ok",
+         "batch_size": 1, "median_ms": ms, "draft_tokens": g, "spec_temperature": 0.0, "spec_alpha": a}
+        for g, ms, a in [(2, 10.0, 0.5), (4, 20.0, 0.9)]
+    ]  # fmt: skip
+    budget = Budget.model_validate({"measurement": "speculative_decode", "stat": "spec_alpha", "min": 0.6})
+    checks = check(as_read(rows), [budget])
+    assert [(c.measurement, c.value, c.outcome) for c in checks] == [
+        ("speculative_decode γ2 T0", 0.5, "missed"),
+        ("speculative_decode γ4 T0", 0.9, "met"),
+    ]

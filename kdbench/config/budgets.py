@@ -30,7 +30,7 @@ from pydantic import Field, field_validator, model_validator
 
 from kdbench.config.base import Strict
 from kdbench.errors import did_you_mean
-from kdbench.names import FAILURES, TIMED, Status
+from kdbench.names import FAILURES, TIMED, VARIANT_COLUMNS, Status
 from kdbench.repeats import centre
 from kdbench.schema import COLUMNS, CONFIG, DERIVED, RESULT, STATISTICS
 
@@ -142,14 +142,17 @@ def check(df: pd.DataFrame, budgets: list[Budget], judge_contended: bool = False
     busy = df["contended"].eq(True) if "contended" in df and not judge_contended else pd.Series(False, index=df.index)
     for budget in budgets:
         rows = select(df, budget)
-        for (run_id, cell_id, bs), group in rows.groupby(["run_id", "cell_id", "batch_size"], dropna=False, sort=False):
+        variants = [c for c in VARIANT_COLUMNS if c in rows]  # a cell's speculative rows: one check per variant
+        keys = ["run_id", "cell_id", "batch_size", *variants]
+        for key, group in rows.groupby(keys, dropna=False, sort=False):
+            run_id, cell_id, bs = key[:3]
             ok = group[group["status"].eq(Status.OK)]
             judged = ok[~thin_column[ok.index].eq(True) & ~busy[ok.index]]
             values = pd.to_numeric(judged[budget.stat], errors="coerce").dropna() if budget.stat in ok else pd.Series()
             common = dict(
                 budget=budget.describe(),
                 stat=budget.stat,
-                measurement=budget.measurement,
+                measurement=_variant(budget.measurement, dict(zip(variants, key[3:]))),
                 run_id=str(run_id),
                 cell_id=str(cell_id),
                 cell_label=str(group["cell_label"].iloc[-1]),
@@ -163,6 +166,14 @@ def check(df: pd.DataFrame, budgets: list[Budget], judge_contended: bool = False
             outcome = "met" if budget.holds(value) else "missed"
             checks.append(BudgetCheck(**common, value=value, outcome=outcome, note=repeats))
     return checks
+
+
+def _variant(measurement: str, variant: dict) -> str:
+    """The measurement, with its speculative variant where it has one (``speculative_decode γ4 T0``)."""
+    gamma, temperature = variant.get("draft_tokens"), variant.get("spec_temperature")
+    if gamma is None or pd.isna(gamma):
+        return measurement
+    return f"{measurement} γ{int(gamma)} T{0.0 if pd.isna(temperature) else float(temperature):g}"
 
 
 def _unjudged(group: pd.DataFrame, ok: pd.DataFrame, judged: pd.DataFrame, stat: str) -> dict:
