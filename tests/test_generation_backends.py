@@ -165,3 +165,12 @@ def test_a_backends_decode_row_stores_its_one_off_cost_and_break_even(generation
         assert got["break_even_steps"] >= 0 and got["break_even_tokens"] == got["break_even_steps"] * 3
     else:
         assert pd.isna(got["break_even_steps"]) and pd.isna(got["break_even_tokens"])
+
+
+def test_an_on_policy_cell_generates_with_a_static_cache():
+    over = {"method": "jsd", "on_policy": {"new_tokens": 3}, "inference": {"batch_sizes": []}}
+    config = lm_config(**over, generation={"cache": "static"})
+    assert check_cell(config, False) == []
+    (row,) = measure_cell(Cell(0, cell_id_of(config), config), CPU, ModelCache())
+    assert row["status"] == "ok", row.get("error")
+    assert row["phase_generate_ms"] > 0 and row["tokens"] == 2 * (4 + 3)
