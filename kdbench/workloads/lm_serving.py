@@ -36,7 +36,7 @@ from kdbench.measure import walltime
 from kdbench.measure.decode_floor import model_decode_bytes_per_token
 from kdbench.measure.failures import SkipMeasurement
 from kdbench.measure.flops import count, kernel_label
-from kdbench.measure.levers import eager
+from kdbench.measure.levers import eager, quiesce_compile_workers
 from kdbench.measure.rows import profiled_loop, timed_row
 from kdbench.names import Measurement
 from kdbench.schema import Row
@@ -269,7 +269,12 @@ def measure_serving(
     columns: dict[str, Any] = {"decode_tokens": new if decode else None}
     if decode:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        columns["decode_bytes_per_token"] = model_decode_bytes_per_token(lm, itemsize, batch_size, ids.shape[1], new)
+        try:
+            per_token = model_decode_bytes_per_token(lm, itemsize, batch_size, ids.shape[1], new)
+        except (AttributeError, TypeError, ValueError):  # a config without the usual layer and head numbers
+            per_token = None
+            notes += ("decode_bytes_per_token: this model's config does not give its layers, heads and head size",)
+        columns["decode_bytes_per_token"] = per_token
     start = gen.start if decode else None
     args = (workload, measurement, batch_size, config, backend, budget_s, choice, call, ids, columns, notes)
     compiled = bool(pulled and generation.compile)
@@ -289,6 +294,19 @@ def measure_serving(
     if note:
         row["notes"] = "; ".join(n for n in (row.get("notes"), note) if n)
     return row
+
+
+class _Quiesce:
+    """The timed window of a compiled decode starts with inductor's compile workers ended (they start while the cold
+    call compiles and import torch in the background for seconds after: :func:`quiesce_compile_workers`)."""
+
+    def chain(self, other):
+        def start() -> None:
+            quiesce_compile_workers()
+            if other:
+                other[0]()
+
+        return start, (other[1] if other else (lambda: None))
 
 
 def _compile_counters() -> dict[str, Any]:
@@ -341,7 +359,8 @@ def token_serving_row(
             with torch.inference_mode(), choice.context(backend.device_type):
                 start()
         what = f"{config.pair.teacher}->{config.pair.student} {config.precision} {measurement} bs{batch_size}"
-        raw, profile, note = profiled_loop(call, config, backend, batch_size, budget_s, what=what)
+        watch = _Quiesce() if compiled else None
+        raw, profile, note = profiled_loop(call, config, backend, batch_size, budget_s, watch=watch, what=what)
         flags = math_flags()
         with eager() if compiled else contextlib.nullcontext(), walltime.spent(walltime.FLOPS):
             counted = None if raw.note else count(call)
