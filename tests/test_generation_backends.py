@@ -4,6 +4,8 @@ break-even and bytes per token, and the share of the probe's bandwidth is derive
 
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 import pytest
 import torch
@@ -174,3 +176,24 @@ def test_an_on_policy_cell_generates_with_a_static_cache():
     (row,) = measure_cell(Cell(0, cell_id_of(config), config), CPU, ModelCache())
     assert row["status"] == "ok", row.get("error")
     assert row["phase_generate_ms"] > 0 and row["tokens"] == 2 * (4 + 3)
+
+
+def test_the_levers_table_gives_a_decode_backends_break_even_in_calls_and_tokens():
+    from kdbench.report.step_tables import lever_rows
+    from tests.rows import timing
+
+    base = lm_config()
+    compiled = lm_config(generation={"cache": "static", "compile": True})
+    common = {"measurement": "student_decode", "batch_size": 2, "tokens": 2 * 16, "run_id": "r"}
+    rows = [
+        result_row(**common, **timing(100.0, 2, 5, 0.02, 0.97, 1.05), cell_id="plain", cold_excess_ms=50.0,
+                   config_json=json.dumps(config_dict(base))),
+        result_row(**common, **timing(60.0, 2, 5, 0.02, 0.97, 1.05), cell_id="compiled", one_off_ms=4050.0,
+                   one_off_kind="decode compile", config_json=json.dumps(config_dict(compiled))),
+    ]  # fmt: skip
+    df = as_read(rows)
+    got = df[df["cell_id"].eq("compiled")].iloc[0]
+    # (4,050 − 50) ms net over a 40 ms gain a call: 100 calls of 32 new tokens
+    assert got["break_even_steps"] == 100 and got["break_even_tokens"] == 3200
+    (shown,) = lever_rows(df)
+    assert shown["kind"] == "decode compile" and shown["break_even"] == "100 (3,200 tokens)"
