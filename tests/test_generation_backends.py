@@ -19,10 +19,12 @@ from kdbench.measure.decode_floor import (
 )
 from kdbench.models import ModelCache
 from kdbench.models.lm import build_lm
+from kdbench.names import Measurement
 from kdbench.run.cell import measure_cell
 from kdbench.run.jobs import config_columns
 from kdbench.store.probes import ceiling_columns
 from kdbench.workloads import check_cell
+from kdbench.workloads.lm import LM
 from kdbench.workloads.lm_serving import GreedyServing, sample
 from tests.helpers import as_read
 from tests.rows import result_row
@@ -70,6 +72,7 @@ def test_a_static_cache_decodes_the_dynamic_caches_greedy_tokens_call_after_call
     assert torch.equal(static[0], dynamic[0]) and torch.equal(static[1], dynamic[0])
 
 
+@pytest.mark.slow  # one compile: 10-60 s on the 2-core VM, by its load and inductor's cache
 def test_the_compiled_static_decode_decodes_the_same_tokens():
     lm = _lm("llama")
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(4))
@@ -144,10 +147,11 @@ def test_a_backends_decode_row_stores_its_one_off_cost_and_break_even(generation
         "timing": {"warmup": 1, "min_iters": 3, "min_time_s": 0.0},
     }
     rows = []
+    pair = LM.build_pair(lm_config(**over), CPU, ModelCache())  # the generation backend builds no other models
     for pulled in ({}, {"generation": generation}):
         config = lm_config(**over, **pulled)
-        for r in measure_cell(Cell(0, cell_id_of(config), config), CPU, ModelCache()):
-            rows.append({**config_columns(config, "cpu"), **r, "run_id": "r", "cell_id": cell_id_of(config)})
+        r = LM.serve(Measurement.STUDENT_DECODE, 1, pair, config, CPU, None)  # the cell's decode row, as measured
+        rows.append({**config_columns(config, "cpu"), **r, "run_id": "r", "cell_id": cell_id_of(config)})
     decode = [r for r in rows if r["measurement"] == "student_decode"]
     assert [r["status"] for r in decode] == ["ok", "ok"], [r.get("error") for r in decode]
     plain, compiled = decode
