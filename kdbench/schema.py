@@ -184,6 +184,13 @@ COLUMNS: tuple[Column, ...] = (
             "output), above 0: sampled (Leviathan et al. 2023's rejection sampling, distributed as the teacher's own)",
         ),
         (
+            "generation",
+            _S,
+            "",
+            "LM cells: the generation backend of decode rows and the on-policy phase: `dynamic` (transformers' "
+            "growing KV cache), `static` (its StaticCache) or `static + compile` (the decode step torch.compiled)",
+        ),
+        (
             "on_policy_lambda",
             _F,
             "",
@@ -372,6 +379,16 @@ COLUMNS: tuple[Column, ...] = (
             "and stalls (GC pauses, allocator calls, throttling) that the median leaves out; the "
             "report flags a row whose window throughput is over 5 % below its throughput",
         ),
+        (
+            "decode_bytes_per_token",
+            _F,
+            "bytes",
+            "decode rows: the bytes a decode step must read per generated token, weights (as stored, less the input "
+            "embedding rows not looked up) / batch_size + the KV cache of one sequence (2 × layers × kv_heads × "
+            "head_dim × the cache dtype's bytes per position) at its mean length over the call, prompt + "
+            "(decode_tokens − 1) / 2 (kdbench.measure.decode_floor; decode is memory-bound: the roofline model, "
+            "Williams et al. 2009)",
+        ),
         ("tokens", _I, "tokens", "LM rows: tokens one timed call processes (step, prefill: B×S; decode: B×new tokens)"),
         (
             "tokens_per_s",
@@ -476,7 +493,8 @@ COLUMNS: tuple[Column, ...] = (
             _S,
             "",
             "inference rows served by another runtime: its outputs against eager's on the same batch, checked "
-            "before timing (`ok: ...` or `MISMATCH: ...`)",
+            "before timing (`ok: ...` or `MISMATCH: ...`); decode rows with a generation backend: its greedy tokens "
+            "against the dynamic cache's, checked after timing",
         ),
         ("output_max_abs_diff", _F, "", "largest |runtime output − eager output| over the batch's logits"),
         ("output_top1_agreement", _F, "ratio", "share of samples whose top-1 class matches eager's"),
@@ -524,6 +542,13 @@ COLUMNS: tuple[Column, ...] = (
             "TFLOP/s",
             "the same probe's matmul rate at the teacher's precision (for "
             "a step whose teacher runs at another precision)",
+        ),
+        (
+            "ceiling_gbps",
+            _F,
+            "GB/s",
+            "the same probe's copy bandwidth (bytes read + written per second by a device-to-device copy: "
+            "`kdbench probe`'s copy), the memory-bandwidth ceiling decode rows are held against",
         ),
         ("ceiling_probe_id", _S, "", "the probe the ceiling comes from"),
         (
@@ -743,6 +768,21 @@ COLUMNS: tuple[Column, ...] = (
             "achieved_tflops / ceiling_tflops (mixed steps: the ceilings of both precisions, weighted alike)",
         ),
         (
+            "bandwidth_share",
+            _F,
+            "ratio",
+            "decode rows: decode_bytes_per_token × tokens_per_s / (ceiling_gbps × 1e9): the share of the probe's "
+            "measured bandwidth the decode's floor bytes reach (1: at the memory-bandwidth floor)",
+        ),
+        (
+            "floor_ms_per_token",
+            _F,
+            "ms",
+            "decode rows: decode_bytes_per_token / (ceiling_gbps × 1e9), in ms: the time per generated token at the "
+            "bandwidth floor (its batch's tokens decode in parallel: a call's floor is decode_tokens × batch_size × "
+            "this)",
+        ),
+        (
             "teacher_cache_saving_ms",
             _F,
             "ms",
@@ -787,6 +827,13 @@ COLUMNS: tuple[Column, ...] = (
             _I,
             "calls",
             "calls (steps, or inference calls) after which lever_gain_ms repays lever_one_off_net_ms (null: never)",
+        ),
+        (
+            "break_even_tokens",
+            _I,
+            "tokens",
+            "decode rows: break_even_steps × tokens (new tokens per call, all sequences): the generated tokens after "
+            "which a generation backend's one-off cost (a compiled decode step) is repaid (null: never)",
         ),
         (
             "break_even_low_steps",

@@ -40,6 +40,8 @@ DENSE_4096_LOGITS = 16.0  # GiB: computed from the shapes, also on the row that 
 # (loss_impl, seq_len): the step's footprint (GiB) where a row has one: chunked's is below its computed logits
 FOOTPRINTS = {("chunked", 1024): 0.4}
 DECODE_TOKENS = 64
+FLOOR_BYTES = {"student_decode": 1e9, "teacher_decode": 2e9}  # bytes per generated token
+COPY_GBPS = 4000.0
 
 
 def _row(loss_impl: str, seq_len: int, measurement: str, median_ms: float | None, batch_size: int = 1, **extra) -> Row:
@@ -110,6 +112,8 @@ def _serving(loss_impl: str, seq_len: int) -> list[Row]:
         ):
             decoding = measurement.endswith("decode")
             extra = {"decode_tokens": DECODE_TOKENS} if decoding else {}
+            if decoding:  # the bytes each token must read, the probe's copy bandwidth: the share of the floor
+                extra.update(decode_bytes_per_token=FLOOR_BYTES[measurement], ceiling_gbps=COPY_GBPS)
             if (measurement, seq_len, bs) == ("teacher_decode", 4096, 8):
                 rows.append(_row(loss_impl, seq_len, measurement, None, bs, status="oom", error=OOM_ERROR, **extra))
                 continue
@@ -256,6 +260,12 @@ def test_serving_table_shows_decode_rate_speed_ups_and_the_oom(page):
     assert _cell(row, "prefill-speedup") == "4.00×" and _cell(row, "decode-speedup") == "3.00×"
     (oom,) = _rows_of(section, "lm-serving-row", ">4,096<", '<td class="num">8</td>')
     assert "not-ok" in oom and _cell(oom, "teacher-decode") == "OOM" and _cell(oom, "decode-speedup") == "—"
+    # the share of the bandwidth floor: 1 GB a token at the median 1,286 tokens/s over 4,000 GB/s; the teacher
+    # reads 2 GB a token at a third of the rate
+    share = statistics.median(rates) * 1e9 / 4000e9
+    assert _cell(row, "student-decode-floor") == f"{share * 100:.1f} %" == "32.2 %"
+    assert _cell(row, "teacher-decode-floor") == f"{share * 2 / 3 * 100:.1f} %"
+    assert _cell(oom, "teacher-decode-floor") == "OOM"
 
 
 def test_the_image_cell_keeps_its_charts_beside_the_lm_section(page):

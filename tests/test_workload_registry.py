@@ -41,6 +41,7 @@ SETTING = {  # a cell that sets each family-specific setting away from its defau
     "overrides": {"overrides": {"student": {"num_hidden_layers": 1}}},
     "inference.runtime": {"inference": {"runtime": "compile"}},
     "graphs": {"graphs": True},
+    "generation": {"generation": {"cache": "static"}},
     "pad_to": {"pad_to": 8},
 }
 

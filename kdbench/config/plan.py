@@ -41,6 +41,8 @@ LEVER_DEFAULTS = {
     "tunableop": False,
     "inference.runtime": "eager",
     "loss_impl": "dense",
+    "generation.cache": "dynamic",
+    "generation.compile": False,
 }
 IDENTITY_DEFAULTS = {
     **LEVER_DEFAULTS,
@@ -214,6 +216,8 @@ def config_dict(config: CellConfig) -> dict[str, Any]:
             node.pop(leaf, None)
     if not out.get("overrides"):
         out.pop("overrides", None)  # no model overrides: the ids of cells from before they existed
+    if not out.get("generation"):
+        out.pop("generation", None)  # the default generation backend: the ids of cells from before it existed
     return out
 
 

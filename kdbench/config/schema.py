@@ -236,6 +236,17 @@ class OnPolicyConfig(Strict):
     temperature: float = Field(1.0, gt=0, le=100)
 
 
+class GenerationConfig(Strict):
+    """How an LM pair generates: its decode rows and the on-policy phase (kdbench.workloads.lm_serving)."""
+
+    # dynamic: transformers' default KV cache, grown token by token; static: its StaticCache, preallocated for the
+    # prompt and the new tokens (the tensors keep their shapes and addresses)
+    cache: Literal["dynamic", "static"] = "dynamic"
+    # torch.compile of the decode step (the model's forward, fullgraph), as transformers documents it for a
+    # static cache: needs cache: static; compiled once per model per cell, the compile counted as a one-off cost
+    compile: bool = False
+
+
 LossImpl = Literal["dense", "chunked", "fused_linear", "liger", "torch_linear"]
 
 
@@ -317,6 +328,9 @@ class _CellBase(Strict):
     # LM pairs: on-policy distillation (GKD): every step first samples the completions from the student, a phase
     # of its own, then trains on prompt + completion (null: off-policy, the fixed batch)
     on_policy: OnPolicyConfig | None = None
+    # LM pairs: the generation backend of decode rows and of the on-policy phase (a lever: its one-off cost and
+    # break-even against the same cell without it)
+    generation: GenerationConfig = GenerationConfig()
 
     @field_validator("compile", mode="before")
     @classmethod

@@ -6,6 +6,9 @@
   recompile) minus as many steady calls.  Graph breaks and compiled graphs come from
   ``torch._dynamo``'s counters, and frames compiled inside the timed window are counted
   as recompiles (a timed loop that recompiles measures the compiler).
+* ``generation.compile`` of an on-policy LM cell: its generation phase's decode steps compiled
+  (:mod:`kdbench.workloads.lm_serving`), counted in the step's one-off cost as the compile above; a
+  decode row counts its own (``one_off_kind`` ``decode compile``).
 * ``optimizer.impl``: ``default``, ``foreach`` or ``fused`` (:func:`kdbench.distill.step.make_optimizer`).
 * ``conv_autotune``: ``torch.backends.cudnn.benchmark`` around the cell's measurements: cuDNN's
   algorithm search on NVIDIA, MIOpen's on ROCm (its find mode and databases come from the
@@ -179,7 +182,10 @@ class LeverWatch:
     def __post_init__(self) -> None:
         c = self.config
         self.kinds = [kind for lever, kind in FIRST_CALL_LEVERS.items() if getattr(c, lever) not in ("off", False)]
-        self.compiled = c.compile != "off" or c.compile_teacher
+        generation = getattr(c, "on_policy", None) is not None and c.generation.compile  # its decode steps compiled
+        if generation:
+            self.kinds.append("decode compile (on-policy generation)")
+        self.compiled = c.compile != "off" or c.compile_teacher or generation
         if self.compiled:
             torch._dynamo.reset()  # a model compiled by an earlier cell must not make this one look free
             _counters().clear()

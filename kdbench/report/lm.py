@@ -7,8 +7,10 @@ Data (pandas only, never torch):
   of the step and the computed logits memory's share of the measured peak.
 * :func:`loss_shares`, :func:`memory_table`: what the loss-share and memory charts draw.
 * :func:`serving_table`: per pair, setting, prompt length and batch size, the student's and the teacher's
-  prefill and decode, and the student's speed-ups (cells that differ only in their loss serve the same
-  models: they are shown once, at the median over those cells).
+  prefill and decode, the student's speed-ups, and each decode's share of the memory-bandwidth floor (its
+  ``bandwidth_share``: the bytes a generated token must read at the decode's tokens/s over the probe's copy
+  bandwidth; cells that differ only in their loss serve the same models: they are shown once, at the median
+  over those cells; cells with another generation backend are their own setting).
 * :func:`speculative_table`: per pair, setting, prompt length, new tokens, draft length γ and temperature T, the
   teacher decoding with the student as its draft (speculative_decode rows): α, tokens per verify (measured and
   predicted), tokens/s, the measured and predicted speed-ups over the teacher alone, and the cost ratio c.
@@ -48,7 +50,7 @@ LOSS_IMPLS = ("dense", "chunked", "fused_linear", "liger", "torch_linear")  # re
 GIB = 2**30
 STEP_KEY = ["source", "pair", "setting", "impl", "seq_len"]
 SERVING_KEY = ["source", "pair", "setting", "seq_len", "decode_tokens", "batch_size"]
-SERVING_STATS = ("median_ms", "tokens_per_s", "speedup")
+SERVING_STATS = ("median_ms", "tokens_per_s", "speedup", "bandwidth_share")
 # The LM charts' axes and series: never part of a cell's setting (chunk_size goes with its loss_impl).
 _NOT_SETTING = ("loss_impl", "seq_len", "chunk_size", "decode_tokens")
 _STATUS_TEXT = {Status.OOM: "OOM"}
@@ -227,9 +229,10 @@ def memory_table(points: pd.DataFrame) -> pd.DataFrame:
 def serving_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per :data:`SERVING_KEY`: for each serving measurement ``m`` (student/teacher prefill and decode)
     ``m_status`` (ok when one cell's was), ``m_median_ms``, ``m_tokens_per_s`` and, for the student's,
-    ``m_speedup`` (the derived speed-up over the same cell's teacher), each the median over the cells with that
-    key (``cells``: how many) of their centres over repeats.  The setting is the precision, with the teacher's
-    where it differs (the serving measurements depend on nothing else of a cell but its models and shapes)."""
+    ``m_speedup`` (the derived speed-up over the same cell's teacher) and, for decode, ``m_bandwidth_share``, each
+    the median over the cells with that key (``cells``: how many) of their centres over repeats.  The setting is
+    the precision, with the teacher's where it differs, and the generation backend where it is not the default
+    (the serving measurements depend on nothing else of a cell but its models and shapes)."""
     rows = lm_rows(df)
     rows = rows[rows["measurement"].isin(list(LM_SERVING))]
     columns = [*SERVING_KEY, "cells", *(f"{m}_{s}" for m in LM_SERVING for s in ("status", *SERVING_STATS))]
@@ -254,6 +257,9 @@ def _serving_keys(rows: pd.DataFrame) -> pd.DataFrame:
     """Add the serving key's columns: ``setting`` and the cell's ``decode_tokens`` on its prefill rows too."""
     teacher = rows["teacher_precision"].astype("string").fillna(rows["precision"])
     setting = rows["precision"].where(teacher.eq(rows["precision"]), rows["precision"] + ", teacher " + teacher)
+    if "generation" in rows:  # another generation backend than the default: a setting of its own
+        backend = rows["generation"].astype("string").fillna("dynamic")
+        setting = setting.where(backend.eq("dynamic"), setting + ", " + backend)
     decode = pd.to_numeric(rows["decode_tokens"], errors="coerce").groupby([rows["run_id"], rows["cell_id"]])
     rows = rows.assign(setting=setting.astype(str), decode_tokens=decode.transform("max"))
     for column in ("seq_len", "decode_tokens", "batch_size"):  # 0: unknown (groupby drops null keys)
@@ -394,6 +400,9 @@ def serving_rows(table: pd.DataFrame) -> list[dict]:
             row[f"student_{kind}"] = figure(r, student, stat, fmt)
             row[f"teacher_{kind}"] = figure(r, teacher, stat, fmt)
             row[f"{kind}_speedup"] = figure(r, student, "speedup", format_speedup)
+            if kind == "decode":  # the share of the bandwidth floor each decode reaches (none without a probe)
+                row["student_decode_floor"] = figure(r, student, "bandwidth_share", format_percent)
+                row["teacher_decode_floor"] = figure(r, teacher, "bandwidth_share", format_percent)
             row[f"{kind}_bad"] = any(
                 pd.notna(r[f"{m}_status"]) and r[f"{m}_status"] != Status.OK for m in (student, teacher)
             )

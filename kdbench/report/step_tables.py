@@ -57,6 +57,9 @@ def lever_rows(df: pd.DataFrame) -> list[dict]:
             verdict = "never: not faster"
         else:
             verdict = format_int(r.break_even_steps)
+            tokens = getattr(r, "break_even_tokens", None)
+            if pd.notna(tokens):  # a decode row: also in generated tokens
+                verdict += f" ({format_int(tokens)} tokens)"
         if pd.notna(r.lever_gain_low_ms) and r.thin is not True:
             low = format_int(r.break_even_low_steps) if pd.notna(r.break_even_low_steps) else "never"
             high = format_int(r.break_even_high_steps) if pd.notna(r.break_even_high_steps) else "never"

@@ -234,6 +234,7 @@ FAMILY_CONFIG_COLUMNS = (
     "seq_len",
     "loss_impl",
     "chunk_size",
+    "generation",
     "kd_temperature",
     "kd_alpha",
 )

@@ -16,6 +16,8 @@ it would mean rewriting earlier parts whenever a later one arrives:
   (:mod:`kdbench.peaks`) and the probe ceiling stored on the row; a step whose live
   teacher runs at another precision than its student against both precisions' peaks
   (:func:`effective_peak`);
+* ``bandwidth_share`` and ``floor_ms_per_token`` (decode rows): the bytes each generated token must read
+  (``decode_bytes_per_token``) against the probe's copy bandwidth stored on the row (``ceiling_gbps``);
 * ``teacher_cache_saving_ms`` and ``teacher_cache_payback_steps`` (cached
   distill_step rows): against the twin cell with a live teacher in the same run and repeat;
 * ``lever_baseline_ms``, ``lever_gain_ms`` (with ``lever_gain_low_ms`` / ``_high_ms``),
@@ -24,7 +26,7 @@ it would mean rewriting earlier parts whenever a later one arrives:
   the same measurement of the twin cell that pulls no lever, in the same run, repeat by
   repeat (two cells of one round ran in the same worker process), pooled over the repeats:
   the gain's paired t-interval carried into a break-even range, the one-off cost net of the
-  twin's own cold-call excess.
+  twin's own cold-call excess; decode rows' ``break_even_tokens``: the break-even in generated tokens.
 
 Two cells are *twins* when their resolved configs (``config_json``) are equal but for
 the settings being compared (:func:`twin_key`); :func:`match_twins` pairs their rows, the one
@@ -47,6 +49,7 @@ from kdbench.repeats import centre, paired_t
 from kdbench.schema import COLUMNS
 from kdbench.speculation import expected_tokens_per_verify, predicted_speedup
 
+DECODE = (Measurement.STUDENT_DECODE, Measurement.TEACHER_DECODE)
 # A world_size 1 cell has no DDP or FSDP options to compare: an FSDP2 cell's twin is the same single-device cell
 WORLD_SIZE = (("world_size",), ("ddp",), ("parallel",), ("fsdp",))
 TEACHER_MODE = (("teacher", "mode"), ("teacher", "k"))
@@ -58,6 +61,7 @@ LEVERS = (  # a cell's config stores a lever only when it is pulled (kdbench.con
     ("conv_autotune",),
     ("tunableop",),
     ("inference", "runtime"),
+    ("generation",),
 )
 
 
@@ -103,6 +107,7 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     _speculative(df, ok)
     _scaling(df)
     _utilisation(df, ok)
+    _bandwidth(df, ok)
     _cache_payback(df)
     _break_even(df)
     return df
@@ -258,6 +263,26 @@ def _utilisation(df: pd.DataFrame, ok: pd.Series) -> None:
     df.loc[rows.index, "ceiling_utilization"] = np.where(ceiling > 0, achieved / ceiling, np.nan)
 
 
+def bandwidth_share(bytes_per_token, tokens_per_s, gbps):
+    """The share of a bandwidth of ``gbps`` GB/s that reading ``bytes_per_token`` for each of ``tokens_per_s``
+    tokens reaches: bytes_per_token × tokens_per_s / (gbps × 1e9)."""
+    return bytes_per_token * tokens_per_s / (gbps * 1e9)
+
+
+def _bandwidth(df: pd.DataFrame, ok: pd.Series) -> None:
+    """Decode rows against the memory-bandwidth floor: their share of the probe's bandwidth, and the floor per token."""
+    if "decode_bytes_per_token" not in df or "ceiling_gbps" not in df:
+        return
+    bytes_, gbps = df["decode_bytes_per_token"], df["ceiling_gbps"]
+    rows = df[ok & bytes_.gt(0) & gbps.gt(0)]
+    if rows.empty:
+        return
+    b = rows["decode_bytes_per_token"].to_numpy(dtype=float)
+    g = rows["ceiling_gbps"].to_numpy(dtype=float)
+    df.loc[rows.index, "floor_ms_per_token"] = b / (g * 1e9) * 1e3
+    df.loc[rows.index, "bandwidth_share"] = bandwidth_share(b, rows["tokens_per_s"].to_numpy(dtype=float), g)
+
+
 def _cache_payback(df: pd.DataFrame) -> None:
     step = df["measurement"].eq(Measurement.DISTILL_STEP)
     mode = df["teacher_mode"].fillna("live")
@@ -314,3 +339,9 @@ def _break_even(df: pd.DataFrame) -> None:
         }
         for column, value in values.items():
             df.loc[group.index, column] = np.nan if value is None else float(value)
+    # decode rows: the break-even in generated tokens, the calls times the tokens each call generates
+    decode = rows.index[rows["measurement"].isin(DECODE).to_numpy()]
+    if len(decode):
+        df.loc[decode, "break_even_tokens"] = df.loc[decode, "break_even_steps"] * df.loc[decode, "tokens"].astype(
+            float
+        )

@@ -3,7 +3,7 @@
 A probe is one parquet file ``<results>/probes/<probe id>.parquet``: one row per
 ceiling (``kind`` matmul per dtype, or copy) with the environment of the machine
 that measured it.  A run looks up the newest probe of its device and backend when it
-starts and stores the ceiling beside each row (``ceiling_tflops``,
+starts and stores the ceiling beside each row (``ceiling_tflops``, ``ceiling_gbps``,
 ``ceiling_probe_id``).
 """
 
@@ -81,12 +81,14 @@ def latest_ceiling(out_dir: Path, device_name: str, backend_name: str) -> dict[s
 
 
 def ceiling_columns(ceiling: dict[str, Any] | None, precision: str | None, teacher_precision: str | None = None):
-    """The probe's matmul ceilings at the student's and the teacher's precision, as row columns."""
+    """The probe's matmul ceilings at the student's and the teacher's precision and its copy bandwidth, as row
+    columns."""
     if not ceiling:
         return {}
     values = {
         "ceiling_tflops": ceiling.get(f"matmul_{precision}"),
         "teacher_ceiling_tflops": ceiling.get(f"matmul_{teacher_precision}"),
+        "ceiling_gbps": ceiling.get("copy"),
     }
     found = {k: v for k, v in values.items() if v}
     return {**found, "ceiling_probe_id": ceiling["probe_id"]} if found else {}

@@ -45,6 +45,7 @@ from kdbench.workloads.base import (
     model_of,
     serving_plan,
 )
+from kdbench.workloads.lm_checks import generation_label
 from kdbench.workloads.placement import (
     HostFootprint,
     ModelBuild,
@@ -75,6 +76,7 @@ class LMWorkload(Workload):
             "chunk_size",
             "inference.decode_tokens",
             "inference.speculative",
+            "generation",
             "data.prompt_fraction",
             "data.vocab_policy",
             "overrides",
@@ -121,6 +123,7 @@ class LMWorkload(Workload):
         problems += lm_checks.vocab_problems(config, facts) + lm_checks.prompt_problems(config)
         problems += lm_checks.head_problems(config, facts) + lm_checks.generation_problems(config, facts)
         problems += speculative_problems(config, facts)
+        problems += lm_checks.backend_problems(config)
         vocabs = {role: f.vocab for role, f in facts.items() if f.vocab is not None}
         try:
             methods = check_method(config.method)
@@ -186,6 +189,8 @@ class LMWorkload(Workload):
         generator = torch.Generator(device=device).manual_seed(config.seed)  # on the device: sampling never syncs
 
         buffers: dict[str, torch.Tensor] = {}
+        generation = config.generation
+        cell = config.model_dump_json() if generation.compile else None  # compiled once per model per cell
         vocab = distiller.loss_fn.vocab  # the shared vocabulary (data.vocab_policy): the student samples within it
 
         def generate(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,7 +200,8 @@ class LMWorkload(Workload):
             lm.eval()
             try:
                 with torch.no_grad(), distiller.student_ac.context(distiller.device_type):
-                    ids = sample(lm, x[:, :prompt_len], settings.new_tokens, settings.temperature, generator, vocab)
+                    prompt, temperature = x[:, :prompt_len], settings.temperature
+                    ids = sample(lm, prompt, settings.new_tokens, temperature, generator, vocab, generation, cell)
             finally:
                 lm.train(was_training)
             if labels is None or labels.shape != ids.shape:  # one buffer, rewritten: the loss finds its rows once
@@ -232,6 +238,7 @@ class LMWorkload(Workload):
             "seq_len": config.data.seq_len,
             "loss_impl": config.loss_impl,
             "chunk_size": config.chunk_size if config.loss_impl != "dense" else None,
+            "generation": generation_label(config.generation),
         }
 
     def model_overrides(self, config: Any, role: str) -> dict[str, Any]:

@@ -148,6 +148,33 @@ def generation_problems(config: Any, facts: Facts) -> Problems:
     return [(("on_policy",), why)]
 
 
+def generation_label(generation: Any) -> str:
+    """``dynamic``, ``static`` or ``static + compile``: a generation setting in words (the rows' ``generation``)."""
+    if generation is None:
+        return "dynamic"
+    return generation.cache + (" + compile" if generation.compile else "")
+
+
+def backend_problems(config: Any) -> Problems:
+    """generation: a compiled decode step needs the static cache it is documented with; a backend needs something
+    that generates (decode rows or on_policy)."""
+    g = config.generation
+    problems: Problems = []
+    if g.compile and g.cache != "static":
+        why = (
+            "generation.compile compiles the decode step on a static KV cache, as transformers documents it (a "
+            "dynamic cache grows every token and would recompile): set generation.cache: static"
+        )
+        problems.append((("generation", "compile"), why))
+    if (g.cache != "dynamic" or g.compile) and not config.inference.batch_sizes and config.on_policy is None:
+        why = (
+            "generation sets how decode rows and on_policy generate, and this cell has neither (inference.batch_sizes "
+            "is empty, no on_policy): remove it, or add them"
+        )
+        problems.append((("generation",), why))
+    return problems
+
+
 def prompt_problems(config: Any) -> Problems:
     """A loss with tokens in it: off-policy, the prompt masks its share of each sequence and the last position has
     no next token, so a prompt of seq_len - 1 tokens leaves none; on-policy, the completions are the loss's tokens

@@ -153,6 +153,12 @@ FAMILY_SETTINGS: dict[str, FamilySetting] = {
         lambda c: c.graphs,
         "graphs replays an image classifier's forward; {pairs} do not take it: remove it",
     ),
+    "generation": FamilySetting(
+        ("generation",),
+        lambda c: c.generation.cache != "dynamic" or c.generation.compile,
+        "generation sets how a causal LM decodes (its KV cache, a compiled decode step); {a_pair} does not "
+        "decode: remove it",
+    ),
     "pad_to": FamilySetting(
         ("pad_to",),
         lambda c: c.pad_to != 1,
