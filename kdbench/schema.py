@@ -387,7 +387,8 @@ COLUMNS: tuple[Column, ...] = (
             "embedding rows not looked up) / batch_size + the KV cache of one sequence (2 × layers × kv_heads × "
             "head_dim × the cache dtype's bytes per position) at its mean length over the call, prompt + "
             "(decode_tokens − 1) / 2 (kdbench.measure.decode_floor; decode is memory-bound: the roofline model, "
-            "Williams et al. 2009)",
+            "Williams et al. 2009); speculative_decode rows: (verifies × the teacher's + draft forwards × the "
+            "student's bytes per batch-1 decode step) / decode_tokens, the last timed call's counts",
         ),
         ("tokens", _I, "tokens", "LM rows: tokens one timed call processes (step, prefill: B×S; decode: B×new tokens)"),
         (

@@ -451,3 +451,27 @@ def test_a_budget_checks_each_speculative_variant_apart():
         ("speculative_decode γ2 T0", 0.5, "missed"),
         ("speculative_decode γ4 T0", 0.9, "met"),
     ]
+
+
+def test_a_speculative_rows_floor_bytes_count_each_verify_and_each_draft_forward():
+    """decode_bytes_per_token of a speculative row: the target's bytes per step per verify plus the draft's per draft
+    forward, over the new tokens; each model's bytes per step those of its own batch-1 decode over the same span."""
+    from kdbench.hw.backends import AutocastChoice
+    from kdbench.measure.decode_floor import kv_bytes_per_position, weight_bytes_read
+    from kdbench.workloads.speculative import speculative_bytes_per_token
+
+    target = tiny("llama")
+    draft = perturbed(target, 0.1)
+    prompt, new = prompt_of(5), 9
+    with torch.inference_mode():
+        run = speculative_generate(target, draft, prompt, new, 3)
+    assert run.verifies >= 3 and run.draft_forwards >= run.verifies  # γ = 3 per round, fewer in the last one
+    choice = AutocastChoice("fp32", applied=False, dtype=None)
+    got = speculative_bytes_per_token(target, draft, choice, prompt.shape[1], run)
+    # by hand: each model's weights as read per step (weight_bytes_read: tested in test_generation_backends) + its KV
+    per_step = []
+    for lm in (target, draft):
+        kv = 2 * 2 * 2 * 16 * 4  # layers 2 × K,V × kv_heads 2 × head_dim 64/4 × 4 bytes, per position
+        assert kv_bytes_per_position(lm.config, 4) == kv
+        per_step.append(weight_bytes_read(lm) + kv * (5 + (new - 1) / 2))
+    assert got == pytest.approx((run.verifies * per_step[0] + run.draft_forwards * per_step[1]) / new)

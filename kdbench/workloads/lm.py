@@ -403,6 +403,14 @@ def speculative_problems(config: Any, facts: dict) -> Problems:
             f"to inference.batch_sizes (now {list(config.inference.batch_sizes)})"
         )
         problems.append((key, why))
+    g = config.generation
+    if g.cache != "dynamic" or g.compile:
+        why = (
+            "inference.speculative verifies on transformers' dynamic KV cache, cut back after every rejection, and "
+            f"its speed-up is read against the decode rows: with generation {generation_label(g)} they would decode "
+            "on another backend; remove generation from this cell (sweep it in a cell of its own)"
+        )
+        problems.append((key, why))
     for role, f in facts.items():
         if f.known and not f.can_generate:
             why = (

@@ -348,5 +348,28 @@ def measure_speculative(
             spec_alpha=last.alpha,
             spec_accepted_per_verify=last.accepted_per_verify,
             spec_tokens_per_verify=last.tokens_per_verify,
+            decode_bytes_per_token=speculative_bytes_per_token(target, draft, choice, ids.shape[1], last),
         )
     return row
+
+
+def speculative_bytes_per_token(target: nn.Module, draft: nn.Module, choice: Any, prompt_len: int, run: Speculation):
+    """The bytes a speculative generation must read per generated token (its memory-bandwidth floor, as
+    :mod:`kdbench.measure.decode_floor` counts a decode step's): each verify step reads the target's weights and KV
+    cache once, each draft forward the draft's, over the ``run``'s counts: ``(verifies × target_bytes +
+    draft_forwards × draft_bytes) / new_tokens``, each model's bytes per step those of a batch-1 decode over the
+    same span (:func:`~kdbench.measure.decode_floor.model_decode_bytes_per_token`).  None where a config does not
+    give its layer and head numbers."""
+    from kdbench.measure.decode_floor import model_decode_bytes_per_token
+    from kdbench.workloads.lm_serving import cache_dtype
+
+    try:
+        per_step = [
+            model_decode_bytes_per_token(
+                lm, torch.empty((), dtype=cache_dtype(lm, choice)).element_size(), 1, prompt_len, run.new_tokens
+            )
+            for lm in (target, draft)
+        ]
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return (run.verifies * per_step[0] + run.draft_forwards * per_step[1]) / run.new_tokens
