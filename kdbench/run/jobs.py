@@ -206,7 +206,8 @@ class QualityJob:
 
 Job = CellJob | QualityJob
 
-QUALITY_IDENTITY_DEFAULTS = {"seq_len": None, "max_bytes": None}  # text-only keys: unset, out of the job's identity
+# text-only keys: unset, out of the job's identity
+QUALITY_IDENTITY_DEFAULTS = {"seq_len": None, "max_bytes": None, "speculative": None}
 
 
 def quality_dict(quality: QualityConfig) -> dict:

@@ -1,0 +1,225 @@
+"""The trained students as drafts: speculative decoding with the text quality protocol's trained pairs.
+
+``quality.speculative`` (:class:`kdbench.config.schema.DraftsConfig`) measures every scratch and distilled
+student of a text quality run as the draft of its seed's trained teacher (the target), with the loop of
+:mod:`kdbench.workloads.speculative` (batch 1; Leviathan et al. 2023 / Chen et al. 2023 rejection sampling at
+``temperature`` > 0, greedy verification at 0).  Per student:
+
+* **the prompts**: ``prompts`` held-out windows, evenly spaced over the held-out split, cut to their first
+  ``prompt_tokens`` bytes; each generation adds ``new_tokens`` tokens to each prompt.
+* **the timed generations**, each over all the prompts, from a generator seeded with the quality seed at its
+  start (so every repeat draws the same tokens): the teacher alone (:func:`sampled_generate`: one forward and
+  the same sampling per token), the student alone, and speculative decoding at each draft length γ; one
+  warm-up of each on the first prompt, then ``repeats`` rounds of all of them, interleaved (drift cancels);
+  the figures are the medians over the rounds.
+* **per γ**: the acceptance rate α = accepted / judged proposals and the accepted and generated tokens per
+  verify step, over every prompt and round; the measured speed-up, the teacher alone's median wall time over
+  speculative decoding's; and the speed-up Leviathan et al.'s Theorem 3.8 predicts from α, γ and the cost
+  ratio c, (1 − α^(γ+1)) / ((1 − α)(γc + 1)) (:func:`kdbench.workloads.speculative.predicted_speedup`).
+* **the cost ratio** c: the student alone's median wall time over the teacher alone's, for the same prompts and
+  tokens (the time of a draft forward over a target forward, per token, prefill included in both).
+* **the predicted α**: 1 − the mean over held-out positions (the first :data:`TV_TOKENS`, teacher-forced) of
+  TV(p_teacher, p_student) at the temperature (Leviathan et al., Corollary 3.6: α = E[1 − TV]); at temperature 0,
+  the share of those positions where both models' argmax agree (the TV of one-hot distributions).  The
+  measured α is over the positions the generation visits, the predicted one over held-out text: they agree as
+  far as the student fits the teacher on both alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from kdbench.config.schema import DraftsConfig
+from kdbench.hw.backends import AutocastChoice, Backend
+from kdbench.workloads.speculative import predicted_speedup, sampled_generate, speculative_generate, total_variation
+
+TV_TOKENS = 1 << 16  # held-out positions the predicted α is averaged over (the first windows')
+TV_BATCH_TOKENS = 1 << 15  # positions per forward of that pass
+
+DRAFT_ROW_KEYS = (
+    "draft_gammas",
+    "draft_alpha",
+    "draft_alpha_predicted",
+    "draft_accepted_per_verify",
+    "draft_tokens_per_verify",
+    "draft_cost_ratio",
+    "draft_speedup",
+    "draft_speedup_predicted",
+    "draft_protocol",
+)
+
+
+def decoder(model: nn.Module) -> nn.Module | None:
+    """The transformers causal LM inside a quality model (:class:`kdbench.models.lm.CausalLM`, compiled or not),
+    which the speculative loop drives on its KV cache; None for a module that is none (a ``module:callable``)."""
+    model = getattr(model, "_orig_mod", model)
+    return model.lm if getattr(model, "hf", False) else None
+
+
+@contextlib.contextmanager
+def evaluating(*models: nn.Module) -> Iterator[None]:
+    """The models in eval mode, their modes restored after."""
+    modes = [m.training for m in models]
+    try:
+        for m in models:
+            m.eval()
+        yield
+    finally:
+        for m, mode in zip(models, modes):
+            m.train(mode)
+
+
+def prompt_windows(n_windows: int, prompts: int) -> list[int]:
+    """The held-out windows the prompts are cut from: ``prompts`` of ``n_windows``, evenly spaced."""
+    if prompts == 1:
+        return [0]
+    return [round(i * (n_windows - 1) / (prompts - 1)) for i in range(prompts)]
+
+
+def predicted_alpha(
+    target: nn.Module,
+    draft: nn.Module,
+    x: torch.Tensor,
+    temperature: float,
+    choice: AutocastChoice,
+    backend: Backend,
+    tokens: int = TV_TOKENS,
+) -> tuple[float, int]:
+    """(1 − the mean TV(p_target, p_draft) at ``temperature`` over the first ``tokens`` positions of the windows
+    ``x`` (N, S), the positions it is over); at temperature 0 the share of positions whose argmax agree.  The
+    models are quality LMs (``model.logits(model(x))``)."""
+    windows = max(1, min(len(x), tokens // x.shape[1]))
+    batch = max(1, TV_BATCH_TOKENS // x.shape[1])
+    total, count = 0.0, 0
+    with evaluating(target, draft), torch.inference_mode(), choice.context(backend.device_type):
+        for i in range(0, windows, batch):
+            xb = x[i : min(i + batch, windows)]
+            p = target.logits(target(xb)).float()
+            q = draft.logits(draft(xb)).float()
+            greedy = temperature == 0  # the TV of one-hot distributions: whether the argmax differ
+            tv = (p.argmax(-1) != q.argmax(-1)).float() if greedy else total_variation(p, q, temperature)
+            total += float(tv.sum())
+            count += tv.numel()
+    return 1.0 - total / count, count
+
+
+def _timed(fn: Callable[[], Any], backend: Backend) -> float:
+    backend.synchronize()
+    start = time.perf_counter()
+    fn()
+    backend.synchronize()
+    return time.perf_counter() - start
+
+
+def measure_draft(
+    target: nn.Module,
+    draft: nn.Module,
+    x_test: torch.Tensor,
+    spec: DraftsConfig,
+    choice: AutocastChoice,
+    backend: Backend,
+    seed: int,
+    vocab: int | None = None,
+) -> dict[str, Any]:
+    """The draft columns (:data:`DRAFT_ROW_KEYS`) of ``draft`` drafting for ``target`` (quality LMs, see
+    :func:`decoder`) on prompts cut from the held-out windows ``x_test`` (N, S), as the module's docstring says."""
+    t_lm, d_lm = decoder(target), decoder(draft)
+    if t_lm is None or d_lm is None:
+        raise ValueError("speculative decoding drives transformers causal LMs on their KV cache; this pair has none")
+    indices = prompt_windows(len(x_test), spec.prompts)
+    prompts = [x_test[i : i + 1, : spec.prompt_tokens] for i in indices]
+    temperature, gammas, new = spec.temperature, list(spec.draft_tokens), spec.new_tokens
+    device = x_test.device
+
+    def generator() -> torch.Generator:
+        return torch.Generator(device=device).manual_seed(seed)
+
+    def alone(lm: nn.Module, some: list[torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            g = generator()
+            for p in some:
+                sampled_generate(lm, p, new, temperature, g, vocab)
+
+        return run
+
+    counts: dict[int, list[int]] = {g: [0, 0, 0, 0] for g in gammas}  # accepted, rejected, verifies, new tokens
+
+    def speculative(gamma: int, some: list[torch.Tensor], count: bool) -> Callable[[], None]:
+        def run() -> None:
+            g = generator()
+            for p in some:
+                s = speculative_generate(t_lm, d_lm, p, new, gamma, temperature, g, vocab)
+                if count:
+                    c = counts[gamma]
+                    c[0], c[1], c[2], c[3] = c[0] + s.accepted, c[1] + s.rejected, c[2] + s.verifies, c[3] + new
+
+        return run
+
+    times: dict[Any, list[float]] = {"target": [], "draft": [], **{g: [] for g in gammas}}
+    with evaluating(target, draft), torch.inference_mode(), choice.context(backend.device_type):
+        first = prompts[:1]  # one warm-up of each generation
+        for fn in (alone(t_lm, first), alone(d_lm, first), *(speculative(g, first, False) for g in gammas)):
+            fn()
+        for _ in range(spec.repeats):
+            times["target"].append(_timed(alone(t_lm, prompts), backend))
+            times["draft"].append(_timed(alone(d_lm, prompts), backend))
+            for g in gammas:
+                times[g].append(_timed(speculative(g, prompts, True), backend))
+    median = {k: statistics.median(v) for k, v in times.items()}
+    cost = median["draft"] / median["target"]
+    alpha, accepted, per_verify, speedup, predicted = [], [], [], [], []
+    for g in gammas:
+        acc, rej, verifies, tokens = counts[g]
+        a = acc / (acc + rej)  # every round judges at least one proposal
+        alpha.append(a)
+        accepted.append(acc / verifies)
+        per_verify.append(tokens / verifies)
+        speedup.append(median["target"] / median[g])
+        predicted.append(predicted_speedup(a, g, cost))
+    a_tv, positions = predicted_alpha(target, draft, x_test, temperature, choice, backend)
+    return {
+        "draft_gammas": gammas,
+        "draft_alpha": alpha,
+        "draft_alpha_predicted": a_tv,
+        "draft_accepted_per_verify": accepted,
+        "draft_tokens_per_verify": per_verify,
+        "draft_cost_ratio": cost,
+        "draft_speedup": speedup,
+        "draft_speedup_predicted": predicted,
+        "draft_protocol": protocol(spec, indices, positions, seed),
+    }
+
+
+def protocol(spec: DraftsConfig, indices: list[int], positions: int, seed: int) -> str:
+    """How a row's draft figures were obtained, for the row."""
+    sampling = "greedy (temperature 0)" if spec.temperature == 0 else f"sampled at temperature {spec.temperature:g}"
+    return (
+        f"the seed's teacher as target, this student as draft, batch 1; {len(indices)} prompt(s): the first "
+        f"{spec.prompt_tokens} bytes of held-out windows {indices}; {spec.new_tokens} new tokens each, {sampling}, "
+        f"a generator seeded {seed} at each generation; wall times: medians of {spec.repeats} round(s) of the "
+        "teacher alone, the student alone and speculative decoding at each draft length over all prompts, after "
+        "one warm-up; speed-up: the teacher alone over speculative; cost ratio: the student alone over the "
+        "teacher alone; alpha and tokens per verify: over every prompt and round; predicted alpha: 1 - mean "
+        f"TV over {positions} held-out positions; predicted speed-up: Leviathan et al. 2023 Theorem 3.8"
+    )
+
+
+def describe(row: dict[str, Any]) -> str:
+    """A log line of a row's draft figures."""
+
+    def each(values: list[float], fmt: str) -> str:
+        return "/".join(format(v, fmt) for v in values)
+
+    return (
+        f"as a draft: alpha {each(row['draft_alpha'], '.2f')} (1 - TV {row['draft_alpha_predicted']:.2f}) at "
+        f"gamma {each(row['draft_gammas'], 'd')}: {each(row['draft_tokens_per_verify'], '.2f')} tokens per verify, "
+        f"speed-up {each(row['draft_speedup'], '.2f')}x (predicted {each(row['draft_speedup_predicted'], '.2f')}x "
+        f"at c {row['draft_cost_ratio']:.2f})"
+    )
