@@ -332,10 +332,10 @@ class DraftsConfig(Strict):
     # sampling temperature of both models (softmax(logits / T); 0: greedy, the target's argmax)
     temperature: float = Field(1.0, ge=0, le=100)
     # held-out windows whose first prompt_tokens bytes are the prompts (evenly spaced over the held-out windows)
-    prompts: int = Field(4, ge=1, le=1000)
-    prompt_tokens: int = Field(32, ge=1, le=1 << 16)
+    prompts: int = Field(3, ge=1, le=1000)
+    prompt_tokens: int | None = Field(None, ge=1, le=1 << 16)  # null: half of quality.seq_len
     # tokens generated after each prompt
-    new_tokens: int = Field(32, ge=1, le=1 << 16)
+    new_tokens: int = Field(24, ge=1, le=1 << 16)
     # timed repeats of every generation (the teacher alone, the student alone, speculative at each γ); medians
     repeats: int = Field(3, ge=1, le=100)
 
@@ -348,6 +348,10 @@ class DraftsConfig(Strict):
         if len(set(v)) != len(v):
             raise ValueError(f"draft_tokens lists a length twice: {v}")
         return v
+
+    def prompt_length(self, seq_len: int) -> int:
+        """The prompts' length in tokens, with windows of ``seq_len``: prompt_tokens, or half a window."""
+        return self.prompt_tokens if self.prompt_tokens is not None else max(1, seq_len // 2)
 
 
 class QualityConfig(Strict):
@@ -397,7 +401,7 @@ class QualityConfig(Strict):
                 f"quality.speculative measures LM students as drafts on text (dataset python-stdlib); remove it for "
                 f"{self.dataset}"
             )
-        if self.speculative is not None and self.speculative.prompt_tokens > self.text_seq_len:
+        if self.speculative is not None and self.speculative.prompt_length(self.text_seq_len) > self.text_seq_len:
             raise ValueError(
                 f"quality.speculative.prompt_tokens {self.speculative.prompt_tokens} is longer than the held-out "
                 f"windows (seq_len {self.text_seq_len}) the prompts are cut from; lower it"

@@ -6,12 +6,12 @@ student of a text quality run as the draft of its seed's trained teacher (the ta
 ``temperature`` > 0, greedy verification at 0).  Per student:
 
 * **the prompts**: ``prompts`` held-out windows, evenly spaced over the held-out split, cut to their first
-  ``prompt_tokens`` bytes; each generation adds ``new_tokens`` tokens to each prompt.
-* **the timed generations**, each over all the prompts, from a generator seeded with the quality seed at its
-  start (so every repeat draws the same tokens): the teacher alone (:func:`sampled_generate`: one forward and
-  the same sampling per token), the student alone, and speculative decoding at each draft length γ; one
-  warm-up of each on the first prompt, then ``repeats`` rounds of all of them, interleaved (drift cancels);
-  the figures are the medians over the rounds.
+  ``prompt_tokens`` bytes (half a window by default); each generation adds ``new_tokens`` tokens to each prompt.
+* **the timed generations**, each over all the prompts: the teacher alone (:func:`sampled_generate`: one
+  forward and the same sampling per token), the student alone, and speculative decoding at each draft length
+  γ; one short warm-up of each on the first prompt, then ``repeats`` rounds of all of them, interleaved (drift
+  falls on all alike), every generation of round r from a generator seeded with 100 × the quality seed + r at
+  its start (each round draws other tokens, the same for every run); the times are the medians over the rounds.
 * **per γ**: the acceptance rate α = accepted / judged proposals and the accepted and generated tokens per
   verify step, over every prompt and round; the measured speed-up, the teacher alone's median wall time over
   speculative decoding's; and the speed-up Leviathan et al.'s Theorem 3.8 predicts from α, γ and the cost
@@ -40,6 +40,7 @@ from kdbench.config.schema import DraftsConfig
 from kdbench.hw.backends import AutocastChoice, Backend
 from kdbench.workloads.speculative import predicted_speedup, sampled_generate, speculative_generate, total_variation
 
+WARMUP_TOKENS = 8  # tokens of each generation's warm-up, on the first prompt
 TV_TOKENS = 1 << 16  # held-out positions the predicted α is averaged over (the first windows')
 TV_BATCH_TOKENS = 1 << 15  # positions per forward of that pass
 
@@ -134,28 +135,31 @@ def measure_draft(
     if t_lm is None or d_lm is None:
         raise ValueError("speculative decoding drives transformers causal LMs on their KV cache; this pair has none")
     indices = prompt_windows(len(x_test), spec.prompts)
-    prompts = [x_test[i : i + 1, : spec.prompt_tokens] for i in indices]
+    length = spec.prompt_length(x_test.shape[1])
+    prompts = [x_test[i : i + 1, :length] for i in indices]
     temperature, gammas, new = spec.temperature, list(spec.draft_tokens), spec.new_tokens
     device = x_test.device
 
-    def generator() -> torch.Generator:
-        return torch.Generator(device=device).manual_seed(seed)
+    def generator(round_: int) -> torch.Generator:
+        return torch.Generator(device=device).manual_seed(seeded(seed, round_))
 
-    def alone(lm: nn.Module, some: list[torch.Tensor]) -> Callable[[], None]:
+    def alone(lm: nn.Module, some: list[torch.Tensor], round_: int, tokens: int = new) -> Callable[[], None]:
         def run() -> None:
-            g = generator()
+            g = generator(round_)
             for p in some:
-                sampled_generate(lm, p, new, temperature, g, vocab)
+                sampled_generate(lm, p, tokens, temperature, g, vocab)
 
         return run
 
     counts: dict[int, list[int]] = {g: [0, 0, 0, 0] for g in gammas}  # accepted, rejected, verifies, new tokens
 
-    def speculative(gamma: int, some: list[torch.Tensor], count: bool) -> Callable[[], None]:
+    def speculative(gamma: int, some: list[torch.Tensor], round_: int, tokens: int = new) -> Callable[[], None]:
+        count = some is prompts  # a timed round: counted (the warm-up is not)
+
         def run() -> None:
-            g = generator()
+            g = generator(round_)
             for p in some:
-                s = speculative_generate(t_lm, d_lm, p, new, gamma, temperature, g, vocab)
+                s = speculative_generate(t_lm, d_lm, p, tokens, gamma, temperature, g, vocab)
                 if count:
                     c = counts[gamma]
                     c[0], c[1], c[2], c[3] = c[0] + s.accepted, c[1] + s.rejected, c[2] + s.verifies, c[3] + new
@@ -164,14 +168,16 @@ def measure_draft(
 
     times: dict[Any, list[float]] = {"target": [], "draft": [], **{g: [] for g in gammas}}
     with evaluating(target, draft), torch.inference_mode(), choice.context(backend.device_type):
-        first = prompts[:1]  # one warm-up of each generation
-        for fn in (alone(t_lm, first), alone(d_lm, first), *(speculative(g, first, False) for g in gammas)):
+        first, short = prompts[:1], min(new, WARMUP_TOKENS)  # a short warm-up of each generation, not counted
+        for fn in (alone(t_lm, first, 0, short), alone(d_lm, first, 0, short)):
             fn()
-        for _ in range(spec.repeats):
-            times["target"].append(_timed(alone(t_lm, prompts), backend))
-            times["draft"].append(_timed(alone(d_lm, prompts), backend))
+        for g in gammas:
+            speculative(g, first, 0, short)()
+        for r in range(spec.repeats):
+            times["target"].append(_timed(alone(t_lm, prompts, r), backend))
+            times["draft"].append(_timed(alone(d_lm, prompts, r), backend))
             for g in gammas:
-                times[g].append(_timed(speculative(g, prompts, True), backend))
+                times[g].append(_timed(speculative(g, prompts, r), backend))
     median = {k: statistics.median(v) for k, v in times.items()}
     cost = median["draft"] / median["target"]
     alpha, accepted, per_verify, speedup, predicted = [], [], [], [], []
@@ -193,21 +199,27 @@ def measure_draft(
         "draft_cost_ratio": cost,
         "draft_speedup": speedup,
         "draft_speedup_predicted": predicted,
-        "draft_protocol": protocol(spec, indices, positions, seed),
+        "draft_protocol": protocol(spec, length, indices, positions, seed),
     }
 
 
-def protocol(spec: DraftsConfig, indices: list[int], positions: int, seed: int) -> str:
+def seeded(seed: int, round_: int) -> int:
+    """The generator seed of round ``round_`` of quality seed ``seed``'s draft measurement."""
+    return 100 * seed + round_
+
+
+def protocol(spec: DraftsConfig, length: int, indices: list[int], positions: int, seed: int) -> str:
     """How a row's draft figures were obtained, for the row."""
     sampling = "greedy (temperature 0)" if spec.temperature == 0 else f"sampled at temperature {spec.temperature:g}"
     return (
         f"the seed's teacher as target, this student as draft, batch 1; {len(indices)} prompt(s): the first "
-        f"{spec.prompt_tokens} bytes of held-out windows {indices}; {spec.new_tokens} new tokens each, {sampling}, "
-        f"a generator seeded {seed} at each generation; wall times: medians of {spec.repeats} round(s) of the "
-        "teacher alone, the student alone and speculative decoding at each draft length over all prompts, after "
-        "one warm-up; speed-up: the teacher alone over speculative; cost ratio: the student alone over the "
-        "teacher alone; alpha and tokens per verify: over every prompt and round; predicted alpha: 1 - mean "
-        f"TV over {positions} held-out positions; predicted speed-up: Leviathan et al. 2023 Theorem 3.8"
+        f"{length} bytes of held-out windows {indices}; {spec.new_tokens} new tokens each, {sampling}, "
+        f"round r's generations from a generator seeded {seeded(seed, 0)} + r; wall times: medians of "
+        f"{spec.repeats} round(s) of the teacher alone, the student alone and speculative decoding at each draft "
+        "length over all prompts, after a short warm-up; speed-up: the teacher alone over speculative; cost "
+        "ratio: the student alone over the teacher alone; alpha and tokens per verify: over every prompt and "
+        f"round; predicted alpha: 1 - mean TV over {positions} held-out positions; predicted speed-up: Leviathan "
+        "et al. 2023 Theorem 3.8"
     )
 
 

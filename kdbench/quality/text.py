@@ -28,7 +28,9 @@ Each row records the held-out **perplexity** (exp of the mean next-byte cross-en
 every held-out byte predicted) and ``bits_per_byte`` after the last epoch, the perplexity after
 every epoch against the training time by then, next-byte top-1 ``accuracy``, ``agreement`` with the
 teacher's next-byte argmax, and the time to quality: the training time until the perplexity is at
-most the seed's teacher's / ``target``.
+most the seed's teacher's / ``target``.  With ``quality.speculative`` each student's row also records it as the
+draft of its seed's teacher in speculative decoding (:mod:`kdbench.quality.drafts`): the run keeps each student's
+model until its row is filled (and rebuilds it from its checkpoint on a resume, as it does teachers).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import math
 import os
 import platform
 import sysconfig
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,9 +196,10 @@ def check_text(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
                     f"quality.seq_len {cfg.text_seq_len} is beyond the {role} {name}'s {limit} positions; lower it"
                 )
             spec = cfg.speculative
-            if spec is not None and limit is not None and spec.prompt_tokens + spec.new_tokens > limit:
+            need = None if spec is None else spec.prompt_length(cfg.text_seq_len) + spec.new_tokens
+            if need is not None and limit is not None and need > limit:
                 raise KdbenchError(
-                    f"quality.speculative: prompt_tokens + new_tokens = {spec.prompt_tokens + spec.new_tokens} is "
+                    f"quality.speculative: prompt_tokens + new_tokens = {need} is "
                     f"beyond the {role} {name}'s {limit} positions; lower new_tokens"
                 )
     if not stdlib_root().is_dir():
@@ -372,6 +376,7 @@ class TextRun(QualityRun):
         a note instead where they could not be measured.  The student's model is let go once measured."""
         spec, seed = self.cfg.speculative, row["seed"]
         what = f"quality seed {seed}: {row['quality_role']} {row['method'] or row['student']}"
+        began = time.perf_counter()
         try:
             if student.model is None or teacher.model is None:
                 raise ValueError("the trained models are not at hand")
@@ -384,7 +389,7 @@ class TextRun(QualityRun):
             row["notes"] = "; ".join(n for n in (row["notes"], note) if n)
             logger.info("  %s: %s", what, note)
         else:
-            logger.info("  %s: %s", what, describe_draft(row))
+            logger.info("  %s: %s; measured in %.1f s", what, describe_draft(row), time.perf_counter() - began)
         finally:
             student.model = None
 
