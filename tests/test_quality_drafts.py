@@ -70,8 +70,17 @@ def test_the_positions_are_checked_before_anything_runs():
 def test_the_model_identity_and_the_job_id_leave_the_speculative_block_out_when_off():
     from kdbench.run.jobs import quality_dict
 
+    from kdbench.run.jobs import QualityJob
+
     assert "speculative" not in quality_dict(SMALL)  # the job ids of earlier runs are kept
     assert quality_dict(DRAFTS)["speculative"]["draft_tokens"] == [1, 3]
+    # another job (a resume measures it), whose models are kept where the same block without it keeps them
+    without, drafts = (
+        QualityJob(SMALL, (_job("kd"),)),
+        QualityJob(DRAFTS.model_copy(update={"epochs": 2}), (_job("kd"),)),
+    )
+    assert drafts.job_id != without.job_id and drafts.models_id == without.models_id == without.job_id
+    assert drafts.checkpoints("/r").name == without.job_id
 
 
 # --- the measurement -------------------------------------------------------------------------
