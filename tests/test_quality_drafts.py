@@ -68,9 +68,7 @@ def test_the_positions_are_checked_before_anything_runs():
 
 
 def test_the_model_identity_and_the_job_id_leave_the_speculative_block_out_when_off():
-    from kdbench.run.jobs import quality_dict
-
-    from kdbench.run.jobs import QualityJob
+    from kdbench.run.jobs import QualityJob, quality_dict
 
     assert "speculative" not in quality_dict(SMALL)  # the job ids of earlier runs are kept
     assert quality_dict(DRAFTS)["speculative"]["draft_tokens"] == [1, 3]
@@ -174,7 +172,7 @@ def test_every_student_row_has_its_draft_figures(draft_rows):
             assert formula is None or math.isclose(r["draft_speedup_predicted"][i], formula)
         assert "2 prompt(s): the first 8 bytes of held-out windows [0, " in r["draft_protocol"]
         assert "10 new tokens each, sampled at temperature 1" in r["draft_protocol"]
-        assert f"a generator seeded {100 * r['seed']} + r" in r["draft_protocol"]
+        assert f"generators seeded {100 * r['seed']} + r" in r["draft_protocol"]
         assert r["notes"] is None or "draft figures not measured" not in r["notes"]
     assert len([line for line in log if "as a draft: alpha" in line]) == 4
 

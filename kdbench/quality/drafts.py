@@ -7,11 +7,12 @@ student of a text quality run as the draft of its seed's trained teacher (the ta
 
 * **the prompts**: ``prompts`` held-out windows, evenly spaced over the held-out split, cut to their first
   ``prompt_tokens`` bytes (half a window by default); each generation adds ``new_tokens`` tokens to each prompt.
-* **the timed generations**, each over all the prompts: the teacher alone (:func:`sampled_generate`: one
-  forward and the same sampling per token), the student alone, and speculative decoding at each draft length
-  γ; one short warm-up of each on the first prompt, then ``repeats`` rounds of all of them, interleaved (drift
-  falls on all alike), every generation of round r from a generator seeded with 100 × the quality seed + r at
-  its start (each round draws other tokens, the same for every run); the times are the medians over the rounds.
+* **the timed generations**: the teacher alone (:func:`sampled_generate`: one forward and the same sampling
+  per token), the student alone, and speculative decoding at each draft length γ.  One short warm-up of each on
+  the first prompt, then ``repeats`` rounds; in a round each prompt goes through every generation in turn (a
+  busy moment of the machine falls on all of them alike), each generation drawing from its own generator seeded
+  with 100 × the quality seed + r at the start of round r (each round draws other tokens, every run the same);
+  a generation's time in a round is its sum over the prompts, and the times are the medians over the rounds.
 * **per γ**: the acceptance rate α = accepted / judged proposals and the accepted and generated tokens per
   verify step, over every prompt and round; the measured speed-up, the teacher alone's median wall time over
   speculative decoding's; and the speed-up Leviathan et al.'s Theorem 3.8 predicts from α, γ and the cost
@@ -111,10 +112,15 @@ def predicted_alpha(
     return 1.0 - total / count, count
 
 
-def _timed(fn: Callable[[], Any], backend: Backend) -> float:
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _timed(backend: Backend, fn: Callable[..., Any], *args: Any) -> float:
+    """The wall time of ``fn(*args)``, the device synchronised before and after."""
     backend.synchronize()
     start = time.perf_counter()
-    fn()
+    fn(*args)
     backend.synchronize()
     return time.perf_counter() - start
 
@@ -140,44 +146,33 @@ def measure_draft(
     temperature, gammas, new = spec.temperature, list(spec.draft_tokens), spec.new_tokens
     device = x_test.device
 
-    def generator(round_: int) -> torch.Generator:
-        return torch.Generator(device=device).manual_seed(seeded(seed, round_))
-
-    def alone(lm: nn.Module, some: list[torch.Tensor], round_: int, tokens: int = new) -> Callable[[], None]:
-        def run() -> None:
-            g = generator(round_)
-            for p in some:
-                sampled_generate(lm, p, tokens, temperature, g, vocab)
-
-        return run
-
     counts: dict[int, list[int]] = {g: [0, 0, 0, 0] for g in gammas}  # accepted, rejected, verifies, new tokens
 
-    def speculative(gamma: int, some: list[torch.Tensor], round_: int, tokens: int = new) -> Callable[[], None]:
-        count = some is prompts  # a timed round: counted (the warm-up is not)
+    def generate(kind: Any, prompt: torch.Tensor, tokens: int, g: torch.Generator, count: bool) -> None:
+        """One generation: the teacher alone, the student alone, or speculative at γ = ``kind``."""
+        if kind in ("target", "draft"):
+            sampled_generate(t_lm if kind == "target" else d_lm, prompt, tokens, temperature, g, vocab)
+            return
+        s = speculative_generate(t_lm, d_lm, prompt, tokens, kind, temperature, g, vocab)
+        if count:
+            c = counts[kind]
+            c[0], c[1], c[2], c[3] = c[0] + s.accepted, c[1] + s.rejected, c[2] + s.verifies, c[3] + tokens
 
-        def run() -> None:
-            g = generator(round_)
-            for p in some:
-                s = speculative_generate(t_lm, d_lm, p, tokens, gamma, temperature, g, vocab)
-                if count:
-                    c = counts[gamma]
-                    c[0], c[1], c[2], c[3] = c[0] + s.accepted, c[1] + s.rejected, c[2] + s.verifies, c[3] + new
-
-        return run
-
-    times: dict[Any, list[float]] = {"target": [], "draft": [], **{g: [] for g in gammas}}
+    kinds: list[Any] = ["target", "draft", *gammas]
+    times: dict[Any, list[float]] = {k: [] for k in kinds}
     with evaluating(target, draft), torch.inference_mode(), choice.context(backend.device_type):
-        first, short = prompts[:1], min(new, WARMUP_TOKENS)  # a short warm-up of each generation, not counted
-        for fn in (alone(t_lm, first, 0, short), alone(d_lm, first, 0, short)):
-            fn()
-        for g in gammas:
-            speculative(g, first, 0, short)()
+        for kind in kinds:  # a short warm-up of each generation on the first prompt, not counted
+            generate(kind, prompts[0], min(new, WARMUP_TOKENS), _generator(device, seeded(seed, 0)), False)
         for r in range(spec.repeats):
-            times["target"].append(_timed(alone(t_lm, prompts, r), backend))
-            times["draft"].append(_timed(alone(d_lm, prompts, r), backend))
-            for g in gammas:
-                times[g].append(_timed(speculative(g, prompts, r), backend))
+            # every generation of the round draws from its own generator, seeded alike; the generations of one
+            # prompt run one after the other, so that a busy moment of the machine falls on all of them
+            generators = {k: _generator(device, seeded(seed, r)) for k in kinds}
+            total = dict.fromkeys(kinds, 0.0)
+            for prompt in prompts:
+                for kind in kinds:
+                    total[kind] += _timed(backend, generate, kind, prompt, new, generators[kind], True)
+            for kind in kinds:
+                times[kind].append(total[kind])
     median = {k: statistics.median(v) for k, v in times.items()}
     cost = median["draft"] / median["target"]
     alpha, accepted, per_verify, speedup, predicted = [], [], [], [], []
@@ -211,16 +206,20 @@ def seeded(seed: int, round_: int) -> int:
 def protocol(spec: DraftsConfig, length: int, indices: list[int], positions: int, seed: int) -> str:
     """How a row's draft figures were obtained, for the row."""
     sampling = "greedy (temperature 0)" if spec.temperature == 0 else f"sampled at temperature {spec.temperature:g}"
-    return (
-        f"the seed's teacher as target, this student as draft, batch 1; {len(indices)} prompt(s): the first "
-        f"{length} bytes of held-out windows {indices}; {spec.new_tokens} new tokens each, {sampling}, "
-        f"round r's generations from a generator seeded {seeded(seed, 0)} + r; wall times: medians of "
-        f"{spec.repeats} round(s) of the teacher alone, the student alone and speculative decoding at each draft "
-        "length over all prompts, after a short warm-up; speed-up: the teacher alone over speculative; cost "
-        "ratio: the student alone over the teacher alone; alpha and tokens per verify: over every prompt and "
-        f"round; predicted alpha: 1 - mean TV over {positions} held-out positions; predicted speed-up: Leviathan "
-        "et al. 2023 Theorem 3.8"
+    parts = (
+        "the seed's teacher as target, this student as draft, batch 1",
+        f"{len(indices)} prompt(s): the first {length} bytes of held-out windows {indices}",
+        f"{spec.new_tokens} new tokens each, {sampling}",
+        f"round r's generations from generators seeded {seeded(seed, 0)} + r",
+        f"wall times: medians of {spec.repeats} round(s) of the teacher alone, the student alone and speculative "
+        "decoding at each draft length over all prompts (interleaved prompt by prompt), after a short warm-up",
+        "speed-up: the teacher alone over speculative",
+        "cost ratio: the student alone over the teacher alone",
+        "alpha and tokens per verify: over every prompt and round",
+        f"predicted alpha: 1 - mean TV over {positions} held-out positions",
+        "predicted speed-up: Leviathan et al. 2023 Theorem 3.8",
     )
+    return "; ".join(parts)
 
 
 def describe(row: dict[str, Any]) -> str:
