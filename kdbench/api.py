@@ -189,7 +189,7 @@ def quality_table(results: Iterable[str | Path]) -> str:
     """The Markdown table of the quality rows in ``results`` (mean ± std over seeds), and a line under it when some
     come from models an earlier invocation of their run trained and kept (:mod:`kdbench.quality.checkpoints`)."""
     from kdbench.names import Measurement
-    from kdbench.report.summaries import markdown_table, summarize_quality
+    from kdbench.report.summaries import markdown_drafts, markdown_table, summarize_drafts, summarize_quality
     from kdbench.store import read_results
 
     df = read_results(results)
@@ -200,6 +200,12 @@ def quality_table(results: Iterable[str | Path]) -> str:
         table += (
             f"{reused} of the {len(quality)} rows come from models an earlier invocation of the run trained and kept: "
             "their training times are that invocation's (each row's notes name its checkpoint)\n"
+        )
+    drafts = markdown_drafts(summarize_drafts(quality))
+    if drafts:
+        table += (
+            "\nThe students as drafts of their seed's teacher in speculative decoding, per draft length γ (mean ± std "
+            "over seeds; in bold the highest mean α and measured speed-up at each γ: the best draft):\n\n" + drafts
         )
     return table
 

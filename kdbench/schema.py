@@ -926,6 +926,67 @@ COLUMNS: tuple[Column, ...] = (
         ),
         ("quality_train_tokens", _I, "tokens", "text quality rows: bytes the models train on per epoch"),
         ("quality_test_tokens", _I, "tokens", "text quality rows: held-out bytes predicted in each evaluation"),
+        (
+            "draft_gammas",
+            pa.list_(_I),
+            "tokens",
+            "text quality rows of students with `quality.speculative`: the draft lengths γ measured, the student "
+            "proposing γ tokens per verify step of its seed's trained teacher (the order of the other draft_* lists)",
+        ),
+        (
+            "draft_alpha",
+            pa.list_(_F),
+            "ratio",
+            "per γ: the acceptance rate α, accepted / judged proposals over every prompt and round (proposals after "
+            "a rejection are never judged)",
+        ),
+        (
+            "draft_alpha_predicted",
+            _F,
+            "ratio",
+            "the acceptance rate predicted from held-out text: 1 − the mean TV(p_teacher, p_student) at the "
+            "temperature over the held-out positions (Leviathan et al. 2023, Corollary 3.6; temperature 0: the share "
+            "where both argmax agree)",
+        ),
+        (
+            "draft_accepted_per_verify",
+            pa.list_(_F),
+            "tokens",
+            "per γ: the student's proposals the teacher accepted per verify step (0 to γ)",
+        ),
+        (
+            "draft_tokens_per_verify",
+            pa.list_(_F),
+            "tokens",
+            "per γ: the tokens generated per verify step, the accepted proposals and the teacher's own (1 to γ + 1)",
+        ),
+        (
+            "draft_cost_ratio",
+            _F,
+            "ratio",
+            "the cost ratio c: the student alone's median generation wall time over the teacher alone's, the same "
+            "prompts, tokens and sampling",
+        ),
+        (
+            "draft_speedup",
+            pa.list_(_F),
+            "x",
+            "per γ: the measured speed-up, the teacher alone's median generation wall time over speculative decoding's "
+            "with the student as draft (same prompts, tokens, temperature and generator seed)",
+        ),
+        (
+            "draft_speedup_predicted",
+            pa.list_(_F),
+            "x",
+            "per γ: the speed-up predicted from draft_alpha, γ and draft_cost_ratio, (1 − α^(γ+1)) / ((1 − α)(γc + 1)) "
+            "(Leviathan et al. 2023, Theorem 3.8)",
+        ),
+        (
+            "draft_protocol",
+            _S,
+            "",
+            "how the draft_* figures were obtained: prompts, tokens, temperature, generator seed, repeats",
+        ),
     ),
     *_group(
         ENVIRONMENT,

@@ -32,6 +32,8 @@ QUALITY = {
     "max_bytes": 8_000,  # 6,000 train bytes (a quarter held out): 187 windows of 32, 11 steps of 16 an epoch
     "seq_len": 32,
     "target": 0.8,
+    # each student as its teacher's draft, measured once trained (or once taken from its checkpoint)
+    "speculative": {"draft_tokens": [2], "prompts": 1, "prompt_tokens": 8, "new_tokens": 6, "repeats": 1},
 }
 STEPS = 11
 
@@ -134,6 +136,10 @@ def test_the_quality_job_talks_keeps_each_model_and_a_resume_does_not_train_it_a
     q = df[df["measurement"] == "quality"].set_index("quality_role")
     assert q.loc["teacher", "notes"].startswith("reused: trained by an earlier invocation of this run")
     assert not isinstance(q.loc["scratch", "notes"], str)  # trained in this invocation: nothing to say
+    for role in ("scratch", "distilled"):  # measured as drafts of the teacher rebuilt from its checkpoint
+        assert list(q.loc[role, "draft_gammas"]) == [2] and 0 <= q.loc[role, "draft_alpha"][0] <= 1
+    assert q.loc["teacher", "draft_alpha"] is None
+    assert "The students as drafts of their seed's teacher in speculative decoding" in "\n".join(log)
     assert len(list((run.path / CHECKPOINTS_DIR).glob("quality-*/*.pt"))) == 3
 
     # The rows equal an uninterrupted run's (the same plan's quality job, trained at once, without checkpoints).

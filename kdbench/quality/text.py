@@ -28,16 +28,20 @@ Each row records the held-out **perplexity** (exp of the mean next-byte cross-en
 every held-out byte predicted) and ``bits_per_byte`` after the last epoch, the perplexity after
 every epoch against the training time by then, next-byte top-1 ``accuracy``, ``agreement`` with the
 teacher's next-byte argmax, and the time to quality: the training time until the perplexity is at
-most the seed's teacher's / ``target``.
+most the seed's teacher's / ``target``.  With ``quality.speculative`` each student's row also records it as the
+draft of its seed's teacher in speculative decoding (:mod:`kdbench.quality.drafts`): the run keeps each student's
+model until its row is filled (and rebuilds it from its checkpoint on a resume, as it does teachers).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import platform
 import sysconfig
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,14 +54,18 @@ from torch import nn
 
 from kdbench.config.schema import CellConfig, QualityConfig
 from kdbench.errors import KdbenchError
-from kdbench.hw.backends import AutocastChoice, Backend
+from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast
+from kdbench.measure.failures import error_text
 from kdbench.models.hub import is_callable_name
 from kdbench.names import IGNORE_INDEX
 from kdbench.quality.checkpoints import Checkpoints
+from kdbench.quality.drafts import DRAFT_ROW_KEYS, measure_draft
+from kdbench.quality.drafts import describe as describe_draft
 from kdbench.quality.train import DeviceData, QualityRun, Trained, ce_step, fit, init_seed
 
 BYTES = 256  # the vocabulary: one token per byte value
 EVAL_TOKENS = 1 << 15  # held-out tokens per evaluation forward
+logger = logging.getLogger(__name__)
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
 
 
@@ -187,6 +195,13 @@ def check_text(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
                 raise KdbenchError(
                     f"quality.seq_len {cfg.text_seq_len} is beyond the {role} {name}'s {limit} positions; lower it"
                 )
+            spec = cfg.speculative
+            need = None if spec is None else spec.prompt_length(cfg.text_seq_len) + spec.new_tokens
+            if need is not None and limit is not None and need > limit:
+                raise KdbenchError(
+                    f"quality.speculative: prompt_tokens + new_tokens = {need} is "
+                    f"beyond the {role} {name}'s {limit} positions; lower new_tokens"
+                )
     if not stdlib_root().is_dir():
         raise KdbenchError(f"the standard library folder {stdlib_root()} is not there; python-stdlib reads it")
 
@@ -197,8 +212,10 @@ def byte_overrides(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def text_columns(cfg: QualityConfig) -> dict[str, Any]:
-    """The text columns of a planned row (the corpus's are added once it is read)."""
-    return dict.fromkeys(TEXT_ROW_KEYS) | {"seq_len": cfg.text_seq_len}
+    """The text columns of a planned row (the corpus's are added once it is read; with ``speculative``, the draft
+    columns, which a student's row fills)."""
+    drafts = dict.fromkeys(DRAFT_ROW_KEYS) if cfg.speculative is not None else {}
+    return dict.fromkeys(TEXT_ROW_KEYS) | {"seq_len": cfg.text_seq_len} | drafts
 
 
 TEXT_ROW_KEYS = (
@@ -274,7 +291,24 @@ class TextRun(QualityRun):
             self.device_text = DeviceData(
                 t.x_train.to(dev), t.y_train.to(dev), t.x_test.to(dev), t.y_test, BYTES, torch.contiguous_format
             )
+            spec = self.cfg.speculative
+            if spec is not None and spec.prompts > len(t.x_test):
+                raise KdbenchError(
+                    f"quality.speculative.prompts {spec.prompts} is more than the {len(t.x_test)} held-out windows the "
+                    "prompts are cut from; lower it or raise max_bytes"
+                )
         return self.device_text
+
+    @property
+    def keeps_students(self) -> bool:
+        return self.cfg.speculative is not None  # each is measured as a draft once trained
+
+    def reused_times(self, role: str) -> str:
+        if role == "teacher" or not self.keeps_students:
+            return super().reused_times(role)
+        return (
+            "its training times are that invocation's; its draft figures (draft_*) are this invocation's, measured now"
+        )
 
     def cell(self, c: CellConfig, seed: int) -> CellConfig:
         """The image protocol's cell, with the byte vocabulary over the overrides and the block's windows."""
@@ -333,7 +367,31 @@ class TextRun(QualityRun):
             row.update(time_to_target_s=seconds, epochs_to_target=epoch)
             if reference is not result:
                 row["agreement"] = float((result.preds == reference.preds).float().mean())
+                if self.cfg.speculative is not None:
+                    self.draft(row, result, reference)
         return row
+
+    def draft(self, row: dict[str, Any], student: Trained, teacher: Trained) -> None:
+        """``row`` with the student's figures as the draft of its seed's teacher (:mod:`kdbench.quality.drafts`);
+        a note instead where they could not be measured.  The student's model is let go once measured."""
+        spec, seed = self.cfg.speculative, row["seed"]
+        what = f"quality seed {seed}: {row['quality_role']} {row['method'] or row['student']}"
+        began = time.perf_counter()
+        try:
+            if student.model is None or teacher.model is None:
+                raise ValueError("the trained models are not at hand")
+            choice = choose_autocast(self.backend, row["precision"])
+            assert self.device_text is not None, "the data is loaded before any model trains"
+            x_test = self.device_text.x_test
+            row.update(measure_draft(teacher.model, student.model, x_test, spec, choice, self.backend, seed, BYTES))
+        except Exception as exc:  # the row's training figures stand; the draft's are missing, and it says why
+            note = f"draft figures not measured: {error_text(exc)}"
+            row["notes"] = "; ".join(n for n in (row["notes"], note) if n)
+            logger.info("  %s: %s", what, note)
+        else:
+            logger.info("  %s: %s; measured in %.1f s", what, describe_draft(row), time.perf_counter() - began)
+        finally:
+            student.model = None
 
     def describe(self, result: Trained, agreement: float | None = None) -> str:
         loss = result.test_losses[-1]

@@ -49,7 +49,8 @@ EVAL_BATCH = 512
 
 @dataclass
 class Trained:
-    """A trained model's test record; `model` kept for teachers only."""
+    """A trained model's test record; `model` kept for teachers, and for students where the run measures them once
+    trained (:attr:`QualityRun.keeps_students`)."""
 
     history: list[tuple[float, float]]  # (training seconds so far, test accuracy) after each epoch
     preds: torch.Tensor  # test predictions after the last epoch (CPU)
@@ -342,7 +343,7 @@ class QualityRun:
         return {
             "format": 1,
             "role": role,
-            "quality": self.cfg.model_dump(mode="json"),
+            "quality": self.cfg.model_dump(mode="json", exclude={"speculative"}),  # measured after: not trained with
             "cell": config_dict(cell),
             "data": self.digests[id(data)],
             "threads": torch.get_num_threads(),
@@ -371,8 +372,7 @@ class QualityRun:
         if stored is not None:
             note = (
                 f"reused: trained by an earlier invocation of this run and kept in its checkpoint "
-                f"{CHECKPOINTS_DIR}/{path.parent.name}/{path.name} (saved {stored.saved}); its times are that "
-                "invocation's"
+                f"{CHECKPOINTS_DIR}/{path.parent.name}/{path.name} (saved {stored.saved}); " + self.reused_times(role)
             )
             out = Trained.from_record(stored.record, identity=identity, note=note)
             if rebuild is not None:
@@ -391,6 +391,16 @@ class QualityRun:
             logger.warning("%s: not kept, a resume would train it again: %s", self.talk.head, error_text(exc))
         return out
 
+    @property
+    def keeps_students(self) -> bool:
+        """Whether a student's trained model is kept with its record (and rebuilt from its checkpoint on a resume),
+        for a measurement after its training (:class:`kdbench.quality.text.TextRun`'s drafts)."""
+        return False
+
+    def reused_times(self, role: str) -> str:
+        """What a row made from a kept model says of its times."""
+        return "its times are that invocation's"
+
     def train_ce(self, config: CellConfig, seed: int, role: str, key: ModelKey) -> Trained | str:
         """The seed's teacher or scratch student (the model ``key`` names, of the planned cell ``config``), trained
         with cross-entropy once and remembered (and kept as a checkpoint where the run keeps them)."""
@@ -407,7 +417,7 @@ class QualityRun:
                 step = self.ce_step(model, optimizer, choice)
                 with math_mode(choice.tf32):
                     out = self.fit(step, model, optimizer, self.data(cell), seed, choice)
-                if role == "teacher":
+                if role == "teacher" or self.keeps_students:
                     out.model = model
                 logger.info("  quality seed %d: %s %s: %s", seed, role, name, self.describe(out))
                 return out, model
@@ -419,7 +429,14 @@ class QualityRun:
 
             self.trained[(seed, role, key)] = self.attempt(
                 f"quality seed {seed}: {role} {name}",
-                lambda: self.kept(seed, role, repr(key), cell, train, rebuild=rebuild if role == "teacher" else None),
+                lambda: self.kept(
+                    seed,
+                    role,
+                    repr(key),
+                    cell,
+                    train,
+                    rebuild=rebuild if role == "teacher" or self.keeps_students else None,
+                ),
             )
         return self.trained[(seed, role, key)]
 
@@ -440,8 +457,18 @@ class QualityRun:
                     return distiller.train_step(x, y, indices=indices)
 
                 with math_mode(distiller.student_ac.tf32):
-                    return self.fit(step, model, opt, data, seed, distiller.student_ac), model
+                    out = self.fit(step, model, opt, data, seed, distiller.student_ac)
             finally:
                 distiller.close()
+            if self.keeps_students:
+                out.model = model
+            return out, model
 
-        return self.kept(seed, "distilled", config_dict(config), cell, train, teacher=teacher)
+        def rebuild(state: dict[str, torch.Tensor]) -> nn.Module:
+            sized = bank_sized(cell, len(self.data(cell).x_train))
+            model = self.model(sized.pair.student, sized, "student")
+            model.load_state_dict(state)
+            return model.train()
+
+        keep = rebuild if self.keeps_students else None
+        return self.kept(seed, "distilled", config_dict(config), cell, train, teacher=teacher, rebuild=keep)

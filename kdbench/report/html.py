@@ -43,7 +43,7 @@ from kdbench.report.format import (
 from kdbench.report.lm import lm_section
 from kdbench.report.plots import draw_charts, draw_phases, draw_quality_front
 from kdbench.report.step_tables import REMAINDER_LIMIT, caching_rows, lever_rows, profile_rows, top_op_rows
-from kdbench.report.summaries import MEASUREMENT_ORDER, shown_phases, summarize_quality
+from kdbench.report.summaries import MEASUREMENT_ORDER, shown_phases, summarize_drafts, summarize_quality
 from kdbench.report.verdicts import Verdict
 from kdbench.schema import COLUMN_NAMES, ENVIRONMENT_COLUMNS
 
@@ -112,6 +112,7 @@ def render_report(
         top_ops=top_op_rows(df, out_dir),
         has_quality=has_quality,
         quality=_quality(df) if has_quality else [],
+        drafts=_drafts(df) if has_quality else [],
         quality_chart=draw_quality_front(df, out_dir) if has_quality else None,
         measurements=_measurements(df),
         environments=_environments(df),
@@ -274,6 +275,35 @@ def _measurements(df: pd.DataFrame) -> list[dict]:
             "error": truncate(r.error),
         }
         for r in df.itertuples(index=False)
+    ]
+
+
+def _drafts(df: pd.DataFrame) -> list[dict]:
+    """The students as drafts (:func:`kdbench.report.summaries.summarize_drafts`), mean ± std over seeds."""
+
+    def figure(r: dict, name: str, digits: int) -> str:
+        return mean_std(r[f"{name}_mean"], r[f"{name}_std"], fmt=lambda v: f"{v:.{digits}f}")
+
+    return [
+        {
+            "teacher": text(r["teacher"]),
+            "student": text(r["student"]),
+            "role": text(r["quality_role"]),
+            "method": text(r["method"]),
+            "gamma": r["gamma"],
+            "perplexity": figure(r, "perplexity", 3),
+            "alpha": figure(r, "alpha", 3),
+            "alpha_predicted": figure(r, "alpha_predicted", 3),
+            "accepted_per_verify": figure(r, "accepted_per_verify", 2),
+            "tokens_per_verify": figure(r, "tokens_per_verify", 2),
+            "cost_ratio": figure(r, "cost_ratio", 2),
+            "speedup": figure(r, "speedup", 2),
+            "speedup_predicted": figure(r, "speedup_predicted", 2),
+            "best_alpha": bool(r["best_alpha"]),
+            "best_speedup": bool(r["best_speedup"]),
+            "seeds": r["n"],
+        }
+        for r in summarize_drafts(df).to_dict("records")
     ]
 
 

@@ -179,21 +179,27 @@ def summarize_quality(df: pd.DataFrame) -> pd.DataFrame:
         )
         .reset_index()
     )
-    keys = summary[list(SUMMARY_KEYS)].astype(object)
-    summary[list(SUMMARY_KEYS)] = keys.where(keys.notna(), None)
-    for role in ("teacher", "student"):  # a name with more than one set of overrides is named with them
-        over = summary[f"{role}_overrides"].astype(object).where(summary[f"{role}_overrides"].notna(), None)
-        shapes = over.groupby(summary[role].fillna(""), sort=False).transform(lambda s: len(set(s)))
-        summary[role] = [
-            f"{name} {o or '(as registered)'}" if name is not None and n > 1 else name
-            for name, o, n in zip(summary[role], over, shapes)
-        ]
+    _name_models(summary)
     summary["n"] = summary["n"].astype(int)
     order = summary["quality_role"].map({r: i for i, r in enumerate(QUALITY_ROLES)}).fillna(len(QUALITY_ROLES))
     by = [order, *(summary[k].fillna("").astype(str) for k in ("teacher", "student", "method"))]
     ranked = summary.assign(**{f"_{i}": v for i, v in enumerate(by)})
     ranked = ranked.sort_values([f"_{i}" for i in range(len(by))], kind="stable")
     return ranked[list(QUALITY_COLUMNS)].reset_index(drop=True)
+
+
+def _name_models(summary: pd.DataFrame) -> None:
+    """The summary's key columns with None for missing, and a model name that comes with more than one set of
+    overrides named with them."""
+    keys = summary[list(SUMMARY_KEYS)].astype(object)
+    summary[list(SUMMARY_KEYS)] = keys.where(keys.notna(), None)
+    for role in ("teacher", "student"):
+        over = summary[f"{role}_overrides"].astype(object).where(summary[f"{role}_overrides"].notna(), None)
+        shapes = over.groupby(summary[role].fillna(""), sort=False).transform(lambda s: len(set(s)))
+        summary[role] = [
+            f"{name} {o or '(as registered)'}" if name is not None and n > 1 else name
+            for name, o, n in zip(summary[role], over, shapes)
+        ]
 
 
 def _name(v) -> str:
@@ -245,6 +251,105 @@ def markdown_table(summary: pd.DataFrame) -> str:
     columns = TEXT_TABLE if text else IMAGE_TABLE
     lines = ["| " + " | ".join(header for header, _ in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in summary.to_dict("records")]
+    return "\n".join(lines) + "\n"
+
+
+# The students as drafts of their seed's teacher (text quality rows with quality.speculative): per draft length γ
+DRAFT_FIGURES = (  # (summary name, the row's column, a list per γ)
+    ("perplexity", "perplexity", False),
+    ("alpha", "draft_alpha", True),
+    ("alpha_predicted", "draft_alpha_predicted", False),
+    ("accepted_per_verify", "draft_accepted_per_verify", True),
+    ("tokens_per_verify", "draft_tokens_per_verify", True),
+    ("cost_ratio", "draft_cost_ratio", False),
+    ("speedup", "draft_speedup", True),
+    ("speedup_predicted", "draft_speedup_predicted", True),
+)
+DRAFT_COLUMNS = (
+    *SUMMARY_KEYS,
+    "gamma",
+    "n",
+    *(f"{name}_{s}" for name, _, _ in DRAFT_FIGURES for s in ("mean", "std")),
+    "best_alpha",  # the highest mean alpha of the students of one teacher and student shape at this γ
+    "best_speedup",  # the highest mean measured speed-up, likewise
+)
+
+
+def summarize_drafts(df: pd.DataFrame) -> pd.DataFrame:
+    """The students as drafts of their seed's teacher (the ``draft_*`` columns of text quality rows): per
+    (teacher, student, quality_role, method) and draft length γ, the mean and std over the seeds of the perplexity,
+    the measured and predicted (1 − TV) acceptance rate, the accepted and generated tokens per verify step, the
+    cost ratio and the measured and predicted speed-up; ``best_alpha`` / ``best_speedup`` mark the students with
+    the highest mean among those of one teacher and student shape at that γ: which loss makes the best draft.
+    Ordered by teacher, student, γ, then scratch before distilled, by method."""
+    if df.empty or "draft_gammas" not in df.columns:
+        return pd.DataFrame(columns=list(DRAFT_COLUMNS))
+    rows = df[df["measurement"].eq(Measurement.QUALITY) & df["status"].eq(Status.OK) & df["draft_gammas"].notna()]
+    records = []
+    for r in rows.to_dict("records"):
+        keys = {k: r.get(k) for k in (*SUMMARY_KEYS, *OVERRIDE_KEYS)}
+        for i, gamma in enumerate(r["draft_gammas"]):
+            figures = {name: _float(r.get(col), i if per_gamma else None) for name, col, per_gamma in DRAFT_FIGURES}
+            records.append({**keys, "gamma": int(gamma), **figures})
+    if not records:
+        return pd.DataFrame(columns=list(DRAFT_COLUMNS))
+    work = pd.DataFrame(records)
+    group = [*SUMMARY_KEYS, *OVERRIDE_KEYS, "gamma"]
+    aggregations = {"n": ("alpha", "count")}
+    for name, _, _ in DRAFT_FIGURES:
+        aggregations |= {f"{name}_mean": (name, "mean"), f"{name}_std": (name, "std")}
+    summary = work.astype({k: object for k in group if k != "gamma"}).groupby(group, dropna=False, sort=False)
+    summary = summary.agg(**aggregations).reset_index()
+    shape = summary[["teacher", "student", *OVERRIDE_KEYS, "gamma"]].astype(str).agg("\0".join, axis=1)
+    for figure in ("alpha", "speedup"):
+        best = summary[f"{figure}_mean"].groupby(shape).transform("max")
+        summary[f"best_{figure}"] = summary[f"{figure}_mean"].eq(best) & summary[f"{figure}_mean"].notna()
+    _name_models(summary)
+    order = summary["quality_role"].map({r: i for i, r in enumerate(QUALITY_ROLES)}).fillna(len(QUALITY_ROLES))
+    by = [summary["teacher"].fillna("").astype(str), summary["student"].fillna("").astype(str), summary["gamma"]]
+    by += [order, summary["method"].fillna("").astype(str)]
+    ranked = summary.assign(**{f"_{i}": v for i, v in enumerate(by)})
+    ranked = ranked.sort_values([f"_{i}" for i in range(len(by))], kind="stable")
+    return ranked[list(DRAFT_COLUMNS)].reset_index(drop=True)
+
+
+def _float(value, index: int | None) -> float:
+    """A row's figure (the ``index``-th of a list), NaN where missing."""
+    if index is not None:
+        value = None if value is None or not hasattr(value, "__len__") or len(value) <= index else value[index]
+    try:
+        return float(value) if value is not None else math.nan
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _bold(best: str, figure) -> object:
+    """A column cell, in bold where ``best`` marks the row."""
+    return lambda r: f"**{figure(r)}**" if r[best] and figure(r) != "–" else figure(r)
+
+
+DRAFT_TABLE = (
+    *_WHO,
+    ("γ", lambda r: str(r["gamma"])),
+    ("perplexity", _figure("perplexity_mean", "perplexity_std", digits=3)),
+    ("α", _bold("best_alpha", _figure("alpha_mean", "alpha_std", digits=3))),
+    ("α predicted (1 − TV)", _figure("alpha_predicted_mean", "alpha_predicted_std", digits=3)),
+    ("accepted / verify", _figure("accepted_per_verify_mean", "accepted_per_verify_std", digits=2)),
+    ("tokens / verify", _figure("tokens_per_verify_mean", "tokens_per_verify_std", digits=2)),
+    ("c", _figure("cost_ratio_mean", "cost_ratio_std", digits=2)),
+    ("speed-up (x)", _bold("best_speedup", _figure("speedup_mean", "speedup_std", digits=2))),
+    ("predicted speed-up (x)", _figure("speedup_predicted_mean", "speedup_predicted_std", digits=2)),
+    ("seeds", lambda r: str(r["n"])),
+)
+
+
+def markdown_drafts(summary: pd.DataFrame) -> str:
+    """A Markdown table of :func:`summarize_drafts` (mean ± std over seeds), the highest mean α and measured
+    speed-up of each γ in bold; empty without draft figures."""
+    if summary.empty:
+        return ""
+    lines = ["| " + " | ".join(header for header, _ in DRAFT_TABLE) + " |", "|" + "---|" * len(DRAFT_TABLE)]
+    lines += ["| " + " | ".join(cell(r) for _, cell in DRAFT_TABLE) + " |" for r in summary.to_dict("records")]
     return "\n".join(lines) + "\n"
 
 

@@ -142,8 +142,18 @@ class QualityJob:
     @property
     def job_id(self) -> str:
         """Hashes the quality settings and the jobs' cells, so a rerun of the same suite finds it again."""
+        return self._hashed(self.quality)
+
+    @property
+    def models_id(self) -> str:
+        """The job id without what is measured after the models train (``quality.speculative``): the folder its
+        models are kept in, so that the same models, measured otherwise, are not trained again (and a run stored
+        before ``speculative`` existed lends its kept models to the same block with it)."""
+        return self._hashed(self.quality.model_copy(update={"speculative": None}))
+
+    def _hashed(self, quality: QualityConfig) -> str:
         key = json.dumps(
-            {"quality": quality_dict(self.quality), "jobs": [config_dict(c) for c in self.configs]},
+            {"quality": quality_dict(quality), "jobs": [config_dict(c) for c in self.configs]},
             sort_keys=True,
         )
         return "quality-" + hashlib.sha256(key.encode()).hexdigest()[:12]
@@ -189,7 +199,7 @@ class QualityJob:
         """Where the job keeps each model it trained, in the run folder (:mod:`kdbench.quality.checkpoints`)."""
         from kdbench.quality.checkpoints import CHECKPOINTS_DIR
 
-        return None if run_dir is None else Path(run_dir) / CHECKPOINTS_DIR / self.job_id
+        return None if run_dir is None else Path(run_dir) / CHECKPOINTS_DIR / self.models_id
 
     def run(self, ctx: WorkerContext) -> list[Row]:
         from kdbench.quality.protocol import run_quality
@@ -206,7 +216,8 @@ class QualityJob:
 
 Job = CellJob | QualityJob
 
-QUALITY_IDENTITY_DEFAULTS = {"seq_len": None, "max_bytes": None}  # text-only keys: unset, out of the job's identity
+# text-only keys: unset, out of the job's identity
+QUALITY_IDENTITY_DEFAULTS = {"seq_len": None, "max_bytes": None, "speculative": None}
 
 
 def quality_dict(quality: QualityConfig) -> dict:

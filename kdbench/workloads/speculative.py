@@ -373,3 +373,28 @@ def speculative_bytes_per_token(target: nn.Module, draft: nn.Module, choice: Any
     except (AttributeError, TypeError, ValueError):
         return None
     return (run.verifies * per_step[0] + run.draft_forwards * per_step[1]) / run.new_tokens
+
+
+def sampled_generate(
+    lm: nn.Module,
+    prompt: torch.Tensor,
+    new_tokens: int,
+    temperature: float,
+    generator: torch.Generator | None = None,
+    vocab: int | None = None,
+) -> torch.Tensor:
+    """``prompt`` (B, P) followed by ``new_tokens`` tokens of ``lm`` alone on its KV cache, each sampled from
+    softmax(logits / ``temperature``) (multinomial, drawing from ``generator``) as :func:`speculative_generate`
+    samples; greedy (:func:`greedy_generate`) at ``temperature`` 0.  The baseline a sampled speculative
+    generation is timed against: the same sampling work per token, one forward per token."""
+    if temperature == 0:
+        return greedy_generate(lm, prompt, new_tokens, vocab)
+    model = _Cached(lm, vocab)
+    logits = model.feed(prompt)[:, -1]
+    tokens = [prompt]
+    for i in range(new_tokens):
+        token = torch.multinomial(_probs(logits, temperature), 1, generator=generator)
+        tokens.append(token)
+        if i + 1 < new_tokens:
+            logits = model.feed(token)[:, -1]
+    return torch.cat(tokens, dim=1)
