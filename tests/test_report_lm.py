@@ -11,6 +11,7 @@ import pytest
 from kdbench.report import render_report
 from kdbench.report.lm import (
     GIB,
+    floor_points,
     has_lm,
     impl_order,
     loss_shares,
@@ -218,6 +219,23 @@ def test_serving_table_takes_the_median_over_cells_and_keeps_the_speed_up(frame)
     assert formatted["teacher_decode"] == "OOM" and formatted["decode_speedup"] == "—" and formatted["decode_bad"]
 
 
+def test_floor_points_are_each_decodes_share_of_the_copy_bandwidth_pooled_over_cells(frame):
+    points = floor_points(frame).set_index(["seq_len", "batch_size", "what"])
+    # every decode that ran, of both models (the teacher's OOM at 4096 x 8 has no point)
+    assert len(points) == 4 * 2 - 1 and (4096, 8, "teacher decode") not in points.index
+    for bs in (1, 8):
+        shares = [
+            FLOOR_BYTES["student_decode"]
+            * (bs * DECODE_TOKENS / _student_decode_ms(impl, bs) * 1e3)
+            / (COPY_GBPS * 1e9)
+            for impl in ("dense", "chunked")
+        ]
+        assert points.loc[(1024, bs, "student decode"), "bandwidth_share"] == pytest.approx(statistics.median(shares))
+    teacher = points.loc[(1024, 1, "teacher decode")]
+    assert teacher["decode_bytes_per_token"] == pytest.approx(FLOOR_BYTES["teacher_decode"])
+    assert floor_points(frame.assign(ceiling_gbps=None, bandwidth_share=None)).empty  # no probe: nothing to draw
+
+
 def test_impl_order_follows_the_known_implementations_first():
     assert impl_order(["zeta", "liger", "dense", "torch_linear", "chunked"]) == [
         "dense", "chunked", "liger", "torch_linear", "zeta",
@@ -227,11 +245,11 @@ def test_impl_order_follows_the_known_implementations_first():
 # --- the rendered section --------------------------------------------------------------
 
 
-def test_section_has_its_three_charts_as_pngs(page):
+def test_section_has_its_three_charts_and_the_decode_floor_as_pngs(page):
     index, html = page
     section = _section(html)
     images = re.findall(r'<img src="([^"]+)"', section)
-    assert images == ["lm_tokens_per_s.png", "lm_memory.png", "lm_loss_share.png"]
+    assert images == ["lm_tokens_per_s.png", "lm_memory.png", "lm_loss_share.png", "lm_decode_floor.png"]
     for name in images:
         assert (index.parent / name).read_bytes().startswith(b"\x89PNG")
     assert 'class="skipped"' not in section

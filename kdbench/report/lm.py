@@ -75,6 +75,9 @@ def lm_section(df: pd.DataFrame, out_dir: Path) -> LmSection | None:
     drawn = draw_lm(points, out_dir)
     if speculative["status"].eq(Status.OK).any():  # only runs with speculative rows get their chart
         drawn.append(_speculative_chart(speculative, out_dir))
+    floor = floor_points(df)
+    if not floor.empty:  # decode rows against a probe's bandwidth: their share of the floor
+        drawn.append(_floor_chart(floor, out_dir))
     return LmSection(
         charts=drawn,
         steps=step_rows(points),
@@ -302,6 +305,34 @@ def speculative_table(df: pd.DataFrame) -> pd.DataFrame:
     table = pd.concat(parts, axis=1).reset_index().reindex(columns=columns)
     table = table.assign(cells=table["cells"].astype(int))
     return table.sort_values(SPECULATIVE_KEY).reset_index(drop=True)
+
+
+FLOOR_KEY = ["source", "pair", "setting", "seq_len", "decode_tokens", "batch_size", "what"]
+
+
+def floor_points(df: pd.DataFrame) -> pd.DataFrame:
+    """One point per :data:`FLOOR_KEY` (``what``: student decode, teacher decode, or speculative γ T): the median
+    over the cells with that key of their centres over repeats of ``bandwidth_share`` (the share of the probe's
+    copy bandwidth the row's floor bytes reach, :mod:`kdbench.store.derived`) and ``decode_bytes_per_token``;
+    empty when no decode row has a share (no probe of the device)."""
+    rows = lm_rows(df)
+    decodes = (Measurement.STUDENT_DECODE, Measurement.TEACHER_DECODE, Measurement.SPECULATIVE_DECODE)
+    rows = rows[rows["measurement"].isin(decodes) & rows["status"].eq(Status.OK)]
+    rows = rows[pd.to_numeric(rows["bandwidth_share"], errors="coerce").notna()]
+    columns = [*FLOOR_KEY, "bandwidth_share", "decode_bytes_per_token"]
+    if rows.empty:
+        return pd.DataFrame(columns=columns)
+    rows = _serving_keys(charts.with_keys(rows))
+    spec = rows["measurement"].eq(Measurement.SPECULATIVE_DECODE)
+    gamma = pd.to_numeric(rows["draft_tokens"], errors="coerce")
+    temperature = pd.to_numeric(rows["spec_temperature"], errors="coerce")
+    label = rows["measurement"].astype(str).str.replace("_decode", " decode", regex=False)
+    variant = "speculative γ" + gamma.fillna(0).astype(int).astype(str)
+    variant += temperature.map(lambda t: " greedy" if t == 0 else f" T {t:g}")
+    rows = rows.assign(what=label.where(~spec, variant))
+    ok = pooled(rows)
+    stats = ok.groupby(FLOOR_KEY)[["bandwidth_share", "decode_bytes_per_token"]].median()
+    return stats.reset_index().reindex(columns=columns).sort_values(FLOOR_KEY).reset_index(drop=True)
 
 
 def _any_ok(statuses: pd.Series):
@@ -643,3 +674,46 @@ def _speculative_chart(table: pd.DataFrame, out_dir: Path) -> Chart:
         "from token to token: the gap between the lines is what that leaves out (and the loop's own overhead)."
     )
     return charts.saved_chart(title, fig, out_dir, "lm_speculative.png", caption)
+
+
+def _floor_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
+    """Per source, one horizontal bar per decode row kind of each pair, setting and batch size: its share of the
+    memory-bandwidth floor, labelled with the share and the MB each generated token must read."""
+    title = "Decode against its floor: share of the measured memory bandwidth"
+    sources = sorted(points["source"].unique())
+    most = max(len(points[points["source"].eq(s)]) for s in sources)
+    fig, facets = charts.faceted_figure(sources, 1, width=9.0, height=1.2 + 0.32 * most)
+    whats = sorted(points["what"].unique())
+    color = charts.palette(whats)
+    for axes, source in zip(facets, sources):
+        ax = axes[0]
+        here = points[points["source"].eq(source)].iloc[::-1]
+        labels = [
+            f"{r.pair} · {r.setting} · seq {r.seq_len} · bs{r.batch_size} · {r.what}"
+            for r in here.itertuples(index=False)
+        ]
+        share = here["bandwidth_share"].astype(float) * 100
+        bars = ax.barh(range(len(here)), share, color=[color[w] for w in here["what"]])
+        ax.set_yticks(range(len(here)), labels, fontsize=7)
+        texts = [
+            f"{v:.1f} %  ({_megabytes(float(b))} MB/token)" if pd.notna(b) else f"{v:.1f} %"
+            for v, b in zip(share, here["decode_bytes_per_token"])
+        ]
+        ax.bar_label(bars, labels=texts, fontsize=7, padding=2)
+        ax.set_xlabel("share of the probe's copy bandwidth reached by the floor bytes (%)")
+        ax.set_xlim(0, max(100.0, float(share.max()) * 1.35))
+        ax.axvline(100.0, color="0.5", linewidth=0.8, linestyle=":")
+        ax.grid(axis="x", alpha=0.3)
+    caption = (
+        "Decoding is memory-bound: each generated token must read the weights (per batch) and the KV cache. Each bar "
+        "is a decode row's decode_bytes_per_token × tokens/s over the probe's copy bandwidth (bandwidth_share; the "
+        "copy counts bytes read + written); the dotted line is the floor itself. Speculative rows count each verify "
+        "step's teacher read and each draft forward's student read per generated token. Weights that stay in a "
+        "CPU's caches can put a bar past the line: the floor, not the measurement, is then off."
+    )
+    return charts.saved_chart(title, fig, out_dir, "lm_decode_floor.png", caption)
+
+
+def _megabytes(nbytes: float) -> str:
+    mb = nbytes / 1e6
+    return f"{mb:,.0f}" if mb >= 100 else f"{mb:.3g}"
