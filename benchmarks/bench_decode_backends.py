@@ -31,7 +31,7 @@ from kdbench.measure.decode_floor import model_decode_bytes_per_token
 from kdbench.measure.timing import timed_loop
 from kdbench.models.lm import build_lm
 from kdbench.store.derived import payback_steps
-from kdbench.workloads.lm_serving import GreedyServing
+from kdbench.workloads.lm_serving import GreedyServing, release
 
 BATCH, PROMPT, NEW, VOCAB = 1, 64, 16, 32000
 WARMUP, RUNS = 1, 3
@@ -61,7 +61,7 @@ def _ceiling(backend) -> tuple[float, str]:
 
 def _measure(lm, ids, setting) -> dict:
     generation = None if setting is None else Generation(*setting)
-    gen = GreedyServing(lm, ids, NEW, generation, "cpu", cell="bench_decode_backends")
+    gen = GreedyServing(lm, ids, NEW, generation, "cpu")
 
     def call() -> None:
         with torch.inference_mode():
@@ -71,13 +71,15 @@ def _measure(lm, ids, setting) -> dict:
         gen.start()
     raw = timed_loop(call, resolve("cpu").clock(), warmup=WARMUP, min_iters=RUNS, min_time_s=0.0, max_iters=RUNS)
     median = statistics.median(raw.samples_ms)
-    return {
+    out = {
         "median_ms": median,
         "times_ms": raw.samples_ms,
         "tokens_per_s": BATCH * NEW / (median / 1e3),
         "cold_excess_ms": raw.cold_excess_ms(median),
         "tokens": gen.generated().tolist(),
     }
+    release(gen.store, resolve("cpu"))  # what it compiled: not alive in the next backend's measurement
+    return out
 
 
 def _pair() -> dict:

@@ -47,7 +47,7 @@ def _lm(shape: str):
 
 def _greedy(lm, ids, new, generation=None, calls=2):
     """The tokens of ``calls`` decode calls from one prefill: each must start from the same state."""
-    gen = GreedyServing(lm, ids, new, generation, "cpu", cell="test")
+    gen = GreedyServing(lm, ids, new, generation, "cpu")
     out = []
     with torch.inference_mode():
         gen.start()
@@ -146,12 +146,18 @@ def test_a_backends_decode_row_stores_its_one_off_cost_and_break_even(generation
         "inference": {"batch_sizes": [1], "decode_tokens": 3, "teacher": False},
         "timing": {"warmup": 1, "min_iters": 3, "min_time_s": 0.0},
     }
+    from kdbench.measure.memory import live_tensor_bytes
+
     rows = []
     pair = LM.build_pair(lm_config(**over), CPU, ModelCache())  # the generation backend builds no other models
+    alive = live_tensor_bytes()
     for pulled in ({}, {"generation": generation}):
         config = lm_config(**over, **pulled)
         r = LM.serve(Measurement.STUDENT_DECODE, 1, pair, config, CPU, None)  # the cell's decode row, as measured
         rows.append({**config_columns(config, "cpu"), **r, "run_id": "r", "cell_id": cell_id_of(config)})
+    # nothing the backend made (its static cache, its compiled step) outlives the row: a later measurement of the
+    # worker would count it in its live peak (the fit planner's tests did, run after these in one process)
+    assert live_tensor_bytes() == alive
     decode = [r for r in rows if r["measurement"] == "student_decode"]
     assert [r["status"] for r in decode] == ["ok", "ok"], [r.get("error") for r in decode]
     plain, compiled = decode
@@ -176,10 +182,14 @@ def test_a_backends_decode_row_stores_its_one_off_cost_and_break_even(generation
 def test_an_on_policy_cell_generates_with_a_static_cache():
     over = {"method": "jsd", "on_policy": {"new_tokens": 3}, "inference": {"batch_sizes": []}}
     config = lm_config(**over, generation={"cache": "static"})
+    from kdbench.measure.memory import live_tensor_bytes
+
     assert check_cell(config, False) == []
+    alive = live_tensor_bytes()
     (row,) = measure_cell(Cell(0, cell_id_of(config), config), CPU, ModelCache())
     assert row["status"] == "ok", row.get("error")
     assert row["phase_generate_ms"] > 0 and row["tokens"] == 2 * (4 + 3)
+    assert live_tensor_bytes() == alive  # the phase's static cache went with the cell (no module-level keeper)
 
 
 def test_the_levers_table_gives_a_decode_backends_break_even_in_calls_and_tokens():

@@ -243,7 +243,8 @@ class GenerationConfig(Strict):
     # prompt and the new tokens (the tensors keep their shapes and addresses)
     cache: Literal["dynamic", "static"] = "dynamic"
     # torch.compile of the decode step (the model's forward, fullgraph), as transformers documents it for a
-    # static cache: needs cache: static; compiled once per model per cell, the compile counted as a one-off cost
+    # static cache: needs cache: static; compiled once per decode row (and per on-policy step row), the
+    # compile counted as a one-off cost
     compile: bool = False
 
 

@@ -194,5 +194,6 @@ def measure_distill_step(
         return row
     finally:
         step.close()
-        if watch.compiled:  # its CUDA graph pool would count in the next measurement's peaks
+        # its CUDA graph pool would count in the next measurement's peaks (an on-policy phase's compiled decode too)
+        if watch.compiled or (config.on_policy is not None and config.generation.compile):
             release_compiled(backend)

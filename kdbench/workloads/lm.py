@@ -190,7 +190,7 @@ class LMWorkload(Workload):
 
         buffers: dict[str, torch.Tensor] = {}
         generation = config.generation
-        cell = config.model_dump_json() if generation.compile else None  # compiled once per model per cell
+        store: dict = {}  # the phase's static cache and compiled decode step: let go with this closure
         vocab = distiller.loss_fn.vocab  # the shared vocabulary (data.vocab_policy): the student samples within it
 
         def generate(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +201,7 @@ class LMWorkload(Workload):
             try:
                 with torch.no_grad(), distiller.student_ac.context(distiller.device_type):
                     prompt, temperature = x[:, :prompt_len], settings.temperature
-                    ids = sample(lm, prompt, settings.new_tokens, temperature, generator, vocab, generation, cell)
+                    ids = sample(lm, prompt, settings.new_tokens, temperature, generator, vocab, generation, store)
             finally:
                 lm.train(was_training)
             if labels is None or labels.shape != ids.shape:  # one buffer, rewritten: the loss finds its rows once

@@ -16,7 +16,9 @@ prompt after each call; on 4.x, whose forward takes ``cache_position``, each ste
 call overwrites the slots it wrote before and the causal mask hides the rest.  ``compile: true`` (static only)
 runs each decode step through ``torch.compile`` of the model's forward, as transformers documents for a static
 cache (``fullgraph=True``; mode ``reduce-overhead`` on GPUs, ``default`` on the CPU, where CUDA graphs do not
-exist), compiled once per model per cell (:func:`decode_step`); the prefill stays eager.  Each row's one-off
+exist), compiled once per model per measurement (:func:`decode_step`: a decode row, or the on-policy phase of a
+step row; what it compiled, and a static cache, are let go when the measurement ends, so that no later
+measurement of the worker counts them in its memory); the prefill stays eager.  Each row's one-off
 cost is its cold and warm-up calls' excess over as many steady calls (the compile, for a compiled decode), and
 its tokens are checked against dynamic greedy decoding once its timing is done (``output_check``).
 """
@@ -36,7 +38,7 @@ from kdbench.measure import walltime
 from kdbench.measure.decode_floor import model_decode_bytes_per_token
 from kdbench.measure.failures import SkipMeasurement
 from kdbench.measure.flops import count, kernel_label
-from kdbench.measure.levers import eager, quiesce_compile_workers
+from kdbench.measure.levers import eager, quiesce_compile_workers, release_compiled
 from kdbench.measure.rows import profiled_loop, timed_row
 from kdbench.names import Measurement
 from kdbench.schema import Row
@@ -74,25 +76,30 @@ def cache_dtype(lm: nn.Module, choice: Any) -> torch.dtype:
     return next(lm.parameters()).dtype
 
 
-_COMPILED: dict[str, Any] = {"cell": None, "forwards": {}}
-
-
-def decode_step(lm: nn.Module, generation: Any, device_type: str, cell: Any) -> Callable[..., Any]:
+def decode_step(lm: nn.Module, generation: Any, device_type: str, store: dict) -> Callable[..., Any]:
     """What runs one decode step of ``lm``: its eager forward, or with ``generation.compile`` its forward through
     ``torch.compile`` (``fullgraph=True``, static shapes; ``reduce-overhead`` on GPUs as transformers documents
-    for a static cache, ``default`` on the CPU), made once per model per cell (``cell``: any value that tells
-    cells apart); the first call of a cell resets ``torch._dynamo``, so that another cell's compiled decode does
-    not make this one look free."""
+    for a static cache, ``default`` on the CPU), made once per model and kept in ``store``, the measurement's own
+    dict (dropped with it); the first compile into an empty store resets ``torch._dynamo``, so that an earlier
+    measurement's compiled decode does not make this one look free."""
     if generation is None or not generation.compile:
         return lm
-    if _COMPILED["cell"] != cell:
-        torch._dynamo.reset()
-        _COMPILED.update(cell=cell, forwards={})
-    forwards = _COMPILED["forwards"]
-    if id(lm) not in forwards or forwards[id(lm)][0] is not lm:
+    key = ("compiled", id(lm))
+    if key not in store or store[key][0] is not lm:
+        if not any(k[0] == "compiled" for k in store):
+            torch._dynamo.reset()
         mode = "reduce-overhead" if device_type == "cuda" else None
-        forwards[id(lm)] = (lm, torch.compile(lm.forward, mode=mode, fullgraph=True, dynamic=False))
-    return forwards[id(lm)][1]
+        store[key] = (lm, torch.compile(lm.forward, mode=mode, fullgraph=True, dynamic=False))
+    return store[key][1]
+
+
+def release(store: dict, backend: Any) -> None:
+    """Let go of what a measurement's ``store`` holds (compiled decode steps, static caches) and, where it compiled,
+    of torch._dynamo's compiled code (:func:`kdbench.measure.levers.release_compiled`)."""
+    compiled = any(k[0] == "compiled" for k in store)
+    store.clear()
+    if compiled:
+        release_compiled(backend)
 
 
 def is_static(generation: Any) -> bool:
@@ -110,7 +117,7 @@ class GreedyServing:
         new_tokens: int,
         generation: Any = None,
         device_type: str = "cpu",
-        cell: Any = None,
+        store: dict | None = None,
         dtype: torch.dtype | None = None,
     ):
         self.lm, self.ids, self.new_tokens = lm, ids, new_tokens
@@ -120,7 +127,8 @@ class GreedyServing:
         self.static = is_static(generation)
         # transformers 4.x takes each step's cache_position: a static cache written at given slots needs no crop
         self.positions = self.static and _keyword(forward, "cache_position") is not None
-        self.step = decode_step(lm, generation, device_type, cell) if self.static else lm
+        self.store = {} if store is None else store  # what this serving compiled: let go with it (release)
+        self.step = decode_step(lm, generation, device_type, self.store) if self.static else lm
         self.dtype = dtype
         self.cache = None
         self.first = None
@@ -179,13 +187,15 @@ def sample(
     generator: torch.Generator,
     vocab: int | None = None,
     generation: Any = None,
-    cell: Any = None,
+    store: dict | None = None,
 ) -> torch.Tensor:
     """``prompt`` (B, P) followed by ``new_tokens`` tokens sampled from ``lm`` (softmax(logits / temperature) over
     its first ``vocab`` entries, None: all; multinomial from ``generator``, which lies on the prompt's device), one
     forward per token on its KV cache, no early stop: (B, P + new_tokens).  ``generation``: the cell's backend
-    (None: dynamic); a static cache of P + new_tokens positions is kept per model and shape and reset before each
-    call's prefill, its decode steps compiled once per model per ``cell`` where it says so."""
+    (None: dynamic); a static cache of P + new_tokens positions is kept in ``store`` (the caller's dict, e.g. the
+    on-policy phase's, let go with it) per model and shape and reset before each call's prefill, its decode steps
+    compiled once per model where it says so."""
+    store = {} if store is None else store
     forward = lm.forward
     keep = _keyword(forward, "logits_to_keep", "num_logits_to_keep")
     cache_kw = _keyword(forward, "cache", "past_key_values") or "past_key_values"
@@ -194,12 +204,12 @@ def sample(
     positions = False
     if is_static(generation):
         batch, length = prompt.shape
-        cache = _sampling_cache(lm, batch, length + new_tokens, prompt.device)
+        cache = _sampling_cache(lm, batch, length + new_tokens, prompt.device, store)
         kwargs[cache_kw] = cache
         positions = _keyword(forward, "cache_position") is not None
         if positions:  # transformers 4.x: each step's slots given
             kwargs["cache_position"] = torch.arange(length, device=prompt.device)
-        step = decode_step(lm, generation, prompt.device.type, cell)
+        step = decode_step(lm, generation, prompt.device.type, store)
     out = lm(input_ids=prompt, use_cache=True, **kwargs)
     cache = getattr(out, "cache", None) or out.past_key_values
     tokens = [prompt]
@@ -213,19 +223,17 @@ def sample(
     return torch.cat(tokens, dim=1)
 
 
-_SAMPLING_CACHES: dict[tuple, Any] = {}
-
-
-def _sampling_cache(lm: nn.Module, batch: int, length: int, device: Any) -> Any:
-    """A static cache for :func:`sample`, kept per model, shape and dtype (its tensors keep their addresses, which
-    a compiled step relies on) and reset (emptied) before each call; one model's at a time."""
+def _sampling_cache(lm: nn.Module, batch: int, length: int, device: Any, store: dict) -> Any:
+    """A static cache for :func:`sample`, kept in ``store`` per model, shape and dtype (its tensors keep their
+    addresses, which a compiled step relies on) and reset (emptied) before each call; one at a time."""
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     dtype = dtype or next(lm.parameters()).dtype
-    key = (id(lm), batch, length, dtype, str(device))
-    if key not in _SAMPLING_CACHES:
-        _SAMPLING_CACHES.clear()  # a cell samples with one student: the last cell's caches go
-        _SAMPLING_CACHES[key] = (lm, static_cache(lm, batch, length, dtype, device))
-    cache = _SAMPLING_CACHES[key][1]
+    key = ("cache", id(lm), batch, length, dtype, str(device))
+    if key not in store or store[key][0] is not lm:
+        for k in [k for k in store if k[0] == "cache"]:  # one cache at a time: another shape's goes
+            del store[k]
+        store[key] = (lm, static_cache(lm, batch, length, dtype, device))
+    cache = store[key][1]
     cache.reset()
     return cache
 
@@ -255,9 +263,18 @@ def measure_serving(
     generation = config.generation if decode else None
     pulled = decode and (is_static(generation) or generation.compile)
     dtype = cache_dtype(lm, choice)
-    cell = config.model_dump_json() if pulled and generation.compile else None
     new = config.inference.decode_tokens
-    gen = GreedyServing(lm, ids, new, generation, backend.device_type, cell, dtype)
+    gen = GreedyServing(lm, ids, new, generation, backend.device_type, {}, dtype)
+    try:
+        return _served_row(workload, measurement, batch_size, config, backend, budget_s, choice, gen, decode, pulled)
+    finally:
+        release(gen.store, backend)  # the compiled step and its graphs: not alive in the next measurement
+
+
+def _served_row(workload, measurement, batch_size, config, backend, budget_s, choice, gen, decode, pulled) -> Row:
+    """The row of :func:`measure_serving` with its serving ``gen`` made."""
+    lm, ids, new, generation = gen.lm, gen.ids, gen.new_tokens, config.generation
+    dtype = gen.dtype
 
     def call() -> Any:
         with torch.inference_mode(), choice.context(backend.device_type):
