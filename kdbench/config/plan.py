@@ -59,6 +59,7 @@ IDENTITY_DEFAULTS = {
     "data.seq_len": 512,
     "data.prompt_fraction": 0.25,
     "data.vocab_policy": "error",
+    "data.tokenizers": None,
     "teacher.weights": "fp32",
     "fsdp.param_dtype": None,
     "fsdp.reduce_dtype": None,

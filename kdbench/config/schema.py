@@ -71,6 +71,29 @@ class TeacherConfig(Strict):
 
 DataKind = Literal["synthetic", "tokens"]
 VocabPolicy = Literal["error", "slice"]
+TOKENIZER_FORMS = "bytes, bpe:<vocab_size> (e.g. bpe:1024) or the path of a tokenizer.json kdbench wrote"
+
+
+class TokenizersConfig(Strict):
+    # Each model's own tokenizer (a pair whose models do not share token ids; tokens data): bytes (one token per
+    # byte value, 256 entries), bpe:<vocab_size> (a byte-level BPE trained here, with the tokenizers library, on the
+    # training text: nothing downloaded), or the path of a tokenizer.json that kdbench wrote
+    # (kdbench.models.tokenizers). Given, the batch is real text tokenized by each side's own tokenizer.
+    teacher: str = "bytes"
+    student: str = "bytes"
+
+    @field_validator("teacher", "student")
+    @classmethod
+    def _form(cls, v: str) -> str:
+        v = v.strip()
+        if v == "bytes" or v.endswith(".json"):
+            return v
+        if v.startswith("bpe:"):
+            size = v[4:]
+            if size.isdigit() and 256 < int(size) <= 1 << 20:
+                return f"bpe:{int(size)}"
+            raise ValueError(f"bpe:<vocab_size> takes a whole number in (256, 1048576], got {size!r}")
+        raise ValueError(f"a tokenizer is {TOKENIZER_FORMS}; got {v!r}")
 
 
 class DataConfig(Strict):
@@ -88,6 +111,8 @@ class DataConfig(Strict):
     # Teacher and student vocabularies of different sizes (tokens data): error, or slice both LM heads to the
     # smaller vocabulary (the extra teacher entries are dropped and its distribution renormalised over the rest).
     vocab_policy: VocabPolicy = "error"  # type: ignore[valid-type]
+    # each model's tokenizer, when the two do not share token ids (TokenizersConfig); null: one set of token ids
+    tokenizers: TokenizersConfig | None = None
 
     @field_validator("shape")
     @classmethod
@@ -108,7 +133,7 @@ class DataConfig(Strict):
         return TOKEN_DATA_KEYS if self.is_tokens else IMAGE_DATA_KEYS
 
 
-TOKEN_DATA_KEYS = ("seq_len", "prompt_fraction", "vocab_policy")  # data keys of tokens data only
+TOKEN_DATA_KEYS = ("seq_len", "prompt_fraction", "vocab_policy", "tokenizers")  # data keys of tokens data only
 IMAGE_DATA_KEYS = ("shape", "num_classes")  # data keys of synthetic data only
 
 
