@@ -181,3 +181,17 @@ def test_float32_work_for_bf16_inputs():
     assert out.dtype == torch.float32
     ref = uld_rows(s.detach().double(), t.double())
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_the_uld_method_is_alpha_times_the_term_and_keeps_the_authors_ratio():
+    from kdbench.distill.losses import METHODS, LossInputs
+
+    method = METHODS["uld"]
+    params = method.params()
+    term = method.cls(params)
+    assert (params.alpha, params.temperature, term.ce_weight) == (0.6, 1.0, pytest.approx(0.4))
+    assert params.alpha / term.ce_weight == pytest.approx(1.5)  # the authors' CE 1 : ULD 1.5
+    s_logits, t_logits, s_labels, t_labels = _case(40, 70, seed=3)
+    s_t, t_t = _shifted(s_labels), _shifted(t_labels)
+    value = term(LossInputs(s_logits, t_logits, s_t, teacher_targets=t_t))
+    torch.testing.assert_close(value, 0.6 * uld_loss(s_logits, t_logits, s_t, t_t))

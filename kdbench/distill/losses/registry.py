@@ -54,6 +54,9 @@ class LossInputs:
     indices: torch.Tensor | None = None  # the batch's sample indices in its data set (None: a fixed batch)
     # The 1-based training epoch (inside :func:`training_epoch`: quality training); None: no epochs (a timing cell).
     epoch: int | None = field(default_factory=_EPOCH.get)
+    # The teacher's own next-token labels where its tokenizer is not the student's (``data.tokenizers``; ULD);
+    # None: the teacher reads the student's tokens and ``targets`` are both sides' labels.
+    teacher_targets: torch.Tensor | None = None
 
 
 class Term(nn.Module):
