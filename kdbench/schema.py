@@ -453,8 +453,9 @@ COLUMNS: tuple[Column, ...] = (
             _F,
             "",
             "LM step rows, the accuracy ledger: |L − L64| / |L64|, the token loss computed by the cell's loss_impl "
-            "in its precision against dense in float64 on the same inputs (the first batch's hidden states as the "
-            "cell made them; the heads' own parameters upcast), taken once outside every timed figure; null where "
+            "in its precision against dense in float64 on the same inputs (the batch's hidden states as the cell "
+            "made them, its first 1024 counted tokens at most; the heads' own parameters upcast), taken once after "
+            "the timed loop, outside every timed figure and memory peak; null where "
             "not taken (a note says why: a top-k cached teacher, a model returning logits, FSDP2) or L64 = 0",
         ),
         (

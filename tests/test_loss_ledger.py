@@ -16,7 +16,7 @@ from kdbench.distill.lm.divergences import TokenLoss
 from kdbench.distill.lm.impls import LOSS_IMPLS, lm_loss
 from kdbench.distill.lm.impls.base import IMPLS, LossImpl, register_impl
 from kdbench.distill.lm.impls.dense import buffers
-from kdbench.distill.lm.ledger import LEDGER_COLUMNS, loss_ledger, objective_text, rel_err
+from kdbench.distill.lm.ledger import LEDGER_COLUMNS, ledger_tokens, loss_ledger, objective_text, rel_err
 from kdbench.hw.backends import resolve
 from kdbench.measure.step import MeasureOptions
 from kdbench.models import ModelCache
@@ -122,6 +122,17 @@ def test_a_reference_of_zero_has_no_relative_error_and_says_so():
 def test_a_bias_counts_in_the_head_gradient():
     row, _ = ledger("chunked", bias=True)
     assert row["grad_rel_err_head"] < 1e-5 and row["loss_rel_err"] < 1e-6
+
+
+def test_the_ledger_takes_the_batchs_first_counted_tokens_at_most():
+    hs, ht = torch.arange(2 * 8 * 3.0).reshape(2, 8, 3), -torch.arange(2 * 8 * 2.0).reshape(2, 8, 2)
+    labels = torch.full((2, 8), 5)
+    labels[:, :3] = -100  # counted: positions 3..7 and 11..15 of the flattened batch
+    s, t, lab, rows = ledger_tokens(hs, ht, labels, most=7)
+    assert rows.tolist() == [3, 4, 5, 6, 7, 11, 12] and lab.shape == (13,) and s.shape == (13, 3) and t.shape == (13, 2)
+    assert torch.equal(s, hs.reshape(-1, 3)[:13]) and torch.equal(t, ht.reshape(-1, 2)[:13])
+    s, _, lab, rows = ledger_tokens(hs, ht, labels)  # fewer than LEDGER_TOKENS: all of them
+    assert rows.numel() == 10 and lab.shape == (16,) and s.shape == (16, 3)
 
 
 def test_the_objective_in_words():

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from kdbench.errors import KdbenchError, did_you_mean
+from kdbench.names import MAX_LOSS_ERR
 
 EPILOG = """examples:
   kdbench probe                               measure this device's ceilings into results/probes/
@@ -394,6 +395,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="judge rows measured on a busy machine too (`contended`: other processes took the cores or GPU a "
         "measurement needed, so it reads slow); by default they are left out, as thin rows are",
+    )
+    cmp.add_argument(
+        "--max-loss-err",
+        type=_number(float, "--max-loss-err", 0.0, 1.0, above=True),
+        default=MAX_LOSS_ERR,
+        metavar="E",
+        help="the accuracy ledger's bound: an LM cell of NEW whose loss_rel_err or grad_rel_err (its loss_impl in its "
+        f"precision against float64) exceeds E is named in a note, with its step's verdict, so that a faster "
+        f"loss_impl is never called an improvement silently (default: {MAX_LOSS_ERR:g}; see docs/lm.md)",
+    )
+    cmp.add_argument(
+        "--gate-loss-err",
+        action="store_true",
+        help="a faster (improved) LM cell beyond --max-loss-err fails the gate (exit 1), not only a note",
     )
     cmp.add_argument("--format", choices=["text", "markdown", "json", "csv"], default="text", help="output format")
     cmp.add_argument(

@@ -10,9 +10,13 @@ everything after in float64: :func:`kdbench.distill.lm.token_losses.upcast` keep
   head's weight, and bias where it has one) flattened and concatenated, the Euclidean norm over all their entries;
   ``grad_rel_err_hidden`` and ``grad_rel_err_head`` the same over each part alone.
 
-A reference of 0 (a loss or a gradient that is exactly 0 in float64) has no relative error: the column is None and
-:func:`loss_ledger` says why in its notes.  The ledger is a diagnostic, taken once per cell outside every timed
-figure (:meth:`kdbench.distill.lm.loss.LMLoss.ledger`); it reads values back (host syncs).
+At most the batch's first :data:`LEDGER_TOKENS` counted tokens are evaluated (:func:`ledger_tokens`), so that the
+float64 reference fits beside the models at any vocabulary.  A reference of 0 (a loss or a gradient that is exactly
+0 in float64) has no relative error: the column is None and :func:`loss_ledger` says why in its notes; a reference
+that is not exactly 0 keeps its relative error, however small the reference (the KL of two equal distributions
+rounds to about 1e-17, and its relative error is then large: read it with the objective).  The ledger is a
+diagnostic, taken once per cell outside every timed figure (:meth:`kdbench.distill.lm.loss.LMLoss.ledger`); it
+reads values back (host syncs).
 
 :func:`objective_text` says what a cell's token loss computes, in words (``0.5·CE + 0.5·forward_kl(T=2, ×T²) over
 32000 shared entries``): one function, so a row's ``loss_objective`` and every other mention say the same.
@@ -26,11 +30,14 @@ from collections.abc import Sequence
 import torch
 
 from kdbench.distill.lm.divergences import TokenLoss, get_divergence
+from kdbench.distill.lm.impls.chunks import valid_rows
 
-__all__ = ["DEFAULT_MAX_ERR", "LEDGER_COLUMNS", "loss_ledger", "objective_text", "rel_err"]
+__all__ = ["LEDGER_COLUMNS", "LEDGER_TOKENS", "ledger_tokens", "loss_ledger", "objective_text", "rel_err"]
 
 LEDGER_COLUMNS = ("loss_rel_err", "grad_rel_err", "grad_rel_err_hidden", "grad_rel_err_head")
-DEFAULT_MAX_ERR = 1e-2  # compare's bound on loss_rel_err and grad_rel_err (kdbench.report.compare names it again)
+# The counted tokens the ledger evaluates at most (the batch's first ones): float64 dense holds about six
+# (tokens, V) float64 buffers, 1.6 GB at a 32k vocabulary and 6 GB at 128k with this many
+LEDGER_TOKENS = 1024
 
 Inputs = Sequence[torch.Tensor | None]  # student hidden, weight, bias, teacher hidden, weight, bias
 
@@ -55,6 +62,19 @@ def _value_grads(impl: str, inputs: Inputs, labels, token: TokenLoss, chunk_size
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
     return loss.detach(), grads
+
+
+def ledger_tokens(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, labels: torch.Tensor, most=None):
+    """The batch cut to its first ``most`` (:data:`LEDGER_TOKENS`) counted tokens, flattened: (N, H) hidden states,
+    (N,) labels and the counted rows' indices (the positions up to the last kept counted one; all where fewer)."""
+    most = LEDGER_TOKENS if most is None else most
+    hs, ht = student_hidden.reshape(-1, student_hidden.shape[-1]), teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
+    labels = labels.reshape(-1)
+    rows = valid_rows(labels)
+    if rows.numel() > most:
+        end = int(rows[most - 1]) + 1
+        hs, ht, labels, rows = hs[:end], ht[:end], labels[:end], rows[:most]
+    return hs, ht, labels, rows
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

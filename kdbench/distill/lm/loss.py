@@ -21,7 +21,7 @@ from kdbench.distill.lm.impls import impl_note, lm_loss
 from kdbench.distill.lm.impls.chunks import valid_rows
 from kdbench.distill.lm.impls.dense import cross_entropy, token_loss
 from kdbench.distill.lm.impls.memory import logits_memory
-from kdbench.distill.lm.ledger import loss_ledger, objective_text
+from kdbench.distill.lm.ledger import ledger_tokens, loss_ledger, objective_text
 from kdbench.distill.lm.topk import TopKTeacher, topk_forward_kl
 from kdbench.distill.losses import WeightedTerms, check_method, params_of
 from kdbench.errors import KdbenchError
@@ -141,16 +141,17 @@ class LMLoss(WeightedTerms):
     def ledger(
         self, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, labels: torch.Tensor
     ) -> tuple[dict[str, float | None], list[str]]:
-        """The accuracy ledger of the token loss (:func:`~kdbench.distill.lm.ledger.loss_ledger`) on these inputs:
-        the cell's ``loss_impl`` at its dtypes against ``dense`` in float64 on the same hidden states and the
-        heads' own parameters upcast; the feature terms (hidden_mse) are not in it.  Its columns (empty where it
+        """The accuracy ledger of the token loss (:func:`~kdbench.distill.lm.ledger.loss_ledger`) on these inputs
+        (their first :data:`~kdbench.distill.lm.ledger.LEDGER_TOKENS` counted tokens): the cell's ``loss_impl`` at
+        its dtypes against ``dense`` in float64 on the same hidden states and the heads' own parameters upcast; the
+        feature terms (hidden_mse) are not in it.  Its columns (empty where it
         is not taken) and notes (why not).  Reads values back: call it outside every timed figure."""
         teacher, student = self._models
         why = self.ledger_skip()
         if why is not None:
             return {}, [f"accuracy ledger not taken: {why}"]
         t_dtype, s_dtype = self.dtypes
-        rows = valid_rows(labels)
+        student_hidden, teacher_hidden, labels, rows = ledger_tokens(student_hidden, teacher_hidden, labels)
         autocast_off = torch.amp.autocast(device_type=labels.device.type, enabled=False)
         with autocast_off:
             cell = (
