@@ -2,11 +2,11 @@
 
 suites/llm-cpu.yaml's pair (tiny-llama-teacher -> tiny-llama-student, a 32,000-entry vocabulary) and objective
 (forward KL at T = 1, alpha 0.5: + 0.5 CE), a batch of BATCH sequences of SEQ tokens with the first quarter the
-prompt (190 counted tokens; the suite's cells count 382 and 1534), chunks of 64 tokens, on the CPU.  Both models run their forwards (fp32, or under bf16 autocast), then each available
-``loss_impl`` computes the token loss and the student's gradients from those hidden states in the precision's
-dtype, against ``dense`` in float64 on the same inputs (:meth:`kdbench.distill.lm.loss.LMLoss.ledger`, what a
-step row records): ``loss_rel_err``, ``grad_rel_err`` (hidden states and LM head together, the Euclidean norm)
-and its two parts.
+prompt (190 counted tokens; the suite's cells count 382 and 1534), chunks of 64 tokens, on the CPU.  Both models
+run their forwards (fp32, or under bf16 autocast), then each available ``loss_impl`` computes the token loss and
+the student's gradients from those hidden states in the precision's dtype, against ``dense`` in float64 on the
+same inputs (:meth:`kdbench.distill.lm.loss.LMLoss.ledger`, what a step row records): ``loss_rel_err``,
+``grad_rel_err`` (hidden states and LM head together, the Euclidean norm) and its two parts.
 
 bf16 is evaluated on every CPU, also where bf16 is emulated (AVX2 only: autocast runs it, slowly; the suite skips
 those cells by measurement, ``slow_precisions: skip``): the rounding to bf16 is the same, the kernels that
