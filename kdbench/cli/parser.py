@@ -41,6 +41,8 @@ def _number(kind: type, flag: str, low: float | None = None, high: float | None 
             value = kind(text)
         except ValueError:
             raise KdbenchError(f"{flag}: expected a{'n integer' if kind is int else ' number'}, got {text!r}") from None
+        if value != value or value in (float("inf"), float("-inf")):  # nan and inf compare as no bound would
+            raise KdbenchError(f"{flag}: expected a finite number, got {text!r}")
         if (low is not None and (value <= low if above else value < low)) or (high is not None and value > high):
             bounds = f"> {low:g}" if above and high is None else f">= {low:g}" if high is None else f"{low:g}..{high:g}"
             raise KdbenchError(f"{flag}: must be {bounds}, got {text}")
@@ -398,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cmp.add_argument(
         "--max-loss-err",
-        type=_number(float, "--max-loss-err", 0.0, 1.0, above=True),
+        type=_number(float, "--max-loss-err", 0.0, above=True),
         default=MAX_LOSS_ERR,
         metavar="E",
         help="the accuracy ledger's bound: an LM cell of NEW whose loss_rel_err or grad_rel_err (its loss_impl in its "
