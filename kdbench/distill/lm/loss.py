@@ -135,7 +135,7 @@ class LMLoss(WeightedTerms):
         if student.head is None or teacher.head is None:
             return "a model that returns its logits has no LM head to evaluate in float64"
         if student.fsdp_root is not None or teacher.fsdp_root is not None:
-            return "an FSDP2-sharded pair (its heads are gathered by every rank together, the ledger runs on rank 0)"
+            return "an FSDP2-sharded pair (its heads are gathered by all ranks together, the ledger runs on rank 0)"
         return None
 
     def ledger(
@@ -144,8 +144,8 @@ class LMLoss(WeightedTerms):
         """The accuracy ledger of the token loss (:func:`~kdbench.distill.lm.ledger.loss_ledger`) on these inputs
         (their first :data:`~kdbench.distill.lm.ledger.LEDGER_TOKENS` counted tokens): the cell's ``loss_impl`` at
         its dtypes against ``dense`` in float64 on the same hidden states and the heads' own parameters upcast; the
-        feature terms (hidden_mse) are not in it.  Its columns (empty where it
-        is not taken) and notes (why not).  Reads values back: call it outside every timed figure."""
+        feature terms (hidden_mse) are not in it.  Its columns (empty where it is not taken) and notes (why not).
+        Reads values back: call it outside every timed figure."""
         teacher, student = self._models
         why = self.ledger_skip()
         if why is not None:
