@@ -333,8 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
         "1 - C of comparisons. A change is significant when the interval excludes 1 and the ratio passes the "
         "threshold. A measurement with a single repeat on each side is not judged (the noise from run to run is "
         "unknown), nor are thin, contended (measured on a busy machine) or skipped rows. Exit 0: nothing fails "
-        "the gate; 1: a regression, a measurement that failed in NEW, a failed NEW repeat, or a cell an "
-        "incomplete NEW run never stored; 2: bad input.",
+        "the gate; 1: a regression, a measurement that failed in NEW, a failed NEW repeat, a cell an "
+        "incomplete NEW run never stored, or with --gate-loss-err a faster LM cell beyond --max-loss-err; "
+        "2: bad input.",
     )
     cmp.add_argument("base", type=Path, help="the baseline: a run folder or result file")
     cmp.add_argument("new", type=Path, help="the run to judge: a run folder or result file")
