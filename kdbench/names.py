@@ -145,6 +145,10 @@ MEMORY_FORMATS = ("contiguous", "channels_last")
 FIT_TOLERANCE = (0.90, 1.10)
 FIT_NOTE = "fit: "  # what a row's notes about its predicted peak begin with (the report picks them out by it)
 
+# The accuracy ledger's bound (``compare --max-loss-err``): an LM cell whose loss_rel_err or grad_rel_err against
+# float64 exceeds it is named in compare's note (kdbench.report.ledger)
+MAX_LOSS_ERR = 1e-2
+
 # Contention (issue 32, kdbench.hw.contention): a measurement is `contended` when other processes left it fewer than
 # this share of the cores its threads need.  0.75: one other single-threaded process beside a 1-thread measurement
 # on 2 cores (CI's two pytest-xdist workers) leaves it 1.0 of 1.0 (not flagged, with room for kernel threads and

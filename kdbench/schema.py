@@ -441,6 +441,46 @@ COLUMNS: tuple[Column, ...] = (
         ),
         ("logits_buffers", _S, "", "LM step rows: the B×S×V-sized buffers logits_memory_bytes counts, and their dtype"),
         (
+            "loss_objective",
+            _S,
+            "",
+            "LM step rows: the objective the token loss computed, in words: its CE weight, divergence with its "
+            "parameters, T and where T² applies, the vocabulary entries (and the vocab_policy slice), the feature "
+            "terms added (e.g. `0.5·CE + 0.5·forward_kl(T=2, ×T²) over 32000 entries`)",
+        ),
+        (
+            "loss_rel_err",
+            _F,
+            "",
+            "LM step rows, the accuracy ledger: |L − L64| / |L64|, the token loss computed by the cell's loss_impl "
+            "in its precision against dense in float64 on the same inputs (the batch's hidden states as the cell "
+            "made them, its first 1024 counted tokens at most; the heads' own parameters upcast), taken once after "
+            "the timed loop, outside every timed figure and memory peak; null where "
+            "not taken (a note says why: a top-k cached teacher, a model returning logits, FSDP2) or L64 = 0",
+        ),
+        (
+            "grad_rel_err",
+            _F,
+            "",
+            "LM step rows, the accuracy ledger: ‖g − g64‖₂ / ‖g64‖₂, g the student's gradients w.r.t. its final "
+            "hidden states and LM head (weight, and bias if any) flattened and concatenated, the Euclidean norm over "
+            "all their entries (as loss_rel_err: the cell's loss_impl and precision against dense in float64); null "
+            "where not taken or g64 = 0",
+        ),
+        (
+            "grad_rel_err_hidden",
+            _F,
+            "",
+            "LM step rows, the accuracy ledger: grad_rel_err over the gradient w.r.t. the student's hidden states "
+            "alone",
+        ),
+        (
+            "grad_rel_err_head",
+            _F,
+            "",
+            "LM step rows, the accuracy ledger: grad_rel_err over the gradient w.r.t. the student's LM head alone",
+        ),
+        (
             "attn_implementation",
             _S,
             "",

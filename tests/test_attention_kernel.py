@@ -256,7 +256,7 @@ def test_every_row_of_the_shipped_cpu_lm_and_encoder_suites_records_its_attentio
 
     path = Path(__file__).resolve().parents[1] / "suites" / f"{suite}.yaml"
     cells = expand_checked(load_suite(path))
-    assert len(cells) == (6 if suite == "llm-cpu" else 4)
+    assert len(cells) == (15 if suite == "llm-cpu" else 4)
     measured, cache = set(), ModelCache()  # one per run, as a run's worker holds it
     for i, cell in enumerate(cells):
         config = _shrunk(cell.config, seq_len, **changes)

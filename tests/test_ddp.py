@@ -353,3 +353,7 @@ def test_an_fsdp2_lm_cell_holds_half_the_state_per_rank_and_trains_as_ddp_does(t
     assert fsdp["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-5)
     serving = df[(df.parallel == "fsdp") & (df.measurement != "distill_step")]
     assert len(serving) == 4 and serving["tokens_per_s"].gt(0).all()  # rank 0 served whole copies
+    # the accuracy ledger: rank 0 takes it on its own copy under DDP; an FSDP2 pair's heads are gathered by all
+    # ranks together, so it is not taken there, and the row says why
+    assert ddp["loss_rel_err"] < 1e-5 and ddp["grad_rel_err"] < 1e-4
+    assert pd.isna(fsdp["loss_rel_err"]) and "accuracy ledger not taken: an FSDP2-sharded pair" in fsdp["notes"]

@@ -51,6 +51,9 @@ def test_an_on_policy_cell_reports_its_generation_phase_and_trains_on_prompt_plu
     row = measure_cell(Cell(0, cell_id_of(config), config), CPU, ModelCache())[0]
     assert row["status"] == "ok", row.get("error")
     assert row["phase_generate_ms"] > 0 and row["tokens"] == 2 * (4 + 5)
+    # the accuracy ledger, on the last generated batch (its completion tokens counted)
+    assert row["loss_rel_err"] < 1e-5 and row["grad_rel_err"] < 1e-4
+    assert row["loss_objective"] == "jsd(beta=0.5, T=1) over 4096 entries"  # jsd's alpha is 1 (GKD): no CE
     phases = [row[c] for c in row if c.startswith("phase_") and c.endswith("_ms") and c != "phase_remainder_ms"]
     assert sum(phases) + row["phase_remainder_ms"] == pytest.approx(row["median_ms"], rel=0.25)
     from kdbench.run.jobs import config_columns

@@ -129,3 +129,27 @@ def test_judge_contended_takes_no_value(command, capsys):
     assert main([*argv, "--judge-contended=yes"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("kdbench: error: ") and "--judge-contended" in err[0], err
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("0", "--max-loss-err: must be > 0, got 0"),
+        ("-0.1", "--max-loss-err: must be > 0, got -0.1"),
+        ("nan", "--max-loss-err: expected a finite number, got 'nan'"),
+        ("1e-2x", "--max-loss-err: expected a number, got '1e-2x'"),
+    ],
+)
+def test_the_ledger_bound_is_a_positive_number(value, message, capsys):
+    # issue 34's compare option: the accuracy ledger's bound on loss_rel_err and grad_rel_err
+    suite = str(CORPUS.parent.parent / "suites" / "cpu.yaml")
+    assert main(["compare", suite, suite, "--max-loss-err", value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"kdbench: error: {message}"], err
+
+
+def test_gate_loss_err_takes_no_value(capsys):
+    suite = str(CORPUS.parent.parent / "suites" / "cpu.yaml")
+    assert main(["compare", suite, suite, "--gate-loss-err=yes"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kdbench: error: ") and "--gate-loss-err" in err[0], err

@@ -174,7 +174,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from kdbench.report.verdicts import Policy
     from kdbench.store.files import write_text
 
-    policy = Policy(args.gate_single_repeat, args.allow_partial, args.fail_on_skipped, args.judge_contended)
+    policy = Policy(
+        args.gate_single_repeat,
+        args.allow_partial,
+        args.fail_on_skipped,
+        args.judge_contended,
+        max_loss_err=args.max_loss_err,
+        gate_loss_err=args.gate_loss_err,
+    )
     cmp = api.compare(
         args.base,
         args.new,
@@ -193,6 +200,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(f"{verdict_line(cmp)}; comparison -> {args.out}")
     for c in cmp.bad:
         print(f"{c.verdict}: {c.name}: {c.note or f'x{c.ratio:.3f}'}", file=sys.stderr)
+    for f in cmp.inaccurate:
+        print(f"improved beyond --max-loss-err {args.max_loss_err:g}: {f.text()}", file=sys.stderr)
     return cmp.exit_code
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from kdbench.errors import KdbenchError, did_you_mean
+from kdbench.names import MAX_LOSS_ERR
 
 EPILOG = """examples:
   kdbench probe                               measure this device's ceilings into results/probes/
@@ -40,6 +41,8 @@ def _number(kind: type, flag: str, low: float | None = None, high: float | None 
             value = kind(text)
         except ValueError:
             raise KdbenchError(f"{flag}: expected a{'n integer' if kind is int else ' number'}, got {text!r}") from None
+        if value != value or value in (float("inf"), float("-inf")):  # nan and inf compare as no bound would
+            raise KdbenchError(f"{flag}: expected a finite number, got {text!r}")
         if (low is not None and (value <= low if above else value < low)) or (high is not None and value > high):
             bounds = f"> {low:g}" if above and high is None else f">= {low:g}" if high is None else f"{low:g}..{high:g}"
             raise KdbenchError(f"{flag}: must be {bounds}, got {text}")
@@ -330,8 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
         "1 - C of comparisons. A change is significant when the interval excludes 1 and the ratio passes the "
         "threshold. A measurement with a single repeat on each side is not judged (the noise from run to run is "
         "unknown), nor are thin, contended (measured on a busy machine) or skipped rows. Exit 0: nothing fails "
-        "the gate; 1: a regression, a measurement that failed in NEW, a failed NEW repeat, or a cell an "
-        "incomplete NEW run never stored; 2: bad input.",
+        "the gate; 1: a regression, a measurement that failed in NEW, a failed NEW repeat, a cell an "
+        "incomplete NEW run never stored, or with --gate-loss-err a faster LM cell beyond --max-loss-err; "
+        "2: bad input.",
     )
     cmp.add_argument("base", type=Path, help="the baseline: a run folder or result file")
     cmp.add_argument("new", type=Path, help="the run to judge: a run folder or result file")
@@ -394,6 +398,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="judge rows measured on a busy machine too (`contended`: other processes took the cores or GPU a "
         "measurement needed, so it reads slow); by default they are left out, as thin rows are",
+    )
+    cmp.add_argument(
+        "--max-loss-err",
+        type=_number(float, "--max-loss-err", 0.0, above=True),
+        default=MAX_LOSS_ERR,
+        metavar="E",
+        help="the accuracy ledger's bound: an LM cell of NEW whose loss_rel_err or grad_rel_err (its loss_impl in its "
+        f"precision against float64) exceeds E is named in a note, with its step's verdict, so that a faster "
+        f"loss_impl is never called an improvement silently (default: {MAX_LOSS_ERR:g}; see docs/lm.md)",
+    )
+    cmp.add_argument(
+        "--gate-loss-err",
+        action="store_true",
+        help="a faster (improved) LM cell beyond --max-loss-err fails the gate (exit 1), not only a note",
     )
     cmp.add_argument("--format", choices=["text", "markdown", "json", "csv"], default="text", help="output format")
     cmp.add_argument(

@@ -4,7 +4,8 @@ The categories are the run's wall-time split (:class:`kdbench.run.progress.WallS
 building, cold calls (compiles, autotuning, first-use set-up), warm-up (the warm-up calls),
 measuring (the timed windows), FLOP counting, the fit check (one more step's measured peak and the fit
 planner's fake run that predicts it), profiling passes, levers' one-off work (exports, compiles of served
-models), quality training.  What a job spends outside them shows as the worker's "other".
+models), quality training, the LM loss's accuracy ledger (:mod:`kdbench.distill.lm.ledger`).  What a job spends
+outside them shows as the worker's "other".
 
 Every addition is told to the engine (:func:`listen`), which keeps the last totals of the job in flight: a job
 stopped half-way (its time-out, Ctrl-C) keeps the split it had told.  So a long job adds its time as it goes,
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 
 from kdbench.worker_state import current
 
-MODELS, COLD, WARMUP, MEASURING, FLOPS, FIT, PROFILING, LEVERS, QUALITY = (
+MODELS, COLD, WARMUP, MEASURING, FLOPS, FIT, PROFILING, LEVERS, QUALITY, LEDGER = (
     "model building",
     "cold calls",
     "warm-up",
@@ -30,6 +31,7 @@ MODELS, COLD, WARMUP, MEASURING, FLOPS, FIT, PROFILING, LEVERS, QUALITY = (
     "profiling",
     "lever set-up",
     "quality",
+    "accuracy ledger",
 )
 
 

@@ -38,7 +38,9 @@ incomplete NEW run has not stored yet are their own outcomes.
 out of memory, or timed out) in NEW; a NEW repeat that failed or is missing from an incomplete
 NEW run, and a cell that an incomplete NEW run never stored (:attr:`Policy.allow_partial`
 judges what is there instead); a measurement ok in BASE and skipped in NEW only with
-:attr:`Policy.fail_on_skipped`.  Torch-free: it reads DataFrames only.
+:attr:`Policy.fail_on_skipped`; a faster (improved) LM cell whose accuracy ledger is beyond
+:attr:`Policy.max_loss_err` only with :attr:`Policy.gate_loss_err` (otherwise a note names it:
+:mod:`kdbench.report.ledger`).  Torch-free: it reads DataFrames only.
 """
 
 from __future__ import annotations
@@ -50,11 +52,13 @@ import numpy as np
 import pandas as pd
 
 from kdbench.errors import KdbenchError
-from kdbench.names import FAILURES, TIMED, VARIANT_COLUMNS, Status
+from kdbench.names import FAILURES, TIMED, VARIANT_COLUMNS, Measurement, Status
 from kdbench.repeats import RatioInterval, bootstrap_ratio, centre, each_level, median_log_variance, simultaneous_t
+from kdbench.report.ledger import beyond_bound
 from kdbench.report.verdicts import ENVIRONMENT, Change, Comparison, Policy, Side, Verdict, undecided, verdict_of
 
 KEY = ("cell_id", "measurement", "batch_size")
+DISTILL_STEP = str(Measurement.DISTILL_STEP)
 _ORDER = {v: i for i, v in enumerate(Verdict)}
 
 
@@ -208,6 +212,8 @@ def compare_frames(
         )
         result.changes.append(_finish(key, plan, interval, threshold))
     result.changes.sort(key=_rank)
+    steps = {c.cell_id: (c.cell_label, str(c.verdict)) for c in result.changes if c.measurement == DISTILL_STEP}
+    result.ledger = beyond_bound(n, steps, policy.max_loss_err)
     return result
 
 
@@ -389,6 +395,8 @@ class Sequential:
             self.decided[key] = c = replace(c, note="; ".join(x for x in (c.note, at) if x))
             changes.append(c)
         cmp.changes = sorted(changes, key=_rank)
+        steps = {c.cell_id: str(c.verdict) for c in cmp.changes if c.measurement == DISTILL_STEP}
+        cmp.ledger = [replace(f, verdict=steps.get(f.cell_id, f.verdict)) for f in cmp.ledger]  # the kept verdicts
         open_cells = list(dict.fromkeys(open_cells))
         alpha = 1 - self.level(look)
         self.lines.append(

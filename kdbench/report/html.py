@@ -23,7 +23,7 @@ from jinja2 import Environment, FileSystemLoader
 
 from kdbench.config.budgets import OUTCOMES, format_value, where_text
 from kdbench.errors import KdbenchError
-from kdbench.names import GENERATE, Measurement, Status
+from kdbench.names import GENERATE, MAX_LOSS_ERR, Measurement, Status
 from kdbench.report.charts import NOISY_NOTE, RATE_COLUMNS, THIN_NOTE, rates
 from kdbench.report.compare_format import verdict_line
 from kdbench.report.compare_plots import draw_forest, draw_history
@@ -102,6 +102,7 @@ def render_report(
         status_counts=_status_counts(df),
         charts=draw_charts(df, out_dir),
         lm=lm_section(df, out_dir),
+        ledger_bound=f"{MAX_LOSS_ERR:g}",
         fit=fit_section(df, out_dir),
         phase_chart=draw_phases(df, out_dir),
         profile=profile_rows(df),

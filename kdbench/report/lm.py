@@ -11,6 +11,7 @@ Data (pandas only, never torch):
   ``bandwidth_share``: the bytes a generated token must read at the decode's tokens/s over the probe's copy
   bandwidth; cells that differ only in their loss serve the same models: they are shown once, at the median
   over those cells; cells with another generation backend are their own setting).
+* :func:`kdbench.report.ledger.ledger_table`: the accuracy ledger, per loss_impl × precision and objective.
 * :func:`speculative_table`: per pair, setting, prompt length, new tokens, draft length γ and temperature T, the
   teacher decoding with the student as its draft (speculative_decode rows): α, tokens per verify (measured and
   predicted), tokens/s, the measured and predicted speed-ups over the teacher alone, and the cost ratio c.
@@ -42,6 +43,7 @@ from kdbench.report.format import (
     format_speedup,
     truncate,
 )
+from kdbench.report.ledger import ledger_rows, ledger_table
 from kdbench.report.summaries import latest, pooled
 from kdbench.schema import COLUMN_NAMES
 
@@ -64,6 +66,7 @@ class LmSection:
     steps: list[dict]  # one formatted row per LM distill_step cell of a run
     serving: list[dict]  # one formatted row per pair, setting, prompt length and batch size
     speculative: list[dict] = field(default_factory=list)  # one formatted row per pair, setting, γ and T
+    ledger: list[dict] = field(default_factory=list)  # the accuracy ledger: per loss_impl, precision and objective
 
 
 def lm_section(df: pd.DataFrame, out_dir: Path) -> LmSection | None:
@@ -83,6 +86,7 @@ def lm_section(df: pd.DataFrame, out_dir: Path) -> LmSection | None:
         steps=step_rows(points),
         serving=serving_rows(serving_table(df)),
         speculative=speculative_rows(speculative),
+        ledger=ledger_rows(ledger_table(df)),
     )
 
 

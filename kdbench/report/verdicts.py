@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from kdbench.names import MAX_LOSS_ERR
 from kdbench.repeats import RatioInterval, each_level
+from kdbench.report.ledger import LedgerFlag, ledger_note
 
 # Environment columns whose difference between the sides changes what the figures mean: named at the top.
 ENVIRONMENT = (
@@ -53,6 +55,8 @@ class Policy:
     allow_partial: bool = False  # judge an incomplete NEW run, or one with failed repeats, on what it has
     fail_on_skipped: bool = False  # a measurement ok in BASE and skipped in NEW fails the gate
     judge_contended: bool = False  # judge rows measured on a busy machine (``contended``) like any other
+    max_loss_err: float = MAX_LOSS_ERR  # the accuracy ledger's bound on loss_rel_err and grad_rel_err (a note)
+    gate_loss_err: bool = False  # a faster (improved) cell beyond max_loss_err fails the gate
 
     def bad(self) -> tuple[Verdict, ...]:
         """The verdicts that make `compare` exit 1 under this policy."""
@@ -110,6 +114,7 @@ class Comparison:
     changes: list[Change] = field(default_factory=list)
     reused: int = 0  # teacher inference copies judged once, at the cell that measured them
     looks: list[str] = field(default_factory=list)  # a sequential comparison's looks, one line each
+    ledger: list[LedgerFlag] = field(default_factory=list)  # NEW cells beyond the accuracy ledger's bound
 
     @property
     def rated(self) -> int:
@@ -128,8 +133,14 @@ class Comparison:
         return [c for c in self.changes if c.verdict in bad]
 
     @property
+    def inaccurate(self) -> list[LedgerFlag]:
+        """The cells that fail the gate for their accuracy: faster (improved) beyond the ledger's bound, with
+        ``gate_loss_err``."""
+        return [f for f in self.ledger if f.improved] if self.policy.gate_loss_err else []
+
+    @property
     def exit_code(self) -> int:
-        return 1 if self.bad else 0
+        return 1 if self.bad or self.inaccurate else 0
 
     def count(self, verdict: Verdict) -> int:
         return sum(c.verdict == verdict for c in self.changes)
@@ -152,6 +163,8 @@ class Comparison:
                 "judge as NEW"
             )
         notes += self.looks
+        ledger = ledger_note(self.ledger, self.policy.max_loss_err, self.policy.gate_loss_err)
+        notes += [ledger] if ledger else []
         unjudged = self.count(Verdict.UNJUDGED)
         if unjudged:
             notes.append(

@@ -343,10 +343,13 @@ class LMWorkload(Workload):
                 "logits_buffers": memory["text"],
                 "extra_flops": loss_extra_flops(loss),
                 "data_ptr_mod64": x.data_ptr() % 64,
+                "loss_objective": loss.objective,
                 **step.cache_columns,
             }
         )
-        return row, tuple(loss.notes)
+        ledger, notes = accuracy_ledger(step)
+        row.update(ledger)
+        return row, (*loss.notes, *notes)
 
     # ------------------------------------------------------------------ serving
 
@@ -531,6 +534,32 @@ def token_batch(
     prompt = min(round(prompt_fraction * seq_len), seq_len - 1)
     labels[:, :prompt] = IGNORE_INDEX
     return place_aligned(ids.to(device), config.alignment), place_aligned(labels.to(device), config.alignment)
+
+
+def accuracy_ledger(step: Any) -> tuple[Row, list[str]]:
+    """The step's accuracy ledger (:meth:`LMLoss.ledger`) on the last step's batch (the fixed batch; an on-policy
+    step's last generated one): both models' forwards again, in the step's precisions and eagerly (a compiled model
+    as well), then the loss twice.  Called once the timed loop is over, before the FLOPs and the live peak are
+    taken (each resets what it measures), and counted apart in the wall-time split.  A ledger that raises is a
+    note; the row's measurements stand."""
+    from kdbench.measure import walltime
+    from kdbench.measure.failures import error_text
+    from kdbench.measure.levers import eager
+
+    distiller = step.distiller
+    loss, x = distiller.loss_fn, distiller.last_input
+    why = loss.ledger_skip() or (None if loss.last_labels is not None else "no step ran")
+    if why is not None:
+        return {}, [f"accuracy ledger not taken: {why}"]
+    try:
+        with walltime.spent(walltime.LEDGER), eager(), torch.no_grad():
+            cached = step.cache is not None and step.config.teacher.mode == "cached"
+            teacher = step.cache.logits if cached else distiller.teacher_outputs(x).logits
+            with distiller.student_ac.context(distiller.device_type):
+                student = distiller.trainee(x)[0]
+            return loss.ledger(student, teacher, loss.last_labels)
+    except Exception as exc:  # a diagnostic: its failure is data, never the row's
+        return {}, [f"accuracy ledger failed: {error_text(exc)}"]
 
 
 def loss_extra_flops(loss: LMLoss) -> int | None:

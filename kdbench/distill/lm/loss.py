@@ -21,6 +21,7 @@ from kdbench.distill.lm.impls import impl_note, lm_loss
 from kdbench.distill.lm.impls.chunks import valid_rows
 from kdbench.distill.lm.impls.dense import cross_entropy, token_loss
 from kdbench.distill.lm.impls.memory import logits_memory
+from kdbench.distill.lm.ledger import ledger_tokens, loss_ledger, objective_text
 from kdbench.distill.lm.topk import TopKTeacher, topk_forward_kl
 from kdbench.distill.losses import WeightedTerms, check_method, params_of
 from kdbench.errors import KdbenchError
@@ -51,6 +52,7 @@ class LMLoss(WeightedTerms):
 
         self.token = methods_token_loss(config)
         self.features = [(w, t) for w, t in zip(self.weights, self.terms) if not getattr(t, "divergence", "")]
+        feature_names = [n for n, t in zip(self.names, self.terms) if not getattr(t, "divergence", "")]
         self.impl, self.chunk_size = config.loss_impl, config.chunk_size
         self.topk = config.teacher.mode == "topk_cache"
         self._models = (teacher, student)  # not submodules: the trainee owns the student's head
@@ -73,6 +75,13 @@ class LMLoss(WeightedTerms):
             )
         self.dtypes = tuple(
             _compute_dtype(choose_autocast(backend, p)) for p in (config.teacher_precision, config.precision)
+        )
+        self.objective = objective_text(
+            self.token,
+            self.vocab,
+            (teacher.vocab_size, student.vocab_size),
+            [(w, n) for (w, _), n in zip(self.features, feature_names)],
+            config.teacher.k if self.topk else None,
         )
 
     @property
@@ -112,6 +121,52 @@ class LMLoss(WeightedTerms):
                 loss.backward()
 
         return run
+
+    @property
+    def last_labels(self) -> torch.Tensor | None:
+        """The labels of the last step (an on-policy step's: its generated batch's), None before a step."""
+        return self._rows_of
+
+    def ledger_skip(self) -> str | None:
+        """Why :meth:`ledger` is not taken for this loss (None: it is)."""
+        teacher, student = self._models
+        if self.topk:
+            return "the top-k cached teacher's sparse KL (its loss against the dense teacher: topk_reconstruction_kl)"
+        if student.head is None or teacher.head is None:
+            return "a model that returns its logits has no LM head to evaluate in float64"
+        if student.fsdp_root is not None or teacher.fsdp_root is not None:
+            return "an FSDP2-sharded pair (its heads are gathered by all ranks together, the ledger runs on rank 0)"
+        return None
+
+    def ledger(
+        self, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[dict[str, float | None], list[str]]:
+        """The accuracy ledger of the token loss (:func:`~kdbench.distill.lm.ledger.loss_ledger`) on these inputs
+        (their first :data:`~kdbench.distill.lm.ledger.LEDGER_TOKENS` counted tokens): the cell's ``loss_impl`` at
+        its dtypes against ``dense`` in float64 on the same hidden states and the heads' own parameters upcast; the
+        feature terms (hidden_mse) are not in it.  Its columns (empty where it is not taken) and notes (why not).
+        Reads values back: call it outside every timed figure."""
+        teacher, student = self._models
+        why = self.ledger_skip()
+        if why is not None:
+            return {}, [f"accuracy ledger not taken: {why}"]
+        t_dtype, s_dtype = self.dtypes
+        student_hidden, teacher_hidden, labels, rows = ledger_tokens(student_hidden, teacher_hidden, labels)
+        autocast_off = torch.amp.autocast(device_type=labels.device.type, enabled=False)
+        with autocast_off:
+            cell = (
+                student_hidden.to(s_dtype),
+                *student.head_weights(self.vocab, s_dtype),
+                teacher_hidden.to(t_dtype),
+                *teacher.head_weights(self.vocab, t_dtype),
+            )
+            reference = (
+                student_hidden,
+                *student.head_weights(self.vocab, torch.float64),
+                teacher_hidden,
+                *teacher.head_weights(self.vocab, torch.float64),
+            )
+            return loss_ledger(self.impl, cell, reference, labels, self.token, self.chunk_size, rows)
 
     def valid_rows(self, labels: torch.Tensor) -> torch.Tensor:
         """The flattened indices of the tokens ``labels`` counts, found once per labels tensor: a timed cell's

@@ -5,7 +5,8 @@ boolean ``mask`` of the valid tokens, shaped like the logits without their last 
 counted; prompt and padding positions False).  They all share one convention:
 
 * **float32**: the logits are upcast to float32 before anything else, whatever their dtype
-  (bf16, fp16), and the loss is a float32 scalar.
+  (bf16, fp16), and the loss is a float32 scalar; float64 logits stay float64 (:func:`upcast`: at least
+  float32), so the accuracy ledger (:mod:`kdbench.distill.lm.ledger`) evaluates the same functions in float64.
 * **temperature**: p = softmax(logits / T) for both the student and the teacher, and the loss is
   multiplied by T² (Hinton et al. 2015), so that its gradient keeps its size as T changes.  Every
   function scales by T², including ``generalized_jsd`` (TRL's GKD does not) and the skew KLs
@@ -61,7 +62,14 @@ __all__ = [
     "skew_reverse_kl_terms",
     "total_variation",
     "total_variation_terms",
+    "upcast",
 ]
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in at least float32: 16-bit floats upcast, float32 as it is (no copy), float64 kept (the ledger's
+    float64 reference runs the same code)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 class Dists:
@@ -88,8 +96,8 @@ class Dists:
         if not (temperature > 0 and math.isfinite(temperature)):
             raise KdbenchError(f"temperature must be a positive number, got {temperature}")
         vocab = student.shape[-1]
-        s = student.float().reshape(-1, vocab)
-        t = teacher.float().reshape(-1, vocab)
+        s = upcast(student).reshape(-1, vocab)
+        t = upcast(teacher).reshape(-1, vocab)
         if mask is not None:
             if mask.shape != student.shape[:-1]:
                 raise KdbenchError(

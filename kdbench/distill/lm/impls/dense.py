@@ -21,17 +21,18 @@ import torch.nn.functional as F
 from kdbench.distill.lm.divergences import TokenLoss, get_divergence, resolved
 from kdbench.distill.lm.impls.base import Buffers, Heads, LossImpl, Settings, register_impl
 from kdbench.distill.lm.impls.chunks import cast_head, zero
-from kdbench.distill.lm.token_losses import Dists
+from kdbench.distill.lm.token_losses import Dists, upcast
 from kdbench.names import IGNORE_INDEX
 
 __all__ = ["cross_entropy", "token_loss"]
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, n_valid: int) -> torch.Tensor:
-    """The next-token cross-entropy in float32, summed over the tokens whose label is not -100 and divided by
-    ``n_valid`` (their count, on the host; 0 tokens: 0, not NaN).  ``logits``: (..., V), ``labels``: (...)."""
+    """The next-token cross-entropy in float32 (of float64 logits: float64), summed over the tokens whose label is
+    not -100 and divided by ``n_valid`` (their count, on the host; 0 tokens: 0, not NaN).  ``logits``: (..., V),
+    ``labels``: (...)."""
     ce = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        upcast(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
     return ce / max(n_valid, 1)
 
