@@ -135,3 +135,65 @@ def test_a_cross_tokenizer_cell_runs_with_its_align_phase_tokenizers_and_uld_on_
     ce = F.cross_entropy(s_logits.reshape(-1, 1024), s_y.reshape(-1), ignore_index=-100)
     want = 0.4 * ce + 0.6 * uld_loss(s_logits, t_logits, s_y, extra["teacher_targets"])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _pad_config(impl: str, method: str, padded: str):
+    sizes = {"teacher": 4096, "student": 4096, padded: 4000}
+    overrides = {role: {"num_hidden_layers": 1, "vocab_size": sizes[role]} for role in ("teacher", "student")}
+    return lm_config(
+        method=method,
+        loss_impl=impl,
+        chunk_size=8,
+        overrides=overrides,
+        data={"kind": "tokens", "seq_len": 12, "vocab_policy": "pad"},
+    )
+
+
+@pytest.mark.parametrize(
+    ("impl", "method", "padded"),
+    [
+        ("dense", "forward_kl", "student"),
+        ("chunked", "forward_kl", "student"),
+        ("fused_linear", "forward_kl", "student"),
+        ("dense", "reverse_kl", "teacher"),
+        ("chunked", "reverse_kl", "teacher"),
+        ("fused_linear", "forward_kl", "teacher"),
+    ],
+)
+def test_vocab_pad_gives_the_hand_computed_loss_and_gradients(impl, method, padded):
+    """The smaller head padded with -inf up to 4096 entries: the divergence over the entries both models give
+    (an entry where one logit is -inf left out, token_losses' convention), CE over the student's own, finite."""
+    config = _pad_config(impl, method, padded)
+    assert check_cell(config, False) == []
+    teacher, student = LM.build_pair(config, CPU, ModelCache())
+    x, y = LM.batch(config, 2, CPU.device, 0, (teacher, student))
+    assert int(x.max()) < 4000  # ids both models read
+    loss = LM.loss(config, None, teacher, student, CPU)
+    assert loss.vocab == 4096 and "padded with -inf logits to 4096 entries" in loss.notes[0]
+    with torch.no_grad():
+        ht = teacher(x)
+    hs = student(x).detach().requires_grad_(True)
+    got = loss(LossInputs(hs, ht, y))
+    (g_got,) = torch.autograd.grad(got, hs)
+
+    hs2 = hs.detach().requires_grad_(True)
+    valid = y.reshape(-1) != -100
+    s = student.head(hs2).reshape(-1, student.vocab_size)[valid]  # each head as it is, unpadded
+    t = teacher.head(ht).reshape(-1, teacher.vocab_size)[valid]
+    ls, lt, v = s.log_softmax(-1), t.log_softmax(-1), 4000  # the entries both models give: the first 4000
+    if method == "forward_kl":
+        div = (lt[:, :v].exp() * (lt[:, :v] - ls[:, :v])).sum(-1).mean()
+    else:
+        div = (ls[:, :v].exp() * (ls[:, :v] - lt[:, :v])).sum(-1).mean()
+    want = 0.5 * F.cross_entropy(s, y.reshape(-1)[valid]) + 0.5 * div
+    (g_want,) = torch.autograd.grad(want, hs2)
+    assert math.isfinite(float(got.detach())) and torch.isfinite(g_got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["liger", "torch_linear"])
+def test_vocab_pad_is_refused_where_the_loss_cannot_take_minus_inf(impl):
+    problems = check_cell(_pad_config(impl, "forward_kl", "student"), False)
+    assert [k for k, _ in problems] == [("loss_impl",)]
+    assert f"loss_impl {impl} cannot take them" in problems[0][1] and "use loss_impl dense or chunked" in problems[0][1]

@@ -195,7 +195,7 @@ class LMWorkload(Workload):
         buffers: dict[str, torch.Tensor] = {}
         generation = config.generation
         store: dict = {}  # the phase's static cache and compiled decode step: let go with this closure
-        vocab = distiller.loss_fn.vocab  # the shared vocabulary (data.vocab_policy): the student samples within it
+        vocab = distiller.loss_fn.id_vocab  # the ids both models read (data.vocab_policy): the student samples there
 
         def generate(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             labels = buffers.get("labels")
@@ -521,7 +521,8 @@ def lm_counts(name: str, overrides: dict[str, Any]) -> tuple[int, int]:
 
 
 def shared_vocab(config: Any, teacher: nn.Module | None = None, student: nn.Module | None = None) -> int:
-    """The vocabulary both models share (the smaller, under vocab_policy slice; two sizes under error raise)."""
+    """The vocabulary both models share: the token ids both read (the smaller, under vocab_policy slice or pad; two
+    sizes under error raise)."""
     sizes = []
     for role, model in (("teacher", teacher), ("student", student)):
         if model is not None and model.vocab_size is not None:

@@ -127,10 +127,22 @@ def vocab_problems(config: Any, facts: Facts) -> Problems:
     vocabs = {role: f.vocab for role, f in facts.items() if f.vocab is not None}
     if config.data.tokenizers is not None:  # each model's vocabulary is its own tokenizer's
         return tokenizer_problems(config, vocabs)
+    if config.data.vocab_policy == "pad":
+        from kdbench.distill.lm.impls import pad_unsupported
+
+        why = pad_unsupported(config.loss_impl)
+        problems: Problems = [(("loss_impl",), why)] if why else []
+        if config.teacher.mode == "topk_cache":
+            why = (
+                "teacher.mode topk_cache keeps the teacher's top-k over its own vocabulary: use data.vocab_policy slice"
+            )
+            problems.append((("data", "vocab_policy"), why))
+        return problems
     if len(vocabs) == 2 and vocabs["teacher"] != vocabs["student"] and config.data.vocab_policy == "error":
         why = (
             f"the teacher's vocabulary has {vocabs['teacher']} entries and the student's {vocabs['student']}: "
-            "set data.vocab_policy: slice (both heads cut to the smaller) or give both one vocab_size"
+            "set data.vocab_policy: slice (both heads cut to the smaller) or pad (the smaller padded with -inf), or "
+            "give both one vocab_size"
         )
         return [(("data", "vocab_policy"), why)]
     return []

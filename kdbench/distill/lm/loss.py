@@ -69,12 +69,23 @@ class LMLoss(WeightedTerms):
         self.impl, self.chunk_size = config.loss_impl, config.chunk_size
         self.topk = config.teacher.mode == "topk_cache"
         self._models = (teacher, student)  # not submodules: the trainee owns the student's head
-        self.vocab = student.vocab_size if self.uld and student.vocab_size is not None else vocab  # uld: no cut
+        self.id_vocab = vocab  # the token ids both models read
+        sizes = [m.vocab_size for m in (teacher, student) if m.vocab_size is not None]
+        self.pad = config.data.vocab_policy == "pad" and len(set(sizes)) > 1 and not self.uld
+        if self.uld and student.vocab_size is not None:  # each head whole: the row's vocabulary is the student's
+            self.vocab = student.vocab_size
+        else:  # the vocabulary both heads cover: the larger, the smaller head padded with -inf (pad); else shared
+            self.vocab = max(sizes) if self.pad else vocab
         self.notes: list[str] = []
         self._rows_of: torch.Tensor | None = None  # the labels tensor whose valid rows are kept, and those rows
         self._rows: torch.Tensor | None = None
         self._heads: tuple | None = None  # the last lm_loss call's (shape, dtype, requires_grad) per input
-        if teacher.vocab_size != student.vocab_size and not self.uld:
+        if self.pad:
+            self.notes.append(
+                f"vocabularies {teacher.vocab_size} (teacher) and {student.vocab_size} (student): the smaller head "
+                f"padded with -inf logits to {self.vocab} entries (no entry dropped)"
+            )
+        elif teacher.vocab_size != student.vocab_size and not self.uld:
             self.notes.append(
                 f"vocabularies {teacher.vocab_size} (teacher) and {student.vocab_size} (student): both heads sliced "
                 f"to the first {self.vocab} entries"

@@ -51,6 +51,7 @@ __all__ = [
     "computes",
     "impl_note",
     "lm_loss",
+    "pad_unsupported",
     "uld_computers",
     "uld_lm_loss",
     "uld_unsupported",
@@ -150,6 +151,19 @@ def lm_loss(
     heads = Heads(hs, student_weight, student_bias, *teacher, lab)
     rows = valid_rows(lab) if rows is None else rows
     return found.compute(heads, loss, rows, Settings(chunk_size, liger_compiled))
+
+
+def pad_unsupported(impl: str) -> str | None:
+    """None when `impl` takes -inf logits (``data.vocab_policy: pad``: it leaves the infinite entries out, as
+    :mod:`~kdbench.distill.lm.token_losses` defines), else the reason and what to use instead; plan time."""
+    found = get_impl(impl)
+    if not found.inf_why:
+        return None
+    takes = [name for name, other in IMPLS.items() if not other.inf_why]
+    return (
+        f"data.vocab_policy pad pads the smaller head with -inf logits, and loss_impl {impl} cannot take them "
+        f"({found.inf_why}): use loss_impl {' or '.join(takes)}, or data.vocab_policy slice"
+    )
 
 
 def uld_computers() -> list[str]:

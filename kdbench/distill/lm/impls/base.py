@@ -104,7 +104,8 @@ class LossImpl:
     loss_impls`` says it with whether this environment has it, from ``unavailable()``).
     ``uld(heads, settings)``: ULD's term (:mod:`kdbench.distill.lm.uld`) of :class:`AlignedHeads`, a float32
     scalar differentiable w.r.t. the student's hidden states and head; None: this implementation cannot compute
-    it (``uld_why`` says why), and a ``uld`` cell under it is refused at plan time.
+    it (``uld_why`` says why), and a ``uld`` cell under it is refused at plan time.  ``inf_why``: why it cannot
+    take -inf logits (a padded vocabulary), "" where it leaves the infinite entries out as token_losses defines.
     """
 
     name: str
@@ -117,6 +118,7 @@ class LossImpl:
     needs: str = ""
     uld: Callable[[AlignedHeads, Settings], torch.Tensor] | None = None
     uld_why: str = ""
+    inf_why: str = ""  # why it cannot take -inf logits (data.vocab_policy: pad); "": it leaves them out
 
 
 IMPLS: dict[str, LossImpl] = {}

@@ -127,6 +127,8 @@ register_impl(  # chunks every token
         valid_only=False,
         note=note,
         needs=NEEDS,
+        inf_why="Liger-Kernel's fused JSD does not leave infinite logits out: a -inf logit under the other model's "
+        "mass makes its loss inf or NaN",
         uld_why="Liger-Kernel's fused JSD compares two heads over one vocabulary on the same token rows, and has no "
         "sorted-probability (ULD) loss",
     )

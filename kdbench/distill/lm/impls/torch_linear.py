@@ -95,6 +95,8 @@ register_impl(
         unsupported,
         unavailable,
         needs=NEEDS,
+        inf_why="its forward KL is a cross-entropy against the teacher's probabilities, which a -inf student logit "
+        "under the teacher's mass makes inf",
         uld_why="F.linear_cross_entropy computes a cross-entropy against one head's logits, not a distance between "
         "two sorted probability vectors",
     )
