@@ -197,3 +197,16 @@ def test_vocab_pad_is_refused_where_the_loss_cannot_take_minus_inf(impl):
     problems = check_cell(_pad_config(impl, "forward_kl", "student"), False)
     assert [k for k, _ in problems] == [("loss_impl",)]
     assert f"loss_impl {impl} cannot take them" in problems[0][1] and "use loss_impl dense or chunked" in problems[0][1]
+
+
+def test_the_plan_says_the_uld_note_before_anything_runs(tmp_path, capsys):
+    from kdbench.cli import main
+
+    suite = tmp_path / "uld.yaml"
+    suite.write_text(
+        "name: n\ndefaults:\n  pair: {teacher: tiny-llama-teacher, student: tiny-llama-student}\n"
+        "  method: uld\n  data: {kind: tokens, seq_len: 32}\n"
+    )
+    assert main(["run", str(suite), "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    assert f"note: cell 1: uld on a pair that shares one tokenizer: {ULD_NOTE}" in captured.err + captured.out
