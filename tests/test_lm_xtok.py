@@ -14,6 +14,7 @@ from kdbench.config.plan import Cell, cell_id_of
 from kdbench.distill.lm.impls import uld_computers, uld_lm_loss, uld_unsupported
 from kdbench.distill.lm.uld import uld_alignment, uld_loss
 from kdbench.distill.losses import LossInputs
+from kdbench.errors import KdbenchError
 from kdbench.models import ModelCache
 from kdbench.run.cell import measure_cell
 from kdbench.workloads import check_cell
@@ -89,7 +90,7 @@ def test_a_uld_cell_on_one_tokenizer_runs_with_a_note_and_its_loss_is_ce_plus_ul
 
 def test_the_text_batch_is_one_text_in_each_sides_tokens_with_the_prompt_by_text_position():
     from kdbench.models.tokenizers import ByteTokenizer
-    from kdbench.workloads.xtok import encode_side, paired, text_batch, tokenizer_of
+    from kdbench.workloads.xtok import encode_side, paired, paired_step, text_batch, tokenizer_of
 
     config = lm_config(method="uld", **XTOK)
     batch = text_batch("bytes", "bpe:1024", 2, 64, 0.25, 0)
@@ -108,6 +109,10 @@ def test_the_text_batch_is_one_text_in_each_sides_tokens_with_the_prompt_by_text
     assert (t_labels[:, :16] == -100).all() and (t_labels[:, 16:-1] == t_ids[:, 17:]).all()
     made = paired(config, 2, config.seed)
     assert torch.equal(made[0], s_ids) and torch.equal(made[2], t_ids)
+    step = paired_step(config, t_ids)  # bound to the batch it was built for: another one is refused, not replaced
+    assert torch.equal(step(t_ids, t_labels)[0], s_ids)
+    with pytest.raises(KdbenchError, match="tokenizes its cell's own text batch"):
+        step(t_ids.clone(), t_labels)
 
 
 @pytest.mark.slow
@@ -121,12 +126,13 @@ def test_a_cross_tokenizer_cell_runs_with_its_align_phase_tokenizers_and_uld_on_
     assert step["teacher_tokenizer"] == "bytes"
     assert step["student_tokenizer"].startswith("bpe:1024 (1024 tokens, sha256 ")
     assert step["vocab_size"] == 1024 and ULD_NOTE not in (step["notes"] or "")
+    assert step["predicted_peak_bytes"] > 0  # the fit planner ran the step, its align phase made for real
 
     # ULD's value through the step's own inputs (its align phase) equals uld_loss on the heads' logits
     teacher, student = LM.build_pair(config, CPU, ModelCache())
     x, y = LM.batch(config, config.batch_size, CPU.device, config.seed, (teacher, student))
     loss = LM.loss(config, None, teacher, student, CPU)
-    s_x, s_y, t_x, extra = LM.paired_batch(None, config)(x, y)
+    s_x, s_y, t_x, extra = LM.paired_batch(type("D", (), {"fixed_input": x})(), config)(x, y)
     assert torch.equal(t_x, x) and s_x.shape[1] < x.shape[1]  # the student reads fewer, longer tokens
     with torch.no_grad():
         ht, hs = teacher(t_x), student(s_x)
@@ -210,3 +216,15 @@ def test_the_plan_says_the_uld_note_before_anything_runs(tmp_path, capsys):
     assert main(["run", str(suite), "--dry-run"]) == 0
     captured = capsys.readouterr()
     assert f"note: cell 1: uld on a pair that shares one tokenizer: {ULD_NOTE}" in captured.err + captured.out
+
+
+def test_the_report_shows_the_align_phase_first_where_a_row_has_one():
+    import pandas as pd
+
+    from kdbench.names import ALIGN, PHASES
+    from kdbench.report.summaries import phase_gap, shown_phases
+
+    phases = {p.column: 1.0 for p in PHASES}
+    rows = pd.DataFrame([{"median_ms": 8.0, ALIGN.column: 2.0, **phases}, {"median_ms": 6.0, **phases}])
+    assert shown_phases(rows) == (ALIGN, *PHASES) and shown_phases(rows.drop(columns=ALIGN.column)) == PHASES
+    assert phase_gap(rows).tolist() == [1.0, 1.0]  # the align phase counted where timed

@@ -187,6 +187,7 @@ class Distiller:
         wrap_teacher: Callable[[nn.Module], nn.Module] | None = None,
     ):
         self.config = config
+        self.fixed_input = example  # the batch the Distiller was built for (a cross-tokenizer step needs it)
         self.teacher = freeze(teacher)
         if wrap_teacher is not None:  # FSDP2 cells: the frozen teacher sharded too (in place)
             self.teacher = teacher = wrap_teacher(self.teacher)

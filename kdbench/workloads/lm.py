@@ -317,7 +317,7 @@ class LMWorkload(Workload):
         """A cross-tokenizer cell's ``align`` phase (:func:`kdbench.workloads.xtok.paired_step`); None otherwise."""
         from kdbench.workloads.xtok import cross_tokenizer, paired_step
 
-        return paired_step(config) if cross_tokenizer(config) else None
+        return paired_step(config, distiller.fixed_input) if cross_tokenizer(config) else None
 
     def plan_notes(self, config: Any) -> list[str]:
         from kdbench.workloads.lm_checks import uld_note

@@ -201,15 +201,21 @@ def student_ids(config: Any, batch_size: int, device: torch.device, seed: int) -
     return encode_side(t.student, batch, batch.student_len)[0].to(device)
 
 
-def paired_step(config: Any) -> Callable[[torch.Tensor, torch.Tensor], tuple]:
+def paired_step(config: Any, fixed: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], tuple]:
     """The step's ``align`` phase of a cross-tokenizer cell: ``(x, y) -> (student ids, student labels, teacher ids,
     the loss's extra inputs)``, the batch's text tokenized by both tokenizers and aligned every call (``x``: the
     teacher's ids of :func:`paired`, whose batch size and device it takes), written into the same tensors each
     call.  In a fit's fake run (:mod:`kdbench.fit`) computed for real and handed on as fake tensors carrying their
-    values."""
+    values.  It steps on ``fixed`` alone, the cell's batch the step was built for: any other batch is refused, not
+    silently replaced by the cell's text."""
     kept: list[torch.Tensor] = []
 
     def step(x: torch.Tensor, y: torch.Tensor) -> tuple:
+        if x is not fixed:
+            raise KdbenchError(
+                "a cross-tokenizer step tokenizes its cell's own text batch (kdbench.workloads.xtok), not another "
+                "batch: give each side's tokens to the loss yourself (LossInputs.teacher_targets, .alignment)"
+            )
         fake = known_values(x) is not None
         with _real() if fake else contextlib.nullcontext():
             made = paired(config, x.shape[0], config.seed)
