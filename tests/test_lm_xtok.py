@@ -228,3 +228,12 @@ def test_the_report_shows_the_align_phase_first_where_a_row_has_one():
     rows = pd.DataFrame([{"median_ms": 8.0, ALIGN.column: 2.0, **phases}, {"median_ms": 6.0, **phases}])
     assert shown_phases(rows) == (ALIGN, *PHASES) and shown_phases(rows.drop(columns=ALIGN.column)) == PHASES
     assert phase_gap(rows).tolist() == [1.0, 1.0]  # the align phase counted where timed
+
+
+@pytest.mark.slow
+def test_a_uld_row_on_one_tokenizer_carries_the_note():
+    config = lm_config(method="uld", loss_impl="fused_linear", chunk_size=8, inference={"batch_sizes": []})
+    rows = measure_cell(Cell(0, cell_id_of(config), config), CPU, ModelCache())
+    assert rows[0]["status"] == "ok" and math.isfinite(rows[0]["final_loss"])
+    assert f"uld on a pair that shares one tokenizer: {ULD_NOTE}" in rows[0]["notes"]
+    assert rows[0]["teacher_tokenizer"] is None and rows[0].get("phase_align_ms") is None
