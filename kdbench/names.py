@@ -131,6 +131,15 @@ GENERATE = Phase(
     "generation (on-policy)",
     "on-policy LM steps: the student sampling the batch's completions with its KV cache, before the teacher forward",
 )
+# Cross-tokenizer LM steps (``data.tokenizers``) begin with one more phase: the batch's text tokenized by each
+# model's tokenizer and the two sides' positions aligned (ULD's pairing).
+ALIGN = Phase(
+    "align",
+    "tokenize + align (cross-tokenizer)",
+    "cross-tokenizer LM steps: the batch's text tokenized by each model's own tokenizer and the two sides' positions "
+    "aligned, before the teacher forward",
+)
+LEAD_PHASES = (GENERATE, ALIGN)  # the phases a step may begin with, before PHASES (one at most)
 REMAINDER_COLUMN = "phase_remainder_ms"  # step time minus the sum of its phases
 
 # A token label that no loss counts (prompt and padding positions, a sequence's last position): the value

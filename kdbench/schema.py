@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from kdbench.names import CONTENDED_FREE_SHARE, FIT_TOLERANCE, GENERATE, PHASES, REMAINDER_COLUMN
+from kdbench.names import ALIGN, CONTENDED_FREE_SHARE, FIT_TOLERANCE, GENERATE, PHASES, REMAINDER_COLUMN
 
 SCHEMA_VERSION = 2  # 1: one parquet file per run, derived columns stored; 2: a folder of parts per run
 
@@ -397,7 +397,20 @@ COLUMNS: tuple[Column, ...] = (
             "tokens/s",
             "LM rows: world_size × tokens / median time (the step's and prefill's processed tokens, decode's new ones)",
         ),
-        ("vocab_size", _I, "", "LM step rows: the vocabulary both heads cover in the loss"),
+        (
+            "vocab_size",
+            _I,
+            "",
+            "LM step rows: the vocabulary both heads cover in the loss (uld: the student's; each head keeps its own)",
+        ),
+        (
+            "teacher_tokenizer",
+            _S,
+            "",
+            "cross-tokenizer LM step rows (data.tokenizers): the teacher's tokenizer, `bytes` or its spec with its "
+            "size and a sha256 digest of its vocabulary (null: the models share token ids)",
+        ),
+        ("student_tokenizer", _S, "", "cross-tokenizer LM step rows: the student's tokenizer, as teacher_tokenizer"),
         (
             "spec_alpha",
             _F,
@@ -503,6 +516,7 @@ COLUMNS: tuple[Column, ...] = (
         ("scaler_skips", _I, "steps", "optimizer updates the fp16 GradScaler skipped for inf/NaN gradients"),
         *((p.column, _F, "ms", f"median {p.doc}") for p in PHASES),
         (GENERATE.column, _F, "ms", f"median of the {GENERATE.doc} (null: the step generates nothing)"),
+        (ALIGN.column, _F, "ms", f"median of the {ALIGN.doc} (null: one tokenizer)"),
         (REMAINDER_COLUMN, _F, "ms", "median of step time − sum of its phases (Python overhead between stamps)"),
         (
             "teacher_cache_ms",

@@ -234,3 +234,15 @@ def test_a_failing_ledger_is_a_note_and_the_row_stands(monkeypatch):
     assert row["median_ms"] > 0 and row.get("loss_rel_err") is None
     assert "accuracy ledger failed: RuntimeError: boom" in row["notes"]
     assert math.isfinite(row["final_loss"])
+
+
+def test_objective_text_says_pad_and_uld():
+    pad = objective_text(LOSS, 50257, (50257, 32000), policy="pad")
+    assert pad.endswith(
+        "over 50257 entries (vocab_policy pad: the smaller of 50257 teacher / 32000 student padded with -inf)"
+    )
+    uld = objective_text(TokenLoss(None, ce_weight=0.4), 1024, (256, 1024), uld=[(0.6, 1.0)])
+    assert uld == (
+        "0.4·CE + 0.6·uld(T=1, sorted probabilities, L1, positions paired after the prompt) over each side's own "
+        "entries (256 teacher / 1024 student)"
+    )

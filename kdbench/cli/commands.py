@@ -136,6 +136,9 @@ def _dry_run(suite, options) -> int:
     cells = sum(isinstance(j, CellJob) and j.repeat == 1 for j in plan.jobs)
     times = f" x {suite.repeat} repeats" if suite.repeat > 1 else ""
     print(f"{cells} cells, {n_rows} measurements{times}; suite '{suite.name}', backend {requested} ({here})")
+    from kdbench.run.plan import warn_cell_notes
+
+    warn_cell_notes(plan)  # a choice the user may not have meant (uld on one tokenizer)
     if here == "available here":  # the plan-time warnings a run would print (slow precisions, missing packages)
         from kdbench.hw.backends import resolve
         from kdbench.run.plan import warn_environment_skips, warn_slow_cells

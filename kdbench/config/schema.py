@@ -70,7 +70,7 @@ class TeacherConfig(Strict):
 
 
 DataKind = Literal["synthetic", "tokens"]
-VocabPolicy = Literal["error", "slice"]
+VocabPolicy = Literal["error", "slice", "pad"]
 TOKENIZER_FORMS = "bytes, bpe:<vocab_size> (e.g. bpe:1024) or the path of a tokenizer.json kdbench wrote"
 
 
@@ -108,8 +108,11 @@ class DataConfig(Strict):
     seq_len: int = Field(512, ge=2, le=1 << 20)
     # share of each sequence's first positions that are prompt: not counted in any loss (tokens data)
     prompt_fraction: float = Field(0.25, ge=0, lt=1)
-    # Teacher and student vocabularies of different sizes (tokens data): error, or slice both LM heads to the
-    # smaller vocabulary (the extra teacher entries are dropped and its distribution renormalised over the rest).
+    # Teacher and student vocabularies of different sizes (tokens data): error; slice both LM heads to the
+    # smaller vocabulary (the larger head's extra entries are dropped and its distribution renormalised over the
+    # rest); or pad the smaller head with -inf logits up to the larger vocabulary (no entry dropped: the smaller
+    # model gives its extra entries probability 0; loss_impl dense, chunked or fused_linear). The batch's token ids
+    # lie in the smaller vocabulary either way.
     vocab_policy: VocabPolicy = "error"  # type: ignore[valid-type]
     # each model's tokenizer, when the two do not share token ids (TokenizersConfig); null: one set of token ids
     tokenizers: TokenizersConfig | None = None

@@ -35,7 +35,7 @@ from kdbench.distill.losses import LossInputs, needs_features
 from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_scaler, math_mode
 from kdbench.hw.clock import Clock
 from kdbench.hw.layout import place_aligned, place_model
-from kdbench.names import GENERATE, PHASES
+from kdbench.names import ALIGN, GENERATE, PHASES
 
 
 class StepFamily(Protocol):
@@ -50,6 +50,10 @@ class StepFamily(Protocol):
 
     def on_policy(self, distiller: Distiller, config: CellConfig) -> Callable | None:
         """``(x, y) -> (x, y)``: the batch an on-policy step trains on; None: the fixed batch."""
+
+    def paired_batch(self, distiller: Distiller, config: CellConfig) -> Callable | None:
+        """``(x, y) -> (student x, student y, teacher x, the loss's extra inputs)``: a step whose models read the
+        batch each in its own tokens (its ``align`` phase, :data:`kdbench.names.ALIGN`); None: both read ``x``."""
 
     def compact_teacher(
         self, distiller: Distiller, outputs: Any, targets: torch.Tensor
@@ -183,6 +187,7 @@ class Distiller:
         wrap_teacher: Callable[[nn.Module], nn.Module] | None = None,
     ):
         self.config = config
+        self.fixed_input = example  # the batch the Distiller was built for (a cross-tokenizer step needs it)
         self.teacher = freeze(teacher)
         if wrap_teacher is not None:  # FSDP2 cells: the frozen teacher sharded too (in place)
             self.teacher = teacher = wrap_teacher(self.teacher)
@@ -224,6 +229,10 @@ class Distiller:
         self._mark_step = step_marker() if graphed else None
         self._clone_teacher = graphed and config.compile_teacher and self._mark_step is None
         self.on_policy = workload.on_policy(self, config)  # (x, y) -> the generated batch, or None
+        paired = getattr(workload, "paired_batch", None)  # (x, y) -> each model's own tokens, or None
+        self.paired = paired(self, config) if paired is not None else None
+        # the phase the step begins with, before PHASES (the plan never gives a cell both)
+        self.lead_phase = GENERATE if self.on_policy is not None else ALIGN if self.paired is not None else None
         self.last_input = example
         self.scaler = grad_scaler(backend, self.student_ac)
         self.optimizer, self.optimizer_note = self._optimizer(config, backend)
@@ -302,16 +311,21 @@ class Distiller:
         if self._mark_step is not None:  # one CUDA-graph-tree iteration per step (see step_marker)
             self._mark_step()
         stamp()
+        teacher_x, extra = x, {}
         if self.on_policy is not None:  # the student generates the completions the step trains on
             x, y = self.on_policy(x, y)
+            teacher_x = x
             stamp()
-        self.last_input = x
-        t = cached if cached is not None else self.teacher_outputs(x)
+        elif self.paired is not None:  # each model's own tokens of the batch's text, and their alignment
+            x, y, teacher_x, extra = self.paired(x, y)
+            stamp()
+        self.last_input = teacher_x  # the teacher's input (FLOPs are counted on it)
+        t = cached if cached is not None else self.teacher_outputs(teacher_x)
         stamp()
         with self.student_ac.context(self.device_type):
             s_logits, s_feats, adapted = self.model(x)
         stamp()
-        loss = self.loss_fn(LossInputs(s_logits, t.logits, y, s_feats, t.feats, adapted, self.steps, indices))
+        loss = self.loss_fn(LossInputs(s_logits, t.logits, y, s_feats, t.feats, adapted, self.steps, indices, **extra))
         stamp()
         self.optimizer.zero_grad(set_to_none=True)
         backward_and_update(loss, self.optimizer, self.scaler, between=stamp)
@@ -390,7 +404,8 @@ class DistillStep:
         self.clock.sync()
         out: dict[str, list[float]] = {p.name: [] for p in PHASES}
         for marks in self.marks[-n:]:
-            phases = PHASES if len(marks) == len(PHASES) + 1 else (GENERATE, *PHASES)  # on-policy: one more
+            lead = self.distiller.lead_phase  # on-policy and cross-tokenizer steps: one more, first
+            phases = PHASES if len(marks) == len(PHASES) + 1 or lead is None else (lead, *PHASES)
             for phase, start, end in zip(phases, marks, marks[1:]):
                 out.setdefault(phase.name, []).append(self.clock.elapsed_ms(start, end))
         return out

@@ -31,7 +31,7 @@ from kdbench.fit.tracker import GRADIENTS, INPUTS, OPTIMIZER, PARAMETERS, LiveBy
 from kdbench.hw.backends import Backend
 from kdbench.models.cache import ModelCache
 from kdbench.models.lm import as_measured_batches
-from kdbench.names import GENERATE, PHASES
+from kdbench.names import PHASES, Phase
 from kdbench.workloads.registry import workload_of
 
 STEPS = 2  # fake steps run: the second is a step with the optimizer's state, as every timed one is
@@ -63,9 +63,9 @@ class _PhaseClock:
     name = "phases"
     host = True
 
-    def __init__(self, tracker: LiveBytes, on_policy: bool):
+    def __init__(self, tracker: LiveBytes, lead: Phase | None):
         self.tracker = tracker
-        self.order = [p.name for p in ((GENERATE, *PHASES) if on_policy else PHASES)]
+        self.order = [p.name for p in ((lead, *PHASES) if lead is not None else PHASES)]
         self.i = 0
 
     def stamp(self) -> int:
@@ -141,7 +141,7 @@ def predict(config: CellConfig, device_type: str = "cuda", allow_imports: bool =
             if distiller.scaler is not None:  # its found-inf check reads values; it holds a few scalars
                 distiller.scaler = None
                 notes.append("fp16's loss scaling not run (a few scalars)")
-            step.clock = _PhaseClock(tracker, config.on_policy is not None)
+            step.clock = _PhaseClock(tracker, distiller.lead_phase)
             for p in distiller.trainee.parameters():
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(lambda p: tracker.mark([p.grad], GRADIENTS))
@@ -223,7 +223,8 @@ def _state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _logits_bytes(loss: Any, x: torch.Tensor) -> int | None:
     count = getattr(loss, "logits_memory", None)
-    return int(count(x.numel())["bytes"]) if count is not None else None
+    found = count(x.numel())["bytes"] if count is not None else None
+    return int(found) if found is not None else None  # None: not counted (uld, a divergence without counts)
 
 
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC")

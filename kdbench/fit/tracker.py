@@ -38,7 +38,7 @@ PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES, INPUTS = (
 KINDS = (PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES, INPUTS)
 # Phases whose new tensors are activations while they live (the rest, backward and the optimizer step, make
 # temporaries, but for the gradients and the optimizer state they are told of).
-FORWARD_PHASES = frozenset({"setup", "cache build", "generate", "teacher_forward", "student_forward", "loss"})
+FORWARD_PHASES = frozenset({"setup", "cache build", "generate", "align", "teacher_forward", "student_forward", "loss"})
 
 
 @dataclass

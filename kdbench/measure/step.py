@@ -34,7 +34,7 @@ from kdbench.measure.rows import profiled_loop, timed_row
 from kdbench.measure.timing import RawTiming
 from kdbench.measure.trace import trace
 from kdbench.models import count_params
-from kdbench.names import FIT_NOTE, GENERATE, PHASES, REMAINDER_COLUMN, Measurement, Status
+from kdbench.names import FIT_NOTE, LEAD_PHASES, PHASES, REMAINDER_COLUMN, Measurement, Status
 from kdbench.schema import Row
 
 
@@ -85,7 +85,7 @@ def phase_columns(step: DistillStep, raw: RawTiming) -> Row:
     phases = step.phase_ms(len(raw.samples_ms))
     if not phases:
         return {}
-    row = {p.column: statistics.median(phases[p.name]) for p in (*PHASES, GENERATE) if p.name in phases}
+    row = {p.column: statistics.median(phases[p.name]) for p in (*PHASES, *LEAD_PHASES) if p.name in phases}
     rest = [total - sum(parts) for total, *parts in zip(raw.samples_ms, *phases.values())]
     row[REMAINDER_COLUMN] = statistics.median(rest)
     return row

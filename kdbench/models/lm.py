@@ -468,16 +468,25 @@ class CausalLM(nn.Module):
 
     def head_weights(self, vocab: int | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head's weight and bias, cut to ``vocab`` rows (None: all), at ``dtype`` (autograd flows to the
-        originals)."""
+        originals).  A ``vocab`` beyond the head's rows pads it (``data.vocab_policy: pad``): zero weight rows and a
+        -inf bias there (a bias of 0 on its own rows where it has none), so those logits are -inf."""
         weight = self.head.weight[:vocab].to(dtype)
         bias = getattr(self.head, "bias", None)
-        return weight, (bias[:vocab].to(dtype) if bias is not None else None)
+        bias = bias[:vocab].to(dtype) if bias is not None else None
+        extra = 0 if vocab is None else vocab - weight.shape[0]
+        if extra > 0:
+            weight = torch.cat([weight, weight.new_zeros(extra, weight.shape[1])])
+            own = bias if bias is not None else weight.new_zeros(weight.shape[0] - extra)
+            bias = torch.cat([own, own.new_full((extra,), float("-inf"))])
+        return weight, bias
 
     def logits(self, out: torch.Tensor, dtype: torch.dtype | None = None, vocab: int | None = None) -> torch.Tensor:
         """The logits of the forward's output ``out``: the head applied to the hidden states (at ``dtype``, the
         hidden states and head cast to it; None: the head as it is, under whatever autocast is on); a model
         without a head returns its logits, taken as they are.  ``vocab``: the first entries only."""
         if self.head is None:
+            if vocab is not None and vocab > out.shape[-1]:  # padded with -inf (data.vocab_policy: pad)
+                return torch.nn.functional.pad(out, (0, vocab - out.shape[-1]), value=float("-inf"))
             return out if vocab is None else out[..., :vocab]
         if dtype is None and vocab is None:
             return self.head(out)

@@ -38,9 +38,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 import platform
-import sysconfig
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -55,6 +53,7 @@ from torch import nn
 from kdbench.config.schema import CellConfig, QualityConfig
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast
+from kdbench.hw.corpus import join_files, stdlib_files, stdlib_root
 from kdbench.measure.failures import error_text
 from kdbench.models.hub import is_callable_name
 from kdbench.names import IGNORE_INDEX
@@ -63,25 +62,10 @@ from kdbench.quality.drafts import DRAFT_ROW_KEYS, measure_draft
 from kdbench.quality.drafts import describe as describe_draft
 from kdbench.quality.train import DeviceData, QualityRun, Trained, ce_step, fit, init_seed
 
+_join = join_files  # the corpus's reading lives in kdbench.hw.corpus (cross-tokenizer LM cells read it too)
 BYTES = 256  # the vocabulary: one token per byte value
 EVAL_TOKENS = 1 << 15  # held-out tokens per evaluation forward
 logger = logging.getLogger(__name__)
-SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
-
-
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_files(root: Path | None = None) -> list[str]:
-    """The corpus's files: paths relative to ``root`` (the stdlib), in POSIX form, sorted."""
-    root = stdlib_root() if root is None else Path(root)
-    out = []
-    for folder, dirs, files in os.walk(root):  # symbolic links to folders are not followed
-        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.startswith("config-")]
-        rel = Path(folder).relative_to(root)
-        out += [(rel / f).as_posix() for f in files if f.endswith(".py") and not f.startswith("_sysconfigdata")]
-    return sorted(out)
 
 
 def split_files(files: list[str], test_fraction: float, seed: int) -> tuple[list[str], list[str]]:
@@ -91,20 +75,6 @@ def split_files(files: list[str], test_fraction: float, seed: int) -> tuple[list
     order = [files[i] for i in np.random.default_rng(seed).permutation(len(files))]
     n_test = min(len(files) - 1, max(1, round(test_fraction * len(files))))
     return order[n_test:], order[:n_test]
-
-
-def _join(root: Path, files: list[str], cap: int | None) -> tuple[bytes, int]:
-    """The files' bytes joined in order, cut at ``cap``, and how many files that used."""
-    chunks, n, used = [], 0, 0
-    for f in files:
-        if cap is not None and n >= cap:
-            break
-        data = (root / f).read_bytes()
-        chunks.append(data)
-        n += len(data)
-        used += 1
-    blob = b"".join(chunks)
-    return (blob if cap is None else blob[:cap]), used
 
 
 def windows(blob: bytes, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from jinja2 import Environment, FileSystemLoader
 
 from kdbench.config.budgets import OUTCOMES, format_value, where_text
 from kdbench.errors import KdbenchError
-from kdbench.names import GENERATE, MAX_LOSS_ERR, Measurement, Status
+from kdbench.names import ALIGN, GENERATE, MAX_LOSS_ERR, Measurement, Status
 from kdbench.report.charts import NOISY_NOTE, RATE_COLUMNS, THIN_NOTE, rates
 from kdbench.report.compare_format import verdict_line
 from kdbench.report.compare_plots import draw_forest, draw_history
@@ -106,7 +106,8 @@ def render_report(
         fit=fit_section(df, out_dir),
         phase_chart=draw_phases(df, out_dir),
         profile=profile_rows(df),
-        profile_generated=shown_phases(df)[0] is GENERATE,
+        profile_generated=GENERATE in shown_phases(df),
+        profile_aligned=ALIGN in shown_phases(df),
         remainder_limit=f"{REMAINDER_LIMIT * 100:.0f} %",
         caching=caching_rows(df),
         levers=lever_rows(df),

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kdbench.names import GENERATE, PHASES, QUALITY_ROLES, VARIANT_COLUMNS, Measurement, Status
+from kdbench.names import LEAD_PHASES, PHASES, QUALITY_ROLES, VARIANT_COLUMNS, Measurement, Status
 from kdbench.repeats import NOISY_REL_IQR, centre_interval, median_log_variance
 from kdbench.report.format import mean_std
 from kdbench.schema import COLUMNS, DERIVED, RESULT, STATISTICS
@@ -115,10 +115,11 @@ def pooled(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def shown_phases(rows: pd.DataFrame) -> tuple:
-    """The step phases the report shows for ``rows`` (:data:`kdbench.names.PHASES`), the on-policy generation first
-    where a row has one."""
-    generated = GENERATE.column in rows and rows[GENERATE.column].notna().any()
-    return (GENERATE, *PHASES) if generated else PHASES
+    """The step phases the report shows for ``rows`` (:data:`kdbench.names.PHASES`), the phases a step may begin
+    with first (:data:`kdbench.names.LEAD_PHASES`: on-policy generation, cross-tokenizer alignment) where a row has
+    one."""
+    leads = tuple(p for p in LEAD_PHASES if p.column in rows and rows[p.column].notna().any())
+    return (*leads, *PHASES)
 
 
 def phase_gap(rows: pd.DataFrame) -> pd.Series:

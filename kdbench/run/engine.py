@@ -40,6 +40,7 @@ from kdbench.run.plan import (
     plan_jobs,
     planned_backend,
     slow_skip,
+    warn_cell_notes,
     warn_environment_skips,
     warn_slow_cells,
 )
@@ -133,6 +134,7 @@ def run_suite(
     if alloc is None or alloc.rank == 0:  # measured once, where the engine runs
         look = HostMeter(threads if backend.device_type == "cpu" else 1)
         look.start()  # ended before the first cell: is the machine busy?
+        warn_cell_notes(plan)  # a choice the user may not have meant (uld on one tokenizer)
         slow = warn_slow_cells(plan, backend, options.out_dir / PROBES_DIR, threads, suite.slow_precisions == "skip")
         if suite.slow_precisions == "skip":
             plan = replace(plan, skipped={j.job_id: why for j in plan.jobs if (why := slow_skip(j, slow))})

@@ -198,6 +198,20 @@ def environment_skips(plan: Plan, backend: Backend) -> dict[str, str]:
     return skipped
 
 
+def warn_cell_notes(plan: Plan) -> dict[str, list[int]]:
+    """What the cells' workloads say of a choice the user may not have meant (a uld cell on a shared tokenizer),
+    each note said once before anything runs with the numbers of its cells; returned by note."""
+    by_note: dict[str, list[int]] = {}
+    for job in plan.jobs:
+        if isinstance(job, CellJob) and job.repeat == 1:
+            for note in workload_of(job.cell.config).plan_notes(job.cell.config):
+                by_note.setdefault(note, []).append(job.cell.index + 1)
+    for note, numbers in by_note.items():
+        cells = f"cell {numbers[0]}" if len(numbers) == 1 else f"{len(numbers)} cells ({', '.join(map(str, numbers))})"
+        logger.warning("note: %s: %s", cells, note)
+    return by_note
+
+
 def warn_environment_skips(plan: Plan, backend: Backend) -> dict[str, str]:
     """:func:`environment_skips`, each reason said once before anything runs with the cells it skips (their numbers,
     as ``--dry-run`` prints them)."""

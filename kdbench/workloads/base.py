@@ -137,6 +137,15 @@ class Workload:
         each step (its own phase); None: the step trains on the fixed batch."""
         return None
 
+    def paired_batch(self, distiller: Any, config: CellConfig):
+        """``(x, y) -> (student x, student y, teacher x, the loss's extra inputs)``: each model's own tokens of
+        the batch, made at the start of each step (its own phase); None: both models read the fixed batch."""
+        return None
+
+    def plan_notes(self, config: CellConfig) -> list[str]:
+        """What the plan says of a cell it runs (not a mistake: a choice the user may not have meant)."""
+        return []
+
     def step_columns(self, step: Any, config: CellConfig, x: torch.Tensor) -> tuple[Row, tuple[str, ...]]:
         """The step row's columns only this family has, and notes."""
         raise NotImplementedError

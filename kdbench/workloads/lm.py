@@ -79,6 +79,7 @@ class LMWorkload(Workload):
             "generation",
             "data.prompt_fraction",
             "data.vocab_policy",
+            "data.tokenizers",
             "overrides",
         }
     )
@@ -138,12 +139,15 @@ class LMWorkload(Workload):
                 (
                     ("method",),
                     f"{', '.join(image)}: image-classifier method(s) (logits over classes, feature maps); on a "
-                    "language-model pair use forward_kl, reverse_kl, jsd, tvd, skew_fkl, skew_rkl or hidden_mse "
+                    "language-model pair use forward_kl, reverse_kl, jsd, tvd, skew_fkl, skew_rkl, uld or hidden_mse "
                     "(`kdbench list methods`)",
                 )
             )
             return problems
         tokens = [m for m in methods if getattr(m.cls, "divergence", "")]
+        aligned = lm_checks.aligned_problems(config, methods)
+        if aligned is not None:  # uld, or a cell whose sides tokenize differently: its own checks
+            return problems + aligned
         if len(tokens) > 1:
             problems.append(
                 (
@@ -191,7 +195,7 @@ class LMWorkload(Workload):
         buffers: dict[str, torch.Tensor] = {}
         generation = config.generation
         store: dict = {}  # the phase's static cache and compiled decode step: let go with this closure
-        vocab = distiller.loss_fn.vocab  # the shared vocabulary (data.vocab_policy): the student samples within it
+        vocab = distiller.loss_fn.id_vocab  # the ids both models read (data.vocab_policy): the student samples there
 
         def generate(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             labels = buffers.get("labels")
@@ -231,6 +235,11 @@ class LMWorkload(Workload):
             return batch_size * (prompt_length(config) + config.on_policy.new_tokens)
         if measurement in (Measurement.STUDENT_DECODE, Measurement.TEACHER_DECODE, Measurement.SPECULATIVE_DECODE):
             return batch_size * config.inference.decode_tokens
+        if measurement == Measurement.STUDENT_PREFILL and config.data.tokenizers is not None:
+            from kdbench.workloads.xtok import cross_tokenizer, student_ids
+
+            if cross_tokenizer(config):  # the student's own tokens of the text, padding included
+                return student_ids(config, batch_size, torch.device("cpu"), config.seed + 1).numel()
         return batch_size * config.data.seq_len
 
     def config_columns(self, config: Any) -> Row:
@@ -299,8 +308,22 @@ class LMWorkload(Workload):
     def batch(
         self, config: Any, batch_size: int, device: torch.device, seed: int, models: Pair
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if config.data.tokenizers is not None:  # real text, each model's own tokens: the teacher's here
+            return text_token_batch(config, batch_size, device, seed)
         vocab = shared_vocab(config, *models)
         return token_batch(batch_size, config.data.seq_len, vocab, config.data.prompt_fraction, seed, device, config)
+
+    def paired_batch(self, distiller: Any, config: Any):
+        """A cross-tokenizer cell's ``align`` phase (:func:`kdbench.workloads.xtok.paired_step`); None otherwise."""
+        from kdbench.workloads.xtok import cross_tokenizer, paired_step
+
+        return paired_step(config, distiller.fixed_input) if cross_tokenizer(config) else None
+
+    def plan_notes(self, config: Any) -> list[str]:
+        from kdbench.workloads.lm_checks import uld_note
+
+        note = uld_note(config)
+        return [note] if note else []
 
     def feature_paths(self, teacher: nn.Module, student: nn.Module, example: torch.Tensor, config: Any) -> Any:
         from kdbench.distill.hooks import layer_pairs
@@ -331,6 +354,8 @@ class LMWorkload(Workload):
         return cache, {"teacher_cache_bytes_per_token": cache.bytes_per_token}, diagnose
 
     def step_columns(self, step: Any, config: Any, x: torch.Tensor) -> tuple[Row, tuple[str, ...]]:
+        from kdbench.workloads.xtok import tokenizer_columns
+
         loss = step.distiller.loss_fn
         memory = loss.logits_memory(x.numel())
         row = Row(
@@ -344,12 +369,13 @@ class LMWorkload(Workload):
                 "extra_flops": loss_extra_flops(loss),
                 "data_ptr_mod64": x.data_ptr() % 64,
                 "loss_objective": loss.objective,
+                **tokenizer_columns(config),
                 **step.cache_columns,
             }
         )
         ledger, notes = accuracy_ledger(step)
         row.update(ledger)
-        return row, (*loss.notes, *notes)
+        return row, (*loss.notes, *self.plan_notes(config), *notes)
 
     # ------------------------------------------------------------------ serving
 
@@ -498,7 +524,8 @@ def lm_counts(name: str, overrides: dict[str, Any]) -> tuple[int, int]:
 
 
 def shared_vocab(config: Any, teacher: nn.Module | None = None, student: nn.Module | None = None) -> int:
-    """The vocabulary both models share (the smaller, under vocab_policy slice; two sizes under error raise)."""
+    """The vocabulary both models share: the token ids both read (the smaller, under vocab_policy slice or pad; two
+    sizes under error raise)."""
     sizes = []
     for role, model in (("teacher", teacher), ("student", student)):
         if model is not None and model.vocab_size is not None:
@@ -509,7 +536,8 @@ def shared_vocab(config: Any, teacher: nn.Module | None = None, student: nn.Modu
             sizes.append(int(c.vocab_size))
     if not sizes:
         raise KdbenchError("cannot tell the vocabulary size of the pair; give a transformers model")
-    if len(set(sizes)) > 1 and config.data.vocab_policy == "error":  # the plan refuses it; a run never slices unasked
+    # the plan refuses two sizes under vocab_policy error (a run never slices unasked); data.tokenizers: each its own
+    if len(set(sizes)) > 1 and config.data.vocab_policy == "error" and config.data.tokenizers is None:
         raise KdbenchError(f"the pair's vocabularies differ ({sizes[0]} and {sizes[1]}): set data.vocab_policy: slice")
     return min(sizes)
 
@@ -560,6 +588,18 @@ def accuracy_ledger(step: Any) -> tuple[Row, list[str]]:
             return loss.ledger(student, teacher, loss.last_labels)
     except Exception as exc:  # a diagnostic: its failure is data, never the row's
         return {}, [f"accuracy ledger failed: {error_text(exc)}"]
+
+
+def text_token_batch(config: Any, batch_size: int, device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``data.tokenizers`` cell's batch: the teacher's ids and labels of its text windows
+    (:mod:`kdbench.workloads.xtok`); with one tokenizer, both models'."""
+    from kdbench.hw.layout import place_aligned
+    from kdbench.workloads.xtok import encode_side, text_batch
+
+    t = config.data.tokenizers
+    text = text_batch(t.teacher, t.student, batch_size, config.data.seq_len, config.data.prompt_fraction, seed)
+    ids, labels = encode_side(t.teacher, text, config.data.seq_len)
+    return place_aligned(ids.to(device), config.alignment), place_aligned(labels.to(device), config.alignment)
 
 
 def loss_extra_flops(loss: LMLoss) -> int | None:

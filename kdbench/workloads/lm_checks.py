@@ -125,13 +125,127 @@ def vocab_problems(config: Any, facts: Facts) -> Problems:
     """The vocabularies under ``data.vocab_policy``: error refuses two sizes (slice cuts both heads to the
     smaller); a module:callable's is its logits' width."""
     vocabs = {role: f.vocab for role, f in facts.items() if f.vocab is not None}
+    if config.data.tokenizers is not None:  # each model's vocabulary is its own tokenizer's
+        return tokenizer_problems(config, vocabs)
+    if config.data.vocab_policy == "pad":
+        from kdbench.distill.lm.impls import pad_unsupported
+
+        why = pad_unsupported(config.loss_impl)
+        problems: Problems = [(("loss_impl",), why)] if why else []
+        if config.teacher.mode == "topk_cache":
+            why = (
+                "teacher.mode topk_cache keeps the teacher's top-k over its own vocabulary: use data.vocab_policy slice"
+            )
+            problems.append((("data", "vocab_policy"), why))
+        return problems
     if len(vocabs) == 2 and vocabs["teacher"] != vocabs["student"] and config.data.vocab_policy == "error":
         why = (
             f"the teacher's vocabulary has {vocabs['teacher']} entries and the student's {vocabs['student']}: "
-            "set data.vocab_policy: slice (both heads cut to the smaller) or give both one vocab_size"
+            "set data.vocab_policy: slice (both heads cut to the smaller) or pad (the smaller padded with -inf), or "
+            "give both one vocab_size"
         )
         return [(("data", "vocab_policy"), why)]
     return []
+
+
+def tokenizer_problems(config: Any, vocabs: dict[str, int]) -> Problems:
+    """data.tokenizers: each model's vocabulary must be its tokenizer's size (every id it reads is a row of its
+    embedding, every entry of its head a token); data.vocab_policy reconciles one set of token ids, not two."""
+    from kdbench.workloads.xtok import tokenizer_size
+
+    problems: Problems = []
+    for role in ROLES:
+        spec, vocab = getattr(config.data.tokenizers, role), vocabs.get(role)
+        try:
+            size = tokenizer_size(spec)
+        except KdbenchError as exc:
+            problems.append((("data", "tokenizers", role), str(exc)))
+            continue
+        if vocab is not None and vocab != size:
+            why = (
+                f"the {role} {getattr(config.pair, role)} has {vocab} vocabulary entries and its tokenizer {spec} "
+                f"{size}: set overrides.{role}.vocab_size: {size}"
+            )
+            problems.append((("overrides", role, "vocab_size"), why))
+    if config.data.vocab_policy != "error":
+        why = (
+            "data.vocab_policy reconciles two heads over one set of token ids; with data.tokenizers each model keeps "
+            "its own vocabulary: remove data.vocab_policy"
+        )
+        problems.append((("data", "vocab_policy"), why))
+    return problems
+
+
+def aligned_problems(config: Any, methods: list) -> Problems | None:
+    """uld, and cells whose models tokenize differently (data.tokenizers with two specs), which only uld trains:
+    their problems (None: neither, the cell's other checks apply).  ULD stands alone (its CE and rows are each
+    side's own positions; a divergence and hidden_mse pair one position of both models), under a loss_impl that
+    computes it, with a live teacher; a cross-tokenizer cell runs on one device, without on-policy generation or
+    speculative decoding (each would need the student's tokens read by the teacher)."""
+    from kdbench.distill.lm.impls import uld_unsupported
+    from kdbench.workloads.xtok import cross_tokenizer
+
+    uld = [m for m in methods if getattr(m.cls, "aligned_rows", False)]
+    xtok = cross_tokenizer(config)
+    if not uld and not xtok:
+        return None
+    names = "+".join(m.name for m in methods)
+    if not uld:
+        t = config.data.tokenizers
+        why = (
+            f"{names} compares the two models position by position over one vocabulary, and the teacher ({t.teacher}) "
+            f"and the student ({t.student}) tokenize the text differently (data.tokenizers): use method: uld"
+        )
+        return [(("method",), why)]
+    problems: Problems = []
+    if len(methods) > 1:
+        why = (
+            f"{names}: uld stands alone (its rows are each model's own positions after the prompt; a divergence or "
+            "hidden_mse pairs one position of both models): use method: uld"
+        )
+        problems.append((("method",), why))
+    why = uld_unsupported(config.loss_impl)
+    if why:
+        problems.append((("loss_impl",), why))
+    if config.teacher.mode == "topk_cache" or (xtok and config.teacher.mode != "live"):
+        why = (
+            f"uld{' across tokenizers' if xtok else ''} trains on the teacher's whole logits over its own tokens: "
+            f"teacher.mode live, not {config.teacher.mode}"
+        )
+        problems.append((("teacher", "mode"), why))
+    if config.on_policy is not None:
+        why = "on_policy trains on a divergence from the teacher on the student's completions, not on uld: remove it"
+        problems.append((("on_policy",), why))
+    if xtok and config.world_size > 1:
+        why = (
+            "a cross-tokenizer cell (data.tokenizers) runs on one device: its batch's text is each rank's own only "
+            "on one rank; set world_size: 1"
+        )
+        problems.append((("world_size",), why))
+    if xtok and config.inference.speculative is not None:
+        why = (
+            "inference.speculative has the teacher verify the student's draft tokens, and with data.tokenizers the "
+            "teacher cannot read the student's tokens: remove inference.speculative"
+        )
+        problems.append((("inference", "speculative"), why))
+    return problems
+
+
+ULD_NOTE = "a divergence (forward_kl, reverse_kl, jsd, ...) would do; ULD discards the token identities"
+
+
+def uld_note(config: Any) -> str | None:
+    """The note of a uld cell whose models share one tokenizer (no data.tokenizers, or one spec twice)."""
+    from kdbench.distill.losses import check_method
+    from kdbench.workloads.xtok import cross_tokenizer
+
+    try:
+        methods = check_method(config.method)
+    except KdbenchError:
+        return None
+    if cross_tokenizer(config) or not any(getattr(m.cls, "aligned_rows", False) for m in methods):
+        return None
+    return f"uld on a pair that shares one tokenizer: {ULD_NOTE}"
 
 
 def generation_problems(config: Any, facts: Facts) -> Problems:

@@ -257,6 +257,11 @@ def measure_serving(
         raise SkipMeasurement(why)
     decode = measurement in (Measurement.STUDENT_DECODE, Measurement.TEACHER_DECODE)
     ids, _ = workload.batch(config, batch_size, backend.device, config.seed + 1, pair)
+    if measurement in (Measurement.STUDENT_PREFILL, Measurement.STUDENT_DECODE):
+        from kdbench.workloads.xtok import cross_tokenizer, student_ids
+
+        if cross_tokenizer(config):  # each model serves the text in its own tokens
+            ids = student_ids(config, batch_size, backend.device, config.seed + 1)
     choice = choose_autocast(backend, config.precision)
     lm = model.lm
     lm.eval()

@@ -137,6 +137,11 @@ FAMILY_SETTINGS: dict[str, FamilySetting] = {
         lambda c: c.data.kind == "tokens" and c.data.vocab_policy != "error",
         "data.vocab_policy reconciles two causal LMs' vocabularies; {a_pair} does not take it: remove it",
     ),
+    "data.tokenizers": FamilySetting(
+        ("data", "tokenizers"),
+        lambda c: c.data.kind == "tokens" and c.data.tokenizers is not None,
+        "data.tokenizers gives each causal LM its own tokenizer of real text; {a_pair} does not take it: remove it",
+    ),
     "overrides": FamilySetting(
         ("overrides",),
         lambda c: bool(c.overrides.teacher or c.overrides.student),

@@ -119,11 +119,15 @@ def objective_text(
     vocabs: tuple[int | None, int | None] = (None, None),
     features: Sequence[tuple[float, str]] = (),
     topk: int | None = None,
+    policy: str = "slice",
+    uld: Sequence[tuple[float, float]] = (),
 ) -> str:
     """What a token loss computes, in words: ``0.5·CE + 0.5·forward_kl(T=2, ×T²) over 32000 shared entries
     (vocab_policy slice of 32000/50257)``.  ``vocab``: the entries both heads are cut to; ``vocabs``: the teacher's
     and the student's own sizes (said when they differ); ``features``: the feature terms (weight, name) added;
-    ``topk``: the teacher's top-k cache (the sparse forward KL over its k entries)."""
+    ``topk``: the teacher's top-k cache (the sparse forward KL over its k entries); ``policy``: the vocab_policy
+    that reconciles two sizes (slice: both cut to ``vocab``; pad: the smaller padded with -inf up to ``vocab``);
+    ``uld``: the ULD terms (weight, temperature), each head over its own vocabulary (``vocabs``)."""
     parts = []
     if token.has_ce:
         parts.append(f"{_weight(token.ce_weight)}CE")
@@ -134,12 +138,24 @@ def objective_text(
         args.append(f"T={token.temperature:g}" + (f", {scale}" if scale else ""))
         name = div.name if topk is None else f"{div.name} over the teacher's top-{topk} log-probs"
         parts.append(f"{_weight(token.kd_weight)}{name}({', '.join(args)})")
+    for weight, temp in uld:
+        parts.append(f"{_weight(weight)}uld(T={temp:g}, sorted probabilities, L1, positions paired after the prompt)")
     text = " + ".join(parts) or "0"
-    if vocab is not None:
+    if uld:
+        teacher_v, student_v = vocabs
+        if teacher_v is not None and student_v is not None:
+            text += f" over each side's own entries ({teacher_v} teacher / {student_v} student)"
+    elif vocab is not None:
         text += f" over {vocab} shared entries" if len(set(vocabs) - {None}) > 1 else f" over {vocab} entries"
         teacher_v, student_v = vocabs
         if teacher_v is not None and student_v is not None and teacher_v != student_v:
-            text += f" (vocab_policy slice of {teacher_v} teacher / {student_v} student)"
+            if policy == "pad":
+                text = text.replace(" shared entries", " entries")
+                text += (
+                    f" (vocab_policy pad: the smaller of {teacher_v} teacher / {student_v} student padded with -inf)"
+                )
+            else:
+                text += f" (vocab_policy slice of {teacher_v} teacher / {student_v} student)"
     for weight, name in features:
         text += f" + {_weight(weight)}{name}"
     return text

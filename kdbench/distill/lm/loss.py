@@ -1,5 +1,7 @@
 """A language-model cell's whole loss: the token-level term computed with the LM heads by the cell's
-``loss_impl``, plus the feature terms (``hidden_mse``).
+``loss_impl``, plus the feature terms (``hidden_mse``); or ULD's (``uld``): the CE on the student's own tokens
+and the ULD term of the two heads, each over its own vocabulary, on rows paired by position after the prompt
+(:mod:`kdbench.distill.lm.uld`).
 
 The models are :class:`~kdbench.models.lm.CausalLM` s, whose forward returns the final hidden states: the
 heads are applied here, in the loss phase, by the implementation (:mod:`kdbench.distill.lm.impls`), so
@@ -17,14 +19,16 @@ from typing import Any
 import torch
 
 from kdbench.distill.lm.divergences import TokenLoss
-from kdbench.distill.lm.impls import impl_note, lm_loss
+from kdbench.distill.lm.impls import impl_note, lm_loss, uld_lm_loss
 from kdbench.distill.lm.impls.chunks import valid_rows
 from kdbench.distill.lm.impls.dense import cross_entropy, token_loss
 from kdbench.distill.lm.impls.memory import logits_memory
 from kdbench.distill.lm.ledger import ledger_tokens, loss_ledger, objective_text
 from kdbench.distill.lm.topk import TopKTeacher, topk_forward_kl
+from kdbench.distill.lm.uld import Alignment, uld_alignment, uld_loss
 from kdbench.distill.losses import WeightedTerms, check_method, params_of
 from kdbench.errors import KdbenchError
+from kdbench.fakes import known_values, with_values
 from kdbench.models.lm import CausalLM
 
 __all__ = ["LMLoss", "methods_token_loss"]
@@ -34,11 +38,17 @@ def methods_token_loss(config: Any) -> TokenLoss:
     """The TokenLoss of the cell's token-level method (with CE at the smallest of its terms' weights)."""
     methods = check_method(config.method)
     token = [m for m in methods if getattr(m.cls, "divergence", "")]
-    ce = min(1.0 - params_of(config, m).alpha if m in token else 1.0 for m in methods)
+    weighed = [m for m in methods if m in token or _aligned(m.cls)]  # the terms that weigh CE with 1 − alpha
+    ce = min(1.0 - params_of(config, m).alpha if m in weighed else 1.0 for m in methods)
     if not token:
         return TokenLoss(None, ce_weight=ce)
     term = token[0].cls(params_of(config, token[0]), None)
     return term.token_loss(float(config.weights.get(token[0].name, 1.0)), ce)
+
+
+def _aligned(term: Any) -> bool:
+    """A term on each side's own tokens, over rows paired by position (ULD)."""
+    return bool(getattr(term, "aligned_rows", False))
 
 
 class LMLoss(WeightedTerms):
@@ -51,17 +61,35 @@ class LMLoss(WeightedTerms):
         from kdbench.hw.backends import choose_autocast
 
         self.token = methods_token_loss(config)
-        self.features = [(w, t) for w, t in zip(self.weights, self.terms) if not getattr(t, "divergence", "")]
-        feature_names = [n for n, t in zip(self.names, self.terms) if not getattr(t, "divergence", "")]
+        # ULD: weight × alpha × its term, each head whole (its own vocabulary); the plan lets it stand alone
+        self.uld = [(w * t.params.alpha, t.params.temperature) for w, t in zip(self.weights, self.terms) if _aligned(t)]
+        feature_names = [
+            n for n, t in zip(self.names, self.terms) if not getattr(t, "divergence", "") and not _aligned(t)
+        ]
+        self.features = [
+            (w, t) for w, t in zip(self.weights, self.terms) if not getattr(t, "divergence", "") and not _aligned(t)
+        ]
+        self._alignment: tuple | None = None  # (student labels, teacher labels, their Alignment), found once
         self.impl, self.chunk_size = config.loss_impl, config.chunk_size
         self.topk = config.teacher.mode == "topk_cache"
         self._models = (teacher, student)  # not submodules: the trainee owns the student's head
-        self.vocab = vocab
+        self.id_vocab = vocab  # the token ids both models read
+        sizes = [m.vocab_size for m in (teacher, student) if m.vocab_size is not None]
+        self.pad = config.data.vocab_policy == "pad" and len(set(sizes)) > 1 and not self.uld
+        if self.uld and student.vocab_size is not None:  # each head whole: the row's vocabulary is the student's
+            self.vocab = student.vocab_size
+        else:  # the vocabulary both heads cover: the larger, the smaller head padded with -inf (pad); else shared
+            self.vocab = max(sizes) if self.pad else vocab
         self.notes: list[str] = []
         self._rows_of: torch.Tensor | None = None  # the labels tensor whose valid rows are kept, and those rows
         self._rows: torch.Tensor | None = None
         self._heads: tuple | None = None  # the last lm_loss call's (shape, dtype, requires_grad) per input
-        if teacher.vocab_size != student.vocab_size:
+        if self.pad:
+            self.notes.append(
+                f"vocabularies {teacher.vocab_size} (teacher) and {student.vocab_size} (student): the smaller head "
+                f"padded with -inf logits to {self.vocab} entries (no entry dropped)"
+            )
+        elif teacher.vocab_size != student.vocab_size and not self.uld:
             self.notes.append(
                 f"vocabularies {teacher.vocab_size} (teacher) and {student.vocab_size} (student): both heads sliced "
                 f"to the first {self.vocab} entries"
@@ -82,6 +110,8 @@ class LMLoss(WeightedTerms):
             (teacher.vocab_size, student.vocab_size),
             [(w, n) for (w, _), n in zip(self.features, feature_names)],
             config.teacher.k if self.topk else None,
+            "pad" if self.pad else "slice",
+            self.uld,
         )
 
     @property
@@ -96,6 +126,8 @@ class LMLoss(WeightedTerms):
         n_valid = None
         if self._rows is not None:
             n_tokens, n_valid = self._rows_of.numel(), self._rows.numel()
+        if self.uld:  # two vocabularies over two sets of rows: not counted (kdbench.distill.lm.impls.memory)
+            return {"bytes": None, "text": "not counted for uld"}
         if self.topk:  # the student's logits whole and its float32 work: log q, the rest bucket's copy, gradients
             each = n_tokens * self.vocab
             shape = f"{n_tokens}×{self.vocab}"
@@ -130,6 +162,8 @@ class LMLoss(WeightedTerms):
     def ledger_skip(self) -> str | None:
         """Why :meth:`ledger` is not taken for this loss (None: it is)."""
         teacher, student = self._models
+        if self.uld:
+            return "ULD (two vocabularies, two sets of rows: no float64 reference of it is written yet)"
         if self.topk:
             return "the top-k cached teacher's sparse KL (its loss against the dense teacher: topk_reconstruction_kl)"
         if student.head is None or teacher.head is None:
@@ -176,6 +210,43 @@ class LMLoss(WeightedTerms):
             self._rows_of, self._rows = labels, valid_rows(labels)
         return self._rows
 
+    def alignment(self, inp: Any) -> Alignment:
+        """The aligned rows of ULD: the step's (its align phase paired them), else found from both sides' labels
+        once per pair of labels tensors (a fixed batch: no step reads the labels back)."""
+        if inp.alignment is not None:
+            return inp.alignment
+        t_labels = inp.targets if inp.teacher_targets is None else inp.teacher_targets
+        if self._alignment is None or self._alignment[0] is not inp.targets or self._alignment[1] is not t_labels:
+            self._alignment = (inp.targets, t_labels, _paired(inp.targets, t_labels))
+        return self._alignment[2]
+
+    def _uld(self, inp: Any, rows: torch.Tensor) -> torch.Tensor:
+        """ce_weight × CE(student, its own labels) + Σ weight × alpha × ULD, each head whole (its own
+        vocabulary), computed by the cell's loss_impl (dense on the logits of a model that returns them)."""
+        teacher, student = self._models
+        t_dtype, s_dtype = self.dtypes
+        labels, align = inp.targets, self.alignment(inp)
+        t_labels = labels if inp.teacher_targets is None else inp.teacher_targets
+        if student.head is None or teacher.head is None:
+            s_logits = student.logits(inp.student_logits, s_dtype)
+            t_logits = teacher.logits(inp.teacher_logits, t_dtype)
+            loss = self.token.ce_weight * cross_entropy(s_logits, labels, rows.numel())
+            for weight, temp in self.uld:
+                loss = loss + weight * uld_loss(s_logits, t_logits, labels, t_labels, temp, temp)
+            return loss
+        sw, sb = student.head_weights(None, s_dtype)
+        tw, tb = teacher.head_weights(None, t_dtype)
+        hs, ht = inp.student_logits.to(s_dtype), inp.teacher_logits.to(t_dtype)
+        if self.token.has_ce:  # the student's own CE, by the same impl (its head stands in for the teacher's)
+            ce_heads = (hs, sw, sb, hs.detach(), sw.detach(), None if sb is None else sb.detach(), labels)
+            loss = lm_loss(self.impl, *ce_heads, self.token, chunk_size=self.chunk_size, rows=rows)
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=labels.device)
+        for weight, temp in self.uld:
+            term = uld_lm_loss(self.impl, hs, sw, sb, ht, tw, tb, align, temp, temp, self.chunk_size)
+            loss = loss + weight * term
+        return loss
+
     def forward(self, inp: Any) -> torch.Tensor:
         teacher, student = self._models
         t_dtype, s_dtype = self.dtypes
@@ -183,7 +254,9 @@ class LMLoss(WeightedTerms):
         rows = self.valid_rows(labels)
         autocast_off = torch.amp.autocast(device_type=labels.device.type, enabled=False)
         with autocast_off, _gathered(teacher, reshard=True), _gathered(student, reshard=False):
-            if isinstance(inp.teacher_logits, TopKTeacher):  # the offline teacher: the sparse KL on its top-k
+            if self.uld:
+                loss = self._uld(inp, rows)
+            elif isinstance(inp.teacher_logits, TopKTeacher):  # the offline teacher: the sparse KL on its top-k
                 s_logits = student.logits(inp.student_logits, s_dtype, self.vocab)
                 loss = self.token.ce_weight * cross_entropy(s_logits, labels, rows.numel())
                 loss = loss + self.token.kd_weight * topk_forward_kl(s_logits, inp.teacher_logits, rows=rows)
@@ -203,6 +276,19 @@ class LMLoss(WeightedTerms):
             for weight, term in self.features:
                 loss = loss + weight * term(inp)
         return loss
+
+
+def _paired(student: torch.Tensor, teacher: torch.Tensor) -> Alignment:
+    """ULD's alignment of two labels tensors; for a fit's fake labels (kdbench.fit), found on the values they
+    carry and handed back as fake tensors carrying theirs (finding the rows reads values: ``nonzero``)."""
+    if known_values(student) is None or known_values(teacher) is None:
+        return uld_alignment(student, teacher)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        real = uld_alignment(known_values(student), known_values(teacher))
+    parts = (real.student, real.teacher, real.weight, real.sequence)
+    return Alignment(*(with_values(student.fake_mode.from_tensor(t), t) for t in parts))
 
 
 def _valid(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

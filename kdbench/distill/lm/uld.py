@@ -33,7 +33,7 @@ import torch
 
 from kdbench.names import IGNORE_INDEX
 
-__all__ = ["Alignment", "uld_alignment", "uld_loss", "uld_rows"]
+__all__ = ["Alignment", "uld_alignment", "uld_loss", "uld_rows", "uld_value_grad"]
 
 
 class Alignment:
@@ -94,6 +94,25 @@ def uld_rows(
     elif pt.shape[-1] > v:
         dist = dist + pt[:, v:].sum(-1)
     return dist
+
+
+def uld_value_grad(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    weight: torch.Tensor,
+    student_temperature: float = 1.0,
+    teacher_temperature: float = 1.0,
+    need_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chunk of aligned rows: ``Σ weight · uld_rows(student, teacher)`` (float32, detached) and its gradient
+    w.r.t. the chunk's student logits (None without ``need_grad``), by autograd on the chunk alone: what the
+    chunked loss implementations compute per chunk, holding no chunk's graph past it."""
+    with torch.enable_grad():
+        s = student.detach().requires_grad_(need_grad)
+        dist = uld_rows(s, teacher, student_temperature, teacher_temperature)
+        value = (dist * weight.to(dist.dtype)).sum()
+        grad = torch.autograd.grad(value, s)[0] if need_grad else None
+    return value.detach(), grad
 
 
 def uld_loss(

@@ -57,6 +57,9 @@ class LossInputs:
     # The teacher's own next-token labels where its tokenizer is not the student's (``data.tokenizers``; ULD);
     # None: the teacher reads the student's tokens and ``targets`` are both sides' labels.
     teacher_targets: torch.Tensor | None = None
+    # The two sides' aligned rows (kdbench.distill.lm.uld.Alignment) where the step paired them (its align phase,
+    # cross-tokenizer batches); None: the loss pairs them itself from the two sides' labels.
+    alignment: Any = None
 
 
 class Term(nn.Module):

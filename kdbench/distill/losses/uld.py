@@ -29,6 +29,9 @@ class ULD(Term):
     student's; ``inp.teacher_targets``: the teacher's, the student's where absent)."""
 
     domain = "lm"
+    # a term on each side's own tokens and vocabulary, over rows paired by position (LMLoss computes it with the
+    # cell's loss_impl, never as a feature term)
+    aligned_rows = True
 
     def __init__(self, params: ULDParams, shapes: Any = None):
         super().__init__()

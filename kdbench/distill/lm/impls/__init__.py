@@ -42,11 +42,22 @@ import importlib
 import torch
 
 from kdbench.distill.lm.divergences import TokenLoss
-from kdbench.distill.lm.impls.base import IMPLS, Heads, Settings, get_impl
+from kdbench.distill.lm.impls.base import IMPLS, AlignedHeads, Heads, Settings, get_impl
 from kdbench.distill.lm.impls.chunks import valid_rows
 from kdbench.errors import KdbenchError
 
-__all__ = ["LOSS_IMPLS", "computes", "impl_note", "lm_loss", "unavailable", "unsupported"]
+__all__ = [
+    "LOSS_IMPLS",
+    "computes",
+    "impl_note",
+    "lm_loss",
+    "pad_unsupported",
+    "uld_computers",
+    "uld_lm_loss",
+    "uld_unsupported",
+    "unavailable",
+    "unsupported",
+]
 
 for _module in ("dense", "chunked", "fused_linear", "liger", "torch_linear"):  # each registers itself
     importlib.import_module(f"{__name__}.{_module}")
@@ -140,6 +151,63 @@ def lm_loss(
     heads = Heads(hs, student_weight, student_bias, *teacher, lab)
     rows = valid_rows(lab) if rows is None else rows
     return found.compute(heads, loss, rows, Settings(chunk_size, liger_compiled))
+
+
+def pad_unsupported(impl: str) -> str | None:
+    """None when `impl` takes -inf logits (``data.vocab_policy: pad``: it leaves the infinite entries out, as
+    :mod:`~kdbench.distill.lm.token_losses` defines), else the reason and what to use instead; plan time."""
+    found = get_impl(impl)
+    if not found.inf_why:
+        return None
+    takes = [name for name, other in IMPLS.items() if not other.inf_why]
+    return (
+        f"data.vocab_policy pad pads the smaller head with -inf logits, and loss_impl {impl} cannot take them "
+        f"({found.inf_why}): use loss_impl {' or '.join(takes)}, or data.vocab_policy slice"
+    )
+
+
+def uld_computers() -> list[str]:
+    """The implementations that compute ULD's term, in registration order."""
+    return [name for name, found in IMPLS.items() if found.uld is not None]
+
+
+def uld_unsupported(impl: str) -> str | None:
+    """None when `impl` computes ULD's term (:mod:`kdbench.distill.lm.uld`), else the reason and what to use
+    instead; pure logic, usable at plan time."""
+    found = get_impl(impl)
+    if found.uld is not None:
+        return None
+    return f"loss_impl {impl} cannot compute uld ({found.uld_why}): use loss_impl {' or '.join(uld_computers())}"
+
+
+def uld_lm_loss(
+    impl: str,
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    student_bias: torch.Tensor | None,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    teacher_bias: torch.Tensor | None,
+    alignment,
+    student_temperature: float = 1.0,
+    teacher_temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """ULD's term (unweighted) of two LM heads, each over its own vocabulary, on the aligned rows of
+    ``alignment`` (:func:`~kdbench.distill.lm.uld.uld_alignment`; flat indices into each side's (B·S) positions),
+    computed by `impl`.  hidden: (B, S, H) or (N, H) per side, any S and H each.  A float32 scalar,
+    differentiable w.r.t. the student's hidden states, weight and bias; the teacher's inputs are constants."""
+    found = get_impl(impl)
+    reason = uld_unsupported(impl) or found.unavailable()
+    if reason is not None:
+        raise KdbenchError(reason)
+    hs = student_hidden.reshape(-1, student_hidden.shape[-1])
+    ht = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).detach()
+    teacher = [t.detach() if t is not None else None for t in (teacher_weight, teacher_bias)]
+    heads = AlignedHeads(
+        hs, student_weight, student_bias, ht, *teacher, alignment, student_temperature, teacher_temperature
+    )
+    return found.uld(heads, Settings(chunk_size))
 
 
 def _flatten(hs, ws, ht, wt, labels):

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kdbench.distill.lm.divergences import TokenLoss
 from kdbench.errors import KdbenchError, did_you_mean
 
-__all__ = ["IMPLS", "Buffers", "Heads", "LossImpl", "Settings", "get_impl", "register_impl"]
+__all__ = ["IMPLS", "AlignedHeads", "Buffers", "Heads", "LossImpl", "Settings", "get_impl", "register_impl"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,24 @@ class Heads:
         """Whether a logit can be infinite, decided on the host (no value is read): only an infinite bias (a
         padded vocabulary's -inf) makes one, so heads without a bias make none."""
         return self.student_bias is not None or self.teacher_bias is not None
+
+
+@dataclass(frozen=True)
+class AlignedHeads:
+    """ULD's inputs (:mod:`kdbench.distill.lm.uld`): each model's final hidden states flattened to its own
+    positions (N_s, H_s) and (N_t, H_t), its whole LM head (its own vocabulary), the aligned rows (an
+    :class:`~kdbench.distill.lm.uld.Alignment`: flat row indices into each side, each row's weight) and each
+    side's temperature.  The teacher's tensors are constants (detached)."""
+
+    student_hidden: torch.Tensor
+    student_weight: torch.Tensor
+    student_bias: torch.Tensor | None
+    teacher_hidden: torch.Tensor
+    teacher_weight: torch.Tensor
+    teacher_bias: torch.Tensor | None
+    alignment: Any
+    student_temperature: float = 1.0
+    teacher_temperature: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +102,10 @@ class LossImpl:
     ``note()``: what a step row computed with it must say (a host-device sync it makes), "" for nothing.
     ``needs``: what it needs beyond kdbench's own dependencies, in words ("" for nothing: ``kdbench list
     loss_impls`` says it with whether this environment has it, from ``unavailable()``).
+    ``uld(heads, settings)``: ULD's term (:mod:`kdbench.distill.lm.uld`) of :class:`AlignedHeads`, a float32
+    scalar differentiable w.r.t. the student's hidden states and head; None: this implementation cannot compute
+    it (``uld_why`` says why), and a ``uld`` cell under it is refused at plan time.  ``inf_why``: why it cannot
+    take -inf logits (a padded vocabulary), "" where it leaves the infinite entries out as token_losses defines.
     """
 
     name: str
@@ -93,6 +116,9 @@ class LossImpl:
     valid_only: bool = True
     note: Callable[[], str] = _silent
     needs: str = ""
+    uld: Callable[[AlignedHeads, Settings], torch.Tensor] | None = None
+    uld_why: str = ""
+    inf_why: str = ""  # why it cannot take -inf logits (data.vocab_policy: pad); "": it leaves them out
 
 
 IMPLS: dict[str, LossImpl] = {}

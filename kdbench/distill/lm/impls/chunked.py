@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from kdbench.distill.lm.divergences import TokenLoss, get_divergence, resolved
-from kdbench.distill.lm.impls.base import Buffers, Heads, LossImpl, Settings, register_impl
+from kdbench.distill.lm.impls.base import AlignedHeads, Buffers, Heads, LossImpl, Settings, register_impl
 from kdbench.distill.lm.impls.chunks import cast_head, chunk_value_grad, consume, zero
+from kdbench.distill.lm.uld import uld_value_grad
 
 
 class ChunkedLogitsLoss(torch.autograd.Function):
@@ -75,6 +76,46 @@ def compute(heads: Heads, loss: TokenLoss, rows: torch.Tensor, settings: Setting
     )
 
 
+class ChunkedULD(torch.autograd.Function):
+    """ULD's term of the aligned rows' logits (n_aligned, V_s) and (n_aligned, V_t): per chunk of rows, its value
+    and its gradient w.r.t. the chunk's student logits (:func:`~kdbench.distill.lm.uld.uld_value_grad`), written
+    into one buffer shaped like the student logits; backward scales it in place."""
+
+    @staticmethod
+    def forward(ctx, logits_s, logits_t, weight, temperatures, chunk_size: int, grad_enabled: bool):
+        grad = torch.zeros_like(logits_s) if grad_enabled and ctx.needs_input_grad[0] else None
+        total = torch.zeros((), dtype=torch.float32, device=logits_s.device)
+        for start in range(0, logits_s.shape[0], chunk_size):
+            end = start + chunk_size
+            part, g = uld_value_grad(
+                logits_s[start:end], logits_t[start:end], weight[start:end], *temperatures, need_grad=grad is not None
+            )
+            total += part
+            if g is not None:
+                grad[start:end].copy_(g)
+        ctx.grads = [grad]
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return (*consume(ctx, grad_output), None, None, None, None, None)
+
+
+def uld(heads: AlignedHeads, settings: Settings) -> torch.Tensor:
+    """ULD's term: both heads on the aligned rows whole, the float32 sort-and-L1 work per chunk of rows."""
+    h, a = heads, heads.alignment
+    hs = h.student_hidden.index_select(0, a.student)
+    logits_s = F.linear(hs, *cast_head(hs, h.student_weight, h.student_bias))
+    with torch.no_grad():
+        ht = h.teacher_hidden.index_select(0, a.teacher)
+        logits_t = F.linear(ht, *cast_head(ht, h.teacher_weight, h.teacher_bias))
+    total = zero(h.student_hidden, h.student_weight, h.student_bias)
+    temperatures = (h.student_temperature, h.teacher_temperature)
+    return total + ChunkedULD.apply(
+        logits_s, logits_t, a.weight, temperatures, settings.chunk_size, torch.is_grad_enabled()
+    )
+
+
 def chunk_work(loss: TokenLoss) -> float | None:
     """The float32 (chunk, V) buffers of :func:`chunk_value_grad` at its peak (fused_linear's too): the
     divergence's count (2 without one), + 1 with CE.  None where the divergence gives no count."""
@@ -98,4 +139,4 @@ def unsupported(loss: TokenLoss) -> str | None:
     return None
 
 
-register_impl(LossImpl("chunked", compute, buffers, unsupported))
+register_impl(LossImpl("chunked", compute, buffers, unsupported, uld=uld))

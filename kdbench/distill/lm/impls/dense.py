@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from kdbench.distill.lm.divergences import TokenLoss, get_divergence, resolved
-from kdbench.distill.lm.impls.base import Buffers, Heads, LossImpl, Settings, register_impl
+from kdbench.distill.lm.impls.base import AlignedHeads, Buffers, Heads, LossImpl, Settings, register_impl
 from kdbench.distill.lm.impls.chunks import cast_head, zero
 from kdbench.distill.lm.token_losses import Dists, upcast
+from kdbench.distill.lm.uld import uld_rows
 from kdbench.names import IGNORE_INDEX
 
 __all__ = ["cross_entropy", "token_loss"]
@@ -107,4 +108,18 @@ def work(loss: TokenLoss, dtype_bytes: int) -> float | None:
     return 2 + count + (1 if loss.has_ce and loss.temperature != 1.0 else 0) - logits
 
 
-register_impl(LossImpl("dense", compute, buffers))
+def uld(heads: AlignedHeads, settings: Settings) -> torch.Tensor:
+    """ULD's term: both heads on the aligned rows (picked by index from each side's hidden states), then
+    :func:`~kdbench.distill.lm.uld.uld_rows` on the two logits, weighted by the alignment, plain autograd."""
+    h, a = heads, heads.alignment
+    hs = h.student_hidden.index_select(0, a.student)
+    s = F.linear(hs, *cast_head(hs, h.student_weight, h.student_bias))
+    with torch.no_grad():
+        ht = h.teacher_hidden.index_select(0, a.teacher)
+        t = F.linear(ht, *cast_head(ht, h.teacher_weight, h.teacher_bias))
+    dist = uld_rows(s, t, h.student_temperature, h.teacher_temperature)
+    total = zero(h.student_hidden, h.student_weight, h.student_bias)  # attached even with no aligned row
+    return total + (dist * a.weight.to(dist.dtype)).sum()
+
+
+register_impl(LossImpl("dense", compute, buffers, uld=uld))

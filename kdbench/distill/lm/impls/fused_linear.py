@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from kdbench.distill.lm.divergences import TokenLoss
-from kdbench.distill.lm.impls.base import Buffers, Heads, LossImpl, Settings, register_impl
+from kdbench.distill.lm.impls.base import AlignedHeads, Buffers, Heads, LossImpl, Settings, register_impl
 from kdbench.distill.lm.impls.chunked import chunk_work
 from kdbench.distill.lm.impls.chunked import unsupported as every_divergence
 from kdbench.distill.lm.impls.chunks import cast_head, chunk_value_grad, consume
+from kdbench.distill.lm.uld import uld_value_grad
 
 
 class FusedLinearLoss(torch.autograd.Function):
@@ -72,6 +73,71 @@ class FusedLinearLoss(torch.autograd.Function):
         return (*consume(ctx, grad_output), None, None, None, None, None, None, None, None)
 
 
+class FusedLinearULD(torch.autograd.Function):
+    """ULD's term of (h_s, W_s, b_s, h_t, W_t, b_t) over the aligned rows; per chunk of rows: both chunks' logits,
+    ULD's value and gradient g w.r.t. the student chunk's logits (:func:`~kdbench.distill.lm.uld.uld_value_grad`),
+    then grad_h, grad_W, grad_b as :class:`FusedLinearLoss` makes them.  Backward scales them in place."""
+
+    @staticmethod
+    def forward(ctx, hs, ws, bs, ht, wt, bt, align, temperatures, chunk_size: int, grad_enabled: bool):
+        w, b = cast_head(hs, ws, bs)
+        w_t, b_t = cast_head(ht, wt, bt)
+        need_h, need_w, need_b = (grad_enabled and need for need in ctx.needs_input_grad[:3])
+        f32 = torch.float32
+        grad_h = torch.zeros_like(hs) if need_h else None
+        grad_w = torch.zeros(ws.shape, dtype=f32, device=ws.device) if need_w else None
+        grad_b = torch.zeros(bs.shape, dtype=f32, device=bs.device) if need_b else None
+        total = torch.zeros((), dtype=f32, device=hs.device)
+        for start in range(0, align.student.numel(), chunk_size):
+            idx = align.student[start : start + chunk_size]
+            h = hs.index_select(0, idx)
+            t = F.linear(ht.index_select(0, align.teacher[start : start + chunk_size]), w_t, b_t)
+            weight = align.weight[start : start + chunk_size]
+            part, g = uld_value_grad(F.linear(h, w, b), t, weight, *temperatures, need_grad=need_h or need_w or need_b)
+            total += part
+            if g is None:
+                continue
+            g = g.float()
+            if need_b:
+                grad_b.add_(g.sum(0))
+            g = g.to(hs.dtype)
+            if need_h:
+                grad_h.index_copy_(0, idx, (g @ w).to(grad_h.dtype))  # the student's aligned rows are distinct
+            if need_w:
+                if g.dtype == f32:
+                    grad_w.addmm_(g.t(), h)
+                else:
+                    grad_w.add_(g.t() @ h)
+            del g
+        ctx.grads = [
+            grad_h,
+            grad_w.to(ws.dtype) if need_w else None,
+            grad_b.to(bs.dtype) if need_b else None,
+        ]
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return (*consume(ctx, grad_output), None, None, None, None, None, None, None)
+
+
+def uld(heads: AlignedHeads, settings: Settings) -> torch.Tensor:
+    """ULD's term, heads and loss fused per chunk of aligned rows: no N × V tensor."""
+    h = heads
+    return FusedLinearULD.apply(
+        h.student_hidden,
+        h.student_weight,
+        h.student_bias,
+        h.teacher_hidden,
+        h.teacher_weight,
+        h.teacher_bias,
+        h.alignment,
+        (h.student_temperature, h.teacher_temperature),
+        settings.chunk_size,
+        torch.is_grad_enabled(),
+    )
+
+
 def compute(heads: Heads, loss: TokenLoss, rows: torch.Tensor, settings: Settings) -> torch.Tensor:
     h = heads
     return FusedLinearLoss.apply(
@@ -98,4 +164,4 @@ def buffers(loss: TokenLoss, n_tokens: int, chunk_size: int, dtype_bytes: int) -
     return Buffers((), tuple(chunk), min(chunk_size, n_tokens))
 
 
-register_impl(LossImpl("fused_linear", compute, buffers, every_divergence))
+register_impl(LossImpl("fused_linear", compute, buffers, every_divergence, uld=uld))

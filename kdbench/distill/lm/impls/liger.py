@@ -118,5 +118,18 @@ def buffers(loss: TokenLoss, n_tokens: int, chunk_size: int, dtype_bytes: int) -
 
 NEEDS = "liger-kernel >= 0.6.5 (the `liger` extra)"
 register_impl(  # chunks every token
-    LossImpl("liger", compute, buffers, unsupported, unavailable, valid_only=False, note=note, needs=NEEDS)
+    LossImpl(
+        "liger",
+        compute,
+        buffers,
+        unsupported,
+        unavailable,
+        valid_only=False,
+        note=note,
+        needs=NEEDS,
+        inf_why="Liger-Kernel's fused JSD does not leave infinite logits out: a -inf logit under the other model's "
+        "mass makes its loss inf or NaN",
+        uld_why="Liger-Kernel's fused JSD compares two heads over one vocabulary on the same token rows, and has no "
+        "sorted-probability (ULD) loss",
+    )
 )

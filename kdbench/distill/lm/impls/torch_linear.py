@@ -87,4 +87,17 @@ def buffers(loss: TokenLoss, n_tokens: int, chunk_size: int, dtype_bytes: int) -
 
 
 NEEDS = "a torch with F.linear_cross_entropy and torch.nn.LinearCrossEntropyOptions"
-register_impl(LossImpl("torch_linear", compute, buffers, unsupported, unavailable, needs=NEEDS))
+register_impl(
+    LossImpl(
+        "torch_linear",
+        compute,
+        buffers,
+        unsupported,
+        unavailable,
+        needs=NEEDS,
+        inf_why="its forward KL is a cross-entropy against the teacher's probabilities, which a -inf student logit "
+        "under the teacher's mass makes inf",
+        uld_why="F.linear_cross_entropy computes a cross-entropy against one head's logits, not a distance between "
+        "two sorted probability vectors",
+    )
+)
