@@ -4,8 +4,7 @@ A cell is ``defaults`` overlaid with one combination of the matrix values (the
 cartesian product, first axis slowest), minus the combinations an ``exclude``
 entry matches.  An exclude entry matches a cell when every key it gives equals
 the cell's value; a mapping value matches partially (``{pair: {student: x}}``
-matches every pair whose student is x); ``null`` matches a key left unset (at a
-default of null, such as ``data.tokenizers``).
+matches every pair whose student is x).
 
 ``cell_id`` is a hash of the resolved config, not of where it runs: the same cell
 measured on a ROCm box and on a CUDA box has the same id, which is what lets runs be
@@ -239,8 +238,7 @@ def method_params(config: CellConfig) -> dict[str, Any]:
 
 def _matches(entry: Any, value: Any) -> bool:
     if isinstance(entry, dict) and isinstance(value, dict):
-        # a key the cell's identity leaves out (at its default of null, or not applying) matches null
-        return all(_matches(v, value[k]) if k in value else v is None for k, v in entry.items())
+        return all(k in value and _matches(v, value[k]) for k, v in entry.items())
     return entry == value
 
 

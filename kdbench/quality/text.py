@@ -500,6 +500,8 @@ class TextRun(QualityRun):
         return next((ratio for _, d, ratio in self.own.values() if d is data), 1.0)
 
     def train_ce(self, config: CellConfig, seed: int, role: str, key: Any) -> Trained | str:
+        if role == "teacher" and own_tokenizer(config) is not None:  # the teacher reads the bytes
+            config = config.model_copy(update={"data": config.data.model_copy(update={"tokenizers": None})})
         out = super().train_ce(config, seed, role, key)
         spec = own_tokenizer(config) if role != "teacher" else None
         if isinstance(out, Trained) and spec is not None:
