@@ -24,11 +24,23 @@ recipe, one batch order per seed.  The models are
 built with ``vocab_size: 256`` laid over the cells' ``overrides`` (forced, as the image protocol
 sets the classifiers' classes to the data set's); a ``module:callable`` must have 256 outputs.
 
-Each row records the held-out **perplexity** (exp of the mean next-byte cross-entropy in nats over
-every held-out byte predicted) and ``bits_per_byte`` after the last epoch, the perplexity after
-every epoch against the training time by then, next-byte top-1 ``accuracy``, ``agreement`` with the
-teacher's next-byte argmax, and the time to quality: the training time until the perplexity is at
-most the seed's teacher's / ``target``.  With ``quality.speculative`` each student's row also records it as the
+Each row records the held-out ``bits_per_byte`` (the total next-token cross-entropy in bits over the
+held-out bytes predicted: comparable across tokenizers) and **perplexity** (exp of the mean next-token
+cross-entropy in nats per held-out token predicted: per token of the row's ``tokenizer``) after the last
+epoch, the perplexity after every epoch against the training time by then, next-byte top-1 ``accuracy``,
+``agreement`` with the teacher's next-byte argmax, and the time to quality: the training time until the
+bits per byte are at most the seed's teacher's + log2(1 / ``target``) (for byte models: the perplexity at
+most the teacher's / ``target``).
+
+A student with its own tokenizer (``data.tokenizers: {teacher: bytes, student: "bpe:<N>"}``, ``method:
+uld``; :func:`check_tokenizers`): its BPE is trained on the training split's text only, once per run
+(:func:`train_split_tokenizer`); it is built with ``vocab_size`` N, trained from scratch on its own tokens
+and distilled by uld from the seed's byte teacher on the same windows in the same order
+(:meth:`TextRun.distil_across`), each window's first byte one token and the rest BPE-encoded, so it
+predicts exactly the bytes the byte models predict (:func:`bpe_windows`).  Its accuracy and agreement are
+null (tokens of different tokenizers) and it is no draft (the verification is token by token).
+
+With ``quality.speculative`` each student's row also records it as the
 draft of its seed's teacher in speculative decoding (:mod:`kdbench.quality.drafts`): the run keeps each student's
 model until its row is filled (and rebuilds it from its checkpoint on a resume, as it does teachers).
 """
@@ -425,9 +437,8 @@ class TextRun(QualityRun):
             ratio = int((y_te != IGNORE_INDEX).sum()) / t.y_test.numel()
             self.own[spec] = (tokenizer, data, ratio)
             logger.info(
-                "%s: tokenizer %s trained on the %d training bytes in %.1f s (sha256 %s): %.3f tokens per held-out "
-                "byte",
-                self.talk.head,
+                "quality: the student's tokenizer %s trained on the %d training bytes in %.1f s (sha256 %s): %.3f "
+                "tokens per held-out byte",
                 spec,
                 t.corpus.train_bytes,
                 time.perf_counter() - began,
