@@ -318,16 +318,17 @@ def bpe_windows(x: torch.Tensor, y: torch.Tensor, tokenizer: BPETokenizer) -> tu
     return inputs, labels
 
 
-def bits_per_byte(total_nats: float, predicted_bytes: int) -> float:
-    """The held-out text's bits per byte: the total next-token cross-entropy (nats, over whatever tokens cover
-    the predicted bytes) over those bytes, in bits."""
-    return total_nats / math.log(2) / predicted_bytes
+def bits_per_byte(nats_per_token: float, tokens_per_byte: float = 1.0) -> float:
+    """Bits per byte of the held-out text: the total next-token cross-entropy over the tokens that cover the bytes
+    predicted, in bits, over those bytes; from the mean nats per predicted token and the predicted tokens per
+    predicted byte (1 for the bytes)."""
+    return nats_per_token * tokens_per_byte / math.log(2)
 
 
 def reach_bits(result: Trained, threshold: float) -> tuple[float | None, int | None]:
     """(training seconds, 1-based epoch) at the end of the first epoch with bits per byte <= threshold."""
     for epoch, ((seconds, _), loss) in enumerate(zip(result.history, result.test_losses), 1):
-        if loss * result.tokens_per_byte / math.log(2) <= threshold:
+        if bits_per_byte(loss, result.tokens_per_byte) <= threshold:
             return seconds, epoch
     return None, None
 
@@ -607,7 +608,7 @@ class TextRun(QualityRun):
             train_time_s=result.train_time_s,
             perplexity=_perplexity(losses[-1]),
             best_perplexity=_perplexity(min(losses)),
-            bits_per_byte=losses[-1] * result.tokens_per_byte / math.log(2),
+            bits_per_byte=bits_per_byte(losses[-1], result.tokens_per_byte),
             perplexity_by_epoch=[_perplexity(v) for v in losses],
             train_time_by_epoch_s=[s for s, _ in result.history],
         )
@@ -616,7 +617,7 @@ class TextRun(QualityRun):
             self.note(row, ACROSS_NOTE)
         if isinstance(reference, Trained):
             # time to quality in bits per byte (for byte models the same as perplexity <= the teacher's / target)
-            teacher_bits = reference.test_losses[-1] * reference.tokens_per_byte / math.log(2)
+            teacher_bits = bits_per_byte(reference.test_losses[-1], reference.tokens_per_byte)
             seconds, epoch = reach_bits(result, teacher_bits - math.log2(self.cfg.target))
             row.update(time_to_target_s=seconds, epochs_to_target=epoch)
             if reference is not result and not own:
@@ -658,7 +659,7 @@ class TextRun(QualityRun):
         loss = result.test_losses[-1]
         per = "byte" if result.tokens_per_byte == 1.0 else "token"
         text = (
-            f"{loss * result.tokens_per_byte / math.log(2):.3f} bits/byte (perplexity {_perplexity(loss):.3f} per "
+            f"{bits_per_byte(loss, result.tokens_per_byte):.3f} bits/byte (perplexity {_perplexity(loss):.3f} per "
             f"{per}), next-{per} top-1 {result.accuracy:.1%}, {result.train_time_s:.2f} s training"
         )
         return text + (f", agreement {agreement:.1%}" if agreement is not None else "")
