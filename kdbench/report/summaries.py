@@ -198,8 +198,9 @@ def summarize_quality(df: pd.DataFrame) -> pd.DataFrame:
 def _name_models(summary: pd.DataFrame) -> None:
     """The summary's key columns with None for missing, and a model name that comes with more than one set of
     overrides named with them."""
-    keys = summary[[*SUMMARY_KEYS, "tokenizer"]].astype(object)
-    summary[[*SUMMARY_KEYS, "tokenizer"]] = keys.where(keys.notna(), None)
+    names = [k for k in (*SUMMARY_KEYS, "tokenizer") if k in summary]
+    keys = summary[names].astype(object)
+    summary[names] = keys.where(keys.notna(), None)
     for role in ("teacher", "student"):
         over = summary[f"{role}_overrides"].astype(object).where(summary[f"{role}_overrides"].notna(), None)
         shapes = over.groupby(summary[role].fillna(""), sort=False).transform(lambda s: len(set(s)))
