@@ -183,6 +183,7 @@ def test_a_run_is_not_continued_at_another_thread_count(tmp_path, capsys):
     assert len(folder.invocations()) == 2  # refused before this invocation began
 
 
+@pytest.mark.slow
 def test_a_student_of_its_own_tokenizer_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     """Its BPE is trained again, deterministically, on the same training split: the same tokens, so the same data
     digest in the identity, and its checkpoints (scratch and uld) are reused, rows and all."""
