@@ -505,6 +505,7 @@ def test_a_student_of_its_own_tokenizer_trains_from_scratch_and_by_uld_in_bits_p
         spec, digest = r["tokenizer"].split(" ")
         assert spec == "bpe:300" and len(digest) == 12
         assert r["accuracy"] is None and r["agreement"] is None and "compare bits_per_byte" in r["notes"]
+        assert r["notes"].startswith("built with vocab_size 300, its tokenizer's, over the overrides; ")
         assert r["quality_test_tokens"] < (4_000 - 1) // 32 * 32  # fewer tokens than held-out bytes predicted
         # bits per byte = the mean nats per token x tokens / bytes, in bits: not log2 of the per-token perplexity
         ratio = r["quality_test_tokens"] / ((4_000 - 1) // 32 * 32)

@@ -614,7 +614,8 @@ class TextRun(QualityRun):
         )
         if own:  # its tokens are not the teacher's: no per-token comparison with it, no drafting for it
             row.update(accuracy=None, best_accuracy=None)
-            self.note(row, ACROSS_NOTE)
+            size = str(spec).split(" ")[0].split(":")[1]
+            self.note(row, f"built with vocab_size {size}, its tokenizer's, over the overrides; " + ACROSS_NOTE)
         if isinstance(reference, Trained):
             # time to quality in bits per byte (for byte models the same as perplexity <= the teacher's / target)
             teacher_bits = bits_per_byte(reference.test_losses[-1], reference.tokens_per_byte)
