@@ -926,39 +926,57 @@ COLUMNS: tuple[Column, ...] = (
             _F,
             "ratio",
             "quality rows: the target, as a fraction of the teacher's accuracy (text: the threshold is the teacher's "
-            "perplexity / target)",
+            "perplexity per byte / target)",
         ),
         (
             "accuracy",
             _F,
             "ratio",
-            "quality rows: top-1 test accuracy after the last epoch (text: of the next byte, over the held-out bytes)",
+            "quality rows: top-1 test accuracy after the last epoch (text: of the next byte, over the held-out bytes; "
+            "null for a student of its own tokenizer)",
         ),
         ("best_accuracy", _F, "ratio", "quality rows: best top-1 test accuracy over the epochs"),
         (
             "agreement",
             _F,
             "ratio",
-            "quality rows: share of test samples where student and teacher predict the same class",
+            "quality rows: share of test samples where student and teacher predict the same class (text: the same "
+            "next byte; null for a student of its own tokenizer)",
         ),
         (
             "time_to_target_s",
             _F,
             "s",
-            "quality rows: training wall time until accuracy ≥ target × the teacher's (text: perplexity ≤ the "
-            "teacher's / target), at epoch ends (null: not reached)",
+            "quality rows: training wall time until accuracy ≥ target × the teacher's (text: bits per byte ≤ the "
+            "teacher's + log2(1 / target), i.e. perplexity per byte ≤ the teacher's / target), at epoch ends (null: "
+            "not reached)",
         ),
         ("epochs_to_target", _I, "epochs", "quality rows: epochs until the target was reached"),
         ("train_time_s", _F, "s", "quality rows: total training wall time (evaluation excluded)"),
         (
+            "tokenizer",
+            _S,
+            "",
+            "text quality rows: the model's tokenizer: `bytes` (one token per byte), or a student's own "
+            "(`bpe:<N> <sha256 of its vocabulary>`, trained on the training split)",
+        ),
+        (
             "perplexity",
             _F,
             "",
-            "text quality rows: held-out perplexity after the last epoch, exp of the mean next-byte cross-entropy "
-            "(nats) over every held-out byte predicted",
+            "text quality rows: held-out perplexity after the last epoch, exp of the mean next-token cross-entropy "
+            "(nats) over every held-out token predicted: per token of the row's tokenizer, so not comparable across "
+            "tokenizers (bits_per_byte is)",
         ),
         ("best_perplexity", _F, "", "text quality rows: the lowest held-out perplexity over the epochs"),
-        ("bits_per_byte", _F, "bits", "text quality rows: the mean next-byte cross-entropy in bits (log2 perplexity)"),
+        (
+            "bits_per_byte",
+            _F,
+            "bits",
+            "text quality rows: the total next-token cross-entropy over the held-out text in bits, over the bytes "
+            "predicted (each window's bytes but its first, the same bytes whatever the tokenizer): comparable "
+            "across tokenizers; for bytes, log2 perplexity",
+        ),
         (
             "perplexity_by_epoch",
             pa.list_(_F),
@@ -978,8 +996,18 @@ COLUMNS: tuple[Column, ...] = (
             "text quality rows: what the corpus was (Python version, files per split, bytes per split, sha256 of "
             "the bytes): the same string, the same data",
         ),
-        ("quality_train_tokens", _I, "tokens", "text quality rows: bytes the models train on per epoch"),
-        ("quality_test_tokens", _I, "tokens", "text quality rows: held-out bytes predicted in each evaluation"),
+        (
+            "quality_train_tokens",
+            _I,
+            "tokens",
+            "text quality rows: tokens (of the row's tokenizer; bytes for bytes) the model predicts per epoch",
+        ),
+        (
+            "quality_test_tokens",
+            _I,
+            "tokens",
+            "text quality rows: held-out tokens (of the row's tokenizer) predicted in each evaluation",
+        ),
         (
             "draft_gammas",
             pa.list_(_I),

@@ -230,7 +230,7 @@ def test_the_printed_quality_summary_has_the_draft_table(draft_rows, tmp_path):
 
     pq.write_table(rows_to_table(stamped), tmp_path / "q.parquet")
     printed = api.quality_table([tmp_path / "q.parquet"])
-    assert "| perplexity | bits/byte |" in printed
+    assert "| tokenizer | bits/byte | perplexity (per token) |" in printed
     assert "The students as drafts of their seed's teacher in speculative decoding" in printed
     assert "| α predicted (1 − TV) | accepted / verify | tokens / verify | c | speed-up (x) |" in printed
 

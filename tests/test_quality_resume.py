@@ -181,3 +181,46 @@ def test_a_run_is_not_continued_at_another_thread_count(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("kdbench: error: --threads 1: run r1 in ")
     assert "measured at 2 CPU threads" in err[0] and "continue it with --threads 2" in err[0]
     assert len(folder.invocations()) == 2  # refused before this invocation began
+
+
+@pytest.mark.slow
+def test_a_student_of_its_own_tokenizer_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """Its BPE is trained again, deterministically, on the same training split: the same tokens, so the same data
+    digest in the identity, and its checkpoints (scratch and uld) are reused, rows and all."""
+    from kdbench.config.schema import QualityConfig, TokenizersConfig
+    from kdbench.hw.backends import resolve
+    from kdbench.quality.protocol import quality_jobs, run_quality
+    from tests.helpers import make_config
+
+    cfg = QualityConfig(**{**QUALITY, "epochs": 1})
+    data = {"kind": "tokens", "seq_len": 16, "tokenizers": TokenizersConfig(student="bpe:300")}
+    job = make_config(
+        method="uld",
+        pair={"teacher": "tiny-llama-teacher", "student": "tiny-llama-student"},
+        overrides={"teacher": TEACHER, "student": STUDENT},
+        data=data,
+        inference={"batch_sizes": []},
+    )
+    jobs, cpu, folder = quality_jobs([job]), resolve("cpu"), tmp_path / "kept"
+    first = run_quality(cfg, jobs, cpu, checkpoints=folder)
+    assert [(r["quality_role"], r["tokenizer"].split(" ")[0], r["status"]) for r in first] == [
+        ("teacher", "bytes", "ok"),
+        ("scratch", "bpe:300", "ok"),
+        ("distilled", "bpe:300", "ok"),
+    ]
+    assert len(list(folder.glob("*.pt"))) == 3
+    trained = []
+    real_fit = TextRun.fit
+
+    def counting_fit(self, *args, **kwargs):
+        trained.append(self.talk.what)
+        return real_fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(TextRun, "fit", counting_fit)
+    again = run_quality(cfg, jobs, cpu, checkpoints=folder)
+    assert trained == []  # nothing trained again
+    for a, b in zip(first, again):
+        assert b["notes"] is not None and "reused: trained by an earlier invocation" in b["notes"]
+        for key in ("tokenizer", "bits_per_byte", "perplexity", "perplexity_by_epoch", "quality_test_tokens"):
+            assert a[key] == b[key], key
+    assert "draft figures not measured: speculative decoding verifies" in again[2]["notes"]

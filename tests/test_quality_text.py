@@ -13,7 +13,7 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from kdbench.config.schema import OnPolicyConfig, QualityConfig
+from kdbench.config.schema import OnPolicyConfig, QualityConfig, TokenizersConfig
 from kdbench.errors import KdbenchError
 from kdbench.hw.backends import choose_autocast, resolve
 from kdbench.models.lm import CausalLM
@@ -226,7 +226,9 @@ def test_rows_are_the_planned_rows_with_finite_perplexities(text_rows):
             assert r["agreement"] is None and r["time_to_target_s"] is not None  # its own perplexity, reached
         else:
             assert 0 <= r["agreement"] <= 1
-    assert len([line for line in log if ": teacher tiny-llama-teacher: perplexity" in line]) == 2
+    assert (
+        len([line for line in log if ": teacher tiny-llama-teacher: " in line and "bits/byte (perplexity" in line]) == 2
+    )
 
 
 def test_the_summary_table_shows_perplexity(text_rows):
@@ -239,8 +241,8 @@ def test_the_summary_table_shows_perplexity(text_rows):
         teacher["perplexity_std"], np.std(ppl, ddof=1)
     )
     table = markdown_table(summary)
-    assert "| perplexity | bits/byte | next-byte top-1 (%) |" in table.splitlines()[0]
-    assert "| tiny-llama-teacher | tiny-llama-student | distilled | forward_kl | " in table
+    assert "| tokenizer | bits/byte | perplexity (per token) | next-token top-1 (%) |" in table.splitlines()[0]
+    assert "| tiny-llama-teacher | tiny-llama-student | distilled | forward_kl | bytes | " in table
 
 
 def test_image_and_text_mismatches_are_user_errors():
@@ -336,9 +338,11 @@ def test_the_report_shows_perplexity(text_rows, tmp_path):
         for tr in re.findall(r'<tr class="quality-row">(.*?)</tr>', page, re.S)
     ]
     teacher_ppl = [r["perplexity"] for r in rows if r["quality_role"] == "teacher"]
-    assert cells[0][2] == "teacher" and cells[0][4] == "python-stdlib"
-    assert cells[0][5] == f"{np.mean(teacher_ppl):.3f} ± {np.std(teacher_ppl, ddof=1):.3f}"
-    assert "<th>perplexity</th><th>bits/byte</th>" in page
+    teacher_bits = [r["bits_per_byte"] for r in rows if r["quality_role"] == "teacher"]
+    assert cells[0][2] == "teacher" and cells[0][4] == "python-stdlib" and cells[0][5] == "bytes"
+    assert cells[0][6] == f"{np.mean(teacher_bits):.3f} ± {np.std(teacher_bits, ddof=1):.3f}"
+    assert cells[0][7] == f"{np.mean(teacher_ppl):.3f} ± {np.std(teacher_ppl, ddof=1):.3f}"
+    assert "<th>tokenizer</th><th>bits/byte</th><th>perplexity (per token)</th>" in page
 
 
 def test_students_of_one_name_but_other_overrides_are_other_models_in_jobs_rows_and_tables():
@@ -367,3 +371,200 @@ def test_a_distilled_row_says_which_step_settings_the_protocol_does_not_apply():
     assert distilled and all("on_policy are step settings it does not apply" in r["notes"] for r in distilled)
     assert all(r["notes"] is None for r in rows if r["quality_role"] != "distilled")
     assert all(r["notes"] is None for r in planned_rows(SMALL, quality_jobs([_job("jsd")])))
+
+
+# --- a student of its own tokenizer: bits per byte across tokenizers --------------------------
+
+
+def _own_job(method="uld", spec="bpe:300", teacher="bytes"):
+    job = _job(method)
+    tokenizers = TokenizersConfig(teacher=teacher, student=spec)
+    return job.model_copy(update={"data": job.data.model_copy(update={"tokenizers": tokenizers})})
+
+
+def test_bits_per_byte_of_a_byte_model_is_its_cross_entropy_in_bits_per_predicted_byte():
+    from kdbench.quality.text import bits_per_byte
+
+    d = load_text(QualityConfig(dataset="python-stdlib", seq_len=32, max_bytes=8_000))
+    data = DeviceData(d.x_train, d.y_train, d.x_test, d.y_test, 256, torch.contiguous_format)
+    counts = np.bincount(d.y_train.flatten().numpy(), minlength=256) + 1.0
+    p = counts / counts.sum()
+    _, _, loss = evaluate_text(
+        CausalLM(Unigram(torch.tensor(p, dtype=torch.float32))), data, choose_autocast(CPU, "fp32"), CPU
+    )
+    y = d.y_test.flatten().numpy()
+    hand = float(-np.log2(p[y]).sum()) / y.size  # every byte of a window but its first is predicted, once
+    assert math.isclose(loss / math.log(2), hand, rel_tol=1e-5)
+    assert math.isclose(bits_per_byte(loss), hand, rel_tol=1e-5)
+
+
+class UnigramOver(nn.Module):
+    """Next-token logits that ignore the input, over a vocabulary of any size."""
+
+    def __init__(self, p: torch.Tensor):
+        super().__init__()
+        self.logp = nn.Parameter(p.log(), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.logp.expand(*ids.shape, self.logp.numel())
+
+
+def test_a_bpe_models_bits_per_byte_equals_a_hand_count_over_the_same_bytes():
+    from kdbench.models.tokenizers import train_bpe
+    from kdbench.quality.text import bpe_windows
+
+    # four windows of 8 + 1 bytes, a BPE of 300 entries trained on other text of the same kind
+    text = b"def f(x):\n    return x + 1\n" * 3
+    tok = train_bpe([b"def g(y):\n    return y + 2\n" * 20], 300)
+    s = 8
+    n = (len(text) - 1) // s
+    x = torch.tensor(list(text[: n * s])).view(n, s)
+    y = torch.tensor(list(text[1 : n * s + 1])).view(n, s)
+    inputs, labels = bpe_windows(x, y, tok)
+    assert inputs.shape == labels.shape and inputs.shape[0] == n
+    for i in range(n):  # each window: its first byte read as one token, then exactly its S predicted bytes
+        counted = labels[i][labels[i] != -100].tolist()
+        assert tok.decode(inputs[i, :1].tolist()) == text[i * s : i * s + 1]
+        assert tok.decode(counted) == text[i * s + 1 : (i + 1) * s + 1]
+        assert inputs[i, 1 : len(counted)].tolist() == counted[:-1]  # the inputs are the labels shifted
+    assert int((labels != -100).sum()) < n * s  # fewer tokens than bytes: merges happened
+    # a fixed distribution over the 300 tokens: the hand count of bits over every predicted token / the bytes
+    p = torch.softmax(torch.linspace(-2, 2, 300, dtype=torch.float64), 0)
+    hand_bits = sum(-math.log2(float(p[t])) for i in range(n) for t in tok.encode(bytes(y[i].tolist())))
+    hand = hand_bits / (n * s)
+    data = DeviceData(inputs, labels, inputs, labels, 300, torch.contiguous_format)
+    _, _, loss = evaluate_text(CausalLM(UnigramOver(p.float())), data, choose_autocast(CPU, "fp32"), CPU)
+    tokens = int((labels != -100).sum())
+    from kdbench.quality.text import bits_per_byte
+
+    assert math.isclose(bits_per_byte(loss, tokens / (n * s)), hand, rel_tol=1e-5)
+
+
+def test_the_students_bpe_is_trained_on_the_training_split_only(tmp_path, monkeypatch):
+    from kdbench.models import tokenizers
+    from kdbench.quality import text as text_mod
+
+    kept = _fake_stdlib(tmp_path)
+    monkeypatch.setattr(text_mod, "stdlib_root", lambda: tmp_path)
+    seen = []
+
+    def recording(texts, vocab_size, name=None):
+        texts = list(texts)
+        seen.extend(texts)
+        return tokenizers.train_bpe(texts, vocab_size, name)
+
+    monkeypatch.setattr(text_mod, "train_bpe", recording)
+    cfg = QualityConfig(dataset="python-stdlib", seq_len=16, test_fraction=0.4, epochs=1, seeds=1)
+    run = text_mod.TextRun(cfg, CPU, False)
+    tok, data, ratio = run.own_tokenized("bpe:300")
+    train, test = split_files(stdlib_files(tmp_path), 0.4, seed=0)
+    train_text = b"".join(kept[f] for f in train)
+    n = (len(train_text) - 1) // 16
+    assert seen == [train_text[: n * 16 + 1]]  # the training windows' bytes, up to the split's boundary
+    for f in test:  # no held-out file is in it
+        assert kept[f][:40] not in seen[0]
+    assert data.num_classes == tok.vocab_size == 300 and 0 < ratio <= 1
+    assert run.own_tokenized("bpe:300")[0] is tok  # once per run: one split serves every seed
+
+
+ONE_EPOCH = SMALL.model_copy(update={"epochs": 1})
+
+
+@pytest.fixture(scope="module")
+def own_rows():
+    jobs = quality_jobs([_job("forward_kl"), _own_job()])
+    with log_lines() as log:
+        rows = run_quality(ONE_EPOCH, jobs, CPU)
+    return rows, log, jobs
+
+
+@pytest.mark.slow
+def test_a_student_of_its_own_tokenizer_trains_from_scratch_and_by_uld_in_bits_per_byte(own_rows):
+    rows, log, jobs = own_rows
+    planned = planned_rows(ONE_EPOCH, jobs)
+    assert [(r["seed"], r["quality_role"], r["method"], r["tokenizer"]) for r in planned] == [
+        (s, role, m, tok)
+        for s in (0, 1)
+        for role, m, tok in (
+            ("teacher", None, "bytes"),
+            ("scratch", None, "bytes"),
+            ("scratch", None, "bpe:300"),
+            ("distilled", "forward_kl", "bytes"),
+            ("distilled", "uld", "bpe:300"),
+        )
+    ]
+    assert [(r["seed"], r["quality_role"], r["method"]) for r in rows] == [
+        (r["seed"], r["quality_role"], r["method"]) for r in planned
+    ]
+    own = [r for r in rows if r["tokenizer"] != "bytes"]
+    assert len(own) == 4
+    for r in rows:
+        assert r["status"] == "ok", r["error"]
+        assert math.isfinite(r["bits_per_byte"]) and 0 < r["bits_per_byte"] < 8  # below uniform over the bytes
+    for r in own:
+        spec, digest = r["tokenizer"].split(" ")
+        assert spec == "bpe:300" and len(digest) == 12
+        assert r["accuracy"] is None and r["agreement"] is None and "compare bits_per_byte" in r["notes"]
+        assert r["notes"].startswith("built with vocab_size 300, its tokenizer's, over the overrides; ")
+        assert r["quality_test_tokens"] < (4_000 - 1) // 32 * 32  # fewer tokens than held-out bytes predicted
+        # bits per byte = the mean nats per token x tokens / bytes, in bits: not log2 of the per-token perplexity
+        ratio = r["quality_test_tokens"] / ((4_000 - 1) // 32 * 32)
+        assert math.isclose(r["bits_per_byte"], math.log2(r["perplexity"]) * ratio, rel_tol=1e-9)
+    for r in rows:
+        if r["tokenizer"] == "bytes":
+            assert math.isclose(r["bits_per_byte"], math.log2(r["perplexity"]))
+    for seed in (0, 1):  # distilled by uld from the byte teacher: not the scratch student
+        scratch, uld = (
+            next(r for r in own if r["seed"] == seed and r["quality_role"] == role) for role in ("scratch", "distilled")
+        )
+        assert uld["method"] == "uld" and uld["bits_per_byte"] != scratch["bits_per_byte"]
+        assert uld["perplexity_by_epoch"] != scratch["perplexity_by_epoch"]
+    assert len({r["tokenizer"] for r in own}) == 1  # one tokenizer for every seed
+    assert any("distilled uld tiny-llama-teacher->tiny-llama-student (bpe:300):" in line for line in log)
+
+    summary = summarize_quality(pd.DataFrame(rows))
+    assert list(summary["tokenizer"]) == ["bytes", "bytes", "bpe:300", "bytes", "bpe:300"]
+    assert list(summary["n"]) == [2] * 5
+    uld = summary[summary["method"] == "uld"].iloc[0]
+    bits = [r["bits_per_byte"] for r in own if r["method"] == "uld"]
+    assert math.isclose(uld["bits_per_byte_mean"], np.mean(bits)) and math.isclose(
+        uld["bits_per_byte_std"], np.std(bits, ddof=1)
+    )
+    table = markdown_table(summary)
+    assert table.splitlines()[0].startswith(
+        "| teacher | student | model | method | tokenizer | bits/byte | perplexity (per token) | next-token top-1 (%) |"
+    )
+    assert f"| distilled | uld | bpe:300 | {uld['bits_per_byte_mean']:.3f} ± {uld['bits_per_byte_std']:.3f} |" in table
+
+
+def test_a_student_of_its_own_tokenizer_is_no_draft(tmp_path):
+    from kdbench.config.schema import SpeculativeConfig
+    from kdbench.quality.protocol import Entry
+    from kdbench.quality.text import TextRun
+    from kdbench.quality.train import Trained
+
+    cfg = SMALL.model_copy(update={"speculative": SpeculativeConfig(draft_tokens=[2])})
+    row = Entry(0, "distilled", _own_job()).row(cfg)
+    assert row["tokenizer"] == "bpe:300" and "draft_alpha" in row
+    student = Trained([(1.0, 0.1), (2.0, 0.2)], torch.zeros(3), model=nn.Linear(1, 1), test_losses=[3.0, 2.0])
+    student.tokens_per_byte = 0.5
+    teacher = Trained([(1.0, 0.3)], torch.zeros(3), model=nn.Linear(1, 1), test_losses=[1.0])
+    out = TextRun(cfg, CPU, False).fill(row, student, teacher)
+    assert math.isclose(out["bits_per_byte"], 2.0 * 0.5 / math.log(2))  # nats per token x tokens per byte, in bits
+    assert math.isclose(out["perplexity"], math.exp(2.0))  # per token
+    assert out["draft_alpha"] is None and student.model is None
+    assert "draft figures not measured: speculative decoding verifies the draft's tokens" in out["notes"]
+    # time to quality in bits per byte: 1.443 bits at epoch 2 against the teacher's 1.443 + log2(1 / 0.8)
+    assert (out["time_to_target_s"], out["epochs_to_target"]) == (2.0, 2)
+
+
+def test_a_student_of_its_own_tokenizer_is_checked_before_anything_runs():
+    from kdbench.quality.protocol import check_quality
+
+    check_quality(SMALL, [_own_job()])
+    with pytest.raises(KdbenchError, match="the text protocol's teacher is byte-level"):
+        check_quality(SMALL, [_own_job(teacher="bpe:300")])
+    with pytest.raises(KdbenchError, match="a student with its own tokenizer .bpe:300. is distilled by uld"):
+        check_quality(SMALL, [_own_job("forward_kl")])
+    with pytest.raises(KdbenchError, match="trains the student's BPE on its own training split"):
+        check_quality(SMALL, [_own_job(spec="tests/tok.json")])

@@ -57,7 +57,7 @@ from kdbench.names import Measurement, Status
 from kdbench.quality.checkpoints import Checkpoints
 from kdbench.quality.datasets import check_images
 from kdbench.quality.progress import Talk
-from kdbench.quality.text import TextRun, check_text, text_columns
+from kdbench.quality.text import TextRun, check_text, own_tokenizer, text_columns
 from kdbench.quality.train import ModelKey, QualityRun, Trained
 from kdbench.schema import Row
 from kdbench.worker_state import finished
@@ -93,8 +93,10 @@ ROW_KEYS = (
 
 def _key(c: CellConfig, role: str = "teacher") -> ModelKey:
     """The ``role`` model of cell ``c``, as its family tells models apart (an image classifier by its input
-    shape and layout, a language model by its config overrides)."""
-    return workload_of(c).model_key(c, role)
+    shape and layout, a language model by its config overrides), and a student of its own tokenizer by it."""
+    key = workload_of(c).model_key(c, role)
+    spec = own_tokenizer(c) if role == "student" else None
+    return key if spec is None else (*key, ("tokenizer", spec))
 
 
 def _overrides(c: CellConfig, role: str) -> str | None:
@@ -108,7 +110,14 @@ def quality_jobs(configs: Iterable[CellConfig]) -> list[CellConfig]:
     """One distillation per distinct (teacher, student, method, LM overrides): the first planned cell that has it."""
     return _distinct(
         list(configs),
-        lambda c: (c.pair.teacher, c.pair.student, c.method, _overrides(c, "teacher"), _overrides(c, "student")),
+        lambda c: (
+            c.pair.teacher,
+            c.pair.student,
+            c.method,
+            _overrides(c, "teacher"),
+            _overrides(c, "student"),
+            own_tokenizer(c),
+        ),
     )
 
 
@@ -133,9 +142,11 @@ class Entry:
         c = self.config
         if self.role == "teacher":
             return f"seed {self.seed}: teacher {c.pair.teacher}"
+        spec = own_tokenizer(c)
+        student = c.pair.student if spec is None else f"{c.pair.student} ({spec})"
         if self.role == "scratch":
-            return f"seed {self.seed}: scratch {c.pair.student}"
-        return f"seed {self.seed}: distilled {c.method} {c.pair.teacher}->{c.pair.student}"
+            return f"seed {self.seed}: scratch {student}"
+        return f"seed {self.seed}: distilled {c.method} {c.pair.teacher}->{student}"
 
     def row(self, cfg: QualityConfig) -> dict[str, Any]:
         """The row without results (status ok until told otherwise)."""
@@ -168,7 +179,7 @@ class Entry:
                 f"{' and '.join(step_only)} are step settings it does not apply"
             )
         if cfg.dataset in TEXT_DATASETS:
-            row.update(text_columns(cfg))
+            row.update(text_columns(cfg, c, "teacher" if self.role == "teacher" else "student"))
         return row
 
 
@@ -214,7 +225,7 @@ def execute(run: QualityRun, entry: Entry) -> dict[str, Any]:
     if entry.role == "scratch":
         scratch = run.train_ce(c, entry.seed, "scratch", entry.student_key)
         return _noted(run.fill(row, scratch, teacher), scratch)
-    what = f"quality seed {entry.seed}: distilled {c.method} {c.pair.teacher}->{c.pair.student}"
+    what = f"quality seed {entry.seed}: {entry.describe().split(': ', 1)[1]}"
     if not isinstance(teacher, Trained):
         logger.info("  %s: FAILED: the teacher failed to train", what)
         return run.fill(row, f"the teacher failed to train: {teacher}"[:2000], None)

@@ -24,17 +24,30 @@ recipe, one batch order per seed.  The models are
 built with ``vocab_size: 256`` laid over the cells' ``overrides`` (forced, as the image protocol
 sets the classifiers' classes to the data set's); a ``module:callable`` must have 256 outputs.
 
-Each row records the held-out **perplexity** (exp of the mean next-byte cross-entropy in nats over
-every held-out byte predicted) and ``bits_per_byte`` after the last epoch, the perplexity after
-every epoch against the training time by then, next-byte top-1 ``accuracy``, ``agreement`` with the
-teacher's next-byte argmax, and the time to quality: the training time until the perplexity is at
-most the seed's teacher's / ``target``.  With ``quality.speculative`` each student's row also records it as the
+Each row records the held-out ``bits_per_byte`` (the total next-token cross-entropy in bits over the
+held-out bytes predicted: comparable across tokenizers) and **perplexity** (exp of the mean next-token
+cross-entropy in nats per held-out token predicted: per token of the row's ``tokenizer``) after the last
+epoch, the perplexity after every epoch against the training time by then, next-byte top-1 ``accuracy``,
+``agreement`` with the teacher's next-byte argmax, and the time to quality: the training time until the
+bits per byte are at most the seed's teacher's + log2(1 / ``target``) (for byte models: the perplexity at
+most the teacher's / ``target``).
+
+A student with its own tokenizer (``data.tokenizers: {teacher: bytes, student: "bpe:<N>"}``, ``method:
+uld``; :func:`check_tokenizers`): its BPE is trained on the training split's text only, once per run
+(:func:`train_split_tokenizer`); it is built with ``vocab_size`` N, trained from scratch on its own tokens
+and distilled by uld from the seed's byte teacher on the same windows in the same order
+(:meth:`TextRun.distil_across`), each window's first byte one token and the rest BPE-encoded, so it
+predicts exactly the bytes the byte models predict (:func:`bpe_windows`).  Its accuracy and agreement are
+null (tokens of different tokenizers) and it is no draft (the verification is token by token).
+
+With ``quality.speculative`` each student's row also records it as the
 draft of its seed's teacher in speculative decoding (:mod:`kdbench.quality.drafts`): the run keeps each student's
 model until its row is filled (and rebuilds it from its checkpoint on a resume, as it does teachers).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import math
@@ -50,12 +63,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kdbench.config.plan import config_dict
 from kdbench.config.schema import CellConfig, QualityConfig
+from kdbench.distill.losses import LossInputs, WeightedTerms
+from kdbench.distill.step import backward_and_update, make_optimizer
 from kdbench.errors import KdbenchError
-from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast
+from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_scaler, math_mode
 from kdbench.hw.corpus import join_files, stdlib_files, stdlib_root
 from kdbench.measure.failures import error_text
 from kdbench.models.hub import is_callable_name
+from kdbench.models.tokenizers import BPETokenizer, train_bpe
+from kdbench.models.tokenizers import digest as tokenizer_digest
 from kdbench.names import IGNORE_INDEX
 from kdbench.quality.checkpoints import Checkpoints
 from kdbench.quality.drafts import DRAFT_ROW_KEYS, measure_draft
@@ -144,6 +162,7 @@ def check_text(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
 
     for c in configs:
         workload = workload_of(c)
+        check_tokenizers(c)
         if workload.quality_data != "text":
             what = (
                 "an image pair; use dataset digits, imagefolder or cifar"
@@ -157,7 +176,7 @@ def check_text(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
         for role in ("teacher", "student"):
             name = getattr(c.pair, role)
             try:
-                config = model_config(name, byte_overrides(name, getattr(c.overrides, role)))
+                config = model_config(name, model_overrides(c, role))
             except KdbenchError:
                 continue  # the cell's own checks report it
             limit = max_positions(config)
@@ -181,14 +200,128 @@ def byte_overrides(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
     return dict(overrides) if is_callable_name(name) else {**overrides, "vocab_size": BYTES}
 
 
-def text_columns(cfg: QualityConfig) -> dict[str, Any]:
-    """The text columns of a planned row (the corpus's are added once it is read; with ``speculative``, the draft
-    columns, which a student's row fills)."""
-    drafts = dict.fromkeys(DRAFT_ROW_KEYS) if cfg.speculative is not None else {}
-    return dict.fromkeys(TEXT_ROW_KEYS) | {"seq_len": cfg.text_seq_len} | drafts
+# --------------------------------------------------------------------------- a student with its own tokenizer
 
+
+def own_tokenizer(c: CellConfig) -> str | None:
+    """The spec of the student's own tokenizer (``data.tokenizers.student``, e.g. ``bpe:512``) where the cell gives
+    it one other than the bytes; None for a byte-level student."""
+    t = c.data.tokenizers
+    return None if t is None or t.student == "bytes" else t.student
+
+
+def tokenizer_of(c: CellConfig, role: str) -> str:
+    """The name of the ``role`` model's tokenizer in the quality protocol: ``bytes`` or the student's own spec."""
+    spec = own_tokenizer(c) if role != "teacher" else None
+    return spec or "bytes"
+
+
+def vocab_of(c: CellConfig, role: str) -> int:
+    """The vocabulary the protocol builds the ``role`` model with: 256, or N for a student's ``bpe:N``."""
+    spec = own_tokenizer(c) if role != "teacher" else None
+    return BYTES if spec is None else int(spec.split(":", 1)[1])
+
+
+def model_overrides(c: CellConfig, role: str) -> dict[str, Any]:
+    """The ``role`` model's overrides with its vocabulary forced over the cell's: 256 bytes, or a student's own
+    BPE size (a ``module:callable`` takes none: it must have that many outputs)."""
+    name, overrides = getattr(c.pair, role), getattr(c.overrides, role)
+    return dict(overrides) if is_callable_name(name) else {**overrides, "vocab_size": vocab_of(c, role)}
+
+
+def check_tokenizers(c: CellConfig) -> None:
+    """A cell's ``data.tokenizers`` as the text protocol takes them: a byte-level teacher, and a student of its own
+    tokenizer only as ``bpe:<N>`` (trained here on the training split) distilled by ``uld``."""
+    t = c.data.tokenizers
+    if t is None:
+        return
+    if t.teacher != "bytes":
+        raise KdbenchError(
+            f"quality (python-stdlib): data.tokenizers.teacher is {t.teacher!r}; the text protocol's teacher is "
+            "byte-level (bytes), a student may have its own tokenizer"
+        )
+    if t.student != "bytes" and not t.student.startswith("bpe:"):
+        raise KdbenchError(
+            f"quality (python-stdlib): data.tokenizers.student {t.student!r} is a tokenizer file; the protocol "
+            "trains the student's BPE on its own training split (bpe:<N>), so no held-out text is in it"
+        )
+    if t.student != "bytes" and c.method != "uld":
+        raise KdbenchError(
+            f"quality (python-stdlib): a student with its own tokenizer ({t.student}) is distilled by uld, whose "
+            f"loss needs no shared vocabulary; method {c.method} compares distributions token by token"
+        )
+
+
+def split_text(x: torch.Tensor, y: torch.Tensor) -> bytes:
+    """The bytes a split's windows cover (windows of seq_len + 1 at a stride of seq_len: each one's first byte,
+    then every byte predicted): the split's text, cut where its last window ends."""
+    if not len(x):
+        return b""
+    return bytes(x.flatten().tolist()) + bytes([int(y[-1, -1])])
+
+
+def train_split_tokenizer(x_train: torch.Tensor, y_train: torch.Tensor, spec: str) -> BPETokenizer:
+    """The student's ``bpe:<N>`` tokenizer, trained on the training split's text only (the bytes its windows cover):
+    deterministic given that text and N, so the same for every seed (one split serves them all) and again on a
+    resume."""
+    return train_bpe([split_text(x_train, y_train)], int(spec.split(":", 1)[1]), name=spec.replace(":", "-"))
+
+
+def bpe_windows(x: torch.Tensor, y: torch.Tensor, tokenizer: BPETokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The byte windows (inputs ``x`` and next bytes ``y``, (N, S)) in the student's own tokens: inputs and
+    next-token labels (N, L), int64, padded at the end (input 0, label -100).
+
+    Window i covers the bytes w = x[i, 0], y[i, :] (S + 1 of them).  Its first byte is one token (its byte's own
+    BPE entry: every byte is one), read and not predicted, as the byte models read it; the S bytes after it are
+    BPE-encoded on their own.  So the student predicts exactly the S bytes a byte model predicts of the window, in
+    fewer tokens, and the held-out loss of every model is over the same bytes."""
+    first = [tokenizer.encode(bytes([b]))[0] for b in range(256)]
+    rest = tokenizer.encode_batch([bytes(row.tolist()) for row in y])
+    seqs = [[first[int(b)], *ids] for b, ids in zip(x[:, 0].tolist(), rest)]
+    width = max(len(ids) for ids in seqs) - 1
+    inputs = torch.zeros(len(seqs), width, dtype=torch.int64)
+    labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.int64)
+    for i, ids in enumerate(seqs):
+        n = len(ids) - 1
+        inputs[i, :n] = torch.tensor(ids[:-1])
+        labels[i, :n] = torch.tensor(ids[1:])
+    return inputs, labels
+
+
+def bits_per_byte(nats_per_token: float, tokens_per_byte: float = 1.0) -> float:
+    """Bits per byte of the held-out text: the total next-token cross-entropy over the tokens that cover the bytes
+    predicted, in bits, over those bytes; from the mean nats per predicted token and the predicted tokens per
+    predicted byte (1 for the bytes)."""
+    return nats_per_token * tokens_per_byte / math.log(2)
+
+
+def reach_bits(result: Trained, threshold: float) -> tuple[float | None, int | None]:
+    """(training seconds, 1-based epoch) at the end of the first epoch with bits per byte <= threshold."""
+    for epoch, ((seconds, _), loss) in enumerate(zip(result.history, result.test_losses), 1):
+        if bits_per_byte(loss, result.tokens_per_byte) <= threshold:
+            return seconds, epoch
+    return None, None
+
+
+def text_columns(cfg: QualityConfig, c: CellConfig | None = None, role: str = "teacher") -> dict[str, Any]:
+    """The text columns of a planned row (the corpus's are added once it is read; with ``speculative``, the draft
+    columns, which a student's row fills); ``tokenizer``: the ``role`` model's of cell ``c``."""
+    drafts = dict.fromkeys(DRAFT_ROW_KEYS) if cfg.speculative is not None else {}
+    tokenizer = "bytes" if c is None else tokenizer_of(c, role)
+    return dict.fromkeys(TEXT_ROW_KEYS) | {"seq_len": cfg.text_seq_len, "tokenizer": tokenizer} | drafts
+
+
+ACROSS_NOTE = (
+    "its tokenizer is its own, not the teacher's bytes: accuracy and agreement are per token of different "
+    "tokenizers, so null; compare bits_per_byte (perplexity is per token of its own tokenizer)"
+)
+DRAFT_ACROSS_NOTE = (
+    "draft figures not measured: speculative decoding verifies the draft's tokens with the teacher's, and this "
+    "student's tokenizer is not the teacher's"
+)
 
 TEXT_ROW_KEYS = (
+    "tokenizer",
     "perplexity",
     "best_perplexity",
     "bits_per_byte",
@@ -207,8 +340,9 @@ TEXT_ROW_KEYS = (
 def evaluate_text(
     model: nn.Module, data: DeviceData, choice: AutocastChoice, backend: Backend
 ) -> tuple[float, torch.Tensor, float]:
-    """(next-byte top-1 accuracy, the argmax per held-out byte on the CPU, mean next-byte cross-entropy in nats),
-    in eval mode under inference_mode; the model's mode is restored."""
+    """(next-token top-1 accuracy, the argmax per held-out position on the CPU, mean next-token cross-entropy in
+    nats per predicted token), in eval mode under inference_mode; the model's mode is restored.  The tokens are the
+    bytes, or a student's own (``data.num_classes`` of them), the labels of -100 (padding) not counted."""
     was_training = model.training
     model.eval()
     batch = max(1, EVAL_TOKENS // data.x_test.shape[1])
@@ -217,8 +351,10 @@ def evaluate_text(
         with torch.inference_mode(), choice.context(backend.device_type):
             for i in range(0, len(data.x_test), batch):
                 logits = model.logits(model(data.x_test[i : i + batch])).float()
-                if logits.shape[-1] != BYTES:
-                    raise KdbenchError(f"the model has {logits.shape[-1]} outputs per token; byte-level text needs 256")
+                if logits.shape[-1] != data.num_classes:
+                    raise KdbenchError(
+                        f"the model has {logits.shape[-1]} outputs per token; its tokenizer has {data.num_classes}"
+                    )
                 y = data.y_test[i : i + batch].to(logits.device)
                 total += float(
                     F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
@@ -230,14 +366,6 @@ def evaluate_text(
     out = torch.cat(preds)
     accuracy = int((out == data.y_test.flatten()).sum()) / max(count, 1)
     return accuracy, out, total / max(count, 1)
-
-
-def reach_perplexity(result: Trained, threshold: float) -> tuple[float | None, int | None]:
-    """(training seconds, 1-based epoch) at the end of the first epoch with perplexity <= threshold."""
-    for epoch, ((seconds, _), loss) in enumerate(zip(result.history, result.test_losses), 1):
-        if math.exp(loss) <= threshold:
-            return seconds, epoch
-    return None, None
 
 
 def _perplexity(loss: float) -> float:
@@ -253,8 +381,44 @@ class TextRun(QualityRun):
         super().__init__(cfg, backend, allow_imports, checkpoints)
         self.text: TextData | None = None
         self.device_text: DeviceData | None = None
+        self.own: dict[str, tuple[BPETokenizer, DeviceData, float]] = {}  # spec -> tokenizer, its data, tokens/byte
 
     def data(self, c: CellConfig) -> DeviceData:
+        """The byte windows on the device; for a cell whose student has its own tokenizer, the same windows in the
+        student's tokens (the teacher's are the bytes: :meth:`byte_data`)."""
+        spec = own_tokenizer(c)
+        if spec is None:
+            return self.byte_data()
+        return self.own_tokenized(spec)[1]
+
+    def own_tokenized(self, spec: str) -> tuple[BPETokenizer, DeviceData, float]:
+        """The student's ``bpe:<N>`` tokenizer (trained on the training split once per run: one split serves every
+        seed), the windows in its tokens, and its held-out tokens per predicted byte."""
+        if spec not in self.own:
+            self.byte_data()
+            t = self.text
+            assert t is not None
+            began = time.perf_counter()
+            tokenizer = train_split_tokenizer(t.x_train, t.y_train, spec)
+            x_tr, y_tr = bpe_windows(t.x_train, t.y_train, tokenizer)
+            x_te, y_te = bpe_windows(t.x_test, t.y_test, tokenizer)
+            dev = self.backend.device
+            fmt = torch.contiguous_format
+            data = DeviceData(x_tr.to(dev), y_tr.to(dev), x_te.to(dev), y_te, tokenizer.vocab_size, fmt)
+            ratio = int((y_te != IGNORE_INDEX).sum()) / t.y_test.numel()
+            self.own[spec] = (tokenizer, data, ratio)
+            logger.info(
+                "quality: the student's tokenizer %s trained on the %d training bytes in %.1f s (sha256 %s): %.3f "
+                "tokens per held-out byte",
+                spec,
+                t.corpus.train_bytes,
+                time.perf_counter() - began,
+                tokenizer_digest(tokenizer),
+                ratio,
+            )
+        return self.own[spec]
+
+    def byte_data(self) -> DeviceData:
         if self.device_text is None:
             self.text = t = load_text(self.cfg, seed=0)
             dev = self.backend.device
@@ -281,11 +445,10 @@ class TextRun(QualityRun):
         )
 
     def cell(self, c: CellConfig, seed: int) -> CellConfig:
-        """The image protocol's cell, with the byte vocabulary over the overrides and the block's windows."""
+        """The image protocol's cell, with each model's vocabulary over the overrides (:func:`model_overrides`) and
+        the block's windows."""
         cell = super().cell(c, seed)
-        overrides = cell.overrides.model_copy(
-            update={r: byte_overrides(getattr(c.pair, r), getattr(c.overrides, r)) for r in ("teacher", "student")}
-        )
+        overrides = cell.overrides.model_copy(update={r: model_overrides(c, r) for r in ("teacher", "student")})
         data = cell.data.model_copy(update={"seq_len": self.cfg.text_seq_len})
         return cell.model_copy(update={"overrides": overrides, "data": data})
 
@@ -297,8 +460,9 @@ class TextRun(QualityRun):
         key = ("lm", name, repr(sorted(overrides.items())), seed)
         lm = self.cache.get_built(key, seed, lambda: make_lm(name, overrides, self.cache.allow_imports))
         model = CausalLM(lm).to(self.backend.device)
-        if model.vocab_size is not None and model.vocab_size != BYTES:
-            raise KdbenchError(f"{name} has a vocabulary of {model.vocab_size}; byte-level text needs 256")
+        want = vocab_of(cell, role)
+        if model.vocab_size is not None and model.vocab_size != want:
+            raise KdbenchError(f"{name} has a vocabulary of {model.vocab_size}; its tokenizer has {want}")
         return model
 
     def ce_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, choice: Any) -> Callable:
@@ -309,9 +473,88 @@ class TextRun(QualityRun):
             return evaluate_text(m, data, choice, self.backend)
 
         talk = self.talk
-        return fit(step, model, optimizer, data, self.cfg, self.backend, seed, choice, evaluate=evaluate, talk=talk)
+        out = fit(step, model, optimizer, data, self.cfg, self.backend, seed, choice, evaluate=evaluate, talk=talk)
+        out.tokens_per_byte = self.tokens_per_byte(data)
+        return out
+
+    def tokens_per_byte(self, data: DeviceData) -> float:
+        """Held-out tokens per predicted byte of the data a model trained on: 1 for the bytes."""
+        return next((ratio for _, d, ratio in self.own.values() if d is data), 1.0)
+
+    def train_ce(self, config: CellConfig, seed: int, role: str, key: Any) -> Trained | str:
+        if role == "teacher" and own_tokenizer(config) is not None:  # the teacher reads the bytes
+            config = config.model_copy(update={"data": config.data.model_copy(update={"tokenizers": None})})
+        out = super().train_ce(config, seed, role, key)
+        spec = own_tokenizer(config) if role != "teacher" else None
+        if isinstance(out, Trained) and spec is not None:
+            out.tokens_per_byte = self.own_tokenized(spec)[2]
+        return out
+
+    def distil(self, config: CellConfig, seed: int, teacher: Trained) -> Trained:
+        """A fresh student distilled from ``teacher``: through ``Distiller.train_step`` where the two share the
+        bytes; a student with its own tokenizer by :meth:`distil_across`."""
+        spec = own_tokenizer(config)
+        if spec is None:
+            return super().distil(config, seed, teacher)
+        out = self.distil_across(config, seed, teacher, spec)
+        out.tokens_per_byte = self.own_tokenized(spec)[2]
+        return out
+
+    def distil_across(self, config: CellConfig, seed: int, teacher: Trained, spec: str) -> Trained:
+        """The student of its own tokenizer ``spec`` distilled from the seed's byte-level teacher by the cell's
+        method (uld: :func:`check_tokenizers`), one step per batch of windows: the teacher reads the windows'
+        bytes, the student the same windows in its tokens (the same window indices, so the same text in the same
+        order as every byte student of the seed); the loss is ce_weight x CE(student, its own next tokens) + the
+        method's term on both sides' logits, each side with its own labels.  There is no prompt: every position
+        with a label counts, and ULD pairs the i-th of the student's with the i-th of the teacher's, per window."""
+        cell = self.cell(config, seed)
+
+        def train() -> tuple[Trained, nn.Module]:
+            data, text = self.data(cell), self.byte_data()
+            student = self.model(cell.pair.student, cell, "student")
+            student.train()
+            assert teacher.model is not None, "a seed's teacher is kept while its students train"
+            teacher_model = copy.deepcopy(teacher.model).eval().requires_grad_(False)
+            optimizer = make_optimizer(student.parameters(), cell.optimizer)
+            choice = choose_autocast(self.backend, cell.precision)
+            teacher_choice = choose_autocast(self.backend, cell.teacher_precision)
+            terms = WeightedTerms(cell).to(self.backend.device)
+            scaler = grad_scaler(self.backend, choice)
+            device_type = self.backend.device_type
+
+            def step(x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+                assert indices is not None, "fit hands each batch's window indices"
+                with torch.no_grad(), teacher_choice.context(device_type):
+                    t_logits = teacher_model.logits(teacher_model(text.x_train[indices]))
+                with choice.context(device_type):
+                    s_logits = student.logits(student(x))
+                with torch.amp.autocast(device_type=device_type, enabled=False):
+                    inp = LossInputs(s_logits, t_logits, y, teacher_targets=text.y_train[indices], indices=indices)
+                    ce = F.cross_entropy(s_logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
+                    loss = terms.ce_weight * ce
+                    for weight, term in zip(terms.weights, terms.terms):
+                        loss = loss + weight * term(inp)
+                optimizer.zero_grad(set_to_none=True)
+                backward_and_update(loss, optimizer, scaler)
+                return loss.detach()
+
+            with math_mode(choice.tf32):
+                out = self.fit(step, student, optimizer, data, seed, choice)
+            if self.keeps_students:
+                out.model = student
+            return out, student
+
+        def rebuild(state: dict[str, torch.Tensor]) -> nn.Module:
+            model = self.model(cell.pair.student, cell, "student")
+            model.load_state_dict(state)
+            return model.train()
+
+        keep = rebuild if self.keeps_students else None
+        return self.kept(seed, "distilled", config_dict(config), cell, train, teacher=teacher, rebuild=keep)
 
     def fill(self, row: dict[str, Any], result: Trained | str, reference: Trained | str | None) -> dict[str, Any]:
+        spec = row.get("tokenizer")
+        own = spec not in (None, "bytes")
         if self.text is not None:
             c = self.text.corpus
             row.update(
@@ -319,6 +562,13 @@ class TextRun(QualityRun):
                 quality_train_tokens=int(self.text.y_train.numel()),
                 quality_test_tokens=int(self.text.y_test.numel()),
             )
+            if own and spec in self.own:
+                tokenizer, data, _ = self.own[spec]
+                row.update(
+                    tokenizer=f"{spec} {tokenizer_digest(tokenizer)}",
+                    quality_train_tokens=int((data.y_train != IGNORE_INDEX).sum()),
+                    quality_test_tokens=int((data.y_test != IGNORE_INDEX).sum()),
+                )
         if isinstance(result, str):
             return super().fill(row, result, reference)
         losses = result.test_losses
@@ -328,18 +578,32 @@ class TextRun(QualityRun):
             train_time_s=result.train_time_s,
             perplexity=_perplexity(losses[-1]),
             best_perplexity=_perplexity(min(losses)),
-            bits_per_byte=losses[-1] / math.log(2),
+            bits_per_byte=bits_per_byte(losses[-1], result.tokens_per_byte),
             perplexity_by_epoch=[_perplexity(v) for v in losses],
             train_time_by_epoch_s=[s for s, _ in result.history],
         )
+        if own:  # its tokens are not the teacher's: no per-token comparison with it, no drafting for it
+            row.update(accuracy=None, best_accuracy=None)
+            size = str(spec).split(" ")[0].split(":")[1]
+            self.note(row, f"built with vocab_size {size}, its tokenizer's, over the overrides; " + ACROSS_NOTE)
         if isinstance(reference, Trained):
-            seconds, epoch = reach_perplexity(result, _perplexity(reference.test_losses[-1]) / self.cfg.target)
+            # time to quality in bits per byte (for byte models the same as perplexity <= the teacher's / target)
+            teacher_bits = bits_per_byte(reference.test_losses[-1], reference.tokens_per_byte)
+            seconds, epoch = reach_bits(result, teacher_bits - math.log2(self.cfg.target))
             row.update(time_to_target_s=seconds, epochs_to_target=epoch)
-            if reference is not result:
+            if reference is not result and not own:
                 row["agreement"] = float((result.preds == reference.preds).float().mean())
-                if self.cfg.speculative is not None:
+            if reference is not result and self.cfg.speculative is not None:
+                if own:
+                    self.note(row, DRAFT_ACROSS_NOTE)
+                    result.model = None
+                else:
                     self.draft(row, result, reference)
         return row
+
+    @staticmethod
+    def note(row: dict[str, Any], note: str) -> None:
+        row["notes"] = "; ".join(n for n in (row["notes"], note) if n)
 
     def draft(self, row: dict[str, Any], student: Trained, teacher: Trained) -> None:
         """``row`` with the student's figures as the draft of its seed's teacher (:mod:`kdbench.quality.drafts`);
@@ -351,12 +615,11 @@ class TextRun(QualityRun):
             if student.model is None or teacher.model is None:
                 raise ValueError("the trained models are not at hand")
             choice = choose_autocast(self.backend, row["precision"])
-            assert self.device_text is not None, "the data is loaded before any model trains"
-            x_test = self.device_text.x_test
+            x_test = self.byte_data().x_test
             row.update(measure_draft(teacher.model, student.model, x_test, spec, choice, self.backend, seed, BYTES))
         except Exception as exc:  # the row's training figures stand; the draft's are missing, and it says why
             note = f"draft figures not measured: {error_text(exc)}"
-            row["notes"] = "; ".join(n for n in (row["notes"], note) if n)
+            self.note(row, note)
             logger.info("  %s: %s", what, note)
         else:
             logger.info("  %s: %s; measured in %.1f s", what, describe_draft(row), time.perf_counter() - began)
@@ -365,8 +628,9 @@ class TextRun(QualityRun):
 
     def describe(self, result: Trained, agreement: float | None = None) -> str:
         loss = result.test_losses[-1]
+        per = "byte" if result.tokens_per_byte == 1.0 else "token"
         text = (
-            f"perplexity {_perplexity(loss):.3f} ({loss / math.log(2):.3f} bits/byte), next-byte top-1 "
-            f"{result.accuracy:.1%}, {result.train_time_s:.2f} s training"
+            f"{bits_per_byte(loss, result.tokens_per_byte):.3f} bits/byte (perplexity {_perplexity(loss):.3f} per "
+            f"{per}), next-{per} top-1 {result.accuracy:.1%}, {result.train_time_s:.2f} s training"
         )
         return text + (f", agreement {agreement:.1%}" if agreement is not None else "")

@@ -58,6 +58,7 @@ class Trained:
     test_losses: list[float] = field(default_factory=list)  # the test loss after each epoch, where one is measured
     identity: dict[str, Any] | None = None  # what it was trained with, where checkpoints are kept (quality.checkpoints)
     note: str | None = None  # for its row: taken from its checkpoint, or trained again and why
+    tokens_per_byte: float = 1.0  # its tokenizer's held-out tokens per predicted byte (text: bits per byte)
 
     def record(self) -> dict[str, Any]:
         """What its checkpoint keeps of it besides the weights: all its row is made from."""

@@ -329,7 +329,8 @@ def _quality(df: pd.DataFrame) -> list[dict]:
             "accuracy": mean_std(r["accuracy_mean"], r["accuracy_std"], 100),
             "agreement": mean_std(r["agreement_mean"], r["agreement_std"], 100),
             "time_to_target": mean_std(r["time_to_target_mean_s"], r["time_to_target_std_s"], fmt=format_ms),
-            "text": bool(pd.notna(r["perplexity_mean"])),  # a language model on text: perplexity, bits per byte
+            "text": bool(pd.notna(r["perplexity_mean"])),  # a language model on text: bits per byte, perplexity
+            "tokenizer": text(r["tokenizer"]),
             "perplexity": mean_std(r["perplexity_mean"], r["perplexity_std"], fmt=lambda v: f"{v:.3f}"),
             "bits_per_byte": mean_std(r["bits_per_byte_mean"], r["bits_per_byte_std"], fmt=lambda v: f"{v:.3f}"),
             "train_time": mean_std(r["train_time_mean_s"], None, fmt=format_ms),

@@ -34,6 +34,7 @@ SUMMARY_KEYS = ("teacher", "student", "quality_role", "method")
 OVERRIDE_KEYS = ("teacher_overrides", "student_overrides")
 QUALITY_COLUMNS = (
     *SUMMARY_KEYS,
+    "tokenizer",  # text quality rows: bytes, or a student's own (bpe:<N>); grouped apart (None for images)
     "n",
     "failed",
     "accuracy_mean",
@@ -156,9 +157,15 @@ def summarize_quality(df: pd.DataFrame) -> pd.DataFrame:
     }
     dataset = df["quality_dataset"] if "quality_dataset" in df.columns else None
     overrides = {k: df[k] if k in df.columns else None for k in OVERRIDE_KEYS}
-    work = df[list(SUMMARY_KEYS)].astype(object).assign(ok=ok, dataset=dataset, **overrides, **values)
+    # the tokenizer's name without its digest ("bpe:512 1a2b..." -> "bpe:512"): a failed row, planned, has no digest
+    tokenizer = (
+        df["tokenizer"].map(lambda v: v.split(" ")[0] if isinstance(v, str) else None) if "tokenizer" in df else None
+    )
+    work = (
+        df[list(SUMMARY_KEYS)].astype(object).assign(ok=ok, dataset=dataset, tokenizer=tokenizer, **overrides, **values)
+    )
     summary = (
-        work.groupby([*SUMMARY_KEYS, *OVERRIDE_KEYS], dropna=False, sort=False)
+        work.groupby([*SUMMARY_KEYS, "tokenizer", *OVERRIDE_KEYS], dropna=False, sort=False)
         .agg(
             n=("ok", "sum"),
             failed=("ok", lambda s: int((~s).sum())),
@@ -192,8 +199,9 @@ def summarize_quality(df: pd.DataFrame) -> pd.DataFrame:
 def _name_models(summary: pd.DataFrame) -> None:
     """The summary's key columns with None for missing, and a model name that comes with more than one set of
     overrides named with them."""
-    keys = summary[list(SUMMARY_KEYS)].astype(object)
-    summary[list(SUMMARY_KEYS)] = keys.where(keys.notna(), None)
+    names = [k for k in (*SUMMARY_KEYS, "tokenizer") if k in summary]
+    keys = summary[names].astype(object)
+    summary[names] = keys.where(keys.notna(), None)
     for role in ("teacher", "student"):
         over = summary[f"{role}_overrides"].astype(object).where(summary[f"{role}_overrides"].notna(), None)
         shapes = over.groupby(summary[role].fillna(""), sort=False).transform(lambda s: len(set(s)))
@@ -233,11 +241,13 @@ IMAGE_TABLE = (
     _TO_TARGET,
     ("reached", _reached),
 )
-TEXT_TABLE = (  # language models on text: held-out perplexity and bits per byte first, and the training time
+TEXT_TABLE = (  # language models on text: held-out bits per byte first (comparable across tokenizers), then
+    # the perplexity per token of each row's own tokenizer (not comparable across them), and the training time
     *_WHO,
-    ("perplexity", _figure("perplexity_mean", "perplexity_std", digits=3)),
+    ("tokenizer", lambda r: _name(r["tokenizer"])),
     ("bits/byte", _figure("bits_per_byte_mean", "bits_per_byte_std", digits=3)),
-    ("next-byte top-1 (%)", _figure("accuracy_mean", "accuracy_std", 100)),
+    ("perplexity (per token)", _figure("perplexity_mean", "perplexity_std", digits=3)),
+    ("next-token top-1 (%)", _figure("accuracy_mean", "accuracy_std", 100)),
     _AGREEMENT,
     ("training (s)", _figure("train_time_mean_s", None, digits=1)),
     _TO_TARGET,

@@ -181,7 +181,7 @@ class QualityJob:
             f"quality on {q.dataset}: {q.seeds} seed(s) x (teachers, scratch students and {len(self.configs)} "
             f"distillation(s)), {q.epochs} epochs each, "
             + (
-                f"target a perplexity <= the teacher's / {q.target:g}"
+                f"target a perplexity per byte <= the teacher's / {q.target:g}"
                 if q.dataset in TEXT_DATASETS
                 else f"target {q.target:g} x the teacher's accuracy"
             )
