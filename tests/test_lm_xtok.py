@@ -127,6 +127,12 @@ def test_a_cross_tokenizer_cell_runs_with_its_align_phase_tokenizers_and_uld_on_
     assert step["student_tokenizer"].startswith("bpe:1024 (1024 tokens, sha256 ")
     assert step["vocab_size"] == 1024 and ULD_NOTE not in (step["notes"] or "")
     assert step["predicted_peak_bytes"] > 0  # the fit planner ran the step, its align phase made for real
+    # the accuracy ledger of CE + ULD, chunked in fp32 against dense in float64, each side on its own tokens
+    assert 0 < step["loss_rel_err"] < 1e-5 and 0 < step["grad_rel_err"] < 1e-4, step["notes"]
+    assert step["loss_objective"] == (
+        "0.4·CE + 0.6·uld(T=1, sorted probabilities, L1, positions paired after the prompt) over each side's own "
+        "entries (256 teacher / 1024 student)"
+    )
 
     # ULD's value through the step's own inputs (its align phase) equals uld_loss on the heads' logits
     teacher, student = LM.build_pair(config, CPU, ModelCache())
@@ -237,3 +243,4 @@ def test_a_uld_row_on_one_tokenizer_carries_the_note():
     assert rows[0]["status"] == "ok" and math.isfinite(rows[0]["final_loss"])
     assert f"uld on a pair that shares one tokenizer: {ULD_NOTE}" in rows[0]["notes"]
     assert rows[0]["teacher_tokenizer"] is None and rows[0].get("phase_align_ms") is None
+    assert 0 < rows[0]["loss_rel_err"] < 1e-5 and 0 < rows[0]["grad_rel_err"] < 1e-4, rows[0]["notes"]

@@ -320,6 +320,7 @@ class Distiller:
             x, y, teacher_x, extra = self.paired(x, y)
             stamp()
         self.last_input = teacher_x  # the teacher's input (FLOPs are counted on it)
+        self.last_student_input, self.last_extra = x, extra  # the student's, and its loss's extra inputs (ledger)
         t = cached if cached is not None else self.teacher_outputs(teacher_x)
         stamp()
         with self.student_ac.context(self.device_type):

@@ -583,9 +583,10 @@ def accuracy_ledger(step: Any) -> tuple[Row, list[str]]:
         with walltime.spent(walltime.LEDGER), eager(), torch.no_grad():
             cached = step.cache is not None and step.config.teacher.mode == "cached"
             teacher = step.cache.logits if cached else distiller.teacher_outputs(x).logits
-            with distiller.student_ac.context(distiller.device_type):
-                student = distiller.trainee(x)[0]
-            return loss.ledger(student, teacher, loss.last_labels)
+            with distiller.student_ac.context(distiller.device_type):  # its own tokens (data.tokenizers)
+                student = distiller.trainee(getattr(distiller, "last_student_input", x))[0]
+            extra = getattr(distiller, "last_extra", None) or {}
+            return loss.ledger(student, teacher, loss.last_labels, extra.get("teacher_targets"))
     except Exception as exc:  # a diagnostic: its failure is data, never the row's
         return {}, [f"accuracy ledger failed: {error_text(exc)}"]
 

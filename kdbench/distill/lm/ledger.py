@@ -51,14 +51,18 @@ def rel_err(value: torch.Tensor, reference: torch.Tensor) -> float | None:
     return torch.linalg.vector_norm(value.detach().double() - ref).item() / den
 
 
-def _value_grads(impl: str, inputs: Inputs, labels, token: TokenLoss, chunk_size: int, rows) -> tuple:
-    """The loss computed by ``impl`` and its gradients w.r.t. the student's hidden states, weight (and bias)."""
+def _value_grads(impl: str, inputs: Inputs, labels, token: TokenLoss, chunk_size: int, rows, objective=None) -> tuple:
+    """The loss computed by ``impl`` and its gradients w.r.t. the student's hidden states, weight (and bias);
+    ``objective(impl, *inputs)``: the loss where it is not ``lm_loss`` of ``token`` (ULD's)."""
     hs, ws, bs, ht, wt, bt = (None if t is None else t.detach() for t in inputs)
     leaves = [t.requires_grad_(True) for t in (hs, ws, bs) if t is not None]
     from kdbench.distill.lm.impls import lm_loss
 
     with torch.enable_grad():
-        loss = lm_loss(impl, hs, ws, bs, ht, wt, bt, labels, token, chunk_size=chunk_size, rows=rows)
+        if objective is not None:
+            loss = objective(impl, hs, ws, bs, ht, wt, bt)
+        else:
+            loss = lm_loss(impl, hs, ws, bs, ht, wt, bt, labels, token, chunk_size=chunk_size, rows=rows)
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
     return loss.detach(), grads
@@ -89,15 +93,18 @@ def loss_ledger(
     token: TokenLoss,
     chunk_size: int,
     rows: torch.Tensor | None = None,
+    objective=None,
 ) -> tuple[dict[str, float | None], list[str]]:
     """The ledger's columns (:data:`LEDGER_COLUMNS`) and its notes (why a column is None).
 
     ``cell``: the loss inputs as the cell hands them to ``impl`` (student hidden states, head weight, bias; the
     teacher's), in the cell's dtypes; ``reference``: the same in float64 (the models' float32 heads upcast, not
-    their 16-bit copies).  ``labels``: (N,) or (B, S), -100 = not counted; ``rows``: their valid indices."""
-    loss, grads = _value_grads(impl, cell, labels, token, chunk_size, rows)
+    their 16-bit copies).  ``labels``: (N,) or (B, S), -100 = not counted; ``rows``: their valid indices.
+    ``objective(impl, *inputs)``: the loss, where it is not the token loss ``token`` computed by ``lm_loss`` (ULD's:
+    :meth:`kdbench.distill.lm.loss.LMLoss.ledger`)."""
+    loss, grads = _value_grads(impl, cell, labels, token, chunk_size, rows, objective)
     ref = [None if t is None else t.double() for t in reference]
-    loss64, grads64 = _value_grads("dense", ref, labels, token, chunk_size, rows)
+    loss64, grads64 = _value_grads("dense", ref, labels, token, chunk_size, rows, objective)
     row = {
         "loss_rel_err": rel_err(loss, loss64),
         "grad_rel_err": rel_err(_flat(grads), _flat(grads64)),

@@ -23,7 +23,7 @@ from kdbench.distill.lm.impls import impl_note, lm_loss, uld_lm_loss
 from kdbench.distill.lm.impls.chunks import valid_rows
 from kdbench.distill.lm.impls.dense import cross_entropy, token_loss
 from kdbench.distill.lm.impls.memory import logits_memory
-from kdbench.distill.lm.ledger import ledger_tokens, loss_ledger, objective_text
+from kdbench.distill.lm.ledger import LEDGER_TOKENS, ledger_tokens, loss_ledger, objective_text
 from kdbench.distill.lm.topk import TopKTeacher, topk_forward_kl
 from kdbench.distill.lm.uld import Alignment, uld_alignment, uld_loss
 from kdbench.distill.losses import WeightedTerms, check_method, params_of
@@ -162,8 +162,6 @@ class LMLoss(WeightedTerms):
     def ledger_skip(self) -> str | None:
         """Why :meth:`ledger` is not taken for this loss (None: it is)."""
         teacher, student = self._models
-        if self.uld:
-            return "ULD (two vocabularies, two sets of rows: no float64 reference of it is written yet)"
         if self.topk:
             return "the top-k cached teacher's sparse KL (its loss against the dense teacher: topk_reconstruction_kl)"
         if student.head is None or teacher.head is None:
@@ -173,7 +171,11 @@ class LMLoss(WeightedTerms):
         return None
 
     def ledger(
-        self, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, labels: torch.Tensor
+        self,
+        student_hidden: torch.Tensor,
+        teacher_hidden: torch.Tensor,
+        labels: torch.Tensor,
+        teacher_labels: torch.Tensor | None = None,
     ) -> tuple[dict[str, float | None], list[str]]:
         """The accuracy ledger of the token loss (:func:`~kdbench.distill.lm.ledger.loss_ledger`) on these inputs
         (their first :data:`~kdbench.distill.lm.ledger.LEDGER_TOKENS` counted tokens): the cell's ``loss_impl`` at
@@ -184,6 +186,10 @@ class LMLoss(WeightedTerms):
         why = self.ledger_skip()
         if why is not None:
             return {}, [f"accuracy ledger not taken: {why}"]
+        if self.uld:  # each side's own tokens (teacher_labels: the teacher's, where its tokenizer is not the student's)
+            return self._uld_ledger(
+                student_hidden, teacher_hidden, labels, labels if teacher_labels is None else teacher_labels
+            )
         t_dtype, s_dtype = self.dtypes
         student_hidden, teacher_hidden, labels, rows = ledger_tokens(student_hidden, teacher_hidden, labels)
         autocast_off = torch.amp.autocast(device_type=labels.device.type, enabled=False)
@@ -237,15 +243,45 @@ class LMLoss(WeightedTerms):
         sw, sb = student.head_weights(None, s_dtype)
         tw, tb = teacher.head_weights(None, t_dtype)
         hs, ht = inp.student_logits.to(s_dtype), inp.teacher_logits.to(t_dtype)
+        return self._uld_heads(self.impl, hs, sw, sb, ht, tw, tb, labels, align, rows)
+
+    def _uld_heads(self, impl: str, hs, sw, sb, ht, tw, tb, labels, align: Alignment, rows) -> torch.Tensor:
+        """ce_weight × CE + Σ weight × alpha × ULD of the two heads, computed by ``impl``."""
         if self.token.has_ce:  # the student's own CE, by the same impl (its head stands in for the teacher's)
             ce_heads = (hs, sw, sb, hs.detach(), sw.detach(), None if sb is None else sb.detach(), labels)
-            loss = lm_loss(self.impl, *ce_heads, self.token, chunk_size=self.chunk_size, rows=rows)
+            loss = lm_loss(impl, *ce_heads, self.token, chunk_size=self.chunk_size, rows=rows)
         else:
             loss = torch.zeros((), dtype=torch.float32, device=labels.device)
         for weight, temp in self.uld:
-            term = uld_lm_loss(self.impl, hs, sw, sb, ht, tw, tb, align, temp, temp, self.chunk_size)
+            term = uld_lm_loss(impl, hs, sw, sb, ht, tw, tb, align, temp, temp, self.chunk_size)
             loss = loss + weight * term
         return loss
+
+    def _uld_ledger(
+        self, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, labels: torch.Tensor, t_labels: torch.Tensor
+    ) -> tuple[dict[str, float | None], list[str]]:
+        """The ledger of a ULD loss: CE + ULD computed by the cell's impl at its dtypes against ``dense`` in float64,
+        on the batch's first sequences whose aligned rows number at most LEDGER_TOKENS (at least one sequence)."""
+        teacher, student = self._models
+        per_seq = torch.bincount(uld_alignment(labels, t_labels).sequence, minlength=labels.shape[0])
+        k = max(1, int((per_seq.cumsum(0) <= LEDGER_TOKENS).sum()))
+        labels, t_labels, hs, ht = labels[:k], t_labels[:k], student_hidden[:k], teacher_hidden[:k]
+        align, rows = uld_alignment(labels, t_labels), valid_rows(labels)
+        t_dtype, s_dtype = self.dtypes
+        autocast_off = torch.amp.autocast(device_type=labels.device.type, enabled=False)
+        with autocast_off:
+            cell = (
+                hs.to(s_dtype),
+                *student.head_weights(None, s_dtype),
+                ht.to(t_dtype),
+                *teacher.head_weights(None, t_dtype),
+            )
+            reference = (hs, *student.head_weights(None, torch.float64), ht, *teacher.head_weights(None, torch.float64))
+
+            def objective(impl: str, *inputs: Any) -> torch.Tensor:
+                return self._uld_heads(impl, *inputs, labels, align, rows)
+
+            return loss_ledger(self.impl, cell, reference, labels, self.token, self.chunk_size, rows, objective)
 
     def forward(self, inp: Any) -> torch.Tensor:
         teacher, student = self._models
