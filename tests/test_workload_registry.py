@@ -38,6 +38,7 @@ SETTING = {  # a cell that sets each family-specific setting away from its defau
     "inference.speculative": {"inference": {"speculative": {"draft_tokens": [2]}}},
     "data.prompt_fraction": {"data": {"prompt_fraction": 0.5}},
     "data.vocab_policy": {"data": {"vocab_policy": "slice"}},
+    "data.tokenizers": {"data": {"tokenizers": {"teacher": "bytes", "student": "bpe:512"}}},
     "overrides": {"overrides": {"student": {"num_hidden_layers": 1}}},
     "inference.runtime": {"inference": {"runtime": "compile"}},
     "graphs": {"graphs": True},

@@ -164,7 +164,7 @@ def tokenizer_problems(config: Any, vocabs: dict[str, int]) -> Problems:
         if vocab is not None and vocab != size:
             why = (
                 f"the {role} {getattr(config.pair, role)} has {vocab} vocabulary entries and its tokenizer {spec} "
-                f"{size}: set overrides.{role}.vocab_size: {size}"
+                f"has {size}: set overrides.{role}.vocab_size: {size}"
             )
             problems.append((("overrides", role, "vocab_size"), why))
     if config.data.vocab_policy != "error":
