@@ -19,6 +19,45 @@ from kdbench.distill.lm.impls.chunks import cast_head, chunk_value_grad, consume
 from kdbench.distill.lm.uld import uld_value_grad
 
 
+class _HeadGrads:
+    """The student's gradients a fused forward builds chunk by chunk: grad_h = g W per chunk's rows, grad_W += gᵀ h
+    (a float32 accumulator), grad_b += Σ g; each only where ``needs`` (h, W, b) asks for it."""
+
+    def __init__(self, hs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None, needs) -> None:
+        self.need_h, self.need_w, self.need_b = needs
+        f32 = torch.float32
+        self.h = torch.zeros_like(hs) if self.need_h else None
+        self.w = torch.zeros(ws.shape, dtype=f32, device=ws.device) if self.need_w else None
+        self.b = torch.zeros(bs.shape, dtype=f32, device=bs.device) if self.need_b else None
+        self.dtype, self.w_dtype, self.b_dtype = hs.dtype, ws.dtype, None if bs is None else bs.dtype
+
+    @property
+    def any(self) -> bool:
+        return self.need_h or self.need_w or self.need_b
+
+    def add(self, g: torch.Tensor, idx: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> None:
+        """One chunk's gradient ``g`` w.r.t. its student logits (rows ``idx`` of the hidden states, ``h`` = those)."""
+        g = g.float()
+        if self.need_b:
+            self.b.add_(g.sum(0))
+        g = g.to(self.dtype)  # the gradient w.r.t. the model-dtype logits, as autograd's cast back would give
+        if self.need_h:  # .to: autocast may run the mm lower; a chunk's rows are distinct
+            self.h.index_copy_(0, idx, (g @ w).to(self.h.dtype))
+        if self.need_w:
+            if g.dtype == torch.float32:
+                self.w.addmm_(g.t(), h)
+            else:
+                self.w.add_(g.t() @ h)
+
+    def done(self) -> list:
+        """grad_h, grad_W, grad_b in their parameters' dtypes (None where not asked for)."""
+        return [
+            self.h,
+            self.w.to(self.w_dtype) if self.need_w else None,
+            self.b.to(self.b_dtype) if self.need_b else None,
+        ]
+
+
 class FusedLinearLoss(torch.autograd.Function):
     """loss(h_s, W_s, b_s, h_t, W_t, b_t); per chunk of valid tokens: the chunk's logits (model dtype),
     its float32 loss and gradient g w.r.t. its student logits, then grad_h = g W, grad_W += gᵀ h (float32
@@ -28,13 +67,9 @@ class FusedLinearLoss(torch.autograd.Function):
     def forward(ctx, hs, ws, bs, ht, wt, bt, labels, loss: TokenLoss, chunk_size: int, grad_enabled: bool, rows):
         w, b = cast_head(hs, ws, bs)
         w_t, b_t = cast_head(ht, wt, bt)
-        need_h, need_w, need_b = (grad_enabled and need for need in ctx.needs_input_grad[:3])
+        grads = _HeadGrads(hs, ws, bs, [grad_enabled and need for need in ctx.needs_input_grad[:3]])
         n_valid = rows.numel()
-        f32 = torch.float32
-        grad_h = torch.zeros_like(hs) if need_h else None
-        grad_w = torch.zeros(ws.shape, dtype=f32, device=ws.device) if need_w else None
-        grad_b = torch.zeros(bs.shape, dtype=f32, device=bs.device) if need_b else None
-        total = torch.zeros((), dtype=f32, device=hs.device)
+        total = torch.zeros((), dtype=torch.float32, device=hs.device)
         for start in range(0, n_valid, chunk_size):
             idx = rows[start : start + chunk_size]
             h = hs.index_select(0, idx)
@@ -44,28 +79,14 @@ class FusedLinearLoss(torch.autograd.Function):
                 labels.index_select(0, idx),
                 loss,
                 n_valid,
-                need_h or need_w or need_b,
+                grads.any,
                 bs is not None or bt is not None,  # only an infinite bias makes a logit infinite
             )
             total += part
-            if g is None:
-                continue
-            if need_b:
-                grad_b.add_(g.sum(0))
-            g = g.to(hs.dtype)  # the gradient w.r.t. the model-dtype logits, as autograd's cast back would give
-            if need_h:
-                grad_h.index_copy_(0, idx, (g @ w).to(grad_h.dtype))  # .to: autocast may run the mm lower
-            if need_w:
-                if g.dtype == f32:
-                    grad_w.addmm_(g.t(), h)
-                else:
-                    grad_w.add_(g.t() @ h)
+            if g is not None:
+                grads.add(g, idx, h, w)
             del g
-        ctx.grads = [
-            grad_h,
-            grad_w.to(ws.dtype) if need_w else None,
-            grad_b.to(bs.dtype) if need_b else None,
-        ]
+        ctx.grads = grads.done()
         return total
 
     @staticmethod
@@ -82,38 +103,19 @@ class FusedLinearULD(torch.autograd.Function):
     def forward(ctx, hs, ws, bs, ht, wt, bt, align, temperatures, chunk_size: int, grad_enabled: bool):
         w, b = cast_head(hs, ws, bs)
         w_t, b_t = cast_head(ht, wt, bt)
-        need_h, need_w, need_b = (grad_enabled and need for need in ctx.needs_input_grad[:3])
-        f32 = torch.float32
-        grad_h = torch.zeros_like(hs) if need_h else None
-        grad_w = torch.zeros(ws.shape, dtype=f32, device=ws.device) if need_w else None
-        grad_b = torch.zeros(bs.shape, dtype=f32, device=bs.device) if need_b else None
-        total = torch.zeros((), dtype=f32, device=hs.device)
+        grads = _HeadGrads(hs, ws, bs, [grad_enabled and need for need in ctx.needs_input_grad[:3]])
+        total = torch.zeros((), dtype=torch.float32, device=hs.device)
         for start in range(0, align.student.numel(), chunk_size):
             idx = align.student[start : start + chunk_size]
             h = hs.index_select(0, idx)
             t = F.linear(ht.index_select(0, align.teacher[start : start + chunk_size]), w_t, b_t)
             weight = align.weight[start : start + chunk_size]
-            part, g = uld_value_grad(F.linear(h, w, b), t, weight, *temperatures, need_grad=need_h or need_w or need_b)
+            part, g = uld_value_grad(F.linear(h, w, b), t, weight, *temperatures, need_grad=grads.any)
             total += part
-            if g is None:
-                continue
-            g = g.float()
-            if need_b:
-                grad_b.add_(g.sum(0))
-            g = g.to(hs.dtype)
-            if need_h:
-                grad_h.index_copy_(0, idx, (g @ w).to(grad_h.dtype))  # the student's aligned rows are distinct
-            if need_w:
-                if g.dtype == f32:
-                    grad_w.addmm_(g.t(), h)
-                else:
-                    grad_w.add_(g.t() @ h)
+            if g is not None:
+                grads.add(g, idx, h, w)
             del g
-        ctx.grads = [
-            grad_h,
-            grad_w.to(ws.dtype) if need_w else None,
-            grad_b.to(bs.dtype) if need_b else None,
-        ]
+        ctx.grads = grads.done()
         return total
 
     @staticmethod
