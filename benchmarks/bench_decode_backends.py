@@ -2,7 +2,7 @@
 
 suites/llm-cpu.yaml's pair (tiny-llama-teacher -> tiny-llama-student, a 32,000-entry vocabulary), fp32, on the
 CPU: a batch of BATCH prompts of PROMPT tokens, each decode call generating NEW tokens greedily from the
-prompt's KV cache, as kdbench's decode rows do (:class:`kdbench.workloads.lm_serving.GreedyServing`, each call
+prompt's KV cache, as kdbench's decode rows do (:class:`kdbench.workloads.lm.serving.GreedyServing`, each call
 from the same state), with the three generation backends: ``dynamic`` (transformers' growing cache, eager),
 ``static`` (its StaticCache) and ``static + compile`` (the decode step through ``torch.compile``, fullgraph, mode
 default).  Each is timed by kdbench's loop (a cold call, WARMUP untimed ones, RUNS timed ones): tokens/s at the
@@ -31,7 +31,7 @@ from kdbench.measure.decode_floor import model_decode_bytes_per_token
 from kdbench.measure.timing import timed_loop
 from kdbench.models.lm import build_lm
 from kdbench.store.derived import payback_steps
-from kdbench.workloads.lm_serving import GreedyServing, release
+from kdbench.workloads.lm.serving import GreedyServing, release
 
 BATCH, PROMPT, NEW, VOCAB = 1, 64, 16, 32000
 WARMUP, RUNS = 1, 3

@@ -8,7 +8,7 @@ then the live tensor peak of one more step (:func:`kdbench.measure.memory.live_t
 tensors before it plus the peak of torch's allocations during it, from the profiler's memory events), less the
 tensors this process held before the cell was built (another benchmark's, in the same pytest run), against
 :func:`kdbench.fit.planner.predict` of the cell (its own step on fake tensors). Bound: every ratio measured /
-predicted within :data:`kdbench.names.FIT_TOLERANCE` (0.90-1.10), the tolerance the step rows flag against
+predicted within :data:`kdbench.core.names.FIT_TOLERANCE` (0.90-1.10), the tolerance the step rows flag against
 (``predicted_peak_ratio``), but the bf16 cells on a CPU that emulates bf16 (:func:`_emulated`: named, neither
 measured nor bounded). The table is printed, attached to pytest-benchmark's record and written to
 benchmarks/.results/fit_accuracy.json.
@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 
 from kdbench.config.load import load_suite
+from kdbench.core.names import FIT_TOLERANCE
 from kdbench.distill.step import DistillStep
 from kdbench.fit.planner import predict
 from kdbench.hw.backends import resolve
 from kdbench.measure.memory import live_tensor_bytes, live_tensor_peak
 from kdbench.models import ModelCache
-from kdbench.names import FIT_TOLERANCE
 from kdbench.workloads import expand_checked, workload_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,8 +73,9 @@ def _measure(config) -> dict:
     }
 
 
-# loss_impls the planner cannot predict (it says so on the step row, tests/test_fit_planner.py checks it): liger's
-# backward reads a value back (liger-kernel 0.8: grad_output compared with 1.0 on the host), which no fake run can
+# loss_impls the planner cannot predict (it says so on the step row, tests/unit/fit/test_fit_planner.py checks it):
+# liger's backward reads a value back (liger-kernel 0.8:
+# grad_output compared with 1.0 on the host), which no fake run can
 UNPREDICTABLE = ("liger",)
 # Known deviations beyond the tolerance, each bounded so that it cannot grow unseen: (loss_impl, precision) -> the
 # highest ratio it may read, and why.  torch_linear in bf16 (llm-cpu since issue 34) measured 1.1586 on 2026-12-03:

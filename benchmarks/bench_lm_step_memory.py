@@ -61,7 +61,7 @@ def _child(impl: str, out_dir: Path) -> None:
     from kdbench.measure.memory import MemoryMeter
     from kdbench.measure.timing import timed_loop
     from kdbench.models import ModelCache
-    from kdbench.workloads.lm import LM
+    from kdbench.workloads.lm.workload import LM
 
     config = CellConfig.model_validate(cell(impl))
     backend = resolve("cpu")

@@ -31,7 +31,7 @@ from kdbench.config.schema import CellConfig
 from kdbench.distill.lm.impls import LOSS_IMPLS, unavailable
 from kdbench.hw.backends import resolve
 from kdbench.models import ModelCache
-from kdbench.workloads.lm import LM
+from kdbench.workloads.lm.workload import LM
 
 VOCAB, BATCH, SEQ = 32000, 2, 128
 PRECISIONS = ("fp32", "bf16")

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from kdbench.config.schema import CellConfig
+from kdbench.data.synthetic import synthetic_batch
 from kdbench.distill.step import DistillStep
 from kdbench.hw.backends import resolve
-from kdbench.hw.data import synthetic_batch
 from kdbench.models import build_model
 from kdbench.workloads.vision import VISION
 
@@ -51,7 +51,7 @@ def cpu_lm_step():
 
     def make(seq_len: int = 512, loss_impl: str = "dense"):
         from kdbench.models import ModelCache
-        from kdbench.workloads.lm import LM
+        from kdbench.workloads.lm.workload import LM
 
         config = CellConfig.model_validate(
             {

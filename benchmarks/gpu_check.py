@@ -73,9 +73,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from kdbench.core.names import PRECISIONS
 from kdbench.hw.backends import Backend, choose_autocast, math_flags, math_mode, resolve
 from kdbench.measure.timing import timed_loop
-from kdbench.names import PRECISIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "suites" / "gpu-smoke.yaml"
@@ -524,8 +524,8 @@ def check_idle(backend: Backend, report: Report) -> None:
 
 
 def _step(backend: Backend, config):
+    from kdbench.data.synthetic import synthetic_batch
     from kdbench.distill.step import DistillStep
-    from kdbench.hw.data import synthetic_batch
     from kdbench.models import build_model
 
     torch.manual_seed(0)

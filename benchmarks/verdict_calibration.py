@@ -11,7 +11,7 @@ measurement called regressed) when nothing changed: the family-wise rate the con
 cell's step made 1.5x slower is called regressed.
 With one repeat a side compare does not judge; `--gate-single-repeat` judges on the iterations of one
 process, simulated here with 30 samples per side.  Not collected by pytest (it is a calibration, not a test:
-tests/test_compare.py asserts the bounds on smaller draws).
+tests/unit/report/test_compare.py asserts the bounds on smaller draws).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kdbench.repeats import bootstrap_ratio, simultaneous_t, spending  # noqa: E402
-from kdbench.report.verdicts import Verdict, undecided, verdict_of  # noqa: E402
+from kdbench.core.stats.repeats import bootstrap_ratio, simultaneous_t, spending  # noqa: E402
+from kdbench.report.compare.verdicts import Verdict, undecided, verdict_of  # noqa: E402
 
 M, WITHIN, N = 20, 0.02, 30
 
@@ -85,8 +85,8 @@ def sequential(
 ) -> dict:
     """Simulated sequential comparisons (`compare --rerun-undecided rounds`): m measurements, r0 repeats a side,
     then up to ``rounds`` rounds that give each undecided measurement one more repeat a side, look k judging at
-    its share of alpha (kdbench.repeats.spending) with compare's own intervals, verdicts and undecided rule; a
-    measurement decided at a look keeps its verdict.  Measurement 0 of NEW is ``slow`` times slower.  Each
+    its share of alpha (kdbench.core.stats.repeats.spending) with compare's own intervals, verdicts and undecided
+    rule; a measurement decided at a look keeps its verdict.  Measurement 0 of NEW is ``slow`` times slower.  Each
     repeat's level is lognormal with sd ``process`` (plus the sampling noise of a median of 30 iterations at 2 %).
     Returns the share of comparisons that called measurement 0 regressed ("found"), the share that called any
     other (any, when slow is 1) regressed ("false_alarm"), and the mean extra repeats a side per comparison."""

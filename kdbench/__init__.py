@@ -4,7 +4,7 @@ import time
 
 STARTED = time.time()  # when the interpreter first imported kdbench: where a run's wall-time split begins
 
-from kdbench.errors import KdbenchError  # noqa: E402
+from kdbench.core.errors import KdbenchError  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from kdbench.config.budgets import BudgetCheck
     from kdbench.config.schema import Suite
     from kdbench.config.suite_times import SuiteTime
-    from kdbench.report.verdicts import Comparison
+    from kdbench.report.compare.verdicts import Comparison
     from kdbench.run.engine import RunOptions, RunOutcome
     from kdbench.run.plan import Plan
 
@@ -63,7 +63,7 @@ def render(
     import pandas as pd
 
     from kdbench.report import render_report
-    from kdbench.report.compare import side_by_side
+    from kdbench.report.compare.compare import side_by_side
     from kdbench.store import read_results
     from kdbench.store.results import run_states
 
@@ -89,13 +89,13 @@ def compare(
     rerun_sides: str = "both",
     base_code: str | Path | None = None,
 ) -> Comparison:
-    """NEW against BASE (each a run folder or result file), cell by cell: :mod:`kdbench.report.compare`.
-    ``threshold`` is a fraction (0.05: 5 %); ``policy`` (:class:`kdbench.report.verdicts.Policy`) what else
+    """NEW against BASE (each a run folder or result file), cell by cell: :mod:`kdbench.report.compare.compare`.
+    ``threshold`` is a fraction (0.05: 5 %); ``policy`` (:class:`kdbench.report.compare.verdicts.Policy`) what else
     fails the gate; ``.exit_code`` is 1 when a measurement fails it.  With ``rerun_undecided`` N, up to N
     rounds measure the undecided cells again (:mod:`kdbench.run.rerun`: the sides ``rerun_sides``, "both" or
     "new", that can be measured here; BASE's from the code in ``base_code`` first) in a sequential design
-    (:class:`kdbench.report.compare.Sequential`)."""
-    from kdbench.report.compare import Sequential, compare_frames
+    (:class:`kdbench.report.compare.compare.Sequential`)."""
+    from kdbench.report.compare.compare import Sequential, compare_frames
     from kdbench.store import read_results
     from kdbench.store.results import run_states
 
@@ -117,7 +117,7 @@ def compare(
         )
 
     if base_code is not None and (not rerun_undecided or rerun_sides != "both"):
-        from kdbench.errors import KdbenchError
+        from kdbench.core.errors import KdbenchError
 
         raise KdbenchError(
             "--base-code gives the code BASE's new repeats run: use it with --rerun-undecided N and both sides "
@@ -144,7 +144,7 @@ def compare(
 def _rerun_sides(cmp: Comparison, base, new, which: str, base_code=None) -> tuple[list, str]:
     """The sides ``compare --rerun-undecided`` measures again and a note on a side left out; KdbenchError when
     none can be (the reasons)."""
-    from kdbench.errors import KdbenchError
+    from kdbench.core.errors import KdbenchError
     from kdbench.run.rerun import side, why_not
     from kdbench.store import read_results
 
@@ -188,7 +188,7 @@ def budget_checks(results: Iterable[str | Path], judge_contended: bool = False) 
 def quality_table(results: Iterable[str | Path]) -> str:
     """The Markdown table of the quality rows in ``results`` (mean ± std over seeds), and a line under it when some
     come from models an earlier invocation of their run trained and kept (:mod:`kdbench.quality.checkpoints`)."""
-    from kdbench.names import Measurement
+    from kdbench.core.names import Measurement
     from kdbench.report.summaries import markdown_drafts, markdown_table, summarize_drafts, summarize_quality
     from kdbench.store import read_results
 
@@ -237,7 +237,7 @@ def shipped_suites(folder: str | Path | None = None) -> list[ShippedSuite]:
     repository)."""
     from kdbench.config import load_suite
     from kdbench.config.suite_times import suite_times
-    from kdbench.errors import KdbenchError
+    from kdbench.core.errors import KdbenchError
     from kdbench.workloads import expand_checked
 
     folder = Path(folder if folder is not None else SUITES_DIR)

@@ -69,7 +69,7 @@ def cell_of(config: Mapping[str, Any]) -> Cell:
     from pydantic import ValidationError
 
     from kdbench.config.schema import Suite
-    from kdbench.errors import KdbenchError
+    from kdbench.core.errors import KdbenchError
     from kdbench.workloads import expand_checked
 
     if not isinstance(config, Mapping):
@@ -118,10 +118,10 @@ class KdbenchFixture:
         ``benchmark.pedantic`` with exactly that many rounds of one call each.  The cell's
         ``compile``, ``optimizer.impl``, ``conv_autotune`` and ``tunableop`` hold as in `kdbench run`."""
         self._claim("step", rounds, warmup_rounds)
+        from kdbench.core.names import Measurement
         from kdbench.distill.step import DistillStep
         from kdbench.hw.backends import math_mode
         from kdbench.measure.levers import LeverWatch
-        from kdbench.names import Measurement
         from kdbench.workloads import workload_of
 
         cell, backend = self._prepare(config, device)
@@ -170,10 +170,10 @@ class KdbenchFixture:
             _fail(f"model={model!r}: use 'student' or 'teacher'")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             _fail(f"batch_size={batch_size!r}: use a positive int")
+        from kdbench.core.names import Measurement
         from kdbench.hw.backends import math_mode
         from kdbench.measure.runtimes import serve
         from kdbench.measure.serving import LeverSkip
-        from kdbench.names import Measurement
         from kdbench.workloads.vision import cell_model, inference_forward, served_columns
 
         cell, backend = self._prepare(config, device)
@@ -220,7 +220,7 @@ class KdbenchFixture:
     def _prepare(self, config: Mapping[str, Any], device: str) -> tuple[Cell, Backend]:
         """The validated cell and the backend; skips the test where the backend cannot run the cell's
         precisions or its levers (GPU-only levers on the CPU), as `kdbench run` stores the cell as skipped."""
-        from kdbench.errors import KdbenchError
+        from kdbench.core.errors import KdbenchError
         from kdbench.hw.backends import choose_autocast, resolve
         from kdbench.measure.levers import skip_reason
 
@@ -261,7 +261,7 @@ class KdbenchFixture:
             info["notes"] = "; ".join(n for n in (info.get("notes"), notes) if n)
 
     def _build(self, build: Callable[[], Any]) -> Any:
-        from kdbench.errors import KdbenchError
+        from kdbench.core.errors import KdbenchError
 
         try:
             return build()

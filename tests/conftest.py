@@ -18,9 +18,9 @@ def cpu():
 
 @pytest.fixture(autouse=True)
 def fresh_worker_state():
-    """Each test runs as a fresh worker (kdbench.worker_state): no wall-time split, telemetry reader, TunableOp
+    """Each test runs as a fresh worker (kdbench.core.worker_state): no wall-time split, telemetry reader, TunableOp
     flag, lost device or FLOP count of an earlier test carries over."""
-    from kdbench.worker_state import WorkerState, install
+    from kdbench.core.worker_state import WorkerState, install
 
     state = WorkerState()
     previous = install(state)

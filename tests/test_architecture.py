@@ -1,4 +1,4 @@
-"""The layout holds: imports go down the floors of kdbench/floors.py (the one place their order is written), no
+"""The layout holds: imports go down the floors of kdbench/core/floors.py (the one place their order is written), no
 import circle crosses folders, the family is decided in one place, and no private name crosses modules."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from kdbench.floors import DELIBERATE, FLOORS, floor_of, level
+from kdbench.core.floors import DELIBERATE, FLOORS, floor_of, level
+from tests.support.paths import ROOT
 
-PACKAGE = Path(__file__).resolve().parent.parent / "kdbench"
+PACKAGE = ROOT / "kdbench"
 
 
 def _module(path: Path) -> str:
@@ -117,8 +118,8 @@ def test_the_circle_finder_finds_circles():
 
 def test_the_floors_are_the_design_order():
     assert [f for f, _ in FLOORS] == [
-        "face", "run", "quality", "fit", "report", "workloads", "measure", "distill", "hw", "config", "store",
-        "models", "base",
+        "face", "run", "quality", "fit", "report", "workloads", "measure", "distill", "data", "hw", "config",
+        "store", "models", "core",
     ]  # fmt: skip
 
 

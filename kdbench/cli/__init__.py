@@ -26,7 +26,7 @@ from kdbench.cli.commands import (
     cmd_run,
 )
 from kdbench.cli.parser import build_parser
-from kdbench.errors import KdbenchError
+from kdbench.core.errors import KdbenchError
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": cmd_run,

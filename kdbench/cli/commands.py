@@ -8,7 +8,7 @@ import sys
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from kdbench.install import check_install
+    from kdbench.core.install import check_install
 
     check_install()  # before anything imports torchvision; transformers is checked where an LM is built
     from kdbench import api
@@ -173,8 +173,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from kdbench import api
-    from kdbench.report.compare_format import render, verdict_line
-    from kdbench.report.verdicts import Policy
+    from kdbench.report.compare.format import render, verdict_line
+    from kdbench.report.compare.verdicts import Policy
     from kdbench.store.files import write_text
 
     policy = Policy(
@@ -221,7 +221,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_env(_args: argparse.Namespace) -> int:
-    from kdbench.install import check_install
+    from kdbench.core.install import check_install
 
     check_install(transformers=True)
     from kdbench.hw.environment import describe_lines
@@ -232,7 +232,7 @@ def cmd_env(_args: argparse.Namespace) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from kdbench.install import check_install
+    from kdbench.core.install import check_install
 
     check_install()
     import torch
@@ -352,7 +352,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from kdbench.errors import KdbenchError
+    from kdbench.core.errors import KdbenchError
     from kdbench.fit.devices import find_device, sized_device
     from kdbench.fit.verdict import Predictor
 
@@ -432,7 +432,7 @@ def _pair_cell(args: argparse.Namespace) -> tuple[str, str, object]:
     from kdbench.config.plan import Cell, cell_id_of, deep_merge, nest
     from kdbench.config.schema import CellConfig
     from kdbench.config.yaml_errors import describe
-    from kdbench.errors import KdbenchError
+    from kdbench.core.errors import KdbenchError
     from kdbench.workloads.registry import check_cell, workload_of
 
     teacher, student = args.pair

@@ -7,8 +7,8 @@ import argparse
 from pathlib import Path
 from typing import NoReturn
 
-from kdbench.errors import KdbenchError, did_you_mean
-from kdbench.names import MAX_LOSS_ERR
+from kdbench.core.errors import KdbenchError, did_you_mean
+from kdbench.core.names import MAX_LOSS_ERR
 
 EPILOG = """examples:
   kdbench probe                               measure this device's ceilings into results/probes/
@@ -115,7 +115,7 @@ def _memory(text: str) -> str:
 
 
 def _fit(sub) -> None:
-    from kdbench.names import PRECISIONS
+    from kdbench.core.names import PRECISIONS
 
     fit = sub.add_parser(
         "fit",

@@ -11,7 +11,7 @@ have given values::
       - {measurement: student_inference, stat: throughput, min: 2000, where: {precision: bf16}}
 
 Every matching measurement is checked: its value is the centre over the cell's ok repeats
-(the geometric mean, as :mod:`kdbench.repeats` pools them for compare).  Each check has an
+(the geometric mean, as :mod:`kdbench.core.stats.repeats` pools them for compare).  Each check has an
 outcome: ``met``, ``missed``, ``failed`` (the measurement failed: a miss too), ``skipped``
 (it cannot run here: not a miss), ``thin`` (a time budget shrank it below ``min_iters``:
 too few calls to judge, not a miss) or ``contended`` (measured on a busy machine: not a miss, unless
@@ -29,10 +29,10 @@ import pandas as pd
 from pydantic import Field, field_validator, model_validator
 
 from kdbench.config.base import Strict
-from kdbench.errors import did_you_mean
-from kdbench.names import FAILURES, TIMED, VARIANT_COLUMNS, Status
-from kdbench.repeats import centre
-from kdbench.schema import COLUMNS, CONFIG, DERIVED, RESULT, STATISTICS
+from kdbench.core.errors import did_you_mean
+from kdbench.core.names import FAILURES, TIMED, VARIANT_COLUMNS, Status
+from kdbench.core.schema import COLUMNS, CONFIG, DERIVED, RESULT, STATISTICS
+from kdbench.core.stats.repeats import centre
 
 _NUMERIC = ("int", "double", "float", "int32", "int64")
 STATS = tuple(c.name for c in COLUMNS if c.group in (STATISTICS, RESULT, DERIVED) and str(c.type) in _NUMERIC)

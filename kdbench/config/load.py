@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from kdbench.config.plan import CASES, check_axis_name, deep_merge, overlay
 from kdbench.config.schema import CellDefaults, Suite
 from kdbench.config.yaml_errors import describe, load_yaml, validation_error, where
-from kdbench.errors import KdbenchError
+from kdbench.core.errors import KdbenchError
 
 
 def load_suite(path: str | Path) -> Suite:

@@ -25,8 +25,8 @@ from pydantic import ValidationError
 
 from kdbench.config.schema import IMAGE_DATA_KEYS, TOKEN_DATA_KEYS, CellConfig, Suite
 from kdbench.config.yaml_errors import sub_model, unknown_key_hint, validation_error
+from kdbench.core.errors import KdbenchError
 from kdbench.distill.losses import METHODS, method_parts
-from kdbench.errors import KdbenchError
 
 logger = logging.getLogger(__name__)
 

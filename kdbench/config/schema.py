@@ -21,9 +21,9 @@ from pydantic import Field, PrivateAttr, create_model, field_validator, model_va
 from kdbench.config.base import Strict
 from kdbench.config.budgets import Budget
 from kdbench.config.yaml_errors import Lines, where
+from kdbench.core.errors import KdbenchError
+from kdbench.core.names import MEMORY_FORMATS, PRECISIONS
 from kdbench.distill.losses import METHODS
-from kdbench.errors import KdbenchError
-from kdbench.names import MEMORY_FORMATS, PRECISIONS
 
 Precision = Literal[PRECISIONS]  # type: ignore[valid-type]
 MemoryFormat = Literal[MEMORY_FORMATS]  # type: ignore[valid-type]
@@ -78,7 +78,7 @@ class TokenizersConfig(Strict):
     # Each model's own tokenizer (a pair whose models do not share token ids; tokens data): bytes (one token per
     # byte value, 256 entries), bpe:<vocab_size> (a byte-level BPE trained here, with the tokenizers library, on the
     # training text: nothing downloaded), or the path of a tokenizer.json that kdbench wrote
-    # (kdbench.models.tokenizers). Given, the batch is real text tokenized by each side's own tokenizer.
+    # (kdbench.data.tokenizers). Given, the batch is real text tokenized by each side's own tokenizer.
     teacher: str = "bytes"
     student: str = "bytes"
 
@@ -265,7 +265,7 @@ class OnPolicyConfig(Strict):
 
 
 class GenerationConfig(Strict):
-    """How an LM pair generates: its decode rows and the on-policy phase (kdbench.workloads.lm_serving)."""
+    """How an LM pair generates: its decode rows and the on-policy phase (kdbench.workloads.lm.serving)."""
 
     # dynamic: transformers' default KV cache, grown token by token; static: its StaticCache, preallocated for the
     # prompt and the new tokens (the tensors keep their shapes and addresses)

@@ -9,7 +9,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from kdbench.errors import KdbenchError
+from kdbench.core.errors import KdbenchError
 
 TIMES_FILE = "times.toml"  # in the suites folder
 HOW = ("measured", "about", "under", "extrapolated", "not measured")

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from kdbench.errors import KdbenchError
+from kdbench.core.errors import KdbenchError
 
 Lines = dict[tuple, int]  # key path -> 1-based line
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kdbench.errors import KdbenchError, did_you_mean
+from kdbench.core.errors import KdbenchError, did_you_mean
 
 MAX_DEFAULT_STAGES = 4
 

@@ -7,7 +7,7 @@ quality runs use it); ``DistillStep`` is the timed callable on one fixed batch,
 with the teacher run live or its outputs cached once.
 
 Phases.  When given a clock, a step stamps the boundaries of its five phases
-(:data:`kdbench.names.PHASES`) with that clock — device events on GPUs, ``perf_counter_ns`` on the
+(:data:`kdbench.core.names.PHASES`) with that clock — device events on GPUs, ``perf_counter_ns`` on the
 CPU — in the same pass that is timed.  Events are only read after the timed loop,
 so recording them adds no host-device synchronisation; on the CPU a stamp costs
 well under a microsecond.  ``DistillStep.phase_ms`` turns the stamps of the timed
@@ -30,12 +30,12 @@ import torch
 from torch import nn
 
 from kdbench.config.schema import CellConfig, OptimizerConfig
+from kdbench.core.names import ALIGN, GENERATE, PHASES
 from kdbench.distill.hooks import FeaturePaths, FeatureTap
 from kdbench.distill.losses import LossInputs, needs_features
 from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_scaler, math_mode
 from kdbench.hw.clock import Clock
 from kdbench.hw.layout import place_aligned, place_model
-from kdbench.names import ALIGN, GENERATE, PHASES
 
 
 class StepFamily(Protocol):
@@ -53,7 +53,7 @@ class StepFamily(Protocol):
 
     def paired_batch(self, distiller: Distiller, config: CellConfig) -> Callable | None:
         """``(x, y) -> (student x, student y, teacher x, the loss's extra inputs)``: a step whose models read the
-        batch each in its own tokens (its ``align`` phase, :data:`kdbench.names.ALIGN`); None: both read ``x``."""
+        batch each in its own tokens (its ``align`` phase, :data:`kdbench.core.names.ALIGN`); None: both read ``x``."""
 
     def compact_teacher(
         self, distiller: Distiller, outputs: Any, targets: torch.Tensor

@@ -1,4 +1,4 @@
-"""The ``layout`` block (CONTRIBUTING.md): the package floor by floor, top first (:mod:`kdbench.floors`), each
+"""The ``layout`` block (CONTRIBUTING.md): the package floor by floor, top first (:mod:`kdbench.core.floors`), each
 module and package with the first sentence of its docstring, so the map cannot drift from the tree."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 import textwrap
 from pathlib import Path
 
-from kdbench.floors import FLOORS
+from kdbench.core.floors import FLOORS
 
 PACKAGE = Path(__file__).resolve().parents[1]
 NAME_WIDTH = 30  # the column the descriptions start at

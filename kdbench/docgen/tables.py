@@ -113,6 +113,6 @@ def _shape(shape: tuple[int, ...]) -> str:
 
 
 def results_columns() -> str:
-    from kdbench.schema import schema_markdown
+    from kdbench.core.schema import schema_markdown
 
     return schema_markdown()

@@ -1,12 +1,12 @@
 """A distill_step row's fit columns: the fit planner's predicted peak beside the measured one, and a note where the
-two differ by more than the stated tolerance (:data:`kdbench.names.FIT_TOLERANCE`).
+two differ by more than the stated tolerance (:data:`kdbench.core.names.FIT_TOLERANCE`).
 
 :func:`add_fit` runs the planner (:func:`kdbench.fit.planner.predict`, a fake run of the cell's own step) for a
 row whose step has been measured, and sets ``predicted_peak_bytes``, ``predicted_peak_phase``,
 ``predicted_breakdown``, ``fit_seconds`` and ``predicted_peak_ratio`` = ``live_peak_bytes`` (the peak of live
 tensor bytes measured during one more step, :func:`kdbench.measure.memory.step_live_peak`) / the prediction.  An
 unpredictable cell keeps the predicted columns null and says why in its notes; every fit note begins with
-:data:`kdbench.names.FIT_NOTE`.
+:data:`kdbench.core.names.FIT_NOTE`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 
 from kdbench.config.schema import CellConfig
+from kdbench.core.names import FIT_NOTE, FIT_TOLERANCE, Status
+from kdbench.core.schema import Row
 from kdbench.fit import planner
 from kdbench.fit.tracker import KINDS
-from kdbench.names import FIT_NOTE, FIT_TOLERANCE, Status
-from kdbench.schema import Row
 
 MIB = 2**20
 
@@ -39,7 +39,7 @@ def within_tolerance(ratio: float) -> bool:
 
 def fit_columns(prediction: planner.Prediction, live_peak_bytes: int | None) -> tuple[Row, list[str]]:
     """The fit columns of a row whose measured live peak is ``live_peak_bytes`` (None: not measured), and its fit
-    notes (each beginning with :data:`~kdbench.names.FIT_NOTE`)."""
+    notes (each beginning with :data:`~kdbench.core.names.FIT_NOTE`)."""
     columns = Row(fit_seconds=float(prediction.seconds))
     if not prediction.ok:
         reason = (prediction.error or "no reason given").removeprefix("not predicted: ")

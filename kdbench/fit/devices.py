@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kdbench.errors import KdbenchError, did_you_mean
+from kdbench.core.errors import KdbenchError, did_you_mean
 
 GB, GIB = 10**9, 2**30
 RUNTIME_CONTEXT = GIB  # a GPU runtime's own context and library workspaces (an assumption: see the module's notes)

@@ -25,13 +25,13 @@ from typing import Any
 import torch
 
 from kdbench.config.schema import CellConfig
+from kdbench.core.fakes import with_values
+from kdbench.core.names import PHASES, Phase
 from kdbench.distill.step import DistillStep
-from kdbench.fakes import with_values
 from kdbench.fit.tracker import GRADIENTS, INPUTS, OPTIMIZER, PARAMETERS, LiveBytes
 from kdbench.hw.backends import Backend
 from kdbench.models.cache import ModelCache
 from kdbench.models.lm import as_measured_batches
-from kdbench.names import PHASES, Phase
 from kdbench.workloads.registry import workload_of
 
 STEPS = 2  # fake steps run: the second is a step with the optimizer's state, as every timed one is
@@ -58,7 +58,7 @@ class Prediction:
 
 
 class _PhaseClock:
-    """A step clock whose stamps move the tracker into the step's next phase (:data:`kdbench.names.PHASES`)."""
+    """A step clock whose stamps move the tracker into the step's next phase (:data:`kdbench.core.names.PHASES`)."""
 
     name = "phases"
     host = True

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kdbench.errors import KdbenchError
+from kdbench.core.errors import KdbenchError
 from kdbench.hw.clock import Clock, EventClock, HostClock
 
 # The tensors' dtype of each precision; tf32 keeps fp32 tensors and turns the TF32 math mode on.

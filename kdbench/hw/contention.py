@@ -37,7 +37,7 @@ from typing import Any
 
 import psutil
 
-from kdbench.names import CONTENDED_FREE_SHARE, CONTENDED_NOTE
+from kdbench.core.names import CONTENDED_FREE_SHARE, CONTENDED_NOTE
 
 FREE_SHARE = CONTENDED_FREE_SHARE  # the share of the cores its threads need a measurement must have had (names.py)
 SAMPLE_S = 0.4  # the look before a run's first cell

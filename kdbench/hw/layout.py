@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kdbench import names
-from kdbench.errors import KdbenchError
+from kdbench.core import names
+from kdbench.core.errors import KdbenchError
 
 ALIGNMENTS = (64, 32, 16, 8, 4, 2)  # usual byte alignments swept by a suite
 MAX_ALIGNMENT = 4096

@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
+from kdbench.core.worker_state import current
 from kdbench.hw.backends import DTYPES, Backend, thread_count
 from kdbench.hw.contention import HostLoad, HostMeter
-from kdbench.worker_state import current
 
 SLOW_FACTOR = 3.0  # a precision this many times slower than fp32 (or more) is slow
 # The measurement (issue 32): a busy moment once cached bf16 as 280x slower than fp32 on a CPU with native

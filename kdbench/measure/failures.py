@@ -7,10 +7,10 @@ import re
 
 import torch
 
+from kdbench.core.names import Status
+from kdbench.core.schema import Row
+from kdbench.core.worker_state import current
 from kdbench.measure.rows import failure_rows
-from kdbench.names import Status
-from kdbench.schema import Row
-from kdbench.worker_state import current
 
 # Errors after which the process's CUDA/HIP context is unusable: every later call fails with them.
 _FATAL_TEXT = (

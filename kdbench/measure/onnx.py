@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kdbench.core.install import extra_hint
 from kdbench.hw.backends import AutocastChoice, Backend
-from kdbench.install import extra_hint
 from kdbench.measure.serving import Built, LeverSkip, excess_ms, wall_ms
 
 ONNX_OPSET = 18
@@ -44,7 +44,7 @@ ORT_PROVIDERS = {
     "rocm": ("MIGraphXExecutionProvider", "ROCMExecutionProvider"),  # ROCm EP: deprecated by ONNX Runtime
 }
 ORT_INSTALL = {
-    "cpu": "",  # the onnx extra, installed as kdbench was (kdbench.install.extra_hint)
+    "cpu": "",  # the onnx extra, installed as kdbench was (kdbench.core.install.extra_hint)
     "cuda": "pip install onnxruntime-gpu (in place of onnxruntime)",
     "rocm": "install onnxruntime-migraphx (or onnxruntime-rocm) for this ROCm release, in place of onnxruntime",
 }

@@ -22,9 +22,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from kdbench.config.schema import CellConfig
+from kdbench.core.schema import Row
 from kdbench.hw.backends import DTYPES, Backend
 from kdbench.measure.timing import RawTiming, timed_loop
-from kdbench.schema import Row
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from kdbench.errors import KdbenchError
+from kdbench.core.errors import KdbenchError
+from kdbench.core.stats.samples import summarize
 from kdbench.hw.backends import DTYPES, Backend, math_mode, tf32_problem
 from kdbench.hw.environment import capture
-from kdbench.measure.stats import summarize
 from kdbench.measure.timing import timed_loop
 
 GPU_MIN_TIME_S = 2.0  # long enough for sustained, not boost, clocks

@@ -5,7 +5,7 @@ A timed row (:func:`timed_row`) is the measurement's name and batch size, the ti
 (:func:`timing_columns`: median, interval, samples, cold call, throughput; tokens per second for token
 workloads), its notes (the precision choices', launch-bound, the caller's) and the caller's own columns.  The
 distillation step (:mod:`kdbench.measure.step`), image inference (:mod:`kdbench.workloads.vision`) and token
-serving (:mod:`kdbench.workloads.lm_serving`) all build their rows with it.  Nothing here asks the plan: a
+serving (:mod:`kdbench.workloads.lm.serving`) all build their rows with it.  Nothing here asks the plan: a
 measurement's share of its cell's time budget is handed in.
 """
 
@@ -17,16 +17,16 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kdbench.config.schema import CellConfig
+from kdbench.core.names import Measurement, Status
+from kdbench.core.schema import Row
+from kdbench.core.stats.samples import summarize
 from kdbench.hw.backends import Backend
 from kdbench.hw.contention import HostMeter, contention_columns
 from kdbench.measure import walltime
 from kdbench.measure.levers import LeverWatch
 from kdbench.measure.memory import MemoryMeter, memory_columns
-from kdbench.measure.stats import summarize
 from kdbench.measure.telemetry import TelemetrySampler, telemetry_columns
 from kdbench.measure.timing import Progress, RawTiming, timed_loop
-from kdbench.names import Measurement, Status
-from kdbench.schema import Row
 
 if TYPE_CHECKING:
     from kdbench.measure.parallel import DataParallel

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from kdbench.config.schema import CellConfig
+from kdbench.core.names import FIT_NOTE, LEAD_PHASES, PHASES, REMAINDER_COLUMN, Measurement, Status
+from kdbench.core.schema import Row
 from kdbench.distill.step import DistillStep
 from kdbench.hw.backends import Backend, math_flags, math_mode
 from kdbench.measure import walltime
@@ -34,8 +36,6 @@ from kdbench.measure.rows import profiled_loop, timed_row
 from kdbench.measure.timing import RawTiming
 from kdbench.measure.trace import trace
 from kdbench.models import count_params
-from kdbench.names import FIT_NOTE, LEAD_PHASES, PHASES, REMAINDER_COLUMN, Measurement, Status
-from kdbench.schema import Row
 
 
 @dataclass(frozen=True)

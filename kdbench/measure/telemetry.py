@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from kdbench.core.worker_state import current
 from kdbench.hw.backends import Backend
 from kdbench.hw.contention import others_on_device, own_processes
-from kdbench.worker_state import current
 
 SHORT_WINDOW_S = 5.0  # energy over a shorter timed window is flagged: counter granularity, power averaging
 _SENTINELS = {0xFFFF, 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF}  # "not supported" in amdsmi/NVML structs
@@ -318,7 +318,7 @@ class TelemetrySampler:
             return
         try:
             ids = self.ids or device_ids(self.backend)
-            # One reader per library, device and worker (kdbench.worker_state): amdsmi's init is process-wide and
+            # One reader per library, device and worker (kdbench.core.worker_state): amdsmi's init is process-wide and
             # not reference-counted (one shut-down would tear it down for everyone), and enumerating GPUs is slow
             # on big nodes.
             readers = current().telemetry_readers

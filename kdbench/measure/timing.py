@@ -227,7 +227,7 @@ def _finished(clock: Clock, marks: list[tuple[Any, Any]], done: int) -> int:
 
 def relative_ci(samples_ms: list[float]) -> float:
     """Width of the median's 95 % confidence interval over the median (inf with too few samples)."""
-    from kdbench.measure.stats import median_ci
+    from kdbench.core.stats.samples import median_ci
 
     low, high = median_ci(samples_ms)
     median = statistics.median(samples_ms)

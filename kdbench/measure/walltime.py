@@ -19,7 +19,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-from kdbench.worker_state import current
+from kdbench.core.worker_state import current
 
 MODELS, COLD, WARMUP, MEASURING, FLOPS, FIT, PROFILING, LEVERS, QUALITY, LEDGER = (
     "model building",

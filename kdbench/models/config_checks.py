@@ -9,7 +9,7 @@ import re
 import types
 from typing import Any
 
-from kdbench.errors import KdbenchError, did_you_mean
+from kdbench.core.errors import KdbenchError, did_you_mean
 
 SIZE_FIELDS = (
     "hidden_size",

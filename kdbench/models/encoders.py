@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kdbench.errors import KdbenchError, did_you_mean
+from kdbench.core.errors import KdbenchError, did_you_mean
 from kdbench.models.hub import cached_config, is_hf_name
 
 ATTN_KEY = "attn_implementation"  # the override that is not a config field: the attention the model runs

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kdbench.errors import KdbenchError
+from kdbench.core.errors import KdbenchError
 
 HF_PREFIX = "hf:"
 # a Hub repository id: NAME or ORG/NAME, each part letters, digits, '-', '_', '.' (huggingface_hub's
@@ -77,7 +77,7 @@ def hf_config_path(name: str) -> Path:
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError as exc:
-        from kdbench.install import extra_hint
+        from kdbench.core.install import extra_hint
 
         raise KdbenchError(
             f"{name}: reading the Hugging Face cache needs huggingface_hub ({exc}): {extra_hint('lm')}"

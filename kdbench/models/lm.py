@@ -13,9 +13,9 @@ through :meth:`CausalLM.head_weights`).
 
 ``transformers`` is imported only inside the functions, so ``kdbench`` imports
 without it; a function that needs it and finds it missing raises a
-:class:`~kdbench.errors.KdbenchError` naming the extra (``pip install 'kdbench[lm]'``, or
-``pip install -e '.[lm]'`` in a clone: :func:`kdbench.install.extra_hint`); one that does not work with the
-installed torch is said the same way (:func:`kdbench.install.check_transformers`).
+:class:`~kdbench.core.errors.KdbenchError` naming the extra (``pip install 'kdbench[lm]'``, or
+``pip install -e '.[lm]'`` in a clone: :func:`kdbench.core.install.extra_hint`); one that does not work with the
+installed torch is said the same way (:func:`kdbench.core.install.check_transformers`).
 
 The numbers below are those of the Hugging Face ``config.json`` of each checkpoint
 (``meta-llama/Llama-3.1-8B``, ``meta-llama/Llama-3.2-1B``, ``meta-llama/Llama-3.2-3B``,
@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kdbench.errors import KdbenchError, did_you_mean
-from kdbench.install import check_transformers, extra_hint
+from kdbench.core.errors import KdbenchError, did_you_mean
+from kdbench.core.install import check_transformers, extra_hint
 from kdbench.models.config_checks import check_config_fields
 from kdbench.models.hub import hf_config_path, is_callable_name, is_hf_name
 

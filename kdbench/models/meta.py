@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kdbench.errors import KdbenchError, did_you_mean
+from kdbench.core.errors import KdbenchError, did_you_mean
 from kdbench.models.config_checks import (
     ModelConfigError,
     check_shapes,

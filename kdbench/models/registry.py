@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from kdbench.errors import KdbenchError, did_you_mean
+from kdbench.core.errors import KdbenchError, did_you_mean
 
 Builder = Callable[..., nn.Module]
 

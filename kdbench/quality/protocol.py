@@ -51,16 +51,17 @@ from typing import Any
 
 import torch
 
-from kdbench.config.schema import TEXT_DATASETS, CellConfig, QualityConfig
+from kdbench.config.schema import DISK_DATASETS, TEXT_DATASETS, CellConfig, QualityConfig
+from kdbench.core.errors import KdbenchError
+from kdbench.core.names import Measurement, Status
+from kdbench.core.schema import Row
+from kdbench.core.worker_state import finished
+from kdbench.data.datasets import image_shape
 from kdbench.hw.backends import Backend, choose_autocast
-from kdbench.names import Measurement, Status
 from kdbench.quality.checkpoints import Checkpoints
-from kdbench.quality.datasets import check_images
 from kdbench.quality.progress import Talk
 from kdbench.quality.text import TextRun, check_text, own_tokenizer, text_columns
 from kdbench.quality.train import ModelKey, QualityRun, Trained
-from kdbench.schema import Row
-from kdbench.worker_state import finished
 from kdbench.workloads import workload_of
 
 logger = logging.getLogger(__name__)
@@ -287,7 +288,23 @@ def run_quality(
 
 def check_quality(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
     """The cheap checks, before anything runs: a text data set's LM cells (:func:`kdbench.quality.text.check_text`),
-    or an image data set's image cells and folder (:func:`kdbench.quality.datasets.check_images`)."""
+    or an image data set's image cells and folder (:func:`kdbench.data.datasets.check_images`)."""
     if cfg.dataset in TEXT_DATASETS:
         return check_text(cfg, configs)
     return check_images(cfg, configs)
+
+
+def check_images(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
+    """The cheap checks of an image data set, before anything runs: image cells, and a data folder that exists."""
+    for c in configs:
+        if workload_of(c).quality_data != "images":
+            raise KdbenchError(
+                f"quality dataset {cfg.dataset} holds images and {c.pair.teacher} -> {c.pair.student} is a "
+                "language-model pair (data.kind: tokens); use dataset: python-stdlib (text)"
+            )
+        image_shape(c.data.shape)
+    if cfg.dataset in DISK_DATASETS and cfg.root and not Path(cfg.root).expanduser().exists():
+        raise KdbenchError(
+            f"quality.root: {cfg.root} does not exist; give the folder that holds the "
+            f"{cfg.dataset} data (nothing is downloaded)"
+        )

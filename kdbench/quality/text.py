@@ -65,22 +65,22 @@ from torch import nn
 
 from kdbench.config.plan import config_dict
 from kdbench.config.schema import CellConfig, QualityConfig
+from kdbench.core.errors import KdbenchError
+from kdbench.core.names import IGNORE_INDEX
+from kdbench.data.corpus import join_files, stdlib_files, stdlib_root
+from kdbench.data.tokenizers import BPETokenizer, train_bpe
+from kdbench.data.tokenizers import digest as tokenizer_digest
 from kdbench.distill.losses import LossInputs, WeightedTerms
 from kdbench.distill.step import backward_and_update, make_optimizer
-from kdbench.errors import KdbenchError
 from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_scaler, math_mode
-from kdbench.hw.corpus import join_files, stdlib_files, stdlib_root
 from kdbench.measure.failures import error_text
 from kdbench.models.hub import is_callable_name
-from kdbench.models.tokenizers import BPETokenizer, train_bpe
-from kdbench.models.tokenizers import digest as tokenizer_digest
-from kdbench.names import IGNORE_INDEX
 from kdbench.quality.checkpoints import Checkpoints
 from kdbench.quality.drafts import DRAFT_ROW_KEYS, measure_draft
 from kdbench.quality.drafts import describe as describe_draft
 from kdbench.quality.train import DeviceData, QualityRun, Trained, ce_step, fit, init_seed
 
-_join = join_files  # the corpus's reading lives in kdbench.hw.corpus (cross-tokenizer LM cells read it too)
+_join = join_files  # the corpus's reading lives in kdbench.data.corpus (cross-tokenizer LM cells read it too)
 BYTES = 256  # the vocabulary: one token per byte value
 EVAL_TOKENS = 1 << 15  # held-out tokens per evaluation forward
 logger = logging.getLogger(__name__)

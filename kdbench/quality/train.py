@@ -29,6 +29,8 @@ from torch import nn
 
 from kdbench.config.plan import config_dict
 from kdbench.config.schema import CellConfig, QualityConfig, TeacherConfig
+from kdbench.core.names import IGNORE_INDEX, Status
+from kdbench.data.datasets import Dataset, load_dataset
 from kdbench.distill.losses import method_parts
 from kdbench.distill.losses.registry import training_epoch
 from kdbench.distill.step import Distiller, backward_and_update, make_optimizer
@@ -36,9 +38,7 @@ from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_s
 from kdbench.hw.layout import memory_format_of, place_model
 from kdbench.measure.failures import error_text
 from kdbench.models import ModelCache
-from kdbench.names import IGNORE_INDEX, Status
 from kdbench.quality.checkpoints import CHECKPOINTS_DIR, Checkpoints, tensors_digest
-from kdbench.quality.datasets import Dataset, load_dataset
 from kdbench.quality.progress import Talk
 from kdbench.workloads import workload_of
 

@@ -3,7 +3,7 @@
 :class:`Chart` (drawn into a PNG of a fixed name, or not drawn and why), the keys charts group rows by
 (:func:`with_keys`: pair, source, noisy and thin flags; :func:`add_variant`: the label of a bar, from the config
 columns that vary), colours, faceting by source, grouped bars, error bars and the shared legend entries and caption
-sentences.  :mod:`kdbench.report.plots`, :mod:`kdbench.report.lm` and :mod:`kdbench.report.compare_plots` draw
+sentences.  :mod:`kdbench.report.plots`, :mod:`kdbench.report.lm` and :mod:`kdbench.report.compare.plots` draw
 with them.
 """
 
@@ -18,7 +18,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from kdbench.schema import COLUMNS
+from kdbench.core.schema import COLUMNS
 
 DPI = 110
 NOISY_NOTE = "IQR/median > 10 %"

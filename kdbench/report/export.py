@@ -29,9 +29,9 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kdbench.errors import KdbenchError
-from kdbench.names import SERVING, TIMED, Status
-from kdbench.schema import COLUMN_NAMES, COLUMNS
+from kdbench.core.errors import KdbenchError
+from kdbench.core.names import SERVING, TIMED, Status
+from kdbench.core.schema import COLUMN_NAMES, COLUMNS
 from kdbench.store.files import write_text
 
 FORMATS = ("csv", "json", "pytest-benchmark")

@@ -1,5 +1,5 @@
 """The report's *Will it fit* section: each distill_step row's predicted peak (the fit planner's) against the live
-tensor peak measured during one more step, with the stated tolerance (:data:`kdbench.names.FIT_TOLERANCE`).
+tensor peak measured during one more step, with the stated tolerance (:data:`kdbench.core.names.FIT_TOLERANCE`).
 
 Data (pandas only, never torch): :func:`fit_points`, one row per distill_step row that has a predicted or a measured
 peak or a fit note (every repeat: a peak is not a timing to pool), with its ratio, whether the ratio is outside the
@@ -22,10 +22,10 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 import kdbench.report.charts as charts
-from kdbench.names import FIT_NOTE, FIT_TOLERANCE, Measurement, Status
+from kdbench.core.names import FIT_NOTE, FIT_TOLERANCE, Measurement, Status
+from kdbench.core.schema import COLUMN_NAMES
 from kdbench.report.charts import Chart
 from kdbench.report.format import MISSING, format_mib, text, truncate
-from kdbench.schema import COLUMN_NAMES
 
 MIB = 2**20
 FIT_FIGURES = ("predicted_peak_bytes", "live_peak_bytes")
@@ -60,7 +60,7 @@ def fit_section(df: pd.DataFrame, out_dir: Path) -> FitSection | None:
 
 
 def fit_notes(notes) -> str:
-    """The fit notes of a row's ``notes`` (those that begin with :data:`~kdbench.names.FIT_NOTE`), without it."""
+    """The fit notes of a row's ``notes`` (those that begin with :data:`~kdbench.core.names.FIT_NOTE`), without it."""
     if notes is None or pd.isna(notes):
         return ""
     return "; ".join(n.removeprefix(FIT_NOTE) for n in str(notes).split("; ") if n.startswith(FIT_NOTE))

@@ -11,7 +11,7 @@ and then HTML-escaped.
 This module renders the page and builds its run, comparison, budget, measurement, environment and quality
 tables; the step's tables are :mod:`kdbench.report.step_tables`', the Language models section
 :mod:`kdbench.report.lm`'s, the Will it fit section :mod:`kdbench.report.fit`'s, the charts
-:mod:`kdbench.report.plots`' and :mod:`kdbench.report.compare_plots`'.
+:mod:`kdbench.report.plots`' and :mod:`kdbench.report.compare.plots`'.
 """
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ import pandas as pd
 from jinja2 import Environment, FileSystemLoader
 
 from kdbench.config.budgets import OUTCOMES, format_value, where_text
-from kdbench.errors import KdbenchError
-from kdbench.names import ALIGN, GENERATE, MAX_LOSS_ERR, Measurement, Status
+from kdbench.core.errors import KdbenchError
+from kdbench.core.names import ALIGN, GENERATE, MAX_LOSS_ERR, Measurement, Status
+from kdbench.core.schema import COLUMN_NAMES, ENVIRONMENT_COLUMNS
 from kdbench.report.charts import NOISY_NOTE, RATE_COLUMNS, THIN_NOTE, rates
-from kdbench.report.compare_format import verdict_line
-from kdbench.report.compare_plots import draw_forest, draw_history
+from kdbench.report.compare.format import verdict_line
+from kdbench.report.compare.plots import draw_forest, draw_history
+from kdbench.report.compare.verdicts import Verdict
 from kdbench.report.fit import fit_section
 from kdbench.report.format import (
     ERROR_CHARS,
@@ -44,8 +46,6 @@ from kdbench.report.lm import lm_section
 from kdbench.report.plots import draw_charts, draw_phases, draw_quality_front
 from kdbench.report.step_tables import REMAINDER_LIMIT, caching_rows, lever_rows, profile_rows, top_op_rows
 from kdbench.report.summaries import MEASUREMENT_ORDER, shown_phases, summarize_drafts, summarize_quality
-from kdbench.report.verdicts import Verdict
-from kdbench.schema import COLUMN_NAMES, ENVIRONMENT_COLUMNS
 
 _STATUS_ORDER = tuple(Status)
 CONTENDED_TITLE = (
@@ -75,7 +75,7 @@ def render_report(
 
     ``df`` holds result rows as :func:`kdbench.store.read_results` returns them; columns
     it lacks are treated as null.  ``title`` defaults to the suites' names.  ``comparisons``
-    (:class:`kdbench.report.verdicts.Comparison`) each get a table and a forest plot;
+    (:class:`kdbench.report.compare.verdicts.Comparison`) each get a table and a forest plot;
     ``budgets`` (:class:`kdbench.config.budgets.BudgetCheck`) a table of their outcomes;
     ``states`` (run id -> :class:`kdbench.store.results.RunState`) say which runs are complete.
     A suite with several runs gets its history (each compared with the one before at ``threshold``).

@@ -32,7 +32,8 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, NullLocator
 
 import kdbench.report.charts as charts
-from kdbench.names import LM_SERVING, Measurement, Status
+from kdbench.core.names import LM_SERVING, Measurement, Status
+from kdbench.core.schema import COLUMN_NAMES
 from kdbench.report.charts import Chart
 from kdbench.report.format import (
     MISSING,
@@ -45,7 +46,6 @@ from kdbench.report.format import (
 )
 from kdbench.report.ledger import ledger_rows, ledger_table
 from kdbench.report.summaries import latest, pooled
-from kdbench.schema import COLUMN_NAMES
 
 LM_DATA_KIND = "tokens"
 LOSS_IMPLS = ("dense", "chunked", "fused_linear", "liger", "torch_linear")  # report order (and colours)

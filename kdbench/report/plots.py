@@ -8,7 +8,7 @@ Timing charts are faceted by *source*: one row of panels per (run, device, backe
 measurements from different machines are never drawn on the same axes.  The quality
 chart is the exception: it places each trained model at its own measured latency.
 The Language models section's charts are :mod:`kdbench.report.lm`'s; a comparison's forest plot and a suite's
-history are :mod:`kdbench.report.compare_plots`'.
+history are :mod:`kdbench.report.compare.plots`'.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import LogFormatter, NullLocator
 
-from kdbench.names import INFERENCE, LM_SERVING, REMAINDER_COLUMN, Measurement, Status
-from kdbench.names import PHASES as STEP_PHASES
+from kdbench.core.names import INFERENCE, LM_SERVING, REMAINDER_COLUMN, Measurement, Status
+from kdbench.core.names import PHASES as STEP_PHASES
 from kdbench.report.charts import (
     HATCHED,
     NOISY_NOTE,

@@ -15,7 +15,7 @@ from urllib.parse import quote
 
 import pandas as pd
 
-from kdbench.names import REMAINDER_COLUMN, Measurement
+from kdbench.core.names import REMAINDER_COLUMN, Measurement
 from kdbench.report.charts import THIN_NOTE
 from kdbench.report.format import (
     MISSING,

@@ -13,10 +13,10 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kdbench.names import LEAD_PHASES, PHASES, QUALITY_ROLES, VARIANT_COLUMNS, Measurement, Status
-from kdbench.repeats import NOISY_REL_IQR, centre_interval, median_log_variance
+from kdbench.core.names import LEAD_PHASES, PHASES, QUALITY_ROLES, VARIANT_COLUMNS, Measurement, Status
+from kdbench.core.schema import COLUMNS, DERIVED, RESULT, STATISTICS
+from kdbench.core.stats.repeats import NOISY_REL_IQR, centre_interval, median_log_variance
 from kdbench.report.format import mean_std
-from kdbench.schema import COLUMNS, DERIVED, RESULT, STATISTICS
 from kdbench.store.derived import TEACHER_MODE, payback_steps, twin_key
 
 POOL_KEY = ["run_id", "cell_id", "measurement", "batch_size"]
@@ -116,8 +116,8 @@ def pooled(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def shown_phases(rows: pd.DataFrame) -> tuple:
-    """The step phases the report shows for ``rows`` (:data:`kdbench.names.PHASES`), the phases a step may begin
-    with first (:data:`kdbench.names.LEAD_PHASES`: on-policy generation, cross-tokenizer alignment) where a row has
+    """The step phases the report shows for ``rows`` (:data:`kdbench.core.names.PHASES`), the phases a step may begin
+    with first (:data:`kdbench.core.names.LEAD_PHASES`: on-policy generation, cross-tokenizer alignment) where a row has
     one."""
     leads = tuple(p for p in LEAD_PHASES if p.column in rows and rows[p.column].notna().any())
     return (*leads, *PHASES)

@@ -24,9 +24,9 @@ from typing import Any
 import torch.distributed as dist
 
 from kdbench.config.plan import Cell
-from kdbench.errors import KdbenchError
+from kdbench.core.errors import KdbenchError
+from kdbench.core.names import Status
 from kdbench.measure.failures import error_text, status_of
-from kdbench.names import Status
 from kdbench.run.jobs import CellJob, Job, WorkerContext, failure_rows
 from kdbench.run.workers import STARTUP_TIMEOUT_S, JobResult, WorkerSetup, context
 

@@ -27,6 +27,8 @@ from functools import partial
 import torch
 
 from kdbench.config.plan import Cell
+from kdbench.core.names import Measurement, Status, planned_row
+from kdbench.core.schema import Row
 from kdbench.fit.columns import add_fit, no_fit_check
 from kdbench.hw.backends import Backend, choose_autocast
 from kdbench.measure import walltime
@@ -45,8 +47,6 @@ from kdbench.measure.parallel import DataParallel
 from kdbench.measure.rows import failure_rows, measurement_budget_s
 from kdbench.measure.step import MeasureOptions, measure_distill_step
 from kdbench.models import ModelCache, count_params
-from kdbench.names import Measurement, Status, planned_row
-from kdbench.schema import Row
 from kdbench.workloads import workload_of
 
 

@@ -28,11 +28,12 @@ from typing import Any
 import torch
 
 from kdbench.config.schema import Suite
-from kdbench.errors import KdbenchError
+from kdbench.core.errors import KdbenchError
+from kdbench.core.names import FAILURES, Measurement, Status
+from kdbench.core.schema import SCHEMA_VERSION, Row
 from kdbench.hw.backends import Backend, detect, resolve, thread_count
 from kdbench.hw.contention import RUN_PID_ENV, HostLoad, HostMeter, busy_warning, look_later
 from kdbench.measure.step import MeasureOptions
-from kdbench.names import FAILURES, Measurement, Status
 from kdbench.run.jobs import CellJob, Job, QualityJob, failure_rows
 from kdbench.run.plan import (
     Plan,
@@ -45,7 +46,6 @@ from kdbench.run.plan import (
     warn_slow_cells,
 )
 from kdbench.run.progress import JobTiming, Progress, WallSplit
-from kdbench.schema import SCHEMA_VERSION, Row
 from kdbench.store.probes import ceiling_columns, latest_ceiling
 from kdbench.store.results import PROBES_DIR, TRACES_DIR, Invocation, RunFolder, newest_run, open_run
 from kdbench.workloads.base import restate_served_precision

@@ -17,20 +17,20 @@ from pathlib import Path
 
 from kdbench.config.plan import Cell, config_dict, method_params
 from kdbench.config.schema import TEXT_DATASETS, CellConfig, QualityConfig
+from kdbench.core.names import Status, planned_row
+from kdbench.core.schema import Row
+from kdbench.core.worker_state import WorkerState, install
 from kdbench.hw.backends import Backend, dist_backend_for
 from kdbench.measure.memory import freeze_imports
 from kdbench.measure.rows import failure_rows as planned_failures
 from kdbench.measure.step import MeasureOptions
 from kdbench.models import ModelCache
-from kdbench.names import Status, planned_row
-from kdbench.schema import Row
-from kdbench.worker_state import WorkerState, install
 from kdbench.workloads import planned_measurements, workload_of
 
 
 class WorkerContext:
     """What a job runs with inside its worker: the device, the measuring options, a model cache, and the state the
-    worker keeps between measurements (:class:`kdbench.worker_state.WorkerState`, installed while it lives)."""
+    worker keeps between measurements (:class:`kdbench.core.worker_state.WorkerState`, installed while it lives)."""
 
     def __init__(self, backend: Backend, options: MeasureOptions, allow_imports: bool):
         self.backend = backend

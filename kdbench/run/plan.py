@@ -13,7 +13,7 @@ from pathlib import Path
 from kdbench.config.plan import Cell
 from kdbench.config.plan import shard as shard_cells
 from kdbench.config.schema import Suite
-from kdbench.errors import KdbenchError
+from kdbench.core.errors import KdbenchError
 from kdbench.hw.backends import Backend, detect
 from kdbench.measure.rows import CELL_BUDGET_S
 from kdbench.run.jobs import CellJob, Job, QualityJob

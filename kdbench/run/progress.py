@@ -7,9 +7,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kdbench.names import Measurement, Status
+from kdbench.core.names import Measurement, Status
+from kdbench.core.schema import Row
 from kdbench.run.jobs import Job
-from kdbench.schema import Row
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ given cell on each side that can be measured here, as one round of each side's r
 run's rounds are), BASE and NEW one after the other (the side measured first alternating from round to round),
 each job stored as a new part (``part-<cell>-r<k>``) of the side's own run folder, with its own invocation
 record (which plans just those jobs, so the run stays complete).  The statistics of the sequence are
-:class:`kdbench.report.compare.Sequential`'s.
+:class:`kdbench.report.compare.compare.Sequential`'s.
 
 A side is measured here only when it can be: a run folder (not a bare file) whose suite file is here and still
 plans the cell, measured on this host with this torch.  Its repeats then use the suite file as it is now and the
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kdbench.config.schema import Suite
-from kdbench.errors import KdbenchError
+from kdbench.core.errors import KdbenchError
 from kdbench.store.results import MANIFEST, RunFolder, parse_job_id
 
 logger = logging.getLogger(__name__)

@@ -32,15 +32,15 @@ from typing import Any
 import torch
 
 from kdbench.config.schema import LauncherConfig
+from kdbench.core.names import Status
+from kdbench.core.schema import Row
+from kdbench.core.worker_state import install
 from kdbench.hw.backends import Backend
 from kdbench.measure.failures import device_fatal, device_lost, error_text, note_device_lost
 from kdbench.measure.step import MeasureOptions
-from kdbench.names import Status
 from kdbench.run.jobs import CellJob, Job, WorkerContext, failure_rows
 from kdbench.run.process import die_with_parent
 from kdbench.run.rank import oom_file
-from kdbench.schema import Row
-from kdbench.worker_state import install
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Storage: runs as folders of parquet parts, derived columns, probe files (the columns: :mod:`kdbench.schema`).
+"""Storage: runs as folders of parquet parts, derived columns, probe files (the columns: :mod:`kdbench.core.schema`).
 
 Torch-free: the report and any pandas session read results through here.
 """

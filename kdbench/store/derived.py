@@ -13,7 +13,7 @@ it would mean rewriting earlier parts whenever a later one arrives:
   times the throughput of the *twin* cell at world_size 1 in the same run and repeat;
 * ``achieved_tflops``, ``datasheet_device``, ``datasheet_peak_tflops``, ``mfu`` and
   ``ceiling_utilization``: FLOPs per median time against the datasheet peak table
-  (:mod:`kdbench.peaks`) and the probe ceiling stored on the row; a step whose live
+  (:mod:`kdbench.core.devices`) and the probe ceiling stored on the row; a step whose live
   teacher runs at another precision than its student against both precisions' peaks
   (:func:`effective_peak`);
 * ``bandwidth_share`` and ``floor_ms_per_token`` (decode rows): the bytes each generated token must read
@@ -43,11 +43,11 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kdbench.names import PRECISIONS, SERVING, Measurement, Status, counterpart, role_of
-from kdbench.peaks import datasheet_peak
-from kdbench.repeats import centre, paired_t
-from kdbench.schema import COLUMNS
-from kdbench.speculation import expected_tokens_per_verify, predicted_speedup
+from kdbench.core.devices import datasheet_peak
+from kdbench.core.names import PRECISIONS, SERVING, Measurement, Status, counterpart, role_of
+from kdbench.core.schema import COLUMNS
+from kdbench.core.speculation import expected_tokens_per_verify, predicted_speedup
+from kdbench.core.stats.repeats import centre, paired_t
 
 DECODE = (Measurement.STUDENT_DECODE, Measurement.TEACHER_DECODE)
 # A world_size 1 cell has no DDP or FSDP options to compare: an FSDP2 cell's twin is the same single-device cell

@@ -38,8 +38,8 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from kdbench.errors import KdbenchError
-from kdbench.schema import SCHEMA, SCHEMA_VERSION, rows_to_table
+from kdbench.core.errors import KdbenchError
+from kdbench.core.schema import SCHEMA, SCHEMA_VERSION, rows_to_table
 from kdbench.store.files import write_parquet, write_text
 
 MANIFEST = "_run.json"  # "_" and "." names are skipped by pyarrow datasets (and by kdbench's readers)

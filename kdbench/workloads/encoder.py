@@ -24,14 +24,14 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from kdbench.core.errors import KdbenchError
+from kdbench.core.names import Measurement
+from kdbench.core.schema import Row
 from kdbench.distill.encoder import EncoderLoss
 from kdbench.distill.losses import METHODS, check_method, check_weights, params_of
-from kdbench.errors import KdbenchError
 from kdbench.models.encoders import Encoder
 from kdbench.models.lm import is_lm_model
 from kdbench.models.meta import encoder_facts
-from kdbench.names import Measurement
-from kdbench.schema import Row
 from kdbench.workloads.base import (
     Pair,
     Problems,
@@ -79,7 +79,7 @@ class EncoderWorkload(Workload):
 
     def check(self, config: Any, allow_imports: bool) -> Problems:
         from kdbench.models.encoders import is_encoder_model
-        from kdbench.workloads import lm_checks
+        from kdbench.workloads.lm.workload import checks as lm_checks
 
         problems: Problems = []
         roles = []
@@ -295,7 +295,7 @@ def measure_forward(
     batch of ``batch_size`` × ``data.seq_len`` ids over the model's own vocabulary; ``tokens_per_s`` counts its
     tokens."""
     from kdbench.hw.backends import choose_autocast
-    from kdbench.workloads.lm_serving import token_serving_row
+    from kdbench.workloads.lm.serving import token_serving_row
 
     vocab = int(model.config.vocab_size)  # the served model's own: its row depends on it alone (teacher reuse)
     ids, _ = encoder_batch(batch_size, config.data.seq_len, vocab, config.seed + 1, backend.device, config.alignment)

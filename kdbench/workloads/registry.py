@@ -19,14 +19,14 @@ from typing import Any
 
 from kdbench.config.plan import Cell, expand
 from kdbench.config.schema import CellConfig, Suite
+from kdbench.core.errors import KdbenchError
+from kdbench.core.names import Measurement
 from kdbench.distill.losses import check_method, check_weights
-from kdbench.errors import KdbenchError
 from kdbench.models.encoders import is_encoder_model
 from kdbench.models.lm import is_lm_model
-from kdbench.names import Measurement
 from kdbench.workloads.base import Problems, Workload
 from kdbench.workloads.encoder import ENCODER
-from kdbench.workloads.lm import LM
+from kdbench.workloads.lm.workload import LM
 from kdbench.workloads.vision import VISION
 
 WORKLOADS: tuple[Workload, ...] = (VISION, LM, ENCODER)

@@ -20,10 +20,13 @@ import torch
 from torch import nn
 
 from kdbench.config.schema import CellConfig
+from kdbench.core.errors import KdbenchError
+from kdbench.core.names import Measurement
+from kdbench.core.schema import Row
+from kdbench.core.worker_state import current
+from kdbench.data.synthetic import synthetic_batch
 from kdbench.distill.losses import check_method, needs_features
-from kdbench.errors import KdbenchError
 from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, math_flags, math_mode
-from kdbench.hw.data import synthetic_batch
 from kdbench.hw.layout import pad_classifier, padded_width, place_model, verify_memory_format
 from kdbench.measure import walltime
 from kdbench.measure.flops import count_flops
@@ -31,9 +34,6 @@ from kdbench.measure.levers import quiesce_compile_workers, release_compiled
 from kdbench.measure.rows import profiled_loop, timed_row
 from kdbench.measure.runtimes import Served, serve
 from kdbench.models import ModelCache
-from kdbench.names import Measurement
-from kdbench.schema import Row
-from kdbench.worker_state import current
 from kdbench.workloads.base import (
     Pair,
     Problems,
@@ -114,7 +114,7 @@ def inference_forward(
 
 def inference_flops(forward: Callable[[], Any], model: str, batch_size: int, config: CellConfig) -> int:
     """The FLOPs of ``model``'s eager forward at ``batch_size`` (the same at every precision), counted once
-    per worker for each model, classifier width and input (:class:`kdbench.worker_state.WorkerState`)."""
+    per worker for each model, classifier width and input (:class:`kdbench.core.worker_state.WorkerState`)."""
     counted = current().inference_flops
     key = (model, config.data.num_classes, config.pad_to, tuple(config.data.shape), batch_size, config.seed)
     if key not in counted:

@@ -44,9 +44,9 @@ from typing import Any
 
 import torch
 
+from kdbench.core.errors import KdbenchError, did_you_mean
 from kdbench.distill.lm import token_losses
 from kdbench.distill.lm.token_losses import log_mixture
-from kdbench.errors import KdbenchError, did_you_mean
 
 __all__ = [
     "DIVERGENCES",

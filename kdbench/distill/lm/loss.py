@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from kdbench.core.errors import KdbenchError
+from kdbench.core.fakes import known_values, with_values
 from kdbench.distill.lm.divergences import TokenLoss
 from kdbench.distill.lm.impls import impl_note, lm_loss, uld_lm_loss
 from kdbench.distill.lm.impls.chunks import valid_rows
@@ -27,8 +29,6 @@ from kdbench.distill.lm.ledger import LEDGER_TOKENS, ledger_tokens, loss_ledger,
 from kdbench.distill.lm.topk import TopKTeacher, topk_forward_kl
 from kdbench.distill.lm.uld import Alignment, uld_alignment, uld_loss
 from kdbench.distill.losses import WeightedTerms, check_method, params_of
-from kdbench.errors import KdbenchError
-from kdbench.fakes import known_values, with_values
 from kdbench.models.lm import CausalLM
 
 __all__ = ["LMLoss", "methods_token_loss"]

@@ -20,9 +20,9 @@ import torch
 from pydantic import Field
 
 from kdbench.config.base import Strict
+from kdbench.core.names import IGNORE_INDEX
 from kdbench.distill.lm.divergences import TokenLoss, get_divergence
 from kdbench.distill.losses.registry import LossInputs, Term
-from kdbench.names import IGNORE_INDEX
 
 
 class TokenParams(Strict):

@@ -28,7 +28,7 @@ its function is their reduction.  The registry of divergences
 implementation reduces the terms of a :class:`Dists` it builds with ``finite=True`` when no logit can be
 infinite, which skips the drop masks (the same values).
 
-References (their exact definitions are transcribed in ``tests/test_token_losses.py``):
+References (their exact definitions are transcribed in ``tests/unit/distill/test_token_losses.py``):
 
 * TRL ``GKDTrainer.generalized_jsd_loss`` (trl/experimental/gkd/gkd_trainer.py, TRL >= 0.16 beta
   convention, checked at commit f2cd577 / v1.9.0+): beta = 0 forward KL, beta = 1 reverse KL.
@@ -44,7 +44,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kdbench.errors import KdbenchError
+from kdbench.core.errors import KdbenchError
 
 __all__ = [
     "Dists",

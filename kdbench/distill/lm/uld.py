@@ -3,7 +3,8 @@ Universal Logit Distillation Loss for LLMs", arXiv:2402.12030): distillation bet
 vocabularies differ, with no mapping between their tokens.
 
 The authors' formulation (``DistillationLoss`` in Nicolas-BZRD/llm-recipes, ``models/distillation_model.py``, read
-at ab6e798; transcribed in ``tests/test_uld.py``, which checks this module against it in value and gradient):
+at ab6e798; transcribed in ``tests/unit/distill/test_uld.py``,
+which checks this module against it in value and gradient):
 
 1. **Alignment by position after the prompt.**  Each side's answer tokens are the ones its labels count
    (label != -100); the student's i-th answer position is paired with the teacher's i-th, for i below the shorter
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from kdbench.names import IGNORE_INDEX
+from kdbench.core.names import IGNORE_INDEX
 
 __all__ = ["Alignment", "uld_alignment", "uld_loss", "uld_rows", "uld_value_grad"]
 

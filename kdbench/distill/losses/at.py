@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from kdbench.config.base import Strict
+from kdbench.core.errors import KdbenchError
 from kdbench.distill.losses.registry import LossInputs, Term, register_method
-from kdbench.errors import KdbenchError
 
 
 class ATParams(Strict):

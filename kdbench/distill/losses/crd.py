@@ -56,9 +56,9 @@ from pydantic import Field
 from torch import nn
 
 from kdbench.config.base import Strict
+from kdbench.core.errors import KdbenchError
 from kdbench.distill.losses.fitnet import pooled
 from kdbench.distill.losses.registry import LossInputs, Term, register_method
-from kdbench.errors import KdbenchError
 
 EPS = 1e-7  # ContrastLoss's eps
 

@@ -14,8 +14,8 @@ from pydantic import Field
 from torch import nn
 
 from kdbench.config.base import Strict
+from kdbench.core.errors import KdbenchError
 from kdbench.distill.losses.registry import LossInputs, Term, register_method
-from kdbench.errors import KdbenchError
 
 
 class FitNetParams(Strict):

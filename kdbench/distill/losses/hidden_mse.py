@@ -16,9 +16,9 @@ from pydantic import Field
 from torch import nn
 
 from kdbench.config.base import Strict
+from kdbench.core.errors import KdbenchError
+from kdbench.core.names import IGNORE_INDEX
 from kdbench.distill.losses.registry import LossInputs, Term, register_method
-from kdbench.errors import KdbenchError
-from kdbench.names import IGNORE_INDEX
 
 
 class HiddenMSEParams(Strict):

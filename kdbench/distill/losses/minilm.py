@@ -33,9 +33,9 @@ import torch
 from pydantic import Field, field_validator
 
 from kdbench.config.base import Strict
+from kdbench.core.errors import KdbenchError
+from kdbench.core.names import IGNORE_INDEX
 from kdbench.distill.losses.registry import LossInputs, Term, register_method
-from kdbench.errors import KdbenchError
-from kdbench.names import IGNORE_INDEX
 
 Relation = Literal["qk", "vv", "qq", "kk", "kq", "qv", "vq", "kv", "vk"]
 PROJECTIONS = ("query", "key", "value")  # the order the term's features come in

@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel
 from torch import nn
 
-from kdbench.errors import KdbenchError, did_you_mean
+from kdbench.core.errors import KdbenchError, did_you_mean
 
 # The training epoch the steps run in (1-based), set by a loop that trains over epochs (the quality
 # protocol, :func:`kdbench.quality.train.fit`); None outside one: a timing cell's fixed batch has no epochs.

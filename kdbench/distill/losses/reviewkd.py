@@ -48,8 +48,8 @@ from pydantic import Field, field_validator
 from torch import nn
 
 from kdbench.config.base import Strict
+from kdbench.core.errors import KdbenchError
 from kdbench.distill.losses.registry import LossInputs, Term, register_method
-from kdbench.errors import KdbenchError
 
 MAX_MID_CHANNELS = 512  # the references' cap: mid_channel = min(512, in_channels[-1])
 MAX_WARMUP_EPOCHS = 10_000  # the most epochs a quality training runs (QualityConfig.epochs)

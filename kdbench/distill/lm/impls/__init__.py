@@ -41,10 +41,10 @@ import importlib
 
 import torch
 
+from kdbench.core.errors import KdbenchError
 from kdbench.distill.lm.divergences import TokenLoss
 from kdbench.distill.lm.impls.base import IMPLS, AlignedHeads, Heads, Settings, get_impl
 from kdbench.distill.lm.impls.chunks import valid_rows
-from kdbench.errors import KdbenchError
 
 __all__ = [
     "LOSS_IMPLS",

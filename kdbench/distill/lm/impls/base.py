@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from kdbench.core.errors import KdbenchError, did_you_mean
 from kdbench.distill.lm.divergences import TokenLoss
-from kdbench.errors import KdbenchError, did_you_mean
 
 __all__ = ["IMPLS", "AlignedHeads", "Buffers", "Heads", "LossImpl", "Settings", "get_impl", "register_impl"]
 

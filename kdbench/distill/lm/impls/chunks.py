@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kdbench.core.fakes import known_values, on_values
+from kdbench.core.names import IGNORE_INDEX
 from kdbench.distill.lm.divergences import TokenLoss, resolved
-from kdbench.fakes import known_values, on_values
-from kdbench.names import IGNORE_INDEX
 
 __all__ = ["cast_head", "chunk_value_grad", "consume", "valid_rows", "zero"]
 

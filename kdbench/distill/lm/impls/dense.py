@@ -18,12 +18,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kdbench.core.names import IGNORE_INDEX
 from kdbench.distill.lm.divergences import TokenLoss, get_divergence, resolved
 from kdbench.distill.lm.impls.base import AlignedHeads, Buffers, Heads, LossImpl, Settings, register_impl
 from kdbench.distill.lm.impls.chunks import cast_head, zero
 from kdbench.distill.lm.token_losses import Dists, upcast
 from kdbench.distill.lm.uld import uld_rows
-from kdbench.names import IGNORE_INDEX
 
 __all__ = ["cross_entropy", "token_loss"]
 

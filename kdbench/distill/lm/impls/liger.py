@@ -13,11 +13,11 @@ import inspect
 
 import torch
 
+from kdbench.core.install import extra_hint
+from kdbench.core.names import IGNORE_INDEX
 from kdbench.distill.lm.divergences import TokenLoss, get_divergence, liger_beta
 from kdbench.distill.lm.impls.base import Buffers, Heads, LossImpl, Settings, register_impl
 from kdbench.distill.lm.impls.chunks import cast_head
-from kdbench.install import extra_hint
-from kdbench.names import IGNORE_INDEX
 
 
 def compute(heads: Heads, loss: TokenLoss, rows: torch.Tensor, settings: Settings) -> torch.Tensor:

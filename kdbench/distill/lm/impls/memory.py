@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kdbench.core.errors import KdbenchError
 from kdbench.distill.lm.divergences import TokenLoss
 from kdbench.distill.lm.impls.base import get_impl
-from kdbench.errors import KdbenchError
 
 __all__ = ["logits_memory"]
 

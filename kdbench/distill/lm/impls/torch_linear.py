@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kdbench.core.names import IGNORE_INDEX
 from kdbench.distill.lm.divergences import TokenLoss, liger_beta
 from kdbench.distill.lm.impls.base import Buffers, Heads, LossImpl, Settings, register_impl
 from kdbench.distill.lm.impls.chunks import cast_head, zero
-from kdbench.names import IGNORE_INDEX
 
 
 def compute(heads: Heads, loss: TokenLoss, rows: torch.Tensor, settings: Settings) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""kdbench.report.compare.compare."""

@@ -1,0 +1,1 @@
+"""kdbench.workloads.lm.workload."""

@@ -1,0 +1,333 @@
+"""`kdbench fit`: the verdict against a device, the changes that make a cell fit, the largest batch by bisection
+over fake runs (checked against real steps' measured peaks), the command end to end and its one-line errors."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kdbench.cli import main
+from kdbench.config.schema import CellConfig
+from kdbench.fit.devices import GIB, sized_device
+from kdbench.fit.planner import Prediction, predict
+from kdbench.fit.verdict import (
+    BATCH_CAP,
+    FITS,
+    FITS_WITH,
+    NO_FIT,
+    UNPREDICTABLE,
+    Predictor,
+    judge,
+    largest,
+    size_cap,
+    with_size,
+)
+from tests.support.paths import ROOT
+
+MIB = 2**20
+
+
+def tiny(batch_size=2, seq_len=1024, loss_impl="dense", **more) -> CellConfig:
+    return CellConfig.model_validate(
+        {
+            "pair": {"teacher": "tiny-llama-teacher", "student": "tiny-llama-student"},
+            "method": "forward_kl",
+            "batch_size": batch_size,
+            "loss_impl": loss_impl,
+            "data": {"kind": "tokens", "seq_len": seq_len},
+            **more,
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def peaks() -> dict[str, int]:
+    """The tiny pair's predicted peaks at 2 x 1,024 tokens, each loss implementation the verdict tries."""
+    return {
+        "dense": predict(tiny()).peak_bytes,
+        "fused_linear": predict(tiny(loss_impl="fused_linear")).peak_bytes,
+    }
+
+
+# --------------------------------------------------------------------------- the verdict
+
+
+def test_the_verdict_is_fits_at_or_above_the_peak_and_fused_linear_between(peaks):
+    dense, fused = peaks["dense"], peaks["fused_linear"]
+    assert fused < dense  # at 1,024 tokens fused_linear's chunks hold less than dense's whole logits
+    predictor = Predictor("cuda")
+    assert judge(tiny(), dense, predictor).outcome == FITS  # exactly the peak fits
+    between = judge(tiny(), (dense + fused) // 2, predictor)
+    assert between.outcome == FITS_WITH and between.changes == ("loss_impl fused_linear",)
+    assert between.changed.peak_bytes == fused and between.config.loss_impl == "fused_linear"
+    assert between.line((dense + fused) // 2).startswith("fits only with: loss_impl fused_linear (predicted ")
+    assert judge(tiny(), dense - 1, predictor).outcome == FITS_WITH
+
+
+def test_a_cell_nothing_rescues_does_not_fit_and_says_what_was_tried():
+    predictor = Predictor("cuda")
+    verdict = judge(tiny(seq_len=128), 1 * MIB, predictor)  # less than the parameters alone
+    assert verdict.outcome == NO_FIT and not verdict.changes and verdict.changed is None
+    assert verdict.tried[0] == "loss_impl fused_linear" and verdict.tried[-1] == "batch_size 1"
+    assert "teacher.weights bf16 with teacher_precision bf16" in verdict.tried
+    # FSDP2 at 2, 4 and 8 ranks, each predicted per rank (it lowers the peak, so it is kept for the next change)
+    assert [t for t in verdict.tried if "fsdp" in t] == [f"parallel fsdp at world_size {n}" for n in (2, 4, 8)]
+    assert verdict.line(1 * MIB).startswith("does not fit (") and "no change tried fits" in verdict.line(1 * MIB)
+
+
+def test_an_unpredictable_cell_is_never_judged_to_fit():
+    def failing(config, device_type, allow_imports=False):
+        return Prediction(None, error="the fake run cannot run aten.nonzero.default")
+
+    verdict = judge(tiny(), 10**15, Predictor("cuda", failing))
+    assert verdict.outcome == UNPREDICTABLE
+    assert verdict.line(10**15) == "unpredictable: the fake run cannot run aten.nonzero.default"
+
+
+# --------------------------------------------------------------------------- the largest size that fits
+
+
+def linear(base: int, per_sample: int):
+    """A stand-in planner: the peak grows by ``per_sample`` bytes a sequence."""
+
+    def predict_(config, device_type, allow_imports=False):
+        return Prediction(base + per_sample * config.batch_size, phase="loss")
+
+    return predict_
+
+
+@pytest.mark.parametrize("start", [1, 2, 30, 31, 32, 1000])
+def test_bisection_finds_the_last_batch_that_fits_from_any_start(start):
+    predictor = Predictor("cuda", linear(1000, 300))
+    found = largest(tiny(batch_size=start), "batch_size", 10_000, predictor)
+    assert found.value == 30  # 1000 + 300 x 30 = 10,000 fits; 31 does not
+    assert found.prediction.peak_bytes == 10_000 and found.above.peak_bytes == 10_300
+    assert found.runs <= 2 * 12  # doubling (or halving), then bisection: logarithmic in the answer
+
+
+def test_bisection_stops_at_the_cap_and_says_when_nothing_fits():
+    assert largest(tiny(), "batch_size", 10**15, Predictor("cuda", linear(1000, 300))).value == BATCH_CAP == 2**16
+    none = largest(tiny(batch_size=8), "batch_size", 1200, Predictor("cuda", linear(1000, 300)))
+    assert none.value == 0 and none.text() == "none (batch_size 1 does not fit)"
+    assert size_cap(tiny(), "seq_len") == 2048  # tiny-llama-student's max_position_embeddings
+
+
+def test_the_longest_sequence_is_bisected_up_to_the_models_positions():
+    def per_token(config, device_type, allow_imports=False):
+        return Prediction(5000 + 7 * config.data.seq_len * config.batch_size, phase="loss")
+
+    predictor = Predictor("cuda", per_token)
+    found = largest(tiny(batch_size=2, seq_len=128), "seq_len", 5000 + 7 * 2 * 1000, predictor)
+    assert (found.value, found.prediction.peak_bytes, found.above.peak_bytes) == (1000, 19_000, 19_014)
+    # the pair's 2,048 positions hold the sequence and the 32 tokens its serving decodes: 2,016 is the longest
+    longest = largest(tiny(seq_len=128), "seq_len", 10**12, Predictor("cuda", per_token))
+    assert (longest.value, longest.cap, longest.above) == (2016, 2048, None)
+    assert longest.text() == "2016 (0.00 GiB): seq_len 2017 is beyond what the cell takes"
+
+
+def test_bisection_over_real_fake_runs_returns_a_batch_whose_next_does_not_fit():
+    cell = tiny(seq_len=128)
+    budget = 100 * MIB
+    found = largest(cell, "batch_size", budget, Predictor("cuda"))
+    assert found.value and found.value > 2
+    at, above = (predict(with_size(cell, "batch_size", b)).peak_bytes for b in (found.value, found.value + 1))
+    assert at <= budget < above, (found.value, at, above)
+
+
+@pytest.mark.slow
+def test_the_largest_batch_predicted_is_the_largest_a_real_step_fits(tmp_path):
+    """Done when: at 1,024 tokens against a stated budget, `--max batch_size` predicts b, and a real step's measured
+    live-tensor peak at b fits the budget while at 2b it does not."""
+    device = sized_device("1.4GiB")  # usable: (1.4 - 1) GiB less 5 % = 408,021,893 bytes
+    budget = device.usable_bytes
+    assert budget == int(0.4 * GIB * 0.95)
+    out = tmp_path / "fit.json"
+    argv = ["fit", "--pair", "tiny-llama-teacher", "tiny-llama-student", "--seq-len", "1024", "--batch-size", "2"]
+    assert main([*argv, "--device-memory", "1.4GiB", "--max", "batch_size", "--out", str(out)]) == 0
+    dense = next(r for r in json.loads(out.read_text())["cells"][0]["largest"] if r["loss_impl"] == "dense")
+    b = dense["value"]
+    assert b >= 2 and dense["peak_bytes"] <= budget < dense["above_peak_bytes"]
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from kdbench.config.schema import CellConfig
+        from kdbench.distill.step import DistillStep
+        from kdbench.hw.backends import resolve
+        from kdbench.measure.memory import live_tensor_peak
+        from kdbench.models.cache import ModelCache
+        from kdbench.workloads.registry import workload_of
+        torch.set_num_threads(1)
+        for bs in ({b}, {2 * b}):
+            pair = {{"teacher": "tiny-llama-teacher", "student": "tiny-llama-student"}}
+            cfg = CellConfig.model_validate({{"pair": pair,
+                "method": "forward_kl", "batch_size": bs, "data": {{"kind": "tokens", "seq_len": 1024}}}})
+            backend, workload = resolve("cpu"), workload_of(cfg)
+            pair = workload.step_pair(cfg, backend, ModelCache(capacity=0), None)
+            x, y = workload.batch(cfg, bs, backend.device, cfg.seed, pair)
+            step = DistillStep(*pair, x, y, cfg, backend, workload)
+            step()
+            print(live_tensor_peak(step))
+            step.close()
+            del step, pair, x, y
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    real_b, real_2b = (int(line) for line in r.stdout.split())
+    print(f"b {b}: predicted {dense['peak_bytes']}, measured {real_b}; budget {budget}; 2b measured {real_2b}")
+    assert real_b <= budget < real_2b, (b, real_b, budget, real_2b)
+
+
+# --------------------------------------------------------------------------- the command
+
+SUITE = """
+name: fit-tiny
+backend: cpu
+defaults:
+  pair: {teacher: tiny-llama-teacher, student: tiny-llama-student}
+  method: forward_kl
+  batch_size: 2
+  data: {kind: tokens, seq_len: 1024}
+matrix:
+  loss_impl: [dense, fused_linear]
+"""
+
+
+@pytest.fixture
+def suite(tmp_path):
+    path = tmp_path / "fit.yaml"
+    path.write_text(SUITE)
+    return path
+
+
+def test_fit_judges_every_cell_of_a_suite_and_writes_json(suite, tmp_path, capsys, peaks):
+    out = tmp_path / "fit.json"
+    # usable (1.2 - 1) GiB x 0.95 = 194.6 MiB: between fused_linear's peak and dense's
+    assert peaks["fused_linear"] < sized_device("1.2GiB").usable_bytes < peaks["dense"]
+    assert main(["fit", str(suite), "--device-memory", "1.2GiB", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("kdbench fit: each cell's own distillation step") and "nothing allocated" in lines[0]
+    assert lines[1].startswith("device a device of 1.2GiB: 1.20 GiB") and "usable 0.19 GiB per device" in lines[1]
+    assert lines[2].startswith("[1/2] tiny-llama-teacher->tiny-llama-student forward_kl fp32 bs2 seq1024 dense  (cell ")
+    assert lines[3].startswith(f"      peak {peaks['dense'] / GIB:.2f} GiB per rank in loss (parameters ")
+    assert "logits" in lines[3] and "of it" in lines[3]
+    assert "fake run" in lines[4]
+    fused = f"{peaks['fused_linear'] / GIB:.2f} GiB"
+    assert lines[5] == f"      fits only with: loss_impl fused_linear (predicted {fused} of 0.19 GiB usable, in loss)"
+    assert lines[6].startswith("[2/2] ") and "fused_linear" in lines[6]
+    assert lines[9] == f"      fits ({fused} of 0.19 GiB usable)"
+    assert lines[10].startswith("2 cells: 1 fits only with, 1 fits; ") and "fake runs" in lines[10]
+    assert lines[11] == f"predictions -> {out}"
+    record = json.loads(out.read_text())
+    assert record["device"]["memory_bytes"] == round(1.2 * GIB)
+    assert record["device_type"] == "cuda"  # --device-memory is a GPU of that size
+    dense, fused = record["cells"]
+    assert dense["prediction"]["peak_bytes"] == peaks["dense"] and dense["verdict"]["outcome"] == FITS_WITH
+    assert dense["verdict"]["changes"] == ["loss_impl fused_linear"]
+    assert dense["verdict"]["changed"]["peak_bytes"] == fused["prediction"]["peak_bytes"] == peaks["fused_linear"]
+    assert fused["verdict"]["outcome"] == FITS and len(dense["cell_id"]) == 16
+
+
+def test_fit_without_a_device_prints_predictions_only(capsys):
+    argv = ["fit", "--pair", "tiny-llama-teacher", "tiny-llama-student", "--seq-len", "128", "--loss-impl", "chunked"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "no device given: predictions only" in out
+    assert "tiny-llama-teacher->tiny-llama-student forward_kl fp32 bs32 seq128 chunked" in out  # the schema's bs32
+    assert "peak " in out and "fits" not in out and out.strip().splitlines()[-1].startswith("1 cells: 1 predicted")
+
+
+@pytest.mark.slow
+def test_fit_max_sizes_every_loss_impl_of_an_lm_cell(capsys):
+    argv = ["fit", "--pair", "tiny-llama-teacher", "tiny-llama-student", "--seq-len", "128", "--batch-size", "2"]
+    assert main([*argv, "--device-memory", "1.1GiB", "--max", "batch_size"]) == 0
+    out = capsys.readouterr().out
+    for impl in ("dense", "chunked", "fused_linear", "torch_linear"):
+        assert f"      largest batch_size with loss_impl {impl}: " in out
+    assert "with loss_impl liger: unpredictable: " in out  # liger's chunked loss reads values: no fake run
+
+
+# --------------------------------------------------------------------------- user mistakes
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpu", "h10"], "--gpu h10: unknown device; did you mean "),
+        (["--device-memory", "lots"], "--device-memory 'lots': not a size; write a number and a unit"),
+        (["--device-memory", "0"], "--device-memory 0: must be a positive size, e.g. 80GB"),
+        (["--device-memory=-80GB"], "--device-memory -80GB: must be a positive size, e.g. 80GB"),
+        (["--gpu", "H200", "--max", "precision"], "--max precision: not a size key; --max takes batch_size or seq_len"),
+        (
+            ["--max", "batch_size"],
+            "--max batch_size: needs a device to fit into; add --gpu NAME or --device-memory SIZE",
+        ),
+        (["--gpu", "H200", "--out", "FOLDER"], "--out FOLDER: is a folder; give a file name"),
+        (["--gpu", "H200", "--device-memory", "80GB"], "argument --device-memory: not allowed with argument --gpu"),
+        (["--batch-size", "4"], "--batch-size: sets the cell of --pair; a suite's cells are set in the suite"),
+        (["--pair", "a", "b"], "give a suite or --pair TEACHER STUDENT, not both"),
+    ],
+)
+def test_fit_mistakes_are_one_line_naming_the_flag(argv, message, suite, tmp_path, capsys):
+    argv = [str(tmp_path) if a == "FOLDER" else a for a in argv]
+    assert main(["fit", str(suite), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kdbench: error: "), err
+    assert message.replace("FOLDER", str(tmp_path)) in err[0], err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "fit: give a suite file (kdbench fit SUITE) or one pair (kdbench fit --pair TEACHER STUDENT)"),
+        (["--pair", "tiny-llama-teacher", "tiny-lama-student"], "--pair: "),
+        (["--pair", "tiny-llama-teacher", "tiny-llama-student", "--loss-impl", "fused"], "--loss-impl: "),
+        (["--pair", "tiny-llama-teacher", "tiny-llama-student", "--parallel", "fsdp"], "--parallel: parallel fsdp"),
+        (
+            ["--pair", "resnet8", "linear", "--loss-impl", "fused_linear"],
+            "--loss-impl: loss_impl fused_linear computes",
+        ),
+        (
+            [
+                "--pair",
+                "tiny-llama-teacher",
+                "tiny-llama-student",
+                "--teacher-weights",
+                "bf16",
+                "--teacher-precision",
+                "fp32",
+            ],
+            "--teacher-weights: teacher.weights bf16 computes the teacher in bf16",
+        ),
+    ],
+)
+def test_fit_pair_mistakes_are_one_line(argv, message, capsys):
+    assert main(["fit", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"kdbench: error: {message}"), err
+
+
+def test_a_fit_mistake_from_the_real_command_has_no_traceback():
+    r = subprocess.run(
+        [sys.executable, "-m", "kdbench", "fit", str(ROOT / "suites" / "llm-cuda.yaml"), "--gpu", "H2000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "did you mean H200" in r.stderr
+
+
+CORPUS = sorted((ROOT / "tests" / "malformed").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CORPUS[::12], ids=[p.stem for p in CORPUS[::12]])
+def test_fit_reads_suites_as_run_does_so_the_malformed_corpus_says_the_same(path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    expected = path.read_bytes().splitlines()[0].decode("ascii").removeprefix("# expect: ")
+    assert main(["fit", str(path), "--gpu", "H200"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"kdbench: error: {path}") and expected in err[0], err

@@ -1,0 +1,378 @@
+"""benchmarks/gpu_check.py is run by hand on a GPU; what of it means something on the CPU runs here,
+so the script cannot rot unnoticed between GPU sessions."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kdbench.hw.backends import resolve
+from tests.support.paths import ROOT
+
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def quick_cpu_run(gpu_check, tmp_path_factory):
+    """One `--device cpu --quick` run for the tests that read what it wrote."""
+    out = tmp_path_factory.mktemp("gpu-check") / "out"
+    start = time.perf_counter()
+    code = gpu_check.main(["--device", "cpu", "--quick", "--out", str(out)])
+    return code, out, time.perf_counter() - start
+
+
+def test_pytest_does_not_collect_the_gpu_check(pytestconfig):
+    patterns = pytestconfig.getini("python_files")
+    assert not any(Path(SCRIPT.name).match(p) for p in patterns)
+
+
+def test_math_check_passes_on_the_cpu_and_skips_tf32_with_its_reason(gpu_check, capsys):
+    report = gpu_check.Report()
+    gpu_check.check_math(resolve("cpu"), report)
+    out = capsys.readouterr().out
+    assert report.failed == []
+    # fp32, tf32 (skipped, as it should be), bf16, fp16, the flag getters in IEEE and in TF32, the fp32 error
+    assert report.passed == 7
+    assert "tf32: skipped here: tf32 is a GPU math mode" in out
+    assert "fp32 matmul error" in out
+
+
+def test_the_flag_getters_answer_inside_math_mode_and_agree_with_it(gpu_check):
+    # gpu-review-2 G2: on torch >= 2.9 a legacy getter may raise inside math_mode; torch's compiler reads them
+    for tf32 in (False, True):
+        found = gpu_check.flag_getters(tf32)
+        names = [name for name, *_ in found]
+        assert {"cudnn.allow_tf32", "cuda.matmul.allow_tf32", "get_float32_matmul_precision()"} <= set(names)
+        wrong = [(name, value) for name, value, ok in found if not ok]
+        assert wrong == [], f"math_mode({tf32}): {wrong}"
+
+
+def test_a_raising_getter_is_a_failed_check_with_its_text(gpu_check, monkeypatch, capsys):
+    def broken():
+        raise RuntimeError("PyTorch is checking whether allow_tf32 is enabled")
+
+    monkeypatch.setattr(gpu_check, "FLAG_GETTERS", (("cudnn.allow_tf32", broken, False),))
+    report = gpu_check.Report()
+    gpu_check.check_flag_getters(report)
+    assert len(report.failed) == 2
+    assert "raised RuntimeError: PyTorch is checking whether allow_tf32 is enabled (WRONG)" in capsys.readouterr().out
+
+
+def test_a_failed_check_is_kept_and_printed(gpu_check, capsys):
+    report = gpu_check.Report()
+    assert report.check("one thing", True) is True
+    assert report.check("another", False) is False
+    assert report.passed == 1 and report.failed == ["another"]
+    assert "FAIL another" in capsys.readouterr().out
+
+
+def test_checks_that_need_a_gpu_say_so_on_the_cpu(gpu_check, capsys):
+    report = gpu_check.Report()
+    gpu_check.check_telemetry(resolve("cpu"), report)
+    gpu_check.check_memory(resolve("cpu"), report)
+    assert report.passed == 0 and report.failed == []
+    assert capsys.readouterr().out.count("no GPU") == 2
+
+
+def test_the_new_gpu_checks_say_so_on_the_cpu(gpu_check, tmp_path, capsys):
+    report = gpu_check.Report()
+    cpu = resolve("cpu")
+    gpu_check.check_idle(cpu, report)
+    gpu_check.check_syncs(cpu, report)
+    gpu_check.check_levers(cpu, gpu_check.LEVERS, tmp_path, report, 240)
+    gpu_check.check_lm(cpu, gpu_check.LM_SUITE, tmp_path, report, 240)
+    assert report.passed == 0 and report.failed == []
+    out = capsys.readouterr().out
+    assert out.count("no GPU") == 4
+    assert "no GPU: the levers suite needs one" in out and "no GPU: the LM suite needs one" in out
+
+
+def test_the_plan_fits_one_device_command_and_quick_fits_with_margin(gpu_check):
+    full = gpu_check.parse_args([])
+    quick = gpu_check.parse_args(["--quick"])
+    names = [name for name, *_ in gpu_check.plan(full)]
+    assert names[0] == "start-up" and {"levers", "syncs", "idle", "math", "suite", "lm", "report"} <= set(names)
+    low, high = gpu_check.plan_bounds(full)
+    # the device command runs --quick: 8 minutes of a 10-minute command, the runner's install and a fresh box's
+    # start beside it; the full check, with the LM stage, fits the 10-minute command itself on a warm box
+    assert 0 < gpu_check.plan_bounds(quick)[0] <= gpu_check.plan_bounds(quick)[1] <= 480 == gpu_check.DEVICE_COMMAND_S
+    assert 0 < low <= high <= 600 == gpu_check.FULL_COMMAND_S
+    assert gpu_check.plan_bounds(quick)[1] < high
+    assert gpu_check.plan_bounds(gpu_check.parse_args(["--skip", "levers"]))[1] == high - 240
+    lm = {name: (low, high) for name, low, high, _ in gpu_check.plan(full)}["lm"]
+    assert gpu_check.plan_bounds(gpu_check.parse_args(["--skip", "lm"]))[1] == high - lm[1] and lm[0] > 0
+    assert gpu_check.parse_args([]).cell_timeout == 240
+
+
+def test_quick_suites_are_subsets_with_the_cells_the_summary_reads(gpu_check, tmp_path):
+    from kdbench.config.load import load_suite
+    from kdbench.workloads import expand_checked
+
+    smoke = gpu_check.subset_suite(gpu_check.SMOKE, gpu_check.quick_smoke_case, tmp_path, "gpu-smoke-quick")
+    levers = gpu_check.subset_suite(gpu_check.LEVERS, gpu_check.quick_lever_case, tmp_path, "gpu-levers-quick")
+    full_smoke = {c.cell_id for c in expand_checked(load_suite(gpu_check.SMOKE))}
+    full_levers = {c.cell_id: c.config for c in expand_checked(load_suite(gpu_check.LEVERS))}
+    quick_smoke = [c.config for c in expand_checked(load_suite(smoke)) if c.cell_id in full_smoke]
+    quick_levers = [c.config for c in expand_checked(load_suite(levers)) if c.cell_id in full_levers]
+    assert len(quick_smoke) == 3 and len(quick_levers) == 7  # the same cells (same ids) as in the full suites
+    assert any(c.pair.student == "resnet18" and c.precision == "bf16" for c in quick_smoke)
+    assert [c.compile for c in quick_levers if c.compile != "off"] == ["reduce-overhead"]
+    assert any(c.compile_teacher for c in quick_levers)
+
+
+def test_the_lm_suite_covers_every_lm_path_and_quick_runs_it_whole(gpu_check):
+    from kdbench.config.load import load_suite
+    from kdbench.distill.lm.impls import LOSS_IMPLS
+    from kdbench.workloads import expand_checked, planned_measurements
+
+    full = expand_checked(load_suite(gpu_check.LM_SUITE))
+    configs = [c.config for c in full]
+    assert {c.loss_impl for c in configs} == set(LOSS_IMPLS)  # every loss_impl
+    assert any(c.teacher.weights == "bf16" for c in configs) and any(c.teacher.mode == "topk_cache" for c in configs)
+    assert any(c.on_policy is not None for c in configs)
+    measured = {str(m) for c in configs for m, _ in planned_measurements(c)}
+    assert {"student_prefill", "student_decode", "teacher_prefill", "teacher_decode"} <= measured
+    assert len(full) == 7 and sum(len(planned_measurements(c)) for c in configs) == 15
+    # --quick (the device command's) runs it whole, every loss_impl: the stage planned at its full time
+    stage = {s.name: s for s in gpu_check.PLAN}["lm"]
+    assert (stage.quick_low, stage.quick_high) == (stage.low, stage.high)
+
+
+def test_the_lm_stage_on_a_simulated_gpu_judges_every_row_of_the_lm_suite(gpu_check, monkeypatch, tmp_path, capsys):
+    """The LM stage as a GPU runs it (a simulated one, the suite's rows as read_results gives them): an ok row
+    passes with its attention kernel and, on a step, 0 < mfu <= 1; a row without its kernel, a top-k cell without
+    its cache bytes, an on-policy step without its generation phase, or a failed row fails; a skip with its reason
+    passes (gpu-review-3 L10)."""
+    import pandas as pd
+
+    from kdbench.core.schema import COLUMNS
+    from tests.support.helpers import simulated_gpu
+
+    step = {"measurement": "distill_step", "status": "ok", "median_ms": 4.0, "tokens_per_s": 2.5e5, "mfu": 0.2}
+    rows = [
+        {**step, "cell_label": "dense", "attention_kernel": "cudnn"},
+        {**step, "cell_label": "dense", "measurement": "student_decode", "mfu": None, "attention_kernel": "flash"},
+        {**step, "cell_label": "fused_linear", "attention_kernel": None},  # the kernel not recorded
+        {**step, "cell_label": "topk", "attention_kernel": "cudnn", "teacher_mode": "topk_cache"},  # no cache bytes
+        {**step, "cell_label": "topk ok", "attention_kernel": "cudnn", "teacher_mode": "topk_cache"}
+        | {"teacher_cache_bytes_per_token": 1024.0},
+        {**step, "cell_label": "gkd", "attention_kernel": "cudnn", "on_policy_new_tokens": 32},  # no generate phase
+        {**step, "cell_label": "gkd ok", "attention_kernel": "cudnn", "on_policy_new_tokens": 32}
+        | {"phase_generate_ms": 1.5},
+        {**step, "cell_label": "mfu", "attention_kernel": "cudnn", "mfu": 1.5},  # more than the datasheet's peak
+        {"measurement": "distill_step", "status": "skipped", "cell_label": "liger", "error": "liger-kernel missing"},
+        {"measurement": "distill_step", "status": "failed", "cell_label": "torch_linear", "error": "boom"},
+    ]
+    df = pd.DataFrame(rows).reindex(columns=[c.name for c in COLUMNS]).assign(batch_size=2)
+    asked = []
+    monkeypatch.setattr(gpu_check, "_run_suite", lambda backend, suite, *a: asked.append((backend.name, suite)) or df)
+    report = gpu_check.Report()
+    gpu_check.check_lm(simulated_gpu("cuda"), gpu_check.LM_SUITE, tmp_path, report, 240)
+    out = capsys.readouterr().out
+    assert asked == [("cuda", gpu_check.LM_SUITE)]
+    assert "kdbench run gpu-lm.yaml: the LM paths" in out
+    assert report.passed == 5  # dense step and decode, the two complete cells, the skip with its reason
+    failed = "\n".join(report.failed)
+    assert len(report.failed) == 5
+    for problem in (
+        "fused_linear distill_step bs2: 4 ms, 2.5e+05 tokens/s, attention not recorded, mfu 0.2: no attention_kernel",
+        "topk distill_step bs2: 4 ms, 2.5e+05 tokens/s, attention cudnn, mfu 0.2: no teacher_cache_bytes_per_token",
+        "gkd distill_step bs2: 4 ms, 2.5e+05 tokens/s, attention cudnn, mfu 0.2: no phase_generate_ms",
+        "mfu / ceiling_utilization 1.5 not in (0, 1]",
+        "torch_linear distill_step bs2: failed: boom",
+    ):
+        assert problem in failed, failed
+    assert "attention kernels that ran: cudnn, flash" in out
+
+
+@pytest.mark.slow
+def test_the_lm_steps_of_the_syncs_stage_build_and_sync_where_it_says(gpu_check):
+    """The syncs stage's LM steps, built on the CPU; kdbench's counter sees there the value reads a GPU syncs on
+    (not the host-to-device copies): kdbench's step none, liger's one read-back (its copy is the GPU's second),
+    and transformers' causal-mask builder once per forward, teacher's and student's."""
+    from kdbench.measure.syncs import optimizer_host_tensors, sync_calls
+
+    cpu = resolve("cpu")
+    small = {"teacher": {"vocab_size": 256}, "student": {"vocab_size": 256}}
+    data = {"kind": "tokens", "seq_len": 16, "prompt_fraction": 0.25}
+    for impl, reads in (("fused_linear", 0), ("liger", gpu_check.LIGER_SYNCS - 1)):
+        config = gpu_check.lm_config(loss_impl=impl, precision="fp32", teacher_precision="fp32", overrides=small)
+        config = config.model_copy(update={"data": config.data.model_copy(update=data), "chunk_size": 8})
+        step = gpu_check.lm_step(cpu, config)
+        try:
+            step()
+            step()
+            exempt = optimizer_host_tensors(step.distiller.optimizer)
+            own, with_model, why = gpu_check.lm_sync_expectations(impl, packed_check=True)
+            with gpu_check.without_packed_check():
+                assert len(sync_calls(step, cpu, exempt=exempt)) == reads
+            assert len(sync_calls(step, cpu, exempt=exempt)) - reads == with_model - own == 2
+            assert ("liger-kernel" in why) == (impl == "liger")
+        finally:
+            step.close()
+
+
+def test_the_levers_suite_plans_every_lever_once():
+    done = subprocess.run(
+        [sys.executable, "-m", "kdbench", "run", "suites/gpu-levers.yaml", "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "10 cells, 20 measurements" in done.stdout
+    for label in ("compile-default", "compile-reduce-overhead compile-teacher", "graphs", "serve-compile"):
+        assert label in done.stdout
+    for label in ("conv-autotune", "tunableop", "fused", "fp32 bs64 serve-onnxruntime"):
+        assert label in done.stdout
+
+
+def test_quick_runs_on_the_cpu_and_the_gpu_stages_say_no_gpu(quick_cpu_run):
+    code, out, seconds = quick_cpu_run
+    log = (out / "check.log").read_text()
+    assert code == 0, log
+    assert seconds < 120
+    for line in (
+        "no GPU: the levers suite needs one",
+        "no GPU: the LM suite needs one",
+        "no GPU: nothing synchronises on the CPU",
+        "no GPU: the host clock times the sleep",
+        "no GPU: the CPU has no allocator counters",
+        "no GPU: --quick on the CPU skips the suite stage",
+    ):
+        assert line in log
+    assert "plan (--quick): seconds on a warm H200" in log
+    assert "(within 480 s, the device command's budget)" in log  # the quick plan against its bound
+    assert "   lm           40-90   gpu-lm.yaml: 7 tiny-Llama cells" in log  # the LM stage, planned
+    assert "software: torch " in log and "transformers " in log  # which torch it ran
+    assert "ok   kdbench probe exit code 0" in log  # the subprocess's output is in the log too
+    assert "probing cpu" in log
+
+
+def test_quick_output_is_a_few_files_at_most_two_folders_deep(quick_cpu_run):
+    _, out, _ = quick_cpu_run
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert 0 < len(files) <= 8
+    assert all(len(p.relative_to(out).parts) <= 2 for p in out.rglob("*"))
+    assert {"summary.txt", "check.log", "results.tar.gz", "probe.parquet"} <= {p.name for p in files}
+
+
+def test_summary_reports_the_five_numbers_and_the_counts(quick_cpu_run):
+    _, out, _ = quick_cpu_run
+    summary = (out / "summary.txt").read_text()
+    assert "passed, 0 failed" in summary and "torch " in summary and "UTC" in summary and "wall time" in summary
+    assert "\nsoftware:  torch " in summary and ", transformers " in summary and ", liger-kernel " in summary
+    assert "lm no GPU" in summary  # the LM stage, listed with what became of it
+    for number in range(1, 6):
+        assert f"\n  {number}. " in summary
+    assert "probe bf16 matmul, TFLOP/s:" in summary and "INFO: no expected range for cpu" in summary
+    assert "5. energy counter over sampled power, GEMM window: n/a: " in summary
+
+
+def test_first_run_numbers_are_judged_against_the_h200_ranges(gpu_check):
+    report = gpu_check.Report()
+    report.figure("probe_bf16_tflops", 781.0)
+    report.figure("energy_ratio", 1.4)
+    report.figure("clock_adds_launch_bound", True)
+    fig = {f.key: f for f in gpu_check.FIGURES}
+    assert gpu_check.judge(fig["probe_bf16_tflops"], report, "NVIDIA H200", {}).endswith("PASS")
+    assert gpu_check.judge(fig["energy_ratio"], report, "NVIDIA H200", {}).endswith("FAIL")
+    assert gpu_check.judge(fig["clock_adds_launch_bound"], report, "NVIDIA H200", {}).endswith("PASS")
+    assert "INFO: no expected range for NVIDIA A100" in gpu_check.judge(
+        fig["probe_bf16_tflops"], report, "NVIDIA A100", {}
+    )
+    assert "n/a: the telemetry stage skipped" in gpu_check.judge(
+        fig["energy_ratio"], gpu_check.Report(), "x", {"telemetry": "skipped"}
+    )
+
+
+def test_a_stopped_run_still_leaves_its_summary_and_log(gpu_check, monkeypatch, tmp_path):
+    def stopped(*args, **kwargs):
+        raise gpu_check.Stopped("stopped by SIGTERM")
+
+    monkeypatch.setattr(gpu_check, "check_idle", stopped)
+    out = tmp_path / "out"
+    code = gpu_check.main(["--device", "cpu", "--quick", "--out", str(out), "--skip", "probe"])
+    assert code == 1
+    summary = (out / "summary.txt").read_text()
+    assert "stopped by SIGTERM" in summary and "idle stopped by SIGTERM" in summary
+    assert "math done" in summary and "syncs not reached" in summary
+    assert "FAIL idle: stopped by SIGTERM" in (out / "check.log").read_text()
+
+
+def test_lever_rows_pass_ok_or_skipped_with_a_reason_and_compiled_rows_need_a_one_off_cost(gpu_check, monkeypatch):
+    import types
+
+    import pandas as pd
+
+    base = {"batch_size": 64, "median_ms": 1.0, "compile": "off", "compile_teacher": False, "runtime": None}
+    base |= {"one_off_ms": None, "one_off_kind": None, "compiled_graphs": 1, "graph_breaks": 0, "recompiles": 0}
+    base |= {"output_check": None, "error": None}
+    rows = [
+        {"cell_label": "plain", "measurement": "distill_step", "status": "ok"},
+        {"cell_label": "co", "measurement": "distill_step", "status": "ok", "compile": "default", "one_off_ms": 2e4},
+        {"cell_label": "free", "measurement": "distill_step", "status": "ok", "compile": "default", "one_off_ms": 0.0},
+        {"cell_label": "teach", "measurement": "distill_step", "status": "ok", "compile_teacher": True},
+        {"cell_label": "serve", "measurement": "student_inference", "status": "ok", "runtime": "compile + graphs"},
+        {"cell_label": "ort", "measurement": "student_inference", "status": "skipped", "error": "no onnxruntime-gpu"},
+        {"cell_label": "why", "measurement": "student_inference", "status": "skipped"},
+        {"cell_label": "crash", "measurement": "distill_step", "status": "failed", "error": "overwritten"},
+        {"cell_label": "ort2", "measurement": "student_inference", "status": "ok", "output_check": "MISMATCH: 1"},
+    ]
+    df = pd.DataFrame([{**base, **r} for r in rows])
+    monkeypatch.setattr(gpu_check, "_run_suite", lambda *args: df)
+    report = gpu_check.Report()
+    gpu_check.check_levers(types.SimpleNamespace(device_type="cuda"), gpu_check.LEVERS, Path("."), report, 240)
+    failed = sorted(what.split()[0] for what in report.failed)
+    assert failed == ["crash", "free", "ort2", "serve", "teach", "why"]
+    assert report.passed == 3  # plain, co, ort (skipped, saying why)
+
+
+def test_the_step_figures_come_from_the_resnet50_bf16_step(gpu_check):
+    import pandas as pd
+
+    row = {"measurement": "distill_step", "teacher": "resnet50", "student": "resnet18", "precision": "bf16"}
+    row |= {"status": "ok", "error": None, "median_ms": 100.0, "n": 20, "window_ms": 2040.0, "host_ms": 10.0}
+    row |= {"phase_remainder_ms": -1.0}
+    report = gpu_check.Report()
+    gpu_check.step_figures(pd.DataFrame([row]), report)
+    assert report.figures["step_window_ratio"] == pytest.approx(1.02)
+    assert report.figures["step_host_ratio"] == pytest.approx(0.1)
+    assert report.figures["step_remainder_ratio"] == pytest.approx(-0.01)
+
+
+def test_the_lm_stage_reports_the_fit_planners_prediction_against_the_gpus_peak(gpu_check, capsys):
+    import pandas as pd
+
+    df = pd.DataFrame(
+        {
+            "measurement": ["distill_step", "distill_step", "student_prefill"],
+            "status": ["ok", "ok", "ok"],
+            "cell_label": ["dense", "liger", "dense"],
+            "predicted_peak_bytes": [2 * 2**30, None, None],
+            "predicted_peak_phase": ["loss", None, None],
+            "live_peak_bytes": [int(2.1 * 2**30), 3 * 2**30, None],
+            "predicted_peak_ratio": [1.05, None, None],
+        }
+    )
+    report = gpu_check.Report()
+    gpu_check.report_fit(df, report)
+    out = capsys.readouterr().out
+    assert "fit dense: predicted 2.000 GiB in loss, measured 2.100 GiB (max_memory_allocated)" in out
+    assert "measured/predicted 1.050" in out and "fit liger: unpredictable" in out
+    assert "fit planner on this GPU: measured/predicted 1.050-1.050 over 1 steps" in out
+    assert report.failed == [] and report.passed == 0  # information, not checks
