@@ -1,2 +1,2 @@
 """Hardware: the backend a cell runs on (cpu, cuda, rocm) and what follows from it, its clocks, the environment it
-records, where tensors are placed, synthetic image batches, and how much slower a 16-bit precision runs here."""
+records, where tensors are placed, and how much slower a 16-bit precision runs here."""

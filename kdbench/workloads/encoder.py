@@ -79,7 +79,7 @@ class EncoderWorkload(Workload):
 
     def check(self, config: Any, allow_imports: bool) -> Problems:
         from kdbench.models.encoders import is_encoder_model
-        from kdbench.workloads.lm.workload import checks as lm_checks
+        from kdbench.workloads.lm import checks as lm_checks
 
         problems: Problems = []
         roles = []

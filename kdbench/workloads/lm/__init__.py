@@ -1,1 +1,2 @@
-"""kdbench.workloads.lm.workload."""
+"""The language-model family's wing: the workload (:mod:`.workload`), its plan checks (:mod:`.checks`), serving
+(:mod:`.serving`), speculative decoding (:mod:`.speculative`) and cross-tokenizer cells (:mod:`.xtok`)."""

@@ -89,7 +89,7 @@ class LMWorkload(Workload):
 
     def check(self, config: Any, allow_imports: bool) -> Problems:
         from kdbench.distill.lm.impls import unsupported
-        from kdbench.workloads.lm.workload import checks as lm_checks
+        from kdbench.workloads.lm import checks as lm_checks
 
         problems: Problems = []
         roles = []
