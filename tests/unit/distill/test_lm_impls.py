@@ -98,7 +98,7 @@ def test_the_registry_names_what_the_schema_and_the_report_take():
 
     from kdbench.config.schema import LossImpl
     from kdbench.distill.lm.impls.base import IMPLS
-    from kdbench.report import lm as report_lm
+    from kdbench.report.lm import tables as report_lm
 
     assert LOSS_IMPLS == tuple(IMPLS) == typing.get_args(LossImpl) == report_lm.LOSS_IMPLS
     assert all(IMPLS[name].name == name for name in LOSS_IMPLS)

@@ -1,4 +1,4 @@
-"""Tests of the report's Language models section (kdbench.report.lm) on a small synthetic frame."""
+"""Tests of the report's Language models section (kdbench.report.lm: its tables and charts) on a small synthetic frame."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from kdbench.core.schema import Row
 from kdbench.report import render_report
-from kdbench.report.lm import (
+from kdbench.report.lm.tables import (
     GIB,
     floor_points,
     has_lm,
@@ -259,10 +259,10 @@ def test_step_table_shows_tokens_per_s_the_oom_and_why_liger_was_skipped(page):
     section = _section(page[1])
     (dense,) = _rows_of(section, "lm-step-row", ">dense<", ">1,024<")
     assert _cell(dense, "tokens") == "10,240" and _cell(dense, "share") == "40.0 %"
-    assert ">20.0 GiB<" in dense and ">4.00 GiB<" in dense
+    assert ">20,480.0 MiB<" in dense and ">4,096.0 MiB<" in dense  # bytes as every report table writes them
     (oom,) = _rows_of(section, "lm-step-row", ">dense<", ">4,096<")
     assert "not-ok" in oom and '<span class="flag">OOM</span>' in oom and "CUDA out of memory" in oom
-    assert ">16.0 GiB<" in oom  # its logits, computed from the shapes
+    assert ">16,384.0 MiB<" in oom  # its logits, computed from the shapes
     (liger,) = _rows_of(section, "lm-step-row", ">liger<")
     assert ">skipped<" in liger and LIGER_WHY in liger
 
@@ -369,7 +369,7 @@ CPU = {"device_name": "Intel Xeon", "backend": "cpu"}
 
 
 def test_logits_above_the_footprint_are_compared_with_the_peak_and_say_why(page):
-    from kdbench.report.lm import step_rows
+    from kdbench.report.lm.tables import step_rows
 
     # llm-cpu's dense seq 1,024: 2.99 GiB of logits against a 2.78 GiB footprint (the resident memory's rise) and a
     # 3.9 GiB peak: the step reused memory the process held as it began
@@ -382,7 +382,7 @@ def test_logits_above_the_footprint_are_compared_with_the_peak_and_say_why(page)
     assert points.loc["chunked", "memory_note"] == ""
     assert memory_table(points.reset_index()).set_index("impl").loc["dense", "footprint_gib"] == pytest.approx(2.78)
     dense = step_rows(points.reset_index())[0]
-    assert (dense["peak"], dense["footprint"], dense["logits_share"]) == ("3.90 GiB", "2.78 GiB", "76.7 %")
+    assert (dense["peak"], dense["footprint"], dense["logits_share"]) == ("3,993.6 MiB", "2,846.7 MiB", "76.7 %")
     # the live tensor peak tells the causes apart: the logits within it (reused memory), or above it (an overcount)
     held = step_points(as_read([cpu | {"live_peak_bytes": int(3.2 * GIB)}])).loc[0, "memory_note"]
     assert "its live tensors peaked at 3.2 GiB, the logits within them" in held
@@ -393,7 +393,7 @@ def test_logits_above_the_footprint_are_compared_with_the_peak_and_say_why(page)
     # on the page (a GPU row: the allocator's counters are exact), flagged and said
     section = _section(page[1])
     (chunked,) = _rows_of(section, "lm-step-row", ">chunked<", ">1,024<")
-    assert ">0.400 GiB<" in chunked and re.search(r'>0.500 GiB\s*<span class="flag">⚠</span>', chunked)
+    assert ">409.6 MiB<" in chunked and re.search(r'>512.0 MiB\s*<span class="flag">⚠</span>', chunked)
     note = (
         "the computed logits exceed the footprint (the allocator's peak minus what was allocated as the step began): "
         "buffers allocated before the step (a cached teacher's outputs) are not in it, or " + OVERCOUNT

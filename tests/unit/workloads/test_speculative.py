@@ -333,7 +333,7 @@ def test_a_cell_stores_a_speculative_row_per_draft_length_and_temperature_with_i
 
 
 def test_the_report_shows_a_speculative_table(tmp_path):
-    from kdbench.report.lm import speculative_rows, speculative_table
+    from kdbench.report.lm.tables import speculative_rows, speculative_table
     from tests.support.helpers import as_read
 
     rows = [
