@@ -178,7 +178,7 @@ def _fit(sub) -> None:
     )
     cell.add_argument("--teacher-weights", default=None, metavar="DTYPE", help="the teacher held in fp32, bf16 or fp16")
     cell.add_argument(
-        "--loss-impl", default=None, metavar="IMPL", help="dense, chunked, fused_linear, liger or torch_linear"
+        "--loss-impl", default=None, metavar="IMPL", help="dense, natural, chunked, fused_linear, liger or torch_linear"
     )
     cell.add_argument(
         "--chunk-size", type=_number(int, "--chunk-size", 1, 1 << 20), default=None, metavar="N", help="tokens a chunk"

@@ -276,7 +276,7 @@ class GenerationConfig(Strict):
     compile: bool = False
 
 
-LossImpl = Literal["dense", "chunked", "fused_linear", "liger", "torch_linear"]
+LossImpl = Literal["dense", "natural", "chunked", "fused_linear", "liger", "torch_linear"]
 
 
 class FSDPConfig(Strict):
@@ -348,8 +348,9 @@ class _CellBase(Strict):
     graphs: bool = False  # CUDA/HIP graph replay of the student's inference (GPUs)
     conv_autotune: bool = False  # torch.backends.cudnn.benchmark: cuDNN / MIOpen algorithm search (GPUs)
     tunableop: bool = False  # PyTorch TunableOp GEMM tuning (GPUs)
-    # LM pairs: how the LM heads and the token loss are computed: dense (both logits whole), chunked (logits
-    # whole, float32 work per token chunk), fused_linear (hidden states and head weights, chunk by chunk: the
+    # LM pairs: how the LM heads and the token loss are computed: dense (both logits whole), natural (as TRL and
+    # torchtune write it: both logits of every position, masked afterwards), chunked (logits whole, float32 work
+    # per token chunk), fused_linear (hidden states and head weights, chunk by chunk: the
     # logits never exist whole), liger (liger-kernel's chunked losses), torch_linear (F.linear_cross_entropy)
     loss_impl: LossImpl = "dense"  # type: ignore[valid-type]
     # tokens per chunk of the chunked, fused_linear and liger loss implementations

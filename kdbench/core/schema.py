@@ -158,8 +158,14 @@ COLUMNS: tuple[Column, ...] = (
             "loss_impl",
             _S,
             "",
-            "LM pairs: how the LM heads and the token loss were computed (`dense`, `chunked`, `fused_linear`, "
-            "`liger`, `torch_linear`)",
+            "LM pairs: how the LM heads and the token loss were computed (`dense`, `natural`, `chunked`, "
+            "`fused_linear`, `liger`, `torch_linear`)",
+        ),
+        (
+            "chunk_size",
+            _I,
+            "tokens",
+            "LM pairs: tokens per chunk of the loss implementation (null for dense and natural)",
         ),
         ("chunk_size", _I, "tokens", "LM pairs: tokens per chunk of the loss implementation (null for dense)"),
         (

@@ -217,7 +217,7 @@ def test_list_loss_impls_says_what_each_needs_and_computes(capsys):
     assert main(["list", "loss-impls"]) == 0
     blocks = capsys.readouterr().out.split("\n")[1:]
     by_impl = {line.split(":")[0]: blocks[i + 1 : i + 3] for i, line in enumerate(blocks) if line[:1].isalpha()}
-    assert list(by_impl) == ["dense", "chunked", "fused_linear", "liger", "torch_linear"]
+    assert list(by_impl) == ["dense", "natural", "chunked", "fused_linear", "liger", "torch_linear"]
     every = "    divergences: forward_kl, reverse_kl, jsd, tvd, skew_fkl, skew_rkl"
     assert by_impl["dense"][0] == by_impl["fused_linear"][0] == every
     assert by_impl["liger"][0] == "    divergences: forward_kl, reverse_kl, jsd, skew_fkl at lam=0, skew_rkl at lam=0"

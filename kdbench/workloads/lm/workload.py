@@ -246,7 +246,7 @@ class LMWorkload(Workload):
         return {
             "seq_len": config.data.seq_len,
             "loss_impl": config.loss_impl,
-            "chunk_size": config.chunk_size if config.loss_impl != "dense" else None,
+            "chunk_size": config.chunk_size if config.loss_impl not in ("dense", "natural") else None,
             "generation": generation_label(config.generation),
         }
 
@@ -363,7 +363,7 @@ class LMWorkload(Workload):
                 "seq_len": config.data.seq_len,
                 "vocab_size": loss.vocab,
                 "loss_impl": config.loss_impl,
-                "chunk_size": config.chunk_size if config.loss_impl != "dense" else None,
+                "chunk_size": config.chunk_size if config.loss_impl not in ("dense", "natural") else None,
                 "logits_memory_bytes": memory["bytes"],
                 "logits_buffers": memory["text"],
                 "extra_flops": loss_extra_flops(loss),

@@ -285,7 +285,7 @@ def test_a_swept_setting_is_in_every_label_its_default_too(tmp_path):
         c.config.loss_impl: c.label for c in lm if c.config.data.seq_len == 256 and c.config.precision == "fp32"
     } == {
         impl: f"tiny-llama-teacher->tiny-llama-student forward_kl fp32 bs2 seq256 {impl}"
-        for impl in ("dense", "chunked", "fused_linear", "liger", "torch_linear")
+        for impl in ("dense", "natural", "chunked", "fused_linear", "liger", "torch_linear")
     }
     suite = write_suite(
         tmp_path / "s.yaml",
@@ -313,7 +313,8 @@ def test_a_swept_setting_is_in_every_label_its_default_too(tmp_path):
 SHIPPED_PLANS = TESTS / "data" / "shipped_plans.json"
 CELLS_ADDED_SINCE = {
     "llm-fsdp.yaml": 2,  # issue 30: FSDP2 of a bf16-held teacher, with and without bf16 gathers
-    "llm-cpu.yaml": 9,  # issue 34: liger and torch_linear at both lengths, every loss_impl in bf16 at 256 tokens
+    "llm-cpu.yaml": 12,  # issue 34: liger and torch_linear at both lengths, every loss_impl in bf16 at 256 tokens;
+    # issue 41: natural (the dense loss as TRL and torchtune write it) at both lengths and in bf16
     "quality-text.yaml": 1,  # issue 34: the student of its own tokenizer (bpe:512) by uld
 }
 # Quality jobs that measure more since (a new job id: a resume measures it again); their models' checkpoints keep

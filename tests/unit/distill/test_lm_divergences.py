@@ -120,7 +120,7 @@ def test_the_value_is_the_alpha_divergence(user_divergence):
 def test_every_impl_that_supports_it_equals_dense_and_the_reference(user_divergence, temperature, bias):
     inputs = make_inputs(bias)
     supporting = [impl for impl in LOSS_IMPLS if unsupported(impl, TokenLoss(NAME)) is None]
-    assert supporting == ["dense", "chunked", "fused_linear"]
+    assert supporting == ["dense", "natural", "chunked", "fused_linear"]
     for ce_weight in (0.7, 0.0):
         loss = TokenLoss(NAME, temperature=temperature, kd_weight=1.3, ce_weight=ce_weight, order=0.3)
         want = run("dense", loss, inputs)
@@ -169,7 +169,7 @@ from kdbench.workloads.lm.workload import LM
 
 cpu = resolve("cpu")
 out = {"problems": {}, "losses": {}, "grads": {}}
-for impl in ("dense", "chunked", "fused_linear", "liger", "torch_linear"):
+for impl in ("dense", "natural", "chunked", "fused_linear", "liger", "torch_linear"):
     config = CellConfig.model_validate({
         "pair": {"teacher": "tiny-llama-teacher", "student": "tiny-llama-student"},
         "overrides": {"teacher": {"num_hidden_layers": 1}, "student": {"num_hidden_layers": 1}},
@@ -197,13 +197,13 @@ def test_a_tiny_lm_cell_with_it_checks_and_steps_under_every_impl_that_supports_
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     problems = out["problems"]
-    assert problems["dense"] == problems["chunked"] == problems["fused_linear"] == []
+    assert problems["dense"] == problems["natural"] == problems["chunked"] == problems["fused_linear"] == []
     for impl in ("liger", "torch_linear"):
         [[key, why]] = problems[impl]
         assert key == ["loss_impl"] and why.startswith(f"{impl} cannot compute alpha_divergence")
     dense = torch.tensor(out["grads"]["dense"])
     assert torch.isfinite(dense).all() and dense.abs().max() > 0
-    for impl in ("chunked", "fused_linear"):
+    for impl in ("natural", "chunked", "fused_linear"):
         assert out["losses"][impl] == pytest.approx(out["losses"]["dense"], rel=1e-5)
         grads = torch.tensor(out["grads"][impl])
         assert ((grads - dense).abs().max() / dense.abs().max()).item() <= 1e-5, impl

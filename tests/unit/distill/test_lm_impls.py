@@ -106,7 +106,7 @@ def test_the_registry_names_what_the_schema_and_the_report_take():
 
 def test_pairs_cover_what_each_impl_supports():
     by_impl = {impl: {d for i, d in PAIRS if i == impl} for impl in LOSS_IMPLS[1:]}
-    assert by_impl["chunked"] == by_impl["fused_linear"] == {None, *DIVERGENCES}
+    assert by_impl["natural"] == by_impl["chunked"] == by_impl["fused_linear"] == {None, *DIVERGENCES}
     assert by_impl["liger"] == {None, "forward_kl", "reverse_kl", "jsd"}
     assert by_impl["torch_linear"] == {None, "forward_kl"}
 
@@ -154,7 +154,7 @@ def test_infinite_logits_are_left_out_as_dense_does(divergence):
     loss = loss_for(divergence, 2.0, 0.5)
     want = run("dense", loss, inputs)
     assert all(torch.isfinite(t).all() for t in want)
-    for impl in ("chunked", "fused_linear"):
+    for impl in ("natural", "chunked", "fused_linear"):
         assert_matches(run(impl, loss, inputs), want, what=impl)
 
 
@@ -323,13 +323,14 @@ def test_every_impl_counts_the_heads_matmuls_it_runs():
     # 2 FLOPs per multiply-add of each head matmul the impl executes, over its rows: the student's logits and its two
     # gradients (w.r.t. h_s and W_s), the teacher's logits; fused_linear's in-place addmm_ and torch_linear's fused
     # op counted as dense's autograd matmuls are. torch_linear's CE runs on every row (masked ones too) and its KD
-    # recomputes the student's logits; liger runs its heads on every row.
+    # recomputes the student's logits; liger and natural run their heads on every row.
     inputs = make_inputs(bias=False)
     n_valid = int((inputs[-1] != -100).sum())
     loss = loss_for("forward_kl")
     student, teacher = 2 * V * HS, 2 * V * HT  # per row
     want = {
         "dense": n_valid * (3 * student + teacher),
+        "natural": N * (3 * student + teacher),
         "chunked": n_valid * (3 * student + teacher),
         "fused_linear": n_valid * (3 * student + teacher),
         "torch_linear": N * 3 * student + n_valid * (3 * student + teacher),
@@ -343,6 +344,7 @@ def test_logits_memory_estimate():
     loss = TokenLoss("forward_kl", ce_weight=1.0)
     est = {impl: logits_memory(impl, 4096, 32000, 4, 1024, loss) for impl in LOSS_IMPLS}
     assert est["dense"]["buffers"] == 2 + 3 and est["dense"]["bytes"] == 5 * 4096 * 32000 * 4
+    assert est["natural"]["buffers"] == 2 + 4  # + F.cross_entropy's own log-softmax
     assert est["chunked"]["buffers"] == 3 and est["fused_linear"]["buffers"] == 0
     assert est["torch_linear"]["buffers"] == 1 and est["liger"]["chunk_rows"] == 1024
     assert est["fused_linear"]["bytes"] < est["chunked"]["bytes"] < est["dense"]["bytes"]
@@ -356,11 +358,12 @@ def test_logits_memory_estimate():
 
 def test_logits_memory_counts_the_valid_tokens_where_the_heads_run_on_them_alone():
     loss = TokenLoss("forward_kl", ce_weight=1.0)
-    for impl in LOSS_IMPLS:  # a quarter of the tokens are prompt: the heads of all but liger skip them
+    for impl in LOSS_IMPLS:  # a quarter of the tokens are prompt: the heads of all but liger and natural skip them
         masked = logits_memory(impl, 4096, 32000, 4, 1024, loss, n_valid=3072)
-        want = logits_memory(impl, 3072 if impl != "liger" else 4096, 32000, 4, 1024, loss)
+        want = logits_memory(impl, 4096 if impl in ("liger", "natural") else 3072, 32000, 4, 1024, loss)
         assert masked == want, impl
     assert "3072×32000" in logits_memory("dense", 4096, 32000, 4, 1024, loss, n_valid=3072)["text"]
+    assert "4096×32000" in logits_memory("natural", 4096, 32000, 4, 1024, loss, n_valid=3072)["text"]
 
 
 # --------------------------------------------------------------------------------------------- dense vs the reference
@@ -398,3 +401,108 @@ def test_dense_equals_the_token_losses_reference(divergence, bias):
             want = reference(loss, inputs)
             assert all(torch.isfinite(t).all() for t in want)
             assert_matches(run("dense", loss, inputs), want, what=f"dense {loss}")
+
+
+# ------------------------------------------------------------------------------- natural vs TRL and torchtune
+
+# natural is the step as TRL's GKD trainer (huggingface/trl f2cd57710ae3, trl/experimental/gkd/gkd_trainer.py,
+# GKDTrainer.compute_loss without liger) and torchtune's KD recipe (pytorch/torchtune bd2a0fc7,
+# recipes/knowledge_distillation_single_device.py, _loss_step and train) write it.  Their loss functions are the
+# transcriptions of tests/unit/distill/test_token_losses.py; the code around them is transcribed here.
+from tests.unit.distill.test_token_losses import torchtune_forward_kl_loss, trl_generalized_jsd_loss  # noqa: E402
+
+
+def trl_compute_loss(student_logits, teacher_logits, input_labels, beta, temperature):
+    """GKDTrainer.compute_loss's non-liger branch from the models' logits on: the causal shift (logits at i predict
+    the label at i + 1), then generalized_jsd_loss (num_items_in_batch=None: batchmean over the valid tokens)."""
+    shifted_student_logits = student_logits[:, :-1, :]
+    shifted_teacher_logits = teacher_logits[:, :-1, :]
+    shifted_labels = input_labels[:, 1:]
+    return trl_generalized_jsd_loss(
+        shifted_student_logits, shifted_teacher_logits, shifted_labels, beta=beta, temperature=temperature
+    )
+
+
+def torchtune_loss_step(logits, teacher_logits, labels, kd_ratio):
+    """The recipe's _loss_step and its weighting in train(): logits and labels flattened, ForwardKLLoss and the class
+    loss (torch.nn.CrossEntropyLoss(ignore_index=-100), its config's loss), (1 - kd_ratio) CE + kd_ratio KD."""
+    labels = labels.reshape(-1)
+    logits = logits.reshape(-1, logits.size(-1))
+    teacher_logits = teacher_logits.reshape(-1, teacher_logits.size(-1))
+    kd_loss = torchtune_forward_kl_loss(logits, teacher_logits, labels)
+    class_loss = torch.nn.CrossEntropyLoss(ignore_index=-100)(logits, labels)
+    return (1 - kd_ratio) * class_loss + kd_ratio * kd_loss
+
+
+def lm_batch_with_prompt(seed=1):
+    """(B, S) hidden states and heads without biases (the registered LMs have none), TRL's input labels (the tokens,
+    -100 on the prompt) and kdbench's labels (the next token at each position, -100 on the last and the prompt)."""
+    hs, ws, _, ht, wt, _, _ = make_inputs(bias=False, shape=(3, 13), seed=seed)
+    ids = torch.randint(0, V, (3, 13), generator=torch.Generator().manual_seed(seed))
+    input_labels = ids.clone()
+    input_labels[:, :4] = -100  # a prompt of 4 tokens
+    input_labels[2, 10:] = -100  # and padding at the end of one sequence
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = input_labels[:, 1:]
+    return (hs, ws, None, ht, wt, None, labels), input_labels
+
+
+def grads_of(fn, inputs):
+    hs, ws = (t.detach().clone().requires_grad_() for t in inputs[:2])
+    out = fn(hs, ws)
+    out.backward()
+    return [out.detach(), hs.grad, ws.grad]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0], ids=["T1", "T2"])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_natural_is_trls_gkd_loss(beta, temperature):
+    inputs, input_labels = lm_batch_with_prompt()
+    ht, wt = inputs[3], inputs[4]
+    loss = TokenLoss("jsd", beta=beta, temperature=temperature, kd_weight=1.0, ce_weight=0.0)
+
+    def trl(hs, ws):  # the models' .logits: the heads over every position; TRL does not scale by T²
+        return trl_compute_loss(F.linear(hs, ws), F.linear(ht, wt), input_labels, beta, temperature) * temperature**2
+
+    want = grads_of(trl, inputs)
+    assert_matches(run("natural", loss, inputs), want, what="natural vs TRL")
+    assert_matches(run("dense", loss, inputs), want, what="dense vs TRL")
+
+
+def test_natural_is_torchtunes_kd_recipe_step():
+    inputs, _ = lm_batch_with_prompt(seed=2)
+    _, _, _, ht, wt, _, labels = inputs
+    kd_ratio = 0.3
+    loss = TokenLoss("forward_kl", kd_weight=kd_ratio, ce_weight=1 - kd_ratio)
+
+    def torchtune(hs, ws):
+        return torchtune_loss_step(F.linear(hs, ws), F.linear(ht, wt), labels, kd_ratio)
+
+    want = grads_of(torchtune, inputs)
+    got = run("natural", loss, inputs)
+    # ForwardKLLoss is the cross-entropy form: larger by the teacher's entropy (mean over the valid tokens), the same
+    # gradient
+    log_pt = F.log_softmax(F.linear(ht, wt)[labels != -100], -1)
+    entropy = -(log_pt.exp() * log_pt).sum(-1).mean()
+    torch.testing.assert_close(got[0] + kd_ratio * entropy, want[0], rtol=RTOL, atol=0)
+    assert_matches(got[1:], want[1:], what="natural vs torchtune")
+    assert_matches(run("dense", loss, inputs)[1:], want[1:], what="dense vs torchtune")
+
+
+def test_natural_runs_the_heads_and_the_float32_work_on_every_position():
+    # what dense saves against it: natural's largest float32 buffers span every position, dense's the valid ones
+    inputs = make_inputs(bias=False, n=64, vocab=997)  # no bias: dense reads CE from its log-softmax
+    n_valid = int((inputs[-1] != -100).sum())
+    for impl, rows in (("natural", 64), ("dense", n_valid)):
+        mode = CreatedTensors()
+        with mode:
+            run(impl, loss_for("forward_kl"), inputs, chunk_size=16)
+        assert max(n for n, d, _ in mode.created if d == torch.float32) == rows * 997, impl
+    # and F.cross_entropy's own log-softmax: one more (N, V) log-softmax than dense makes at T = 1
+    counts = {}
+    for impl in ("natural", "dense"):
+        mode = CreatedTensors()
+        with mode:
+            run(impl, loss_for("forward_kl"), inputs)
+        counts[impl] = sum("_log_softmax.default" in op for _, _, op in mode.created)
+    assert counts == {"natural": 3, "dense": 2}

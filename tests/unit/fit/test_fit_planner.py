@@ -49,7 +49,8 @@ def mib(n: int) -> str:
 
 
 @pytest.mark.parametrize(
-    ("impl", "precision"), [("dense", "fp32"), ("chunked", "fp32"), ("fused_linear", "fp32"), ("fused_linear", "bf16")]
+    ("impl", "precision"),
+    [("dense", "fp32"), ("natural", "fp32"), ("chunked", "fp32"), ("fused_linear", "fp32"), ("fused_linear", "bf16")],
 )
 def test_an_lm_steps_predicted_peak_is_its_measured_live_peak(impl, precision):
     config = lm(loss_impl=impl, chunk_size=64, precision=precision, teacher_precision=precision)

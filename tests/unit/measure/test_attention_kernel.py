@@ -257,7 +257,7 @@ def test_every_row_of_the_shipped_cpu_lm_and_encoder_suites_records_its_attentio
 
     path = ROOT / "suites" / f"{suite}.yaml"
     cells = expand_checked(load_suite(path))
-    assert len(cells) == (15 if suite == "llm-cpu" else 4)
+    assert len(cells) == (18 if suite == "llm-cpu" else 4)
     measured, cache = set(), ModelCache()  # one per run, as a run's worker holds it
     if suite == "llm-cpu":  # the attention kernel is the models': one cell per (precision, sequence length)
         cells = list({(c.config.precision, c.config.data.seq_len): c for c in reversed(cells)}.values())

@@ -16,6 +16,10 @@ One module per implementation, each a :class:`~kdbench.distill.lm.impls.base.Los
 
 * ``dense`` (:mod:`.dense`): both logits of the valid tokens, the float32 loss, plain autograd.  The
   reference, written as a careful user writes it.  Every divergence.
+* ``natural`` (:mod:`.natural`): the dense loss as TRL's GKD trainer and torchtune's KD recipe compute it: both
+  heads on every position, the float32 loss masked afterwards, ``F.cross_entropy`` beside it, plain autograd.
+  What a user's script runs; ``dense`` saves its work on the masked positions and CE's second log-softmax.
+  Every divergence.
 * ``chunked`` (:mod:`.chunked`): the logits whole, the float32 work and the logits' gradient per chunk
   of valid tokens.  Every divergence.
 * ``fused_linear`` (:mod:`.fused_linear`): heads and loss fused per chunk of valid tokens, all gradients
@@ -59,7 +63,7 @@ __all__ = [
     "unsupported",
 ]
 
-for _module in ("dense", "chunked", "fused_linear", "liger", "torch_linear"):  # each registers itself
+for _module in ("dense", "natural", "chunked", "fused_linear", "liger", "torch_linear"):  # each registers itself
     importlib.import_module(f"{__name__}.{_module}")
 
 LOSS_IMPLS = tuple(IMPLS)  # the names the config schema takes (``loss_impl``), in registration order
@@ -68,8 +72,8 @@ LOSS_IMPLS = tuple(IMPLS)  # the names the config schema takes (``loss_impl``), 
 def unsupported(impl: str, loss: TokenLoss) -> str | None:
     """None when `impl` can compute `loss`, else the reason (names the impl and what to use instead).
 
-    Pure logic, no optional import: usable at plan time.  ``dense``, ``chunked`` and ``fused_linear``
-    compute every registered divergence; ``liger`` those with a liger beta at the loss's parameters
+    Pure logic, no optional import: usable at plan time.  ``dense``, ``natural``, ``chunked`` and
+    ``fused_linear`` compute every registered divergence; ``liger`` those with a liger beta at the loss's parameters
     (forward KL, reverse KL, jsd; the skew KLs only at lam = 0); ``torch_linear`` CE and forward KL.
     """
     found = get_impl(impl)
@@ -125,7 +129,7 @@ def lm_loss(
 
     hidden: (B, S, H) or (N, H); labels: (B, S) or (N,), long, -100 = not counted.  Returns a float32
     scalar, differentiable w.r.t. the student's hidden states, weight and bias; the teacher's inputs
-    are constants.  `chunk_size` (tokens per chunk, >= 1) applies to every impl but ``dense``.
+    are constants.  `chunk_size` (tokens per chunk, >= 1) applies to every impl but ``dense`` and ``natural``.
     `rows`: the valid tokens' indices (:func:`~kdbench.distill.lm.impls.chunks.valid_rows`), when the caller
     found them once for a fixed batch; without them they are found here, which reads the labels back (a
     host-device sync on a GPU).  `liger_compiled` is liger's ``compiled`` (torch.compile of each chunk's step;

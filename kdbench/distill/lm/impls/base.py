@@ -60,7 +60,7 @@ class AlignedHeads:
 
 @dataclass(frozen=True)
 class Settings:
-    """How to compute: ``chunk_size`` tokens per chunk (every impl but dense), and liger's ``compiled``."""
+    """How to compute: ``chunk_size`` tokens per chunk (every impl but dense and natural), and liger's ``compiled``."""
 
     chunk_size: int = 1024
     liger_compiled: bool = False
