@@ -1,47 +1,94 @@
-"""benchmarks/gpu_check.py is run by hand on a GPU; what of it means something on the CPU runs here,
-so the script cannot rot unnoticed between GPU sessions."""
+"""benchmarks/gpu_check.py (the package benchmarks/gpu/) is run by hand on a GPU; what of it means something on
+the CPU runs here, so the check cannot rot unnoticed between GPU sessions."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from kdbench.hw.backends import resolve
 from tests.support.paths import ROOT
 
-SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+BENCHMARKS = ROOT / "benchmarks"
+SCRIPT = BENCHMARKS / "gpu_check.py"
+MODULES = ("main", "plan", "report", "runs", "steps") + tuple(
+    f"checks.{name}" for name in ("clocks", "math_mode", "syncs", "telemetry", "memory", "phases", "suites", "lm")
+)
 
 
 @pytest.fixture(scope="module")
-def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def gpu():
+    """The check's modules by their short names (gpu.main, gpu.math_mode, ...), imported as gpu_check.py imports
+    its package: benchmarks/ on sys.path (it is not a package)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        modules = {name.rsplit(".", 1)[-1]: importlib.import_module(f"gpu.{name}") for name in MODULES}
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return types.SimpleNamespace(**modules)
 
 
 @pytest.fixture(scope="module")
-def quick_cpu_run(gpu_check, tmp_path_factory):
+def quick_cpu_run(gpu, tmp_path_factory):
     """One `--device cpu --quick` run for the tests that read what it wrote."""
     out = tmp_path_factory.mktemp("gpu-check") / "out"
     start = time.perf_counter()
-    code = gpu_check.main(["--device", "cpu", "--quick", "--out", str(out)])
+    code = gpu.main.main(["--device", "cpu", "--quick", "--out", str(out)])
     return code, out, time.perf_counter() - start
 
 
 def test_pytest_does_not_collect_the_gpu_check(pytestconfig):
     patterns = pytestconfig.getini("python_files")
-    assert not any(Path(SCRIPT.name).match(p) for p in patterns)
+    files = [SCRIPT, *(BENCHMARKS / "gpu").rglob("*.py")]
+    assert not any(Path(f.name).match(p) for f in files for p in patterns)
 
 
-def test_math_check_passes_on_the_cpu_and_skips_tf32_with_its_reason(gpu_check, capsys):
-    report = gpu_check.Report()
-    gpu_check.check_math(resolve("cpu"), report)
+def test_the_documented_command_runs_the_package():
+    """``python benchmarks/gpu_check.py`` (docs/gpu-check.md, run_check.py's default script) reaches the package."""
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: gpu_check.py")
+    assert "GPU check: what kdbench's GPU paths measure" in done.stdout and "--cell-timeout SECONDS" in done.stdout
+
+
+def test_the_vision_step_is_built_as_a_cell_builds_it(gpu):
+    """Review 5 §2.7: the syncs and phases stages' vision step is the cell's: its models from the seeded model
+    cache, the classifier padded to pad_to, the batch from the cell's seed (not build_model under one seed)."""
+    from kdbench.data.synthetic import synthetic_batch
+    from kdbench.models import ModelCache
+    from kdbench.workloads.vision import VISION
+
+    cpu = resolve("cpu")
+    config = gpu.steps.vision_config(
+        pair={"teacher": "resnet20", "student": "resnet8"}, batch_size=4, pad_to=64, seed=3, method="kd"
+    )
+    step = gpu.steps.cell_step(cpu, config)
+    try:
+        teacher, student = VISION.build_pair(config, cpu, ModelCache())
+        for built, cells in ((step.distiller.teacher, teacher), (step.distiller.student, student)):
+            got, want = built.state_dict(), cells.state_dict()
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        assert student(step.x).shape == (4, 128)  # 100 classes padded to a multiple of 64
+        x, y = synthetic_batch(config, 4, cpu.device, 3)
+        assert torch.equal(step.x, x) and torch.equal(step.y, y)
+        step()
+        assert step.last_loss is not None and torch.isfinite(torch.as_tensor(step.last_loss))
+    finally:
+        step.close()
+
+
+def test_math_check_passes_on_the_cpu_and_skips_tf32_with_its_reason(gpu, capsys):
+    report = gpu.report.Report()
+    gpu.math_mode.check_math(resolve("cpu"), report)
     out = capsys.readouterr().out
     assert report.failed == []
     # fp32, tf32 (skipped, as it should be), bf16, fp16, the flag getters in IEEE and in TF32, the fp32 error
@@ -50,81 +97,81 @@ def test_math_check_passes_on_the_cpu_and_skips_tf32_with_its_reason(gpu_check, 
     assert "fp32 matmul error" in out
 
 
-def test_the_flag_getters_answer_inside_math_mode_and_agree_with_it(gpu_check):
+def test_the_flag_getters_answer_inside_math_mode_and_agree_with_it(gpu):
     # gpu-review-2 G2: on torch >= 2.9 a legacy getter may raise inside math_mode; torch's compiler reads them
     for tf32 in (False, True):
-        found = gpu_check.flag_getters(tf32)
+        found = gpu.math_mode.flag_getters(tf32)
         names = [name for name, *_ in found]
         assert {"cudnn.allow_tf32", "cuda.matmul.allow_tf32", "get_float32_matmul_precision()"} <= set(names)
         wrong = [(name, value) for name, value, ok in found if not ok]
         assert wrong == [], f"math_mode({tf32}): {wrong}"
 
 
-def test_a_raising_getter_is_a_failed_check_with_its_text(gpu_check, monkeypatch, capsys):
+def test_a_raising_getter_is_a_failed_check_with_its_text(gpu, monkeypatch, capsys):
     def broken():
         raise RuntimeError("PyTorch is checking whether allow_tf32 is enabled")
 
-    monkeypatch.setattr(gpu_check, "FLAG_GETTERS", (("cudnn.allow_tf32", broken, False),))
-    report = gpu_check.Report()
-    gpu_check.check_flag_getters(report)
+    monkeypatch.setattr(gpu.math_mode, "FLAG_GETTERS", (("cudnn.allow_tf32", broken, False),))
+    report = gpu.report.Report()
+    gpu.math_mode.check_flag_getters(report)
     assert len(report.failed) == 2
     assert "raised RuntimeError: PyTorch is checking whether allow_tf32 is enabled (WRONG)" in capsys.readouterr().out
 
 
-def test_a_failed_check_is_kept_and_printed(gpu_check, capsys):
-    report = gpu_check.Report()
+def test_a_failed_check_is_kept_and_printed(gpu, capsys):
+    report = gpu.report.Report()
     assert report.check("one thing", True) is True
     assert report.check("another", False) is False
     assert report.passed == 1 and report.failed == ["another"]
     assert "FAIL another" in capsys.readouterr().out
 
 
-def test_checks_that_need_a_gpu_say_so_on_the_cpu(gpu_check, capsys):
-    report = gpu_check.Report()
-    gpu_check.check_telemetry(resolve("cpu"), report)
-    gpu_check.check_memory(resolve("cpu"), report)
+def test_checks_that_need_a_gpu_say_so_on_the_cpu(gpu, capsys):
+    report = gpu.report.Report()
+    gpu.telemetry.check_telemetry(resolve("cpu"), report)
+    gpu.memory.check_memory(resolve("cpu"), report)
     assert report.passed == 0 and report.failed == []
     assert capsys.readouterr().out.count("no GPU") == 2
 
 
-def test_the_new_gpu_checks_say_so_on_the_cpu(gpu_check, tmp_path, capsys):
-    report = gpu_check.Report()
+def test_the_new_gpu_checks_say_so_on_the_cpu(gpu, tmp_path, capsys):
+    report = gpu.report.Report()
     cpu = resolve("cpu")
-    gpu_check.check_idle(cpu, report)
-    gpu_check.check_syncs(cpu, report)
-    gpu_check.check_levers(cpu, gpu_check.LEVERS, tmp_path, report, 240)
-    gpu_check.check_lm(cpu, gpu_check.LM_SUITE, tmp_path, report, 240)
+    gpu.clocks.check_idle(cpu, report)
+    gpu.syncs.check_syncs(cpu, report)
+    gpu.suites.check_levers(cpu, gpu.plan.LEVERS, tmp_path, report, 240)
+    gpu.lm.check_lm(cpu, gpu.plan.LM_SUITE, tmp_path, report, 240)
     assert report.passed == 0 and report.failed == []
     out = capsys.readouterr().out
     assert out.count("no GPU") == 4
     assert "no GPU: the levers suite needs one" in out and "no GPU: the LM suite needs one" in out
 
 
-def test_the_plan_fits_one_device_command_and_quick_fits_with_margin(gpu_check):
-    full = gpu_check.parse_args([])
-    quick = gpu_check.parse_args(["--quick"])
-    names = [name for name, *_ in gpu_check.plan(full)]
+def test_the_plan_fits_one_device_command_and_quick_fits_with_margin(gpu):
+    full = gpu.main.parse_args([])
+    quick = gpu.main.parse_args(["--quick"])
+    names = [name for name, *_ in gpu.plan.plan(full)]
     assert names[0] == "start-up" and {"levers", "syncs", "idle", "math", "suite", "lm", "report"} <= set(names)
-    low, high = gpu_check.plan_bounds(full)
+    low, high = gpu.plan.plan_bounds(full)
     # the device command runs --quick: 8 minutes of a 10-minute command, the runner's install and a fresh box's
     # start beside it; the full check, with the LM stage, fits the 10-minute command itself on a warm box
-    assert 0 < gpu_check.plan_bounds(quick)[0] <= gpu_check.plan_bounds(quick)[1] <= 480 == gpu_check.DEVICE_COMMAND_S
-    assert 0 < low <= high <= 600 == gpu_check.FULL_COMMAND_S
-    assert gpu_check.plan_bounds(quick)[1] < high
-    assert gpu_check.plan_bounds(gpu_check.parse_args(["--skip", "levers"]))[1] == high - 240
-    lm = {name: (low, high) for name, low, high, _ in gpu_check.plan(full)}["lm"]
-    assert gpu_check.plan_bounds(gpu_check.parse_args(["--skip", "lm"]))[1] == high - lm[1] and lm[0] > 0
-    assert gpu_check.parse_args([]).cell_timeout == 240
+    assert 0 < gpu.plan.plan_bounds(quick)[0] <= gpu.plan.plan_bounds(quick)[1] <= 480 == gpu.plan.DEVICE_COMMAND_S
+    assert 0 < low <= high <= 600 == gpu.plan.FULL_COMMAND_S
+    assert gpu.plan.plan_bounds(quick)[1] < high
+    assert gpu.plan.plan_bounds(gpu.main.parse_args(["--skip", "levers"]))[1] == high - 240
+    lm = {name: (low, high) for name, low, high, _ in gpu.plan.plan(full)}["lm"]
+    assert gpu.plan.plan_bounds(gpu.main.parse_args(["--skip", "lm"]))[1] == high - lm[1] and lm[0] > 0
+    assert gpu.main.parse_args([]).cell_timeout == 240
 
 
-def test_quick_suites_are_subsets_with_the_cells_the_summary_reads(gpu_check, tmp_path):
+def test_quick_suites_are_subsets_with_the_cells_the_summary_reads(gpu, tmp_path):
     from kdbench.config.load import load_suite
     from kdbench.workloads import expand_checked
 
-    smoke = gpu_check.subset_suite(gpu_check.SMOKE, gpu_check.quick_smoke_case, tmp_path, "gpu-smoke-quick")
-    levers = gpu_check.subset_suite(gpu_check.LEVERS, gpu_check.quick_lever_case, tmp_path, "gpu-levers-quick")
-    full_smoke = {c.cell_id for c in expand_checked(load_suite(gpu_check.SMOKE))}
-    full_levers = {c.cell_id: c.config for c in expand_checked(load_suite(gpu_check.LEVERS))}
+    smoke = gpu.runs.subset_suite(gpu.plan.SMOKE, gpu.runs.quick_smoke_case, tmp_path, "gpu-smoke-quick")
+    levers = gpu.runs.subset_suite(gpu.plan.LEVERS, gpu.runs.quick_lever_case, tmp_path, "gpu-levers-quick")
+    full_smoke = {c.cell_id for c in expand_checked(load_suite(gpu.plan.SMOKE))}
+    full_levers = {c.cell_id: c.config for c in expand_checked(load_suite(gpu.plan.LEVERS))}
     quick_smoke = [c.config for c in expand_checked(load_suite(smoke)) if c.cell_id in full_smoke]
     quick_levers = [c.config for c in expand_checked(load_suite(levers)) if c.cell_id in full_levers]
     assert len(quick_smoke) == 3 and len(quick_levers) == 7  # the same cells (same ids) as in the full suites
@@ -133,12 +180,12 @@ def test_quick_suites_are_subsets_with_the_cells_the_summary_reads(gpu_check, tm
     assert any(c.compile_teacher for c in quick_levers)
 
 
-def test_the_lm_suite_covers_every_lm_path_and_quick_runs_it_whole(gpu_check):
+def test_the_lm_suite_covers_every_lm_path_and_quick_runs_it_whole(gpu):
     from kdbench.config.load import load_suite
     from kdbench.distill.lm.impls import LOSS_IMPLS
     from kdbench.workloads import expand_checked, planned_measurements
 
-    full = expand_checked(load_suite(gpu_check.LM_SUITE))
+    full = expand_checked(load_suite(gpu.plan.LM_SUITE))
     configs = [c.config for c in full]
     assert {c.loss_impl for c in configs} == set(LOSS_IMPLS)  # every loss_impl
     assert any(c.teacher.weights == "bf16" for c in configs) and any(c.teacher.mode == "topk_cache" for c in configs)
@@ -147,11 +194,11 @@ def test_the_lm_suite_covers_every_lm_path_and_quick_runs_it_whole(gpu_check):
     assert {"student_prefill", "student_decode", "teacher_prefill", "teacher_decode"} <= measured
     assert len(full) == 7 and sum(len(planned_measurements(c)) for c in configs) == 15
     # --quick (the device command's) runs it whole, every loss_impl: the stage planned at its full time
-    stage = {s.name: s for s in gpu_check.PLAN}["lm"]
+    stage = {s.name: s for s in gpu.plan.PLAN}["lm"]
     assert (stage.quick_low, stage.quick_high) == (stage.low, stage.high)
 
 
-def test_the_lm_stage_on_a_simulated_gpu_judges_every_row_of_the_lm_suite(gpu_check, monkeypatch, tmp_path, capsys):
+def test_the_lm_stage_on_a_simulated_gpu_judges_every_row_of_the_lm_suite(gpu, monkeypatch, tmp_path, capsys):
     """The LM stage as a GPU runs it (a simulated one, the suite's rows as read_results gives them): an ok row
     passes with its attention kernel and, on a step, 0 < mfu <= 1; a row without its kernel, a top-k cell without
     its cache bytes, an on-policy step without its generation phase, or a failed row fails; a skip with its reason
@@ -178,11 +225,11 @@ def test_the_lm_stage_on_a_simulated_gpu_judges_every_row_of_the_lm_suite(gpu_ch
     ]
     df = pd.DataFrame(rows).reindex(columns=[c.name for c in COLUMNS]).assign(batch_size=2)
     asked = []
-    monkeypatch.setattr(gpu_check, "_run_suite", lambda backend, suite, *a: asked.append((backend.name, suite)) or df)
-    report = gpu_check.Report()
-    gpu_check.check_lm(simulated_gpu("cuda"), gpu_check.LM_SUITE, tmp_path, report, 240)
+    monkeypatch.setattr(gpu.lm, "run_suite", lambda backend, suite, *a: asked.append((backend.name, suite)) or df)
+    report = gpu.report.Report()
+    gpu.lm.check_lm(simulated_gpu("cuda"), gpu.plan.LM_SUITE, tmp_path, report, 240)
     out = capsys.readouterr().out
-    assert asked == [("cuda", gpu_check.LM_SUITE)]
+    assert asked == [("cuda", gpu.plan.LM_SUITE)]
     assert "kdbench run gpu-lm.yaml: the LM paths" in out
     assert report.passed == 5  # dense step and decode, the two complete cells, the skip with its reason
     failed = "\n".join(report.failed)
@@ -199,7 +246,7 @@ def test_the_lm_stage_on_a_simulated_gpu_judges_every_row_of_the_lm_suite(gpu_ch
 
 
 @pytest.mark.slow
-def test_the_lm_steps_of_the_syncs_stage_build_and_sync_where_it_says(gpu_check):
+def test_the_lm_steps_of_the_syncs_stage_build_and_sync_where_it_says(gpu):
     """The syncs stage's LM steps, built on the CPU; kdbench's counter sees there the value reads a GPU syncs on
     (not the host-to-device copies): kdbench's step none, liger's one read-back (its copy is the GPU's second),
     and transformers' causal-mask builder once per forward, teacher's and student's."""
@@ -208,16 +255,16 @@ def test_the_lm_steps_of_the_syncs_stage_build_and_sync_where_it_says(gpu_check)
     cpu = resolve("cpu")
     small = {"teacher": {"vocab_size": 256}, "student": {"vocab_size": 256}}
     data = {"kind": "tokens", "seq_len": 16, "prompt_fraction": 0.25}
-    for impl, reads in (("fused_linear", 0), ("liger", gpu_check.LIGER_SYNCS - 1)):
-        config = gpu_check.lm_config(loss_impl=impl, precision="fp32", teacher_precision="fp32", overrides=small)
+    for impl, reads in (("fused_linear", 0), ("liger", gpu.syncs.LIGER_SYNCS - 1)):
+        config = gpu.steps.lm_config(loss_impl=impl, precision="fp32", teacher_precision="fp32", overrides=small)
         config = config.model_copy(update={"data": config.data.model_copy(update=data), "chunk_size": 8})
-        step = gpu_check.lm_step(cpu, config)
+        step = gpu.steps.cell_step(cpu, config)
         try:
             step()
             step()
             exempt = optimizer_host_tensors(step.distiller.optimizer)
-            own, with_model, why = gpu_check.lm_sync_expectations(impl, packed_check=True)
-            with gpu_check.without_packed_check():
+            own, with_model, why = gpu.syncs.lm_sync_expectations(impl, packed_check=True)
+            with gpu.syncs.without_packed_check():
                 assert len(sync_calls(step, cpu, exempt=exempt)) == reads
             assert len(sync_calls(step, cpu, exempt=exempt)) - reads == with_model - own == 2
             assert ("liger-kernel" in why) == (impl == "liger")
@@ -283,30 +330,30 @@ def test_summary_reports_the_five_numbers_and_the_counts(quick_cpu_run):
     assert "5. energy counter over sampled power, GEMM window: n/a: " in summary
 
 
-def test_first_run_numbers_are_judged_against_the_h200_ranges(gpu_check):
-    report = gpu_check.Report()
+def test_first_run_numbers_are_judged_against_the_h200_ranges(gpu):
+    report = gpu.report.Report()
     report.figure("probe_bf16_tflops", 781.0)
     report.figure("energy_ratio", 1.4)
     report.figure("clock_adds_launch_bound", True)
-    fig = {f.key: f for f in gpu_check.FIGURES}
-    assert gpu_check.judge(fig["probe_bf16_tflops"], report, "NVIDIA H200", {}).endswith("PASS")
-    assert gpu_check.judge(fig["energy_ratio"], report, "NVIDIA H200", {}).endswith("FAIL")
-    assert gpu_check.judge(fig["clock_adds_launch_bound"], report, "NVIDIA H200", {}).endswith("PASS")
-    assert "INFO: no expected range for NVIDIA A100" in gpu_check.judge(
+    fig = {f.key: f for f in gpu.report.FIGURES}
+    assert gpu.report.judge(fig["probe_bf16_tflops"], report, "NVIDIA H200", {}).endswith("PASS")
+    assert gpu.report.judge(fig["energy_ratio"], report, "NVIDIA H200", {}).endswith("FAIL")
+    assert gpu.report.judge(fig["clock_adds_launch_bound"], report, "NVIDIA H200", {}).endswith("PASS")
+    assert "INFO: no expected range for NVIDIA A100" in gpu.report.judge(
         fig["probe_bf16_tflops"], report, "NVIDIA A100", {}
     )
-    assert "n/a: the telemetry stage skipped" in gpu_check.judge(
-        fig["energy_ratio"], gpu_check.Report(), "x", {"telemetry": "skipped"}
+    assert "n/a: the telemetry stage skipped" in gpu.report.judge(
+        fig["energy_ratio"], gpu.report.Report(), "x", {"telemetry": "skipped"}
     )
 
 
-def test_a_stopped_run_still_leaves_its_summary_and_log(gpu_check, monkeypatch, tmp_path):
+def test_a_stopped_run_still_leaves_its_summary_and_log(gpu, monkeypatch, tmp_path):
     def stopped(*args, **kwargs):
-        raise gpu_check.Stopped("stopped by SIGTERM")
+        raise gpu.main.Stopped("stopped by SIGTERM")
 
-    monkeypatch.setattr(gpu_check, "check_idle", stopped)
+    monkeypatch.setattr(gpu.main, "check_idle", stopped)
     out = tmp_path / "out"
-    code = gpu_check.main(["--device", "cpu", "--quick", "--out", str(out), "--skip", "probe"])
+    code = gpu.main.main(["--device", "cpu", "--quick", "--out", str(out), "--skip", "probe"])
     assert code == 1
     summary = (out / "summary.txt").read_text()
     assert "stopped by SIGTERM" in summary and "idle stopped by SIGTERM" in summary
@@ -314,7 +361,7 @@ def test_a_stopped_run_still_leaves_its_summary_and_log(gpu_check, monkeypatch, 
     assert "FAIL idle: stopped by SIGTERM" in (out / "check.log").read_text()
 
 
-def test_lever_rows_pass_ok_or_skipped_with_a_reason_and_compiled_rows_need_a_one_off_cost(gpu_check, monkeypatch):
+def test_lever_rows_pass_ok_or_skipped_with_a_reason_and_compiled_rows_need_a_one_off_cost(gpu, monkeypatch):
     import types
 
     import pandas as pd
@@ -334,28 +381,28 @@ def test_lever_rows_pass_ok_or_skipped_with_a_reason_and_compiled_rows_need_a_on
         {"cell_label": "ort2", "measurement": "student_inference", "status": "ok", "output_check": "MISMATCH: 1"},
     ]
     df = pd.DataFrame([{**base, **r} for r in rows])
-    monkeypatch.setattr(gpu_check, "_run_suite", lambda *args: df)
-    report = gpu_check.Report()
-    gpu_check.check_levers(types.SimpleNamespace(device_type="cuda"), gpu_check.LEVERS, Path("."), report, 240)
+    monkeypatch.setattr(gpu.suites, "run_suite", lambda *args: df)
+    report = gpu.report.Report()
+    gpu.suites.check_levers(types.SimpleNamespace(device_type="cuda"), gpu.plan.LEVERS, Path("."), report, 240)
     failed = sorted(what.split()[0] for what in report.failed)
     assert failed == ["crash", "free", "ort2", "serve", "teach", "why"]
     assert report.passed == 3  # plain, co, ort (skipped, saying why)
 
 
-def test_the_step_figures_come_from_the_resnet50_bf16_step(gpu_check):
+def test_the_step_figures_come_from_the_resnet50_bf16_step(gpu):
     import pandas as pd
 
     row = {"measurement": "distill_step", "teacher": "resnet50", "student": "resnet18", "precision": "bf16"}
     row |= {"status": "ok", "error": None, "median_ms": 100.0, "n": 20, "window_ms": 2040.0, "host_ms": 10.0}
     row |= {"phase_remainder_ms": -1.0}
-    report = gpu_check.Report()
-    gpu_check.step_figures(pd.DataFrame([row]), report)
+    report = gpu.report.Report()
+    gpu.suites.step_figures(pd.DataFrame([row]), report)
     assert report.figures["step_window_ratio"] == pytest.approx(1.02)
     assert report.figures["step_host_ratio"] == pytest.approx(0.1)
     assert report.figures["step_remainder_ratio"] == pytest.approx(-0.01)
 
 
-def test_the_lm_stage_reports_the_fit_planners_prediction_against_the_gpus_peak(gpu_check, capsys):
+def test_the_lm_stage_reports_the_fit_planners_prediction_against_the_gpus_peak(gpu, capsys):
     import pandas as pd
 
     df = pd.DataFrame(
@@ -369,8 +416,8 @@ def test_the_lm_stage_reports_the_fit_planners_prediction_against_the_gpus_peak(
             "predicted_peak_ratio": [1.05, None, None],
         }
     )
-    report = gpu_check.Report()
-    gpu_check.report_fit(df, report)
+    report = gpu.report.Report()
+    gpu.lm.report_fit(df, report)
     out = capsys.readouterr().out
     assert "fit dense: predicted 2.000 GiB in loss, measured 2.100 GiB (max_memory_allocated)" in out
     assert "measured/predicted 1.050" in out and "fit liger: unpredictable" in out
