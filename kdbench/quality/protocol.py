@@ -57,10 +57,11 @@ from kdbench.core.names import Measurement, Status
 from kdbench.core.schema import Row
 from kdbench.core.worker_state import finished
 from kdbench.data.datasets import image_shape
+from kdbench.data.text import own_tokenizer
 from kdbench.hw.backends import Backend, choose_autocast
 from kdbench.quality.checkpoints import Checkpoints
 from kdbench.quality.progress import Talk
-from kdbench.quality.text import TextRun, check_text, own_tokenizer, text_columns
+from kdbench.quality.text import TextRun, check_text, text_columns
 from kdbench.quality.train import ModelKey, QualityRun, Trained
 from kdbench.workloads import workload_of
 

@@ -1,64 +1,49 @@
 """Quality on real text for language-model pairs: the standard library's own source, byte by byte.
 
-``quality: {dataset: python-stdlib, ...}`` trains the suite's LM pairs on the ``.py`` files of the
-running interpreter's standard library (``sysconfig.get_paths()["stdlib"]``): real text that ships
-with every Python, so nothing is downloaded.
+``quality: {dataset: python-stdlib, ...}`` trains the suite's LM pairs on the ``.py`` files of the running interpreter's
+standard library (``sysconfig.get_paths()["stdlib"]``): real text that ships with every Python, so nothing is
+downloaded.
 
-The corpus.  Every ``.py`` file under the stdlib folder, but those of ``site-packages`` /
-``dist-packages`` (what is installed, not what ships), of test folders (``test``, ``tests``,
-``idle_test``: distributions often leave them out) and the build's own configuration
-(``config-*`` folders, ``_sysconfigdata*``), sorted by path.  The files are shuffled with a
-generator seeded by the split seed and the first ``round(test_fraction x files)`` are held out,
-whole: no held-out file is ever seen in training.  Each split's files are joined in that order
-and cut at its share of ``max_bytes`` (``test_fraction`` of it held out).  The tokens are the
-bytes (vocabulary 256), in windows of ``seq_len + 1`` bytes at a stride of ``seq_len``: the model
-reads the first ``seq_len`` and predicts each next one, so every byte of a split but its first is
-predicted once.  Given the Python version (the rows' ``python_version``) and the seed, the
-corpus is the same; ``quality_corpus`` on each row names it, with a hash of its bytes.
+The corpus, its split by file, its byte windows and a student's BPE windows are :mod:`kdbench.data.text`'s (every
+``.py`` file of the stdlib folder but those installed, tests and the build's configuration: :mod:`kdbench.data.corpus`);
+``quality_corpus`` on each row names it, with a hash of its bytes.
 
 The protocol is :mod:`kdbench.quality.protocol`'s (:class:`TextRun` is its run,
-:class:`kdbench.quality.train.QualityRun`, with the language-model parts): per seed the teacher
-trains with next-byte cross-entropy, each distinct student from scratch, and each student distilled
-from that seed's teacher by each of the suite's LM methods through ``Distiller.train_step``, one
-recipe, one batch order per seed.  The models are
-built with ``vocab_size: 256`` laid over the cells' ``overrides`` (forced, as the image protocol
-sets the classifiers' classes to the data set's); a ``module:callable`` must have 256 outputs.
+:class:`kdbench.quality.train.QualityRun`, with the language-model parts): per seed the teacher trains with next-byte
+cross-entropy, each distinct student from scratch, and each student distilled from that seed's teacher by each of the
+suite's LM methods through ``Distiller.train_step``, one recipe, one batch order per seed. The models are built with
+``vocab_size: 256`` laid over the cells' ``overrides`` (forced, as the image protocol sets the classifiers' classes to
+the data set's); a ``module:callable`` must have 256 outputs.
 
-Each row records the held-out ``bits_per_byte`` (the total next-token cross-entropy in bits over the
-held-out bytes predicted: comparable across tokenizers) and **perplexity** (exp of the mean next-token
-cross-entropy in nats per held-out token predicted: per token of the row's ``tokenizer``) after the last
-epoch, the perplexity after every epoch against the training time by then, next-byte top-1 ``accuracy``,
-``agreement`` with the teacher's next-byte argmax, and the time to quality: the training time until the
-bits per byte are at most the seed's teacher's + log2(1 / ``target``) (for byte models: the perplexity at
-most the teacher's / ``target``).
+Each row records the held-out ``bits_per_byte`` (the total next-token cross-entropy in bits over the held-out bytes
+predicted: comparable across tokenizers) and **perplexity** (exp of the mean next-token cross-entropy in nats per
+held-out token predicted: per token of the row's ``tokenizer``) after the last epoch, the perplexity after every epoch
+against the training time by then, next-byte top-1 ``accuracy``, ``agreement`` with the teacher's next-byte argmax, and
+the time to quality: the training time until the bits per byte are at most the seed's teacher's + log2(1 / ``target``)
+(for byte models: the perplexity at most the teacher's / ``target``).
 
-A student with its own tokenizer (``data.tokenizers: {teacher: bytes, student: "bpe:<N>"}``, ``method:
-uld``; :func:`check_tokenizers`): its BPE is trained on the training split's text only, once per run
-(:func:`train_split_tokenizer`); it is built with ``vocab_size`` N, trained from scratch on its own tokens
-and distilled by uld from the seed's byte teacher on the same windows in the same order
-(:meth:`TextRun.distil_across`), each window's first byte one token and the rest BPE-encoded, so it
-predicts exactly the bytes the byte models predict (:func:`bpe_windows`).  Its accuracy and agreement are
-null (tokens of different tokenizers) and it is no draft (the verification is token by token).
+A student with its own tokenizer (``data.tokenizers: {teacher: bytes, student: "bpe:<N>"}``, ``method: uld``;
+:func:`check_tokenizers`): its BPE is trained on the training split's text only, once per run
+(:func:`kdbench.data.text.train_split_tokenizer`); it is built with ``vocab_size`` N, trained from scratch on its own
+tokens and distilled by uld from the seed's byte teacher on the same windows in the same order
+(:meth:`TextRun.distil_across`), each window's first byte one token and the rest BPE-encoded, so it predicts exactly the
+bytes the byte models predict (:func:`kdbench.data.text.bpe_windows`). Its accuracy and agreement are null (tokens of
+different tokenizers) and it is no draft (the verification is token by token).
 
-With ``quality.speculative`` each student's row also records it as the
-draft of its seed's teacher in speculative decoding (:mod:`kdbench.quality.drafts`): the run keeps each student's
-model until its row is filled (and rebuilds it from its checkpoint on a resume, as it does teachers).
+With ``quality.speculative`` each student's row also records it as the draft of its seed's teacher in speculative
+decoding (:mod:`kdbench.quality.drafts`): the run keeps each student's model until its row is filled (and rebuilds it
+from its checkpoint on a resume, as it does teachers).
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 import math
-import platform
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -67,8 +52,9 @@ from kdbench.config.plan import config_dict
 from kdbench.config.schema import CellConfig, QualityConfig
 from kdbench.core.errors import KdbenchError
 from kdbench.core.names import IGNORE_INDEX
-from kdbench.data.corpus import join_files, stdlib_files, stdlib_root
-from kdbench.data.tokenizers import BPETokenizer, train_bpe
+from kdbench.data.corpus import stdlib_root
+from kdbench.data.text import BYTES, TextData, in_own_tokens, load_text, own_tokenizer, tokenizer_of, vocab_of
+from kdbench.data.tokenizers import BPETokenizer
 from kdbench.data.tokenizers import digest as tokenizer_digest
 from kdbench.distill.losses import LossInputs, WeightedTerms
 from kdbench.distill.step import backward_and_update, make_optimizer
@@ -80,79 +66,8 @@ from kdbench.quality.drafts import DRAFT_ROW_KEYS, measure_draft
 from kdbench.quality.drafts import describe as describe_draft
 from kdbench.quality.train import DeviceData, QualityRun, Trained, ce_step, fit, init_seed
 
-_join = join_files  # the corpus's reading lives in kdbench.data.corpus (cross-tokenizer LM cells read it too)
-BYTES = 256  # the vocabulary: one token per byte value
 EVAL_TOKENS = 1 << 15  # held-out tokens per evaluation forward
 logger = logging.getLogger(__name__)
-
-
-def split_files(files: list[str], test_fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """(train, held-out) files: shuffled by a generator seeded with ``seed``, the first share held out."""
-    if len(files) < 2:
-        raise KdbenchError(f"quality: the corpus has {len(files)} file(s); the split by file needs at least 2")
-    order = [files[i] for i in np.random.default_rng(seed).permutation(len(files))]
-    n_test = min(len(files) - 1, max(1, round(test_fraction * len(files))))
-    return order[n_test:], order[:n_test]
-
-
-def windows(blob: bytes, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and next-byte labels, int64 (N, seq_len): windows of seq_len + 1 bytes at a stride of seq_len."""
-    n = (len(blob) - 1) // seq_len
-    if n < 1:
-        raise KdbenchError(
-            f"quality: {len(blob)} bytes make no window of seq_len + 1 = {seq_len + 1}; raise max_bytes or "
-            "lower seq_len"
-        )
-    data = torch.frombuffer(bytearray(blob[: n * seq_len + 1]), dtype=torch.uint8).long()
-    return data[:-1].view(n, seq_len).clone(), data[1:].view(n, seq_len).clone()
-
-
-@dataclass(frozen=True)
-class Corpus:
-    """What the data set was read from, for the rows."""
-
-    python: str
-    files: int  # in the corpus
-    train_files: int  # read (the cap may stop before the split's last)
-    test_files: int
-    train_bytes: int
-    test_bytes: int
-    sha256: str  # of the train bytes, then the held-out bytes
-
-    def describe(self) -> str:
-        return (
-            f"python-stdlib {self.python}: {self.train_files} train + {self.test_files} held-out of {self.files} "
-            f".py files, {self.train_bytes} + {self.test_bytes} bytes, sha256 {self.sha256[:12]}"
-        )
-
-
-@dataclass
-class TextData:
-    x_train: torch.Tensor  # int64 (N, S) byte ids
-    y_train: torch.Tensor  # int64 (N, S): the next bytes
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-    corpus: Corpus
-    num_classes: int = BYTES
-
-
-def load_text(cfg: QualityConfig, seed: int = 0, root: Path | None = None) -> TextData:
-    """The corpus split by file (``seed``; ``run_quality`` uses 0, one split for every seed), capped, in windows."""
-    root = stdlib_root() if root is None else Path(root)
-    if not root.is_dir():
-        raise KdbenchError(f"quality: the standard library folder {root} is not there; python-stdlib reads it")
-    files = stdlib_files(root)
-    train, test = split_files(files, cfg.test_fraction, seed)
-    test_cap = None if cfg.max_bytes is None else round(cfg.max_bytes * cfg.test_fraction)
-    train_cap = None if cfg.max_bytes is None else cfg.max_bytes - test_cap  # type: ignore[operator]
-    train_blob, n_train = _join(root, train, train_cap)
-    test_blob, n_test = _join(root, test, test_cap)
-    seq_len = cfg.text_seq_len
-    x_tr, y_tr = windows(train_blob, seq_len)
-    x_te, y_te = windows(test_blob, seq_len)
-    sha = hashlib.sha256(train_blob + test_blob).hexdigest()
-    corpus = Corpus(platform.python_version(), len(files), n_train, n_test, len(train_blob), len(test_blob), sha)
-    return TextData(x_tr, y_tr, x_te, y_te, corpus)
 
 
 def check_text(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
@@ -195,31 +110,7 @@ def check_text(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
         raise KdbenchError(f"the standard library folder {stdlib_root()} is not there; python-stdlib reads it")
 
 
-def byte_overrides(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The model's overrides with the byte vocabulary (a ``module:callable`` takes none: it must have 256)."""
-    return dict(overrides) if is_callable_name(name) else {**overrides, "vocab_size": BYTES}
-
-
 # --------------------------------------------------------------------------- a student with its own tokenizer
-
-
-def own_tokenizer(c: CellConfig) -> str | None:
-    """The spec of the student's own tokenizer (``data.tokenizers.student``, e.g. ``bpe:512``) where the cell gives
-    it one other than the bytes; None for a byte-level student."""
-    t = c.data.tokenizers
-    return None if t is None or t.student == "bytes" else t.student
-
-
-def tokenizer_of(c: CellConfig, role: str) -> str:
-    """The name of the ``role`` model's tokenizer in the quality protocol: ``bytes`` or the student's own spec."""
-    spec = own_tokenizer(c) if role != "teacher" else None
-    return spec or "bytes"
-
-
-def vocab_of(c: CellConfig, role: str) -> int:
-    """The vocabulary the protocol builds the ``role`` model with: 256, or N for a student's ``bpe:N``."""
-    spec = own_tokenizer(c) if role != "teacher" else None
-    return BYTES if spec is None else int(spec.split(":", 1)[1])
 
 
 def model_overrides(c: CellConfig, role: str) -> dict[str, Any]:
@@ -250,42 +141,6 @@ def check_tokenizers(c: CellConfig) -> None:
             f"quality (python-stdlib): a student with its own tokenizer ({t.student}) is distilled by uld, whose "
             f"loss needs no shared vocabulary; method {c.method} compares distributions token by token"
         )
-
-
-def split_text(x: torch.Tensor, y: torch.Tensor) -> bytes:
-    """The bytes a split's windows cover (windows of seq_len + 1 at a stride of seq_len: each one's first byte,
-    then every byte predicted): the split's text, cut where its last window ends."""
-    if not len(x):
-        return b""
-    return bytes(x.flatten().tolist()) + bytes([int(y[-1, -1])])
-
-
-def train_split_tokenizer(x_train: torch.Tensor, y_train: torch.Tensor, spec: str) -> BPETokenizer:
-    """The student's ``bpe:<N>`` tokenizer, trained on the training split's text only (the bytes its windows cover):
-    deterministic given that text and N, so the same for every seed (one split serves them all) and again on a
-    resume."""
-    return train_bpe([split_text(x_train, y_train)], int(spec.split(":", 1)[1]), name=spec.replace(":", "-"))
-
-
-def bpe_windows(x: torch.Tensor, y: torch.Tensor, tokenizer: BPETokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """The byte windows (inputs ``x`` and next bytes ``y``, (N, S)) in the student's own tokens: inputs and
-    next-token labels (N, L), int64, padded at the end (input 0, label -100).
-
-    Window i covers the bytes w = x[i, 0], y[i, :] (S + 1 of them).  Its first byte is one token (its byte's own
-    BPE entry: every byte is one), read and not predicted, as the byte models read it; the S bytes after it are
-    BPE-encoded on their own.  So the student predicts exactly the S bytes a byte model predicts of the window, in
-    fewer tokens, and the held-out loss of every model is over the same bytes."""
-    first = [tokenizer.encode(bytes([b]))[0] for b in range(256)]
-    rest = tokenizer.encode_batch([bytes(row.tolist()) for row in y])
-    seqs = [[first[int(b)], *ids] for b, ids in zip(x[:, 0].tolist(), rest)]
-    width = max(len(ids) for ids in seqs) - 1
-    inputs = torch.zeros(len(seqs), width, dtype=torch.int64)
-    labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.int64)
-    for i, ids in enumerate(seqs):
-        n = len(ids) - 1
-        inputs[i, :n] = torch.tensor(ids[:-1])
-        labels[i, :n] = torch.tensor(ids[1:])
-    return inputs, labels
 
 
 def bits_per_byte(nats_per_token: float, tokens_per_byte: float = 1.0) -> float:
@@ -399,14 +254,8 @@ class TextRun(QualityRun):
             t = self.text
             assert t is not None
             began = time.perf_counter()
-            tokenizer = train_split_tokenizer(t.x_train, t.y_train, spec)
-            x_tr, y_tr = bpe_windows(t.x_train, t.y_train, tokenizer)
-            x_te, y_te = bpe_windows(t.x_test, t.y_test, tokenizer)
-            dev = self.backend.device
-            fmt = torch.contiguous_format
-            data = DeviceData(x_tr.to(dev), y_tr.to(dev), x_te.to(dev), y_te, tokenizer.vocab_size, fmt)
-            ratio = int((y_te != IGNORE_INDEX).sum()) / t.y_test.numel()
-            self.own[spec] = (tokenizer, data, ratio)
+            tokenizer, tokens, ratio = in_own_tokens(t, spec)
+            self.own[spec] = (tokenizer, self.to_device(tokens), ratio)
             logger.info(
                 "quality: the student's tokenizer %s trained on the %d training bytes in %.1f s (sha256 %s): %.3f "
                 "tokens per held-out byte",
@@ -421,10 +270,7 @@ class TextRun(QualityRun):
     def byte_data(self) -> DeviceData:
         if self.device_text is None:
             self.text = t = load_text(self.cfg, seed=0)
-            dev = self.backend.device
-            self.device_text = DeviceData(
-                t.x_train.to(dev), t.y_train.to(dev), t.x_test.to(dev), t.y_test, BYTES, torch.contiguous_format
-            )
+            self.device_text = self.to_device(t)
             spec = self.cfg.speculative
             if spec is not None and spec.prompts > len(t.x_test):
                 raise KdbenchError(
@@ -432,6 +278,11 @@ class TextRun(QualityRun):
                     "prompts are cut from; lower it or raise max_bytes"
                 )
         return self.device_text
+
+    def to_device(self, t: TextData) -> DeviceData:
+        """The windows to train on on the run's device (the held-out labels stay on the host)."""
+        dev, fmt = self.backend.device, torch.contiguous_format
+        return DeviceData(t.x_train.to(dev), t.y_train.to(dev), t.x_test.to(dev), t.y_test, t.num_classes, fmt)
 
     @property
     def keeps_students(self) -> bool:

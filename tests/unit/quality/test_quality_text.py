@@ -15,17 +15,12 @@ from torch import nn
 
 from kdbench.config.schema import OnPolicyConfig, QualityConfig, TokenizersConfig
 from kdbench.core.errors import KdbenchError
+from kdbench.data.corpus import stdlib_files, stdlib_root
+from kdbench.data.text import load_text, split_files
 from kdbench.hw.backends import choose_autocast, resolve
 from kdbench.models.lm import CausalLM
 from kdbench.quality.protocol import planned_rows, quality_jobs, run_quality
-from kdbench.quality.text import (
-    TEXT_ROW_KEYS,
-    evaluate_text,
-    load_text,
-    split_files,
-    stdlib_files,
-    stdlib_root,
-)
+from kdbench.quality.text import TEXT_ROW_KEYS, evaluate_text
 from kdbench.quality.train import DeviceData
 from kdbench.report.summaries import markdown_table, summarize_quality
 from tests.support.helpers import log_lines, make_config
@@ -411,8 +406,8 @@ class UnigramOver(nn.Module):
 
 
 def test_a_bpe_models_bits_per_byte_equals_a_hand_count_over_the_same_bytes():
+    from kdbench.data.text import bpe_windows
     from kdbench.data.tokenizers import train_bpe
-    from kdbench.quality.text import bpe_windows
 
     # four windows of 8 + 1 bytes, a BPE of 300 entries trained on other text of the same kind
     text = b"def f(x):\n    return x + 1\n" * 3
@@ -442,11 +437,12 @@ def test_a_bpe_models_bits_per_byte_equals_a_hand_count_over_the_same_bytes():
 
 
 def test_the_students_bpe_is_trained_on_the_training_split_only(tmp_path, monkeypatch):
+    from kdbench.data import text as data_text
     from kdbench.data import tokenizers
     from kdbench.quality import text as text_mod
 
     kept = _fake_stdlib(tmp_path)
-    monkeypatch.setattr(text_mod, "stdlib_root", lambda: tmp_path)
+    monkeypatch.setattr(data_text, "stdlib_root", lambda: tmp_path)
     seen = []
 
     def recording(texts, vocab_size, name=None):
@@ -454,7 +450,7 @@ def test_the_students_bpe_is_trained_on_the_training_split_only(tmp_path, monkey
         seen.extend(texts)
         return tokenizers.train_bpe(texts, vocab_size, name)
 
-    monkeypatch.setattr(text_mod, "train_bpe", recording)
+    monkeypatch.setattr(data_text, "train_bpe", recording)
     cfg = QualityConfig(dataset="python-stdlib", seq_len=16, test_fraction=0.4, epochs=1, seeds=1)
     run = text_mod.TextRun(cfg, CPU, False)
     tok, data, ratio = run.own_tokenized("bpe:300")
