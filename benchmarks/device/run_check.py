@@ -25,7 +25,10 @@ missing, a bad argument).
 
 KDBENCH_DEVICE_PRETEND_MISSING=jinja2,markupsafe (a test hook) has the runner treat those
 distributions as absent from the box, so the install path can be tried on a machine that has them.
-Standard library only, Python 3.9+, POSIX.
+Standard library only, Python 3.9+, POSIX. Its parts, beside this command: _device_box.py (what the box has),
+_device_install.py (the wheels to install, and installing them into the target), _device_child.py (the deadline,
+the log and the check's process group) and _device_common.py (shared with fetch_wheels.py: requirements,
+versions, markers, wheels).
 """
 
 from __future__ import annotations
@@ -33,462 +36,39 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-import zipfile
 from pathlib import Path
 
+from _device_box import (
+    PRETEND_ENV,
+    assess,
+    describe_box,
+    describe_optional,
+    pretended_missing,
+    probe,
+    suggested_platform,
+)
+from _device_child import TIMED_OUT, Deadline, Interrupted, Log, SetupError, TimedOut, run_child
 from _device_common import (
     BOX_OWN,
     HERE,
     ROOT,
-    Wheel,
     import_name,
-    marker_applies,
-    normalize,
     project_dependencies,
     project_extras,
     project_requires_python,
     read_wheels,
     satisfies,
-    version_key,
-    wheel_fits,
-    wheel_requirements,
 )
+from _device_install import manifest_target, pip_install, plan_install, prepare_target, unzip_install
 
-PRETEND_ENV = "KDBENCH_DEVICE_PRETEND_MISSING"
 DEFAULT_WHEELS = HERE / "wheels"
 DEFAULT_TARGET = HERE / ".deps"
 DEFAULT_SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-TIMED_OUT = 124
 NOT_STARTED = 2
 KILL_GRACE_S = 10.0
-
-# Run by the box's python (any 3.9+), with the PYTHONPATH under test: imports each module, reports
-# its version and file, the interpreter's tags and marker environment, and the installed distributions.
-PROBE = r"""
-import importlib, json, os, platform, re, sys
-try:
-    from importlib import metadata
-except ImportError:
-    metadata = None
-request = json.loads(sys.argv[1])
-
-def version(dist, module):
-    try:
-        return metadata.version(dist)
-    except Exception:
-        return getattr(module, "__version__", None)
-
-iv = sys.implementation.version
-env = {
-    "implementation_name": sys.implementation.name,
-    "implementation_version": "%d.%d.%d" % (iv.major, iv.minor, iv.micro),
-    "os_name": os.name, "platform_machine": platform.machine(), "platform_release": platform.release(),
-    "platform_system": platform.system(), "platform_version": platform.version(),
-    "python_full_version": platform.python_version(),
-    "platform_python_implementation": platform.python_implementation(),
-    "python_version": ".".join(platform.python_version_tuple()[:2]), "sys_platform": sys.platform,
-}
-try:
-    import importlib.util
-    has_pip = importlib.util.find_spec("pip") is not None
-except Exception:
-    has_pip = False
-result = {
-    "python": {
-        "executable": sys.executable, "version": list(sys.version_info[:3]),
-        "implementation": sys.implementation.name, "abiflags": getattr(sys, "abiflags", ""),
-        "machine": platform.machine(), "libc": list(platform.libc_ver()), "pip": has_pip, "markers": env,
-    },
-    "modules": {}, "dists": {},
-}
-for dist, name in request["imports"]:
-    try:
-        module = importlib.import_module(name)
-        entry = {"ok": True, "version": version(dist, module), "file": getattr(module, "__file__", None)}
-        if name == "torch":
-            entry["cuda"] = getattr(module.version, "cuda", None)
-            entry["hip"] = getattr(module.version, "hip", None)
-    except BaseException as exc:
-        entry = {"ok": False, "error": "%s: %s" % (type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")}
-    result["modules"][dist] = entry
-if request["dists"] and metadata is not None:
-    for d in metadata.distributions():
-        name = d.metadata["Name"]
-        if name:
-            result["dists"].setdefault(re.sub(r"[-_.]+", "-", name).lower(), d.version)
-with open(request["out"], "w") as f:
-    json.dump(result, f)
-"""
-
-
-class Deadline:
-    def __init__(self, seconds: float) -> None:
-        self.end = time.monotonic() + seconds
-        self.seconds = seconds
-
-    def left(self) -> float:
-        return max(0.0, self.end - time.monotonic())
-
-
-class TimedOut(Exception):
-    pass
-
-
-class SetupError(Exception):
-    """The check cannot be started; the message says why."""
-
-
-class Interrupted(Exception):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-class Log:
-    """The runner's lines and the child's output, to stdout and (once opened) OUT/runner.log."""
-
-    def __init__(self) -> None:
-        self.file = None
-        self.lock = threading.Lock()
-
-    def open(self, path: Path) -> None:
-        self.file = open(path, "wb", buffering=0)  # noqa: SIM115 (closed in main's finally)
-
-    def write(self, data: bytes) -> None:
-        with self.lock:
-            try:
-                sys.stdout.buffer.write(data)
-                sys.stdout.flush()
-            except (OSError, ValueError):
-                pass
-            if self.file is not None:
-                self.file.write(data)
-
-    def say(self, text: str) -> None:
-        self.write("".join(f"[run_check] {line}\n" for line in text.splitlines() or [""]).encode())
-
-    def line(self, text: str) -> None:
-        self.write((text + "\n").encode())
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-
-
-def pretended_missing() -> set[str]:
-    return {normalize(n) for n in os.environ.get(PRETEND_ENV, "").replace(",", " ").split()}
-
-
-def probe(python: str, imports: list[tuple[str, str]], pythonpath: list[str], deadline: Deadline, dists: bool) -> dict:
-    """Import each (distribution, module) in a fresh interpreter with pythonpath ahead of its own path.
-    Where the interpreter dies (a crashing extension), each module is tried alone to tell which."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, *filter(None, [os.environ.get("PYTHONPATH")])])
-    with tempfile.TemporaryDirectory(prefix="kdbench-probe-") as tmp:
-        out = Path(tmp) / "probe.json"
-
-        def once(these: list[tuple[str, str]]) -> dict:
-            request = json.dumps({"imports": these, "dists": dists, "out": str(out)})
-            if deadline.left() <= 0:
-                raise TimedOut
-            try:
-                done = subprocess.run(
-                    [python, "-c", PROBE, request],
-                    cwd=tmp,
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    timeout=deadline.left(),
-                    check=False,
-                )
-            except subprocess.TimeoutExpired:
-                raise TimedOut from None
-            except OSError as exc:
-                raise SetupError(f"cannot run {python}: {exc}") from None
-            if done.returncode != 0 or not out.is_file():
-                return {"crash": done.returncode, "stderr": done.stderr.decode(errors="replace")[-2000:]}
-            result = json.loads(out.read_text())
-            out.unlink()
-            return result
-
-        result = once(imports)
-        if "crash" not in result:
-            return result
-        bare = once([])
-        if "crash" in bare:
-            raise SetupError(f"{python} could not run the dependency probe:\n{bare['stderr']}")
-        for dist, module in imports:
-            alone = once([(dist, module)])
-            if "crash" in alone:
-                error = f"importing {module} killed python (exit {alone['crash']}): {alone['stderr'][-300:]}"
-                bare["modules"][dist] = {"ok": False, "error": error}
-            else:
-                bare["modules"].update(alone["modules"])
-        return bare
-
-
-def assess(requirements, box: dict, pretend: set[str]) -> dict[str, str]:
-    """Distribution -> why it is not usable on the box ('' where it is)."""
-    problems = {}
-    for req in requirements:
-        entry = box["modules"].get(req.name, {})
-        if req.name in pretend:
-            problems[req.name] = f"missing (pretended: {PRETEND_ENV})"
-        elif not entry.get("ok"):
-            problems[req.name] = f"cannot import {import_name(req.name)}: {entry.get('error', '?')}"
-        elif not satisfies(entry.get("version"), req.specifier):
-            problems[req.name] = f"too old or too new: {entry.get('version')} does not meet {req.specifier}"
-        else:
-            problems[req.name] = ""
-    return problems
-
-
-def describe_box(box: dict, requirements, problems: dict[str, str], say) -> None:
-    py = box["python"]
-    libc = " ".join(py["libc"]) or "unknown libc"
-    say(
-        f"python {'.'.join(map(str, py['version']))} ({py['implementation']}{py['abiflags']}, {py['machine']}, {libc}) "
-        f"at {py['executable']}; pip {'present' if py['pip'] else 'absent'}"
-    )
-    for req in requirements:
-        entry = box["modules"].get(req.name, {})
-        problem = problems[req.name]
-        own = " (the box's own; never installed here)" if req.name in BOX_OWN else ""
-        if not problem:
-            extra = ""
-            if req.name == "torch":
-                extra = f", cuda {entry.get('cuda')}, hip {entry.get('hip')}"
-            say(f"  ok       {req.name} {entry.get('version')}{extra}{own}")
-        else:
-            label = "WRONG   " if entry.get("ok") and req.name not in pretended_missing() else "MISSING "
-            say(f"  {label} {req.name}{req.specifier}: {problem}{own}")
-
-
-def describe_optional(box: dict, optional, problems: dict[str, str], say) -> None:
-    """The LM stage's packages (kdbench's lm and liger extras): optional, each with what the box has."""
-    for req in optional:
-        entry = box["modules"].get(req.name, {})
-        if not problems[req.name]:
-            say(f"  ok       {req.name} {entry.get('version')} (optional: gpu_check's LM stage)")
-        else:
-            say(f"  OPTIONAL {req.name}{req.specifier}: {problems[req.name]} (gpu_check's LM stage)")
-
-
-def suggested_platform(py: dict) -> str:
-    libc, version = py["libc"] if py["libc"] else ["", ""]
-    parts = version.split(".")
-    if libc == "glibc" and len(parts) >= 2 and parts[1].isdigit():
-        return f"manylinux_{parts[0]}_{parts[1]}_{py['machine']}"
-    return f"manylinux2014_{py['machine']}"
-
-
-def plan_install(missing: list[str], requirements, wheels: list[Wheel], box: dict, pretend: set[str]):
-    """The wheels to install: those of the missing distributions and, through their Requires-Dist,
-    of what they need that the box lacks. Returns (wheels, warnings, errors)."""
-    py = box["python"]
-    have = {name: version for name, version in box["dists"].items() if name not in pretend}
-    specs = {r.name: r.specifier for r in requirements}
-    fitting: dict[str, list[Wheel]] = {}
-    unfit: dict[str, list[Wheel]] = {}
-    for wheel in wheels:
-        (fitting if wheel_fits(wheel, py) else unfit).setdefault(wheel.name, []).append(wheel)
-    chosen: dict[str, Wheel] = {}
-    warnings: list[str] = []
-    errors: list[str] = []
-    queue = [(name, specs.get(name, ""), None) for name in missing]
-    while queue:
-        name, spec, wanted_by = queue.pop(0)
-        if name in chosen or name in BOX_OWN:
-            continue
-        if wanted_by is not None and name in have and satisfies(have[name], spec):
-            continue
-        candidates = sorted(fitting.get(name, []), key=lambda w: version_key(w.version), reverse=True)
-        good = [w for w in candidates if satisfies(w.version, spec)]
-        if not good:
-            what = f"{name}{spec}" + (f" (needed by {wanted_by})" if wanted_by else "")
-            if unfit.get(name):  # fetched for another python or platform: needed, and unusable here
-                errors.append(f"{what}: the wheels there do not fit this python: {_names(unfit[name])}")
-            elif candidates:
-                errors.append(f"{what}: no version meeting {spec} there: {_names(candidates)}")
-            elif wanted_by:  # pip did not fetch it for the box's python: presumably not needed there
-                warnings.append(f"{what}: no wheel of it there")
-            else:
-                errors.append(f"{what}: no wheel of it there")
-            continue
-        chosen[name] = good[0]
-        for req in wheel_requirements(good[0].path):
-            if marker_applies(req.marker, py["markers"]):
-                queue.append((req.name, req.specifier, name))
-    return list(chosen.values()), warnings, errors
-
-
-def _names(wheels: list[Wheel]) -> str:
-    return ", ".join(w.path.name for w in wheels)
-
-
-def manifest_target(folder: Path) -> str:
-    """'python 3.11, manylinux2014_x86_64' from the wheels folder's MANIFEST.txt ('' where there is none)."""
-    try:
-        lines = (folder / "MANIFEST.txt").read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return ""
-    fields = dict(line.split(": ", 1) for line in lines if ": " in line and not line.startswith((" ", "#")))
-    return f"python {fields.get('python-version', '?')}, {fields.get('platforms', '?')}"
-
-
-def _clear_previous(target: Path, wheel: Wheel) -> None:
-    """Remove what an earlier unpack of the same distribution left in target."""
-    with zipfile.ZipFile(wheel.path) as archive:
-        tops = {n.split("/", 1)[0] for n in archive.namelist()}
-    for top in tops:
-        if top.endswith(".data"):
-            continue
-        path = target / top
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-    for info in target.glob("*.dist-info"):
-        if normalize(info.name[: -len(".dist-info")].rsplit("-", 1)[0]) == wheel.name:
-            shutil.rmtree(info)
-
-
-TARGET_MARK = ".kdbench-device-target"
-
-
-def prepare_target(target: Path) -> None:
-    """Empty the private install folder (it holds what this run installs, nothing older); refuse a
-    non-empty folder this runner did not make."""
-    if target.exists():
-        entries = [e for e in target.iterdir()]
-        if entries and not (target / TARGET_MARK).exists():
-            raise SetupError(f"{target} is not empty and was not made by run_check.py: give another --target")
-        for entry in entries:
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
-    target.mkdir(parents=True, exist_ok=True)
-    (target / TARGET_MARK).write_text("made by benchmarks/device/run_check.py; emptied and refilled by each run\n")
-
-
-def unzip_install(wheels: list[Wheel], target: Path) -> None:
-    """Install by unpacking: what importing needs (the packages, .dist-info, .data/purelib and
-    .data/platlib); scripts, headers and data files are left out."""
-    target.mkdir(parents=True, exist_ok=True)
-    for wheel in wheels:
-        _clear_previous(target, wheel)
-        with zipfile.ZipFile(wheel.path) as archive:
-            for info in archive.infolist():
-                parts = info.filename.split("/")
-                if parts[0].endswith(".data"):
-                    if len(parts) < 3 or parts[1] not in ("purelib", "platlib"):
-                        continue
-                    parts = parts[2:]
-                if info.is_dir() or not parts or ".." in parts or info.filename.startswith("/"):
-                    continue
-                dest = target.joinpath(*parts)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                with archive.open(info) as src, open(dest, "wb") as out:
-                    shutil.copyfileobj(src, out)
-                mode = (info.external_attr >> 16) & 0o777
-                if mode:
-                    os.chmod(dest, mode | 0o600)
-
-
-def pip_install(python: str, wheels: list[Wheel], folder: Path, target: Path, deadline: Deadline, log: Log) -> bool:
-    command = [python, "-m", "pip", "install", "--no-index", "--find-links", str(folder), "--target", str(target)]
-    command += ["--no-deps", "--upgrade", "--disable-pip-version-check", "--no-warn-script-location"]
-    command += [str(w.path) for w in wheels]
-    log.say("$ " + " ".join(command))
-    try:
-        done = subprocess.run(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=deadline.left(), check=False
-        )
-    except subprocess.TimeoutExpired:
-        raise TimedOut from None
-    log.write(done.stdout)
-    return done.returncode == 0
-
-
-def _kill_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def run_child(command: list[str], env: dict, deadline: Deadline, log: Log, grace: float) -> tuple[int, bool]:
-    """Run command in a session of its own, its output pumped to log as it comes; at the deadline
-    SIGTERM its process group (gpu_check then ends its stage and writes its files), and grace
-    seconds later SIGKILL whatever is left of it. Returns (exit code, timed out)."""
-    child = subprocess.Popen(
-        command,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-        bufsize=0,
-    )
-    assert child.stdout is not None
-    fd = child.stdout.fileno()
-
-    def pump() -> None:
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                return
-            if not chunk:
-                return
-            log.write(chunk)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    timed_out = False
-    try:
-        child.wait(timeout=deadline.left())
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        log.write(b"\n")
-        log.say(f"timed out after {deadline.seconds:.0f} s: terminating gpu_check's process group {child.pid}")
-        _kill_group(child.pid, signal.SIGTERM)
-        try:
-            child.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-    except BaseException:
-        _kill_group(child.pid, signal.SIGTERM)
-        time.sleep(0.5)
-        _kill_group(child.pid, signal.SIGKILL)
-        child.wait()
-        raise
-    finally:
-        # Whatever is left of the group (the check's own helpers, or all of it on a timeout) goes, so
-        # nothing outlives the runner or holds the output pipe open.
-        if not timed_out:
-            reader.join(timeout=2.0)
-        _kill_group(child.pid, signal.SIGKILL)
-        if child.poll() is None:
-            child.wait()
-        reader.join(timeout=5.0)
-        child.stdout.close()
-    if timed_out:
-        return TIMED_OUT, True
-    code = child.returncode
-    if code < 0:  # killed by a signal, not by the runner: the shell's convention
-        log.say(f"gpu_check was killed by signal {-code}")
-        code = 128 - code
-    return code, False
 
 
 def _split_argv(argv: list[str]) -> tuple[list[str], list[str]]:

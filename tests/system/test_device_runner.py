@@ -52,12 +52,13 @@ def _run(script: Path, *args, env: dict | None = None, timeout: float = 120) -> 
 
 @pytest.fixture(scope="module")
 def common():
+    """_device_common and _device_install, imported as run_check.py imports them (its folder on sys.path)."""
     sys.path.insert(0, str(DEVICE))
     try:
         import _device_common
-        import run_check
+        import _device_install
 
-        yield _device_common, run_check
+        yield _device_common, _device_install
     finally:
         sys.path.remove(str(DEVICE))
 
@@ -145,10 +146,10 @@ def test_the_runner_installs_what_the_box_lacks_into_its_target_and_the_check_se
 
 
 def test_without_pip_the_wheels_are_unpacked_and_import(common, wheels, tmp_path):
-    device_common, run_check = common
+    device_common, install = common
     chosen = device_common.read_wheels(wheels)
-    run_check.prepare_target(tmp_path / "deps")
-    run_check.unzip_install(chosen, tmp_path / "deps")
+    install.prepare_target(tmp_path / "deps")
+    install.unzip_install(chosen, tmp_path / "deps")
     probe = "import jinja2, markupsafe._speedups as s; print(jinja2.__file__); print(s.__file__)"
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "deps")}
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=False)
@@ -157,8 +158,8 @@ def test_without_pip_the_wheels_are_unpacked_and_import(common, wheels, tmp_path
     assert list((tmp_path / "deps").glob("jinja2-*.dist-info/METADATA"))
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "keep.txt").write_text("not the runner's")
-    with pytest.raises(run_check.SetupError):  # a folder it did not make is never emptied
-        run_check.prepare_target(tmp_path / "mine")
+    with pytest.raises(install.SetupError):  # a folder it did not make is never emptied
+        install.prepare_target(tmp_path / "mine")
     assert (tmp_path / "mine" / "keep.txt").exists()
 
 
@@ -322,8 +323,16 @@ def test_versions_markers_and_wheel_tags(common):
     ]  # the parser for Pythons without tomllib reads what tomllib reads
 
 
-def test_the_device_scripts_are_python_3_9(common):
-    _, run_check = common
-    for path in sorted(DEVICE.glob("*.py")):
-        ast.parse(path.read_text(), filename=str(path), feature_version=(3, 9))
-    ast.parse(run_check.PROBE, feature_version=(3, 9))
+def test_the_device_scripts_are_python_3_9_and_each_under_500_lines():
+    sys.path.insert(0, str(DEVICE))
+    try:
+        from _device_box import PROBE
+    finally:
+        sys.path.remove(str(DEVICE))
+    paths = sorted(DEVICE.glob("*.py"))
+    assert {"run_check.py", "_device_box.py", "_device_install.py", "_device_child.py"} <= {p.name for p in paths}
+    for path in paths:
+        text = path.read_text()
+        ast.parse(text, filename=str(path), feature_version=(3, 9))
+        assert len(text.splitlines()) < 500, path.name  # issue 41: no module over 500 lines
+    ast.parse(PROBE, feature_version=(3, 9))
