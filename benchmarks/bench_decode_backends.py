@@ -2,7 +2,7 @@
 
 suites/llm-cpu.yaml's pair (tiny-llama-teacher -> tiny-llama-student, a 32,000-entry vocabulary), fp32, on the
 CPU: a batch of BATCH prompts of PROMPT tokens, each decode call generating NEW tokens greedily from the
-prompt's KV cache, as kdbench's decode rows do (:class:`kdbench.workloads.lm.serving.GreedyServing`, each call
+prompt's KV cache, as kdbench's decode rows do (:class:`kdbench.models.generation.GreedyServing`, each call
 from the same state), with the three generation backends: ``dynamic`` (transformers' growing cache, eager),
 ``static`` (its StaticCache) and ``static + compile`` (the decode step through ``torch.compile``, fullgraph, mode
 default).  Each is timed by kdbench's loop (a cold call, WARMUP untimed ones, RUNS timed ones): tokens/s at the
@@ -28,10 +28,11 @@ import torch
 
 from kdbench.hw.backends import resolve
 from kdbench.measure.decode_floor import model_decode_bytes_per_token
+from kdbench.measure.levers import release_compiled
 from kdbench.measure.timing import timed_loop
+from kdbench.models.generation import GreedyServing, release
 from kdbench.models.lm import build_lm
 from kdbench.store.derived import payback_steps
-from kdbench.workloads.lm.serving import GreedyServing, release
 
 BATCH, PROMPT, NEW, VOCAB = 1, 64, 16, 32000
 WARMUP, RUNS = 1, 3
@@ -78,7 +79,8 @@ def _measure(lm, ids, setting) -> dict:
         "cold_excess_ms": raw.cold_excess_ms(median),
         "tokens": gen.generated().tolist(),
     }
-    release(gen.store, resolve("cpu"))  # what it compiled: not alive in the next backend's measurement
+    if release(gen.store):  # what it compiled: not alive in the next backend's measurement
+        release_compiled(resolve("cpu"))
     return out
 
 

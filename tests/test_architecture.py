@@ -69,6 +69,26 @@ def test_no_import_circle_crosses_folders():
     assert crossing == []
 
 
+def test_no_import_circle_inside_a_folder():
+    """Nor between the modules of one floor (kdbench/workloads/base.py and placement.py imported each other, and
+    the LM workload and its speculative rows did, each dodging the circle by an import inside a function)."""
+    graph = {m: {t for t, _ in ts} for m, ts in IMPORTS.items()}
+    inside = [sorted(c) for c in _circles(graph) if len({floor_of(m) for m in c}) == 1]
+    assert inside == []
+
+
+def test_one_decode_loop_steps_a_model_on_its_cache():
+    """Generation with a KV cache is written once (kdbench/models/generation.py): no other module feeds a model
+    its cache, crops one, or draws tokens."""
+    pattern = re.compile(r"use_cache=True|\.crop\(|torch\.multinomial\(")
+    found = sorted(str(path.relative_to(PACKAGE.parent)) for path, text in _sources() if pattern.search(text))
+    assert found == ["kdbench/models/generation.py"]
+    loops = re.findall(
+        r"^\s*for .* in range\(", (PACKAGE / "models" / "generation.py").read_text(encoding="utf-8"), re.M
+    )
+    assert len(loops) == 1
+
+
 def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
     """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
     index: dict[str, int] = {}

@@ -5,25 +5,28 @@ A timed row (:func:`timed_row`) is the measurement's name and batch size, the ti
 (:func:`timing_columns`: median, interval, samples, cold call, throughput; tokens per second for token
 workloads), its notes (the precision choices', launch-bound, the caller's) and the caller's own columns.  The
 distillation step (:mod:`kdbench.measure.step`), image inference (:mod:`kdbench.workloads.vision`) and token
-serving (:mod:`kdbench.workloads.lm.serving`) all build their rows with it.  Nothing here asks the plan: a
-measurement's share of its cell's time budget is handed in.
+serving (:func:`kdbench.measure.serving.token_serving_row`) all build their rows with it, the last two timing
+their call by :func:`measured_loop` (the math mode, the timed loop, the math flags, the FLOPs counted after).
+Nothing here asks the plan: a measurement's share of its cell's time budget is handed in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kdbench.config.schema import CellConfig
 from kdbench.core.names import Measurement, Status
 from kdbench.core.schema import Row
 from kdbench.core.stats.samples import summarize
-from kdbench.hw.backends import Backend
+from kdbench.hw.backends import Backend, math_flags, math_mode
 from kdbench.hw.contention import HostMeter, contention_columns
 from kdbench.measure import walltime
-from kdbench.measure.levers import LeverWatch
+from kdbench.measure.levers import LeverWatch, eager
 from kdbench.measure.memory import MemoryMeter, memory_columns
 from kdbench.measure.telemetry import TelemetrySampler, telemetry_columns
 from kdbench.measure.timing import Progress, RawTiming, timed_loop
@@ -109,6 +112,48 @@ def profiled_loop(
     contention, busy = contention_columns(host.result(), telemetry.other_processes)
     note = "; ".join(n for n in (tele.note, busy) if n)
     return raw, {**memory_columns(memory.result()), **telemetry_columns(tele), **contention}, note
+
+
+@dataclass
+class Measured:
+    """A call timed by :func:`measured_loop`: its timing, profile columns and note, the math flags it ran under,
+    and what its count returned (None: over its time budget, or nothing counted)."""
+
+    raw: RawTiming
+    profile: Row
+    note: str
+    flags: Row
+    counted: Any = None
+
+
+def measured_loop(
+    fn: Callable[[], Any],
+    config: CellConfig,
+    backend: Backend,
+    batch_size: int,
+    budget_s: float | None,
+    tf32: bool,
+    count: Callable[[], Any] | None = None,
+    *,
+    start: Callable[[], Any] | None = None,
+    watch: LeverWatch | None = None,
+    what: str = "",
+    eager_count: bool = False,
+) -> Measured:
+    """``fn`` measured as a serving row measures it, under the math mode ``tf32``: ``start()`` first (untimed),
+    then :func:`profiled_loop`, the math flags the loop ran under, and ``count()`` (its FLOPs, counted apart in the
+    wall-time split; eagerly with ``eager_count``, a compiled call's eager ops being the same) unless the loop
+    ran over its time budget."""
+    with math_mode(tf32):
+        if start is not None:
+            start()
+        raw, profile, note = profiled_loop(fn, config, backend, batch_size, budget_s, watch=watch, what=what)
+        flags = math_flags()
+        counted = None
+        if count is not None and not raw.note:
+            with eager() if eager_count else contextlib.nullcontext(), walltime.spent(walltime.FLOPS):
+                counted = count()
+    return Measured(raw, profile, note, flags, counted)
 
 
 def threads_needed(backend: Backend, dp: DataParallel | None = None) -> int:

@@ -1,9 +1,12 @@
-"""What every way of serving a model shares: the skip, the built forward, and the timing of one-off costs.
+"""What every way of serving a model shares: the skip, the built forward, the timing of one-off costs, and the row
+of a served model's call on token ids.
 
 :class:`LeverSkip` is raised where a lever cannot run here (the row is stored as skipped, with its
 reason); :class:`Built` is one runtime's forward as built (:mod:`kdbench.measure.runtimes`,
 :mod:`kdbench.measure.onnx`), with its one-off cost and notes; :func:`excess_ms` times a one-off
-cost as what a user waits for: host time between synchronizations.
+cost as what a user waits for: host time between synchronizations.  :func:`token_serving_row` is the row of
+every family's token serving (an encoder's forward, an LM's prefill, decode and speculative decode): it asks the
+workload only for the tokens a call processes.
 """
 
 from __future__ import annotations
@@ -12,10 +15,18 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from kdbench.hw.backends import Backend
+import torch
+
+from kdbench.config.schema import CellConfig
+from kdbench.core.names import Measurement
+from kdbench.core.schema import Row
+from kdbench.hw.backends import AutocastChoice, Backend
 from kdbench.measure.failures import SkipMeasurement
+from kdbench.measure.flops import count, kernel_label
+from kdbench.measure.levers import quiesce_compile_workers
+from kdbench.measure.rows import measured_loop, timed_row
 
 STEADY_CALLS = 3
 
@@ -60,3 +71,91 @@ def excess_ms(fn: Callable[[], Any], backend: Backend, first_calls: int) -> tupl
 
 def wall_ms(start: float) -> float:
     return (time.perf_counter() - start) * 1e3
+
+
+class TokenWorkload(Protocol):
+    """What :func:`token_serving_row` asks of the pair's family (:class:`kdbench.workloads.base.Workload` is one)."""
+
+    def tokens(self, measurement: Measurement, batch_size: int, config: CellConfig) -> int | None: ...
+
+
+class _Quiesce:
+    """The timed window of a compiled decode starts with inductor's compile workers ended (they start while the cold
+    call compiles and import torch in the background for seconds after: :func:`quiesce_compile_workers`)."""
+
+    def chain(self, other):
+        def start() -> None:
+            quiesce_compile_workers()
+            if other:
+                other[0]()
+
+        return start, (other[1] if other else (lambda: None))
+
+
+def compile_counters() -> dict[str, Any]:
+    """The graph breaks and compiled graphs torch._dynamo counted since its counters were cleared."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+        "compiled_graphs": int(counters["stats"]["unique_graphs"]),
+    }
+
+
+def token_serving_row(
+    workload: TokenWorkload,
+    measurement: Measurement,
+    batch_size: int,
+    config: CellConfig,
+    backend: Backend,
+    budget_s: float | None,
+    choice: AutocastChoice,
+    call: Callable[[], Any],
+    ids: torch.Tensor,
+    columns: dict[str, Any],
+    notes: tuple[str, ...] = (),
+    start: Callable[[], Any] | None = None,
+    compiled: bool = False,
+) -> Row:
+    """The row of a served model's timed ``call`` on the token ``ids`` (LM prefill and decode, encoder forwards):
+    timed at the cell's math mode after ``start`` (untimed, in inference mode) within ``budget_s``, FLOPs counted
+    (and the attention kernels the call ran, read in the same pass; a ``compiled`` call's eagerly), tokens per
+    second from the workload's token count, with the family's ``columns`` and ``notes``."""
+
+    def started() -> None:
+        with torch.inference_mode(), choice.context(backend.device_type):
+            start()
+
+    what = f"{config.pair.teacher}->{config.pair.student} {config.precision} {measurement} bs{batch_size}"
+    watch = _Quiesce() if compiled else None
+    m = measured_loop(
+        call,
+        config,
+        backend,
+        batch_size,
+        budget_s,
+        choice.tf32,
+        lambda: count(call),
+        start=started if start is not None else None,
+        watch=watch,
+        what=what,
+        eager_count=compiled,
+    )
+    counted = m.counted
+    return timed_row(
+        measurement,
+        batch_size,
+        m.raw,
+        tokens=workload.tokens(measurement, batch_size, config),
+        choices=(choice,),
+        notes=(m.note, m.raw.note or "", *notes),
+        **m.profile,
+        **m.flags,
+        flops=counted.flops if counted is not None else None,
+        attention_kernel=kernel_label(counted.attention) if counted is not None else None,
+        autocast=choice.applied,
+        runtime="eager",
+        seq_len=config.data.seq_len,
+        **columns,
+        data_ptr_mod64=ids.data_ptr() % 64,
+    )

@@ -2,8 +2,8 @@
 
 ``quality.speculative`` (:class:`kdbench.config.schema.DraftsConfig`) measures every scratch and distilled
 student of a text quality run as the draft of its seed's trained teacher (the target), with the loop of
-:mod:`kdbench.workloads.lm.speculative` (batch 1; Leviathan et al. 2023 / Chen et al. 2023 rejection sampling at
-``temperature`` > 0, greedy verification at 0).  Per student:
+:func:`kdbench.models.generation.speculative_generate` (batch 1; Leviathan et al. 2023 / Chen et al. 2023
+rejection sampling at ``temperature`` > 0, greedy verification at 0).  Per student:
 
 * **the prompts**: ``prompts`` held-out windows, evenly spaced over the held-out split, cut to their first
   ``prompt_tokens`` bytes (half a window by default); each generation adds ``new_tokens`` tokens to each prompt.
@@ -16,7 +16,7 @@ student of a text quality run as the draft of its seed's trained teacher (the ta
 * **per γ**: the acceptance rate α = accepted / judged proposals and the accepted and generated tokens per
   verify step, over every prompt and round; the measured speed-up, the teacher alone's median wall time over
   speculative decoding's; and the speed-up Leviathan et al.'s Theorem 3.8 predicts from α, γ and the cost
-  ratio c, (1 − α^(γ+1)) / ((1 − α)(γc + 1)) (:func:`kdbench.workloads.lm.speculative.predicted_speedup`).
+  ratio c, (1 − α^(γ+1)) / ((1 − α)(γc + 1)) (:func:`kdbench.core.speculation.predicted_speedup`).
 * **the cost ratio** c: the student alone's median wall time over the teacher alone's, for the same prompts and
   tokens (the time of a draft forward over a target forward, per token, prefill included in both).
 * **the predicted α**: 1 − the mean over held-out positions (the first :data:`TV_TOKENS`, teacher-forced) of
@@ -38,8 +38,10 @@ import torch
 from torch import nn
 
 from kdbench.config.schema import DraftsConfig
+from kdbench.core.speculation import predicted_speedup
+from kdbench.distill.lm.token_losses import tv_per_position
 from kdbench.hw.backends import AutocastChoice, Backend
-from kdbench.workloads.lm.speculative import predicted_speedup, sampled_generate, speculative_generate, total_variation
+from kdbench.models.generation import sampled_generate, speculative_generate
 
 WARMUP_TOKENS = 8  # tokens of each generation's warm-up, on the first prompt
 TV_TOKENS = 1 << 16  # held-out positions the predicted α is averaged over (the first windows')
@@ -106,7 +108,7 @@ def predicted_alpha(
             p = target.logits(target(xb)).float()
             q = draft.logits(draft(xb)).float()
             greedy = temperature == 0  # the TV of one-hot distributions: whether the argmax differ
-            tv = (p.argmax(-1) != q.argmax(-1)).float() if greedy else total_variation(p, q, temperature)
+            tv = (p.argmax(-1) != q.argmax(-1)).float() if greedy else tv_per_position(p, q, temperature)
             total += float(tv.sum())
             count += tv.numel()
     return 1.0 - total / count, count

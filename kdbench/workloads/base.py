@@ -208,18 +208,6 @@ def serving_plan(
     return out
 
 
-def cast_teacher_weights(teacher: nn.Module, config: CellConfig) -> nn.Module:
-    """``teacher`` (frozen) with its parameters cast to ``teacher.weights``, in place; its buffers (rotary
-    frequencies, ...) stay as built, as transformers keeps them in float32 when it loads a model in bf16."""
-    if config.teacher.weights != "fp32":
-        from kdbench.hw.backends import DTYPES
-
-        dtype = DTYPES[config.teacher.weights]
-        for p in teacher.parameters():
-            p.data = p.data.to(dtype)
-    return teacher
-
-
 def model_of(measurement: Measurement, pair: Pair) -> tuple[str, nn.Module]:
     """The role a serving measurement measures and that model of ``pair``."""
     from kdbench.core.names import role_of

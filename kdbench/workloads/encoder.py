@@ -24,11 +24,16 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from kdbench.config.schema import CellConfig
 from kdbench.core.errors import KdbenchError
 from kdbench.core.names import Measurement
 from kdbench.core.schema import Row
+from kdbench.data.tokens import encoder_batch
 from kdbench.distill.encoder import EncoderLoss
 from kdbench.distill.losses import METHODS, check_method, check_weights, params_of
+from kdbench.hw.backends import Backend, choose_autocast
+from kdbench.measure.serving import token_serving_row
+from kdbench.models import ModelCache
 from kdbench.models.encoders import Encoder
 from kdbench.models.lm import is_lm_model
 from kdbench.models.meta import encoder_facts
@@ -40,7 +45,8 @@ from kdbench.workloads.base import (
     served_precision_note,
     serving_plan,
 )
-from kdbench.workloads.placement import HostFootprint, counted, fresh_model, pair_footprint, step_builds
+from kdbench.workloads.model_checks import facts_of, feature_problems, unused_features
+from kdbench.workloads.placement import HostFootprint, ModelBuild, counted, fresh_model, pair_footprint, step_builds
 
 DEFAULT_LAYERS = 4  # hidden_mse pairs at most this many encoder layers by default
 ALSO_ON_ENCODERS = ("hidden_mse",)  # methods of another family's domain that run on encoder pairs too (hidden states)
@@ -77,9 +83,8 @@ class EncoderWorkload(Workload):
 
     # ------------------------------------------------------------------ plan time
 
-    def check(self, config: Any, allow_imports: bool) -> Problems:
+    def check(self, config: CellConfig, allow_imports: bool) -> Problems:
         from kdbench.models.encoders import is_encoder_model
-        from kdbench.workloads.lm import checks as lm_checks
 
         problems: Problems = []
         roles = []
@@ -88,7 +93,7 @@ class EncoderWorkload(Workload):
                 roles.append(role)
             else:
                 problems.append((("pair", role), _not_an_encoder(getattr(config.pair, role))))
-        facts, built = lm_checks.facts_of(config, tuple(roles), self.family, allow_imports)
+        facts, built = facts_of(config, tuple(roles), self.family, allow_imports)
         problems += built
         configs = {role: f.config for role, f in facts.items()}
         if problems:
@@ -129,29 +134,29 @@ class EncoderWorkload(Workload):
         if "minilm" in feature:
             problems.extend(_minilm_problems(config, configs))
         elif feature:
-            problems.extend(lm_checks.feature_problems(config, facts, DEFAULT_LAYERS, "encoder layers"))
-        problems.extend(lm_checks.unused_features(config, methods))
+            problems.extend(feature_problems(config, facts, DEFAULT_LAYERS, "encoder layers"))
+        problems.extend(unused_features(config, methods))
         return problems
 
-    def planned(self, config: Any) -> list[tuple[Measurement, int]]:
+    def planned(self, config: CellConfig) -> list[tuple[Measurement, int]]:
         return serving_plan(config, (Measurement.STUDENT_INFERENCE,), (Measurement.TEACHER_INFERENCE,))
 
-    def tokens(self, measurement: Measurement, batch_size: int, config: Any) -> int | None:
+    def tokens(self, measurement: Measurement, batch_size: int, config: CellConfig) -> int | None:
         return batch_size * config.data.seq_len
 
-    def config_columns(self, config: Any) -> Row:
+    def config_columns(self, config: CellConfig) -> Row:
         return {"seq_len": config.data.seq_len}
 
-    def model_overrides(self, config: Any, role: str) -> dict[str, Any]:
+    def model_overrides(self, config: CellConfig, role: str) -> dict[str, Any]:
         return dict(getattr(config.overrides, role))
 
     # ------------------------------------------------------------------ the step
 
-    def build_pair(self, config: Any, backend: Any, cache: Any) -> Pair:
+    def build_pair(self, config: CellConfig, backend: Backend, cache: ModelCache) -> Pair:
         teacher, student = (self._model(config, b, backend, cache) for b in step_builds(config))
         return teacher, student
 
-    def _model(self, config: Any, build: Any, backend: Any, cache: Any) -> Encoder:
+    def _model(self, config: CellConfig, build: ModelBuild, backend: Backend, cache: ModelCache) -> Encoder:
         from kdbench.models.encoders import build_encoder
 
         name, overrides = getattr(config.pair, build.role), getattr(config.overrides, build.role)
@@ -168,7 +173,7 @@ class EncoderWorkload(Workload):
             Encoder,
         )
 
-    def host_footprint(self, config: Any, device_type: str) -> HostFootprint:
+    def host_footprint(self, config: CellConfig, device_type: str) -> HostFootprint:
         return pair_footprint(
             config,
             device_type,
@@ -176,12 +181,12 @@ class EncoderWorkload(Workload):
         )
 
     def batch(
-        self, config: Any, batch_size: int, device: torch.device, seed: int, models: Pair
+        self, config: CellConfig, batch_size: int, device: torch.device, seed: int, models: Pair
     ) -> tuple[torch.Tensor, torch.Tensor]:
         vocab = min(int(c.vocab_size) for c in _configs(config).values())
         return encoder_batch(batch_size, config.data.seq_len, vocab, seed, device, config.alignment)
 
-    def feature_paths(self, teacher: nn.Module, student: nn.Module, example: torch.Tensor, config: Any) -> Any:
+    def feature_paths(self, teacher: nn.Module, student: nn.Module, example: torch.Tensor, config: CellConfig) -> Any:
         from kdbench.distill.hooks import FeaturePaths, layer_pairs
 
         if "minilm" in [m.name for m in check_method(config.method)]:
@@ -193,10 +198,12 @@ class EncoderWorkload(Workload):
         given_t, given_s = config.features.teacher, config.features.student
         return layer_pairs(teacher.layers(), student.layers(), given_t, given_s, DEFAULT_LAYERS)
 
-    def loss(self, config: Any, shapes: Any, teacher: nn.Module, student: nn.Module, backend: Any) -> nn.Module:
+    def loss(
+        self, config: CellConfig, shapes: Any, teacher: nn.Module, student: nn.Module, backend: Backend
+    ) -> nn.Module:
         return EncoderLoss(config, shapes, teacher, student)
 
-    def step_columns(self, step: Any, config: Any, x: torch.Tensor) -> tuple[Row, tuple[str, ...]]:
+    def step_columns(self, step: Any, config: CellConfig, x: torch.Tensor) -> tuple[Row, tuple[str, ...]]:
         d = step.distiller
         row = Row(
             {
@@ -210,7 +217,13 @@ class EncoderWorkload(Workload):
     # ------------------------------------------------------------------ serving
 
     def serve(
-        self, measurement: Measurement, batch_size: int, pair: Pair, config: Any, backend: Any, budget_s: float | None
+        self,
+        measurement: Measurement,
+        batch_size: int,
+        pair: Pair,
+        config: CellConfig,
+        backend: Backend,
+        budget_s: float | None,
     ) -> Row:
         _, model = model_of(measurement, pair)
         return measure_forward(self, measurement, model, batch_size, config, backend, budget_s)
@@ -268,17 +281,6 @@ def _minilm_problems(config: Any, configs: dict[str, Any]) -> Problems:
     return problems
 
 
-def encoder_batch(
-    batch_size: int, seq_len: int, vocab: int, seed: int, device: Any, alignment: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids (B, S), uniform over ``vocab``, and the loss's targets: the ids, every position attended."""
-    from kdbench.hw.layout import place_aligned
-
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
-    return place_aligned(ids.to(device), alignment), place_aligned(ids.clone().to(device), alignment)
-
-
 # --------------------------------------------------------------------------- serving
 
 
@@ -287,16 +289,13 @@ def measure_forward(
     measurement: Measurement,
     model: Encoder,
     batch_size: int,
-    config: Any,
-    backend: Any,
+    config: CellConfig,
+    backend: Backend,
     budget_s: float | None,
 ) -> Row:
     """The forward latency of the teacher or the student: eval(), inference_mode, the cell's precision, on a fixed
     batch of ``batch_size`` × ``data.seq_len`` ids over the model's own vocabulary; ``tokens_per_s`` counts its
     tokens."""
-    from kdbench.hw.backends import choose_autocast
-    from kdbench.workloads.lm.serving import token_serving_row
-
     vocab = int(model.config.vocab_size)  # the served model's own: its row depends on it alone (teacher reuse)
     ids, _ = encoder_batch(batch_size, config.data.seq_len, vocab, config.seed + 1, backend.device, config.alignment)
     choice = choose_autocast(backend, config.precision)

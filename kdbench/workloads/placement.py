@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kdbench.hw.backends import DTYPES
+
 EVERY, ROOT, OTHERS = "every rank", "rank 0", "the other ranks"
 STEP, SERVING, ALWAYS = "step", "serving", "always"  # when a copy is held (ALWAYS: for as long as the worker lives)
 ROLES = ("teacher", "student")
@@ -256,9 +258,6 @@ def fresh_model(
     CPU master it keeps; the copy is cast and moved) when it is small or of unknown size (``nbytes``: its float32
     bytes; None for user code, which the cache sizes once built), else built directly where it is used in its dtype
     (``direct(device, dtype)``, seeded here as the cache seeds ``kept``)."""
-    from kdbench.hw.backends import DTYPES
-    from kdbench.workloads.base import cast_teacher_weights
-
     where = {"host": torch.device("cpu"), "meta": torch.device("meta")}.get(build.where, device)
     if build.where != "meta" and (nbytes is None or cache.keeps(nbytes)):
         model = wrap(cache.get_built(key, config.seed, kept))
@@ -270,6 +269,16 @@ def fresh_model(
     if build.where == "meta" or all(t.device == where for t in (*model.parameters(), *model.buffers())):
         return model  # already there (a fit's fake build: moving a fake tensor onto its own device cannot swap it)
     return model.to(where)
+
+
+def cast_teacher_weights(teacher: nn.Module, config: Any) -> nn.Module:
+    """``teacher`` (frozen) with its parameters cast to ``teacher.weights``, in place; its buffers (rotary
+    frequencies, ...) stay as built, as transformers keeps them in float32 when it loads a model in bf16."""
+    if config.teacher.weights != "fp32":
+        dtype = DTYPES[config.teacher.weights]
+        for p in teacher.parameters():
+            p.data = p.data.to(dtype)
+    return teacher
 
 
 def receive_from_rank0(

@@ -26,12 +26,12 @@ from kdbench.core.schema import Row
 from kdbench.core.worker_state import current
 from kdbench.data.synthetic import synthetic_batch
 from kdbench.distill.losses import check_method, needs_features
-from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, math_flags, math_mode
+from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast
 from kdbench.hw.layout import pad_classifier, padded_width, place_model, verify_memory_format
 from kdbench.measure import walltime
 from kdbench.measure.flops import count_flops
 from kdbench.measure.levers import quiesce_compile_workers, release_compiled
-from kdbench.measure.rows import profiled_loop, timed_row
+from kdbench.measure.rows import measured_loop, timed_row
 from kdbench.measure.runtimes import Served, serve
 from kdbench.models import ModelCache
 from kdbench.workloads.base import (
@@ -173,13 +173,19 @@ def measure_inference(
             served = serve(model, x, config.inference.runtime, config, backend, graphs=config.graphs)
             if config.inference.runtime == "compile":
                 quiesce_compile_workers()  # inductor's worker pool would start up while this is timed
-    with math_mode(choice.tf32):
-        timed = served.forward if served is not None else forward
-        what = f"{config.pair.teacher}->{config.pair.student} {config.precision} {role}_inference bs{batch_size}"
-        raw, profile, note = profiled_loop(timed, config, backend, batch_size, budget_s, what=what)
-        flags = math_flags()
-        with walltime.spent(walltime.FLOPS):
-            flops = None if raw.note else inference_flops(forward, getattr(config.pair, role), batch_size, config)
+    timed = served.forward if served is not None else forward
+    what = f"{config.pair.teacher}->{config.pair.student} {config.precision} {role}_inference bs{batch_size}"
+    m = measured_loop(
+        timed,
+        config,
+        backend,
+        batch_size,
+        budget_s,
+        choice.tf32,
+        lambda: inference_flops(forward, getattr(config.pair, role), batch_size, config),
+        what=what,
+    )
+    raw, profile, note, flags, flops = m.raw, m.profile, m.note, m.flags, m.counted
     if served is not None and served.compiled:
         release_compiled(backend)  # the compiled forward's CUDA graph pool, before the next measurement's peaks
     judge_launch, runtime_notes = outside_torch(served, profile, backend)

@@ -62,6 +62,7 @@ __all__ = [
     "skew_reverse_kl_terms",
     "total_variation",
     "total_variation_terms",
+    "tv_per_position",
     "upcast",
 ]
 
@@ -235,6 +236,16 @@ def total_variation(
     ``tv_distance`` at T = 1)."""
     d = Dists(student, teacher, mask, temperature)
     return d.reduce(total_variation_terms(d))
+
+
+def tv_per_position(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """TV(p, q) = ½ Σ |p − q| at each position of two models' logits (…, V) at ``temperature`` (no T², no mean:
+    :func:`total_variation` is the loss over a batch); 1 − TV is the probability that speculative decoding accepts
+    a proposal drawn from q at that position (Leviathan et al. 2023, Lemma 3.3), which the quality drafts predict
+    their α from (:mod:`kdbench.quality.drafts`)."""
+    p = torch.softmax(p_logits.float() / temperature, dim=-1)
+    q = torch.softmax(q_logits.float() / temperature, dim=-1)
+    return 0.5 * (p - q).abs().sum(-1)
 
 
 def skew_forward_kl_terms(d: Dists, lam: float = 0.1) -> torch.Tensor:

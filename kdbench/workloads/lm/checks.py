@@ -1,7 +1,8 @@
-"""The plan's checks of LM and encoder cells against their models, built on the meta device
-(:mod:`kdbench.models.meta`): the override a model cannot take, feature paths the models have and pair as given,
-LM heads a loss implementation and the vocabulary slicing can use, the vocabulary policy, the student's generation
-for on-policy distillation, and a loss with at least one token in it.
+"""The plan's checks of LM cells against their models, built on the meta device (:mod:`kdbench.models.meta`): LM
+heads a loss implementation and the vocabulary slicing can use, the vocabulary policy (and the vocabulary both
+models share, :func:`shared_vocab`), tokenizers, uld, the student's generation for on-policy distillation, the
+generation backend, speculative decoding, the top-k cache, and a loss with at least one token in it.  What LM and
+encoder cells share (the models' facts, feature paths) is :mod:`kdbench.workloads.model_checks`'.
 
 Each function returns :data:`~kdbench.workloads.base.Problems` (setting path, message); a model whose facts are
 not known (user code that cannot be built on meta) is left to the run.
@@ -11,93 +12,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from kdbench.core.errors import KdbenchError, did_you_mean
-from kdbench.models.meta import ModelFacts, encoder_facts, lm_facts
-from kdbench.workloads.base import Problems, config_problem
+from torch import nn
 
-ROLES = ("teacher", "student")
-Facts = dict[str, ModelFacts]
-
-
-def model_problem(role: str, overrides: dict, exc: KdbenchError) -> tuple[tuple[str, ...], str]:
-    """A model that cannot be built, at the key to change: the override at fault (``overrides.ROLE.FIELD``), else
-    ``overrides.ROLE`` or ``pair.ROLE``."""
-    field = getattr(exc, "field", None)
-    if field is not None and field in overrides:
-        return ("overrides", role, field), str(exc)
-    return config_problem(role, overrides, exc)
+from kdbench.config.schema import CellConfig
+from kdbench.core.errors import KdbenchError
+from kdbench.data.tokens import prompt_length, prompt_tokens
+from kdbench.distill.losses import check_method
+from kdbench.models.lm import max_positions, model_config
+from kdbench.workloads.base import Problems
+from kdbench.workloads.lm.xtok import cross_tokenizer, tokenizer_size
+from kdbench.workloads.model_checks import ROLES, Facts
 
 
-def facts_of(config: Any, roles: tuple[str, ...], family: str, allow_imports: bool) -> tuple[Facts, Problems]:
-    """The facts of the cell's ``roles`` models (LMs, or encoders with ``family`` "encoder"), built on meta, and the
-    problems of those that cannot be built."""
-    facts: Facts = {}
-    problems: Problems = []
-    for role in roles:
-        name, overrides = getattr(config.pair, role), getattr(config.overrides, role)
-        try:
-            if family == "encoder":
-                facts[role] = encoder_facts(name, overrides)
-            else:
-                facts[role] = lm_facts(name, overrides, allow_imports)
-        except KdbenchError as exc:
-            problems.append(model_problem(role, overrides, exc))
-    return facts, problems
-
-
-def feature_problems(config: Any, facts: Facts, most: int, layers: str) -> Problems:
-    """``features.teacher`` / ``features.student`` of a feature method on a stack of layers: paths the wrapped
-    models have, lists of one length when both are given, a list the other model's default layers can pair whole
-    (it is never cut), and layers to pair when none are given (``most``: the default pairs at most this many;
-    ``layers``: what the models' layers are called)."""
-    given = {role: getattr(config.features, role) for role in ROLES}
-    known = {role: f for role, f in facts.items() if f.known}
-    problems: Problems = []
-    for role, f in known.items():
-        name = getattr(config.pair, role)
-        for path in given[role] or ():
-            if path not in f.modules:
-                hint = did_you_mean(path, sorted(f.modules), n=1, quote=True)
-                example = f" (its {layers}: '{f.layers[0]}' ... '{f.layers[-1]}')" if f.layers else ""
-                why = f"{name} has no module '{path}'{example}; {hint}give paths as named_modules() lists them"
-                problems.append((("features", role), why))
-    if problems:
-        return problems
-    t, s = given["teacher"], given["student"]
-    if t and s and len(t) != len(s):
-        why = f"features.teacher lists {len(t)} modules and features.student {len(s)}: they are paired in order; "
-        return [(("features",), why + "give both the same number")]
-    for role, other in (("teacher", "student"), ("student", "teacher")):
-        f = known.get(other)
-        if given[role] and not given[other] and f is not None:
-            k = min(len(f.layers), most)
-            if len(given[role]) > k:
-                why = (
-                    f"features.{role} lists {len(given[role])} modules, and the {other}'s default is {k} of its "
-                    f"{layers}: {len(given[role]) - k} of yours would go unpaired; give features.{other} too, or "
-                    f"list at most {k}"
-                )
-                problems.append((("features", role), why))
-    for role, f in known.items():
-        if not given[role] and not f.layers:
-            why = f"{getattr(config.pair, role)} has no {layers} to pair; name its modules in features.{role}"
-            problems.append((("features", role), why))
-    return problems
-
-
-def unused_features(config: Any, methods: list) -> Problems:
-    """``features`` given to a cell whose method pairs no layers: refused, not ignored."""
-    given = [role for role in ROLES if getattr(config.features, role)]
-    if not given or any(m.cls.needs_features for m in methods):
-        return []
-    why = (
-        f"features.{given[0]} names layers for a feature method (hidden_mse) to pair, and method {config.method} "
-        f"pairs none: remove features, or add the feature method (e.g. {config.method}+hidden_mse)"
-    )
-    return [(("features",), why)]
-
-
-def head_problems(config: Any, facts: Facts) -> Problems:
+def head_problems(config: CellConfig, facts: Facts) -> Problems:
     """LM heads the cell's loss can use: a head with a 2-D weight (cut to the shared vocabulary), or logits
     (then loss_impl dense, the only implementation that takes logits as they are)."""
     problems: Problems = []
@@ -121,7 +48,7 @@ def head_problems(config: Any, facts: Facts) -> Problems:
     return problems
 
 
-def vocab_problems(config: Any, facts: Facts) -> Problems:
+def vocab_problems(config: CellConfig, facts: Facts) -> Problems:
     """The vocabularies under ``data.vocab_policy``: error refuses two sizes (slice cuts both heads to the
     smaller); a module:callable's is its logits' width."""
     vocabs = {role: f.vocab for role, f in facts.items() if f.vocab is not None}
@@ -148,11 +75,9 @@ def vocab_problems(config: Any, facts: Facts) -> Problems:
     return []
 
 
-def tokenizer_problems(config: Any, vocabs: dict[str, int]) -> Problems:
+def tokenizer_problems(config: CellConfig, vocabs: dict[str, int]) -> Problems:
     """data.tokenizers: each model's vocabulary must be its tokenizer's size (every id it reads is a row of its
     embedding, every entry of its head a token); data.vocab_policy reconciles one set of token ids, not two."""
-    from kdbench.workloads.lm.xtok import tokenizer_size
-
     problems: Problems = []
     for role in ROLES:
         spec, vocab = getattr(config.data.tokenizers, role), vocabs.get(role)
@@ -176,14 +101,13 @@ def tokenizer_problems(config: Any, vocabs: dict[str, int]) -> Problems:
     return problems
 
 
-def aligned_problems(config: Any, methods: list) -> Problems | None:
+def aligned_problems(config: CellConfig, methods: list) -> Problems | None:
     """uld, and cells whose models tokenize differently (data.tokenizers with two specs), which only uld trains:
     their problems (None: neither, the cell's other checks apply).  ULD stands alone (its CE and rows are each
     side's own positions; a divergence and hidden_mse pair one position of both models), under a loss_impl that
     computes it, with a live teacher; a cross-tokenizer cell runs on one device, without on-policy generation or
     speculative decoding (each would need the student's tokens read by the teacher)."""
     from kdbench.distill.lm.impls import uld_unsupported
-    from kdbench.workloads.lm.xtok import cross_tokenizer
 
     uld = [m for m in methods if getattr(m.cls, "aligned_rows", False)]
     xtok = cross_tokenizer(config)
@@ -234,11 +158,8 @@ def aligned_problems(config: Any, methods: list) -> Problems | None:
 ULD_NOTE = "a divergence (forward_kl, reverse_kl, jsd, ...) would do; ULD discards the token identities"
 
 
-def uld_note(config: Any) -> str | None:
+def uld_note(config: CellConfig) -> str | None:
     """The note of a uld cell whose models share one tokenizer (no data.tokenizers, or one spec twice)."""
-    from kdbench.distill.losses import check_method
-    from kdbench.workloads.lm.xtok import cross_tokenizer
-
     try:
         methods = check_method(config.method)
     except KdbenchError:
@@ -248,7 +169,7 @@ def uld_note(config: Any) -> str | None:
     return f"uld on a pair that shares one tokenizer: {ULD_NOTE}"
 
 
-def generation_problems(config: Any, facts: Facts) -> Problems:
+def generation_problems(config: CellConfig, facts: Facts) -> Problems:
     """on_policy: the student samples its completions token by token with a KV cache: a transformers causal LM."""
     f = facts.get("student")
     if config.on_policy is None or f is None or not f.known or f.can_generate:
@@ -269,7 +190,7 @@ def generation_label(generation: Any) -> str:
     return generation.cache + (" + compile" if generation.compile else "")
 
 
-def backend_problems(config: Any) -> Problems:
+def backend_problems(config: CellConfig) -> Problems:
     """generation: a compiled decode step needs the static cache it is documented with; a backend needs something
     that generates (decode rows or on_policy)."""
     g = config.generation
@@ -289,12 +210,12 @@ def backend_problems(config: Any) -> Problems:
     return problems
 
 
-def prompt_problems(config: Any) -> Problems:
+def prompt_problems(config: CellConfig) -> Problems:
     """A loss with tokens in it: off-policy, the prompt masks its share of each sequence and the last position has
     no next token, so a prompt of seq_len - 1 tokens leaves none; on-policy, the completions are the loss's tokens
     and each is sampled from a prompt of at least one token."""
     fraction, seq_len = config.data.prompt_fraction, config.data.seq_len
-    prompt = min(round(fraction * seq_len), seq_len - 1)
+    prompt = prompt_tokens(seq_len, fraction)
     if config.on_policy is None and prompt >= seq_len - 1:
         why = (
             f"data.prompt_fraction {fraction:g} of seq_len {seq_len} is a {prompt}-token prompt, which masks every "
@@ -309,3 +230,121 @@ def prompt_problems(config: Any) -> Problems:
         )
         return [(("data", "prompt_fraction"), why)]
     return []
+
+
+def speculative_problems(config: CellConfig, facts: dict) -> Problems:
+    """inference.speculative: the teacher's batch-size-1 decode row to compare with, and two transformers causal LMs
+    (a KV cache each).  Two vocabularies are refused unless data.vocab_policy slices them (as for every LM cell:
+    :func:`kdbench.workloads.lm.checks.vocab_problems`); sliced, both draft and verify over the shared entries."""
+    if config.inference.speculative is None:
+        return []
+    problems: Problems = []
+    key = ("inference", "speculative")
+    if not config.inference.teacher:
+        why = (
+            "inference.speculative is timed against the teacher decoding alone, and inference.teacher: false "
+            "measures no teacher: set inference.teacher: true (or remove inference.speculative)"
+        )
+        problems.append((key, why))
+    if 1 not in config.inference.batch_sizes:
+        why = (
+            "inference.speculative decodes at batch size 1 and is compared with the batch-size-1 decode rows: add 1 "
+            f"to inference.batch_sizes (now {list(config.inference.batch_sizes)})"
+        )
+        problems.append((key, why))
+    g = config.generation
+    if g.cache != "dynamic" or g.compile:
+        why = (
+            "inference.speculative verifies on transformers' dynamic KV cache, cut back after every rejection, and "
+            f"its speed-up is read against the decode rows: with generation {generation_label(g)} they would decode "
+            "on another backend; remove generation from this cell (sweep it in a cell of its own)"
+        )
+        problems.append((key, why))
+    for role, f in facts.items():
+        if f.known and not f.can_generate:
+            why = (
+                f"inference.speculative decodes with a KV cache per model, and the {role} {getattr(config.pair, role)} "
+                "is no transformers causal LM (it returns logits): give a registered LM, a config.json or a "
+                "module:callable returning ...ForCausalLM, or remove inference.speculative"
+            )
+            problems.append((key, why))
+    return problems
+
+
+def on_policy_problems(config: CellConfig, tokens: list, configs: dict) -> Problems:
+    """on_policy: a live teacher scores what the student generated; a divergence to train on; positions enough."""
+    problems: Problems = []
+    if config.teacher.mode != "live":
+        mode = config.teacher.mode
+        why = f"on_policy: the teacher must score each step's new completions: teacher.mode live, not {mode}"
+        problems.append((("teacher", "mode"), why))
+    if not tokens:
+        why = "on_policy trains on a divergence from the teacher on the student's completions: use e.g. method jsd"
+        problems.append((("method",), why))
+    if config.parallel == "fsdp":
+        why = (
+            "on_policy with parallel fsdp: the student generates through its model's own forward, outside the FSDP2 "
+            "root, whose embeddings and LM head stay sharded there (DTensor); use parallel: ddp (or remove on_policy)"
+        )
+        problems.append((("on_policy",), why))
+    need = prompt_length(config) + config.on_policy.new_tokens
+    for role, c in configs.items():
+        limit = max_positions(c)
+        if limit is not None and need > limit:
+            problems.append(
+                (
+                    ("on_policy", "new_tokens"),
+                    f"the prompt ({prompt_length(config)} tokens) + on_policy.new_tokens = {need} is beyond the "
+                    f"{role}'s {limit} positions; lower them",
+                )
+            )
+    return problems
+
+
+def topk_problems(config: CellConfig, tokens: list, vocabs: dict[str, int]) -> Problems:
+    """teacher.mode topk_cache: the sparse forward KL on the student's dense logits, k within the vocabulary."""
+    problems: Problems = []
+    if [m.name for m in tokens] != ["forward_kl"]:
+        problems.append(
+            (
+                ("method",),
+                "teacher.mode topk_cache trains on the forward KL over the teacher's top-k tokens: use method "
+                "forward_kl (optionally +hidden_mse)",
+            )
+        )
+    if config.loss_impl != "dense":
+        why = (
+            "teacher.mode topk_cache computes its sparse KL on the student's logits: use loss_impl dense, "
+            f"not {config.loss_impl}"
+        )
+        problems.append((("loss_impl",), why))
+    if config.parallel == "fsdp":
+        why = (
+            "teacher.mode topk_cache is not supported with parallel fsdp: the cache applies the teacher's LM head "
+            "outside its FSDP2-sharded forward, and the loss would gather the teacher's root every step for nothing; "
+            "use parallel: ddp (or teacher.mode live)"
+        )
+        problems.append((("teacher", "mode"), why))
+    vocab = min(vocabs.values()) if vocabs else None
+    if vocab is not None and config.teacher.k > vocab:
+        problems.append((("teacher", "k"), f"teacher.k {config.teacher.k} exceeds the vocabulary's {vocab} entries"))
+    return problems
+
+
+def shared_vocab(config: CellConfig, teacher: nn.Module | None = None, student: nn.Module | None = None) -> int:
+    """The vocabulary both models share: the token ids both read (the smaller, under vocab_policy slice or pad; two
+    sizes under error raise)."""
+    sizes = []
+    for role, model in (("teacher", teacher), ("student", student)):
+        if model is not None and model.vocab_size is not None:
+            sizes.append(model.vocab_size)
+            continue
+        c = model_config(getattr(config.pair, role), getattr(config.overrides, role))
+        if c is not None:
+            sizes.append(int(c.vocab_size))
+    if not sizes:
+        raise KdbenchError("cannot tell the vocabulary size of the pair; give a transformers model")
+    # the plan refuses two sizes under vocab_policy error (a run never slices unasked); data.tokenizers: each its own
+    if len(set(sizes)) > 1 and config.data.vocab_policy == "error" and config.data.tokenizers is None:
+        raise KdbenchError(f"the pair's vocabularies differ ({sizes[0]} and {sizes[1]}): set data.vocab_policy: slice")
+    return min(sizes)

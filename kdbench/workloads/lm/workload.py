@@ -14,8 +14,9 @@ models share, from the cell's seed; the labels are the next tokens, with the fir
 ``prompt_fraction`` of each sequence (and its last position, which has no next token) set to -100:
 not counted in any loss.
 
-This module holds the LM workload (:class:`LMWorkload`) and its own helpers: its plan-time checks, the
-vocabulary the pair shares, the prompt's length and the token batch.
+This module holds the LM workload (:class:`LMWorkload`) and its own helpers (the step row's accuracy ledger and
+extra FLOPs); its plan checks are :mod:`.checks`', serving :mod:`.serving`'s and :mod:`.speculative`'s, the token
+batch :mod:`kdbench.data.tokens`', the decoding :mod:`kdbench.models.generation`'s.
 """
 
 from __future__ import annotations
@@ -26,16 +27,21 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from kdbench.config.schema import CellConfig
 from kdbench.core.errors import KdbenchError
 from kdbench.core.fakes import carry, known_values
 from kdbench.core.names import IGNORE_INDEX, Measurement
 from kdbench.core.schema import Row
+from kdbench.data.tokens import prompt_length, token_batch
 from kdbench.distill.lm.impls.base import get_impl
 from kdbench.distill.lm.loss import LMLoss, methods_token_loss
 from kdbench.distill.losses import check_method, check_weights
+from kdbench.hw.backends import Backend
 from kdbench.measure.flops import count_flops
+from kdbench.models import ModelCache
+from kdbench.models.generation import sample
 from kdbench.models.hub import is_callable_name
-from kdbench.models.lm import CausalLM, build_lm, is_lm_model, make_lm, max_positions, model_config
+from kdbench.models.lm import CausalLM, build_lm, is_lm_model, make_lm, max_positions
 from kdbench.models.meta import lm_facts
 from kdbench.workloads.base import (
     Pair,
@@ -45,7 +51,12 @@ from kdbench.workloads.base import (
     model_of,
     serving_plan,
 )
-from kdbench.workloads.lm.checks import generation_label
+from kdbench.workloads.lm import checks as lm_checks
+from kdbench.workloads.lm.checks import generation_label, shared_vocab
+from kdbench.workloads.lm.serving import measure_serving
+from kdbench.workloads.lm.speculative import measure_speculative, planned_speculative
+from kdbench.workloads.lm.xtok import cross_tokenizer, paired_step, student_ids, text_token_batch, tokenizer_columns
+from kdbench.workloads.model_checks import facts_of, feature_problems, unused_features
 from kdbench.workloads.placement import (
     HostFootprint,
     ModelBuild,
@@ -87,9 +98,8 @@ class LMWorkload(Workload):
 
     # ------------------------------------------------------------------ plan time
 
-    def check(self, config: Any, allow_imports: bool) -> Problems:
+    def check(self, config: CellConfig, allow_imports: bool) -> Problems:
         from kdbench.distill.lm.impls import unsupported
-        from kdbench.workloads.lm import checks as lm_checks
 
         problems: Problems = []
         roles = []
@@ -102,7 +112,7 @@ class LMWorkload(Workload):
                 roles.append(role)
             else:
                 problems.append((("pair", role), _not_an_lm(name)))
-        facts, built = lm_checks.facts_of(config, tuple(roles), self.family, allow_imports)
+        facts, built = facts_of(config, tuple(roles), self.family, allow_imports)
         problems += built
         configs = {role: f.config for role, f in facts.items() if f.config is not None}
         if problems:
@@ -123,7 +133,7 @@ class LMWorkload(Workload):
                 )
         problems += lm_checks.vocab_problems(config, facts) + lm_checks.prompt_problems(config)
         problems += lm_checks.head_problems(config, facts) + lm_checks.generation_problems(config, facts)
-        problems += speculative_problems(config, facts)
+        problems += lm_checks.speculative_problems(config, facts)
         problems += lm_checks.backend_problems(config)
         vocabs = {role: f.vocab for role, f in facts.items() if f.vocab is not None}
         try:
@@ -161,32 +171,28 @@ class LMWorkload(Workload):
         if why:
             problems.append((("loss_impl",), why))
         if config.teacher.mode == "topk_cache":
-            problems.extend(_topk_problems(config, tokens, vocabs))
+            problems.extend(lm_checks.topk_problems(config, tokens, vocabs))
         if config.on_policy is not None:
-            problems.extend(_on_policy_problems(config, tokens, configs))
+            problems.extend(lm_checks.on_policy_problems(config, tokens, configs))
         if any(m.cls.needs_features for m in methods):
-            problems.extend(lm_checks.feature_problems(config, facts, DEFAULT_LAYERS, "decoder layers"))
-        problems.extend(lm_checks.unused_features(config, methods))
+            problems.extend(feature_problems(config, facts, DEFAULT_LAYERS, "decoder layers"))
+        problems.extend(unused_features(config, methods))
         if config.parallel == "fsdp" and any(is_callable_name(getattr(config.pair, r)) for r in ("teacher", "student")):
             why = "parallel fsdp shards registered LMs and config.json models layer by layer, not module:callable ones"
             problems.append((("parallel",), why))
         return problems
 
-    def planned(self, config: Any) -> list[tuple[Measurement, int]]:
-        from kdbench.workloads.lm.speculative import planned_speculative
-
+    def planned(self, config: CellConfig) -> list[tuple[Measurement, int]]:
         student = (Measurement.STUDENT_PREFILL, Measurement.STUDENT_DECODE)
         serving = serving_plan(config, student, (Measurement.TEACHER_PREFILL, Measurement.TEACHER_DECODE))
         return serving + planned_speculative(config)
 
-    def on_policy(self, distiller: Any, config: Any):
+    def on_policy(self, distiller: Any, config: CellConfig):
         """GKD's on-policy batch: each sequence's prompt (its first ``data.prompt_fraction``) completed by
         ``on_policy.new_tokens`` tokens the student samples (eval mode, no gradients, its KV cache, a generator
         seeded from the cell's seed and advanced step by step); the labels are the completion's tokens."""
         if config.on_policy is None:
             return None
-        from kdbench.workloads.lm.serving import sample
-
         settings = config.on_policy
         prompt_len = prompt_length(config)
         device = distiller.student.lm.device if hasattr(distiller.student.lm, "device") else torch.device("cpu")
@@ -218,7 +224,7 @@ class LMWorkload(Workload):
 
         return generate
 
-    def skip_reason(self, config: Any, backend: Any) -> str | None:
+    def skip_reason(self, config: CellConfig, backend: Backend) -> str | None:
         from kdbench.distill.lm.impls import unavailable
 
         if config.parallel == "fsdp" and config.world_size > 1:
@@ -230,19 +236,17 @@ class LMWorkload(Workload):
                 return "fsdp.cpu_offload moves a GPU's shards to host memory; on the CPU there is nothing to offload"
         return unavailable(config.loss_impl)
 
-    def tokens(self, measurement: Measurement, batch_size: int, config: Any) -> int | None:
+    def tokens(self, measurement: Measurement, batch_size: int, config: CellConfig) -> int | None:
         if measurement == Measurement.DISTILL_STEP and config.on_policy is not None:  # prompt + completion
             return batch_size * (prompt_length(config) + config.on_policy.new_tokens)
         if measurement in (Measurement.STUDENT_DECODE, Measurement.TEACHER_DECODE, Measurement.SPECULATIVE_DECODE):
             return batch_size * config.inference.decode_tokens
-        if measurement == Measurement.STUDENT_PREFILL and config.data.tokenizers is not None:
-            from kdbench.workloads.lm.xtok import cross_tokenizer, student_ids
-
-            if cross_tokenizer(config):  # the student's own tokens of the text, padding included
-                return student_ids(config, batch_size, torch.device("cpu"), config.seed + 1).numel()
+        if measurement == Measurement.STUDENT_PREFILL and cross_tokenizer(config):
+            # the student's own tokens of the text, padding included
+            return student_ids(config, batch_size, torch.device("cpu"), config.seed + 1).numel()
         return batch_size * config.data.seq_len
 
-    def config_columns(self, config: Any) -> Row:
+    def config_columns(self, config: CellConfig) -> Row:
         return {
             "seq_len": config.data.seq_len,
             "loss_impl": config.loss_impl,
@@ -250,17 +254,17 @@ class LMWorkload(Workload):
             "generation": generation_label(config.generation),
         }
 
-    def model_overrides(self, config: Any, role: str) -> dict[str, Any]:
+    def model_overrides(self, config: CellConfig, role: str) -> dict[str, Any]:
         return dict(getattr(config.overrides, role))
 
     # ------------------------------------------------------------------ the models
 
-    def build_pair(self, config: Any, backend: Any, cache: Any) -> Pair:
+    def build_pair(self, config: CellConfig, backend: Backend, cache: ModelCache) -> Pair:
         builds = serving_builds(config) or step_builds(config)  # both whole on the device
         teacher, student = (self._model(config, b, backend, cache) for b in builds)
         return teacher, student
 
-    def step_pair(self, config: Any, backend: Any, cache: Any, dp: Any = None) -> Pair:
+    def step_pair(self, config: CellConfig, backend: Backend, cache: ModelCache, dp: Any = None) -> Pair:
         """An FSDP2 cell's frozen teacher is built whole on rank 0's host and on ``meta`` elsewhere; once sharded, every
         rank's shards receive rank 0's weights (:mod:`kdbench.workloads.placement`): no rank holds a whole copy on
         its device, and only rank 0 one on the host (a ``module:callable`` teacher, which cannot be built on ``meta``,
@@ -276,7 +280,7 @@ class LMWorkload(Workload):
             teacher.when_sharded(partial(receive, offload=config.fsdp.cpu_offload))
         return teacher, self._model(config, student_build, backend, cache)
 
-    def _model(self, config: Any, build: ModelBuild, backend: Any, cache: Any) -> CausalLM:
+    def _model(self, config: CellConfig, build: ModelBuild, backend: Backend, cache: ModelCache) -> CausalLM:
         name, overrides = getattr(config.pair, build.role), getattr(config.overrides, build.role)
         allow = getattr(cache, "allow_imports", False)
         key = ("lm", name, repr(sorted(overrides.items())), config.seed)
@@ -293,39 +297,35 @@ class LMWorkload(Workload):
             CausalLM,
         )
 
-    def host_footprint(self, config: Any, device_type: str) -> HostFootprint:
+    def host_footprint(self, config: CellConfig, device_type: str) -> HostFootprint:
         def count(role: str) -> tuple[int, int] | None:
             name = getattr(config.pair, role)
             return None if is_callable_name(name) else lm_counts(name, getattr(config.overrides, role))
 
         return pair_footprint(config, device_type, count)
 
-    def step_keeps_pair(self, config: Any) -> bool:
+    def step_keeps_pair(self, config: CellConfig) -> bool:
         return config.parallel != "fsdp"  # the step sharded the pair in place: serving builds whole copies
 
     # ------------------------------------------------------------------ the step
 
     def batch(
-        self, config: Any, batch_size: int, device: torch.device, seed: int, models: Pair
+        self, config: CellConfig, batch_size: int, device: torch.device, seed: int, models: Pair
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if config.data.tokenizers is not None:  # real text, each model's own tokens: the teacher's here
             return text_token_batch(config, batch_size, device, seed)
         vocab = shared_vocab(config, *models)
         return token_batch(batch_size, config.data.seq_len, vocab, config.data.prompt_fraction, seed, device, config)
 
-    def paired_batch(self, distiller: Any, config: Any):
+    def paired_batch(self, distiller: Any, config: CellConfig):
         """A cross-tokenizer cell's ``align`` phase (:func:`kdbench.workloads.lm.xtok.paired_step`); None otherwise."""
-        from kdbench.workloads.lm.xtok import cross_tokenizer, paired_step
-
         return paired_step(config, distiller.fixed_input) if cross_tokenizer(config) else None
 
-    def plan_notes(self, config: Any) -> list[str]:
-        from kdbench.workloads.lm.checks import uld_note
-
-        note = uld_note(config)
+    def plan_notes(self, config: CellConfig) -> list[str]:
+        note = lm_checks.uld_note(config)
         return [note] if note else []
 
-    def feature_paths(self, teacher: nn.Module, student: nn.Module, example: torch.Tensor, config: Any) -> Any:
+    def feature_paths(self, teacher: nn.Module, student: nn.Module, example: torch.Tensor, config: CellConfig) -> Any:
         from kdbench.distill.hooks import layer_pairs
 
         given_t, given_s = config.features.teacher, config.features.student
@@ -333,7 +333,9 @@ class LMWorkload(Workload):
             raise KdbenchError("hidden_mse: found no decoder layers; name them in features.teacher / features.student")
         return layer_pairs(teacher.decoder_layers(), student.decoder_layers(), given_t, given_s, DEFAULT_LAYERS)
 
-    def loss(self, config: Any, shapes: Any, teacher: nn.Module, student: nn.Module, backend: Any) -> nn.Module:
+    def loss(
+        self, config: CellConfig, shapes: Any, teacher: nn.Module, student: nn.Module, backend: Backend
+    ) -> nn.Module:
         return LMLoss(config, shapes, teacher, student, backend, shared_vocab(config, teacher, student))
 
     def compact_teacher(self, distiller: Any, outputs: Any, targets: torch.Tensor) -> tuple[Any, Row, Any]:
@@ -353,9 +355,7 @@ class LMWorkload(Workload):
 
         return cache, {"teacher_cache_bytes_per_token": cache.bytes_per_token}, diagnose
 
-    def step_columns(self, step: Any, config: Any, x: torch.Tensor) -> tuple[Row, tuple[str, ...]]:
-        from kdbench.workloads.lm.xtok import tokenizer_columns
-
+    def step_columns(self, step: Any, config: CellConfig, x: torch.Tensor) -> tuple[Row, tuple[str, ...]]:
         loss = step.distiller.loss_fn
         memory = loss.logits_memory(x.numel())
         row = Row(
@@ -380,13 +380,15 @@ class LMWorkload(Workload):
     # ------------------------------------------------------------------ serving
 
     def serve(
-        self, measurement: Measurement, batch_size: int, pair: Pair, config: Any, backend: Any, budget_s: float | None
+        self,
+        measurement: Measurement,
+        batch_size: int,
+        pair: Pair,
+        config: CellConfig,
+        backend: Backend,
+        budget_s: float | None,
     ) -> Row:
-        from kdbench.workloads.lm.serving import measure_serving
-
         if measurement == Measurement.SPECULATIVE_DECODE:  # both models: the teacher with the student as its draft
-            from kdbench.workloads.lm.speculative import measure_speculative
-
             return measure_speculative(self, measurement, pair, batch_size, config, backend, budget_s)
         _, model = model_of(measurement, pair)
         return measure_serving(self, measurement, model, pair, batch_size, config, backend, budget_s)
@@ -412,105 +414,6 @@ def _not_an_lm(name: str) -> str:
     raise AssertionError(f"{name!r} is an LM")  # only called for names that are not
 
 
-def speculative_problems(config: Any, facts: dict) -> Problems:
-    """inference.speculative: the teacher's batch-size-1 decode row to compare with, and two transformers causal LMs
-    (a KV cache each).  Two vocabularies are refused unless data.vocab_policy slices them (as for every LM cell:
-    :func:`kdbench.workloads.lm.checks.vocab_problems`); sliced, both draft and verify over the shared entries."""
-    if config.inference.speculative is None:
-        return []
-    problems: Problems = []
-    key = ("inference", "speculative")
-    if not config.inference.teacher:
-        why = (
-            "inference.speculative is timed against the teacher decoding alone, and inference.teacher: false "
-            "measures no teacher: set inference.teacher: true (or remove inference.speculative)"
-        )
-        problems.append((key, why))
-    if 1 not in config.inference.batch_sizes:
-        why = (
-            "inference.speculative decodes at batch size 1 and is compared with the batch-size-1 decode rows: add 1 "
-            f"to inference.batch_sizes (now {list(config.inference.batch_sizes)})"
-        )
-        problems.append((key, why))
-    g = config.generation
-    if g.cache != "dynamic" or g.compile:
-        why = (
-            "inference.speculative verifies on transformers' dynamic KV cache, cut back after every rejection, and "
-            f"its speed-up is read against the decode rows: with generation {generation_label(g)} they would decode "
-            "on another backend; remove generation from this cell (sweep it in a cell of its own)"
-        )
-        problems.append((key, why))
-    for role, f in facts.items():
-        if f.known and not f.can_generate:
-            why = (
-                f"inference.speculative decodes with a KV cache per model, and the {role} {getattr(config.pair, role)} "
-                "is no transformers causal LM (it returns logits): give a registered LM, a config.json or a "
-                "module:callable returning ...ForCausalLM, or remove inference.speculative"
-            )
-            problems.append((key, why))
-    return problems
-
-
-def _on_policy_problems(config: Any, tokens: list, configs: dict) -> Problems:
-    """on_policy: a live teacher scores what the student generated; a divergence to train on; positions enough."""
-    problems: Problems = []
-    if config.teacher.mode != "live":
-        mode = config.teacher.mode
-        why = f"on_policy: the teacher must score each step's new completions: teacher.mode live, not {mode}"
-        problems.append((("teacher", "mode"), why))
-    if not tokens:
-        why = "on_policy trains on a divergence from the teacher on the student's completions: use e.g. method jsd"
-        problems.append((("method",), why))
-    if config.parallel == "fsdp":
-        why = (
-            "on_policy with parallel fsdp: the student generates through its model's own forward, outside the FSDP2 "
-            "root, whose embeddings and LM head stay sharded there (DTensor); use parallel: ddp (or remove on_policy)"
-        )
-        problems.append((("on_policy",), why))
-    need = prompt_length(config) + config.on_policy.new_tokens
-    for role, c in configs.items():
-        limit = max_positions(c)
-        if limit is not None and need > limit:
-            problems.append(
-                (
-                    ("on_policy", "new_tokens"),
-                    f"the prompt ({prompt_length(config)} tokens) + on_policy.new_tokens = {need} is beyond the "
-                    f"{role}'s {limit} positions; lower them",
-                )
-            )
-    return problems
-
-
-def _topk_problems(config: Any, tokens: list, vocabs: dict[str, int]) -> Problems:
-    """teacher.mode topk_cache: the sparse forward KL on the student's dense logits, k within the vocabulary."""
-    problems: Problems = []
-    if [m.name for m in tokens] != ["forward_kl"]:
-        problems.append(
-            (
-                ("method",),
-                "teacher.mode topk_cache trains on the forward KL over the teacher's top-k tokens: use method "
-                "forward_kl (optionally +hidden_mse)",
-            )
-        )
-    if config.loss_impl != "dense":
-        why = (
-            "teacher.mode topk_cache computes its sparse KL on the student's logits: use loss_impl dense, "
-            f"not {config.loss_impl}"
-        )
-        problems.append((("loss_impl",), why))
-    if config.parallel == "fsdp":
-        why = (
-            "teacher.mode topk_cache is not supported with parallel fsdp: the cache applies the teacher's LM head "
-            "outside its FSDP2-sharded forward, and the loss would gather the teacher's root every step for nothing; "
-            "use parallel: ddp (or teacher.mode live)"
-        )
-        problems.append((("teacher", "mode"), why))
-    vocab = min(vocabs.values()) if vocabs else None
-    if vocab is not None and config.teacher.k > vocab:
-        problems.append((("teacher", "k"), f"teacher.k {config.teacher.k} exceeds the vocabulary's {vocab} entries"))
-    return problems
-
-
 def _counted_completions(shape: torch.Size, prompt_len: int) -> torch.Tensor:
     """On-policy labels as the loss counts them: every completion token (its value aside), nothing else."""
     labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
@@ -521,47 +424,6 @@ def _counted_completions(shape: torch.Size, prompt_len: int) -> torch.Tensor:
 def lm_counts(name: str, overrides: dict[str, Any]) -> tuple[int, int]:
     """(parameters, elements of the largest) of LM ``name`` with ``overrides``, from the plan's model on ``meta``."""
     return counted(lm_facts(name, overrides, allow_imports=False), name)
-
-
-def shared_vocab(config: Any, teacher: nn.Module | None = None, student: nn.Module | None = None) -> int:
-    """The vocabulary both models share: the token ids both read (the smaller, under vocab_policy slice or pad; two
-    sizes under error raise)."""
-    sizes = []
-    for role, model in (("teacher", teacher), ("student", student)):
-        if model is not None and model.vocab_size is not None:
-            sizes.append(model.vocab_size)
-            continue
-        c = model_config(getattr(config.pair, role), getattr(config.overrides, role))
-        if c is not None:
-            sizes.append(int(c.vocab_size))
-    if not sizes:
-        raise KdbenchError("cannot tell the vocabulary size of the pair; give a transformers model")
-    # the plan refuses two sizes under vocab_policy error (a run never slices unasked); data.tokenizers: each its own
-    if len(set(sizes)) > 1 and config.data.vocab_policy == "error" and config.data.tokenizers is None:
-        raise KdbenchError(f"the pair's vocabularies differ ({sizes[0]} and {sizes[1]}): set data.vocab_policy: slice")
-    return min(sizes)
-
-
-def prompt_length(config: Any) -> int:
-    """Tokens of each sequence's prompt: ``prompt_fraction`` of ``seq_len`` (at least 1 on-policy, which samples
-    from it; at most seq_len − 1)."""
-    prompt = min(round(config.data.prompt_fraction * config.data.seq_len), config.data.seq_len - 1)
-    return max(prompt, 1) if config.on_policy is not None else prompt
-
-
-def token_batch(
-    batch_size: int, seq_len: int, vocab: int, prompt_fraction: float, seed: int, device, config: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids (B, S) and next-token labels (B, S), the prompt share and the last position -100."""
-    from kdbench.hw.layout import place_aligned
-
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
-    labels = torch.full_like(ids, IGNORE_INDEX)
-    labels[:, :-1] = ids[:, 1:]
-    prompt = min(round(prompt_fraction * seq_len), seq_len - 1)
-    labels[:, :prompt] = IGNORE_INDEX
-    return place_aligned(ids.to(device), config.alignment), place_aligned(labels.to(device), config.alignment)
 
 
 def accuracy_ledger(step: Any) -> tuple[Row, list[str]]:
@@ -589,18 +451,6 @@ def accuracy_ledger(step: Any) -> tuple[Row, list[str]]:
             return loss.ledger(student, teacher, loss.last_labels, extra.get("teacher_targets"))
     except Exception as exc:  # a diagnostic: its failure is data, never the row's
         return {}, [f"accuracy ledger failed: {error_text(exc)}"]
-
-
-def text_token_batch(config: Any, batch_size: int, device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A ``data.tokenizers`` cell's batch: the teacher's ids and labels of its text windows
-    (:mod:`kdbench.workloads.lm.xtok`); with one tokenizer, both models'."""
-    from kdbench.hw.layout import place_aligned
-    from kdbench.workloads.lm.xtok import encode_side, text_batch
-
-    t = config.data.tokenizers
-    text = text_batch(t.teacher, t.student, batch_size, config.data.seq_len, config.data.prompt_fraction, seed)
-    ids, labels = encode_side(t.teacher, text, config.data.seq_len)
-    return place_aligned(ids.to(device), config.alignment), place_aligned(labels.to(device), config.alignment)
 
 
 def loss_extra_flops(loss: LMLoss) -> int | None:

@@ -40,7 +40,9 @@ from kdbench.core.names import IGNORE_INDEX
 from kdbench.core.schema import Row
 from kdbench.data.corpus import join_files, stdlib_files, stdlib_root
 from kdbench.data.tokenizers import ByteTokenizer, Tokenizer, digest, load_bpe, train_bpe
+from kdbench.data.tokens import prompt_tokens
 from kdbench.distill.lm.uld import Alignment, uld_alignment
+from kdbench.hw.layout import place_aligned
 
 __all__ = [
     "TEXT_BYTES",
@@ -50,6 +52,7 @@ __all__ = [
     "paired_step",
     "student_ids",
     "text_batch",
+    "text_token_batch",
     "tokenizer_columns",
     "tokenizer_of",
     "tokenizer_size",
@@ -131,10 +134,6 @@ class TextBatch:
     student_len: int
 
 
-def _prompt_tokens(seq_len: int, prompt_fraction: float) -> int:
-    return min(round(prompt_fraction * seq_len), seq_len - 1)  # as kdbench.workloads.lm.workload.token_batch masks it
-
-
 @functools.lru_cache(maxsize=16)
 def text_batch(teacher: str, student: str, batch_size: int, seq_len: int, prompt_fraction: float, seed: int):
     """The :class:`TextBatch` of a cell (specs, shape, seed): each window the text of the teacher's first
@@ -142,7 +141,7 @@ def text_batch(teacher: str, student: str, batch_size: int, seq_len: int, prompt
     t_tok, s_tok = tokenizer_of(teacher), tokenizer_of(student)
     text = corpus()[TRAIN_BYTES:]
     rng = np.random.default_rng(seed)
-    prompt = _prompt_tokens(seq_len, prompt_fraction)
+    prompt = prompt_tokens(seq_len, prompt_fraction)  # as a one-tokenizer cell's token batch masks it
     windows, prompts = [], []
     for _ in range(batch_size):
         span = 8 * seq_len
@@ -199,6 +198,15 @@ def student_ids(config: Any, batch_size: int, device: torch.device, seed: int) -
     t = config.data.tokenizers
     batch = text_batch(t.teacher, t.student, batch_size, config.data.seq_len, config.data.prompt_fraction, seed)
     return encode_side(t.student, batch, batch.student_len)[0].to(device)
+
+
+def text_token_batch(config: Any, batch_size: int, device: Any, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``data.tokenizers`` cell's batch: the teacher's ids and labels of its text windows, placed at the cell's
+    alignment; with one tokenizer, both models'."""
+    t = config.data.tokenizers
+    text = text_batch(t.teacher, t.student, batch_size, config.data.seq_len, config.data.prompt_fraction, seed)
+    ids, labels = encode_side(t.teacher, text, config.data.seq_len)
+    return place_aligned(ids.to(device), config.alignment), place_aligned(labels.to(device), config.alignment)
 
 
 def paired_step(config: Any, fixed: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], tuple]:

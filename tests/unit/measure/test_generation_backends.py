@@ -19,12 +19,12 @@ from kdbench.measure.decode_floor import (
     weight_bytes_read,
 )
 from kdbench.models import ModelCache
+from kdbench.models.generation import GreedyServing, sample
 from kdbench.models.lm import build_lm
 from kdbench.run.cell import measure_cell
 from kdbench.run.jobs import config_columns
 from kdbench.store.probes import ceiling_columns
 from kdbench.workloads import check_cell
-from kdbench.workloads.lm.serving import GreedyServing, sample
 from kdbench.workloads.lm.workload import LM
 from tests.support.helpers import as_read
 from tests.support.rows import result_row

@@ -150,7 +150,7 @@ def test_the_mixed_precision_policy_reaches_every_unit_and_the_row_says_what_was
     recorded["shard"].clear()
     held = lm_config(**FSDP, precision="bf16", teacher_precision="bf16", teacher={"weights": "bf16"})
     teacher, student = _copies(built)
-    from kdbench.workloads.base import cast_teacher_weights
+    from kdbench.workloads.placement import cast_teacher_weights
 
     dp = DataParallel("g")
     dp.teacher_wrapper(held, CPU)(cast_teacher_weights(teacher, held))

@@ -9,12 +9,13 @@ import torch
 from pydantic import ValidationError
 
 from kdbench.config.schema import DraftsConfig, QualityConfig
+from kdbench.core.speculation import predicted_speedup
 from kdbench.hw.backends import choose_autocast, resolve
+from kdbench.models.generation import sampled_generate
 from kdbench.models.lm import CausalLM, make_lm
 from kdbench.quality.drafts import DRAFT_ROW_KEYS, measure_draft, predicted_alpha, prompt_windows
 from kdbench.quality.protocol import planned_rows, quality_jobs, run_quality
 from kdbench.report.summaries import markdown_drafts, summarize_drafts
-from kdbench.workloads.lm.speculative import predicted_speedup, sampled_generate
 from tests.support.helpers import as_read, log_lines
 from tests.unit.quality.test_quality_text import SMALL, TEACHER, _job
 

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from kdbench.config.plan import Cell, cell_id_of, config_dict
+from kdbench.data.tokens import prompt_length
 from kdbench.distill.step import DistillStep
 from kdbench.models import ModelCache
+from kdbench.models.generation import sample
 from kdbench.run.cell import measure_cell
 from kdbench.workloads import check_cell
-from kdbench.workloads.lm.serving import sample
-from kdbench.workloads.lm.workload import LM, prompt_length
+from kdbench.workloads.lm.workload import LM
 from tests.unit.workloads.test_lm_workload import CPU, lm_config
 
 ON = {"lmbda": 0.5, "new_tokens": 5}

@@ -188,8 +188,8 @@ def test_a_callable_that_returns_logits_takes_the_dense_loss_only_and_cannot_gen
 
 
 def test_the_vocabulary_policy_the_user_set_is_honoured_or_refused():
-    from kdbench.workloads.lm.serving import sample
-    from kdbench.workloads.lm.workload import shared_vocab
+    from kdbench.models.generation import sample
+    from kdbench.workloads.lm.checks import shared_vocab
 
     key, message = first_problem(config(overrides={"student": {"vocab_size": 4000}}))
     assert key == "data.vocab_policy" and "set data.vocab_policy: slice" in message

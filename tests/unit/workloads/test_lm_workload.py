@@ -10,6 +10,7 @@ import torch
 
 from kdbench.config.plan import Cell, cell_id_of, config_dict
 from kdbench.config.schema import CellConfig
+from kdbench.data.tokens import token_batch
 from kdbench.distill.lm import token_losses
 from kdbench.distill.losses import METHODS
 from kdbench.hw.backends import resolve
@@ -18,7 +19,7 @@ from kdbench.models import ModelCache
 from kdbench.models.lm import CausalLM, analytic_forward_flops
 from kdbench.run.cell import measure_cell
 from kdbench.workloads import check_cell, planned_measurements, workload_of
-from kdbench.workloads.lm.workload import LM, token_batch
+from kdbench.workloads.lm.workload import LM
 from kdbench.workloads.vision import VISION
 from tests.support.paths import ROOT
 
@@ -311,7 +312,7 @@ def test_an_fsdp_cell_this_torch_or_device_cannot_shard_is_skipped_with_the_reas
 
 @pytest.mark.slow
 def test_a_teacher_held_in_bf16_halves_its_memory_and_distils_as_a_bf16_autocast_one():
-    from kdbench.workloads.base import cast_teacher_weights
+    from kdbench.workloads.placement import cast_teacher_weights
 
     rows = {}
     for weights in ("fp32", "bf16"):

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from kdbench.core.speculation import expected_tokens_per_verify, predicted_speedup
+from kdbench.distill.lm.token_losses import tv_per_position
+from kdbench.models.generation import greedy_generate, prefill, speculative_generate
 from kdbench.models.lm import build_lm
-from kdbench.workloads.lm.speculative import greedy_generate, prefill, speculative_generate, total_variation
 
 VOCAB = 128
 # every shipped LM family at a tiny size: (registered name, overrides)
@@ -203,7 +204,7 @@ def bias_on(tokens: range, height: float) -> torch.Tensor:
 def test_sampled_alpha_is_one_minus_the_total_variation_of_fixed_distributions(target_tokens, draft_tokens, height):
     p_bias, q_bias = bias_on(target_tokens, height), bias_on(draft_tokens, height)
     target, draft = fixed_distribution(p_bias), fixed_distribution(q_bias)
-    tv = float(total_variation(p_bias, q_bias))
+    tv = float(tv_per_position(p_bias, q_bias))
     accepted = judged = 0
     g = torch.Generator().manual_seed(7)
     with torch.inference_mode():
@@ -229,7 +230,7 @@ def test_sampled_alpha_of_two_random_models_is_near_one_minus_their_mean_tv_alon
             # the TV of the two models' next-token distributions at every position of the generated text
             ids = out.tokens[:, :-1]
             p, q = target(input_ids=ids).logits[0, 3:], draft(input_ids=ids).logits[0, 3:]
-            tvs.append(total_variation(p, q, temperature))
+            tvs.append(tv_per_position(p, q, temperature))
     bound = 1 - float(torch.cat(tvs).mean())
     alpha = accepted / judged
     assert 0.05 < bound < 0.95  # the models overlap in part: the test can tell the bound from 0 or 1
