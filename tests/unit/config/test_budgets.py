@@ -10,19 +10,9 @@ from kdbench.config.budgets import Budget, check
 from kdbench.core.schema import Row
 from tests.support.helpers import run_folder, write_suite
 from tests.support.rows import result_row
+from tests.support.suites import tiny_suite
 
-SUITE = {
-    "name": "budgets",
-    "backend": "cpu",
-    "threads": 1,
-    "defaults": {
-        "pair": {"teacher": "linear", "student": "linear"},
-        "batch_size": 4,
-        "data": {"kind": "synthetic", "shape": [1, 4, 4], "num_classes": 4},
-        "timing": {"warmup": 0, "min_iters": 3, "min_time_s": 0.0},
-        "inference": {"batch_sizes": [1, 4], "teacher": False},
-    },
-}
+SUITE = tiny_suite(name="budgets", defaults={"inference": {"batch_sizes": [1, 4], "teacher": False}})
 
 
 def _row(cell: str, measurement: str, bs: int, **values) -> Row:

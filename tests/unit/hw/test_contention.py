@@ -24,6 +24,7 @@ from kdbench.report.compare.verdicts import Policy, Verdict
 from kdbench.store import read_results
 from tests.support.helpers import as_read, background_load, write_suite
 from tests.support.rows import result_row
+from tests.support.suites import tiny_suite
 
 
 def _load(others_cores: float, cores: int = 2, threads: int = 1, wall_s: float = 1.0) -> HostLoad:
@@ -154,21 +155,16 @@ def test_compare_and_budgets_leave_contended_rows_out_unless_asked():
     assert [c.outcome for c in check(base, budget)] == ["missed"]
 
 
-SUITE = {
-    "name": "busy",
-    "backend": "cpu",
-    "threads": 1,
-    "defaults": {
-        "pair": {"teacher": "linear", "student": "linear"},
-        "batch_size": 4,
-        "data": {"kind": "synthetic", "shape": [1, 4, 4], "num_classes": 4},
+SUITE = tiny_suite(
+    name="busy",
+    defaults={
         # a timed window of 0.3 s: long enough for the per-core counters (kdbench.hw.contention.MIN_WINDOW_S; a
         # shorter one gets no contention figure), also for the linear student's inference (~15 us a call, hence
         # max_iters past the default 10,000)
-        "timing": {"warmup": 1, "min_iters": 3, "min_time_s": 0.3, "max_iters": 1_000_000},
+        "timing": {"warmup": 1, "min_time_s": 0.3, "max_iters": 1_000_000},
         "inference": {"batch_sizes": [4], "teacher": False},
     },
-}
+)
 
 
 def _run(tmp_path, name: str) -> pd.DataFrame:

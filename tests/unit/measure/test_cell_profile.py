@@ -20,8 +20,9 @@ from kdbench.measure.telemetry import TelemetrySampler, telemetry_columns
 from kdbench.measure.timing import RawTiming
 from kdbench.models import build_model
 from kdbench.store import read_results
-from tests.support.helpers import make_config, make_step, run_folder
+from tests.support.helpers import make_config, make_step, run_folder, write_suite
 from tests.support.paths import ROOT
+from tests.support.suites import tiny_suite
 
 CPU = resolve("cpu")
 
@@ -213,17 +214,16 @@ def test_environment_record_has_the_speed_knobs():
     assert sorted(env) == sorted(ENVIRONMENT_COLUMNS)
 
 
-SUITE = """
-name: prof
-backend: cpu
-threads: 1
-defaults:
-  pair: {teacher: resnet8, student: linear}
-  batch_size: 8
-  data: {kind: synthetic, shape: [3, 8, 8], num_classes: 10}
-  timing: {warmup: 1, min_iters: 3, min_time_s: 0.0}
-  inference: {batch_sizes: [2]}
-"""
+SUITE = tiny_suite(
+    name="prof",
+    defaults={
+        "pair": {"teacher": "resnet8", "student": "linear"},
+        "batch_size": 8,
+        "data": {"kind": "synthetic", "shape": [3, 8, 8], "num_classes": 10},
+        "timing": {"warmup": 1},
+        "inference": {"batch_sizes": [2]},
+    },
+)
 
 
 @pytest.mark.slow
@@ -238,8 +238,7 @@ def test_probe_then_run_reports_utilisation_and_traces(tmp_path, capsys):
     fp32 = next(r for r in probe if r["kind"] == "matmul" and r["dtype"] == "fp32")
     assert fp32["value"] > 0 and fp32["backend"] == "cpu"
 
-    suite = tmp_path / "prof.yaml"
-    suite.write_text(SUITE)
+    suite = write_suite(tmp_path / "prof.yaml", **SUITE)
     assert main(["run", str(suite), "--out", str(out), "--report-dir", str(tmp_path / "rep"), "--profile"]) == 0
     run = run_folder(out)  # the probes/ and traces/ folders are not taken for runs
     rows = {r["measurement"]: r for r in read_results([run.path]).to_dict("records")}

@@ -22,6 +22,7 @@ from kdbench.models import ModelCache
 from kdbench.run.cell import measure_cell
 from tests.support.helpers import as_read, make_config, simulated_gpu, write_suite
 from tests.support.rows import result_row
+from tests.support.suites import tiny_suite
 
 CPU = Backend("cpu", torch.device("cpu"))
 CUDA = Backend("cuda", torch.device("cuda", 0))
@@ -293,16 +294,12 @@ def test_levers_run_end_to_end_on_the_cpu(tmp_path, capsys):
     from kdbench.store import read_results
     from tests.support.helpers import run_folder
 
-    suite = write_suite(
-        tmp_path / "levers.yaml",
+    levers = tiny_suite(
         name="levers",
-        backend="cpu",
-        threads=1,
         defaults={
-            "pair": {"teacher": "linear", "student": "linear"},
             "batch_size": 8,
             "data": {"kind": "synthetic", "shape": [1, 8, 8], "num_classes": 10},
-            "timing": {"warmup": 1, "min_iters": 5, "min_time_s": 0.0},
+            "timing": {"warmup": 1, "min_iters": 5},
             "inference": {"batch_sizes": [4], "teacher": False},
         },
         matrix={
@@ -317,6 +314,7 @@ def test_levers_run_end_to_end_on_the_cpu(tmp_path, capsys):
             ]
         },
     )
+    suite = write_suite(tmp_path / "levers.yaml", **levers)
     code = main(["run", str(suite), "--out", str(tmp_path / "res"), "--report-dir", str(tmp_path / "rep")])
     assert code == 0, capsys.readouterr().err
     df = read_results([run_folder(tmp_path / "res").path])

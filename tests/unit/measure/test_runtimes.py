@@ -112,15 +112,13 @@ def test_onnx_export_failing_both_ways_is_a_failure(cpu, monkeypatch):
 def test_dry_run_says_which_cells_lose_their_onnxruntime_rows(monkeypatch, tmp_path, capsys):
     from kdbench.cli import main
     from tests.support.helpers import write_suite
+    from tests.support.suites import tiny_suite
 
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # not installed: find_spec finds nothing
-    suite = write_suite(
-        tmp_path / "ort.yaml",
-        name="ort",
-        backend="cpu",
-        defaults={"pair": {"teacher": "linear", "student": "linear"}, "data": {"shape": [1, 8, 8]}},
-        matrix={"inference.runtime": ["eager", "onnxruntime"]},
+    ort = tiny_suite(
+        name="ort", defaults={"data": {"shape": [1, 8, 8]}}, matrix={"inference.runtime": ["eager", "onnxruntime"]}
     )
+    suite = write_suite(tmp_path / "ort.yaml", **ort)
     assert main(["run", str(suite), "--dry-run"]) == 0
     assert (
         "skipped here: cell 2's student_inference rows (inference.runtime onnxruntime): onnxruntime: ONNX Runtime is "

@@ -15,8 +15,9 @@ from kdbench.distill.losses import dkd as dkd_method
 from kdbench.hw.backends import resolve
 from kdbench.quality.protocol import ROW_KEYS, planned_rows, quality_jobs, run_quality
 from kdbench.report.summaries import markdown_table, summarize_quality
-from tests.support.helpers import log_lines, make_config
+from tests.support.helpers import log_lines, make_config, write_suite
 from tests.support.paths import SUPPORT
+from tests.support.suites import merged, tiny_suite
 
 CPU = resolve("cpu")
 SHAPE = [1, 8, 8]
@@ -360,20 +361,17 @@ def test_summarize_empty():
     assert summary.empty and "accuracy_mean" in summary.columns
 
 
-QUALITY_SUITE = """
-name: qsuite
-backend: cpu
-threads: 1
-defaults:
-  pair: {teacher: resnet8, student: resnet8}
-  batch_size: 8
-  data: {kind: synthetic, shape: [1, 8, 8], num_classes: 10}
-  timing: {warmup: 0, min_iters: 2, min_time_s: 0.0}
-  inference: {batch_sizes: [1]}
-matrix:
-  method: [kd, dkd]
-quality: {dataset: digits, epochs: 1, seeds: 1, target: 0.5}
-"""
+QUALITY_SUITE = tiny_suite(
+    name="qsuite",
+    defaults={
+        "pair": {"teacher": "resnet8", "student": "resnet8"},
+        "batch_size": 8,
+        "data": {"kind": "synthetic", "shape": [1, 8, 8], "num_classes": 10},
+        "timing": {"min_iters": 2},
+    },
+    matrix={"method": ["kd", "dkd"]},
+    quality={"dataset": "digits", "epochs": 1, "seeds": 1, "target": 0.5},
+)
 
 
 @pytest.mark.slow
@@ -382,8 +380,7 @@ def test_run_stores_quality_rows_once_and_resume_keeps_them(tmp_path, capsys):
     from kdbench.store import read_results
     from tests.support.helpers import run_folder
 
-    suite = tmp_path / "q.yaml"
-    suite.write_text(QUALITY_SUITE)
+    suite = write_suite(tmp_path / "q.yaml", **QUALITY_SUITE)
     out = tmp_path / "res"
     assert main(["run", str(suite), "--out", str(out), "--report-dir", str(tmp_path / "rep")]) == 0
     printed = capsys.readouterr().out
@@ -417,12 +414,9 @@ def test_a_quality_job_that_crashes_is_stored_failed_and_the_run_goes_on(tmp_pat
     from tests.support.helpers import run_folder
 
     monkeypatch.syspath_prepend(str(SUPPORT))  # faulty_models, for the worker process
-    text = QUALITY_SUITE.replace(
-        "pair: {teacher: resnet8, student: resnet8}",
-        "pair: {teacher: resnet8, student: 'faulty_models:segfault_in_training'}",
-    )
-    suite = tmp_path / "q.yaml"
-    suite.write_text("allow_imports: true\n" + text.replace("method: [kd, dkd]", "method: [kd]"))
+    crashing = {"pair": {"teacher": "resnet8", "student": "faulty_models:segfault_in_training"}}
+    over = {"allow_imports": True, "defaults": crashing, "matrix": {"method": ["kd"]}}
+    suite = write_suite(tmp_path / "q.yaml", **merged(QUALITY_SUITE, over))
     out = tmp_path / "res"
     assert main(["run", str(suite), "--out", str(out), "--report-dir", str(tmp_path / "rep")]) == 1
     captured = capsys.readouterr()
@@ -442,8 +436,8 @@ def test_a_quality_job_that_crashes_is_stored_failed_and_the_run_goes_on(tmp_pat
 def test_missing_quality_root_fails_before_anything_runs(tmp_path, capsys):
     from kdbench.cli import main
 
-    suite = tmp_path / "q.yaml"
-    suite.write_text(QUALITY_SUITE.replace("{dataset: digits,", f"{{dataset: imagefolder, root: {tmp_path / 'nope'},"))
+    missing = {"quality": {"dataset": "imagefolder", "root": str(tmp_path / "nope")}}
+    suite = write_suite(tmp_path / "q.yaml", **merged(QUALITY_SUITE, missing))
     assert main(["run", str(suite), "--out", str(tmp_path / "res")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "q.yaml" in err[0] and "quality.root" in err[0] and "does not exist" in err[0]

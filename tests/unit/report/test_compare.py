@@ -19,7 +19,9 @@ from kdbench.report.compare.compare import compare_frames
 from kdbench.report.compare.verdicts import Policy, Verdict, verdict_of
 from kdbench.store import read_results
 from kdbench.store.results import job_id, open_run
+from tests.support.helpers import write_suite
 from tests.support.rows import result_row
+from tests.support.suites import tiny_suite
 
 CELLS = {"cell-a": "resnet56->resnet20 kd fp32 bs32", "cell-b": "resnet32x4->resnet8x4 kd bf16 bs32"}
 MEASUREMENTS = (("distill_step", 32, 40.0), ("student_inference", 1, 2.0), ("teacher_inference", 1, 6.0))
@@ -480,8 +482,7 @@ def test_one_line_says_when_base_and_new_are_the_same_run(tmp_path, capsys):
 def _suite_here(tmp_path, monkeypatch):
     """The folders' suite file `s.yaml`, in the working folder (as `kdbench run s.yaml` left it)."""
     monkeypatch.chdir(tmp_path)
-    suite = {"name": "s", "backend": "cpu", "defaults": {"pair": {"teacher": "resnet8", "student": "resnet8"}}}
-    (tmp_path / "s.yaml").write_text(json.dumps(suite))
+    write_suite(tmp_path / "s.yaml", **tiny_suite(name="s"))
 
 
 def test_rerun_undecided_measures_the_undecided_cells_again_until_decided(tmp_path, capsys, monkeypatch):
