@@ -13,11 +13,10 @@ forward KL + CE instead of 13), or by autograd on each chunk for one that gives 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kdbench.distill.lm.divergences import TokenLoss, get_divergence, resolved
 from kdbench.distill.lm.impls.base import AlignedHeads, Buffers, Heads, LossImpl, Settings, register_impl
-from kdbench.distill.lm.impls.chunks import cast_head, chunk_value_grad, consume, zero
+from kdbench.distill.lm.impls.chunks import chunk_total, chunk_value_grad, consume, head_logits, zero
 from kdbench.distill.lm.uld import uld_value_grad
 
 
@@ -30,9 +29,8 @@ class ChunkedLogitsLoss(torch.autograd.Function):
     def forward(ctx, logits_s, logits_t, labels, loss: TokenLoss, chunk_size: int, grad_enabled: bool, may_inf):
         n_valid = logits_s.shape[0]
         grad = torch.zeros_like(logits_s) if grad_enabled and ctx.needs_input_grad[0] else None
-        total = torch.zeros((), dtype=torch.float32, device=logits_s.device)
-        for start in range(0, n_valid, chunk_size):
-            end = start + chunk_size
+
+        def step(start: int, end: int) -> torch.Tensor:
             part, g = chunk_value_grad(  # copies of the chunk: chunk_value_grad overwrites what it is given
                 logits_s[start:end].to(torch.float32, copy=True),
                 logits_t[start:end].clone() if loss.has_kd else None,
@@ -42,9 +40,11 @@ class ChunkedLogitsLoss(torch.autograd.Function):
                 grad is not None,
                 may_inf,
             )
-            total += part
             if g is not None:
                 grad[start:end].copy_(g)
+            return part
+
+        total = chunk_total(n_valid, chunk_size, logits_s.device, step)
         ctx.grads = [grad]
         return total
 
@@ -55,12 +55,10 @@ class ChunkedLogitsLoss(torch.autograd.Function):
 
 def compute(heads: Heads, loss: TokenLoss, rows: torch.Tensor, settings: Settings) -> torch.Tensor:
     h = heads
-    hs = h.student_hidden.index_select(0, rows)  # by index: the count is on the host, no sync
-    logits_s = F.linear(hs, *cast_head(hs, h.student_weight, h.student_bias))
+    logits_s = head_logits(h.student_hidden, h.student_weight, h.student_bias, rows)
     with torch.no_grad():
         if loss.has_kd:
-            ht = h.teacher_hidden.index_select(0, rows)
-            logits_t = F.linear(ht, *cast_head(ht, h.teacher_weight, h.teacher_bias))
+            logits_t = head_logits(h.teacher_hidden, h.teacher_weight, h.teacher_bias, rows)
         else:
             logits_t = logits_s.new_empty(logits_s.shape[0], 0)
     total = zero(h.student_hidden, h.student_weight, h.student_bias)  # attached even with no valid token
@@ -84,15 +82,16 @@ class ChunkedULD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_s, logits_t, weight, temperatures, chunk_size: int, grad_enabled: bool):
         grad = torch.zeros_like(logits_s) if grad_enabled and ctx.needs_input_grad[0] else None
-        total = torch.zeros((), dtype=torch.float32, device=logits_s.device)
-        for start in range(0, logits_s.shape[0], chunk_size):
-            end = start + chunk_size
+
+        def step(start: int, end: int) -> torch.Tensor:
             part, g = uld_value_grad(
                 logits_s[start:end], logits_t[start:end], weight[start:end], *temperatures, need_grad=grad is not None
             )
-            total += part
             if g is not None:
                 grad[start:end].copy_(g)
+            return part
+
+        total = chunk_total(logits_s.shape[0], chunk_size, logits_s.device, step)
         ctx.grads = [grad]
         return total
 
@@ -104,11 +103,9 @@ class ChunkedULD(torch.autograd.Function):
 def uld(heads: AlignedHeads, settings: Settings) -> torch.Tensor:
     """ULD's term: both heads on the aligned rows whole, the float32 sort-and-L1 work per chunk of rows."""
     h, a = heads, heads.alignment
-    hs = h.student_hidden.index_select(0, a.student)
-    logits_s = F.linear(hs, *cast_head(hs, h.student_weight, h.student_bias))
+    logits_s = head_logits(h.student_hidden, h.student_weight, h.student_bias, a.student)
     with torch.no_grad():
-        ht = h.teacher_hidden.index_select(0, a.teacher)
-        logits_t = F.linear(ht, *cast_head(ht, h.teacher_weight, h.teacher_bias))
+        logits_t = head_logits(h.teacher_hidden, h.teacher_weight, h.teacher_bias, a.teacher)
     total = zero(h.student_hidden, h.student_weight, h.student_bias)
     temperatures = (h.student_temperature, h.teacher_temperature)
     return total + ChunkedULD.apply(

@@ -18,7 +18,7 @@ from kdbench.core.fakes import known_values, on_values
 from kdbench.core.names import IGNORE_INDEX
 from kdbench.distill.lm.divergences import TokenLoss, resolved
 
-__all__ = ["cast_head", "chunk_value_grad", "consume", "valid_rows", "zero"]
+__all__ = ["cast_head", "chunk_total", "chunk_value_grad", "consume", "head_logits", "valid_rows", "zero"]
 
 
 def valid_rows(labels: torch.Tensor) -> torch.Tensor:
@@ -33,6 +33,22 @@ def valid_rows(labels: torch.Tensor) -> torch.Tensor:
 def cast_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """The head in the hidden states' dtype, as autocast would run it (no copy when they agree)."""
     return weight.to(hidden.dtype), (bias.to(hidden.dtype) if bias is not None else None)
+
+
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor):
+    """The head's logits of ``rows`` of the (flattened) hidden states: the rows picked by index (their count is on
+    the host: no boolean mask, whose size a GPU would sync for), the head cast as autocast would run it."""
+    h = hidden.index_select(0, rows)
+    return F.linear(h, *cast_head(h, weight, bias))
+
+
+def chunk_total(n: int, chunk_size: int, device: torch.device, step) -> torch.Tensor:
+    """The float32 sum of ``step(start, end)`` over the chunks [start, end) of rows 0..n, in order: each step
+    returns its chunk's value and keeps its own gradient (written into the caller's buffer or accumulator)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for start in range(0, n, chunk_size):
+        total += step(start, start + chunk_size)
+    return total
 
 
 def zero(*tensors: torch.Tensor | None) -> torch.Tensor:

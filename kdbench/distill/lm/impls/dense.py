@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from kdbench.core.names import IGNORE_INDEX
 from kdbench.distill.lm.divergences import TokenLoss, get_divergence, resolved
 from kdbench.distill.lm.impls.base import AlignedHeads, Buffers, Heads, LossImpl, Settings, register_impl
-from kdbench.distill.lm.impls.chunks import cast_head, zero
+from kdbench.distill.lm.impls.chunks import head_logits, zero
 from kdbench.distill.lm.token_losses import Dists, upcast
 from kdbench.distill.lm.uld import uld_rows
 
@@ -67,18 +67,15 @@ def token_loss(
 
 
 def _teacher_logits(heads: Heads, rows: torch.Tensor) -> torch.Tensor:
-    h = heads.teacher_hidden.index_select(0, rows)
     with torch.no_grad():
-        return F.linear(h, *cast_head(h, heads.teacher_weight, heads.teacher_bias))
+        return head_logits(heads.teacher_hidden, heads.teacher_weight, heads.teacher_bias, rows)
 
 
 def compute(heads: Heads, loss: TokenLoss, rows: torch.Tensor, settings: Settings) -> torch.Tensor:
     h = heads
-    hs = h.student_hidden.index_select(0, rows)  # the valid rows by index (their count is on the host): no
-    # boolean mask, whose size a GPU would sync for
     total = zero(h.student_hidden, h.student_weight, h.student_bias)  # attached even where D ignores the student
     return total + token_loss(
-        F.linear(hs, *cast_head(hs, h.student_weight, h.student_bias)),
+        head_logits(h.student_hidden, h.student_weight, h.student_bias, rows),
         _teacher_logits(h, rows) if loss.has_kd else None,
         h.labels.index_select(0, rows),
         loss,
@@ -112,11 +109,9 @@ def uld(heads: AlignedHeads, settings: Settings) -> torch.Tensor:
     """ULD's term: both heads on the aligned rows (picked by index from each side's hidden states), then
     :func:`~kdbench.distill.lm.uld.uld_rows` on the two logits, weighted by the alignment, plain autograd."""
     h, a = heads, heads.alignment
-    hs = h.student_hidden.index_select(0, a.student)
-    s = F.linear(hs, *cast_head(hs, h.student_weight, h.student_bias))
+    s = head_logits(h.student_hidden, h.student_weight, h.student_bias, a.student)
     with torch.no_grad():
-        ht = h.teacher_hidden.index_select(0, a.teacher)
-        t = F.linear(ht, *cast_head(ht, h.teacher_weight, h.teacher_bias))
+        t = head_logits(h.teacher_hidden, h.teacher_weight, h.teacher_bias, a.teacher)
     dist = uld_rows(s, t, h.student_temperature, h.teacher_temperature)
     total = zero(h.student_hidden, h.student_weight, h.student_bias)  # attached even with no aligned row
     return total + (dist * a.weight.to(dist.dtype)).sum()

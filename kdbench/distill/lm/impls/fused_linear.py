@@ -15,7 +15,7 @@ from kdbench.distill.lm.divergences import TokenLoss
 from kdbench.distill.lm.impls.base import AlignedHeads, Buffers, Heads, LossImpl, Settings, register_impl
 from kdbench.distill.lm.impls.chunked import chunk_work
 from kdbench.distill.lm.impls.chunked import unsupported as every_divergence
-from kdbench.distill.lm.impls.chunks import cast_head, chunk_value_grad, consume
+from kdbench.distill.lm.impls.chunks import cast_head, chunk_total, chunk_value_grad, consume
 from kdbench.distill.lm.uld import uld_value_grad
 
 
@@ -69,9 +69,9 @@ class FusedLinearLoss(torch.autograd.Function):
         w_t, b_t = cast_head(ht, wt, bt)
         grads = _HeadGrads(hs, ws, bs, [grad_enabled and need for need in ctx.needs_input_grad[:3]])
         n_valid = rows.numel()
-        total = torch.zeros((), dtype=torch.float32, device=hs.device)
-        for start in range(0, n_valid, chunk_size):
-            idx = rows[start : start + chunk_size]
+
+        def step(start: int, end: int) -> torch.Tensor:
+            idx = rows[start:end]
             h = hs.index_select(0, idx)
             part, g = chunk_value_grad(
                 F.linear(h, w, b).float(),
@@ -82,10 +82,11 @@ class FusedLinearLoss(torch.autograd.Function):
                 grads.any,
                 bs is not None or bt is not None,  # only an infinite bias makes a logit infinite
             )
-            total += part
             if g is not None:
                 grads.add(g, idx, h, w)
-            del g
+            return part
+
+        total = chunk_total(n_valid, chunk_size, hs.device, step)
         ctx.grads = grads.done()
         return total
 
@@ -104,17 +105,17 @@ class FusedLinearULD(torch.autograd.Function):
         w, b = cast_head(hs, ws, bs)
         w_t, b_t = cast_head(ht, wt, bt)
         grads = _HeadGrads(hs, ws, bs, [grad_enabled and need for need in ctx.needs_input_grad[:3]])
-        total = torch.zeros((), dtype=torch.float32, device=hs.device)
-        for start in range(0, align.student.numel(), chunk_size):
-            idx = align.student[start : start + chunk_size]
+
+        def step(start: int, end: int) -> torch.Tensor:
+            idx = align.student[start:end]
             h = hs.index_select(0, idx)
-            t = F.linear(ht.index_select(0, align.teacher[start : start + chunk_size]), w_t, b_t)
-            weight = align.weight[start : start + chunk_size]
-            part, g = uld_value_grad(F.linear(h, w, b), t, weight, *temperatures, need_grad=grads.any)
-            total += part
+            t = F.linear(ht.index_select(0, align.teacher[start:end]), w_t, b_t)
+            part, g = uld_value_grad(F.linear(h, w, b), t, align.weight[start:end], *temperatures, need_grad=grads.any)
             if g is not None:
                 grads.add(g, idx, h, w)
-            del g
+            return part
+
+        total = chunk_total(align.student.numel(), chunk_size, hs.device, step)
         ctx.grads = grads.done()
         return total
 
