@@ -20,11 +20,14 @@ teacher graph, each alone and together; cause (c), the deprecated API, is timed 
 autocast context) only where CUDA is available.  No bound: it documents the difference and its
 causes; the figures must be finite and positive.
 
+The language model.  A third test times kdbench's LM step and decode against hand-written loops (TRL's form of
+the step against ``loss_impl: natural``, a careful step against ``dense``, a greedy KV-cache loop against the decode
+row's call): see its section below and benchmarks/fidelity_lm.py.
+
 The figures are printed, attached to pytest-benchmark's record (`extra_info`) and written to
 benchmarks/.results/fidelity.json and benchmarks/.results/fidelity_article.json.
 """
 
-import copy
 import json
 import math
 import os
@@ -35,7 +38,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from fidelity_lm import LM_VOCAB, HandGreedyDecode, HandLMStep, interleaved, lm_batch, timed
 
+from kdbench.hw.contention import HostMeter
 from kdbench.models import build_model
 
 T, ALPHA, LR = 4.0, 0.9, 1e-4
@@ -132,17 +137,6 @@ class KDLoop:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         self.loss = loss.detach()
-
-
-def timed(fn, calls: int, into: list[float]) -> float:
-    """`calls` calls of fn, each timed with perf_counter_ns; their times (ms) go to `into`; the median."""
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter_ns()
-        fn()
-        times.append((time.perf_counter_ns() - start) / 1e6)
-    into.extend(times)
-    return statistics.median(times)
 
 
 def test_kdbench_step_is_as_fast_as_a_hand_written_kd_loop(benchmark, report_line, cpu_step):
@@ -345,124 +339,124 @@ def test_article_step_difference_and_its_causes(benchmark, report_line):
     assert math.isfinite(logit_gap) and saved > 0 and teacher_grad_bytes > 0
 
 
-# --------------------------------------------------------------------------- the language-model step
+# --------------------------------------------------------------------------- the language-model step and decode
+#
+# Three comparisons on the LM, each interleaved in one process (kdbench's call and the hand loop's in short rounds,
+# each first in every other round), the hand loops in benchmarks/fidelity_lm.py: (a) loss_impl natural against the
+# step as TRL's GKD trainer writes it, (b) loss_impl dense against a careful hand step of the same work, (c)
+# kdbench's greedy decode (its decode row's call) against a hand greedy KV-cache loop.  The tiny Llama pair at a
+# 32,000 vocabulary, 2 sequences (the prompt a quarter of each), forward KL + CE, fp32, AdamW; decode: 32 tokens at
+# batch 1 after a prompt of the sequence length.  Bounds: (a) and (b) within +-5 %, (c) within +-10 % (neither faster
+# nor slower); asserted only when the machine was idle enough (kdbench's own contention meter: other processes left
+# the run's threads 75 % of their cores), else printed with the reason.  CI runs 2 x 128 tokens; the issue's size:
+# KDBENCH_FIDELITY_LM_SEQ=512 (and KDBENCH_FIDELITY_LM_ROUNDS for more rounds).
 
-LM_SEQ = int(os.environ.get("KDBENCH_FIDELITY_LM_SEQ", "256"))  # tokens per sequence (the issue's figure: 512)
-LM_BATCH, LM_VOCAB, LM_PROMPT, LM_ALPHA = 2, 32000, 0.25, 0.5
-LM_ROUNDS = int(os.environ.get("KDBENCH_FIDELITY_LM_ROUNDS", "8"))  # kdbench vs hand loop
-LM_CALLS = 2  # calls per variant per round
+LM_SEQ = int(os.environ.get("KDBENCH_FIDELITY_LM_SEQ", "128"))  # tokens per sequence (the issue's figure: 512)
+LM_ROUNDS = int(os.environ.get("KDBENCH_FIDELITY_LM_ROUNDS", "6"))  # rounds per comparison
+LM_CALLS, DECODE_CALLS, DECODE_TOKENS = 2, 3, 32
+LM_BOUNDS = {"natural vs TRL-form step": 0.05, "dense vs careful step": 0.05, "greedy decode": 0.10}
 OUT_LM = RESULTS / "fidelity_lm.json"
 
 
-def lm_batch(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cell's batch, written out: ids uniform over the vocabulary from a generator seeded 0 (the cell's seed),
-    labels the next tokens, the first quarter of each sequence (the prompt) and its last position -100."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, LM_VOCAB, (LM_BATCH, seq_len), generator=g)
-    labels = torch.full_like(ids, -100)
-    labels[:, :-1] = ids[:, 1:]
-    labels[:, : round(LM_PROMPT * seq_len)] = -100
-    return ids, labels
+def kdbench_decode(step, prompt: torch.Tensor):
+    """kdbench's decode row's call on the student (kdbench.workloads.lm.serving): GreedyServing's decode of
+    DECODE_TOKENS tokens under inference_mode, after its untimed prefill."""
+    from kdbench.models.generation import GreedyServing
+
+    lm = step.distiller.student.lm
+    gen = GreedyServing(lm, prompt, DECODE_TOKENS)
+    with torch.inference_mode():
+        gen.start()
+
+    def call() -> None:
+        with torch.inference_mode():
+            gen.decode()
+
+    return call, gen
 
 
-class HandLMLoop:
-    """A hand-written transformers distillation step: two LlamaForCausalLM with the given weights, the teacher
-    frozen in eval() under no_grad, logits from model(...).logits (no KV cache, as in training), then forward KL
-    over the valid tokens (F.kl_div of the log-softmaxes, log_target) weighted alpha, + (1 - alpha) CE with
-    ignore_index=-100, zero_grad(set_to_none=True), backward, AdamW step."""
-
-    def __init__(self, teacher: torch.nn.Module, student: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor):
-        import transformers
-
-        self.teacher, self.student = (self._copy(transformers, m) for m in (teacher, student))
-        self.teacher.eval().requires_grad_(False)
-        self.student.train()
-        self.optimizer = torch.optim.AdamW(self.student.parameters(), lr=LR)
-        self.ids, self.labels = ids, labels
-        self.mask = labels != -100
-        self.loss: torch.Tensor | None = None
-
-    @staticmethod
-    def _copy(transformers, model: torch.nn.Module) -> torch.nn.Module:
-        """A LlamaForCausalLM of the model's config (same attention implementation), its weights loaded."""
-        out = transformers.LlamaForCausalLM(copy.deepcopy(model.config))
-        out.load_state_dict(model.state_dict())
-        return out
-
-    def __call__(self) -> None:
-        with torch.no_grad():
-            t = self.teacher(input_ids=self.ids, use_cache=False).logits
-        s = self.student(input_ids=self.ids, use_cache=False).logits
-        kl = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="none").sum(-1)
-        kl = (kl * self.mask).sum() / self.mask.sum()
-        ce = F.cross_entropy(s.flatten(0, 1), self.labels.flatten(), ignore_index=-100)
-        loss = LM_ALPHA * kl + (1 - LM_ALPHA) * ce
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        self.loss = loss.detach()
+def compared(name: str, ours, hand, rounds: int, calls: int) -> dict:
+    """One interleaved comparison, with the host's load over it (kdbench's contention meter)."""
+    meter = HostMeter(torch.get_num_threads())
+    meter.start()
+    result = interleaved({"kdbench": ours, "hand": hand}, rounds, calls)
+    meter.stop()
+    load = meter.result()
+    result["bound"] = LM_BOUNDS[name]
+    result["host"] = load.describe() if load is not None else "not read"
+    result["contended"] = bool(load is not None and load.contended)
+    return result
 
 
-def test_kdbench_lm_step_is_as_fast_as_a_hand_written_transformers_loop(benchmark, report_line, cpu_lm_step):
-    step, _ = cpu_lm_step(LM_SEQ)
+def test_kdbench_lm_step_and_decode_cost_what_hand_written_loops_cost(benchmark, report_line, cpu_lm_step):
     ids, labels = lm_batch(LM_SEQ)
-    assert torch.equal(ids, step.x) and torch.equal(labels, step.y)
-    ours_t, ours_s = step.distiller.teacher.lm, step.distiller.student.lm
-    hand = HandLMLoop(ours_t, ours_s, ids, labels)
-    for ours, theirs in ((ours_s, hand.student), (ours_t, hand.teacher)):
-        assert type(theirs).__name__ == type(ours).__name__ == "LlamaForCausalLM"
-        assert ours.config._attn_implementation == theirs.config._attn_implementation
-        mine, other = ours.state_dict(), theirs.state_dict()
-        assert mine.keys() == other.keys() and all(torch.equal(mine[k], other[k]) for k in mine)
-    step()
-    hand()
-    # Same models, batch and loss: the first step's losses agree.
-    torch.testing.assert_close(step.last_loss, hand.loss, rtol=1e-5, atol=1e-6)
-    first_loss = float(hand.loss)
-    step()  # warm up both (one more: the optimizer state exists)
-    hand()
+    steps = {impl: cpu_lm_step(LM_SEQ, impl)[0] for impl in ("natural", "dense")}
+    hands = {}
+    for impl, form in (("natural", "trl"), ("dense", "careful")):
+        step = steps[impl]
+        assert torch.equal(ids, step.x) and torch.equal(labels, step.y)
+        ours_t, ours_s = step.distiller.teacher.lm, step.distiller.student.lm
+        hands[impl] = hand = HandLMStep(ours_t, ours_s, ids, labels, form)
+        for ours, theirs in ((ours_s, hand.student), (ours_t, hand.teacher)):
+            assert ours.config._attn_implementation == theirs.config._attn_implementation
+            mine, other = ours.state_dict(), theirs.state_dict()
+            assert mine.keys() == other.keys() and all(torch.equal(mine[k], other[k]) for k in mine)
+        step()
+        hand()
+        # Same models, batch and loss: the first step's losses agree
+        torch.testing.assert_close(step.last_loss, hand.loss, rtol=1e-5, atol=1e-6)
+        step()  # warm up both (one more: the optimizer state exists)
+        hand()
+    prompt = ids[:1]
+    ours_decode, gen = kdbench_decode(steps["dense"], prompt)
+    hand_decode = HandGreedyDecode(steps["dense"].distiller.student.lm, prompt, DECODE_TOKENS)
+    ours_decode()
+    hand_decode()
+    assert torch.equal(gen.generated(), hand_decode.tokens)  # the same greedy tokens
 
     threads = torch.get_num_threads()
-    samples: dict[str, list[float]] = {"kdbench": [], "hand": []}
-    rounds = []
-    for i in range(LM_ROUNDS):
-        order = ("kdbench", "hand") if i % 2 == 0 else ("hand", "kdbench")
-        med = {name: timed(step if name == "kdbench" else hand, LM_CALLS, samples[name]) for name in order}
-        rounds.append({"kdbench_ms": med["kdbench"], "hand_ms": med["hand"], "ratio": med["kdbench"] / med["hand"]})
-    ours_ms, hand_ms = statistics.median(samples["kdbench"]), statistics.median(samples["hand"])
-    ratio = statistics.median(r["ratio"] for r in rounds)
-    timed_calls = len(samples["kdbench"])
-    phases = {name: statistics.median(v) for name, v in step.phase_ms(timed_calls).items()}
-    what = (
-        f"tiny Llama pair, {LM_VOCAB} vocab, {LM_BATCH}x{LM_SEQ} tokens (prompt {LM_PROMPT:.0%}), forward KL + CE "
-        f"(alpha {LM_ALPHA}), fp32, AdamW, loss_impl dense, cpu"
-    )
-    result = {
-        "threads": threads,
-        "step": what,
-        "seq_len": LM_SEQ,
-        "rounds": rounds,
-        "calls_per_round": LM_CALLS,
-        "kdbench_median_ms": ours_ms,
-        "hand_median_ms": hand_ms,
-        "ratio_of_medians": ours_ms / hand_ms,
-        "median_paired_ratio": ratio,
-        "kdbench_phase_median_ms": phases,
-        "tolerance": TOLERANCE,
-        "first_loss": first_loss,
+    results = {
+        "natural vs TRL-form step": compared(
+            "natural vs TRL-form step", steps["natural"], hands["natural"], LM_ROUNDS, LM_CALLS
+        ),
+        "dense vs careful step": compared("dense vs careful step", steps["dense"], hands["dense"], LM_ROUNDS, LM_CALLS),
+        "greedy decode": compared("greedy decode", ours_decode, hand_decode, 2 * LM_ROUNDS, DECODE_CALLS),
     }
-    report_line(f"kdbench's LM DistillStep vs a hand-written transformers loop, {what}, {threads} threads:")
-    report_line(
-        f"  kdbench {ours_ms:.1f} ms, hand loop {hand_ms:.1f} ms (medians of {timed_calls} steps each; ratio "
-        f"{ours_ms / hand_ms:.4f}); first-step loss {first_loss:.5f} in both"
+    for impl, key in (("natural", "natural vs TRL-form step"), ("dense", "dense vs careful step")):
+        n = len(steps[impl].marks) - 2
+        results[key]["kdbench_phase_median_ms"] = {k: statistics.median(v) for k, v in steps[impl].phase_ms(n).items()}
+    what = (
+        f"tiny Llama pair, {LM_VOCAB} vocab, 2x{LM_SEQ} tokens (prompt 25 %), forward KL + CE (alpha 0.5), "
+        f"fp32, AdamW, cpu; decode {DECODE_TOKENS} tokens at batch 1 after {LM_SEQ} prompt tokens"
     )
-    report_line("  kdbench's phases (ms, medians): " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     report_line(
-        f"  median of the {LM_ROUNDS} paired round ratios (kdbench / hand): {ratio:.4f} "
-        f"(must be <= {1 + TOLERANCE:.2f}); saved to {OUT_LM}"
+        f"kdbench's LM step and decode vs hand-written loops (benchmarks/fidelity_lm.py), {what}, {threads} threads:"
     )
+    failed = []
+    for name, r in results.items():
+        ratio, bound = r["median_paired_ratio"], r["bound"]
+        ok = abs(ratio - 1) <= bound
+        verdict = f"{'within' if ok else 'OUTSIDE'} 1 +- {bound:.2f}"
+        if r["contended"]:
+            verdict += ", not asserted: the machine was busy"
+        elif not ok:
+            failed.append(name)
+        report_line(
+            f"  {name}: kdbench {r['kdbench_median_ms']:.1f} ms, hand {r['hand_median_ms']:.1f} ms; median paired "
+            f"ratio {ratio:.4f} ({verdict}); {r['host']}"
+        )
+        if "kdbench_phase_median_ms" in r:
+            phases = r["kdbench_phase_median_ms"]
+            report_line("    kdbench's phases (ms, medians): " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+    dense, natural = results["dense vs careful step"], results["natural vs TRL-form step"]
+    report_line(
+        f"  what dense saves against natural (the same loss and gradients): {natural['kdbench_median_ms']:.1f} -> "
+        f"{dense['kdbench_median_ms']:.1f} ms ({dense['kdbench_median_ms'] / natural['kdbench_median_ms']:.2f}x); "
+        f"saved to {OUT_LM}"
+    )
+    out = {"threads": threads, "what": what, "seq_len": LM_SEQ, "comparisons": results}
     OUT_LM.parent.mkdir(parents=True, exist_ok=True)
-    OUT_LM.write_text(json.dumps(result, indent=2))
-    benchmark.extra_info.update(result)
-    benchmark.pedantic(hand, rounds=2, iterations=1)  # the hand loop, saved by pytest-benchmark
-    assert ratio <= 1 + TOLERANCE
+    OUT_LM.write_text(json.dumps(out, indent=2))
+    benchmark.extra_info.update(out)
+    benchmark.pedantic(hands["dense"], rounds=2, iterations=1)  # the careful hand step, saved by pytest-benchmark
+    assert not failed, f"outside their bounds on an idle machine: {failed}"
