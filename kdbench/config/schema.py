@@ -265,7 +265,7 @@ class OnPolicyConfig(Strict):
 
 
 class GenerationConfig(Strict):
-    """How an LM pair generates: its decode rows and the on-policy phase (kdbench.workloads.lm.serving)."""
+    """How an LM pair generates: its decode rows and the on-policy phase (kdbench.models.generation)."""
 
     # dynamic: transformers' default KV cache, grown token by token; static: its StaticCache, preallocated for the
     # prompt and the new tokens (the tensors keep their shapes and addresses)

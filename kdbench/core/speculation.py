@@ -1,5 +1,5 @@
 """Speculative decoding's expected figures, torch-free: what the store derives beside a measured row and what the
-measuring code (:mod:`kdbench.workloads.lm.speculative`) and the docs state.
+measuring code (:mod:`kdbench.models.generation`) and the docs state.
 
 With α the probability that the target accepts a draft token (for sampled verification E[α] = 1 − TV(p, q),
 Leviathan et al. 2023, Corollary 3.6), γ the draft tokens proposed per round and c the time of a draft forward

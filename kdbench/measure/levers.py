@@ -7,7 +7,7 @@
   ``torch._dynamo``'s counters, and frames compiled inside the timed window are counted
   as recompiles (a timed loop that recompiles measures the compiler).
 * ``generation.compile`` of an on-policy LM cell: its generation phase's decode steps compiled
-  (:mod:`kdbench.workloads.lm.serving`), counted in the step's one-off cost as the compile above; a
+  (:mod:`kdbench.models.generation`), counted in the step's one-off cost as the compile above; a
   decode row counts its own (``one_off_kind`` ``decode compile``).
 * ``optimizer.impl``: ``default``, ``foreach`` or ``fused`` (:func:`kdbench.distill.step.make_optimizer`).
 * ``conv_autotune``: ``torch.backends.cudnn.benchmark`` around the cell's measurements: cuDNN's

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kdbench.config.schema import CellConfig
-from kdbench.core.names import Measurement
+from kdbench.core.names import Measurement, role_of
 from kdbench.core.schema import Row
 from kdbench.hw.backends import Backend
 from kdbench.models import ModelCache
@@ -210,8 +210,6 @@ def serving_plan(
 
 def model_of(measurement: Measurement, pair: Pair) -> tuple[str, nn.Module]:
     """The role a serving measurement measures and that model of ``pair``."""
-    from kdbench.core.names import role_of
-
     role = role_of(measurement)
     return role, pair[0] if role == "teacher" else pair[1]
 
@@ -224,8 +222,6 @@ def served_precision_note(measurement: Measurement, config: CellConfig) -> str:
     ``precision``, as the student is, so that ``speedup_vs_teacher`` compares the two models at one precision (and
     a teacher's serving row is the same measurement in every cell that serves it: the reuse key).  One note with no
     ``"; "`` in it, which :func:`restate_served_precision` finds in a row's joined notes."""
-    from kdbench.core.names import role_of
-
     if role_of(measurement) != "teacher" or config.teacher_precision == config.precision:
         return ""
     return (

@@ -34,7 +34,7 @@ from kdbench.distill.losses import METHODS, check_method, check_weights, params_
 from kdbench.hw.backends import Backend, choose_autocast
 from kdbench.measure.serving import token_serving_row
 from kdbench.models import ModelCache
-from kdbench.models.encoders import Encoder
+from kdbench.models.encoders import Encoder, build_encoder, check_encoder_name, encoder_config, is_encoder_model
 from kdbench.models.lm import is_lm_model
 from kdbench.models.meta import encoder_facts
 from kdbench.workloads.base import (
@@ -66,8 +66,6 @@ def pair_attention(teacher: str, student: str) -> str:
 
 
 def _configs(config: Any) -> dict[str, Any]:
-    from kdbench.models.encoders import encoder_config
-
     return {role: encoder_config(getattr(config.pair, role), getattr(config.overrides, role)) for role in ROLES}
 
 
@@ -84,8 +82,6 @@ class EncoderWorkload(Workload):
     # ------------------------------------------------------------------ plan time
 
     def check(self, config: CellConfig, allow_imports: bool) -> Problems:
-        from kdbench.models.encoders import is_encoder_model
-
         problems: Problems = []
         roles = []
         for role in ROLES:
@@ -157,8 +153,6 @@ class EncoderWorkload(Workload):
         return teacher, student
 
     def _model(self, config: CellConfig, build: ModelBuild, backend: Backend, cache: ModelCache) -> Encoder:
-        from kdbench.models.encoders import build_encoder
-
         name, overrides = getattr(config.pair, build.role), getattr(config.overrides, build.role)
         key = ("encoder", name, repr(sorted(overrides.items())), config.seed)
         return fresh_model(
@@ -239,7 +233,6 @@ def encoder_counts(name: str, overrides: dict[str, Any]) -> tuple[int, int]:
 
 
 def _not_an_encoder(name: str) -> str:
-    from kdbench.models.encoders import check_encoder_name
     from kdbench.models.registry import available_models
 
     if is_lm_model(name):

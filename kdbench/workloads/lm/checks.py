@@ -17,6 +17,7 @@ from torch import nn
 from kdbench.config.schema import CellConfig
 from kdbench.core.errors import KdbenchError
 from kdbench.data.tokens import prompt_length, prompt_tokens
+from kdbench.distill.lm.impls import pad_unsupported, uld_unsupported
 from kdbench.distill.losses import check_method
 from kdbench.models.lm import max_positions, model_config
 from kdbench.workloads.base import Problems
@@ -55,8 +56,6 @@ def vocab_problems(config: CellConfig, facts: Facts) -> Problems:
     if config.data.tokenizers is not None:  # each model's vocabulary is its own tokenizer's
         return tokenizer_problems(config, vocabs)
     if config.data.vocab_policy == "pad":
-        from kdbench.distill.lm.impls import pad_unsupported
-
         why = pad_unsupported(config.loss_impl)
         problems: Problems = [(("loss_impl",), why)] if why else []
         if config.teacher.mode == "topk_cache":
@@ -107,8 +106,6 @@ def aligned_problems(config: CellConfig, methods: list) -> Problems | None:
     side's own positions; a divergence and hidden_mse pair one position of both models), under a loss_impl that
     computes it, with a live teacher; a cross-tokenizer cell runs on one device, without on-policy generation or
     speculative decoding (each would need the student's tokens read by the teacher)."""
-    from kdbench.distill.lm.impls import uld_unsupported
-
     uld = [m for m in methods if getattr(m.cls, "aligned_rows", False)]
     xtok = cross_tokenizer(config)
     if not uld and not xtok:

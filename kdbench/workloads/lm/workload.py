@@ -33,15 +33,19 @@ from kdbench.core.fakes import carry, known_values
 from kdbench.core.names import IGNORE_INDEX, Measurement
 from kdbench.core.schema import Row
 from kdbench.data.tokens import prompt_length, token_batch
+from kdbench.distill.lm.impls import unavailable, unsupported
 from kdbench.distill.lm.impls.base import get_impl
 from kdbench.distill.lm.loss import LMLoss, methods_token_loss
 from kdbench.distill.losses import check_method, check_weights
 from kdbench.hw.backends import Backend
+from kdbench.measure import walltime
+from kdbench.measure.failures import error_text
 from kdbench.measure.flops import count_flops
+from kdbench.measure.levers import eager
 from kdbench.models import ModelCache
 from kdbench.models.generation import sample
 from kdbench.models.hub import is_callable_name
-from kdbench.models.lm import CausalLM, build_lm, is_lm_model, make_lm, max_positions
+from kdbench.models.lm import CausalLM, build_lm, is_lm_model, make_lm, max_positions, registered_lm
 from kdbench.models.meta import lm_facts
 from kdbench.workloads.base import (
     Pair,
@@ -99,8 +103,6 @@ class LMWorkload(Workload):
     # ------------------------------------------------------------------ plan time
 
     def check(self, config: CellConfig, allow_imports: bool) -> Problems:
-        from kdbench.distill.lm.impls import unsupported
-
         problems: Problems = []
         roles = []
         for role in ("teacher", "student"):
@@ -225,8 +227,6 @@ class LMWorkload(Workload):
         return generate
 
     def skip_reason(self, config: CellConfig, backend: Backend) -> str | None:
-        from kdbench.distill.lm.impls import unavailable
-
         if config.parallel == "fsdp" and config.world_size > 1:
             from kdbench.measure.parallel import fully_shard_api
 
@@ -399,7 +399,6 @@ LM = LMWorkload()
 
 def _not_an_lm(name: str) -> str:
     """Why ``name`` (no LM, no module:callable) cannot be in an LM pair."""
-    from kdbench.models.lm import registered_lm
     from kdbench.models.registry import available_models
 
     if name in available_models():
@@ -432,10 +431,6 @@ def accuracy_ledger(step: Any) -> tuple[Row, list[str]]:
     as well), then the loss twice.  Called once the timed loop is over, before the FLOPs and the live peak are
     taken (each resets what it measures), and counted apart in the wall-time split.  A ledger that raises is a
     note; the row's measurements stand."""
-    from kdbench.measure import walltime
-    from kdbench.measure.failures import error_text
-    from kdbench.measure.levers import eager
-
     distiller = step.distiller
     loss, x = distiller.loss_fn, distiller.last_input
     why = loss.ledger_skip() or (None if loss.last_labels is not None else "no step ran")
