@@ -8,7 +8,7 @@ then the live tensor peak of one more step (:func:`kdbench.measure.memory.live_t
 tensors before it plus the peak of torch's allocations during it, from the profiler's memory events), less the
 tensors this process held before the cell was built (another benchmark's, in the same pytest run), against
 :func:`kdbench.fit.planner.predict` of the cell (its own step on fake tensors). Bound: every ratio measured /
-predicted within :data:`kdbench.core.names.FIT_TOLERANCE` (0.90-1.10), the tolerance the step rows flag against
+predicted within :data:`kdbench.core.limits.FIT_TOLERANCE` (0.90-1.10), the tolerance the step rows flag against
 (``predicted_peak_ratio``), but the bf16 cells on a CPU that emulates bf16 (:func:`_emulated`: named, neither
 measured nor bounded). The table is printed, attached to pytest-benchmark's record and written to
 benchmarks/.results/fit_accuracy.json.
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from kdbench.config.load import load_suite
-from kdbench.core.names import FIT_TOLERANCE
+from kdbench.core.limits import FIT_TOLERANCE
 from kdbench.distill.step import DistillStep
 from kdbench.fit.planner import predict
 from kdbench.hw.backends import resolve

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from kdbench.core.errors import KdbenchError, did_you_mean
-from kdbench.core.names import MAX_LOSS_ERR
+from kdbench.core.limits import MAX_LOSS_ERR
 
 EPILOG = """examples:
   kdbench probe                               measure this device's ceilings into results/probes/

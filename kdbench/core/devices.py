@@ -1,107 +1,368 @@
-"""Datasheet peaks: dense vendor TFLOP/s per precision, and matching the name torch reports.
+"""The device catalogue: each accelerator kdbench knows, with its datasheet figures and the source of each, and the
+one name matcher that finds a card by what a user writes or by what torch reports.
 
-Pure data and string matching, no torch, on the base floor beside :mod:`kdbench.core.names`: the
-store computes utilisation from it at read time (:mod:`kdbench.store.derived`).
+One table for the two readers that used to keep their own: the store computes utilisation against a card's dense
+peak at read time (:func:`datasheet_peak`, :mod:`kdbench.store.derived`), and the fit planner judges a step
+against a card's memory (:mod:`kdbench.fit.devices`, which keeps the headroom model).  Pure data and string
+matching, no torch, on the base floor.
+
+Each :class:`Card` is one torch device (a rank's): its memory, its dense peak per precision, its memory bandwidth,
+its interconnect bandwidth where the datasheet gives one, and its full count of compute units, each figure with
+its source in :attr:`Card.sources`.  Conventions:
+
+* Memory: a datasheet's "80GB" is read as 80 x 10^9 bytes (:mod:`kdbench.fit.devices` says why that is the safe
+  side).
+* Peaks, dense TFLOP/s (sparsity figures halved back to dense).  tf32 is the TF32 tensor-core figure (XF32 on
+  MI300X; None where the device has no such mode).  fp16/bf16 are the matrix (Tensor Core / Matrix Core) figures.
+  fp32 is the plain, non-tensor FP32 figure: on NVIDIA the non-Tensor-Core number (torch's fp32 matmul does not
+  use TF32 unless ``torch.backends.cuda.matmul.allow_tf32`` is set); on AMD CDNA the "FP32 vector" number.
+  Caveat: on CDNA2 (MI200) the datasheet's "FP32 matrix" figure is twice the vector one, and rocBLAS/hipBLASLt
+  fp32 GEMMs run on the matrix cores, so a measured fp32 matmul there can exceed this peak (up to 2x).  On MI300X
+  the matrix and vector FP32 figures are equal.
+* Memory bandwidth: the datasheet's peak, GB/s (10^9 bytes per second).
+* Interconnect: the datasheet's GPU-to-GPU bandwidth, GB/s, both directions together, of the fastest link it
+  lists (NVLink, Infinity Fabric; PCIe where the card has nothing else); None where no per-device figure is
+  published.
+* A card that torch shows as several devices (an MI250X's two GCDs) holds one device's share: a rank's.
+
+Names.  A card is found (:func:`find_card`) by its name or an alias as a user writes it (case, spaces, dashes and
+underscores ignored: ``h100``, ``H100-80GB``), by the whole name ``torch.cuda.get_device_name`` reports
+(:attr:`Card.reported`, lower case, spaces collapsed), or, where ROCm's name is empty or generic, by the
+architecture and compute-unit count (:attr:`Card.archs`).  Whole-name matching keeps variants with other figures
+(MI300A, H200 NVL, A10, A100X ...) from borrowing a sibling's peak.  The H100 NVL and the MI325X are in the
+catalogue by their user names only: what torch reports on them has not been seen here, so a stored row measured
+on one gets no datasheet peak yet (add the name to ``reported`` once it has).
+
+torch's own table (``torch/_inductor/analysis/device_info.py``, torch 2.14: ``DeviceInfo`` with ``tops``,
+``dram_bw_gbs``, ``dram_gb``) is not imported (it imports torch; this module is torch-free).  Where it agrees:
+MI300X (FP32 163.4, TF32 653.7, FP16/BF16 1307.4 TFLOP/s, 5,300 GB/s, 192 GB); H100 SXM (FP32 67, and its
+sparse TF32 989 and BF16 1979 halved by its ``tops_sparsity_factor`` to 494.5 and 989.5: the whitepaper's dense
+494.7 and 989.4 here; 3,350 GB/s; 80 GB); A100 (FP32 19.5, TF32 156, 2,039 GB/s and 80 GB: the A100 80GB SXM;
+its BF16 312.5 is the datasheet's 312 here); the MI210's BF16/FP16 181, 1,600 GB/s and 64 GB.  Where it is not
+taken: its L4 TF32 120 and BF16 242 are the datasheet's sparse figures read as dense (no sparsity factor; 60 and
+121 here), and its L4 bandwidth, 3,350 GB/s, is the H100's (the L4 datasheet: 300 GB/s); its MI210 FP32 45.3 is
+the FP32 *matrix* figure and its TF32 copies it, where this table keeps the FP32 vector 22.6 and no TF32 (CDNA2
+has none).  Its keys are exact upper-cased names ("NVIDIA H100", "NVIDIA A100", "AMD MI210X") that are not what
+torch reports on those cards ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "AMD Instinct MI210"), so it
+finds fewer of them; its MI300A, MI350X and Intel entries are not in this catalogue.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from kdbench.core.errors import KdbenchError
 from kdbench.core.names import PRECISIONS
+from kdbench.core.sizes import GB
 
-# Dense peak TFLOP/s (sparsity figures halved back to dense).  tf32 is the TF32 tensor-core
-# figure (XF32 on MI300X; None where the device has no such mode).  fp16/bf16 are the matrix
-# (Tensor Core / Matrix Core) figures.  fp32 is the plain, non-tensor FP32 figure:
-# - NVIDIA: the non-Tensor-Core FP32 number; torch's fp32 matmul does not use TF32
-#   unless torch.backends.cuda.matmul.allow_tf32 is set.
-# - AMD CDNA: the "FP32 vector" number.  Caveat: on CDNA2 (MI200) the datasheet's
-#   "FP32 matrix" figure is twice the vector one, and rocBLAS/hipBLASLt fp32 GEMMs run
-#   on the matrix cores, so a measured fp32 matmul there can exceed this peak (up to 2x).
-#   On MI300X the matrix and vector FP32 figures are equal.
-PEAKS: dict[str, dict[str, float | None]] = {
-    # AMD Instinct MI300X datasheet / amd.com MI300X product page: FP32 vector 163.4,
-    # TF32 653.7 (1307.4 with sparsity), FP16 and BF16 1307.4 (2614.9 with sparsity).
-    "MI300X": {"fp32": 163.4, "tf32": 653.7, "fp16": 1307.4, "bf16": 1307.4},
-    # AMD Instinct MI250X datasheet / amd.com MI250X page, whole card (2 GCDs): FP32 vector
-    # 47.9, FP16/BF16 383.0; CDNA2 has no TF32/XF32.  Each GCD is its own torch device, so half of the card.  torch
-    # names MI250 and MI250X alike ("MI250X/MI250"); an MI250 (45.3 / 362.1) is ~5% slower.
-    "MI250X (per GCD)": {"fp32": 47.9 / 2, "tf32": None, "fp16": 383.0 / 2, "bf16": 383.0 / 2},
-    # AMD Instinct MI210 datasheet / amd.com MI210 page: FP32 vector 22.6, FP16/BF16 181.0.
-    "MI210": {"fp32": 22.6, "tf32": None, "fp16": 181.0, "bf16": 181.0},
-    # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): FP32 67, TF32 989 and FP16/BF16 1,979
-    # with sparsity.  Same GH100 SXM5 compute as H100 SXM, whose dense figure is 989.4.
-    "H200 SXM": {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
-    # NVIDIA H100 Tensor Core GPU datasheet and "NVIDIA H100 Tensor Core GPU Architecture"
-    # whitepaper (SXM5): FP32 67, TF32 494.7 and FP16/BF16 989.4 dense (989 / 1,979 with sparsity).
-    "H100 SXM": {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
-    # Same datasheet / whitepaper, H100 PCIe: FP32 51, TF32 378 and FP16/BF16 756 dense (756 / 1,513 sparse).
-    "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "fp16": 756.0, "bf16": 756.0},
-    # NVIDIA A100 Tensor Core GPU datasheet: FP32 19.5, TF32 156 (312 sparse), FP16/BF16 312 (624 sparse);
-    # the same for 40GB and 80GB, PCIe and SXM.
-    "A100": {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0},
-    # NVIDIA L4 Tensor Core GPU datasheet: FP32 30.3, TF32 120 and FP16/BF16 242 with sparsity -> 60 and 121.
-    "L4": {"fp32": 30.3, "tf32": 60.0, "fp16": 121.0, "bf16": 121.0},
-    # NVIDIA T4 Tensor Core GPU datasheet: FP32 8.1, mixed-precision FP16 65; Turing has no bf16 or TF32.
-    "T4": {"fp32": 8.1, "tf32": None, "fp16": 65.0, "bf16": None},
-}
+FIGURES = ("memory", "peaks", "memory_bandwidth", "interconnect", "compute_units")  # each with a source
 
-# Whole-name patterns (lower case, spaces collapsed) for what torch.cuda.get_device_name
-# reports.  Whole-name matching keeps variants with other figures (MI300A, MI325X, H100 NVL,
-# H200 NVL, A10, A100X ...) from borrowing a sibling's peak: they return None.
-_NAME_PATTERNS: tuple[tuple[str, str], ...] = (
-    (r"amd instinct mi300x( vf)?", "MI300X"),
-    (r"amd instinct mi250x(/mi250)?", "MI250X (per GCD)"),
-    (r"amd instinct mi210", "MI210"),
-    (r"nvidia h200", "H200 SXM"),
-    (r"nvidia h100( sxm5?)? 80gb hbm3", "H100 SXM"),
-    (r"nvidia h100 pcie", "H100 PCIe"),
-    (r"nvidia a100-(sxm4|pcie)-(40|80)gb|nvidia a100 80gb pcie", "A100"),
-    (r"nvidia l4", "L4"),
-    (r"(tesla|nvidia) t4", "T4"),
+
+@dataclass(frozen=True)
+class Card:
+    """One accelerator as torch shows it (one device: a rank's), with the source of each figure."""
+
+    name: str  # what --gpu takes and the fit prints ("H100 80GB")
+    part: str  # the name its peaks go by (the datasheet_device column): cards with the same compute share it
+    memory_bytes: int
+    peaks: Mapping[str, float | None]  # dense TFLOP/s by precision (PRECISIONS); None: the device lacks the mode
+    memory_bandwidth: float  # GB/s
+    interconnect: float | None  # GB/s, GPU to GPU, both directions; None: no per-device figure published
+    compute_units: int  # the full chip's CUs (AMD) or SMs (NVIDIA) behind the peaks
+    sources: Mapping[str, str]  # each of FIGURES -> the datasheet (name and address) that states it
+    note: str = ""
+    aliases: tuple[str, ...] = ()  # other names a user may write
+    reported: str = ""  # the whole names torch reports (a regex, lower case, spaces collapsed); "": none matched
+    archs: tuple[tuple[str, int | None], ...] = field(default=())  # (gfx architecture, CUs or None: any)
+
+
+def _peaks(fp32: float, tf32: float | None, fp16: float, bf16: float | None) -> dict[str, float | None]:
+    return {"fp32": fp32, "tf32": tf32, "fp16": fp16, "bf16": bf16}
+
+
+_H100 = "NVIDIA H100 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h100/"
+_H100_PAPER = "and the NVIDIA H100 Tensor Core GPU Architecture whitepaper"
+_H200 = "NVIDIA H200 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h200/"
+_A100 = "NVIDIA A100 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/a100/"
+_L4 = "NVIDIA L4 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/l4/"
+_T4 = "NVIDIA T4 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/tesla-t4/"
+_MI300X = "AMD Instinct MI300X accelerator data sheet, https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html"
+_MI325X = "AMD Instinct MI325X accelerator data sheet, https://www.amd.com/en/products/accelerators/instinct/mi300/mi325x.html"
+_MI250X = "AMD Instinct MI250X accelerator data sheet, https://www.amd.com/en/products/accelerators/instinct/mi200/mi250x.html"
+_MI210 = (
+    "AMD Instinct MI210 accelerator data sheet, https://www.amd.com/en/products/accelerators/instinct/mi200/mi210.html"
+)
+
+CATALOGUE: tuple[Card, ...] = (
+    Card(
+        "H100 80GB",
+        "H100 SXM",
+        80 * GB,
+        _peaks(67.0, 494.7, 989.4, 989.4),
+        3350.0,
+        900.0,
+        132,
+        {
+            "memory": f"{_H100} (H100 SXM: 80 GB HBM3)",
+            "peaks": f"{_H100} {_H100_PAPER} (SXM5): FP32 67, TF32 494.7 and FP16/BF16 989.4 dense (989 / 1,979 "
+            "with sparsity)",
+            "memory_bandwidth": f"{_H100} (H100 SXM: 3.35 TB/s)",
+            "interconnect": f"{_H100} (H100 SXM: NVLink 900 GB/s)",
+            "compute_units": f"{_H100} {_H100_PAPER} (H100 SXM5: 132 SMs)",
+        },
+        aliases=("h100", "h100 sxm"),
+        reported=r"nvidia h100( sxm5?)? 80gb hbm3",
+    ),
+    Card(
+        "H100 NVL",
+        "H100 NVL",
+        94 * GB,
+        _peaks(60.0, 417.5, 835.5, 835.5),
+        3900.0,
+        600.0,
+        132,
+        {
+            "memory": f"{_H100} (H100 NVL: 94 GB HBM3)",
+            "peaks": f"{_H100} (H100 NVL: FP32 60, TF32 835 and FP16/BF16 1,671 with sparsity)",
+            "memory_bandwidth": f"{_H100} (H100 NVL: 3.9 TB/s)",
+            "interconnect": f"{_H100} (H100 NVL: NVLink 600 GB/s)",
+            "compute_units": f"{_H100} (H100 NVL: the full GH100 configuration of H100 SXM, 132 SMs)",
+        },
+        aliases=("h100 94gb",),  # "h100nvl" is its name without the space
+    ),
+    Card(
+        "H200",
+        "H200 SXM",
+        141 * GB,
+        _peaks(67.0, 494.7, 989.4, 989.4),
+        4800.0,
+        900.0,
+        132,
+        {
+            "memory": f"{_H200} (141 GB HBM3e)",
+            "peaks": f"{_H200} (H200 SXM: FP32 67, TF32 989 and FP16/BF16 1,979 with sparsity; the GH100 SXM5 "
+            "compute of H100 SXM, whose dense figures are 494.7 and 989.4)",
+            "memory_bandwidth": f"{_H200} (4.8 TB/s)",
+            "interconnect": f"{_H200} (H200 SXM: NVLink 900 GB/s)",
+            "compute_units": f"{_H200} (the GH100 SXM5 of H100 SXM: 132 SMs)",
+        },
+        aliases=("h200 141gb", "h200 sxm"),
+        reported=r"nvidia h200",
+    ),
+    Card(
+        "A100 40GB",
+        "A100",
+        40 * GB,
+        _peaks(19.5, 156.0, 312.0, 312.0),
+        1555.0,
+        600.0,
+        108,
+        {
+            "memory": f"{_A100} (A100 40GB: 40 GB HBM2)",
+            "peaks": f"{_A100} (FP32 19.5, TF32 156 (312 sparse), FP16/BF16 312 (624 sparse); the same for 40GB "
+            "and 80GB, PCIe and SXM)",
+            "memory_bandwidth": f"{_A100} (A100 40GB: 1,555 GB/s)",
+            "interconnect": f"{_A100} (NVLink 600 GB/s; PCIe cards through an NVLink bridge of two)",
+            "compute_units": f"{_A100} and the NVIDIA A100 Tensor Core GPU Architecture whitepaper (108 SMs)",
+        },
+        aliases=("a100 40",),
+        reported=r"nvidia a100-(sxm4|pcie)-40gb",
+    ),
+    Card(
+        "A100 80GB",
+        "A100",
+        80 * GB,
+        _peaks(19.5, 156.0, 312.0, 312.0),
+        2039.0,
+        600.0,
+        108,
+        {
+            "memory": f"{_A100} (A100 80GB: 80 GB HBM2e)",
+            "peaks": f"{_A100} (FP32 19.5, TF32 156 (312 sparse), FP16/BF16 312 (624 sparse); the same for 40GB "
+            "and 80GB, PCIe and SXM)",
+            "memory_bandwidth": f"{_A100} (A100 80GB SXM: 2,039 GB/s; the 80GB PCIe card: 1,935 GB/s)",
+            "interconnect": f"{_A100} (NVLink 600 GB/s; PCIe cards through an NVLink bridge of two)",
+            "compute_units": f"{_A100} and the NVIDIA A100 Tensor Core GPU Architecture whitepaper (108 SMs)",
+        },
+        aliases=("a100", "a100 80"),
+        reported=r"nvidia a100-(sxm4|pcie)-80gb|nvidia a100 80gb pcie",
+    ),
+    Card(
+        "H100 PCIe",
+        "H100 PCIe",
+        80 * GB,
+        _peaks(51.0, 378.0, 756.0, 756.0),
+        2000.0,
+        600.0,
+        114,
+        {
+            "memory": f"{_H100} (H100 PCIe: 80 GB HBM2e)",
+            "peaks": f"{_H100} {_H100_PAPER} (H100 PCIe: FP32 51, TF32 378 and FP16/BF16 756 dense; 756 / 1,513 "
+            "sparse)",
+            "memory_bandwidth": f"{_H100} (H100 PCIe: 2 TB/s)",
+            "interconnect": f"{_H100} (H100 PCIe: NVLink bridge 600 GB/s)",
+            "compute_units": f"{_H100} {_H100_PAPER} (H100 PCIe: 114 SMs)",
+        },
+        reported=r"nvidia h100 pcie",
+    ),
+    Card(
+        "L4",
+        "L4",
+        24 * GB,
+        _peaks(30.3, 60.0, 121.0, 121.0),
+        300.0,
+        64.0,
+        58,
+        {
+            "memory": f"{_L4} (24 GB GDDR6)",
+            "peaks": f"{_L4} (FP32 30.3, TF32 120 and FP16/BF16 242 with sparsity -> 60 and 121)",
+            "memory_bandwidth": f"{_L4} (300 GB/s)",
+            "interconnect": f"{_L4} (no NVLink: PCIe Gen4 x16, 64 GB/s)",
+            "compute_units": f"{_L4} and the NVIDIA Ada GPU Architecture whitepaper (AD104 as L4: 58 SMs)",
+        },
+        reported=r"nvidia l4",
+    ),
+    Card(
+        "T4",
+        "T4",
+        16 * GB,
+        _peaks(8.1, None, 65.0, None),
+        320.0,
+        32.0,
+        40,
+        {
+            "memory": f"{_T4} (16 GB GDDR6)",
+            "peaks": f"{_T4} (FP32 8.1, mixed-precision FP16 65; Turing has no bf16 or TF32)",
+            "memory_bandwidth": f"{_T4} (320+ GB/s)",
+            "interconnect": f"{_T4} (no NVLink: PCIe Gen3 x16, 32 GB/s)",
+            "compute_units": f"{_T4} and the NVIDIA Turing GPU Architecture whitepaper (TU104 as T4: 40 SMs)",
+        },
+        reported=r"(tesla|nvidia) t4",
+    ),
+    Card(
+        "MI300X",
+        "MI300X",
+        192 * GB,
+        _peaks(163.4, 653.7, 1307.4, 1307.4),
+        5300.0,
+        896.0,
+        304,
+        {
+            "memory": f"{_MI300X} (192 GB HBM3)",
+            "peaks": f"{_MI300X} (FP32 vector 163.4, TF32 653.7 (1307.4 with sparsity), FP16 and BF16 1307.4 "
+            "(2614.9 with sparsity))",
+            "memory_bandwidth": f"{_MI300X} (5.3 TB/s)",
+            "interconnect": f"{_MI300X} (7 Infinity Fabric links of 128 GB/s: 896 GB/s)",
+            "compute_units": f"{_MI300X} (304 CUs)",
+        },
+        note="an MI300X in CPX or DPX compute-partition mode shows 38 or 152 of its 304 CUs under the full card's "
+        "name: its peak is scaled to its share",
+        reported=r"amd instinct mi300x( vf)?",
+        archs=(("gfx942", None),),  # an MI325X with an empty name shares MI300X's compute and peaks
+    ),
+    Card(
+        "MI325X",
+        "MI325X",
+        256 * GB,
+        _peaks(163.4, 653.7, 1307.4, 1307.4),
+        6000.0,
+        896.0,
+        304,
+        {
+            "memory": f"{_MI325X} (256 GB HBM3E)",
+            "peaks": f"{_MI325X} (FP32 vector 163.4, TF32 653.7, FP16 and BF16 1307.4 (2614.9 with sparsity): "
+            "MI300X's compute)",
+            "memory_bandwidth": f"{_MI325X} (6 TB/s)",
+            "interconnect": f"{_MI325X} (7 Infinity Fabric links of 128 GB/s: 896 GB/s)",
+            "compute_units": f"{_MI325X} (304 CUs)",
+        },
+    ),
+    Card(
+        "MI250X",
+        "MI250X (per GCD)",
+        64 * GB,
+        _peaks(47.9 / 2, None, 383.0 / 2, 383.0 / 2),
+        3276.8 / 2,
+        None,
+        110,
+        {
+            "memory": f"{_MI250X} (128 GB HBM2e on the package)",
+            "peaks": f"{_MI250X} (whole card, 2 GCDs: FP32 vector 47.9, FP16/BF16 383.0; CDNA2 has no TF32/XF32), "
+            "halved",
+            "memory_bandwidth": f"{_MI250X} (whole card: 3.2 TB/s), halved",
+            "interconnect": f"{_MI250X} (up to 800 GB/s of Infinity Fabric for the package, its two GCDs and the "
+            "links between them together: no per-GCD figure)",
+            "compute_units": f"{_MI250X} (220 CUs on the package, 110 per GCD)",
+        },
+        note="one GCD: an MI250X is two graphics compute dies of 64 GB each, and ROCm shows each as a device, so a "
+        "rank gets 64 GB and half the card's peaks; torch names MI250 and MI250X alike ('MI250X/MI250'), and an "
+        "MI250 (45.3 / 362.1 TFLOP/s) is ~5% slower",
+        aliases=("mi250x gcd",),
+        reported=r"amd instinct mi250x(/mi250)?",
+        archs=(("gfx90a", 110),),
+    ),
+    Card(
+        "MI210",
+        "MI210",
+        64 * GB,
+        _peaks(22.6, None, 181.0, 181.0),
+        1638.4,
+        300.0,
+        104,
+        {
+            "memory": f"{_MI210} (64 GB HBM2e)",
+            "peaks": f"{_MI210} (FP32 vector 22.6, FP16/BF16 181.0; CDNA2 has no TF32/XF32)",
+            "memory_bandwidth": f"{_MI210} (1.6 TB/s)",
+            "interconnect": f"{_MI210} (Infinity Fabric Link bridge: up to 300 GB/s)",
+            "compute_units": f"{_MI210} (104 CUs)",
+        },
+        reported=r"amd instinct mi210",
+        archs=(("gfx90a", 104),),
+    ),
 )
 
 
-# The full chip's compute units (AMD CUs, NVIDIA SMs) behind each peak.  A device with fewer (an
-# MI300X in CPX or DPX compute-partition mode shows 38 or 152 of its 304 CUs under the full card's
-# name) gets the peak scaled to its share.
-FULL_UNITS: dict[str, int] = {
-    "MI300X": 304,
-    "MI250X (per GCD)": 110,
-    "MI210": 104,
-    "H200 SXM": 132,
-    "H100 SXM": 132,
-    "H100 PCIe": 114,
-    "A100": 108,
-    "L4": 58,
-    "T4": 40,
-}
+def name_key(name: str) -> str:
+    """A name as a user writes it, looked up: case, spaces, dashes and underscores ignored."""
+    return re.sub(r"[\s_\-]+", "", name).lower()
 
-# ROCm releases and virtual functions where the marketing name is empty or generic: the
-# architecture (and the CU count, where one architecture has several parts) names the part.
-_ARCH_FALLBACK: tuple[tuple[str, int | None, str], ...] = (
-    ("gfx942", None, "MI300X"),  # MI325X shares MI300X's compute and peaks
-    ("gfx90a", 110, "MI250X (per GCD)"),
-    ("gfx90a", 104, "MI210"),
-)
+
+def _user_names() -> dict[str, Card]:
+    return {name_key(alias): card for card in CATALOGUE for alias in (card.name, *card.aliases)}
+
+
+_BY_KEY = _user_names()
+
+
+def find_card(name: str, units: int | None = None, arch: str | None = None) -> Card | None:
+    """The catalogue's card called ``name``: its name or an alias as a user writes it, or the whole name torch
+    reports; where neither matches, the ROCm architecture ``arch`` (``gfx942:sramecc+:xnack-``) with the compute
+    units torch sees (``units``).  None for CPUs and devices the catalogue lacks."""
+    card = _BY_KEY.get(name_key(name))
+    if card is not None:
+        return card
+    reported = " ".join(name.lower().split())
+    card = next((c for c in CATALOGUE if c.reported and re.fullmatch(c.reported, reported)), None)
+    if card is None and arch:
+        gfx = arch.split(":")[0]
+        card = next((c for c in CATALOGUE for a, cus in c.archs if a == gfx and cus in (None, units)), None)
+    return card
 
 
 def datasheet_peak(
     device_name: str, dtype: str, units: int | None = None, arch: str | None = None
 ) -> tuple[str, float] | None:
-    """(name, dense peak TFLOP/s) for a GPU as torch reports it; None for CPUs, unknown devices, and
-    dtypes the device lacks.  ``units`` (compute units torch sees) scales the peak of a partitioned
-    device; ``arch`` names the part where the name does not."""
+    """(part, dense peak TFLOP/s) for a GPU as torch reports it; None for CPUs, unknown devices, and dtypes the
+    device lacks.  ``units`` (compute units torch sees) scales the peak of a partitioned device (an MI300X in CPX
+    mode); ``arch`` names the part where the name does not."""
     if dtype not in PRECISIONS:
         raise KdbenchError(f"unknown dtype '{dtype}'; use {', '.join(PRECISIONS)}")
-    name = " ".join(device_name.lower().split())
-    canonical = next((c for pattern, c in _NAME_PATTERNS if re.fullmatch(pattern, name)), None)
-    if canonical is None and arch:
-        canonical = next((c for a, cus, c in _ARCH_FALLBACK if arch.split(":")[0] == a and cus in (None, units)), None)
-    if canonical is None or PEAKS[canonical][dtype] is None:
+    card = find_card(device_name, units, arch)
+    if card is None or card.peaks[dtype] is None:
         return None
-    peak, full = PEAKS[canonical][dtype], FULL_UNITS[canonical]
+    peak, full = card.peaks[dtype], card.compute_units
     if units and 0 < units < full:
-        return f"{canonical} ({units} of {full} CUs)", peak * units / full
-    return canonical, peak
+        return f"{card.part} ({units} of {full} CUs)", peak * units / full
+    return card.part, peak

@@ -149,18 +149,8 @@ IGNORE_INDEX = -100
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")  # fp32 is IEEE fp32 on every vendor; tf32 only when asked
 MEMORY_FORMATS = ("contiguous", "channels_last")
 
-# The fit planner's stated tolerance (issue 31): a distill_step row whose measured peak (live_peak_bytes) lies
-# outside [low, high] x its predicted peak (predicted_peak_bytes) says so in its notes, and the report flags it.
-FIT_TOLERANCE = (0.90, 1.10)
-FIT_NOTE = "fit: "  # what a row's notes about its predicted peak begin with (the report picks them out by it)
-
-# The accuracy ledger's bound (``compare --max-loss-err``): an LM cell whose loss_rel_err or grad_rel_err against
-# float64 exceeds it is named in compare's note (kdbench.report.ledger)
-MAX_LOSS_ERR = 1e-2
-
-# Contention (issue 32, kdbench.hw.contention): a measurement is `contended` when other processes left it fewer than
-# this share of the cores its threads need.  0.75: one other single-threaded process beside a 1-thread measurement
-# on 2 cores (CI's two pytest-xdist workers) leaves it 1.0 of 1.0 (not flagged, with room for kernel threads and
-# daemons); two CPU-bound ones share the 2 cores fairly with it and leave it 2/3 (flagged).
-CONTENDED_FREE_SHARE = 0.75
-CONTENDED_NOTE = "contended: "  # what a row's note about a busy machine begins with
+# What a row's notes about its predicted peak begin with (the report picks them out by it); the tolerance they
+# are judged by is kdbench.core.limits.FIT_TOLERANCE.
+FIT_NOTE = "fit: "
+# What a row's note about a busy machine begins with (kdbench.core.limits.CONTENDED_FREE_SHARE says when).
+CONTENDED_NOTE = "contended: "

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from kdbench.core.names import ALIGN, CONTENDED_FREE_SHARE, FIT_TOLERANCE, GENERATE, PHASES, REMAINDER_COLUMN
+from kdbench.core.limits import CONTENDED_FREE_SHARE, FIT_TOLERANCE
+from kdbench.core.names import ALIGN, GENERATE, PHASES, REMAINDER_COLUMN
 
 SCHEMA_VERSION = 2  # 1: one parquet file per run, derived columns stored; 2: a folder of parts per run
 
@@ -758,7 +759,7 @@ COLUMNS: tuple[Column, ...] = (
             _F,
             "ratio",
             f"live_peak_bytes / predicted_peak_bytes; outside {FIT_TOLERANCE[0]:.2f}–{FIT_TOLERANCE[1]:.2f} "
-            "(kdbench.core.names.FIT_TOLERANCE) the row's notes say so with both figures and the report flags it",
+            "(kdbench.core.limits.FIT_TOLERANCE) the row's notes say so with both figures and the report flags it",
         ),
     ),
     *_group(
@@ -811,9 +812,9 @@ COLUMNS: tuple[Column, ...] = (
             "datasheet_peak_tflops",
             _F,
             "TFLOP/s",
-            "vendor dense peak at the cell's precision "
-            "(kdbench.core.devices.PEAKS); for a distill_step whose live teacher runs at another precision, flops / "
-            "(teacher_forward_flops / teacher's peak + the rest / student's peak)",
+            "vendor dense peak at the cell's precision (kdbench.core.devices.CATALOGUE); for a distill_step whose "
+            "live teacher runs at another precision, flops / (teacher_forward_flops / teacher's peak + the rest / "
+            "student's peak)",
         ),
         (
             "mfu",

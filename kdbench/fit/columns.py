@@ -1,5 +1,5 @@
 """A distill_step row's fit columns: the fit planner's predicted peak beside the measured one, and a note where the
-two differ by more than the stated tolerance (:data:`kdbench.core.names.FIT_TOLERANCE`).
+two differ by more than the stated tolerance (:data:`kdbench.core.limits.FIT_TOLERANCE`).
 
 :func:`add_fit` runs the planner (:func:`kdbench.fit.planner.predict`, a fake run of the cell's own step) for a
 row whose step has been measured, and sets ``predicted_peak_bytes``, ``predicted_peak_phase``,
@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 
 from kdbench.config.schema import CellConfig
-from kdbench.core.names import FIT_NOTE, FIT_TOLERANCE, Status
+from kdbench.core.limits import FIT_TOLERANCE
+from kdbench.core.names import FIT_NOTE, Status
 from kdbench.core.schema import Row
 from kdbench.fit import planner
 from kdbench.fit.tracker import KINDS

@@ -73,7 +73,7 @@ class Verdict:
     tried: tuple[str, ...] = ()  # the changes tried, in order (for a cell that does not fit)
 
     def line(self, usable: int) -> str:
-        from kdbench.fit.devices import gib
+        from kdbench.core.sizes import gib
 
         p = self.prediction
         if self.outcome == UNPREDICTABLE:
@@ -188,7 +188,7 @@ class Largest:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def text(self) -> str:
-        from kdbench.fit.devices import gib
+        from kdbench.core.sizes import gib
 
         if self.error:
             return f"unpredictable: {self.error}"

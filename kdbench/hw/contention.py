@@ -37,9 +37,10 @@ from typing import Any
 
 import psutil
 
-from kdbench.core.names import CONTENDED_FREE_SHARE, CONTENDED_NOTE
+from kdbench.core.limits import CONTENDED_FREE_SHARE
+from kdbench.core.names import CONTENDED_NOTE
 
-FREE_SHARE = CONTENDED_FREE_SHARE  # the share of the cores its threads need a measurement must have had (names.py)
+FREE_SHARE = CONTENDED_FREE_SHARE  # the share of the cores its threads need a measurement must have had (limits.py)
 SAMPLE_S = 0.4  # the look before a run's first cell
 # psutil's per-core times tick every 10 ms (USER_HZ): over a 0.25 s window on 2 cores the share is good to about
 # +-0.06 (0.12 of a core, within the rule's 0.25-core margin).  A shorter timed window is read from the

@@ -9,6 +9,7 @@ import torch
 
 from kdbench.core.names import Status
 from kdbench.core.schema import Row
+from kdbench.core.sizes import to_bytes
 from kdbench.core.worker_state import current
 from kdbench.measure.rows import failure_rows
 
@@ -42,7 +43,6 @@ _OOM_TEXT = (
     "hipErrorOutOfMemory",
     "cudaErrorMemoryAllocation",
 )
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
 
 class SkipMeasurement(Exception):
@@ -99,8 +99,7 @@ def asked_bytes(exc: BaseException) -> int | None:
         return int(exact.group(1))
     sized = re.search(r"tried to allocate ([\d.]+) ?(B|KiB|MiB|GiB|TiB|KB|MB|GB)\b", text, re.IGNORECASE)
     if sized:
-        unit = next(u for u in _UNITS if u.lower() == sized.group(2).lower())
-        return round(float(sized.group(1)) * _UNITS[unit])
+        return to_bytes(sized.group(1), sized.group(2))
     return None
 
 

@@ -23,12 +23,20 @@ import torch
 from torch import nn
 
 from kdbench.core.errors import KdbenchError, did_you_mean
+from kdbench.core.registry import Registry
 
 Builder = Callable[..., nn.Module]
 
 FAMILIES = ("cifar", "torchvision", "toy")
 
-_REGISTRY: dict[str, tuple[str, Builder]] = {}
+
+def _unknown_model(name: str) -> str:
+    close = did_you_mean(name, available_models())
+    hint = f"{close}(`kdbench list models` shows all)" if close else "pick one from `kdbench list models`"
+    return f"unknown model {name!r}; {hint}"
+
+
+_REGISTRY: Registry[tuple[str, Builder]] = Registry("model", unknown=_unknown_model)  # name -> (family, builder)
 
 MIN_IMAGE_SIZE = 8  # CIFAR models: three stride-2 stages need at least 8x8
 
@@ -49,9 +57,7 @@ def register_model(name: str, family: str) -> Callable[[Builder], Builder]:
         raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
 
     def decorate(fn: Builder) -> Builder:
-        if name in _REGISTRY:
-            raise ValueError(f"model {name!r} is already registered")
-        _REGISTRY[name] = (family, fn)
+        _REGISTRY.register(name, (family, fn))
         return fn
 
     return decorate
@@ -94,9 +100,7 @@ def check_model_name(name: str, allow_imports: bool = False) -> None:
         return
     if name in _REGISTRY or name in _torchvision_names():
         return
-    close = did_you_mean(name, available_models())
-    hint = f"{close}(`kdbench list models` shows all)" if close else "pick one from `kdbench list models`"
-    raise KdbenchError(f"unknown model {name!r}; {hint}")
+    raise KdbenchError(_REGISTRY.unknown(name))
 
 
 def missing_module(module: str) -> str | None:

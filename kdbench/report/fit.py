@@ -1,5 +1,5 @@
 """The report's *Will it fit* section: each distill_step row's predicted peak (the fit planner's) against the live
-tensor peak measured during one more step, with the stated tolerance (:data:`kdbench.core.names.FIT_TOLERANCE`).
+tensor peak measured during one more step, with the stated tolerance (:data:`kdbench.core.limits.FIT_TOLERANCE`).
 
 Data (pandas only, never torch): :func:`fit_points`, one row per distill_step row that has a predicted or a measured
 peak or a fit note (every repeat: a peak is not a timing to pool), with its ratio, whether the ratio is outside the
@@ -22,7 +22,8 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 import kdbench.report.charts as charts
-from kdbench.core.names import FIT_NOTE, FIT_TOLERANCE, Measurement, Status
+from kdbench.core.limits import FIT_TOLERANCE
+from kdbench.core.names import FIT_NOTE, Measurement, Status
 from kdbench.core.schema import COLUMN_NAMES
 from kdbench.report.charts import Chart
 from kdbench.report.format import MISSING, format_mib, text, truncate

@@ -23,7 +23,8 @@ from jinja2 import Environment, FileSystemLoader
 
 from kdbench.config.budgets import OUTCOMES, format_value, where_text
 from kdbench.core.errors import KdbenchError
-from kdbench.core.names import ALIGN, GENERATE, MAX_LOSS_ERR, Measurement, Status
+from kdbench.core.limits import MAX_LOSS_ERR
+from kdbench.core.names import ALIGN, GENERATE, Measurement, Status
 from kdbench.core.schema import COLUMN_NAMES, ENVIRONMENT_COLUMNS
 from kdbench.report.charts import NOISY_NOTE, RATE_COLUMNS, THIN_NOTE, rates
 from kdbench.report.compare.format import verdict_line

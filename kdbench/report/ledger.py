@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from kdbench.core.names import MAX_LOSS_ERR, Measurement, Status
+from kdbench.core.limits import MAX_LOSS_ERR
+from kdbench.core.names import Measurement, Status
 from kdbench.report.charts import with_keys
 from kdbench.report.format import MISSING
 

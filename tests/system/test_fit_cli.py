@@ -10,7 +10,8 @@ import pytest
 
 from kdbench.cli import main
 from kdbench.config.schema import CellConfig
-from kdbench.fit.devices import GIB, sized_device
+from kdbench.core.sizes import GIB
+from kdbench.fit.devices import sized_device
 from kdbench.fit.planner import Prediction, predict
 from kdbench.fit.verdict import (
     BATCH_CAP,

@@ -44,7 +44,8 @@ from typing import Any
 
 import torch
 
-from kdbench.core.errors import KdbenchError, did_you_mean
+from kdbench.core.errors import KdbenchError
+from kdbench.core.registry import Registry
 from kdbench.distill.lm import token_losses
 from kdbench.distill.lm.token_losses import log_mixture
 
@@ -94,30 +95,22 @@ class Divergence:
         return f"{self.name} at " + ", ".join(f"{k}={params[k]}" for k in self.params)
 
 
-DIVERGENCES: dict[str, Divergence] = {}
+DIVERGENCES: Registry[Divergence] = Registry("divergence", tail=", or None for CE only")
 
 
 def register_divergence(div: Divergence) -> Divergence:
     """Add ``div`` to :data:`DIVERGENCES` under its name (a name may be registered once)."""
-    if div.name in DIVERGENCES:
-        raise ValueError(f"divergence {div.name!r} is already registered")
-    DIVERGENCES[div.name] = div
-    return div
+    return DIVERGENCES.register(div.name, div)
 
 
 def unregister_divergence(name: str) -> None:
     """Remove divergence ``name`` (a test's registration, undone)."""
-    del DIVERGENCES[name]
+    DIVERGENCES.unregister(name)
 
 
 def get_divergence(name: str) -> Divergence:
     """The registered divergence ``name``; a KdbenchError naming the registered ones otherwise."""
-    if name not in DIVERGENCES:
-        raise KdbenchError(
-            f"unknown divergence {name!r}: {did_you_mean(name, DIVERGENCES, quote=True)}"
-            f"choose one of {', '.join(DIVERGENCES)}, or None for CE only"
-        )
-    return DIVERGENCES[name]
+    return DIVERGENCES.find(name)
 
 
 # ------------------------------------------------------------------------------------------------ what to compute

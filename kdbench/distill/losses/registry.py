@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from torch import nn
 
 from kdbench.core.errors import KdbenchError, did_you_mean
+from kdbench.core.registry import Registry
 
 # The training epoch the steps run in (1-based), set by a loop that trains over epochs (the quality
 # protocol, :func:`kdbench.quality.train.fit`); None outside one: a timing cell's fixed batch has no epochs.
@@ -92,16 +93,23 @@ class Method:
     doc: str
 
 
-METHODS: dict[str, Method] = {}
+def _unknown_method(part: str) -> str:
+    short = [m for m in METHODS if part.lower().replace("-", "_") in (m, _abbreviation(m))]
+    hint = f"did you mean {short[0]}? " if short else did_you_mean(part, METHODS, cutoff=0.5)
+    return (
+        f"unknown method '{part}'; {hint}(`kdbench list methods` shows all: {', '.join(sorted(METHODS))}; "
+        "combine with '+')"
+    )
+
+
+METHODS: Registry[Method] = Registry("method", unknown=_unknown_method)
 
 
 def register_method(name: str, params: type[BaseModel], doc: str) -> Callable[[type[Term]], type[Term]]:
     """Register a Term class as method ``name`` with its hyper-parameter model."""
 
     def wrap(cls: type[Term]) -> type[Term]:
-        if name in METHODS:
-            raise ValueError(f"method {name!r} is already registered")
-        METHODS[name] = Method(name, cls, params, doc)
+        METHODS.register(name, Method(name, cls, params, doc))
         return cls
 
     return wrap
@@ -122,17 +130,7 @@ def check_method(name: str) -> list[Method]:
     parts = method_parts(name)
     if len(set(parts)) != len(parts):
         raise KdbenchError(f"method '{name}' repeats a term; give each at most once (weights sets their size)")
-    out = []
-    for part in parts:
-        if part not in METHODS:
-            short = [m for m in METHODS if part.lower().replace("-", "_") in (m, _abbreviation(m))]
-            hint = f"did you mean {short[0]}? " if short else did_you_mean(part, METHODS, cutoff=0.5)
-            raise KdbenchError(
-                f"unknown method '{part}'; {hint}(`kdbench list methods` shows all: "
-                f"{', '.join(sorted(METHODS))}; combine with '+')"
-            )
-        out.append(METHODS[part])
-    return out
+    return [METHODS.find(part) for part in parts]
 
 
 def check_weights(method: str, weights: dict[str, float]) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from kdbench.core.names import MAX_LOSS_ERR
+from kdbench.core.limits import MAX_LOSS_ERR
 from kdbench.core.stats.repeats import RatioInterval, each_level
 from kdbench.report.ledger import LedgerFlag, ledger_note
 

@@ -3,8 +3,9 @@
 import pytest
 
 from kdbench.core.errors import KdbenchError
+from kdbench.core.sizes import GB, GIB
 from kdbench.fit import devices
-from kdbench.fit.devices import DEVICES, FRAGMENTATION, GB, GIB, RUNTIME_CONTEXT, find_device, parse_size, usable
+from kdbench.fit.devices import DEVICES, FRAGMENTATION, RUNTIME_CONTEXT, find_device, parse_size, usable
 
 
 @pytest.mark.parametrize(
@@ -21,6 +22,8 @@ from kdbench.fit.devices import DEVICES, FRAGMENTATION, GB, GIB, RUNTIME_CONTEXT
         ("1024", 1024),
         (" 24 GB ", 24_000_000_000),
         ("0.5GiB", 2**29),
+        ("1.5k", 1500),  # the bare letters are decimal
+        ("2g", 2_000_000_000),
     ],
 )
 def test_sizes_parse_to_exact_bytes(text, nbytes):
@@ -36,7 +39,7 @@ def test_what_is_not_a_size_is_one_line_naming_the_flag(text):
     assert "GiB = 2^30" in message and "\n" not in message
 
 
-@pytest.mark.parametrize("text", ["0", "0GB", "-80GB", "-1", "0.1"])
+@pytest.mark.parametrize("text", ["0", "0GB", "-80GB", "-1", "0.1", "0.6"])  # 0.6 bytes is not rounded up to 1
 def test_zero_and_negative_sizes_are_refused(text):
     with pytest.raises(KdbenchError, match=r"^--device-memory .*: must be a positive size, e\.g\. 80GB$"):
         parse_size(text)
@@ -50,11 +53,13 @@ def test_the_table_has_each_device_with_its_memory_and_a_source():
         "H200": 141 * GB,
         "A100 40GB": 40 * GB,
         "A100 80GB": 80 * GB,
+        "H100 PCIe": 80 * GB,
         "L4": 24 * GB,
         "T4": 16 * GB,
         "MI300X": 192 * GB,
         "MI325X": 256 * GB,
         "MI250X": 64 * GB,  # one GCD of the package's two: what a rank gets
+        "MI210": 64 * GB,
     }
     for d in DEVICES:
         assert d.kind == "gpu"
@@ -83,6 +88,10 @@ def test_the_table_has_each_device_with_its_memory_and_a_source():
         ("A100", "A100 80GB"),
         ("mi250x", "MI250X"),
         ("t4", "T4"),
+        ("h100 pcie", "H100 PCIe"),
+        ("NVIDIA A100-SXM4-40GB", "A100 40GB"),  # the name torch reports finds the card too
+        ("nvidia h100 80gb hbm3", "H100 80GB"),
+        ("c-p-u", "cpu"),
     ],
 )
 def test_names_ignore_case_spaces_and_dashes(name, device):
@@ -95,7 +104,7 @@ def test_an_unknown_device_says_the_close_names_and_the_way_out():
     message = str(err.value)
     assert message.startswith("--gpu H10: unknown device; did you mean ")
     close = message.split("did you mean ")[1].split("?")[0].split(", ")
-    assert {"H100 80GB", "H200"} <= set(close) and "MI300X" not in close
+    assert {"H200", "H100 NVL"} <= set(close) and "MI300X" not in close
     assert "known: H100 80GB, H100 NVL, H200" in message and "cpu" in message and "--device-memory SIZE" in message
     with pytest.raises(KdbenchError, match="did you mean MI300X"):
         find_device("mi300")

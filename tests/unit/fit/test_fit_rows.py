@@ -1,6 +1,6 @@
 """Will it fit, on the step rows (issue 31): each measured distill_step row gets the fit planner's predicted peak,
 the live tensor peak measured during one more step, their ratio, and a note when the cell is unpredictable or
-the ratio is outside the stated tolerance (kdbench.core.names.FIT_TOLERANCE)."""
+the ratio is outside the stated tolerance (kdbench.core.limits.FIT_TOLERANCE)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 
 import kdbench.fit.planner as planner
 from kdbench.config.plan import Cell, cell_id_of
-from kdbench.core.names import FIT_NOTE, FIT_TOLERANCE, PHASES
+from kdbench.core.limits import FIT_TOLERANCE
+from kdbench.core.names import FIT_NOTE, PHASES
 from kdbench.fit.columns import NOT_CHECKED, fit_columns
 from kdbench.fit.planner import Prediction
 from kdbench.fit.tracker import KINDS

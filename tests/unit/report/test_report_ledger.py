@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kdbench.cli import main
-from kdbench.core.names import MAX_LOSS_ERR
+from kdbench.core.limits import MAX_LOSS_ERR
 from kdbench.report import render_report
 from kdbench.report.compare.compare import compare_frames
 from kdbench.report.compare.verdicts import Policy

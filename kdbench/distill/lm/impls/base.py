@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kdbench.core.errors import KdbenchError, did_you_mean
+from kdbench.core.registry import Registry
 from kdbench.distill.lm.divergences import TokenLoss
 
 __all__ = ["IMPLS", "AlignedHeads", "Buffers", "Heads", "LossImpl", "Settings", "get_impl", "register_impl"]
@@ -121,22 +121,16 @@ class LossImpl:
     inf_why: str = ""  # why it cannot take -inf logits (data.vocab_policy: pad); "": it leaves them out
 
 
-IMPLS: dict[str, LossImpl] = {}
+IMPLS: Registry[LossImpl] = Registry(
+    "loss implementation", unknown=lambda name: f"unknown LM loss implementation {name!r}: {IMPLS.choose(name)}"
+)
 
 
 def register_impl(impl: LossImpl) -> LossImpl:
     """Add ``impl`` to :data:`IMPLS` under its name (a name may be registered once)."""
-    if impl.name in IMPLS:
-        raise ValueError(f"loss implementation {impl.name!r} is already registered")
-    IMPLS[impl.name] = impl
-    return impl
+    return IMPLS.register(impl.name, impl)
 
 
 def get_impl(name: str) -> LossImpl:
     """The registered implementation ``name``; a KdbenchError naming the registered ones otherwise."""
-    if name not in IMPLS:
-        raise KdbenchError(
-            f"unknown LM loss implementation {name!r}: {did_you_mean(name, IMPLS, quote=True)}"
-            f"choose one of {', '.join(IMPLS)}"
-        )
-    return IMPLS[name]
+    return IMPLS.find(name)
