@@ -12,33 +12,30 @@ import pytest
 from kdbench.cli import main
 from kdbench.core.schema import STORED_SCHEMA
 from kdbench.store import read_results
-from tests.support.helpers import run_folder
+from tests.support.helpers import run_folder, write_suite
 from tests.support.paths import ROOT, SUPPORT
+from tests.support.suites import merged, tiny_suite
 
-TINY = """
-name: tiny
-backend: cpu
-threads: 1
-defaults:
-  batch_size: 8
-  data: {kind: synthetic, shape: [1, 8, 8], num_classes: 10}
-  timing: {warmup: 1, min_iters: 3, min_time_s: 0.0}
-  inference: {batch_sizes: [1, 4]}
-matrix:
-  pair:
-    - {teacher: resnet8, student: linear}
-  precision: [fp32, bf16]
-  seed: [0, 1]
-exclude:
-  - {precision: bf16, seed: 1}
-"""
+TINY = tiny_suite(
+    defaults={
+        "batch_size": 8,
+        "data": {"kind": "synthetic", "shape": [1, 8, 8], "num_classes": 10},
+        "timing": {"warmup": 1},
+        "inference": {"batch_sizes": [1, 4]},
+    },
+    matrix={"pair": [{"teacher": "resnet8", "student": "linear"}], "precision": ["fp32", "bf16"], "seed": [0, 1]},
+    exclude=[{"precision": "bf16", "seed": 1}],
+)
+
+
+def _pair(teacher: str, student: str) -> dict:
+    """The overrides that give TINY's one matrix pair these models."""
+    return {"matrix": {"pair": [{"teacher": teacher, "student": student}]}}
 
 
 @pytest.fixture
 def tiny(tmp_path):
-    p = tmp_path / "tiny.yaml"
-    p.write_text(TINY)
-    return p
+    return write_suite(tmp_path / "tiny.yaml", **TINY)
 
 
 @pytest.mark.slow
@@ -85,8 +82,8 @@ def test_dry_run_lists_cells_and_runs_nothing(tiny, tmp_path, capsys):
 
 def test_failing_cell_is_recorded_and_exit_code_is_1(tmp_path, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(SUPPORT))  # faulty_models, for the worker process too
-    suite = tmp_path / "bad.yaml"
-    suite.write_text("allow_imports: true\n" + TINY.replace("teacher: resnet8", "teacher: 'faulty_models:raising'"))
+    faulty = merged(TINY, {"allow_imports": True, **_pair("faulty_models:raising", "linear")})
+    suite = write_suite(tmp_path / "bad.yaml", **faulty)
     assert main(["run", str(suite), "--out", str(tmp_path), "--no-report"]) == 1
     rows = read_results([run_folder(tmp_path).path]).to_dict("records")
     failed = [r for r in rows if r["status"] == "failed"]
@@ -106,8 +103,7 @@ def _cli(*args, cwd=ROOT):
 
 @pytest.mark.slow
 def test_user_errors_exit_2_with_one_line_and_no_traceback(tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(TINY.replace("student: linear", "student: linaer"))
+    bad = write_suite(tmp_path / "bad.yaml", **merged(TINY, _pair("resnet8", "linaer")))
     for args in (
         ["run", str(bad)],
         ["run", str(tmp_path / "missing.yaml")],
@@ -195,7 +191,7 @@ def test_list_suites_gives_cells_description_and_the_recorded_time(capsys, monke
         '["quality.yaml"]\nhow = "not measured"\nsource = "nowhere"\nnote = "2 min 32 s with four methods"\n'
         'gpu = "a few minutes"\n'
     )
-    (tmp_path / "mine.yaml").write_text(TINY.replace("name: tiny", "name: mine\ndescription: my own"))
+    write_suite(tmp_path / "mine.yaml", **merged(TINY, {"name": "mine", "description": "my own"}))
     monkeypatch.setattr(api, "SUITES_DIR", tmp_path)
     assert main(["list", "suites"]) == 0
     lines = capsys.readouterr().out.splitlines()

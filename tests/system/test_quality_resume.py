@@ -14,6 +14,7 @@ from kdbench.quality.text import TextRun
 from kdbench.store import read_results
 from kdbench.store.results import open_run
 from tests.support.helpers import run_folder, write_suite
+from tests.support.suites import tiny_suite
 
 pytest.importorskip("transformers")
 
@@ -39,22 +40,20 @@ STEPS = 11
 
 
 def _suite(path):
-    return write_suite(
-        path,
+    suite = tiny_suite(
         name="qtalk",
-        backend="cpu",
-        threads=1,
         defaults={
             "pair": {"teacher": "tiny-llama-teacher", "student": "tiny-llama-student"},
             "overrides": {"teacher": {**TEACHER, "vocab_size": 256}, "student": {**STUDENT, "vocab_size": 256}},
             "data": {"kind": "tokens", "seq_len": 16},
             "batch_size": 2,
-            "timing": {"warmup": 0, "min_iters": 2, "min_time_s": 0.0},
+            "timing": {"min_iters": 2},
             "inference": {"batch_sizes": []},
         },
         matrix={"method": ["forward_kl"]},
         quality=QUALITY,
     )
+    return write_suite(path, **suite)
 
 
 class FakeClock:

@@ -12,23 +12,20 @@ import pytest
 
 from kdbench.cli import main
 from kdbench.store import read_results
-from tests.support.helpers import run_folder
+from tests.support.helpers import run_folder, write_suite
 from tests.support.paths import ROOT, SUPPORT
+from tests.support.suites import RESNET8, tiny_suite
 
-HEAD = """
-name: faults
-backend: cpu
-threads: 1
-allow_imports: true
-cell_timeout_s: 20
-defaults:
-  batch_size: 4
-  data: {kind: synthetic, shape: [1, 8, 8], num_classes: 10}
-  timing: {warmup: 0, min_iters: 2, min_time_s: 0.0}
-  inference: {batch_sizes: [2]}
-matrix:
-  pair:
-"""
+FAULTS = tiny_suite(
+    name="faults",
+    allow_imports=True,
+    cell_timeout_s=20,
+    defaults={
+        "data": {"kind": "synthetic", "shape": [1, 8, 8], "num_classes": 10},
+        "timing": {"min_iters": 2},
+        "inference": {"batch_sizes": [2]},
+    },
+)
 
 
 @pytest.mark.slow
@@ -46,9 +43,8 @@ def test_injected_failures_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypa
         "linear",
     ]
     # `cases` gives each cell its own seed, so the three good `linear` cells are distinct cells
-    cases = "".join(f"    - {{pair: {{teacher: linear, student: '{s}'}}, seed: {i}}}\n" for i, s in enumerate(students))
-    suite = tmp_path / "faults.yaml"
-    suite.write_text(HEAD.replace("  pair:\n", "  cases:\n") + cases)
+    cases = [{"pair": {"teacher": "linear", "student": s}, "seed": i} for i, s in enumerate(students)]
+    suite = write_suite(tmp_path / "faults.yaml", **FAULTS, matrix={"cases": cases})
     rc = main(["run", str(suite), "--out", str(tmp_path / "res"), "--no-report"])
     assert rc == 1
     df = read_results([tmp_path / "res"])
@@ -72,12 +68,8 @@ def test_injected_failures_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypa
 @pytest.mark.slow
 def test_failure_cells_after_good_ones_keep_order(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(SUPPORT))
-    pairs = "".join(
-        f"    - {{teacher: linear, student: '{s}'}}\n"
-        for s in ["faulty_models:segfault", "linear", "faulty_models:raising"]
-    )
-    suite = tmp_path / "s.yaml"
-    suite.write_text(HEAD + pairs)
+    pairs = [{"teacher": "linear", "student": s} for s in ["faulty_models:segfault", "linear", "faulty_models:raising"]]
+    suite = write_suite(tmp_path / "s.yaml", **FAULTS, matrix={"pair": pairs})
     assert main(["run", str(suite), "--out", str(tmp_path), "--no-report"]) == 1
     rows = read_results([run_folder(tmp_path).path]).sort_values("timestamp", kind="stable").to_dict("records")
     steps = [(r["student"], r["status"]) for r in rows if r["measurement"] == "distill_step"]
@@ -87,19 +79,9 @@ def test_failure_cells_after_good_ones_keep_order(tmp_path, monkeypatch):
     assert len(seg) == 3 and all(r["status"] == "failed" for r in seg)
 
 
-SLOW = """
-name: killme
-backend: cpu
-threads: 1
-defaults:
-  batch_size: 8
-  data: {kind: synthetic, shape: [3, 16, 16], num_classes: 10}
-  pair: {teacher: resnet8, student: resnet8}
-  timing: {warmup: 0, min_iters: 3, min_time_s: 1.0}
-  inference: {batch_sizes: [1]}
-matrix:
-  seed: [0, 1, 2, 3]
-"""
+SLOW = tiny_suite(
+    name="killme", defaults={**RESNET8, "batch_size": 8, "timing": {"min_time_s": 1.0}}, matrix={"seed": [0, 1, 2, 3]}
+)
 
 
 def _stored_cells(out: Path) -> list[str]:
@@ -111,8 +93,7 @@ def _stored_cells(out: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_sigkill_then_resume_stores_every_cell_exactly_once(tmp_path):
-    suite, out = tmp_path / "slow.yaml", tmp_path / "res"
-    suite.write_text(SLOW)
+    suite, out = write_suite(tmp_path / "slow.yaml", **SLOW), tmp_path / "res"
     cmd = [sys.executable, "-m", "kdbench", "run", str(suite), "--out", str(out), "--no-report"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -147,8 +128,7 @@ def test_sigkill_then_resume_stores_every_cell_exactly_once(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_keeps_stored_cells_and_prints_the_resume_command(tmp_path):
-    suite, out = tmp_path / "slow.yaml", tmp_path / "res"
-    suite.write_text(SLOW)
+    suite, out = write_suite(tmp_path / "slow.yaml", **SLOW), tmp_path / "res"
     cmd = [sys.executable, "-m", "kdbench", "run", str(suite), "--out", str(out), "--no-report"]
     # Ctrl-C's default action, whatever this test runner inherited: a shell starts background
     # jobs with SIGINT ignored, and a child would inherit that.

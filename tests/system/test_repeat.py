@@ -13,19 +13,18 @@ from kdbench.run.workers import ProcessWorker
 from kdbench.store import read_results
 from kdbench.store.results import RunFolder
 from tests.support.helpers import run_folder, write_suite
+from tests.support.suites import RESNET8, tiny_suite
 
-SUITE = {
-    "name": "repeats",
-    "backend": "cpu",
-    "threads": 1,
-    "defaults": {
+SUITE = tiny_suite(
+    name="repeats",
+    defaults={
+        **RESNET8,
         "batch_size": 8,
-        "data": {"kind": "synthetic", "shape": [3, 16, 16], "num_classes": 10},
         "timing": {"warmup": 2, "min_iters": 10, "min_time_s": 0.3},
         "inference": {"batch_sizes": [8], "teacher": False},
     },
-    "matrix": {"pair": [{"teacher": "resnet8", "student": "resnet8"}, {"teacher": "resnet14", "student": "resnet8"}]},
-}
+    matrix={"pair": [{"teacher": "resnet8", "student": "resnet8"}, {"teacher": "resnet14", "student": "resnet8"}]},
+)
 
 
 def test_repeats_are_planned_in_rounds_with_their_own_job_ids():

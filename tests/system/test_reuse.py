@@ -6,6 +6,7 @@ from kdbench.cli import main
 from kdbench.store import read_results
 from kdbench.workloads import vision as vision_module
 from tests.support.helpers import run_folder, write_suite
+from tests.support.suites import tiny_suite
 
 
 def test_a_reused_teacher_row_is_not_measured_again(tmp_path, monkeypatch, capsys):
@@ -17,20 +18,9 @@ def test_a_reused_teacher_row_is_not_measured_again(tmp_path, monkeypatch, capsy
         return measure(model, role, batch_size, config, backend, budget_s)
 
     monkeypatch.setattr(vision_module, "measure_inference", counting)
-    suite = write_suite(
-        tmp_path / "s.yaml",
-        name="reuse",
-        backend="cpu",
-        threads=1,
-        defaults={
-            "pair": {"teacher": "linear", "student": "linear"},
-            "batch_size": 4,
-            "data": {"kind": "synthetic", "shape": [1, 4, 4], "num_classes": 4},
-            "timing": {"warmup": 0, "min_iters": 3, "min_time_s": 0.0},
-            "inference": {"batch_sizes": [1, 2]},
-        },
-        matrix={"kd.temperature": [2.0, 4.0], "precision": ["fp32", "bf16"]},
-    )
+    matrix = {"kd.temperature": [2.0, 4.0], "precision": ["fp32", "bf16"]}
+    reuse = tiny_suite(name="reuse", defaults={"inference": {"batch_sizes": [1, 2]}}, matrix=matrix)
+    suite = write_suite(tmp_path / "s.yaml", **reuse)
     assert main(["run", str(suite), "--out", str(tmp_path / "res"), "--no-report", "--inline"]) == 0
     teacher_calls = sorted((bs, t) for role, bs, t in calls if role == "teacher")
     assert teacher_calls == [(1, 2.0), (1, 2.0), (2, 2.0), (2, 2.0)]  # T=2 cells measure (fp32, bf16); T=4 reuse
@@ -53,20 +43,8 @@ def test_a_reused_teacher_row_says_the_served_precision_of_the_cell_that_reuses_
     # L11: the teacher is served at the cell's precision, not at its teacher_precision (the step's); a row whose
     # cell says another teacher_precision says so, also when the row is a copy of another cell's (the reuse key holds
     # precision, not teacher_precision): the copy carries the note of the cell it is stored in, not the measuring one's
-    suite = write_suite(
-        tmp_path / "s.yaml",
-        name="reuse",
-        backend="cpu",
-        threads=1,
-        defaults={
-            "pair": {"teacher": "linear", "student": "linear"},
-            "batch_size": 4,
-            "data": {"kind": "synthetic", "shape": [1, 4, 4], "num_classes": 4},
-            "timing": {"warmup": 0, "min_iters": 3, "min_time_s": 0.0},
-            "inference": {"batch_sizes": [1]},
-        },
-        matrix={"kd.temperature": [2.0, 4.0], "teacher_precision": ["bf16", "fp32"]},
-    )
+    matrix = {"kd.temperature": [2.0, 4.0], "teacher_precision": ["bf16", "fp32"]}
+    suite = write_suite(tmp_path / "s.yaml", **tiny_suite(name="reuse", matrix=matrix))
     assert main(["run", str(suite), "--out", str(tmp_path / "res"), "--no-report", "--inline"]) == 0
     df = read_results([run_folder(tmp_path / "res").path])
     teacher = df[df["measurement"].eq("teacher_inference")]

@@ -13,19 +13,9 @@ from kdbench.config.schema import Suite
 from kdbench.store.results import job_id, open_run, parse_job_id
 from tests.support.helpers import run_folder, write_suite
 from tests.support.paths import SUPPORT
+from tests.support.suites import RESNET8, tiny_suite
 
-TINY = {
-    "name": "tiny",
-    "backend": "cpu",
-    "threads": 1,
-    "defaults": {
-        "pair": {"teacher": "resnet8", "student": "resnet8"},
-        "batch_size": 4,
-        "data": {"kind": "synthetic", "shape": [3, 16, 16], "num_classes": 10},
-        "timing": {"warmup": 1, "min_iters": 3, "min_time_s": 0.0},
-        "inference": {"batch_sizes": [4], "teacher": False},
-    },
-}
+TINY = tiny_suite(defaults={**RESNET8, "timing": {"warmup": 1}, "inference": {"batch_sizes": [4], "teacher": False}})
 
 
 def test_job_ids_round_trip():
