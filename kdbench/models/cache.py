@@ -42,18 +42,12 @@ class ModelCache:
         self.builds = 0
 
     def get(self, name: str, num_classes: int, shape: tuple[int, ...], seed: int) -> nn.Module:
+        """A fresh copy of the registry's model ``name`` (:meth:`get_built`: built once per name, classes, input
+        shape and seed; over :data:`MAX_KEPT_BYTES` not kept, as for any model)."""
         key = (name, num_classes, tuple(shape), seed)
-        if key not in self._models:
-            torch.manual_seed(seed)
-            model = build_model(name, num_classes, tuple(shape), allow_imports=self.allow_imports)
-            self.builds += 1
-            if self.capacity == 0:  # keeps nothing (a fit's fake run, whose tensors cannot be deep-copied)
-                return model
-            self._models[key] = model
-            while len(self._models) > self.capacity:
-                self._models.popitem(last=False)
-        self._models.move_to_end(key)
-        return copy.deepcopy(self._models[key])
+        return self.get_built(
+            key, seed, lambda: build_model(name, num_classes, tuple(shape), allow_imports=self.allow_imports)
+        )
 
     def kept_tensors(self) -> list[torch.Tensor]:
         """The parameters and buffers of the models kept (the masters copies are made from): host memory the
