@@ -168,7 +168,6 @@ COLUMNS: tuple[Column, ...] = (
             "tokens",
             "LM pairs: tokens per chunk of the loss implementation (null for dense and natural)",
         ),
-        ("chunk_size", _I, "tokens", "LM pairs: tokens per chunk of the loss implementation (null for dense)"),
         (
             "decode_tokens",
             _I,
