@@ -208,7 +208,10 @@ def test_vocab_pad_gives_the_hand_computed_loss_and_gradients(impl, method, padd
 def test_vocab_pad_is_refused_where_the_loss_cannot_take_minus_inf(impl):
     problems = check_cell(_pad_config(impl, "forward_kl", "student"), False)
     assert [k for k, _ in problems] == [("loss_impl",)]
-    assert f"loss_impl {impl} cannot take them" in problems[0][1] and "use loss_impl dense or chunked" in problems[0][1]
+    assert (
+        f"loss_impl {impl} cannot take them" in problems[0][1]
+        and "use loss_impl dense or natural or chunked" in problems[0][1]
+    )
 
 
 def test_the_plan_says_the_uld_note_before_anything_runs(tmp_path, capsys):
