@@ -5,13 +5,18 @@
     outcome = api.run_suite(suite, api.RunOptions(out_dir=Path("results")))
     api.render([outcome.path], "reports")
 
+Will each cell of a suite fit an H200, and what is the largest batch that does?
+
+    report = api.fit("suites/llm-cuda.yaml", "H200", max_key="batch_size")
+    report.verdicts  # cell id -> fits / fits only with / does not fit / unpredictable
+
 ``render``, ``compare`` and ``quality_table`` read parquet only and never import torch; the others
 import it when called.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,6 +25,8 @@ if TYPE_CHECKING:
     from kdbench.config.budgets import BudgetCheck
     from kdbench.config.schema import Suite
     from kdbench.config.suite_times import SuiteTime
+    from kdbench.fit.cells import FitReport
+    from kdbench.fit.devices import Device
     from kdbench.report.compare.verdicts import Comparison
     from kdbench.run.engine import RunOptions, RunOutcome
     from kdbench.run.plan import Plan
@@ -164,6 +171,40 @@ def _rerun_sides(cmp: Comparison, base, new, which: str, base_code=None) -> tupl
         raise KdbenchError(f"--rerun-undecided: no side can be measured again here: {'; '.join(reasons)}")
     left_out = "BASE is not measured again (--rerun-sides new)" if which == "new" else "; ".join(reasons)
     return sides, (f"only {sides[0].name} is measured again: {left_out}" if len(sides) == 1 else "")
+
+
+def fit(
+    cells: Suite | str | Path | Iterable,
+    device: Device | str | None = None,
+    max_key: str | None = None,
+    allow_imports: bool = False,
+    talk: Callable[[str], None] | None = None,
+) -> FitReport:
+    """Will it fit (``kdbench fit``): each cell's peak memory per rank predicted by a fake run of its own step,
+    judged against ``device`` and, with ``max_key`` (``batch_size`` or ``seq_len``), the largest size that fits.
+
+    ``cells``: a suite (or its file: its cells as a run plans them) or cells (``CellConfig`` or a plan's ``Cell``,
+    predicted for a GPU); ``device``: a :class:`kdbench.fit.devices.Device` (``sized_device("80GB")``), a GPU's
+    name, or None for predictions only; ``allow_imports``: build ``module:callable`` models (a suite's own setting
+    otherwise); ``talk`` gets each line of the report's text as it is known (the command line prints it).  The
+    :class:`kdbench.fit.cells.FitReport` has each cell's prediction, verdict and sizes, its text and its JSON
+    record."""
+    from kdbench.config.schema import Suite
+    from kdbench.fit.cells import fit_cells
+    from kdbench.fit.devices import find_device
+
+    if isinstance(device, str):
+        device = find_device(device, flag="device")
+    backend = "cuda"  # bare cells are predicted for a GPU, as `kdbench fit --pair` does
+    if isinstance(cells, Suite | str | Path):
+        from kdbench.config import with_overrides
+
+        suite = load_suite(cells) if isinstance(cells, str | Path) else cells
+        suite = with_overrides(suite, {"allow_imports": ("--allow-imports", True if allow_imports else None)})
+        cells, backend, allow_imports = plan(suite).cells, suite.backend, bool(suite.allow_imports)
+    kind = device.kind if device is not None else backend
+    device_type = "cpu" if kind == "cpu" else "cuda"
+    return fit_cells(cells, device, device_type, max_key, allow_imports, talk)
 
 
 def budget_checks(results: Iterable[str | Path], judge_contended: bool = False) -> list[BudgetCheck]:

@@ -349,12 +349,12 @@ _PAIR_OPTIONS = {
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
+    """Check the flags, then print :func:`kdbench.api.fit`'s report line by line and write its JSON record."""
     import json
-    import time
 
+    from kdbench import api
     from kdbench.core.errors import KdbenchError
     from kdbench.fit.devices import find_device, sized_device
-    from kdbench.fit.verdict import Predictor
 
     device = find_device(args.gpu) if args.gpu else sized_device(args.device_memory) if args.device_memory else None
     if args.max and device is None:
@@ -368,65 +368,19 @@ def cmd_fit(args: argparse.Namespace) -> int:
         )
     if args.suite is not None and given:
         raise KdbenchError(f"{given[0]}: sets the cell of --pair; a suite's cells are set in the suite (or use --pair)")
-    if args.suite is not None:
-        cells, backend, allow_imports = _suite_cells(args)
-    else:
-        cells, backend, allow_imports = [_pair_cell(args)], "cuda", bool(args.allow_imports)
-    device_type = ("cpu" if device.kind == "cpu" else "cuda") if device else ("cpu" if backend == "cpu" else "cuda")
-    predictor = Predictor(device_type, allow_imports=allow_imports)
-    print(
-        "kdbench fit: each cell's own distillation step (its pair, batch, loss and optimizer; 2 steps, the second "
-        "with the optimizer's state) run on fake tensors: shapes and bytes only, nothing allocated; peaks per rank"
-    )
-    print(
-        f"device {device.describe()}" if device else "no device given: predictions only (--gpu or --device-memory)",
-        flush=True,
-    )
-    began = time.perf_counter()
-    records = []
-    outcomes: dict[str, int] = {}
-    for i, (cell_id, label, config) in enumerate(cells, 1):
-        record = _fit_cell(config, device, args.max, predictor, f"[{i}/{len(cells)}] {label}  (cell {cell_id})")
-        records.append({"cell_id": cell_id, "label": label, **record})
-        outcome = record.get("verdict", {}).get("outcome") or (
-            "predicted" if record["prediction"]["error"] is None else "unpredictable"
-        )
-        outcomes[outcome] = outcomes.get(outcome, 0) + 1
-    counts = ", ".join(f"{n} {o}" for o, n in outcomes.items())
-    print(f"{len(cells)} cells: {counts}; {predictor.runs} fake runs in {time.perf_counter() - began:.1f} s")
+    cells = args.suite if args.suite is not None else [_pair_cell(args)]
+    report = api.fit(cells, device, args.max, bool(args.allow_imports), talk=lambda line: print(line, flush=True))
     if args.out is not None:
         from kdbench.store.files import write_text
 
-        device_record = None
-        if device is not None:
-            device_record = {
-                "name": device.name,
-                "memory_bytes": device.memory_bytes,
-                "usable_bytes": device.usable_bytes,
-                "kind": device.kind,
-                "source": device.source,
-                "note": device.note,
-            }
-        text = json.dumps({"device": device_record, "device_type": device_type, "cells": records}, indent=1)
-        write_text(text + "\n", args.out)
+        write_text(json.dumps(report.record(), indent=1) + "\n", args.out)
         print(f"predictions -> {args.out}")
     return 0
 
 
-def _suite_cells(args: argparse.Namespace) -> tuple[list, str, bool]:
-    """(cell id, label, config) of every cell of the suite, as `run --dry-run` plans them; the suite's backend and
-    allow_imports (its module:callable models are built)."""
-    from kdbench import api
-    from kdbench.config import with_overrides
-
-    suite = api.load_suite(args.suite)
-    suite = with_overrides(suite, {"allow_imports": ("--allow-imports", True if args.allow_imports else None)})
-    plan = api.plan(suite)
-    return [(c.cell_id, c.label, c.config) for c in plan.cells], suite.backend, bool(suite.allow_imports)
-
-
-def _pair_cell(args: argparse.Namespace) -> tuple[str, str, object]:
-    """The one cell of --pair: the schema's defaults, the pair's family's own (token data, its method), the options."""
+def _pair_cell(args: argparse.Namespace):
+    """The one cell of --pair (a plan's :class:`kdbench.config.plan.Cell`): the schema's defaults, the pair's
+    family's own (token data, its method), the options."""
     from pydantic import ValidationError
 
     from kdbench.config.plan import Cell, cell_id_of, deep_merge, nest
@@ -456,58 +410,4 @@ def _pair_cell(args: argparse.Namespace) -> tuple[str, str, object]:
             tuple(path), "--pair" if path and path[0] == "pair" else "--" + "-".join(path).replace("_", "-")
         )
         raise KdbenchError(f"{flag}: {message}")
-    cell_id = cell_id_of(config)
-    return cell_id, Cell(0, cell_id, config).label, config
-
-
-def _fit_cell(config, device, max_key, predictor, title: str) -> dict:
-    """Predict one cell, print it, judge it against ``device`` and size it with ``max_key``; its JSON record."""
-    import dataclasses
-
-    from kdbench.fit.devices import gib
-    from kdbench.fit.verdict import impls_to_size, judge, largest
-
-    p = predictor(config)
-    print(title, flush=True)
-    host = p.host or _host_line(config, predictor.device_type, 1, False)  # the dry run's figure
-    record: dict = {"prediction": dataclasses.asdict(p), "host": host}
-    if p.ok:
-        kinds = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in p.breakdown.items())
-        logits = f"; logits {p.logits_bytes / p.peak_bytes:.0%} of it" if p.logits_bytes else ""
-        print(f"      peak {gib(p.peak_bytes)} per rank in {p.phase} ({kinds} GiB){logits}")
-    notes = "".join(f"; {n}" for n in p.notes)
-    ran = f"fake run {p.seconds:.1f} s{notes}" if p.seconds else ""
-    if host or ran:
-        print(f"      {'; '.join(t for t in (host, ran) if t)}", flush=True)
-    if device is None:
-        if not p.ok:
-            print(f"      unpredictable: {p.error}", flush=True)
-        return record
-    usable = device.usable_bytes
-    verdict = judge(config, usable, predictor)
-    print(f"      {verdict.line(usable)}", flush=True)
-    record["verdict"] = {
-        "outcome": verdict.outcome,
-        "line": verdict.line(usable),
-        "changes": list(verdict.changes),
-        "changed": dataclasses.asdict(verdict.changed) if verdict.changed is not None else None,
-    }
-    if max_key:
-        record["largest"] = []
-        variants = impls_to_size(config)
-        for c in variants:
-            found = largest(c, max_key, usable, predictor)
-            what = f" with loss_impl {c.loss_impl}" if len(variants) > 1 else ""
-            print(f"      largest {max_key}{what}: {found.text()}  [{found.runs} fake runs]", flush=True)
-            record["largest"].append(
-                {
-                    "loss_impl": c.loss_impl,
-                    "key": max_key,
-                    "value": found.value,
-                    "cap": found.cap,
-                    "peak_bytes": found.prediction.peak_bytes if found.prediction is not None else None,
-                    "above_peak_bytes": found.above.peak_bytes if found.above is not None else None,
-                    "error": found.error,
-                }
-            )
-    return record
+    return Cell(0, cell_id_of(config), config)

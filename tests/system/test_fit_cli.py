@@ -10,6 +10,7 @@ import pytest
 
 from kdbench.cli import main
 from kdbench.config.schema import CellConfig
+from kdbench.core.errors import KdbenchError
 from kdbench.core.sizes import GIB
 from kdbench.fit.devices import sized_device
 from kdbench.fit.planner import Prediction, predict
@@ -229,6 +230,42 @@ def test_fit_judges_every_cell_of_a_suite_and_writes_json(suite, tmp_path, capsy
     assert dense["verdict"]["changes"] == ["loss_impl fused_linear"]
     assert dense["verdict"]["changed"]["peak_bytes"] == fused["prediction"]["peak_bytes"] == peaks["fused_linear"]
     assert fused["verdict"]["outcome"] == FITS and len(dense["cell_id"]) == 16
+
+
+def test_api_fit_from_a_notebook_gives_the_command_lines_verdicts(suite, tmp_path, capsys, peaks):
+    """`api.fit` is the command's work: called from Python it prints nothing and returns what `kdbench fit` printed
+    and wrote (the same verdicts, records and lines, timings aside), for a suite file or bare cells."""
+    from kdbench import api
+
+    out = tmp_path / "fit.json"
+    assert main(["fit", str(suite), "--device-memory", "1.2GiB", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    cli = json.loads(out.read_text())
+    report = api.fit(suite, sized_device("1.2GiB"))
+    assert capsys.readouterr().out == ""  # no talk: nothing printed
+    ids = [c["cell_id"] for c in cli["cells"]]
+    assert report.verdicts == {c["cell_id"]: c["verdict"]["outcome"] for c in cli["cells"]}
+    assert list(report.verdicts.values()) == [FITS_WITH, FITS] and list(report.verdicts) == ids
+    assert report.cells[0].verdict.changes == ("loss_impl fused_linear",)
+    assert [c.prediction.peak_bytes for c in report.cells] == [peaks["dense"], peaks["fused_linear"]]
+    record = report.record()
+    assert record["device"] == cli["device"] and record["device_type"] == cli["device_type"] == "cuda"
+    for mine, theirs in zip(record["cells"], cli["cells"]):
+        untimed = ("outcome", "line", "changes")  # the changed cell's prediction has its fake run's seconds
+        assert {k: mine["verdict"][k] for k in untimed} == {k: theirs["verdict"][k] for k in untimed}
+        assert (mine["verdict"]["changed"] or {}).get("peak_bytes") == (theirs["verdict"]["changed"] or {}).get(
+            "peak_bytes"
+        )
+    assert [c["label"] for c in record["cells"]] == [c["label"] for c in cli["cells"]]
+    untimed = [i for i, line in enumerate(printed[:-1]) if "fake run" not in line]  # all but the timings
+    assert [report.lines[i] for i in untimed] == [printed[i] for i in untimed] and len(report.lines) == len(printed) - 1
+    assert report.outcomes == {FITS_WITH: 1, FITS: 1} and report.text().startswith(printed[0])
+    # bare cells (CellConfig) and a GPU by name: the same cell ids, judged against the H200's memory
+    h200 = api.fit([tiny(), tiny(loss_impl="fused_linear")], "H200")
+    assert h200.device.name == "H200" and h200.verdicts == dict.fromkeys(ids, FITS)
+    assert [c.label for c in h200.cells] == [c["label"] for c in cli["cells"]]
+    with pytest.raises(KdbenchError, match="max_key batch_size: needs a device"):
+        api.fit([tiny()], None, max_key="batch_size")
 
 
 def test_fit_without_a_device_prints_predictions_only(capsys):
