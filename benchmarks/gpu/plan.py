@@ -40,7 +40,7 @@ PLAN = (
     Stage("probe", 20, 25, 20, 25, "kdbench probe"),
     Stage("suite", 80, 110, 30, 45, "gpu-smoke.yaml: 9 cells (--quick: 3)"),
     Stage("levers", 180, 240, 60, 100, "gpu-levers.yaml: 10 cells, ~5 compiles (--quick: 7, 1)"),
-    Stage("lm", 40, 90, 40, 90, "gpu-lm.yaml: 7 tiny-Llama cells, 15 rows (--quick: all of them)"),
+    Stage("lm", 40, 90, 40, 90, "gpu-lm.yaml: 8 tiny-Llama cells, 16 rows (--quick: all of them)"),
     Stage("report", 15, 30, 15, 30, "the report of the runs"),
 )
 STAGES = tuple(s.name for s in PLAN if s.name != "start-up")

@@ -192,7 +192,7 @@ def test_the_lm_suite_covers_every_lm_path_and_quick_runs_it_whole(gpu):
     assert any(c.on_policy is not None for c in configs)
     measured = {str(m) for c in configs for m, _ in planned_measurements(c)}
     assert {"student_prefill", "student_decode", "teacher_prefill", "teacher_decode"} <= measured
-    assert len(full) == 7 and sum(len(planned_measurements(c)) for c in configs) == 15
+    assert len(full) == 8 and sum(len(planned_measurements(c)) for c in configs) == 16
     # --quick (the device command's) runs it whole, every loss_impl: the stage planned at its full time
     stage = {s.name: s for s in gpu.plan.PLAN}["lm"]
     assert (stage.quick_low, stage.quick_high) == (stage.low, stage.high)
@@ -304,7 +304,7 @@ def test_quick_runs_on_the_cpu_and_the_gpu_stages_say_no_gpu(quick_cpu_run):
         assert line in log
     assert "plan (--quick): seconds on a warm H200" in log
     assert "(within 480 s, the device command's budget)" in log  # the quick plan against its bound
-    assert "   lm           40-90   gpu-lm.yaml: 7 tiny-Llama cells" in log  # the LM stage, planned
+    assert "   lm           40-90   gpu-lm.yaml: 8 tiny-Llama cells" in log  # the LM stage, planned
     assert "software: torch " in log and "transformers " in log  # which torch it ran
     assert "ok   kdbench probe exit code 0" in log  # the subprocess's output is in the log too
     assert "probing cpu" in log

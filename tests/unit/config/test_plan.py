@@ -133,7 +133,7 @@ def test_planned_measurements():
         ("seeds", 2),
         ("methods", 72),
         ("gpu-smoke", 9),
-        ("gpu-lm", 7),
+        ("gpu-lm", 8),
         ("levers-cpu", 6),
         ("llm-cuda", 48),
         ("llm-amd", 48),
@@ -315,6 +315,7 @@ CELLS_ADDED_SINCE = {
     "llm-fsdp.yaml": 2,  # issue 30: FSDP2 of a bf16-held teacher, with and without bf16 gathers
     "llm-cpu.yaml": 12,  # issue 34: liger and torch_linear at both lengths, every loss_impl in bf16 at 256 tokens;
     # issue 41: natural (the dense loss as TRL and torchtune write it) at both lengths and in bf16
+    "gpu-lm.yaml": 1,  # issue 41: natural
     "quality-text.yaml": 1,  # issue 34: the student of its own tokenizer (bpe:512) by uld
 }
 # Quality jobs that measure more since (a new job id: a resume measures it again); their models' checkpoints keep
