@@ -12,8 +12,9 @@ from kdbench.config.plan import parse_shard, shard
 from kdbench.core.errors import KdbenchError
 from kdbench.store import read_results
 from kdbench.workloads import expand_checked
-from tests.support.helpers import run_folder
+from tests.support.helpers import run_folder, write_suite
 from tests.support.paths import SUPPORT, TESTS
+from tests.support.suites import RESNET8, merged, tiny_suite
 
 
 def _torchrun_run(suite: Path, out: Path) -> list[str]:
@@ -24,28 +25,35 @@ def _torchrun_run(suite: Path, out: Path) -> list[str]:
     return [*torchrun, "-m", "kdbench", "run", str(suite), "--out", str(out), "--no-report"]
 
 
-DDP = """
-name: ddp
-backend: cpu
-threads: 2
-allow_imports: true
-cell_timeout_s: 120
-defaults:
-  batch_size: 8
-  data: {kind: synthetic, shape: [3, 16, 16], num_classes: 10}
-  pair: {teacher: resnet8, student: resnet8}
-  timing: {warmup: 1, min_iters: 4, min_time_s: 0.2}
-  inference: {batch_sizes: [2]}
-  ddp: {bucket_cap_mb: 10, static_graph: true}
-matrix:
-  world_size: [1, 2]
-"""
+DDP = tiny_suite(
+    name="ddp",
+    threads=2,
+    allow_imports=True,
+    cell_timeout_s=120,
+    defaults={
+        **RESNET8,
+        "batch_size": 8,
+        "timing": {"warmup": 1, "min_iters": 4, "min_time_s": 0.2},
+        "inference": {"batch_sizes": [2]},
+        "ddp": {"bucket_cap_mb": 10, "static_graph": True},
+    },
+)
+LINEAR_DATA = {"kind": "synthetic", "shape": [1, 4, 4], "num_classes": 10}  # DDP's data at the linear pair's shape
+
+
+def _ddp(**overrides) -> dict:
+    """DDP over world sizes 1 and 2, unless ``overrides`` give another matrix (which replaces that one)."""
+    return merged(DDP, {"matrix": {"world_size": [1, 2]}, **overrides})
+
+
+def _linear(student: str = "linear") -> dict:
+    """DDP's defaults overridden for a linear teacher and ``student`` on 1x4x4 inputs."""
+    return {"pair": {"teacher": "linear", "student": student}, "data": LINEAR_DATA}
 
 
 @pytest.mark.slow
 def test_two_rank_gloo_cell(tmp_path):
-    suite = tmp_path / "ddp.yaml"
-    suite.write_text(DDP)
+    suite = write_suite(tmp_path / "ddp.yaml", **_ddp())
     assert main(["run", str(suite), "--out", str(tmp_path), "--no-report"]) == 0
     df = read_results([tmp_path])
     assert (df["status"] == "ok").all(), df[["status", "error"]]
@@ -69,13 +77,8 @@ def test_two_rank_gloo_cell(tmp_path):
 @pytest.mark.slow
 def test_fitnet_adapter_trains_under_ddp(tmp_path):
     # The regressor lives in the DDP-wrapped module with the student: its gradients are reduced too.
-    suite = tmp_path / "ddp.yaml"
-    suite.write_text(
-        DDP.replace("world_size: [1, 2]", "world_size: [2]").replace(
-            "pair: {teacher: resnet8, student: resnet8}",
-            "pair: {teacher: resnet20, student: resnet8}\n  method: fitnet",
-        )
-    )
+    fitnet = {"pair": {"teacher": "resnet20", "student": "resnet8"}, "method": "fitnet"}
+    suite = write_suite(tmp_path / "ddp.yaml", **_ddp(defaults=fitnet, matrix={"world_size": [2]}))
     assert main(["run", str(suite), "--out", str(tmp_path), "--no-report"]) == 0
     df = read_results([tmp_path])
     assert (df["status"] == "ok").all(), df[["status", "error"]]
@@ -97,15 +100,8 @@ def test_fitnet_adapter_trains_under_ddp(tmp_path):
 )
 def test_a_failing_rank_fails_the_cell_within_the_time_out(tmp_path, monkeypatch, student, status, fragment):
     monkeypatch.syspath_prepend(str(SUPPORT))  # passed on to the ranks through PYTHONPATH
-    text = (
-        DDP.replace("student: resnet8}", f"student: '{student}'}}")
-        .replace("cell_timeout_s: 120", "cell_timeout_s: 30")
-        .replace("world_size: [1, 2]", "world_size: [2]")
-        .replace("[3, 16, 16]", "[1, 4, 4]")
-        .replace("teacher: resnet8", "teacher: linear")
-    )
-    suite = tmp_path / "bad.yaml"
-    suite.write_text(text)
+    failing = _ddp(cell_timeout_s=30, defaults=_linear(student), matrix={"world_size": [2]})
+    suite = write_suite(tmp_path / "bad.yaml", **failing)
     assert main(["run", str(suite), "--out", str(tmp_path), "--no-report"]) == 1
     df = read_results([tmp_path])
     assert (df["status"] == status).all()
@@ -113,8 +109,8 @@ def test_a_failing_rank_fails_the_cell_within_the_time_out(tmp_path, monkeypatch
 
 
 def test_shards_partition_the_plan_exactly(tmp_path):
-    text = DDP.replace("world_size: [1, 2]", "world_size: [1, 2]\n  seed: [0, 1, 2, 3, 4]\n  precision: [fp32, bf16]")
-    (tmp_path / "s.yaml").write_text(text)
+    matrix = {"world_size": [1, 2], "seed": [0, 1, 2, 3, 4], "precision": ["fp32", "bf16"]}
+    write_suite(tmp_path / "s.yaml", **_ddp(matrix=matrix))
     cells = expand_checked(load_suite(tmp_path / "s.yaml"))
     assert len(cells) == 20
     for n in (1, 3, 4, 7, 25):
@@ -130,7 +126,7 @@ def test_shards_partition_the_plan_exactly(tmp_path):
 
 
 def test_shard_dry_run(tmp_path, capsys):
-    (tmp_path / "s.yaml").write_text(DDP)
+    write_suite(tmp_path / "s.yaml", **_ddp())
     assert main(["run", str(tmp_path / "s.yaml"), "--shard", "2/2", "--dry-run"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and "ws2" in out[0] and out[-1].startswith("1 cells")
@@ -143,7 +139,7 @@ def test_torchrun_flags_standalone_and_rendezvous():
     from kdbench.run.jobs import CellJob
     from kdbench.run.workers import TorchrunWorker, WorkerSetup
 
-    (cell,) = [c for c in expand_checked(_suite_from(DDP)) if c.config.world_size == 2]
+    (cell,) = [c for c in expand_checked(_suite_from(_ddp())) if c.config.world_size == 2]
     setup = WorkerSetup(resolve("cpu"), False, 2)
     standalone = TorchrunWorker(setup).torchrun_args(CellJob(cell))
     assert standalone == ["--standalone", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0"]
@@ -161,12 +157,10 @@ def test_torchrun_flags_standalone_and_rendezvous():
     ]
 
 
-def _suite_from(text):
+def _suite_from(suite: dict):
     import tempfile
 
-    path = Path(tempfile.mkdtemp()) / "s.yaml"
-    path.write_text(text)
-    return load_suite(path)
+    return load_suite(write_suite(Path(tempfile.mkdtemp()) / "s.yaml", **suite))
 
 
 @pytest.mark.slow
@@ -176,9 +170,8 @@ def test_rendezvous_launcher_runs_a_two_rank_cell(tmp_path):
     with socket.socket() as s:  # a free local port for the c10d rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    text = DDP.replace("cell_timeout_s: 120", f"cell_timeout_s: 120\nlauncher: {{rdzv_endpoint: '127.0.0.1:{port}'}}")
-    text = text.replace("world_size: [1, 2]", "world_size: [2]")
-    (tmp_path / "s.yaml").write_text(text)
+    launcher = {"rdzv_endpoint": f"127.0.0.1:{port}"}
+    write_suite(tmp_path / "s.yaml", **_ddp(launcher=launcher, matrix={"world_size": [2]}))
     assert main(["run", str(tmp_path / "s.yaml"), "--out", str(tmp_path), "--no-report"]) == 0
     df = read_results([tmp_path])
     assert (df["status"] == "ok").all() and set(df["world_size"]) == {2}
@@ -204,11 +197,8 @@ def test_kdbench_started_by_torchrun_runs_the_same_engine(tmp_path):
     # One engine, whoever started the ranks: --profile and the quality block behave as in a plain run.
     import subprocess
 
-    suite = tmp_path / "alloc.yaml"
-    suite.write_text(
-        DDP.replace("world_size: [1, 2]", "world_size: [1, 2, 4]")
-        + "quality: {dataset: digits, epochs: 1, seeds: 1, target: 0.5, max_samples: 400}\n"
-    )
+    quality = {"dataset": "digits", "epochs": 1, "seeds": 1, "target": 0.5, "max_samples": 400}
+    suite = write_suite(tmp_path / "alloc.yaml", **_ddp(matrix={"world_size": [1, 2, 4]}, quality=quality))
     out = tmp_path / "res"
     cmd = [*_torchrun_run(suite, out), "--profile"]
     r = subprocess.run(cmd, cwd=TESTS.parent, capture_output=True, text=True, timeout=600)
@@ -236,13 +226,8 @@ def test_kdbench_started_by_torchrun_runs_the_same_engine(tmp_path):
 @pytest.mark.slow
 def test_a_data_parallel_cell_keeps_its_step_when_inference_fails(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(SUPPORT))  # passed on to the ranks through PYTHONPATH
-    text = (
-        DDP.replace("student: resnet8}", "student: 'faulty_models:raising_in_eval'}")
-        .replace("world_size: [1, 2]", "world_size: [2]")
-        .replace("[3, 16, 16]", "[1, 4, 4]")
-        .replace("teacher: resnet8", "teacher: linear")
-    )
-    (tmp_path / "s.yaml").write_text(text)
+    failing = _ddp(defaults=_linear("faulty_models:raising_in_eval"), matrix={"world_size": [2]})
+    write_suite(tmp_path / "s.yaml", **failing)
     assert main(["run", str(tmp_path / "s.yaml"), "--out", str(tmp_path), "--no-report"]) == 1
     rows = read_results([run_folder(tmp_path).path]).set_index("measurement")
     step = rows.loc["distill_step"]
@@ -255,12 +240,7 @@ def test_a_data_parallel_cell_keeps_its_step_when_inference_fails(tmp_path, monk
 
 @pytest.mark.slow
 def test_shards_given_one_run_id_write_into_one_folder(tmp_path, capsys):
-    text = (
-        DDP.replace("world_size: [1, 2]", "seed: [0, 1, 2, 3]")
-        .replace("[3, 16, 16]", "[1, 4, 4]")
-        .replace("teacher: resnet8, student: resnet8", "teacher: linear, student: linear")
-    )
-    (tmp_path / "s.yaml").write_text(text)
+    write_suite(tmp_path / "s.yaml", **_ddp(defaults=_linear(), matrix={"seed": [0, 1, 2, 3]}))
     out = tmp_path / "res"
     for i in (1, 2):  # e.g. two tasks of a Slurm job array, on two machines sharing the folder
         args = ["run", str(tmp_path / "s.yaml"), "--out", str(out), "--run-id", "sweep", "--shard", f"{i}/2"]
@@ -280,14 +260,8 @@ def test_a_data_parallel_cell_that_fails_inside_an_allocation_is_stored_and_resu
     import subprocess
 
     # seed 0: a rank raises inside the step's collectives; seed 1: a good cell after it
-    pair = "teacher: linear, student: 'faulty_models:raising_rank1_seed0'"
-    text = (
-        DDP.replace("world_size: [1, 2]", "world_size: [2]\n  seed: [0, 1]")
-        .replace("[3, 16, 16]", "[1, 4, 4]")
-        .replace("teacher: resnet8, student: resnet8", pair)
-    )
-    suite = tmp_path / "alloc.yaml"
-    suite.write_text(text)
+    failing = _linear("faulty_models:raising_rank1_seed0")
+    suite = write_suite(tmp_path / "alloc.yaml", **_ddp(defaults=failing, matrix={"world_size": [2], "seed": [0, 1]}))
     out = tmp_path / "res"
     cmd = _torchrun_run(suite, out)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")])}
@@ -304,33 +278,28 @@ def test_a_data_parallel_cell_that_fails_inside_an_allocation_is_stored_and_resu
     assert steps.loc[1, "status"] == "ok" and steps.loc[0, "status"] == "failed"
 
 
-FSDP = """
-name: fsdp
-backend: cpu
-threads: 1
-cell_timeout_s: 300
-defaults:
-  pair: {teacher: tiny-llama-teacher, student: tiny-llama-student}
-  overrides:
-    teacher: {num_hidden_layers: 2}
-    student: {num_hidden_layers: 2}
-  method: forward_kl
-  loss_impl: fused_linear
-  chunk_size: 16
-  batch_size: 2
-  data: {kind: tokens, seq_len: 16}
-  timing: {warmup: 1, min_iters: 3, min_time_s: 0.0}
-  inference: {batch_sizes: [1], decode_tokens: 2}
-  world_size: 2
-matrix:
-  parallel: [ddp, fsdp]
-"""
+FSDP = tiny_suite(
+    name="fsdp",
+    cell_timeout_s=300,
+    defaults={
+        "pair": {"teacher": "tiny-llama-teacher", "student": "tiny-llama-student"},
+        "overrides": {"teacher": {"num_hidden_layers": 2}, "student": {"num_hidden_layers": 2}},
+        "method": "forward_kl",
+        "loss_impl": "fused_linear",
+        "chunk_size": 16,
+        "batch_size": 2,
+        "data": {"kind": "tokens", "seq_len": 16},
+        "timing": {"warmup": 1},
+        "inference": {"batch_sizes": [1], "decode_tokens": 2},
+        "world_size": 2,
+    },
+    matrix={"parallel": ["ddp", "fsdp"]},
+)
 
 
 @pytest.mark.slow
 def test_an_fsdp2_lm_cell_holds_half_the_state_per_rank_and_trains_as_ddp_does(tmp_path):
-    suite = tmp_path / "fsdp.yaml"
-    suite.write_text(FSDP)
+    suite = write_suite(tmp_path / "fsdp.yaml", **FSDP)
     assert main(["run", str(suite), "--out", str(tmp_path), "--no-report"]) == 0
     df = read_results([tmp_path])
     assert (df["status"] == "ok").all(), df[["measurement", "status", "error"]]
