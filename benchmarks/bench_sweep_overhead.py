@@ -25,12 +25,12 @@ import logging
 import statistics
 from pathlib import Path
 
-import yaml
-
 from kdbench.config import load_suite
 from kdbench.measure.walltime import FIT
 from kdbench.run.engine import RunOptions, run_suite
 from kdbench.store import read_results
+from tests.support.helpers import write_suite
+from tests.support.suites import tiny_suite
 
 CELLS = 300  # 400 until issue 32: a tiny cell costs ~180 ms with the fit check, and CI must stay under 20 min
 BLOCK = 100
@@ -49,24 +49,18 @@ FIT_LIMIT_MS = 100.0  # the fit check's time per tiny cell (issue 31; 55-77 ms o
 # in the cell's: in CI the rest of a tiny cell read 44 ms before the fit check and 44-112 ms with it (unexplained)
 OUT = Path(__file__).resolve().parent / ".results" / "sweep_overhead.json"
 
-SUITE = {
-    "name": "sweep-overhead",
-    "backend": "cpu",
-    "threads": 1,
-    "defaults": {
-        "pair": {"teacher": "linear", "student": "linear"},
-        "batch_size": 4,
+SUITE = tiny_suite(
+    name="sweep-overhead",
+    defaults={
         "data": {"kind": "synthetic", "shape": [1, 4, 4], "num_classes": 10},
-        "timing": {"warmup": 0, "min_iters": 20, "max_iters": 20, "min_time_s": 0.0},
-        "inference": {"batch_sizes": [1]},
+        "timing": {"min_iters": 20, "max_iters": 20},
     },
-    "matrix": {"seed": list(range(CELLS))},
-}
+    matrix={"seed": list(range(CELLS))},
+)
 
 
 def test_cost_per_cell_does_not_grow_with_the_run(benchmark, report_line, tmp_path):
-    path = tmp_path / "sweep.yaml"
-    path.write_text(yaml.safe_dump(SUITE))
+    path = write_suite(tmp_path / "sweep.yaml", **SUITE)
     logging.getLogger("kdbench").setLevel(logging.WARNING)  # 300 progress lines are not the point here
     outcome = run_suite(load_suite(path), RunOptions(out_dir=tmp_path / "res"))
     assert outcome.jobs == CELLS and not outcome.failed
