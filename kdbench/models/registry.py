@@ -120,6 +120,11 @@ def missing_module(module: str) -> str | None:
             if spec is None:
                 return full
             path = spec.submodule_search_locations
+            if path is not None and spec.origin is None:
+                # a namespace package (a folder without __init__.py): importing it runs no code, and its
+                # submodules can only be looked for through it (their search path reads the parent's from
+                # sys.modules: KeyError otherwise)
+                path = importlib.import_module(full).__path__
         if path is None and i < len(parts) - 1:
             return ".".join(parts[: i + 2])  # a module, not a package: it has no submodules
     return None

@@ -192,3 +192,21 @@ class Opaque(nn.Module):
 
 def opaque(num_classes, in_shape):
     return Opaque(num_classes, in_shape)
+
+
+class SegfaultsInQuality(nn.Module):
+    """ids -> logits over the 256 bytes; kills its process when it trains on quality-sized batches (>= 16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(256, 8)
+        self.out = nn.Linear(8, 256)
+
+    def forward(self, ids):
+        if self.training and ids.shape[0] >= 16:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        return self.out(self.emb(ids))
+
+
+def segfaulting_lm():
+    return SegfaultsInQuality()

@@ -224,3 +224,19 @@ def test_vit_takes_its_image_size_from_the_data():
     torch.manual_seed(0)
     model = build_model("vit_b_32", 10, (3, 64, 64))
     assert model(torch.randn(2, 3, 64, 64)).shape == (2, 10)
+
+
+def test_a_model_in_a_namespace_package_is_found_without_running_user_code(tmp_path, monkeypatch):
+    """Folders without __init__.py (namespace packages, as tests/support is): each level is found through its
+    parent's search path; looking a missing one up names it, and no module of the user's is imported."""
+    from kdbench.models.registry import missing_module
+
+    (tmp_path / "kdb_ns" / "inner").mkdir(parents=True)
+    (tmp_path / "kdb_ns" / "inner" / "zoo.py").write_text("raise RuntimeError('imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.startswith("kdb_ns")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert missing_module("kdb_ns.inner.zoo") is None
+    assert missing_module("kdb_ns.inner.gone") == "kdb_ns.inner.gone"
+    assert missing_module("kdb_ns.other.zoo") == "kdb_ns.other"
+    assert "kdb_ns.inner.zoo" not in sys.modules

@@ -2,8 +2,6 @@
 
 import json
 import math
-import os
-import signal
 from pathlib import Path
 
 import numpy as np
@@ -253,24 +251,6 @@ def test_image_and_text_mismatches_are_user_errors():
         check_quality(long, [_job("forward_kl")])
 
 
-class SegfaultsInQuality(nn.Module):
-    """ids -> logits over the 256 bytes; kills its process when it trains on quality-sized batches (>= 16)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(256, 8)
-        self.out = nn.Linear(8, 256)
-
-    def forward(self, ids):
-        if self.training and ids.shape[0] >= 16:
-            os.kill(os.getpid(), signal.SIGSEGV)
-        return self.out(self.emb(ids))
-
-
-def segfaulting_lm():
-    return SegfaultsInQuality()
-
-
 @pytest.mark.slow
 def test_a_crashed_text_quality_job_is_stored_as_its_planned_rows(tmp_path, monkeypatch, capsys):
     from kdbench.cli import main
@@ -286,7 +266,7 @@ def test_a_crashed_text_quality_job_is_stored_as_its_planned_rows(tmp_path, monk
         threads=1,
         allow_imports=True,
         defaults={
-            "pair": {"teacher": "tiny-llama-teacher", "student": "tests.unit.quality.test_quality_text:segfaulting_lm"},
+            "pair": {"teacher": "tiny-llama-teacher", "student": "tests.support.faulty_models:segfaulting_lm"},
             "overrides": {"teacher": {**TEACHER, "vocab_size": 256}},
             "data": {"kind": "tokens", "seq_len": 16},
             "batch_size": 2,
