@@ -135,8 +135,8 @@ def test_planned_measurements():
         ("gpu-smoke", 9),
         ("gpu-lm", 8),
         ("levers-cpu", 6),
-        ("llm-cuda", 48),
-        ("llm-amd", 48),
+        ("llm-cuda", 52),
+        ("llm-amd", 52),
         ("llm-fsdp", 10),
     ],
 )
@@ -316,6 +316,8 @@ CELLS_ADDED_SINCE = {
     "llm-cpu.yaml": 12,  # issue 34: liger and torch_linear at both lengths, every loss_impl in bf16 at 256 tokens;
     # issue 41: natural (the dense loss as TRL and torchtune write it) at both lengths and in bf16
     "gpu-lm.yaml": 1,  # issue 41: natural
+    "llm-amd.yaml": 4,  # issue 41: natural beside dense, each pair at both lengths
+    "llm-cuda.yaml": 4,
     "quality-text.yaml": 1,  # issue 34: the student of its own tokenizer (bpe:512) by uld
 }
 # Quality jobs that measure more since (a new job id: a resume measures it again); their models' checkpoints keep

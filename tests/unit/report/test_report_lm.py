@@ -1,4 +1,4 @@
-"""Tests of the report's Language models section (kdbench.report.lm: its tables and charts) on a small synthetic frame."""
+"""Tests of the report's Language models section (kdbench.report.lm: tables and charts) on a small synthetic frame."""
 
 from __future__ import annotations
 
