@@ -16,7 +16,7 @@ EPILOG = """examples:
   kdbench run suites/quality.yaml             methods' speed, then their accuracy on digits (minutes)
   kdbench run suites/methods.yaml --profile   every method, live and cached teacher (~20 min on 2 cores)
   kdbench run suites/amd.yaml --dry-run       validate and list the cells, run nothing
-  kdbench fit suites/llm-cuda.yaml --gpu H200  will each cell fit an H200? fake runs, ~10 min for its 52 cells on 2 cores
+  kdbench fit suites/llm-cuda.yaml --gpu H200  will each cell fit an H200? fake runs, ~10 min for 52 cells on 2 cores
   kdbench fit --pair llama-3.1-8b llama-3.2-1b --seq-len 4096 --batch-size 4 --gpu MI300X --max batch_size
   kdbench run suites/levers-cpu.yaml          the levers (compile, ONNX Runtime, int8) on the CPU, ~2 min
   kdbench run suites/cuda.yaml --shard 2/4 --run-id sweep1   one of four machines, all into results/sweep1/
