@@ -1,7 +1,8 @@
 """Configuration: suite YAML -> validated Suite -> Plan of Cells.
 
-``schema`` holds the pydantic models, ``yaml_errors`` the location of every key and the
-one-line messages, ``load`` reads a suite file, ``plan`` expands and checks the sweep.
+``schema`` holds the pydantic models (``quality`` the quality block's, ``optimizer`` the optimizer's),
+``yaml_errors`` the location of every key and the one-line messages, ``load`` reads a suite file, ``plan``
+expands and checks the sweep.
 ``base`` (the strict model base every method's parameters use) imports nothing else,
 so a method module can import it while the schema is being built from the methods.
 """

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kdbench.config.schema import DISK_DATASETS, QualityConfig
+from kdbench.config.quality import DISK_DATASETS, QualityConfig
 from kdbench.core.errors import KdbenchError
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kdbench.config.schema import CellConfig, QualityConfig
+from kdbench.config.quality import QualityConfig
+from kdbench.config.schema import CellConfig
 from kdbench.core.errors import KdbenchError
 from kdbench.core.names import IGNORE_INDEX
 from kdbench.data.corpus import join_files, stdlib_files, stdlib_root

@@ -29,7 +29,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from kdbench.config.schema import CellConfig, OptimizerConfig
+from kdbench.config.optimizer import OptimizerConfig
+from kdbench.config.schema import CellConfig
 from kdbench.core.names import ALIGN, GENERATE, PHASES
 from kdbench.distill.hooks import FeaturePaths, FeatureTap
 from kdbench.distill.losses import LossInputs, needs_features

@@ -1,6 +1,6 @@
 """The trained students as drafts: speculative decoding with the text quality protocol's trained pairs.
 
-``quality.speculative`` (:class:`kdbench.config.schema.DraftsConfig`) measures every scratch and distilled
+``quality.speculative`` (:class:`kdbench.config.quality.DraftsConfig`) measures every scratch and distilled
 student of a text quality run as the draft of its seed's trained teacher (the target), with the loop of
 :func:`kdbench.models.generation.speculative_generate` (batch 1; Leviathan et al. 2023 / Chen et al. 2023
 rejection sampling at ``temperature`` > 0, greedy verification at 0).  Per student:
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kdbench.config.schema import DraftsConfig
+from kdbench.config.quality import DraftsConfig
 from kdbench.core.speculation import predicted_speedup
 from kdbench.distill.lm.token_losses import tv_per_position
 from kdbench.hw.backends import AutocastChoice, Backend

@@ -51,7 +51,8 @@ from typing import Any
 
 import torch
 
-from kdbench.config.schema import DISK_DATASETS, TEXT_DATASETS, CellConfig, QualityConfig
+from kdbench.config.quality import DISK_DATASETS, TEXT_DATASETS, QualityConfig
+from kdbench.config.schema import CellConfig
 from kdbench.core.errors import KdbenchError
 from kdbench.core.names import Measurement, Status
 from kdbench.core.schema import Row

@@ -49,7 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdbench.config.plan import config_dict
-from kdbench.config.schema import CellConfig, QualityConfig
+from kdbench.config.quality import QualityConfig
+from kdbench.config.schema import CellConfig
 from kdbench.core.errors import KdbenchError
 from kdbench.core.names import IGNORE_INDEX
 from kdbench.data.corpus import stdlib_root

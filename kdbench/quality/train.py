@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdbench.config.plan import config_dict
-from kdbench.config.schema import CellConfig, QualityConfig, TeacherConfig
+from kdbench.config.quality import QualityConfig
+from kdbench.config.schema import CellConfig, TeacherConfig
 from kdbench.core.names import IGNORE_INDEX, Status
 from kdbench.data.datasets import Dataset, load_dataset
 from kdbench.distill.losses import method_parts

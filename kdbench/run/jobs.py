@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kdbench.config.plan import Cell, config_dict, method_params
-from kdbench.config.schema import TEXT_DATASETS, CellConfig, QualityConfig
+from kdbench.config.quality import TEXT_DATASETS, QualityConfig
+from kdbench.config.schema import CellConfig
 from kdbench.core.names import Status, planned_row
 from kdbench.core.schema import Row
 from kdbench.core.worker_state import WorkerState, install

@@ -186,7 +186,8 @@ def test_a_run_is_not_continued_at_another_thread_count(tmp_path, capsys):
 def test_a_student_of_its_own_tokenizer_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     """Its BPE is trained again, deterministically, on the same training split: the same tokens, so the same data
     digest in the identity, and its checkpoints (scratch and uld) are reused, rows and all."""
-    from kdbench.config.schema import QualityConfig, TokenizersConfig
+    from kdbench.config.quality import QualityConfig
+    from kdbench.config.schema import TokenizersConfig
     from kdbench.hw.backends import resolve
     from kdbench.quality.protocol import quality_jobs, run_quality
     from tests.support.helpers import make_config

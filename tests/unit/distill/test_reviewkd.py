@@ -204,7 +204,7 @@ def mdistiller_ramp(epoch: int, warmup_epochs: int = 20) -> float:
 def test_the_warmup_counts_epochs_of_a_quality_training(monkeypatch):
     """Quality training (kdbench.quality.train.fit driving Distiller.train_step, as the protocol's distil does): the
     term's share of its weight in each epoch is mdistiller's ramp at that epoch, the same for every step of it."""
-    from kdbench.config.schema import QualityConfig
+    from kdbench.config.quality import QualityConfig
     from kdbench.distill.step import Distiller
     from kdbench.quality.train import DeviceData, fit
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from kdbench.config.schema import QualityConfig
+from kdbench.config.quality import QualityConfig
 from kdbench.core.errors import KdbenchError
 from kdbench.data.datasets import load_dataset
 from kdbench.distill.losses import dkd as dkd_method

@@ -8,7 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from kdbench.config.schema import DraftsConfig, QualityConfig
+from kdbench.config.quality import DraftsConfig, QualityConfig
 from kdbench.core.speculation import predicted_speedup
 from kdbench.hw.backends import choose_autocast, resolve
 from kdbench.models.generation import sampled_generate

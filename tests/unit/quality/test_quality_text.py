@@ -11,7 +11,8 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from kdbench.config.schema import OnPolicyConfig, QualityConfig, TokenizersConfig
+from kdbench.config.quality import QualityConfig
+from kdbench.config.schema import OnPolicyConfig, TokenizersConfig
 from kdbench.core.errors import KdbenchError
 from kdbench.data.corpus import stdlib_files, stdlib_root
 from kdbench.data.text import load_text, split_files
