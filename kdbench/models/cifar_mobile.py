@@ -67,6 +67,16 @@ class ShuffleV1Unit(nn.Module):
         return self.relu(out)
 
 
+def _shuffle_stem(net: nn.Module, in_channels: int) -> int:
+    """The ShuffleNets' stem on ``net`` (a 1x1 conv to 24 channels, BN, ReLU, under the reference's names
+    ``conv1``, ``bn1``, ``relu``); its width."""
+    stem = 24
+    net.conv1 = nn.Conv2d(in_channels, stem, 1, bias=False)
+    net.bn1 = nn.BatchNorm2d(stem)
+    net.relu = nn.ReLU(inplace=True)
+    return stem
+
+
 class ShuffleNetV1(nn.Module):
     """ShuffleNet v1 for CIFAR (RepDistiller's ``ShuffleNetv1.py``): a 1x1 stem of 24 channels at full
     resolution, then three stages of units with ``out_planes`` channels, each opened by a stride-2 unit.
@@ -88,11 +98,7 @@ class ShuffleNetV1(nn.Module):
         in_channels: int,
     ) -> None:
         super().__init__()
-        stem = 24
-        self.conv1 = nn.Conv2d(in_channels, stem, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(stem)
-        self.relu = nn.ReLU(inplace=True)
-        in_planes = stem
+        in_planes = _shuffle_stem(self, in_channels)
         for i, (planes, n) in enumerate(zip(out_planes, num_blocks)):
             units = []
             for j in range(n):
@@ -190,11 +196,7 @@ class ShuffleNetV2(nn.Module):
         in_channels: int,
     ) -> None:
         super().__init__()
-        stem = 24
-        self.conv1 = nn.Conv2d(in_channels, stem, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(stem)
-        self.relu = nn.ReLU(inplace=True)
-        in_planes = stem
+        in_planes = _shuffle_stem(self, in_channels)
         for i, (planes, n) in enumerate(zip(out_channels[:3], num_blocks)):
             units = [ShuffleV2Down(in_planes, planes)] + [ShuffleV2Unit(planes) for _ in range(n)]
             self.add_module(f"layer{i + 1}", nn.Sequential(*units))

@@ -8,7 +8,7 @@ the package imports them in the order of :data:`kdbench.distill.lm.impls.LOSS_IM
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -16,14 +16,23 @@ import torch
 from kdbench.core.registry import Registry
 from kdbench.distill.lm.divergences import TokenLoss
 
-__all__ = ["IMPLS", "AlignedHeads", "Buffers", "Heads", "LossImpl", "Settings", "get_impl", "register_impl"]
+__all__ = [
+    "IMPLS",
+    "AlignedHeads",
+    "Buffers",
+    "HeadTensors",
+    "Heads",
+    "LossImpl",
+    "Settings",
+    "get_impl",
+    "register_impl",
+]
 
 
 @dataclass(frozen=True)
-class Heads:
-    """The token loss's inputs, flattened to tokens: each model's final hidden states (N, H), its LM head
-    (weight (V, H), bias (V,) or None) and the labels (N,), long, -100 (``IGNORE_INDEX``) = not counted.
-    The teacher's tensors are constants (detached)."""
+class HeadTensors:
+    """The six tensors every LM loss computes on: each model's final hidden states, flattened to its positions, and
+    its LM head (weight, bias or None); the teacher's are constants (detached)."""
 
     student_hidden: torch.Tensor
     student_weight: torch.Tensor
@@ -31,7 +40,10 @@ class Heads:
     teacher_hidden: torch.Tensor
     teacher_weight: torch.Tensor
     teacher_bias: torch.Tensor | None
-    labels: torch.Tensor
+
+    def tensors(self) -> tuple:
+        """The six, in their order: the student's hidden states, head weight and bias, then the teacher's."""
+        return tuple(getattr(self, f.name) for f in fields(HeadTensors))
 
     @property
     def may_inf(self) -> bool:
@@ -41,18 +53,21 @@ class Heads:
 
 
 @dataclass(frozen=True)
-class AlignedHeads:
+class Heads(HeadTensors):
+    """The token loss's inputs, flattened to tokens: each model's final hidden states (N, H), its LM head
+    (weight (V, H), bias (V,) or None) and the labels (N,), long, -100 (``IGNORE_INDEX``) = not counted.
+    The teacher's tensors are constants (detached)."""
+
+    labels: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AlignedHeads(HeadTensors):
     """ULD's inputs (:mod:`kdbench.distill.lm.uld`): each model's final hidden states flattened to its own
     positions (N_s, H_s) and (N_t, H_t), its whole LM head (its own vocabulary), the aligned rows (an
     :class:`~kdbench.distill.lm.uld.Alignment`: flat row indices into each side, each row's weight) and each
     side's temperature.  The teacher's tensors are constants (detached)."""
 
-    student_hidden: torch.Tensor
-    student_weight: torch.Tensor
-    student_bias: torch.Tensor | None
-    teacher_hidden: torch.Tensor
-    teacher_weight: torch.Tensor
-    teacher_bias: torch.Tensor | None
     alignment: Any
     student_temperature: float = 1.0
     teacher_temperature: float = 1.0

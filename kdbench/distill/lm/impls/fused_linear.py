@@ -124,24 +124,16 @@ class FusedLinearULD(torch.autograd.Function):
         return (*consume(ctx, grad_output), None, None, None, None, None, None, None)
 
 
-def _both_heads(h: Heads | AlignedHeads) -> tuple:
-    """The six tensors a fused loss takes, in its order: the student's hidden states, head weight and bias, then the
-    teacher's."""
-    return h.student_hidden, h.student_weight, h.student_bias, h.teacher_hidden, h.teacher_weight, h.teacher_bias
-
-
 def uld(heads: AlignedHeads, settings: Settings) -> torch.Tensor:
     """ULD's term, heads and loss fused per chunk of aligned rows: no N × V tensor."""
     h = heads
     temperatures = (h.student_temperature, h.teacher_temperature)
-    return FusedLinearULD.apply(
-        *_both_heads(h), h.alignment, temperatures, settings.chunk_size, torch.is_grad_enabled()
-    )
+    return FusedLinearULD.apply(*h.tensors(), h.alignment, temperatures, settings.chunk_size, torch.is_grad_enabled())
 
 
 def compute(heads: Heads, loss: TokenLoss, rows: torch.Tensor, settings: Settings) -> torch.Tensor:
     h = heads
-    return FusedLinearLoss.apply(*_both_heads(h), h.labels, loss, settings.chunk_size, torch.is_grad_enabled(), rows)
+    return FusedLinearLoss.apply(*h.tensors(), h.labels, loss, settings.chunk_size, torch.is_grad_enabled(), rows)
 
 
 def buffers(loss: TokenLoss, n_tokens: int, chunk_size: int, dtype_bytes: int) -> Buffers:
