@@ -26,7 +26,9 @@ from kdbench.fit.verdict import (
     size_cap,
     with_size,
 )
+from tests.support.helpers import write_suite
 from tests.support.paths import ROOT
+from tests.support.suites import TINY_LM, merged, tiny_suite
 
 MIB = 2**20
 
@@ -184,24 +186,26 @@ def test_the_largest_batch_predicted_is_the_largest_a_real_step_fits(tmp_path):
 
 # --------------------------------------------------------------------------- the command
 
-SUITE = """
-name: fit-tiny
-backend: cpu
-defaults:
-  pair: {teacher: tiny-llama-teacher, student: tiny-llama-student}
-  method: forward_kl
-  batch_size: 2
-  data: {kind: tokens, seq_len: 1024}
-matrix:
-  loss_impl: [dense, fused_linear]
-"""
+# tiny() as a suite: the untrimmed tiny pair at 2 x 1,024 tokens, timed and served as the schema's defaults say
+# (a user's suite that sets neither), each loss implementation the verdict tries
+SUITE = tiny_suite(
+    name="fit-tiny",
+    defaults=merged(
+        TINY_LM,
+        {
+            "overrides": {},
+            "data": {"kind": "tokens", "seq_len": 1024},
+            "timing": {"warmup": 3, "min_iters": 10, "min_time_s": 1.0},
+            "inference": {"batch_sizes": [1, 32]},
+        },
+    ),
+    matrix={"loss_impl": ["dense", "fused_linear"]},
+)
 
 
 @pytest.fixture
 def suite(tmp_path):
-    path = tmp_path / "fit.yaml"
-    path.write_text(SUITE)
-    return path
+    return write_suite(tmp_path / "fit.yaml", **SUITE)
 
 
 def test_fit_judges_every_cell_of_a_suite_and_writes_json(suite, tmp_path, capsys, peaks):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from kdbench import api
 from kdbench.config.plan import cell_id_of
 from tests.support.helpers import make_config, write_suite
-from tests.support.suites import BASE, RESNET8, merged, tiny_suite
+from tests.support.suites import BASE, RESNET8, TINY_LM, merged, tiny_suite
+from tests.unit.workloads.test_lm_workload import lm_config
 
 
 def test_the_base_is_a_one_cell_cpu_suite_kdbench_plans(tmp_path):
@@ -60,3 +61,22 @@ def test_the_resnet8_fragment_plans_make_configs_cell(tmp_path):
     suite = tiny_suite(defaults={**RESNET8, "timing": {"warmup": 1}, "inference": {"batch_sizes": [1, 4]}})
     [job] = api.plan(api.load_suite(write_suite(tmp_path / "s.yaml", **suite)), device="cpu").jobs
     assert job.cell.cell_id == cell_id_of(make_config())
+
+
+def test_the_lm_fragment_plans_the_trimmed_tiny_llama_cell(tmp_path):
+    suite = tiny_suite(defaults=merged(TINY_LM, {"inference": {"decode_tokens": 3}}))
+    [job] = api.plan(api.load_suite(write_suite(tmp_path / "s.yaml", **suite)), device="cpu").jobs
+    config = job.cell.config
+    assert (config.pair.teacher, config.pair.student) == ("tiny-llama-teacher", "tiny-llama-student")
+    assert config.overrides.model_dump(exclude_defaults=True) == TINY_LM["overrides"]
+    assert (config.method, config.batch_size, config.data.kind, config.data.seq_len) == ("forward_kl", 2, "tokens", 16)
+    assert (config.timing.warmup, config.timing.min_iters, config.timing.min_time_s) == (0, 2, 0.0)  # base's, and 2
+    assert (config.inference.batch_sizes, config.inference.decode_tokens) == ([1], 3)
+    assert job.cell.cell_id == cell_id_of(lm_config())  # the LM tests' own cell (test_lm_workload.lm_config)
+
+
+def test_overrides_go_with_their_pair():
+    other = merged(TINY_LM, {"pair": {"teacher": "tiny-llama-teacher", "student": "x:y"}, "overrides": {"teacher": {}}})
+    assert other["overrides"] == {"teacher": {}}  # the fragment's trimmed student is not carried to another student
+    untrimmed = tiny_suite(defaults=merged(TINY_LM, {"overrides": {}}))
+    assert untrimmed["defaults"]["overrides"] == {} and TINY_LM["overrides"]["student"] == {"num_hidden_layers": 1}

@@ -257,26 +257,22 @@ def test_a_crashed_text_quality_job_is_stored_as_its_planned_rows(tmp_path, monk
     from kdbench.cli import main
     from kdbench.store import read_results
     from tests.support.helpers import run_folder, write_suite
+    from tests.support.suites import TINY_LM, merged, tiny_suite
 
     monkeypatch.syspath_prepend(str(ROOT))  # tests.*, for the worker process
-    quality = SMALL.model_dump(exclude_defaults=True) | {"seeds": 1}
-    suite = write_suite(
-        tmp_path / "q.yaml",
+    crashing = {
+        "pair": {"teacher": "tiny-llama-teacher", "student": "tests.support.faulty_models:segfaulting_lm"},
+        "overrides": {"teacher": {**TEACHER, "vocab_size": 256}},  # replaces the fragment's: none for the student
+        "inference": {"batch_sizes": []},
+    }
+    qtext = tiny_suite(
         name="qtext",
-        backend="cpu",
-        threads=1,
         allow_imports=True,
-        defaults={
-            "pair": {"teacher": "tiny-llama-teacher", "student": "tests.support.faulty_models:segfaulting_lm"},
-            "overrides": {"teacher": {**TEACHER, "vocab_size": 256}},
-            "data": {"kind": "tokens", "seq_len": 16},
-            "batch_size": 2,
-            "timing": {"warmup": 0, "min_iters": 2, "min_time_s": 0.0},
-            "inference": {"batch_sizes": []},
-        },
+        defaults=merged(TINY_LM, crashing),
         matrix={"method": ["forward_kl", "jsd"]},
-        quality=quality,
+        quality=SMALL.model_dump(exclude_defaults=True) | {"seeds": 1},
     )
+    suite = write_suite(tmp_path / "q.yaml", **qtext)
     out = tmp_path / "res"
     assert main(["run", str(suite), "--out", str(out), "--no-report"]) == 1
     df = read_results([run_folder(out).path])

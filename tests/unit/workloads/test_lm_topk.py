@@ -94,17 +94,15 @@ def test_a_topk_cell_reports_its_cache_and_pays_back_against_the_live_teacher(tm
     from kdbench.cli import main
     from kdbench.store import read_results
     from tests.support.helpers import write_suite
+    from tests.support.suites import TINY_LM, merged, tiny_suite
 
-    base = lm_config().model_dump(mode="json")
-    suite = write_suite(
-        tmp_path / "s.yaml",
+    topk = tiny_suite(
         name="topk",
-        backend="cpu",
         threads=2,
-        defaults={k: base[k] for k in ("pair", "overrides", "method", "batch_size", "data", "timing")}
-        | {"inference": {"batch_sizes": []}},
+        defaults=merged(TINY_LM, {"inference": {"batch_sizes": []}}),
         matrix={"teacher": [{"mode": "live"}, {"mode": "topk_cache", "k": 16}]},
     )
+    suite = write_suite(tmp_path / "s.yaml", **topk)
     assert main(["run", str(suite), "--out", str(tmp_path / "res"), "--no-report", "--inline"]) == 0
     df = read_results([tmp_path / "res"]).set_index("teacher_mode")
     topk = df.loc["topk_cache"]

@@ -21,7 +21,9 @@ from kdbench.run.cell import measure_cell
 from kdbench.workloads import check_cell, planned_measurements, workload_of
 from kdbench.workloads.lm.workload import LM
 from kdbench.workloads.vision import VISION
+from tests.support.helpers import write_suite
 from tests.support.paths import ROOT
+from tests.support.suites import TINY_LM, merged, tiny_suite
 
 CPU = resolve("cpu")
 PAIR = {"teacher": "tiny-llama-teacher", "student": "tiny-llama-student"}
@@ -276,13 +278,11 @@ def test_dry_run_and_run_say_which_cells_a_missing_package_skips(monkeypatch, tm
     )
     why = f"liger needs liger-kernel, which is not installed: {extra_hint('liger')}"
     suite = tmp_path / "liger.yaml"
-    fp32 = HOST_SUITE.replace("name: host", "name: liger").replace(
-        "  teacher_precision: bf16\n  teacher: {weights: bf16}\n", ""
-    )
-    suite.write_text(fp32 + "matrix:\n  loss_impl: [dense, liger]\n")
+    fp32 = merged(LM_SUITE, {"name": "liger"})
+    write_suite(suite, **merged(fp32, {"matrix": {"loss_impl": ["dense", "liger"]}}))
     assert main(["run", str(suite), "--dry-run"]) == 0
     assert f"skipped here: cell 2: {why}" in capsys.readouterr().err.splitlines()
-    suite.write_text(fp32 + "  loss_impl: liger\n")
+    write_suite(suite, **merged(fp32, {"defaults": {"loss_impl": "liger"}}))
     assert main(["run", str(suite), "--out", str(tmp_path / "res"), "--no-report", "--inline"]) == 0
     assert f"skipped here: cell 1: {why}" in capsys.readouterr().err.splitlines()
     df = read_results([tmp_path / "res"])
@@ -461,20 +461,9 @@ def test_a_teacher_served_at_the_students_precision_says_so(pair):
 
 # ---------------------------------------------------------------- host memory (issue 30, review L3)
 
-HOST_SUITE = """\
-name: host
-backend: cpu
-defaults:
-  pair: {teacher: tiny-llama-teacher, student: tiny-llama-student}
-  overrides: {teacher: {num_hidden_layers: 2}, student: {num_hidden_layers: 1}}
-  data: {kind: tokens, seq_len: 16}
-  method: forward_kl
-  batch_size: 2
-  teacher_precision: bf16
-  teacher: {weights: bf16}
-  timing: {warmup: 0, min_iters: 2, min_time_s: 0.0}
-  inference: {batch_sizes: [1], decode_tokens: 3}
-"""
+# lm_config()'s cell as a suite; the host test holds its teacher in bf16, the liger test keeps it in fp32
+LM_SUITE = tiny_suite(name="host", defaults=merged(TINY_LM, {"inference": {"decode_tokens": 3}}))
+HOST_SUITE = merged(LM_SUITE, {"defaults": {"teacher_precision": "bf16", "teacher": {"weights": "bf16"}}})
 
 
 def test_a_model_too_large_to_keep_is_built_in_its_dtype_with_the_weights_the_cache_would_give():
@@ -522,8 +511,7 @@ def test_a_pair_whose_fp32_master_exceeds_a_simulated_host_runs_within_it_or_is_
     assert config_columns(config, "cpu")["host_models_bytes"] == need
     # one byte less: the cell is stored skipped with the figure before anything runs, never swapped or killed
     monkeypatch.setattr(plan_module, "host_memory", lambda: (need - 1, masters))
-    suite = tmp_path / "host.yaml"
-    suite.write_text(HOST_SUITE)
+    suite = write_suite(tmp_path / "host.yaml", **HOST_SUITE)
     assert main(["run", str(suite), "--dry-run"]) == 0  # the dry run says so too
     assert f"host {gib(need)} per rank: more than this machine has available, a run here skips it" in (
         capsys.readouterr().out

@@ -15,6 +15,7 @@ from kdbench.core.speculation import expected_tokens_per_verify, predicted_speed
 from kdbench.distill.lm.token_losses import tv_per_position
 from kdbench.models.generation import greedy_generate, prefill, speculative_generate
 from kdbench.models.lm import build_lm
+from tests.support.suites import TINY_LM, merged, tiny_suite
 
 VOCAB = 128
 # every shipped LM family at a tiny size: (registered name, overrides)
@@ -274,27 +275,19 @@ def test_the_formulas_are_leviathans():
 # ---------------------------------------------------------------- the cell's rows
 
 
-SPEC_SUITE = {
-    "name": "spec",
-    "backend": "cpu",
-    "threads": 1,
-    "defaults": {
-        "pair": {"teacher": "tiny-llama-teacher", "student": "tiny-llama-student"},
-        "overrides": {
-            "teacher": {"num_hidden_layers": 2, "vocab_size": 256},
-            "student": {"num_hidden_layers": 1, "vocab_size": 256},
+SPEC_SUITE = tiny_suite(
+    name="spec",
+    defaults=merged(
+        TINY_LM,
+        {
+            "overrides": {
+                "teacher": {"num_hidden_layers": 2, "vocab_size": 256},
+                "student": {"num_hidden_layers": 1, "vocab_size": 256},
+            },
+            "inference": {"decode_tokens": 6, "speculative": {"draft_tokens": [1, 3], "temperature": [0, 1]}},
         },
-        "method": "forward_kl",
-        "batch_size": 2,
-        "data": {"kind": "tokens", "seq_len": 16},
-        "timing": {"warmup": 0, "min_iters": 2, "min_time_s": 0.0},
-        "inference": {
-            "batch_sizes": [1],
-            "decode_tokens": 6,
-            "speculative": {"draft_tokens": [1, 3], "temperature": [0, 1]},
-        },
-    },
-}
+    ),
+)
 
 
 @pytest.mark.slow
