@@ -360,16 +360,22 @@ def test_an_fsdp_cell_on_a_gpu_keeps_its_teacher_on_the_host_until_fully_shard_m
 
 
 def test_the_gpu_suites_plan_the_same_cells_on_both_vendors():
-
     from kdbench.config.load import load_suite
     from kdbench.workloads import expand_checked
 
     suites = ROOT / "suites"
     cuda, amd = (expand_checked(load_suite(suites / f"llm-{v}.yaml")) for v in ("cuda", "amd"))
-    assert [c.cell_id for c in cuda] == [c.cell_id for c in amd] and len(cuda) == 48
+    assert [c.cell_id for c in cuda] == [c.cell_id for c in amd] and len(cuda) == 52
     pairs = {(c.config.pair.teacher, c.config.pair.student) for c in cuda}
     assert pairs == {("llama-3.1-8b", "llama-3.2-1b"), ("qwen2.5-7b", "qwen2.5-0.5b")}
-    assert {c.config.loss_impl for c in cuda} == {"dense", "chunked", "fused_linear", "liger", "torch_linear"}
+    assert {c.config.loss_impl for c in cuda} == {
+        "dense",
+        "natural",
+        "chunked",
+        "fused_linear",
+        "liger",
+        "torch_linear",
+    }
     assert {c.config.data.seq_len for c in cuda} == {1024, 4096} and {c.config.precision for c in cuda} == {"bf16"}
     assert sum(c.config.teacher.mode == "topk_cache" for c in cuda) == 4
     assert sum(c.config.on_policy is not None for c in cuda) == 4
