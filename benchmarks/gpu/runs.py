@@ -104,6 +104,19 @@ def run_suite(backend: Backend, suite: Path, scratch: Path, report: Report, cell
     return df
 
 
+def ok_rows(df: pd.DataFrame, report: Report) -> list[tuple[Any, str]]:
+    """A run's rows that are ``ok``, each with its label; every other row is checked here: a skip with its reason
+    passes, anything else fails."""
+    rows = []
+    for r in df.itertuples():
+        what = f"{r.cell_label} {r.measurement} bs{r.batch_size}"
+        if r.status != "ok":
+            report.check(f"{what}: {r.status}: {r.error}", r.status == "skipped" and said(r.error))
+        else:
+            rows.append((r, what))
+    return rows
+
+
 def count_or_na(value: Any) -> str:
     return "n/a" if value is None or pd.isna(value) else str(int(value))
 

@@ -142,6 +142,11 @@ ALIGN = Phase(
 LEAD_PHASES = (GENERATE, ALIGN)  # the phases a step may begin with, before PHASES (one at most)
 REMAINDER_COLUMN = "phase_remainder_ms"  # step time minus the sum of its phases
 
+# How torch's autograd runs in a timed call (the grad_mode column): the step trains (the student's forward and
+# backward, the teacher under no_grad); every serving call runs under torch.inference_mode().
+AUTOGRAD = "autograd"
+INFERENCE_MODE = "inference_mode"
+
 # A token label that no loss counts (prompt and padding positions, a sequence's last position): the value
 # torch's cross_entropy, transformers and Liger-Kernel take as their ignore_index default.
 IGNORE_INDEX = -100

@@ -240,6 +240,15 @@ COLUMNS: tuple[Column, ...] = (
             "",
             "inference rows: how the model was served (`eager`, `compile`, `onnxruntime`, `int8`, `+ graphs`)",
         ),
+        (
+            "grad_mode",
+            _S,
+            "",
+            "how torch's autograd ran in the timed calls: `autograd` (distill_step: the student's forward and "
+            "backward, the teacher under `no_grad`), `inference_mode` (serving rows: `torch.inference_mode()`, a few "
+            "% faster than a `torch.no_grad()` loop where per-operator overhead dominates); null where torch did not "
+            "run the calls (onnxruntime)",
+        ),
         ("config_json", _S, "", "the whole resolved cell config as JSON"),
     ),
     *_group(  # what an FSDP2 step's collectives moved (fsdp.param_dtype / fsdp.reduce_dtype: its MixedPrecisionPolicy)

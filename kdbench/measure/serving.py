@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from kdbench.config.schema import CellConfig
-from kdbench.core.names import Measurement
+from kdbench.core.names import INFERENCE_MODE, Measurement
 from kdbench.core.schema import Row
 from kdbench.hw.backends import AutocastChoice, Backend
 from kdbench.measure.failures import SkipMeasurement
@@ -155,6 +155,7 @@ def token_serving_row(
         attention_kernel=kernel_label(counted.attention) if counted is not None else None,
         autocast=choice.applied,
         runtime="eager",
+        grad_mode=INFERENCE_MODE,  # call runs under torch.inference_mode(), as every serving call
         seq_len=config.data.seq_len,
         **columns,
         data_ptr_mod64=ids.data_ptr() % 64,

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from kdbench.config.schema import CellConfig
-from kdbench.core.names import FIT_NOTE, LEAD_PHASES, PHASES, REMAINDER_COLUMN, Measurement, Status
+from kdbench.core.names import AUTOGRAD, FIT_NOTE, LEAD_PHASES, PHASES, REMAINDER_COLUMN, Measurement, Status
 from kdbench.core.schema import Row
 from kdbench.distill.step import DistillStep
 from kdbench.hw.backends import Backend, math_flags, math_mode
@@ -115,6 +115,7 @@ def distill_row(
         choices=(distiller.student_ac, distiller.teacher_ac),
         notes=(distiller.optimizer_note, note, *family_notes, raw.note or ""),
         final_loss=loss,
+        grad_mode=AUTOGRAD,
         autocast=distiller.student_ac.applied,
         teacher_autocast=distiller.teacher_ac.applied,
         grad_scaler=distiller.scaler is not None,

@@ -21,7 +21,7 @@ from torch import nn
 
 from kdbench.config.schema import CellConfig
 from kdbench.core.errors import KdbenchError
-from kdbench.core.names import Measurement
+from kdbench.core.names import INFERENCE_MODE, Measurement
 from kdbench.core.schema import Row
 from kdbench.core.worker_state import current
 from kdbench.data.synthetic import synthetic_batch
@@ -210,6 +210,7 @@ def measure_inference(
         flops=flops,
         autocast=choice.applied,
         runtime=served.runtime if served is not None else "eager",
+        grad_mode=None if served is not None and served.runtime.startswith("onnxruntime") else INFERENCE_MODE,
         **served_row,
         **layout_columns(model, x, config),
     )

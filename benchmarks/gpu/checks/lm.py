@@ -12,7 +12,7 @@ import pandas as pd
 from kdbench.hw.backends import Backend
 
 from ..report import Report
-from ..runs import run_suite, said
+from ..runs import ok_rows, run_suite, said
 
 
 def lm_row_problems(r) -> list[str]:
@@ -44,11 +44,7 @@ def check_lm(backend: Backend, suite: Path, scratch: Path, report: Report, cell_
     df = run_suite(backend, suite, scratch, report, cell_timeout)
     if df is None:
         return
-    for r in df.itertuples():
-        what = f"{r.cell_label} {r.measurement} bs{r.batch_size}"
-        if r.status != "ok":
-            report.check(f"{what}: {r.status}: {r.error}", r.status == "skipped" and said(r.error))
-            continue
+    for r, what in ok_rows(df, report):
         share = ""
         if r.measurement == "distill_step":
             share = f", mfu {r.mfu:.3g}" if pd.notna(r.mfu) else f", ceiling_utilization {r.ceiling_utilization:.3g}"

@@ -13,7 +13,7 @@ from kdbench import api
 from kdbench.hw.backends import Backend
 
 from ..report import Report
-from ..runs import count_or_na, run_kdbench, run_suite, said, truthy
+from ..runs import count_or_na, ok_rows, run_kdbench, run_suite, said, truthy
 
 
 def check_probe(backend: Backend, scratch: Path, report: Report) -> None:
@@ -103,11 +103,7 @@ def check_levers(backend: Backend, suite: Path, scratch: Path, report: Report, c
     df = run_suite(backend, suite, scratch, report, cell_timeout)
     if df is None:
         return
-    for r in df.itertuples():
-        what = f"{r.cell_label} {r.measurement} bs{r.batch_size}"
-        if r.status != "ok":
-            report.check(f"{what}: {r.status}: {r.error}", r.status == "skipped" and said(r.error))
-            continue
+    for r, what in ok_rows(df, report):
         compiled = (r.measurement == "distill_step" and (r.compile != "off" or truthy(r.compile_teacher))) or str(
             r.runtime or ""
         ).startswith("compile")

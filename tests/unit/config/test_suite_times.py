@@ -22,7 +22,7 @@ def test_the_recorded_figures_read_as_they_were_obtained():
     assert times["cifar100-tables.yaml"].cpu_text() == "about 2 h (extrapolated)"
     assert times["quality.yaml"].cpu_text() == "not measured"
     assert times["llm-xtok.yaml"].machine == "2-core AMD EPYC VM, 24 GiB, no GPU (the CI machine type)"  # the default
-    assert times["llm-cpu.yaml"].machine.endswith("AVX2 only (bf16 emulated)")  # its own: its bf16 cells skipped there
+    assert times["llm-cpu.yaml"].machine.endswith("AVX-512 BF16 (bf16 native)")  # its own: its bf16 cells ran there
     assert all(t.cpu_s is None or t.source for t in times.values())  # every figure says where it came from
 
 

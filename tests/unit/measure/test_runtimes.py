@@ -535,3 +535,25 @@ def test_compare_outputs_of_other_shapes_and_types():
     assert compare_outputs({"logits": ref.double()}, ref, 1e-3).ok
     wrong = compare_outputs(torch.zeros(2, 2), ref, 1e-3)
     assert not wrong.ok and wrong.max_abs_diff == float("inf") and wrong.top1_agreement == 0.0
+
+
+def test_every_timed_row_says_how_autograd_ran(cpu):
+    """grad_mode: the step trains (autograd), torch serving runs under inference_mode, onnxruntime outside torch."""
+    from kdbench.config.plan import Cell, cell_id_of
+    from kdbench.models.cache import ModelCache
+    from kdbench.run.cell import measure_cell
+
+    config = make_config(
+        pair={"teacher": "linear", "student": "linear"},
+        data={"kind": "synthetic", "shape": [1, 4, 4], "num_classes": 4},
+        batch_size=4,
+        timing={"warmup": 0, "min_iters": 2, "max_iters": 2, "min_time_s": 0.0},
+        inference={"batch_sizes": [2], "runtime": "onnxruntime"},
+    )
+    rows = measure_cell(Cell(0, cell_id_of(config), config), cpu, ModelCache())
+    got = {(str(r["measurement"]), r.get("runtime")): r.get("grad_mode") for r in rows if r["status"] == "ok"}
+    assert got == {
+        ("distill_step", None): "autograd",
+        ("student_inference", "onnxruntime"): None,
+        ("teacher_inference", "eager"): "inference_mode",
+    }

@@ -158,6 +158,8 @@ def test_a_cell_measures_the_step_and_serving_with_tokens_and_logits_memory():
     assert by["student_decode"]["tokens"] == 3 and by["student_prefill"]["tokens"] == 16
     for name in ("student_prefill", "student_decode", "teacher_prefill", "teacher_decode"):
         assert by[name]["tokens_per_s"] > 0 and by[name]["flops"] > 0
+        assert by[name]["grad_mode"] == "inference_mode"  # how the timed calls ran, as a script must to match
+    assert step["grad_mode"] == "autograd"
     # the teacher (2 layers, 256 wide) costs more FLOPs per token than the student (1 layer, 128)
     assert by["teacher_prefill"]["flops"] > by["student_prefill"]["flops"]
     # every row says which attention kernel ran: the CPU's flash (gpu-review-3 L8)
