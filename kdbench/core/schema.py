@@ -395,6 +395,15 @@ COLUMNS: tuple[Column, ...] = (
             "report flags a row whose window throughput is over 5 % below its throughput",
         ),
         (
+            "served_weights",
+            _S,
+            "",
+            "LM serving rows (prefill, decode, speculative_decode): the dtype the served model's parameters were held "
+            "in during the timed calls: a bf16 or fp16 cell serves its models held in that dtype, cast once after "
+            "the step, as a deployment holds them (held in fp32, each call would re-cast every weight); "
+            "speculative rows: both models' (`bf16`, or `teacher/student` when they differ)",
+        ),
+        (
             "decode_bytes_per_token",
             _F,
             "bytes",

@@ -281,6 +281,24 @@ def cast_teacher_weights(teacher: nn.Module, config: Any) -> nn.Module:
     return teacher
 
 
+def hold_for_serving(lm: nn.Module, choice: Any) -> str | None:
+    """Hold ``lm`` as a deployment holds it for serving: under a 16-bit autocast (a bf16 or fp16 cell) its
+    floating-point parameters are cast to that dtype, in place, once (after the step: serving comes last in a cell),
+    and their gradients let go; its buffers (rotary frequencies, ...) stay as built, as transformers keeps them in
+    float32 when it loads a model in bf16.  Held in float32, every call under ``inference_mode`` would read each
+    weight in float32 and write and read a 16-bit copy (autocast's weight-cast cache does not apply there), and K
+    would be cached in float32 (rotary's cos/sin follow the hidden states' dtype).  The dtype the parameters are
+    held in when it returns (kdbench's name: ``bf16``, ``fp16``, ``fp32``; None for a model without parameters)."""
+    if choice is not None and choice.applied and choice.dtype in (torch.bfloat16, torch.float16):
+        for p in lm.parameters():
+            if p.is_floating_point() and p.dtype != choice.dtype:
+                p.grad = None
+                p.data = p.data.to(choice.dtype)
+    held = {p.dtype for p in lm.parameters() if p.is_floating_point()}
+    names = {v: k for k, v in DTYPES.items() if k != "tf32"}
+    return "+".join(sorted(names.get(d, str(d).removeprefix("torch.")) for d in held)) or None
+
+
 def receive_from_rank0(
     root: nn.Module, whole: dict[str, torch.Tensor] | None, group: Any, device: torch.device, offload: bool = False
 ) -> None:

@@ -35,6 +35,7 @@ from kdbench.measure.serving import compile_counters, token_serving_row
 from kdbench.models.generation import GreedyServing, cache_dtype, is_static, release
 from kdbench.workloads.base import Workload, served_precision_note
 from kdbench.workloads.lm.xtok import cross_tokenizer, student_ids
+from kdbench.workloads.placement import hold_for_serving
 
 
 def measure_serving(
@@ -62,13 +63,16 @@ def measure_serving(
     choice = choose_autocast(backend, config.precision)
     lm = model.lm
     lm.eval()
+    held = hold_for_serving(lm, choice)  # as a deployment holds it: a bf16 cell serves bf16 weights
     generation = config.generation if decode else None
     pulled = decode and (is_static(generation) or generation.compile)
     dtype = cache_dtype(lm, choice)
     new = config.inference.decode_tokens
     gen = GreedyServing(lm, ids, new, generation, backend.device_type, {}, dtype)
     try:
-        return _served_row(workload, measurement, batch_size, config, backend, budget_s, choice, gen, decode, pulled)
+        row = _served_row(workload, measurement, batch_size, config, backend, budget_s, choice, gen, decode, pulled)
+        row["served_weights"] = held
+        return row
     finally:
         if release(gen.store):  # the compiled step and its graphs: not alive in the next measurement
             release_compiled(backend)

@@ -25,6 +25,7 @@ from kdbench.measure.serving import token_serving_row
 from kdbench.models.generation import Speculation, cache_dtype, prefill, speculative_generate
 from kdbench.workloads.base import Workload
 from kdbench.workloads.lm.checks import shared_vocab
+from kdbench.workloads.placement import hold_for_serving
 
 SAMPLED_AGAINST_GREEDY = (
     "sampled verification (temperature {t:g}) against the teacher's greedy decode row: spec_speedup compares this "
@@ -74,6 +75,7 @@ def measure_speculative(
     target.eval()
     draft.eval()
     choice = choose_autocast(backend, config.precision)
+    held = (hold_for_serving(target, choice), hold_for_serving(draft, choice))  # as deployments hold them
     seed = config.seed + 2
     generator = torch.Generator(device=backend.device) if temperature > 0 else None
     state: dict[str, Any] = {}
@@ -96,7 +98,11 @@ def measure_speculative(
         notes += (SAMPLED_AGAINST_GREEDY.format(t=temperature),)
     if len(sizes - {None}) > 1:
         notes += (f"the vocabularies differ: both models draft and verify over the {vocab} entries they share",)
-    columns = {"decode_tokens": new_tokens, **variant}
+    columns = {
+        "decode_tokens": new_tokens,
+        "served_weights": held[0] if held[0] == held[1] else f"{held[0]}/{held[1]}",
+        **variant,
+    }
     measured = Measurement.SPECULATIVE_DECODE
     args = (workload, measured, 1, config, backend, budget_s, choice, call, ids, columns, notes)
     row = token_serving_row(*args, start=start)
