@@ -573,7 +573,8 @@ COLUMNS: tuple[Column, ...] = (
             "",
             "inference rows served by another runtime: its outputs against eager's on the same batch, checked "
             "before timing (`ok: ...` or `MISMATCH: ...`); decode rows with a generation backend: its greedy tokens "
-            "against the dynamic cache's, checked after timing",
+            "against the dynamic cache's, checked after timing (`ok to a near-tie: ...` where they first differ at "
+            "a token whose reference top-2 logits lie within the serving dtype's resolution: rounding decides)",
         ),
         ("output_max_abs_diff", _F, "", "largest |runtime output − eager output| over the batch's logits"),
         ("output_top1_agreement", _F, "ratio", "share of samples whose top-1 class matches eager's"),

@@ -129,9 +129,45 @@ def _same_tokens(gen: GreedyServing, lm: nn.Module, ids, new: int, choice: Any, 
         got = gen.generated()
         reference.start()
         reference.decode()
-    want = reference.generated()
+        want = reference.generated()
+        column, gap = first_difference_gap(lm, ids, got, want)
+    return token_check(got, want, column, gap, gen.dtype or next(lm.parameters()).dtype)
+
+
+def first_difference_gap(lm: nn.Module, ids: torch.Tensor, got: torch.Tensor, want: torch.Tensor):
+    """Where the backend's greedy tokens ``got`` first differ from the reference's ``want`` (both (B, 1 + new)): the
+    column, and the reference's top-2 gap there relative to its top logit (the largest over the sequences that
+    differ), from a forward of the prompt and the reference's tokens before it.  (None, None) where they agree or
+    their shapes differ.  Runs under the caller's inference mode and precision."""
+    if got.shape != want.shape or torch.equal(got, want):
+        return None, None
+    column = int((got != want).any(0).nonzero()[0])
+    rows = (got[:, column] != want[:, column]).nonzero().squeeze(1)
+    context = torch.cat([ids, want[:, :column]], dim=1).index_select(0, rows)
+    logits = lm(input_ids=context).logits[:, -1].float()
+    top = logits.topk(2, dim=-1).values
+    gap = ((top[:, 0] - top[:, 1]) / top[:, 0].abs().clamp_min(torch.finfo(torch.float32).tiny)).max()
+    return column, float(gap)
+
+
+def token_check(got, want, column: int | None, gap: float | None, dtype: torch.dtype) -> tuple[str, str]:
+    """``output_check`` (and a note) of a backend's greedy tokens against the reference's.  Where they first differ
+    at a near-tie of the reference (its top-2 logits within ``dtype``'s resolution, ``finfo.eps``, of the top one),
+    rounding decides which token wins: two paths that round differently (another kernel, another cache layout) may
+    pick either, so the check says so and compares no further (GPU review 4, M3) instead of calling it a mismatch."""
+    n = want.numel()
     if torch.equal(got, want):
-        return f"ok: the same {want.numel()} greedy tokens as the dynamic cache's", ""
-    differ = int((got != want).sum()) if got.shape == want.shape else want.numel()
-    why = f"MISMATCH: {differ} of the {want.numel()} greedy tokens differ from the dynamic cache's"
+        return f"ok: the same {n} greedy tokens as the dynamic cache's", ""
+    eps = torch.finfo(dtype).eps
+    name = str(dtype).removeprefix("torch.")
+    if column is not None and gap is not None and gap <= eps:
+        return (
+            f"ok to a near-tie: the same greedy tokens as the dynamic cache's up to token {column} of "
+            f"{want.shape[1]}, where its top-2 logits differ by {gap:.1e} of the top one, within {name}'s "
+            f"resolution ({eps:.1e}): rounding decides there, the rest is not compared"
+        ), ""
+    differ = int((got != want).sum()) if got.shape == want.shape else n
+    why = f"MISMATCH: {differ} of the {n} greedy tokens differ from the dynamic cache's"
+    if column is not None and gap is not None:
+        why += f" (from token {column}, where its top-2 logits differ by {gap:.1e} of the top one)"
     return why, f"generation: {why} (the backend does not decode what the dynamic cache decodes)"

@@ -77,3 +77,43 @@ def test_k_and_v_are_cached_in_the_serving_dtype_only_when_the_model_is_held_in_
     assert torch.float32 in cached_dtypes(student)  # held in fp32: rotary keeps K in fp32 under bf16 autocast
     hold_for_serving(student, choice)
     assert cached_dtypes(student) == {torch.bfloat16}
+
+
+def test_a_greedy_difference_at_a_near_tie_is_rounding_not_a_mismatch():
+    """GPU review 4, M3: two bf16 paths that round differently may pick either token of a near-tie."""
+    from kdbench.workloads.lm.serving import token_check
+
+    want = torch.tensor([[5, 6, 7, 8]])
+    got = torch.tensor([[5, 6, 9, 10]])
+    assert (
+        token_check(want, want, None, None, torch.bfloat16)[0] == "ok: the same 4 greedy tokens as the dynamic cache's"
+    )
+    check, note = token_check(got, want, 2, 5.1e-4, torch.bfloat16)  # the review's measured gap, below bf16's 2^-7
+    assert check.startswith("ok to a near-tie: the same greedy tokens as the dynamic cache's up to token 2 of 4")
+    assert "5.1e-04" in check and note == ""
+    check, note = token_check(got, want, 2, 5.1e-4, torch.float32)  # in fp32 the same gap is no tie
+    assert check == (
+        "MISMATCH: 2 of the 4 greedy tokens differ from the dynamic cache's (from token 2, where its top-2 logits "
+        "differ by 5.1e-04 of the top one)"
+    )
+    assert note.startswith("generation: MISMATCH")
+    assert token_check(got, want, 2, 0.02, torch.bfloat16)[0].startswith("MISMATCH: 2 of the 4")
+
+
+def test_the_gap_is_read_where_the_tokens_first_differ():
+    from kdbench.models.generation import GreedyServing
+    from kdbench.workloads.lm.serving import first_difference_gap
+
+    lm = LM.build_pair(lm_config(), CPU, ModelCache())[1].lm.eval()
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    reference = GreedyServing(lm, ids, 4)
+    with torch.inference_mode():
+        reference.start()
+        reference.decode()
+        want = reference.generated()
+        got = want.clone()
+        got[1, 3:] = (want[1, 3:] + 1) % 100
+        column, gap = first_difference_gap(lm, ids, got, want)
+        assert first_difference_gap(lm, ids, want, want) == (None, None)
+        top = lm(input_ids=torch.cat([ids, want[:, :3]], dim=1)[1:]).logits[0, -1].float().topk(2).values
+    assert column == 3 and gap == pytest.approx(float((top[0] - top[1]) / top[0].abs()))
