@@ -17,6 +17,7 @@ import yaml
 
 from kdbench.config.load import load_suite
 from kdbench.hw.backends import Backend
+from kdbench.hw.contention import OWN_CONTEXTS_ENV, RUN_PID_ENV
 from kdbench.store.results import read_results
 from kdbench.workloads import expand_checked, planned_measurements
 
@@ -30,6 +31,11 @@ def run_kdbench(report: Report, *args: str) -> bool:
     report.info("$ " + " ".join(command))
     start = time.perf_counter()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8"}
+    # this process holds a GPU context of its own (the in-process stages): the run is rooted here, so the check is
+    # one of the run's processes, not another process on the device (GPU review 4, M8); where the driver lists host
+    # pids (a container), the run's rows subtract this one context
+    env[RUN_PID_ENV] = str(os.getpid())
+    env[OWN_CONTEXTS_ENV] = "1"
     proc = subprocess.Popen(
         command,
         cwd=ROOT,

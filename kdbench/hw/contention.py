@@ -47,6 +47,10 @@ SAMPLE_S = 0.4  # the look before a run's first cell
 # measurement's start (cold and warm-up calls included); shorter still, nothing is said (null).
 MIN_WINDOW_S = 0.25
 RUN_PID_ENV = "KDBENCH_RUN_PID"  # the engine's process id, inherited by its workers and ranks: the run's tree
+# The GPU contexts the run's own processes hold beyond the measuring one, where the driver lists host pids (another
+# pid namespace) and none can be matched: a caller that holds one itself while it runs kdbench (the device check,
+# which also roots the run at itself through KDBENCH_RUN_PID) sets it to 1.
+OWN_CONTEXTS_ENV = "KDBENCH_OWN_GPU_CONTEXTS"
 _NOT_BUSY = ("idle", "iowait", "guest", "guest_nice")  # guest times are already inside user (Linux)
 
 
@@ -215,15 +219,19 @@ def look_later(meter: HostMeter, then: Callable[[HostLoad], None], seconds: floa
     return timer
 
 
-def others_on_device(listed: Iterable[int], own: Iterable[int]) -> int:
+def others_on_device(listed: Iterable[int], own: Iterable[int], extra_contexts: int | None = None) -> int:
     """How many of the processes a GPU lists (their pids) are not this run's.  None of ours among them means
-    another pid namespace (a container: the driver lists host pids): then ours is one of them, unnamed."""
+    another pid namespace (a container: the driver lists host pids): then ours are among them, unnamed: the
+    measuring process and ``extra_contexts`` more (default: :data:`OWN_CONTEXTS_ENV`, else 0)."""
     listed, own = set(listed), set(own)
     if not listed:
         return 0
     if listed & own:
         return len(listed - own)
-    return len(listed) - 1
+    if extra_contexts is None:
+        value = os.environ.get(OWN_CONTEXTS_ENV, "")
+        extra_contexts = int(value) if value.isdigit() else 0
+    return max(0, len(listed) - 1 - extra_contexts)
 
 
 def contention_columns(host: HostLoad | None, device_others: int | None) -> tuple[dict[str, Any], str]:

@@ -423,3 +423,36 @@ def test_the_lm_stage_reports_the_fit_planners_prediction_against_the_gpus_peak(
     assert "measured/predicted 1.050" in out and "fit liger: unpredictable" in out
     assert "fit planner on this GPU: measured/predicted 1.050-1.050 over 1 steps" in out
     assert report.failed == [] and report.passed == 0  # information, not checks
+
+
+def test_the_runs_the_check_starts_count_the_check_as_their_own(gpu, monkeypatch, tmp_path):
+    """GPU review 4, M8: the check holds a GPU context while its kdbench runs measure; rooted at the check, the
+    runs do not count it as another process on the device (nor, in a container, its one context)."""
+    import os
+
+    from kdbench.hw.contention import OWN_CONTEXTS_ENV, RUN_PID_ENV, others_on_device
+
+    seen = {}
+
+    class Done:
+        """Popen's stand-in: records the environment, prints one line, exits 0."""
+
+        stdout = type("Lines", (), {"__iter__": lambda self: iter(["ran\n"]), "close": lambda self: None})()
+
+        def __init__(self, command, env, **_):
+            seen.update(env)
+
+        def wait(self, *_):
+            return 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(gpu.runs.subprocess, "Popen", Done)
+    report = gpu.report.Report()
+    assert gpu.runs.run_kdbench(report, "run", "suite.yaml")
+    assert seen[RUN_PID_ENV] == str(os.getpid()) and seen[OWN_CONTEXTS_ENV] == "1"
+    # the device lists the check and the run's worker: no other process, named or (a container) unnamed
+    assert others_on_device([os.getpid(), 4242], [os.getpid(), 4242]) == 0
+    monkeypatch.setenv(OWN_CONTEXTS_ENV, "1")
+    assert others_on_device([7, 8], [os.getpid()]) == 0 and others_on_device([7, 8, 9], [os.getpid()]) == 1

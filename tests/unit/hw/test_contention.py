@@ -222,3 +222,13 @@ def test_the_report_marks_contended_rows_with_their_share():
     marks = {(m["run_id"], m["contended"], m["busy"]) for m in shown}
     assert marks == {("busy", True, "0.80"), ("idle", False, "0.10")}
     assert "--judge-contended" in CONTENDED_TITLE
+
+
+def test_in_another_pid_namespace_the_runs_own_extra_contexts_are_not_others(monkeypatch):
+    from kdbench.hw.contention import OWN_CONTEXTS_ENV
+
+    monkeypatch.delenv(OWN_CONTEXTS_ENV, raising=False)
+    assert others_on_device([7, 8], [1]) == 1  # one unnamed context is ours: the other is another process
+    assert others_on_device([7, 8], [1], extra_contexts=1) == 0  # ours are two (the device check holds one)
+    monkeypatch.setenv(OWN_CONTEXTS_ENV, "1")
+    assert others_on_device([7, 8, 9], [1]) == 1 and others_on_device([7], [1]) == 0
