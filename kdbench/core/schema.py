@@ -1154,6 +1154,21 @@ COLUMNS: tuple[Column, ...] = (
             "measurement; torch's own default is on, kdbench sets it off but for `tf32` cells)",
         ),
         (
+            "bf16_reduced_reduction",
+            _B,
+            "",
+            "bf16 GEMMs may reduce in reduced precision (torch.backends.cuda.matmul."
+            "allow_bf16_reduced_precision_reduction, torch's default on; cuBLAS/hipBLASLt only), read in the "
+            "worker for this measurement: part of a bf16 cell's arithmetic and of its ledger's error (null where "
+            "torch lacks it)",
+        ),
+        (
+            "fp16_reduced_reduction",
+            _B,
+            "",
+            "the same switch for fp16 GEMMs (allow_fp16_reduced_precision_reduction)",
+        ),
+        (
             "miopen_cache_warm",
             _B,
             "",

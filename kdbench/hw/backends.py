@@ -166,7 +166,22 @@ def set_math_mode(tf32: bool) -> None:
 
 
 def math_flags() -> dict[str, Any]:
-    """The effective fp32 math switches, as result columns."""
+    """The effective math switches, as result columns: fp32's (TF32) and the 16-bit GEMMs' reduced-precision
+    reductions (cuBLAS's; a bf16 cell's error depends on them, GPU review 4, M10)."""
+    return {**_fp32_flags(), **reduced_reduction_flags()}
+
+
+def reduced_reduction_flags() -> dict[str, bool | None]:
+    """Whether bf16 and fp16 GEMMs may reduce in reduced precision (None where this torch lacks the switch)."""
+    matmul = torch.backends.cuda.matmul
+    flags = {}
+    for dtype in ("bf16", "fp16"):
+        value = getattr(matmul, f"allow_{dtype}_reduced_precision_reduction", None)
+        flags[f"{dtype}_reduced_reduction"] = None if value is None else bool(value)
+    return flags
+
+
+def _fp32_flags() -> dict[str, Any]:
     if new_fp32_api():
         matmul = torch.backends.cuda.matmul.fp32_precision
         if matmul == "none":  # inherits the legacy setting

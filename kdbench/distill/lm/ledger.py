@@ -36,7 +36,8 @@ __all__ = ["LEDGER_COLUMNS", "LEDGER_TOKENS", "ledger_tokens", "loss_ledger", "o
 
 LEDGER_COLUMNS = ("loss_rel_err", "grad_rel_err", "grad_rel_err_hidden", "grad_rel_err_head")
 # The counted tokens the ledger evaluates at most (the batch's first ones): float64 dense holds about six
-# (tokens, V) float64 buffers, 1.6 GB at a 32k vocabulary and 6 GB at 128k with this many
+# (tokens, V) float64 buffers, 1.6 GB at a 32k vocabulary and 6 GB at 128k with this many, beside both heads upcast
+# to float64 and the student head's float64 gradient (4.2 + 2.1 + 2.1 GB for Llama-3.1-8B -> 3.2-1B: ~15 GB in all)
 LEDGER_TOKENS = 1024
 
 Inputs = Sequence[torch.Tensor | None]  # student hidden, weight, bias, teacher hidden, weight, bias

@@ -7,6 +7,7 @@ which kdbench.hw.backends reads at call time; nothing here touches a real GPU.
 from __future__ import annotations
 
 import contextlib
+import types
 
 import pytest
 import torch
@@ -545,3 +546,20 @@ def test_channels_last_on_rocm_says_whether_miopen_was_asked_for_nhwc(monkeypatc
     note = layout_note(config, "cuda")
     assert ("PYTORCH_MIOPEN_SUGGEST_NHWC=1" in note) is noted
     assert layout_note(config, "cpu") == ""
+
+
+def test_the_16_bit_gemms_reduced_precision_reductions_are_recorded(monkeypatch):
+    """GPU review 4, M10: a bf16 cell's GEMMs may reduce in bf16 (torch's default); the row says whether they could."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_bf16_reduced_precision_reduction
+    try:
+        matmul.allow_bf16_reduced_precision_reduction = False
+        flags = backends.math_flags()
+        assert flags["bf16_reduced_reduction"] is False
+        assert flags["fp16_reduced_reduction"] is bool(matmul.allow_fp16_reduced_precision_reduction)
+        matmul.allow_bf16_reduced_precision_reduction = True
+        assert backends.math_flags()["bf16_reduced_reduction"] is True
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
+    monkeypatch.setattr(backends.torch.backends.cuda, "matmul", types.SimpleNamespace())  # a torch without them
+    assert backends.reduced_reduction_flags() == {"bf16_reduced_reduction": None, "fp16_reduced_reduction": None}
