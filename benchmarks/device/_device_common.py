@@ -24,9 +24,10 @@ PYPROJECT = ROOT / "pyproject.toml"
 # (pytorch-triton-rocm on ROCm), which the torch wheels bring.
 BOX_OWN = ("torch", "torchvision", "triton", "pytorch-triton-rocm")
 
-# kdbench's extras that gpu_check's LM stage uses: transformers (lm) and, for its liger cell, liger-kernel (liger).
+# kdbench's extras that gpu_check uses: transformers (lm) and, for its liger cell, liger-kernel (liger) in its LM
+# stage; nvidia-ml-py (nvidia) for its telemetry stage and each row's device_other_processes (GPU review 4, M11).
 # Optional: installed from the wheels where the box lacks them and a wheel is there; without them the stage says so.
-LM_EXTRAS = ("lm", "liger")
+LM_EXTRAS = ("lm", "liger", "nvidia")
 
 # Distribution name (normalized) -> the module to import, where they differ.
 IMPORT_NAMES = {

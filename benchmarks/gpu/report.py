@@ -92,6 +92,10 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "energy_ratio": (0.9, 1.15, ""),
     }
 }
+# The H100 SXM (torch names it "NVIDIA H100 80GB HBM3") has the H200's dense bf16, tf32 and fp32 datasheet figures
+# (989, 494, 67 TFLOP/s) and its clocks: the same ranges (GPU review 4, M11).  The PCIe and NVL cards have lower
+# figures, and no ranges yet.
+EXPECTED["H100 80GB HBM3"] = EXPECTED["H200"]
 
 
 def expected_for(device: str) -> tuple[str, dict[str, Any]] | None:

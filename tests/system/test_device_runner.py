@@ -206,7 +206,8 @@ def test_the_lm_stages_packages_are_fetched_without_torch_and_installed_where_th
     assert Path(seen["liger_kernel"]).is_relative_to(target)
     assert "OPTIONAL liger-kernel>=0.6.5: missing (pretended" in done.stdout
     summary = json.loads((tmp_path / "a" / "runner.json").read_text())
-    assert summary["optional_missing"] == ["liger-kernel"] and summary["missing"] == []
+    # liger-kernel pretended missing; nvidia-ml-py (the telemetry stage's) as this box has it or not
+    assert set(summary["optional_missing"]) - {"nvidia-ml-py"} == {"liger-kernel"} and summary["missing"] == []
     assert summary["installed"] == ["liger_kernel-0.8.5-py3-none-any.whl"]
     # no wheel of it: the check runs all the same, and the runner says what the LM stage goes without
     done = _run(RUNNER, "--wheels", tmp_path / "none", *args, "--out", tmp_path / "b", env={PRETEND: "liger-kernel"})

@@ -456,3 +456,10 @@ def test_the_runs_the_check_starts_count_the_check_as_their_own(gpu, monkeypatch
     assert others_on_device([os.getpid(), 4242], [os.getpid(), 4242]) == 0
     monkeypatch.setenv(OWN_CONTEXTS_ENV, "1")
     assert others_on_device([7, 8], [os.getpid()]) == 0 and others_on_device([7, 8, 9], [os.getpid()]) == 1
+
+
+def test_an_h100_sxm_is_judged_against_the_h200s_compute_ranges(gpu):
+    """GPU review 4, M11: the H100 SXM has the H200's dense datasheet figures; its PCIe card does not."""
+    key, ranges = gpu.report.expected_for("NVIDIA H100 80GB HBM3")
+    assert key == "H100 80GB HBM3" and ranges == gpu.report.EXPECTED["H200"]
+    assert gpu.report.expected_for("NVIDIA H100 PCIe") is None
