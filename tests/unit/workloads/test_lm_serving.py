@@ -117,3 +117,32 @@ def test_the_gap_is_read_where_the_tokens_first_differ():
         assert first_difference_gap(lm, ids, want, want) == (None, None)
         top = lm(input_ids=torch.cat([ids, want[:, :3]], dim=1)[1:]).logits[0, -1].float().topk(2).values
     assert column == 3 and gap == pytest.approx(float((top[0] - top[1]) / top[0].abs()))
+
+
+def test_a_positioned_decode_makes_each_steps_position_on_the_device(monkeypatch):
+    """GPU review 4, M9: transformers 4.x's static path is given each step's cache_position; made by torch.tensor
+    from a host list it was a blocking host-to-device copy per token; made by arange on the device it is not."""
+    import functools
+    import inspect
+
+    from kdbench.models.generation import GREEDY, Cached, decode
+
+    lm = LM.build_pair(lm_config(), CPU, ModelCache())[1].lm.eval()
+    seen = []
+    real_forward = lm.forward
+
+    @functools.wraps(real_forward)  # its signature: the keywords Cached looks for
+    def forward(*args, cache_position=None, **kwargs):
+        seen.append(cache_position.tolist())
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(lm, "forward", forward)
+
+    # no position made from a host list (torch.tensor([...], device=...)): arange on the device instead
+    assert "torch.tensor(" not in inspect.getsource(Cached)
+    model = Cached(lm, positions=True, length=0)
+    ids = torch.randint(0, 100, (1, 5))
+    with torch.inference_mode():
+        first = GREEDY(model.feed(ids, last=True)[:, -1])
+        decode(model.advance, first, 3, GREEDY)
+    assert seen == [[0, 1, 2, 3, 4], [5], [6], [7]]
