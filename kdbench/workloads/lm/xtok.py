@@ -216,7 +216,7 @@ def paired_step(config: Any, fixed: torch.Tensor) -> Callable[[torch.Tensor, tor
     call.  In a fit's fake run (:mod:`kdbench.fit`) computed for real and handed on as fake tensors carrying their
     values.  It steps on ``fixed`` alone, the cell's batch the step was built for: any other batch is refused, not
     silently replaced by the cell's text."""
-    kept: list[torch.Tensor] = []
+    staging: list[Staging] = []
 
     def step(x: torch.Tensor, y: torch.Tensor) -> tuple:
         if x is not fixed:
@@ -229,14 +229,57 @@ def paired_step(config: Any, fixed: torch.Tensor) -> Callable[[torch.Tensor, tor
             made = paired(config, x.shape[0], config.seed)
         if fake:
             out = [with_values(x.fake_mode.from_tensor(t), t) for t in made]
-        elif kept and all(k.shape == m.shape for k, m in zip(kept, made)):
-            out = [k.copy_(m) for k, m in zip(kept, made)]
         else:
-            kept[:] = out = [m.to(x.device) for m in made]
+            if not staging:
+                staging.append(Staging(x.device))
+            out = staging[0](made)
         s_ids, s_labels, t_ids, t_labels, *parts = out
         return s_ids, s_labels, t_ids, {"teacher_targets": t_labels, "alignment": Alignment(*parts)}
 
     return step
+
+
+class Staging:
+    """A step's host-made tensors onto the device, into the same device tensors every call.  On a GPU without a
+    sync (GPU review 4, M7: eight blocking pageable copies a step drained the device): each call's tensors go into
+    one of two sets of pinned host buffers, used in turn, and from there to the device with ``non_blocking``; a set
+    is written again only after the device has finished the copy made from it two calls before (its event: done
+    unless the device is two steps behind).  On the CPU a plain copy.  ``pin`` and ``event`` make a pinned host
+    tensor and a recorded device event (injectable for tests)."""
+
+    def __init__(self, device: torch.device, asynchronous: bool | None = None, pin=None, event=None) -> None:
+        self.device = device
+        self.asynchronous = device.type != "cpu" if asynchronous is None else asynchronous
+        self.pin = pin or (lambda t: torch.empty_like(t, device="cpu").pin_memory())
+        self.event = event or _recorded_event
+        self.host: list[list[torch.Tensor] | None] = [None, None]
+        self.done: list[Any] = [None, None]
+        self.turn = 0
+        self.kept: list[torch.Tensor] = []
+
+    def __call__(self, made: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not (self.kept and all(k.shape == m.shape for k, m in zip(self.kept, made))):
+            self.kept = [torch.empty_like(m, device=self.device) for m in made]
+            self.host = [None, None]
+        if not self.asynchronous:
+            return [k.copy_(m) for k, m in zip(self.kept, made)]
+        i, self.turn = self.turn, 1 - self.turn
+        if self.host[i] is None:
+            self.host[i] = [self.pin(m) for m in made]
+        elif self.done[i] is not None:
+            self.done[i].synchronize()  # the copy out of this set, two calls ago
+        out = []
+        for k, h, m in zip(self.kept, self.host[i], made):
+            h.copy_(m)
+            out.append(k.copy_(h, non_blocking=True))
+        self.done[i] = self.event()
+        return out
+
+
+def _recorded_event() -> Any:
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _real():

@@ -247,3 +247,35 @@ def test_a_uld_row_on_one_tokenizer_carries_the_note():
     assert f"uld on a pair that shares one tokenizer: {ULD_NOTE}" in rows[0]["notes"]
     assert rows[0]["teacher_tokenizer"] is None and rows[0].get("phase_align_ms") is None
     assert 0 < rows[0]["loss_rel_err"] < 1e-5 and 0 < rows[0]["grad_rel_err"] < 1e-4, rows[0]["notes"]
+
+
+def test_a_gpu_step_stages_its_tokens_through_two_pinned_sets_without_a_sync():
+    """GPU review 4, M7: the tokens go host -> pinned -> device without blocking; a pinned set is rewritten only
+    after the copy made from it two calls before is done (its event)."""
+    from kdbench.workloads.lm.xtok import Staging
+
+    pinned, events = [], []
+
+    class Event:
+        def __init__(self):
+            self.waited = False
+            events.append(self)
+
+        def synchronize(self):
+            self.waited = True
+
+    def pin(t):
+        pinned.append(torch.empty_like(t))
+        return pinned[-1]
+
+    staging = Staging(torch.device("cpu"), asynchronous=True, pin=pin, event=Event)
+    calls = [[torch.full((2, 3), float(n)), torch.arange(4) + n] for n in range(4)]
+    outs = [staging(made) for made in calls]
+    assert len(pinned) == 4  # two sets of two tensors, made once
+    assert [e.waited for e in events] == [True, True, False, False]  # calls 3 and 4 waited for calls 1 and 2
+    assert all(o[0] is outs[0][0] for o in outs)  # the same device tensors every call
+    torch.testing.assert_close(outs[-1][0], calls[-1][0])
+    torch.testing.assert_close(outs[-1][1], calls[-1][1])
+    assert torch.equal(pinned[0], calls[2][0]) and torch.equal(pinned[2], calls[3][0])  # each set holds its last call
+    plain = Staging(torch.device("cpu"))  # the CPU: a plain copy, no pinning
+    assert not plain.asynchronous and torch.equal(plain(calls[1])[1], calls[1][1])
