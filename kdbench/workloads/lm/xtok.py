@@ -250,7 +250,7 @@ class Staging:
     def __init__(self, device: torch.device, asynchronous: bool | None = None, pin=None, event=None) -> None:
         self.device = device
         self.asynchronous = device.type != "cpu" if asynchronous is None else asynchronous
-        self.pin = pin or (lambda t: torch.empty_like(t, device="cpu").pin_memory())
+        self.pin = pin or (lambda t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
         self.event = event or _recorded_event
         self.host: list[list[torch.Tensor] | None] = [None, None]
         self.done: list[Any] = [None, None]
