@@ -23,6 +23,7 @@ import torch
 from kdbench.hw.backends import resolve
 
 from .checks.clocks import check_clocks, check_idle
+from .checks.fit import check_fit
 from .checks.lm import check_lm
 from .checks.math_mode import check_math
 from .checks.memory import check_memory
@@ -30,7 +31,19 @@ from .checks.phases import check_phase_overhead
 from .checks.suites import check_levers, check_probe, check_report, check_suite
 from .checks.syncs import check_syncs
 from .checks.telemetry import check_telemetry
-from .plan import CELL_TIMEOUT_S, CPU_QUICK_SKIPS, GPU_ONLY, LEVERS, LM_SUITE, ROOT, SMOKE, STAGES, plan, print_plan
+from .plan import (
+    CELL_TIMEOUT_S,
+    CPU_QUICK_SKIPS,
+    GPU_ONLY,
+    LEVERS,
+    LM_SUITE,
+    QUICK_SKIPS,
+    ROOT,
+    SMOKE,
+    STAGES,
+    plan,
+    print_plan,
+)
 from .report import Report, Run, figure_keys, software, write_summary
 from .runs import quick_lever_case, quick_smoke_case, subset_suite
 
@@ -166,11 +179,17 @@ def _check(args: argparse.Namespace, out: Path, scratch: Path) -> int:
             "suite": lambda: check_suite(backend, smoke, scratch, report, args.cell_timeout),
             "levers": lambda: check_levers(backend, levers, scratch, report, args.cell_timeout),
             "lm": lambda: check_lm(backend, args.lm, scratch, report, args.cell_timeout),
+            "fit": lambda: check_fit(backend, report),
             "report": lambda: check_report(scratch, report),
         }
         planned = {name: (low, high) for name, low, high, _ in plan(args)}
         for name, step in steps.items():
             if name in args.skip:
+                continue
+            if args.quick and name in QUICK_SKIPS:
+                report.section(name)
+                report.info(f"--quick skips the {name} stage: `kdbench report` renders results.tar.gz on any machine")
+                run.stages[name] = "skipped (--quick)"
                 continue
             if cpu_quick and name in CPU_QUICK_SKIPS and not (name == "suite" and args.suite):
                 report.section(name)

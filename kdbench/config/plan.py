@@ -106,6 +106,13 @@ class Cell:
                 parts.append(f"on-policy{c.on_policy.new_tokens}")
             if shown("loss_impl", c.loss_impl != "dense"):
                 parts.append(c.loss_impl)
+            if c.data.tokenizers is not None:  # a cross-tokenizer pair: each side's tokenizer
+                sides = (c.data.tokenizers.teacher, c.data.tokenizers.student)
+                parts.append("tok-" + "->".join(side.replace("\\", "/").rsplit("/", 1)[-1] for side in sides))
+            if c.generation.cache != "dynamic" or c.generation.compile:  # the decode rows' generation backend
+                parts.append(f"{c.generation.cache}-cache" + ("-compiled" if c.generation.compile else ""))
+            if c.inference.speculative is not None:
+                parts.append("spec-draft" + ",".join(str(g) for g in c.inference.speculative.draft_tokens))
         if shown("memory_format", c.memory_format != "contiguous"):
             parts.append(c.memory_format)
         if shown("alignment", c.alignment != 64):

@@ -19,7 +19,8 @@ from tests.support.paths import ROOT
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPT = BENCHMARKS / "gpu_check.py"
 MODULES = ("main", "plan", "report", "runs", "steps") + tuple(
-    f"checks.{name}" for name in ("clocks", "math_mode", "syncs", "telemetry", "memory", "phases", "suites", "lm")
+    f"checks.{name}"
+    for name in ("clocks", "math_mode", "syncs", "telemetry", "memory", "phases", "suites", "lm", "fit")
 )
 
 
@@ -151,13 +152,20 @@ def test_the_plan_fits_one_device_command_and_quick_fits_with_margin(gpu):
     full = gpu.main.parse_args([])
     quick = gpu.main.parse_args(["--quick"])
     names = [name for name, *_ in gpu.plan.plan(full)]
-    assert names[0] == "start-up" and {"levers", "syncs", "idle", "math", "suite", "lm", "report"} <= set(names)
+    assert names[0] == "start-up" and {"levers", "syncs", "idle", "math", "suite", "lm", "fit", "report"} <= set(names)
     low, high = gpu.plan.plan_bounds(full)
-    # the device command runs --quick: 8 minutes of a 10-minute command, the runner's install and a fresh box's
-    # start beside it; the full check, with the LM stage, fits the 10-minute command itself on a warm box
-    assert 0 < gpu.plan.plan_bounds(quick)[0] <= gpu.plan.plan_bounds(quick)[1] <= 480 == gpu.plan.DEVICE_COMMAND_S
-    assert 0 < low <= high <= 600 == gpu.plan.FULL_COMMAND_S
-    assert gpu.plan.plan_bounds(quick)[1] < high
+    # the device command runs --quick: 8 minutes of a 10-minute command with the runner's probe and install before
+    # it (on a simulated H100 or H200: the estimates are one for both); the full check is run by hand, 12 minutes
+    stages = gpu.plan.plan(quick)
+    assert "report" not in [name for name, *_ in stages]  # --quick leaves the report to `kdbench report`
+    quick_low, quick_high = gpu.plan.plan_bounds(quick)
+    assert (quick_low, quick_high) == (
+        sum(s[1] for s in stages) + gpu.plan.RUNNER[0],
+        sum(s[2] for s in stages) + gpu.plan.RUNNER[1],
+    )
+    assert 0 < quick_low <= quick_high <= 480 == gpu.plan.DEVICE_COMMAND_S
+    assert 0 < low <= high <= 720 == gpu.plan.FULL_COMMAND_S
+    assert quick_high < high
     assert gpu.plan.plan_bounds(gpu.main.parse_args(["--skip", "levers"]))[1] == high - 240
     lm = {name: (low, high) for name, low, high, _ in gpu.plan.plan(full)}["lm"]
     assert gpu.plan.plan_bounds(gpu.main.parse_args(["--skip", "lm"]))[1] == high - lm[1] and lm[0] > 0
@@ -174,7 +182,8 @@ def test_quick_suites_are_subsets_with_the_cells_the_summary_reads(gpu, tmp_path
     full_levers = {c.cell_id: c.config for c in expand_checked(load_suite(gpu.plan.LEVERS))}
     quick_smoke = [c.config for c in expand_checked(load_suite(smoke)) if c.cell_id in full_smoke]
     quick_levers = [c.config for c in expand_checked(load_suite(levers)) if c.cell_id in full_levers]
-    assert len(quick_smoke) == 3 and len(quick_levers) == 7  # the same cells (same ids) as in the full suites
+    assert len(quick_smoke) == 3 and len(quick_levers) == 6  # the same cells (same ids) as in the full suites
+    assert not any(c.tunableop for c in quick_levers) and any(c.tunableop for c in full_levers.values())
     assert any(c.pair.student == "resnet18" and c.precision == "bf16" for c in quick_smoke)
     assert [c.compile for c in quick_levers if c.compile != "off"] == ["reduce-overhead"]
     assert any(c.compile_teacher for c in quick_levers)
@@ -191,8 +200,15 @@ def test_the_lm_suite_covers_every_lm_path_and_quick_runs_it_whole(gpu):
     assert any(c.teacher.weights == "bf16" for c in configs) and any(c.teacher.mode == "topk_cache" for c in configs)
     assert any(c.on_policy is not None for c in configs)
     measured = {str(m) for c in configs for m, _ in planned_measurements(c)}
-    assert {"student_prefill", "student_decode", "teacher_prefill", "teacher_decode"} <= measured
-    assert len(full) == 8 and sum(len(planned_measurements(c)) for c in configs) == 16
+    assert {"student_prefill", "student_decode", "teacher_prefill", "teacher_decode", "speculative_decode"} <= measured
+    # every generation backend a user can select (GPU review 4, M6), speculative decoding greedy and sampled, and a
+    # cross-tokenizer cell
+    backends = {(c.generation.cache, c.generation.compile) for c in configs if c.inference.batch_sizes}
+    assert backends == {("dynamic", False), ("static", False), ("static", True)}
+    spec = [c.inference.speculative for c in configs if c.inference.speculative is not None]
+    assert len(spec) == 1 and spec[0].temperature == [0.0, 1.0]
+    assert any(c.data.tokenizers is not None and c.method == "uld" for c in configs)
+    assert len(full) == 12 and sum(len(planned_measurements(c)) for c in configs) == 30
     # --quick (the device command's) runs it whole, every loss_impl: the stage planned at its full time
     stage = {s.name: s for s in gpu.plan.PLAN}["lm"]
     assert (stage.quick_low, stage.quick_high) == (stage.low, stage.high)
@@ -209,9 +225,12 @@ def test_the_lm_stage_on_a_simulated_gpu_judges_every_row_of_the_lm_suite(gpu, m
     from tests.support.helpers import simulated_gpu
 
     step = {"measurement": "distill_step", "status": "ok", "median_ms": 4.0, "tokens_per_s": 2.5e5, "mfu": 0.2}
+    step |= {"loss_rel_err": 1e-3, "grad_rel_err": 2e-3}
+    decode = {**step, "measurement": "student_decode", "mfu": None, "attention_kernel": "flash"}
+    decode |= {"served_weights": "bf16", "decode_bytes_per_token": 3.2e7, "loss_rel_err": None, "grad_rel_err": None}
     rows = [
         {**step, "cell_label": "dense", "attention_kernel": "cudnn"},
-        {**step, "cell_label": "dense", "measurement": "student_decode", "mfu": None, "attention_kernel": "flash"},
+        {**decode, "cell_label": "dense"},
         {**step, "cell_label": "fused_linear", "attention_kernel": None},  # the kernel not recorded
         {**step, "cell_label": "topk", "attention_kernel": "cudnn", "teacher_mode": "topk_cache"},  # no cache bytes
         {**step, "cell_label": "topk ok", "attention_kernel": "cudnn", "teacher_mode": "topk_cache"}
@@ -222,6 +241,18 @@ def test_the_lm_stage_on_a_simulated_gpu_judges_every_row_of_the_lm_suite(gpu, m
         {**step, "cell_label": "mfu", "attention_kernel": "cudnn", "mfu": 1.5},  # more than the datasheet's peak
         {"measurement": "distill_step", "status": "skipped", "cell_label": "liger", "error": "liger-kernel missing"},
         {"measurement": "distill_step", "status": "failed", "cell_label": "torch_linear", "error": "boom"},
+        # the paths GPU review 4 added (M3, M6): the ledger, a backend's tokens, speculative acceptance, xtok
+        {**step, "cell_label": "ledger", "attention_kernel": "cudnn", "grad_rel_err": 0.05},
+        {**step, "cell_label": "noledger", "attention_kernel": "cudnn", "loss_rel_err": None},
+        {**decode, "cell_label": "static tie", "output_check": "ok to a near-tie: the same greedy tokens up to 3"},
+        {**decode, "cell_label": "static bad", "output_check": "MISMATCH: 3 of the 17 greedy tokens differ"},
+        {**decode, "cell_label": "unserved", "served_weights": None},
+        {**decode, "cell_label": "spec", "measurement": "speculative_decode", "spec_alpha": 0.7}
+        | {"served_weights": None},
+        {**decode, "cell_label": "spec bad", "measurement": "speculative_decode", "spec_alpha": 1.5},
+        {**step, "cell_label": "xtok", "attention_kernel": "cudnn", "student_tokenizer": "bpe:1024"},
+        {**step, "cell_label": "xtok ok", "attention_kernel": "cudnn", "student_tokenizer": "bpe:1024"}
+        | {"phase_align_ms": 0.4},
     ]
     df = pd.DataFrame(rows).reindex(columns=[c.name for c in COLUMNS]).assign(batch_size=2)
     asked = []
@@ -231,17 +262,29 @@ def test_the_lm_stage_on_a_simulated_gpu_judges_every_row_of_the_lm_suite(gpu, m
     out = capsys.readouterr().out
     assert asked == [("cuda", gpu.plan.LM_SUITE)]
     assert "kdbench run gpu-lm.yaml: the LM paths" in out
-    assert report.passed == 5  # dense step and decode, the two complete cells, the skip with its reason
+    # dense step and decode, the two complete cells, the skip with its reason, the near-tie, spec, xtok ok
+    assert report.passed == 8
     failed = "\n".join(report.failed)
-    assert len(report.failed) == 5
+    assert len(report.failed) == 11
     for problem in (
         "fused_linear distill_step bs2: 4 ms, 2.5e+05 tokens/s, attention not recorded, mfu 0.2: no attention_kernel",
         "topk distill_step bs2: 4 ms, 2.5e+05 tokens/s, attention cudnn, mfu 0.2: no teacher_cache_bytes_per_token",
         "gkd distill_step bs2: 4 ms, 2.5e+05 tokens/s, attention cudnn, mfu 0.2: no phase_generate_ms",
         "mfu / ceiling_utilization 1.5 not in (0, 1]",
         "torch_linear distill_step bs2: failed: boom",
+        "ledger distill_step bs2: 4 ms, 2.5e+05 tokens/s, attention cudnn, mfu 0.2: grad_rel_err 0.05 outside [0, 0.0",
+        "noledger distill_step bs2: 4 ms, 2.5e+05 tokens/s, attention cudnn, mfu 0.2: no loss_rel_err (the accuracy",
+        "static bad student_decode bs2: 4 ms, 2.5e+05 tokens/s, attention flash (served bf16, 3.2e+07 B/token, "
+        "MISMATCH: 3 of the 17 greedy tokens differ): output_check MISMATCH",
+        "unserved student_decode bs2: 4 ms, 2.5e+05 tokens/s, attention flash (3.2e+07 B/token): no served_weights",
+        "spec bad speculative_decode bs2: 4 ms, 2.5e+05 tokens/s, attention flash (served bf16, 3.2e+07 B/token, "
+        "alpha 1.5): spec_alpha 1.5 not in [0, 1]",
+        "xtok distill_step bs2: 4 ms, 2.5e+05 tokens/s, attention cudnn, mfu 0.2: a cross-tokenizer step without",
     ):
         assert problem in failed, failed
+    passed = out.split("\nok   ")
+    assert any(p.startswith("static tie student_decode bs2") for p in passed)
+    assert any(p.startswith("spec speculative_decode bs2") and "alpha 0.7" in p for p in passed)
     assert "attention kernels that ran: cudnn, flash" in out
 
 
@@ -302,9 +345,13 @@ def test_quick_runs_on_the_cpu_and_the_gpu_stages_say_no_gpu(quick_cpu_run):
         "no GPU: --quick on the CPU skips the suite stage",
     ):
         assert line in log
-    assert "plan (--quick): seconds on a warm H200" in log
-    assert "(within 480 s, the device command's budget)" in log  # the quick plan against its bound
-    assert "   lm           40-90   gpu-lm.yaml: 8 tiny-Llama cells" in log  # the LM stage, planned
+    assert "plan (--quick): seconds on a warm H100 or H200" in log
+    assert "(within 480 s, the device command's budget, the runner included)" in log  # the quick plan, its bound
+    assert "   lm           90-160  gpu-lm.yaml: 12 tiny-Llama cells" in log  # the LM stage, planned
+    assert "--quick skips the report stage: `kdbench report` renders results.tar.gz" in log
+    # the fit stage predicts its GiB-scale cell on the CPU too; measuring it needs a GPU
+    assert "ok   qwen2.5-1.5b->qwen2.5-0.5b bf16 2x2048 fused_linear: predicted " in log
+    assert "no GPU: the measured peak, the reserve and the context need one" in log
     assert "software: torch " in log and "transformers " in log  # which torch it ran
     assert "ok   kdbench probe exit code 0" in log  # the subprocess's output is in the log too
     assert "probing cpu" in log
@@ -463,3 +510,36 @@ def test_an_h100_sxm_is_judged_against_the_h200s_compute_ranges(gpu):
     key, ranges = gpu.report.expected_for("NVIDIA H100 80GB HBM3")
     assert key == "H100 80GB HBM3" and ranges == gpu.report.EXPECTED["H200"]
     assert gpu.report.expected_for("NVIDIA H100 PCIe") is None
+
+
+def test_the_fit_stage_prints_predicted_allocated_reserved_and_context(gpu, monkeypatch):
+    """GPU review 4, M4: the GiB-scale cell's prediction against max_memory_allocated, the allocator's reserve at the
+    peak, and the device's context (total - free - reserved), beside kdbench's headroom for the card."""
+    gib = 2**30
+    row = {"predicted_peak_bytes": 20 * gib, "live_peak_bytes": 21 * gib}
+    row |= {"peak_memory_bytes": 22 * gib, "peak_reserved_bytes": 24 * gib}
+    sizes = {"mem_get_info": (50 * gib, 80 * gib), "memory_reserved": 29 * gib, "memory_allocated": 3 * gib}
+    for name, value in sizes.items():
+        monkeypatch.setattr(torch.cuda, name, lambda device=None, value=value: value)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    device = gpu.fit.device_memory(types.SimpleNamespace(device="cuda:0"))
+    assert device == {"total": 80 * gib, "free": 50 * gib, "reserved": 29 * gib, "allocated": 3 * gib, "context": gib}
+    lines = gpu.fit.memory_lines(row, device)
+    assert "predicted 20.000 GiB, measured 21.000 GiB" in lines[0] and "measured/predicted 1.050" in lines[0]
+    assert "peak reserved 24.000 GiB, reserved/allocated 1.091" in lines[1]
+    assert "total 80.00 GiB, free 50.00 GiB" in lines[2] and "context 1.000 GiB (total - free - reserved)" in lines[2]
+    assert gpu.fit.headroom_line("NVIDIA H100 80GB HBM3").startswith("kdbench's headroom model: H100")
+    assert "device table has no NVIDIA X9" in gpu.fit.headroom_line("NVIDIA X9")
+    config = gpu.fit.gib_config()
+    pair = (config.pair.teacher, config.pair.student, config.loss_impl)
+    assert pair == ("qwen2.5-1.5b", "qwen2.5-0.5b", "fused_linear")
+    assert config.batch_size * config.data.seq_len == 2 * 2048
+
+
+def test_the_decode_of_the_syncs_stage_reads_no_value_back(gpu, capsys):
+    """GPU review 4, M6: the syncs stage's dynamic-cache decode (the student held in bf16 as a bf16 cell serves it);
+    on the CPU kdbench's counter sees the value reads a GPU would sync on: none in 16 tokens."""
+    report = gpu.report.Report()
+    gpu.syncs.check_decode_syncs(resolve("cpu"), report)
+    assert report.passed == 1 and report.failed == []
+    assert "greedy decode, 16 tokens on the dynamic cache, transformers 5" in capsys.readouterr().out

@@ -1,6 +1,8 @@
 """The syncs stage: a vision distillation step in ``torch.cuda.set_sync_debug_mode("error")`` has no host-device
 sync, and tiny-Llama LM steps counted in ``"warn"`` mode: kdbench's fused_linear step none, a liger step exactly
-liger-kernel's own (:data:`LIGER_SYNCS`), and transformers' causal-mask builder its own, apart."""
+liger-kernel's own (:data:`LIGER_SYNCS`), and transformers' causal-mask builder its own, apart; a cross-tokenizer
+(ULD) step none of its own (its tokens staged through pinned buffers, GPU review 4 M7), and a dynamic-cache decode
+call none (GPU review 4, M6)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,12 @@ from importlib import metadata
 import torch
 
 from kdbench.distill.lm.impls import unavailable
-from kdbench.hw.backends import Backend
+from kdbench.hw.backends import Backend, choose_autocast
 from kdbench.measure.syncs import sync_calls
+from kdbench.models import ModelCache
+from kdbench.models.generation import GreedyServing, cache_dtype
+from kdbench.workloads import workload_of
+from kdbench.workloads.placement import hold_for_serving
 
 from ..report import Report
 from ..steps import cell_step, lm_config, vision_config
@@ -49,6 +55,8 @@ def check_syncs(backend: Backend, report: Report) -> None:
         not error,
     )
     check_lm_syncs(backend, report)
+    check_xtok_syncs(backend, report)
+    check_decode_syncs(backend, report)
 
 
 # liger-kernel's backward, once a step (0.8.5: chunked_loss/fused_linear_distillation.py:299):
@@ -134,6 +142,79 @@ def check_lm_syncs(backend: Backend, report: Report) -> None:
             )
         finally:
             step.close()
+
+
+def xtok_config():
+    """The syncs stage's cross-tokenizer cell: a byte-level teacher, a 1,024-token BPE student, ULD, bf16."""
+    return lm_config(
+        method="uld",
+        loss_impl="fused_linear",
+        chunk_size=64,
+        overrides={"teacher": {"vocab_size": 256}, "student": {"vocab_size": 1024}},
+        data={"kind": "tokens", "seq_len": 128, "tokenizers": {"teacher": "bytes", "student": "bpe:1024"}},
+    )
+
+
+def check_xtok_syncs(backend: Backend, report: Report) -> None:
+    """A cross-tokenizer (ULD) step: the host re-tokenizes and aligns every step, and its tokens reach the device
+    through pinned buffers copied without blocking (xtok.Staging): none of the step's own synchronising calls."""
+    step = cell_step(backend, xtok_config())
+    n = LM_SYNC_STEPS
+    try:
+        for _ in range(2):
+            step()
+        backend.synchronize()
+        with without_packed_check():
+            calls = sync_calls(_repeat(step, n), backend)
+        report.check(
+            f"tiny-Llama uld bytes->bpe:1024 bf16 LM step, {n} steps, transformers' packed-sequence check off: "
+            f"{len(calls)} synchronising calls (expected 0: tokens staged through pinned buffers)"
+            + (f": {calls[0]}" if calls else ""),
+            not calls,
+        )
+    finally:
+        step.close()
+
+
+def decode_serving(backend: Backend, new_tokens: int = 16) -> GreedyServing:
+    """The syncs stage's decode: the tiny-Llama student (32k vocabulary) held in bf16 as a bf16 cell serves it,
+    greedy on the dynamic cache from a 1 x 64-token prompt, started (its prefill done)."""
+    config = lm_config(data={"kind": "tokens", "seq_len": 64, "prompt_fraction": 0.5})
+    workload = workload_of(config)
+    torch.manual_seed(0)
+    pair = workload.build_pair(config, backend, ModelCache())
+    ids, _ = workload.batch(config, 1, backend.device, config.seed + 1, pair)
+    lm = pair[1].lm
+    lm.eval()
+    choice = choose_autocast(backend, config.precision)
+    hold_for_serving(lm, choice)
+    gen = GreedyServing(lm, ids, new_tokens, None, backend.device_type, {}, cache_dtype(lm, choice))
+    gen.choice = choice  # type: ignore[attr-defined]
+    with torch.inference_mode(), choice.context(backend.device_type):
+        gen.start()
+    return gen
+
+
+def check_decode_syncs(backend: Backend, report: Report) -> None:
+    """A dynamic-cache greedy decode call (16 tokens): transformers 5 takes every shape from tensor metadata and
+    skips the causal mask at one query, and the loop keeps the tokens on the device: no synchronising call."""
+    gen = decode_serving(backend)
+
+    def call() -> None:
+        with torch.inference_mode(), gen.choice.context(backend.device_type):  # type: ignore[attr-defined]
+            gen.decode()
+
+    call()
+    backend.synchronize()
+    calls = sync_calls(call, backend)
+    major = _version("transformers").split(".")[0]
+    expected = "expected 0" if major.isdigit() and int(major) >= 5 else "transformers 4.x may sync per token"
+    report.check(
+        f"tiny-Llama student bf16 greedy decode, 16 tokens on the dynamic cache, transformers "
+        f"{_version('transformers')}: {len(calls)} synchronising calls ({expected})"
+        + (f": {calls[0]}" if calls else ""),
+        not calls or not expected.startswith("expected"),
+    )
 
 
 def _repeat(fn: Callable[[], object], n: int) -> Callable[[], None]:

@@ -133,7 +133,7 @@ def test_planned_measurements():
         ("seeds", 2),
         ("methods", 72),
         ("gpu-smoke", 9),
-        ("gpu-lm", 8),
+        ("gpu-lm", 12),
         ("levers-cpu", 6),
         ("llm-cuda", 52),
         ("llm-amd", 52),
@@ -315,7 +315,7 @@ CELLS_ADDED_SINCE = {
     "llm-fsdp.yaml": 2,  # issue 30: FSDP2 of a bf16-held teacher, with and without bf16 gathers
     "llm-cpu.yaml": 12,  # issue 34: liger and torch_linear at both lengths, every loss_impl in bf16 at 256 tokens;
     # issue 41: natural (the dense loss as TRL and torchtune write it) at both lengths and in bf16
-    "gpu-lm.yaml": 1,  # issue 41: natural
+    "gpu-lm.yaml": 5,  # issue 41: natural; issue 42 (GPU review 4, M6): static and compiled decode, speculative, xtok
     "llm-amd.yaml": 4,  # issue 41: natural beside dense, each pair at both lengths
     "llm-cuda.yaml": 4,
     "quality-text.yaml": 1,  # issue 34: the student of its own tokenizer (bpe:512) by uld
