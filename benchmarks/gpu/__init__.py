@@ -6,7 +6,7 @@ Run it by hand on a fresh CUDA or ROCm machine (pytest does not collect it):
     python benchmarks/gpu_check.py --out gpu-check    # the few files to copy back, in gpu-check/
     python benchmarks/gpu_check.py --quick            # a selection with margin in a 10-minute command
 
-It prints its plan (each stage's seconds on a warm H200, from gpu-review-2) and checks, printing
+It prints its plan (each stage's seconds on a warm H100 or H200, from gpu-review-2 to -4) and checks, printing
 each figure beside its verdict:
 
 1. clocks: a GPU-bound GEMM and a host-bound loop of tiny kernels, timed with kdbench's
@@ -19,7 +19,7 @@ each figure beside its verdict:
 4. syncs: a distillation step has no host-device sync (``torch.cuda.set_sync_debug_mode("error")``), and
    an LM step (fused_linear) none either; a liger step has exactly liger-kernel's own (LIGER_SYNCS per
    step, counted in ``"warn"`` mode), and transformers' LM forward its own
-   (TRANSFORMERS_SYNCS_PER_FORWARD), said so;
+   (TRANSFORMERS_SYNCS_PER_FORWARD), said so; a cross-tokenizer step and a dynamic-cache decode none;
 5. telemetry: the management library (NVML or amdsmi) reads the GPU torch uses (UUID or
    PCI address, read back from the library), and the energy counter agrees with the
    integral of the sampled power within 25 %;
@@ -32,13 +32,18 @@ each figure beside its verdict:
 10. suites/gpu-levers.yaml: every lever once; every row ok or skipped with its reason, every
     compiled row with one_off_ms > 0;
 11. suites/gpu-lm.yaml: every loss_impl, a bf16-held teacher, the top-k cache, an on-policy step,
-    prefill and decode; every row ok or skipped with its reason, every ok row with its attention
-    kernel (attention_kernel) and 0 < mfu <= 1 on its steps;
-12. the report of the runs renders.
+    prefill and decode on every generation backend, speculative decoding at T 0 and 1, a cross-tokenizer
+    cell; every row ok or skipped with its reason, every ok row with its attention kernel
+    (attention_kernel), 0 < mfu <= 1 and the accuracy ledger within its bound on its steps, what a decode
+    served and its tokens checked (ok, or ok to a near-tie);
+12. fit: a GiB-scale cell (qwen2.5-1.5b -> 0.5b, 2 x 2,048 tokens) predicted, and on a GPU measured against
+    max_memory_allocated, memory_reserved and the context;
+13. the report of the runs renders (not with ``--quick``: ``kdbench report`` renders results.tar.gz).
 
 Every ``kdbench run`` gets ``--cell-timeout`` (default 240 s), so no cell outlasts a device command.
 ``--quick`` measures memory once fewer, pairs fewer phase rounds, and runs a subset of each image suite
-(written into the scratch folder), and the LM suite whole (7 tiny cells, every ``loss_impl``).  It says
+(written into the scratch folder), and the LM suite whole (12 tiny cells, every ``loss_impl`` and generation
+path).  It says
 which torch, transformers and liger-kernel it ran with.  Everything lands in ``--out`` in a few files:
 ``summary.txt`` (the review's five first-run numbers against their H200 ranges, the counts, the
 wall time, torch, device, date), ``check.log`` (all that was printed), ``results.tar.gz`` (the
