@@ -412,7 +412,28 @@ COLUMNS: tuple[Column, ...] = (
             "head_dim × the cache dtype's bytes per position) at its mean length over the call, prompt + "
             "(decode_tokens − 1) / 2 (kdbench.measure.decode_floor; decode is memory-bound: the roofline model, "
             "Williams et al. 2009); speculative_decode rows: (verifies × the teacher's + draft forwards × the "
-            "student's bytes per batch-1 decode step) / decode_tokens, the last timed call's counts",
+            "student's bytes per batch-1 decode step) / decode_tokens, the last timed call's counts. Where steps "
+            "run transformers' repeat_kv (attention_path `repeated`), plus its copy: K and V written × groups "
+            "(query heads per kv head) at every position a step attends (a static cache: its allocated length, "
+            "prompt + decode_tokens) and read back by SDPA, 2 × groups × the KV bytes per position × those "
+            "positions (× the share of calls that repeat); speculative rows: the bytes repeat_kv wrote in an "
+            "untimed call, × 2, / decode_tokens. A note gives the extra bytes",
+        ),
+        (
+            "attention_path",
+            _S,
+            "",
+            "LM serving rows (prefill, decode, speculative_decode): how a GQA model's attention reached "
+            "scaled_dot_product_attention in transformers' sdpa integration on the timed calls "
+            "(kdbench.models.attention_path): `enable_gqa` (SDPA's own GQA: no mask, K/V head size <= 256, or "
+            "TRANSFORMERS_SDPA_FORCE_GQA=1), `packed` (one query token, eager: pack_gqa folds the query's groups "
+            "into its sequence, attention runs on the kv heads), `repeated` (repeat_kv writes K and V × groups "
+            "over the whole cache every step, SDPA reads the copy: a static cache's mask at one query token under "
+            "torch.compile, a verify forward of several tokens on a cache), `mha` (one query head per kv head: "
+            "nothing to do); `A+B` when one model's calls took several (most first); speculative rows: `teacher "
+            "X, student Y` when the models differ. Watched on an untimed eager call; a compiled decode step, which "
+            "cannot be, by transformers' rule (its eager pass, which attention_kernel describes, packs where it "
+            "repeats). Null: not known (no transformers SDPA attention, or a transformers without the rule)",
         ),
         ("tokens", _I, "tokens", "LM rows: tokens one timed call processes (step, prefill: B×S; decode: B×new tokens)"),
         (

@@ -22,7 +22,20 @@ The floor time per token is that over the device's bandwidth, and a row's share 
 activations, the new K/V written, the logits (B × vocab) and the sampling are left out, as is what a kernel
 re-reads; a static cache's attention reads its whole allocated length each step (masked), more than the
 floor counts.  Sliding-window layers are counted as full ones (an upper bound on what they must read).
-Torch-free but for :func:`weight_bytes_read`, which walks a model's parameters.
+
+One copy is counted where a row's attention takes it (``attention_path`` ``repeated``,
+:mod:`kdbench.models.attention_path`): transformers' ``repeat_kv`` writes K and V × ``groups`` (query heads per kv
+head) at every position the step attends, and SDPA reads that copy back (GPU review 4, M2).  A compiled static
+decode step takes it (the static cache keeps a causal mask at one query token, which rules out SDPA's own GQA, and
+under torch.compile transformers does not pack the query), over the cache's allocated length ``P + n``; a
+dynamic cache that repeats, over the positions it holds.  Per generated token::
+
+    repeat_kv_bytes_per_token = 2 × groups × kv_bytes_per_position × attended
+
+(write and read back; the K and V read that makes the copy is the floor's own).  For Llama-3.1-8B in bf16 (groups
+4, 128 KiB per position) at a 4,096-position static cache that is 4.3 GB per token, 34 GB per step at batch 8,
+against a floor of about 20 GB per step.  Torch-free but for :func:`weight_bytes_read`, which walks a model's
+parameters.
 """
 
 from __future__ import annotations
@@ -30,16 +43,37 @@ from __future__ import annotations
 from typing import Any
 
 
+def _heads(config: Any) -> tuple[Any, int, int]:
+    """The decoder's config of transformers ``config``, its query heads and kv heads (``num_key_value_heads``, else
+    ``num_attention_heads``)."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = int(config.num_attention_heads)
+    return config, heads, int(getattr(config, "num_key_value_heads", None) or heads)
+
+
 def kv_bytes_per_position(config: Any, itemsize: int) -> int:
     """Bytes of K and V one cached position holds over all layers of the model of transformers ``config``:
     ``2 × num_hidden_layers × kv_heads × head_dim × itemsize`` (kv_heads: ``num_key_value_heads``, else
     ``num_attention_heads``; head_dim: ``head_dim``, else ``hidden_size / num_attention_heads``)."""
-    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    config, heads, kv_heads = _heads(config)
     layers = int(config.num_hidden_layers)
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
     return 2 * layers * kv_heads * int(head_dim) * int(itemsize)
+
+
+def kv_groups(config: Any) -> int:
+    """Query heads per K and V head of the model of transformers ``config`` (1: multi-head attention)."""
+    _, heads, kv_heads = _heads(config)
+    return heads // kv_heads
+
+
+def repeat_kv_bytes_per_token(kv_per_position: int, groups: int, attended: float) -> float:
+    """The bytes transformers' ``repeat_kv`` adds per generated token where a decode step takes it: K and V written
+    × ``groups`` at the ``attended`` positions of one sequence's cache, and read back by SDPA, ``2 × groups ×
+    kv_per_position × attended`` (the module's docstring says why); 0 with one group (nothing repeated)."""
+    if groups <= 1:
+        return 0.0
+    return 2 * groups * kv_per_position * attended
 
 
 def decode_bytes_per_token(

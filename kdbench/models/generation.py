@@ -243,6 +243,12 @@ class GreedyServing:
             self.model.cache = static_cache(self.lm, batch, prompt + self.new_tokens, dtype, self.ids.device)
         self.first = GREEDY(self.model.feed(self.ids, last=True)[:, -1])
 
+    def eager_step(self) -> None:
+        """One decode step from the prefill through the eager forward (whatever the backend), then back to the
+        prompt: an untimed look at what a step runs (:mod:`kdbench.models.attention_path`)."""
+        self.model.feed(self.first)
+        self.model.cut(self.ids.shape[1])
+
     def decode(self) -> torch.Tensor:
         self.tokens = decode(self.model.advance, self.first, self.new_tokens, GREEDY)
         self.model.cut(self.ids.shape[1])  # back to the prompt: every call decodes from the same state

@@ -15,6 +15,12 @@ model per measurement; what it compiled, and a static cache, are let go when the
 measurement of the worker counts them in its memory.  Each row's one-off cost is its cold and warm-up calls' excess
 over as many steady calls (the compile, for a compiled decode), and its tokens are checked against dynamic greedy
 decoding once its timing is done (``output_check``).
+
+Each row says how its GQA attention reached SDPA (``attention_path``, :mod:`kdbench.models.attention_path`):
+watched on an untimed eager call before the timed loop (the prefill; one decode step from it, then cut back), and
+for a compiled decode step, which takes another path than its eager pass where a static cache's mask rules out
+SDPA's own GQA, from transformers' rule.  Where steps repeat K and V (``repeated``), the copy is counted in
+``decode_bytes_per_token`` (:func:`~kdbench.measure.decode_floor.repeat_kv_bytes_per_token`) and a note says so.
 """
 
 from __future__ import annotations
@@ -28,10 +34,16 @@ from kdbench.config.schema import CellConfig
 from kdbench.core.names import Measurement
 from kdbench.core.schema import Row
 from kdbench.hw.backends import Backend, choose_autocast
-from kdbench.measure.decode_floor import model_decode_bytes_per_token
+from kdbench.measure.decode_floor import (
+    kv_bytes_per_position,
+    kv_groups,
+    model_decode_bytes_per_token,
+    repeat_kv_bytes_per_token,
+)
 from kdbench.measure.failures import SkipMeasurement
 from kdbench.measure.levers import release_compiled
 from kdbench.measure.serving import compile_counters, token_serving_row
+from kdbench.models.attention_path import REPEATED, observing, path_label
 from kdbench.models.generation import GreedyServing, cache_dtype, is_static, release
 from kdbench.workloads.base import Workload, served_precision_note
 from kdbench.workloads.lm.xtok import cross_tokenizer, student_ids
@@ -99,7 +111,18 @@ def _served_row(workload, measurement, batch_size, config, backend, budget_s, ch
             per_token = None
             notes += ("decode_bytes_per_token: this model's config does not give its layers, heads and head size",)
         columns["decode_bytes_per_token"] = per_token
-    start = gen.start if decode else None
+    watched: dict[str, Any] = {}
+
+    def start() -> None:  # untimed: the decode's prefill; the path one step (or the prefill) takes, watched
+        if decode:
+            gen.start()
+        with observing() as seen:
+            if decode:
+                gen.eager_step()
+            else:
+                gen.prefill()
+        watched["seen"] = seen
+
     args = (workload, measurement, batch_size, config, backend, budget_s, choice, call, ids, columns, notes)
     compiled = bool(pulled and generation.compile)
     if compiled:
@@ -107,6 +130,8 @@ def _served_row(workload, measurement, batch_size, config, backend, budget_s, ch
 
         counters.clear()
     row = token_serving_row(*args, start=start, compiled=compiled)
+    if "seen" in watched:
+        _attention_path(row, watched["seen"], gen, decode, compiled, backend.device_type)
     if not pulled or row.get("median_ms") is None:
         return row
     row["one_off_ms"] = row["cold_excess_ms"]  # the cold and warm-up calls' excess: the compile, if any
@@ -118,6 +143,34 @@ def _served_row(workload, measurement, batch_size, config, backend, budget_s, ch
     if note:
         row["notes"] = "; ".join(n for n in (row.get("notes"), note) if n)
     return row
+
+
+def _attention_path(row: Row, seen: Any, gen: GreedyServing, decode: bool, compiled: bool, device_type: str) -> None:
+    """``attention_path`` of the row from what its untimed eager call showed (``seen``; for a compiled decode's
+    steps, transformers' rule applied to it) and, on a decode row whose steps repeat K and V, the copy added to
+    ``decode_bytes_per_token``, with a note."""
+    config = gen.lm.config
+    try:
+        groups: int | None = kv_groups(config)
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        groups = None
+    paths = seen.compiled_paths(groups, 1, device_type) if compiled else seen.paths(groups)
+    row["attention_path"] = path_label(paths) if paths else None
+    if not decode or not paths or not paths[REPEATED] or row.get("decode_bytes_per_token") is None or not groups:
+        return
+    prompt, new = gen.ids.shape[1], gen.new_tokens
+    attended = prompt + new if gen.static else prompt + (new - 1) / 2  # a static cache: its allocated length
+    itemsize = torch.empty((), dtype=gen.dtype or next(gen.lm.parameters()).dtype).element_size()
+    share = paths[REPEATED] / sum(paths.values())  # of the attention calls (layers) that repeat
+    extra = share * repeat_kv_bytes_per_token(kv_bytes_per_position(config, itemsize), groups, attended)
+    row["decode_bytes_per_token"] += extra
+    how = "under torch.compile (its eager pass, which attention_kernel describes, does not) " if compiled else ""
+    note = (
+        f"attention_path: each step {how}runs transformers' repeat_kv, which writes K and V x {groups} at the "
+        f"{attended:g} positions it attends and SDPA reads them back: +{extra:,.0f} bytes per token in "
+        "decode_bytes_per_token"
+    )
+    row["notes"] = "; ".join(n for n in (row.get("notes"), note) if n)
 
 
 def _same_tokens(gen: GreedyServing, lm: nn.Module, ids, new: int, choice: Any, backend: Any) -> tuple[str, str]:

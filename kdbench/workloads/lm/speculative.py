@@ -5,7 +5,10 @@ The loop itself (the draft's proposals, the target's verify step, greedy and sam
 back to the committed tokens) is :func:`kdbench.models.generation.speculative_generate`; its expected figures are
 :mod:`kdbench.core.speculation`'s.  This module plans the rows (one per draft length and temperature, batch size
 1), times the generation from caches prefilled before the timed loop, and counts the bytes a generated token must
-read.
+read.  One untimed call after the prefill is watched for how each model's attention reached SDPA
+(``attention_path``, :mod:`kdbench.models.attention_path`): a forward of several tokens on a cache (the teacher's
+verify) carries a causal mask, which rules out SDPA's own GQA, so transformers repeats K and V over the cache; that
+copy is counted in ``decode_bytes_per_token``.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from kdbench.config.schema import CellConfig
 from kdbench.core.names import Measurement, Speculative, variant_columns
 from kdbench.core.schema import Row
 from kdbench.hw.backends import Backend, choose_autocast
-from kdbench.measure.decode_floor import model_decode_bytes_per_token
+from kdbench.measure.decode_floor import kv_groups, model_decode_bytes_per_token
 from kdbench.measure.failures import SkipMeasurement
 from kdbench.measure.serving import token_serving_row
+from kdbench.models.attention_path import observing, path_label
 from kdbench.models.generation import Speculation, cache_dtype, prefill, speculative_generate
 from kdbench.workloads.base import Workload
 from kdbench.workloads.lm.checks import shared_vocab
@@ -82,6 +86,9 @@ def measure_speculative(
 
     def start() -> None:  # both prompts in their caches (untimed; called under inference mode and the precision)
         state["caches"] = (prefill(target, ids), prefill(draft, ids))
+        with observing({"teacher": target, "student": draft}) as seen:  # one call watched; it cuts the caches back
+            call()
+        state["seen"] = seen
 
     def call() -> Speculation:
         if generator is not None:
@@ -114,7 +121,37 @@ def measure_speculative(
             spec_tokens_per_verify=last.tokens_per_verify,
             decode_bytes_per_token=speculative_bytes_per_token(target, draft, choice, ids.shape[1], last),
         )
+    if "seen" in state:
+        _attention_path(row, state["seen"], target, draft, new_tokens)
     return row
+
+
+def _attention_path(row: Row, seen: Any, target: nn.Module, draft: nn.Module, new_tokens: int) -> None:
+    """``attention_path`` of a speculative row from its watched call ``seen`` (``teacher X, student Y`` where the
+    models' paths differ) and the bytes repeat_kv wrote in it, written and read back, per generated token, added to
+    ``decode_bytes_per_token`` with a note."""
+    labels = []
+    for name, lm in (("teacher", target), ("student", draft)):
+        try:
+            groups: int | None = kv_groups(lm.config)
+        except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+            groups = None
+        paths = seen.paths(groups, name)
+        labels.append(path_label(paths) if paths else None)
+    teacher, student = labels
+    if teacher is not None and student is not None:
+        row["attention_path"] = teacher if teacher == student else f"teacher {teacher}, student {student}"
+    written = seen.repeat_bytes("teacher") + seen.repeat_bytes("student")
+    if not written or row.get("decode_bytes_per_token") is None:
+        return
+    extra = 2 * written / new_tokens
+    row["decode_bytes_per_token"] += extra
+    note = (
+        "attention_path: forwards of several tokens on a cache (the teacher's verify) run transformers' repeat_kv, "
+        f"which writes K and V x groups at every position they attend and SDPA reads them back: +{extra:,.0f} "
+        "bytes per token in decode_bytes_per_token"
+    )
+    row["notes"] = "; ".join(n for n in (row.get("notes"), note) if n)
 
 
 def speculative_bytes_per_token(target: nn.Module, draft: nn.Module, choice: Any, prompt_len: int, run: Speculation):
