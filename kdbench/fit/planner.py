@@ -8,8 +8,9 @@ the teacher cache's build, and :data:`STEPS` steps (the first makes the optimize
 loop is that of a step with it), and says in which phase the peak falls and what it holds.
 
 The fake run happens on the CPU device whatever device is asked about: the bytes of a tensor do not depend on
-it.  What does (the attention kernel a GPU picks, autocast's op lists, the caching allocator's rounding, the
-runtime's own context) is stated in docs/fit.md and in :func:`predict`'s notes; a cell whose fake run cannot
+it.  The operator choices that do are a GPU's for a GPU target (autocast's op lists, fused attention and
+dropout, sort's workspace: :mod:`kdbench.fit.gpu_target`); the caching allocator's rounding and the runtime's
+own context are stated in docs/fit.md and in :func:`predict`'s notes; a cell whose fake run cannot
 run an operator (no fake implementation, a value read back) is unpredictable, with the operator named.
 """
 
@@ -28,6 +29,7 @@ from kdbench.config.schema import CellConfig
 from kdbench.core.fakes import with_values
 from kdbench.core.names import PHASES, Phase
 from kdbench.distill.step import DistillStep
+from kdbench.fit.gpu_target import GpuTarget
 from kdbench.fit.tracker import GRADIENTS, INPUTS, OPTIMIZER, PARAMETERS, LiveBytes
 from kdbench.hw.backends import Backend
 from kdbench.models.cache import ModelCache
@@ -110,6 +112,7 @@ def predict(config: CellConfig, device_type: str = "cuda", allow_imports: bool =
         return predict_apart(config, device_type, allow_imports)
     start = time.perf_counter()
     tracker = LiveBytes()
+    target = GpuTarget(device_type, tracker)  # a GPU's autocast lists, fused attention and sort workspace
     notes: list[str] = []
     step = None
     try:
@@ -118,6 +121,7 @@ def predict(config: CellConfig, device_type: str = "cuda", allow_imports: bool =
             FakeTensorMode(allow_non_fake_inputs=True) as mode,
             as_measured_batches(),
             tracker,
+            target,
         ):
             # no model kept: a kept one is deep-copied per use, which reads a fake tensor's data pointer
             teacher, student = workload.step_pair(config, CPU, ModelCache(allow_imports, capacity=0), dp)
@@ -161,6 +165,7 @@ def predict(config: CellConfig, device_type: str = "cuda", allow_imports: bool =
     finally:
         if step is not None:
             step.close()
+    notes.extend(target.notes)
     breakdown = tracker.breakdown()
     if buckets:
         breakdown[GRADIENTS] += buckets

@@ -12,6 +12,9 @@ on a tensor that doesn't require gradient"), and it walks every module's statist
 The attribution here is by the step's phases instead (the peak's phase and, at the peak, the bytes of
 parameters, gradients, optimizer state, activations, temporaries and inputs), which is what a distillation
 step's peak is explained by.
+
+A kernel's workspace that is not a tensor of the fake run (a GPU sort's CUB buffers, which the CPU's kernel has
+not) is counted through :attr:`LiveBytes.workspace`: a temporary held beside the operator's outputs, then freed.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -69,6 +73,9 @@ class LiveBytes(TorchDispatchMode):
         self._seen: dict[int, tuple[weakref.ref, _Storage]] = {}  # id(storage) -> (ref, record)
         self._marked: dict[int, str] = {}  # serial -> PARAMETERS / GRADIENTS / OPTIMIZER / INPUTS
         self._snapshot_step = snapshot_step  # a new peak is recorded in full when it beats the last by this share
+        # (operator, args, kwargs) -> the bytes its kernel on the target device allocates beside its outputs and
+        # frees before returning (kdbench.fit.gpu_target: a GPU's sort); None: none
+        self.workspace: Callable[[Any, tuple, dict], int] | None = None
 
     # ------------------------------------------------------------------ counting
 
@@ -147,7 +154,17 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._count(t)
+        extra = self.workspace(func, args, kwargs or {}) if self.workspace is not None else 0
+        if extra:
+            self._transient(extra)
         return out
+
+    def _transient(self, nbytes: int) -> None:
+        """A kernel's workspace of ``nbytes``: live (a temporary) while the operator's outputs are, then freed.
+        Made under the fake mode below this one: no memory."""
+        workspace = torch.empty(nbytes, dtype=torch.uint8)
+        self._count(workspace, TEMPORARIES)
+        del workspace
 
     # ------------------------------------------------------------------ what is what
 
