@@ -126,8 +126,9 @@ def _fit(sub) -> None:
         "none is allocated, metered operator by operator. With a device (--gpu or --device-memory) each cell is "
         "judged: fits, does not fit, or fits only with the first changes that make it fit (loss_impl fused_linear, "
         "a smaller chunk_size, a bf16-held teacher, FSDP2 over 2/4/8 ranks, half the batch), each predicted. "
-        "Sizes: GB = 10^9 bytes, GiB = 2^30 bytes, a bare number is bytes. A GPU's usable memory is its memory "
-        "less 1 GiB of runtime context, less 5 % of the rest for fragmentation (assumptions: docs/fit.md).",
+        "Sizes: GB = 10^9 bytes, GiB = 2^30 bytes, a bare number is bytes. A GPU's peak (its BLAS workspaces "
+        "included) may reach its total as torch reports it (the GPU this process runs on: what is free now) less "
+        "the runtime's context and, at world_size > 1, NCCL's buffers, over 1.05 for fragmentation (docs/fit.md).",
     )
     fit.add_argument("suite", type=Path, nargs="?", default=None, help="suite YAML file (or give --pair)")
     fit.add_argument(
@@ -139,7 +140,8 @@ def _fit(sub) -> None:
         default=None,
         metavar="NAME",
         help="judge against this device of the table (H100 80GB, H100 NVL, H200, A100 40GB, A100 80GB, L4, T4, "
-        "MI300X, MI325X, MI250X: case, spaces and dashes ignored) or cpu (this machine's available memory)",
+        "MI300X, MI325X, MI250X: case, spaces and dashes ignored; the GPU this process runs on is measured now, "
+        "mem_get_info) or cpu (this machine's available memory)",
     )
     where.add_argument(
         "--device-memory",

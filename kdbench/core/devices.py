@@ -10,8 +10,12 @@ Each :class:`Card` is one torch device (a rank's): its memory, its dense peak pe
 its interconnect bandwidth where the datasheet gives one, and its full count of compute units, each figure with
 its source in :attr:`Card.sources`.  Conventions:
 
-* Memory: a datasheet's "80GB" is read as 80 x 10^9 bytes (:mod:`kdbench.fit.devices` says why that is the safe
-  side).
+* Memory: a datasheet's "80GB" is read as 80 x 10^9 bytes (:attr:`Card.memory_bytes`).  What torch reports as the
+  device's total (``get_device_properties().total_memory``, the same figure as ``mem_get_info``'s total) is another
+  figure, neither the datasheet's nor nvidia-smi's: :attr:`Card.reported_memory`, from a print found in a public
+  issue (:attr:`Card.reported_source` quotes it), or None where none was found, the datasheet's figure then standing
+  in.  The two differ both ways: an H100 80GB reports 79.11 GiB (the datasheet's 80 GB is 74.51 GiB), a T4 14.75 GiB
+  (its 16 GB is 14.90 GiB).  The fit's headroom (:mod:`kdbench.fit.devices`) starts from the reported figure.
 * Peaks, dense TFLOP/s (sparsity figures halved back to dense).  tf32 is the TF32 tensor-core figure (XF32 on
   MI300X; None where the device has no such mode).  fp16/bf16 are the matrix (Tensor Core / Matrix Core) figures.
   fp32 is the plain, non-tensor FP32 figure: on NVIDIA the non-Tensor-Core number (torch's fp32 matmul does not
@@ -76,6 +80,9 @@ class Card:
     aliases: tuple[str, ...] = ()  # other names a user may write
     reported: str = ""  # the whole names torch reports (a regex, lower case, spaces collapsed); "": none matched
     archs: tuple[tuple[str, int | None], ...] = field(default=())  # (gfx architecture, CUs or None: any)
+    isa: str = ""  # the instruction set torch reports ("sm_90", "gfx942"): picks the BLAS libraries' workspaces
+    reported_memory: int | None = None  # the total torch reports (total_memory, mem_get_info's total); None: not seen
+    reported_source: str = ""  # where that total was printed, or why the datasheet's figure is kept
 
 
 def _peaks(fp32: float, tf32: float | None, fp16: float, bf16: float | None) -> dict[str, float | None]:
@@ -93,6 +100,17 @@ _MI325X = "AMD Instinct MI325X accelerator data sheet, https://www.amd.com/en/pr
 _MI250X = "AMD Instinct MI250X accelerator data sheet, https://www.amd.com/en/products/accelerators/instinct/mi200/mi250x.html"
 _MI210 = (
     "AMD Instinct MI210 accelerator data sheet, https://www.amd.com/en/products/accelerators/instinct/mi200/mi210.html"
+)
+
+_GIB = 2**30
+_NOT_SEEN = (
+    "no print of the total torch reports was found for this card: the datasheet's figure stands in (on the cards "
+    "where both were seen, torch reports 0.25-0.6 GiB less than nvidia-smi's total)"
+)
+_GFX90A = (
+    "ROCm/TheRock#1395, rocminfo on a gfx90a device (an MI210 or one MI250X GCD, both 64 GB of HBM2e): its global "
+    "pool 'Size: 67092480(0x3ffc000) KB' (64 GiB less 16 MiB; the HIP runtime's total), "
+    "https://github.com/ROCm/TheRock/issues/1395"
 )
 
 CATALOGUE: tuple[Card, ...] = (
@@ -114,6 +132,11 @@ CATALOGUE: tuple[Card, ...] = (
         },
         aliases=("h100", "h100 sxm"),
         reported=r"nvidia h100( sxm5?)? 80gb hbm3",
+        isa="sm_90",
+        reported_memory=round(79.11 * _GIB),
+        reported_source="vllm-project/vllm#27508, torch's out-of-memory message on an H100 80GB: 'GPU 0 has a total "
+        "capacity of 79.11 GiB' (nvidia-smi shows 81559MiB: modal-labs/modal-client#2797), "
+        "https://github.com/vllm-project/vllm/issues/27508",
     ),
     Card(
         "H100 NVL",
@@ -131,6 +154,10 @@ CATALOGUE: tuple[Card, ...] = (
             "compute_units": f"{_H100} (H100 NVL: the full GH100 configuration of H100 SXM, 132 SMs)",
         },
         aliases=("h100 94gb",),  # "h100nvl" is its name without the space
+        isa="sm_90",
+        reported_memory=round(93.00 * _GIB),
+        reported_source="ali-vilab/VACE#56, torch's out-of-memory message on an H100 NVL 94GB: 'GPU 0 has a total "
+        "capacity of 93.00 GiB', https://github.com/ali-vilab/VACE/issues/56",
     ),
     Card(
         "H200",
@@ -150,6 +177,8 @@ CATALOGUE: tuple[Card, ...] = (
         },
         aliases=("h200 141gb", "h200 sxm"),
         reported=r"nvidia h200",
+        isa="sm_90",
+        reported_source=_NOT_SEEN,
     ),
     Card(
         "A100 40GB",
@@ -169,6 +198,10 @@ CATALOGUE: tuple[Card, ...] = (
         },
         aliases=("a100 40",),
         reported=r"nvidia a100-(sxm4|pcie)-40gb",
+        isa="sm_80",
+        reported_memory=42_298_834_944,
+        reported_source="bottlerocket-os/bottlerocket#3873, deviceQuery on an NVIDIA A100-SXM4-40GB: 'Total amount of "
+        "global memory: 40339 MBytes (42298834944 bytes)', https://github.com/bottlerocket-os/bottlerocket/pull/3873",
     ),
     Card(
         "A100 80GB",
@@ -188,6 +221,10 @@ CATALOGUE: tuple[Card, ...] = (
         },
         aliases=("a100", "a100 80"),
         reported=r"nvidia a100-(sxm4|pcie)-80gb|nvidia a100 80gb pcie",
+        isa="sm_80",
+        reported_memory=81049 * 2**20,
+        reported_source="ekondis/mixbench#47, an NVIDIA A100 80GB PCIe: 'Total global mem: 81049 MB' (totalGlobalMem "
+        "/ 1024 / 1024, floored), https://github.com/ekondis/mixbench/issues/47",
     ),
     Card(
         "H100 PCIe",
@@ -206,6 +243,8 @@ CATALOGUE: tuple[Card, ...] = (
             "compute_units": f"{_H100} {_H100_PAPER} (H100 PCIe: 114 SMs)",
         },
         reported=r"nvidia h100 pcie",
+        isa="sm_90",
+        reported_source=_NOT_SEEN,
     ),
     Card(
         "L4",
@@ -223,6 +262,9 @@ CATALOGUE: tuple[Card, ...] = (
             "compute_units": f"{_L4} and the NVIDIA Ada GPU Architecture whitepaper (AD104 as L4: 58 SMs)",
         },
         reported=r"nvidia l4",
+        isa="sm_89",
+        reported_source=f"{_NOT_SEEN}; nvidia-smi shows 23034MiB (modal-labs/modal-client#2797), so torch likely "
+        "reports about 22.0 GiB, below the datasheet's 22.35",
     ),
     Card(
         "T4",
@@ -240,6 +282,10 @@ CATALOGUE: tuple[Card, ...] = (
             "compute_units": f"{_T4} and the NVIDIA Turing GPU Architecture whitepaper (TU104 as T4: 40 SMs)",
         },
         reported=r"(tesla|nvidia) t4",
+        isa="sm_75",
+        reported_memory=round(14.75 * _GIB),
+        reported_source="hpcaitech/Open-Sora#697, torch's out-of-memory message on a Google Colab T4: 'GPU 0 has a "
+        "total capacity of 14.75 GiB', https://github.com/hpcaitech/Open-Sora/issues/697",
     ),
     Card(
         "MI300X",
@@ -261,6 +307,11 @@ CATALOGUE: tuple[Card, ...] = (
         "name: its peak is scaled to its share",
         reported=r"amd instinct mi300x( vf)?",
         archs=(("gfx942", None),),  # an MI325X with an empty name shares MI300X's compute and peaks
+        isa="gfx942",
+        reported_memory=201_310_208 * 1024,
+        reported_source="ROCm/rocm-examples#187, rocminfo on an MI300X (gfx942): its global pool 'Size: "
+        "201310208(0xbffc000) KB' (192 GiB less 16 MiB; the HIP runtime's total), "
+        "https://github.com/ROCm/rocm-examples/issues/187",
     ),
     Card(
         "MI325X",
@@ -278,6 +329,8 @@ CATALOGUE: tuple[Card, ...] = (
             "interconnect": f"{_MI325X} (7 Infinity Fabric links of 128 GB/s: 896 GB/s)",
             "compute_units": f"{_MI325X} (304 CUs)",
         },
+        isa="gfx942",
+        reported_source=_NOT_SEEN,
     ),
     Card(
         "MI250X",
@@ -302,6 +355,9 @@ CATALOGUE: tuple[Card, ...] = (
         aliases=("mi250x gcd",),
         reported=r"amd instinct mi250x(/mi250)?",
         archs=(("gfx90a", 110),),
+        isa="gfx90a",
+        reported_memory=67_092_480 * 1024,
+        reported_source=_GFX90A,
     ),
     Card(
         "MI210",
@@ -320,6 +376,9 @@ CATALOGUE: tuple[Card, ...] = (
         },
         reported=r"amd instinct mi210",
         archs=(("gfx90a", 104),),
+        isa="gfx90a",
+        reported_memory=67_092_480 * 1024,
+        reported_source=_GFX90A,
     ),
 )
 

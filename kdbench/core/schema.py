@@ -765,6 +765,8 @@ COLUMNS: tuple[Column, ...] = (
             "bytes",
             "distill_step rows: the fit planner's prediction of one device's (rank 0's) peak of live tensor bytes "
             "during the step: the cell's own step run on fake tensors, nothing allocated (kdbench.fit.planner); "
+            "on a GPU plus the BLAS workspaces its step holds (cuBLAS/hipBLAS(Lt), allocated through the caching "
+            "allocator, as max_memory_allocated counts them: kdbench.fit.runtime); "
             "null when the cell is unpredictable, with the reason in notes (`fit: ...`)",
         ),
         (
@@ -779,7 +781,7 @@ COLUMNS: tuple[Column, ...] = (
             _S,
             "",
             "JSON: the predicted peak's bytes by kind (`parameters`, `gradients`, `optimizer state`, "
-            "`activations`, `temporaries`, `inputs`)",
+            "`activations`, `temporaries`, `inputs`; on a GPU `blas workspaces`)",
         ),
         ("fit_seconds", _F, "s", "what the fit planner's fake run of the step took"),
         (

@@ -20,6 +20,7 @@ from kdbench.config.plan import Cell
 from kdbench.config.schema import CellConfig
 from kdbench.core.errors import KdbenchError
 from kdbench.core.sizes import gib
+from kdbench.fit.devices import usable as usable_memory
 from kdbench.fit.verdict import (
     SIZE_KEYS,
     UNPREDICTABLE,
@@ -105,10 +106,14 @@ class FitReport:
             device = {
                 "name": d.name,
                 "memory_bytes": d.memory_bytes,
+                "total_bytes": d.total_bytes,
+                "total_source": d.total_source,
+                "free_bytes": d.free_bytes,
                 "usable_bytes": d.usable_bytes,
                 "kind": d.kind,
                 "source": d.source,
                 "note": d.note,
+                "headroom": d.describe(),
             }
         return {"device": device, "device_type": self.device_type, "cells": [c.record for c in self.cells]}
 
@@ -144,7 +149,8 @@ def fit_cells(
     if max_key and device is None:
         raise KdbenchError(f"max_key {max_key}: needs a device to fit into (a Device, or a GPU's name)")
     cells = as_cells(cells)
-    predictor = predictor or Predictor(device_type, allow_imports=allow_imports)
+    runtime = device.runtime if device is not None and device_type != "cpu" else None  # its BLAS workspaces, NCCL
+    predictor = predictor or Predictor(device_type, allow_imports=allow_imports, runtime=runtime)
     lines: list[str] = []
 
     def say(line: str) -> None:
@@ -153,7 +159,11 @@ def fit_cells(
             talk(line)
 
     say(HEADER)
-    say(f"device {device.describe()}" if device else "no device given: predictions only (--gpu or --device-memory)")
+    say(
+        f"device {device.describe()}"
+        if device
+        else "no device given: predictions only (--gpu or --device-memory), a GPU's BLAS workspaces not in the peaks"
+    )
     began = time.perf_counter()
     fitted = []
     for i, cell in enumerate(cells, 1):
@@ -183,6 +193,12 @@ def _fit_cell(cell: Cell, device, max_key, predictor: Predictor, title: str, say
         kinds = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in p.breakdown.items())
         logits = f"; logits {p.logits_bytes / p.peak_bytes:.0%} of it" if p.logits_bytes else ""
         line(f"      peak {gib(p.peak_bytes)} per rank in {p.phase} ({kinds} GiB){logits}")
+        if p.comm_bytes:
+            runtime = predictor.runtime
+            line(
+                f"      beside the peak: {runtime.comm} buffers {gib(p.comm_bytes)} per rank, outside the caching "
+                f"allocator ({runtime.comm_text})"
+            )
     notes = "".join(f"; {n}" for n in p.notes)
     ran = f"fake run {p.seconds:.1f} s{notes}" if p.seconds else ""
     if host or ran:
@@ -191,7 +207,10 @@ def _fit_cell(cell: Cell, device, max_key, predictor: Predictor, title: str, say
         if not p.ok:
             line(f"      unpredictable: {p.error}")
         return out
-    usable = device.usable_bytes
+
+    def usable(prediction) -> int:  # what the device leaves this prediction's peak (its collective buffers kept off)
+        return usable_memory(device, prediction.comm_bytes)
+
     verdict = out.verdict = judge(config, usable, predictor)
     line(f"      {verdict.line(usable)}")
     out.record["verdict"] = {

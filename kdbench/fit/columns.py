@@ -2,10 +2,12 @@
 two differ by more than the stated tolerance (:data:`kdbench.core.limits.FIT_TOLERANCE`).
 
 :func:`add_fit` runs the planner (:func:`kdbench.fit.planner.predict`, a fake run of the cell's own step) for a
-row whose step has been measured, and sets ``predicted_peak_bytes``, ``predicted_peak_phase``,
-``predicted_breakdown``, ``fit_seconds`` and ``predicted_peak_ratio`` = ``live_peak_bytes`` (the peak of live
-tensor bytes measured during one more step, :func:`kdbench.measure.memory.step_live_peak`) / the prediction.  An
-unpredictable cell keeps the predicted columns null and says why in its notes; every fit note begins with
+row whose step has been measured, on a GPU with the BLAS workspaces that GPU's step holds as a term of its own
+(:func:`kdbench.fit.runtime.with_runtime`: the measured peak holds them too), and sets ``predicted_peak_bytes``,
+``predicted_peak_phase``, ``predicted_breakdown``, ``fit_seconds`` and ``predicted_peak_ratio`` =
+``live_peak_bytes`` (the peak of live tensor bytes measured during one more step,
+:func:`kdbench.measure.memory.step_live_peak`) / the prediction.  An unpredictable cell keeps the predicted columns
+null and says why in its notes; every fit note begins with
 :data:`kdbench.core.names.FIT_NOTE`.
 """
 
@@ -18,16 +20,18 @@ from kdbench.core.limits import FIT_TOLERANCE
 from kdbench.core.names import FIT_NOTE, Status
 from kdbench.core.schema import Row
 from kdbench.fit import planner
+from kdbench.fit.runtime import BLAS_TERM, live_runtime, with_runtime
 from kdbench.fit.tracker import KINDS
 
 MIB = 2**20
 
 
 def prediction_of(config: CellConfig, device_type: str, allow_imports: bool = False) -> planner.Prediction:
-    """The planner's prediction for ``config`` on ``device_type``; one that raises is an unpredictable cell whose
-    error says so (the planner guards its fake run, not what it asks the workload before it)."""
+    """The planner's prediction for ``config`` on ``device_type``, for a GPU with the BLAS workspaces of the GPU this
+    process runs on (:func:`kdbench.fit.runtime.live_runtime`); one that raises is an unpredictable cell whose error
+    says so (the planner guards its fake run, not what it asks the workload before it)."""
     try:
-        return planner.predict(config, device_type, allow_imports)
+        return with_runtime(planner.predict(config, device_type, allow_imports), config, live_runtime(device_type))
     except Exception as exc:  # the measured row stands whatever the planner does
         text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         return planner.Prediction(None, error=f"the fit planner raised {type(exc).__name__}: {text}".rstrip(": "))
@@ -49,7 +53,9 @@ def fit_columns(prediction: planner.Prediction, live_peak_bytes: int | None) -> 
     columns.update(
         predicted_peak_bytes=predicted,
         predicted_peak_phase=prediction.phase,
-        predicted_breakdown=json.dumps({k: int(prediction.breakdown[k]) for k in KINDS if k in prediction.breakdown}),
+        predicted_breakdown=json.dumps(
+            {k: int(prediction.breakdown[k]) for k in (*KINDS, BLAS_TERM) if k in prediction.breakdown}
+        ),
     )
     notes = [FIT_NOTE + n for n in prediction.notes]
     if live_peak_bytes is not None and predicted > 0:

@@ -53,6 +53,7 @@ class Prediction:
     seconds: float = 0.0  # what the fake run took
     error: str | None = None  # why the cell is unpredictable
     notes: tuple[str, ...] = ()
+    comm_bytes: int = 0  # NCCL's/RCCL's buffers per rank, outside the allocator: not in peak_bytes (fit.runtime)
 
     @property
     def ok(self) -> bool:

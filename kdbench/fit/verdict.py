@@ -3,8 +3,9 @@ changes that make it fit, or unpredictable; and the largest batch size or sequen
 bisection over fake runs.
 
 Every figure here is a prediction (:func:`kdbench.fit.planner.predict`, through a :class:`Predictor` that keeps
-each cell's once); a cell fits when its predicted peak per rank is at most the device's usable memory
-(:func:`kdbench.fit.devices.usable`).  Torch is imported by the planner only.
+each cell's once, for a GPU with its BLAS workspaces: :func:`kdbench.fit.runtime.with_runtime`); a cell fits when its
+predicted peak per rank is at most what the device leaves it (a :data:`Budget`: a fixed figure, or a device's
+:func:`kdbench.fit.devices.usable` less the prediction's collective buffers).  Torch is imported by the planner only.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from kdbench.config.plan import deep_merge
 from kdbench.config.schema import CellConfig
@@ -27,27 +28,49 @@ SEQ_CAP = 2**20  # the largest sequence length, where the models' positions say 
 
 
 class Predictor:
-    """:func:`kdbench.fit.planner.predict` (or a stand-in), each distinct cell predicted once."""
+    """:func:`kdbench.fit.planner.predict` (or a stand-in), each distinct cell predicted once; with a GPU's
+    ``runtime`` (:class:`kdbench.fit.runtime.Runtime`), each prediction gets that GPU's BLAS workspaces as a term of
+    its peak and, at ``world_size > 1``, its collective buffers beside it (:func:`kdbench.fit.runtime.with_runtime`)."""
 
-    def __init__(self, device_type: str = "cuda", predict: Callable[..., Any] | None = None, allow_imports=False):
+    def __init__(
+        self,
+        device_type: str = "cuda",
+        predict: Callable[..., Any] | None = None,
+        allow_imports=False,
+        runtime: Any = None,
+    ):
         if predict is None:
             from kdbench.fit.planner import predict
         self._predict = predict
         self.device_type = device_type
         self.allow_imports = allow_imports  # the suite's: its module:callable models are built
+        self.runtime = runtime  # None: the fake run's tensors alone (the CPU, or no GPU known)
         self._seen: dict[str, Any] = {}
         self.runs = 0  # fake runs made
 
     def __call__(self, config: CellConfig):
         key = json.dumps(config.model_dump(mode="json"), sort_keys=True)
         if key not in self._seen:
+            from kdbench.fit.runtime import with_runtime
+
             self.runs += 1
-            self._seen[key] = self._predict(config, self.device_type, self.allow_imports)
+            self._seen[key] = with_runtime(
+                self._predict(config, self.device_type, self.allow_imports), config, self.runtime
+            )
         return self._seen[key]
 
 
-def fits(prediction, usable: int) -> bool:
-    return prediction.ok and prediction.peak_bytes <= usable
+Budget: TypeAlias = int | Callable[[Any], int]  # bytes a peak may reach: fixed, or a device's for a prediction
+
+
+def budget_of(usable: Budget, prediction) -> int:
+    """What ``prediction``'s peak may reach: ``usable`` itself, or ``usable(prediction)`` (a device's usable memory
+    less what that prediction holds outside the allocator: its NCCL/RCCL buffers)."""
+    return usable(prediction) if callable(usable) else usable
+
+
+def fits(prediction, usable: Budget) -> bool:
+    return prediction.ok and prediction.peak_bytes <= budget_of(usable, prediction)
 
 
 def changed(config: CellConfig, update: dict[str, Any]) -> CellConfig | None:
@@ -72,21 +95,22 @@ class Verdict:
     config: CellConfig | None = None  # the cell with the changes
     tried: tuple[str, ...] = ()  # the changes tried, in order (for a cell that does not fit)
 
-    def line(self, usable: int) -> str:
+    def line(self, usable: Budget) -> str:
         from kdbench.core.sizes import gib
 
         p = self.prediction
         if self.outcome == UNPREDICTABLE:
             return f"unpredictable: {p.error}"
         if self.outcome == FITS:
-            return f"fits ({gib(p.peak_bytes)} of {gib(usable)} usable)"
+            return f"fits ({gib(p.peak_bytes)} of {gib(budget_of(usable, p))} usable)"
         if self.outcome == FITS_WITH:
+            c = self.changed
             return (
-                f"fits only with: {', '.join(self.changes)} (predicted {gib(self.changed.peak_bytes)} of "
-                f"{gib(usable)} usable, in {self.changed.phase})"
+                f"fits only with: {', '.join(self.changes)} (predicted {gib(c.peak_bytes)} of "
+                f"{gib(budget_of(usable, c))} usable, in {c.phase})"
             )
         tried = f"; no change tried fits ({', '.join(self.tried)})" if self.tried else ""
-        return f"does not fit ({gib(p.peak_bytes)} over {gib(usable)} usable){tried}"
+        return f"does not fit ({gib(p.peak_bytes)} over {gib(budget_of(usable, p))} usable){tried}"
 
 
 def _changes(config: CellConfig) -> list[Callable[[CellConfig], list[tuple[str, dict[str, Any]]]]]:
@@ -131,15 +155,20 @@ def _changes(config: CellConfig) -> list[Callable[[CellConfig], list[tuple[str, 
     return out
 
 
-def judge(config: CellConfig, usable: int, predictor: Predictor) -> Verdict:
-    """``config`` against a device with ``usable`` bytes per rank.  A cell that does not fit gets the changes of
-    :func:`_changes` in order, each kept when it lowers the predicted peak (so they add up), then its batch halved
+def judge(config: CellConfig, usable: Budget, predictor: Predictor) -> Verdict:
+    """``config`` against a device with ``usable`` bytes per rank (a :data:`Budget`).  A cell that does not fit gets
+    the changes of :func:`_changes` in order, each kept when it brings the cell closer to fitting (its predicted peak
+    less what the device leaves it: lower; so they add up), then its batch halved
     until it fits: the first combination that fits is the verdict's.  A change kdbench would refuse for the cell,
     or that the planner cannot predict (data-parallel cells before it predicts them), is skipped."""
     own = predictor(config)
     if not own.ok:
         return Verdict(UNPREDICTABLE, own)
-    if own.peak_bytes <= usable:
+
+    def short(p) -> int:  # how far a prediction is from fitting: its peak less what the device leaves it
+        return p.peak_bytes - budget_of(usable, p)
+
+    if fits(own, usable):
         return Verdict(FITS, own)
     current, best, kept, tried = config, own, [], []
     for alternatives in _changes(config):
@@ -152,9 +181,9 @@ def judge(config: CellConfig, usable: int, predictor: Predictor) -> Verdict:
             if not p.ok:
                 continue
             tried.append(text)
-            if p.peak_bytes <= usable:
+            if fits(p, usable):
                 return Verdict(FITS_WITH, own, (*kept, text), p, candidate)
-            if p.peak_bytes < best.peak_bytes and (lowest is None or p.peak_bytes < lowest[2].peak_bytes):
+            if short(p) < short(best) and (lowest is None or short(p) < short(lowest[2])):
                 lowest = (text, candidate, p)
         if lowest is not None:
             kept.append(lowest[0])
@@ -165,7 +194,7 @@ def judge(config: CellConfig, usable: int, predictor: Predictor) -> Verdict:
         p = predictor(candidate) if candidate is not None else None
         if p is not None and p.ok:
             tried.append(f"batch_size {batch}")
-            if p.peak_bytes <= usable:
+            if fits(p, usable):
                 return Verdict(FITS_WITH, own, (*kept, f"batch_size {batch}"), p, candidate)
         batch //= 2
     return Verdict(NO_FIT, own, tried=tuple(dict.fromkeys(tried)))
@@ -237,11 +266,12 @@ def with_size(config: CellConfig, key: str, value: int) -> CellConfig | None:
     return changed(config, update)
 
 
-def largest(config: CellConfig, key: str, usable: int, predictor: Predictor) -> Largest:
-    """The largest value v of ``key`` (:data:`SIZE_KEYS`) at which ``config`` fits ``usable`` bytes, with v + 1 not
-    fitting (or v the cap): from the cell's own value, doubled until it does not fit (or halved until it does),
-    then bisected.  A value kdbench would refuse for the cell (a sequence, with the tokens its serving decodes,
-    beyond the models' positions) counts as one that does not fit: the search stays within what the cell takes."""
+def largest(config: CellConfig, key: str, usable: Budget, predictor: Predictor) -> Largest:
+    """The largest value v of ``key`` (:data:`SIZE_KEYS`) at which ``config`` fits ``usable`` (a :data:`Budget`),
+    with v + 1 not fitting (or v the cap): from the cell's own value, doubled until it does not fit (or halved until
+    it does), then bisected.  A value kdbench would refuse for the cell (a sequence, with the tokens its serving
+    decodes, beyond the models' positions) counts as one that does not fit: the search stays within what the cell
+    takes."""
     low_bound = 2 if key == "seq_len" else 1
     cap = size_cap(config, key)
     runs0 = predictor.runs

@@ -4,8 +4,7 @@ import pytest
 
 from kdbench.core.errors import KdbenchError
 from kdbench.core.sizes import GB, GIB
-from kdbench.fit import devices
-from kdbench.fit.devices import DEVICES, FRAGMENTATION, RUNTIME_CONTEXT, find_device, parse_size, usable
+from kdbench.fit.devices import DEVICES, find_device, parse_size
 
 
 @pytest.mark.parametrize(
@@ -110,17 +109,6 @@ def test_an_unknown_device_says_the_close_names_and_the_way_out():
         find_device("mi300")
     with pytest.raises(KdbenchError, match=r"^--gpu quantum: unknown device; known: "):
         find_device("quantum")
-
-
-def test_a_gpu_keeps_its_runtime_context_and_a_fragmentation_share():
-    h200 = find_device("H200")
-    assert RUNTIME_CONTEXT == GIB and FRAGMENTATION == 0.05
-    assert usable(h200) == int((141 * GB - GIB) * 0.95) == 132_929_945_267  # (141e9 - 2^30) x 0.95, floored
-    assert h200.usable_bytes == usable(h200)
-    assert usable(devices.sized_device("2GiB")) == int(GIB * 0.95)
-    assert usable(devices.sized_device("512MiB")) == 0  # less than the context: nothing left for a step
-    line = h200.describe()
-    assert line.startswith("H200: 131.32 GiB (141 GB), usable 123.80 GiB per device") and "5%" in line
 
 
 def test_the_cpu_is_this_machines_available_memory(monkeypatch):
