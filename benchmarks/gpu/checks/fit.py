@@ -123,12 +123,19 @@ def memory_lines(row: dict[str, Any], device: dict[str, int]) -> list[str]:
 
 
 def headroom_line(name: str) -> str:
-    """What kdbench's headroom model takes of the card called ``name`` (its catalogue entry), to hold beside the
-    measured figures; a card the catalogue lacks says so."""
-    from kdbench.fit.devices import find_device
+    """What kdbench's headroom model (the device table's entry, not the GPU measured now) takes of the card called
+    ``name``, to hold beside the measured figures: the total it starts from, the context and the BLAS workspaces it
+    keeps, the fragmentation share of the peak, and what a step may reach; a card the catalogue lacks says so."""
+    from kdbench.fit.devices import find_device, headroom_figures
 
     try:
-        device = find_device(name)
+        device = find_device(name, live=False)
     except KdbenchError:
         return f"kdbench's device table has no {name}: `kdbench fit --device-memory SIZE` judges it"
-    return "kdbench's headroom model: " + device.describe()
+    f = headroom_figures(device)
+    return (
+        f"kdbench's headroom model for {device.name}: total {f['total_bytes'] / GIB:.2f} GiB ({f['total_source']}), "
+        f"context kept {f['context_bytes'] / GIB:.3f} GiB, BLAS workspaces {f['workspace_bytes'] / 2**20:.0f} MiB, "
+        f"fragmentation {f['fragmentation']:.0%} of the peak, usable {f['usable_bytes'] / GIB:.2f} GiB: compare the "
+        "context with total - free - reserved and the fragmentation with reserved/allocated - 1"
+    )
