@@ -49,7 +49,9 @@ def gib_config() -> CellConfig:
 def check_fit(backend: Backend, report: Report) -> None:
     report.section("fit: a GiB-scale cell, the planner's prediction against the allocator (GPU review 4, M4)")
     config = gib_config()
-    prediction = prediction_of(config, backend.device_type)
+    # a GPU target's prediction everywhere (its autocast lists, fused attention; on a GPU its BLAS workspaces):
+    # on the CPU the stage shows what a GPU will be held against
+    prediction = prediction_of(config, "cuda")
     label = "qwen2.5-1.5b->qwen2.5-0.5b bf16 2x2048 fused_linear"
     if not report.check(
         f"{label}: predicted "
