@@ -11,6 +11,9 @@ from __future__ import annotations
 # The fit planner's stated tolerance (issue 31): a distill_step row whose measured peak (live_peak_bytes) lies
 # outside [low, high] x its predicted peak (predicted_peak_bytes) says so in its notes, and the report flags it.
 FIT_TOLERANCE = (0.90, 1.10)
+# The step-time model's stated tolerance (issue 43): a distill_step row whose measured median_ms lies outside
+# [low, high] x its predicted step time (predicted_step_ms) says so in its notes.
+STEP_TIME_TOLERANCE = (0.67, 1.5)
 
 # The accuracy ledger's bound (``compare --max-loss-err``): an LM cell whose loss_rel_err or grad_rel_err against
 # float64 exceeds it is named in compare's note (kdbench.report.ledger)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from kdbench.core.limits import CONTENDED_FREE_SHARE, FIT_TOLERANCE
+from kdbench.core.limits import CONTENDED_FREE_SHARE, FIT_TOLERANCE, STEP_TIME_TOLERANCE
 from kdbench.core.names import ALIGN, GENERATE, PHASES, REMAINDER_COLUMN
 
 SCHEMA_VERSION = 2  # 1: one parquet file per run, derived columns stored; 2: a folder of parts per run
@@ -801,6 +801,23 @@ COLUMNS: tuple[Column, ...] = (
             "ratio",
             f"live_peak_bytes / predicted_peak_bytes; outside {FIT_TOLERANCE[0]:.2f}–{FIT_TOLERANCE[1]:.2f} "
             "(kdbench.core.limits.FIT_TOLERANCE) the row's notes say so with both figures and the report flags it",
+        ),
+        (
+            "predicted_step_ms",
+            _F,
+            "ms",
+            "distill_step rows: the step-time model's prediction of one step (kdbench.fit.steptime): the fit "
+            "planner's operator census of the step priced per operator (roofline with achievable fractions, a "
+            "launch floor, ring collectives), from the run's probe of this device (its measured matmul and copy "
+            "ceilings) where there is one, else the device table's datasheet figures; null with a note (`fit: "
+            "...`) where neither is known or the cell is unpredictable",
+        ),
+        (
+            "predicted_step_ratio",
+            _F,
+            "ratio",
+            f"median_ms / predicted_step_ms; outside {STEP_TIME_TOLERANCE[0]:.2f}–{STEP_TIME_TOLERANCE[1]:.2f} "
+            "(kdbench.core.limits.STEP_TIME_TOLERANCE) the row's notes say so with both figures",
         ),
     ),
     *_group(

@@ -9,18 +9,30 @@ row whose step has been measured, on a GPU with the BLAS workspaces that GPU's s
 :func:`kdbench.measure.memory.step_live_peak`) / the prediction.  An unpredictable cell keeps the predicted columns
 null and says why in its notes; every fit note begins with
 :data:`kdbench.core.names.FIT_NOTE`.
+
+Beside the peak, the step's time (:func:`step_time_columns`): the same fake run's operator census priced by
+:func:`kdbench.fit.steptime.predict_step_time`, ``predicted_step_ms``, and ``predicted_step_ratio`` = the measured
+``median_ms`` / the prediction, noted outside :data:`kdbench.core.limits.STEP_TIME_TOLERANCE`.  The rates are the
+machine's own where a probe of it is known (the run's newest probe of this device, handed down as ``ceiling``, or
+the row's own ceiling columns), else the device table's entry for the GPU this process runs on, else none: the
+columns stay null and a note says why.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from typing import Any
 
 from kdbench.config.schema import CellConfig
-from kdbench.core.limits import FIT_TOLERANCE
+from kdbench.core.devices import find_card
+from kdbench.core.errors import KdbenchError
+from kdbench.core.limits import FIT_TOLERANCE, STEP_TIME_TOLERANCE
 from kdbench.core.names import FIT_NOTE, Status
 from kdbench.core.schema import Row
 from kdbench.fit import planner
 from kdbench.fit.runtime import BLAS_TERM, live_runtime, with_runtime
+from kdbench.fit.steptime import Rates, predict_step_time, rates_for, rates_from_probe, rates_from_row
 from kdbench.fit.tracker import KINDS
 
 MIB = 2**20
@@ -80,10 +92,77 @@ def no_fit_check(row: Row) -> None:
 NOT_CHECKED = "not checked (fit_check: false / --no-fit-check)"
 
 
-def add_fit(row: Row, config: CellConfig, device_type: str, allow_imports: bool = False) -> None:
+def rates_of(
+    row: Row, config: CellConfig, device_type: str, ceiling: Mapping[str, Any] | None = None
+) -> tuple[Rates | None, str]:
+    """The rates a row's step is priced with (module docstring), or None and why not."""
+    if ceiling:
+        rates = rates_from_probe(ceiling, config.precision, device_type)
+        if rates is not None:
+            return rates, ""
+    rates = rates_from_row(row, config.precision, config.teacher_precision)
+    if rates is not None:
+        return rates, ""
+    card = _this_gpu() if device_type != "cpu" else None
+    if card is not None:
+        try:
+            return rates_for(card, config.precision), ""
+        except KdbenchError as exc:
+            return None, str(exc)
+    where = "this GPU is not in the device table" if device_type != "cpu" else "a CPU has no datasheet entry"
+    return None, f"no probe of this device (run `kdbench probe`) and {where}"
+
+
+def _this_gpu():
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return find_card(props.name, int(props.multi_processor_count), getattr(props, "gcnArchName", "") or None)
+
+
+def step_time_columns(
+    prediction: planner.Prediction, row: Row, config: CellConfig, device_type: str, ceiling: Mapping | None = None
+) -> tuple[Row, list[str]]:
+    """``predicted_step_ms`` and ``predicted_step_ratio`` of a row (its ``median_ms`` measured) and their notes; an
+    unpredictable cell gets neither and no note of its own (its peak's note says why)."""
+    if not prediction.ok or prediction.census is None:
+        return Row(), []
+    rates, why = rates_of(row, config, device_type, ceiling)
+    if rates is None:
+        return Row(), [f"{FIT_NOTE}step time not predicted: {why}"]
+    predicted = predict_step_time(prediction, rates, config.precision).ms
+    columns = Row(predicted_step_ms=predicted)
+    notes = []
+    median = row.get("median_ms")
+    if median and predicted > 0:
+        ratio = median / predicted
+        columns["predicted_step_ratio"] = ratio
+        low, high = STEP_TIME_TOLERANCE
+        if not low <= ratio <= high:
+            notes.append(
+                f"{FIT_NOTE}the measured step ({median:,.2f} ms) is {ratio:.3f}x the predicted ({predicted:,.2f} ms, "
+                f"{rates.name}), outside the tolerance {low:.2f}-{high:.2f}"
+            )
+    return columns, notes
+
+
+def add_fit(
+    row: Row,
+    config: CellConfig,
+    device_type: str,
+    allow_imports: bool = False,
+    ceiling: Mapping[str, Any] | None = None,
+) -> None:
     """Set ``row``'s fit columns from a prediction of ``config`` on ``device_type`` (``allow_imports``: the suite's,
-    for ``module:callable`` models), its fit notes added to an ok row's notes."""
-    columns, notes = fit_columns(prediction_of(config, device_type, allow_imports), row.get("live_peak_bytes"))
+    for ``module:callable`` models; ``ceiling``: the run's probe of this device,
+    :func:`kdbench.store.probes.latest_ceiling`'s form), its fit notes added to an ok row's notes."""
+    prediction = prediction_of(config, device_type, allow_imports)
+    columns, notes = fit_columns(prediction, row.get("live_peak_bytes"))
+    times, time_notes = step_time_columns(prediction, row, config, device_type, ceiling)
+    columns.update(times)
+    notes += time_notes
     row.update(columns)
     if notes and row["status"] == Status.OK:
         row["notes"] = "; ".join(n for n in (row.get("notes"), *notes) if n)

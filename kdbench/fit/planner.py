@@ -12,6 +12,10 @@ it.  The operator choices that do are a GPU's for a GPU target (autocast's op li
 dropout, sort's workspace: :mod:`kdbench.fit.gpu_target`); the caching allocator's rounding and the runtime's
 own context are stated in docs/fit.md and in :func:`predict`'s notes; a cell whose fake run cannot
 run an operator (no fake implementation, a value read back) is unpredictable, with the operator named.
+
+The same run takes the step's operator census (:class:`~kdbench.fit.census.CensusMode`, on for the last fake step):
+each operator's FLOPs, bytes, dtype, phase and class, which :mod:`kdbench.fit.steptime` prices into the step's
+time on a device; one fake run gives both answers (:attr:`Prediction.census`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from kdbench.config.schema import CellConfig
 from kdbench.core.fakes import with_values
 from kdbench.core.names import PHASES, Phase
 from kdbench.distill.step import DistillStep
+from kdbench.fit.census import Census, CensusMode, all_reduce_record
 from kdbench.fit.gpu_target import GpuTarget
 from kdbench.fit.tracker import GRADIENTS, INPUTS, OPTIMIZER, PARAMETERS, LiveBytes
 from kdbench.hw.backends import Backend
@@ -54,6 +59,7 @@ class Prediction:
     error: str | None = None  # why the cell is unpredictable
     notes: tuple[str, ...] = ()
     comm_bytes: int = 0  # NCCL's/RCCL's buffers per rank, outside the allocator: not in peak_bytes (fit.runtime)
+    census: Census | None = None  # the last fake step's operators (kdbench.fit.census): what its time is priced from
 
     @property
     def ok(self) -> bool:
@@ -113,6 +119,7 @@ def predict(config: CellConfig, device_type: str = "cuda", allow_imports: bool =
         return predict_apart(config, device_type, allow_imports)
     start = time.perf_counter()
     tracker = LiveBytes()
+    census = CensusMode(lambda: tracker.phase, config.world_size)  # the same run's operators, for the step's time
     target = GpuTarget(device_type, tracker)  # a GPU's autocast lists, fused attention and sort workspace
     notes: list[str] = []
     step = None
@@ -122,6 +129,7 @@ def predict(config: CellConfig, device_type: str = "cuda", allow_imports: bool =
             FakeTensorMode(allow_non_fake_inputs=True) as mode,
             as_measured_batches(),
             tracker,
+            census,
             target,
         ):
             # no model kept: a kept one is deep-copied per use, which reads a fake tensor's data pointer
@@ -152,11 +160,14 @@ def predict(config: CellConfig, device_type: str = "cuda", allow_imports: bool =
                     p.register_post_accumulate_grad_hook(lambda p: tracker.mark([p.grad], GRADIENTS))
             # what trains (adapters too), and what sharding made of the models (FSDP2's local shards)
             tracker.track(_tensors(distiller.trainee, distiller.model, distiller.teacher), PARAMETERS)
-            for _ in range(STEPS):
+            for i in range(STEPS):
+                census.on = i == STEPS - 1  # the census is a timed step's: the last, with the optimizer's state
                 step()
+                census.on = False
                 tracker.mark(_state(distiller.optimizer), OPTIMIZER)
             logits = _logits_bytes(distiller.loss_fn, x)
             buckets = ddp_bucket_bytes(config, distiller.trainee)
+            reduce = ddp_all_reduce(config, distiller.trainee)
     except Exception as exc:  # any failure of the fake run makes the cell unpredictable, said why
         if os.environ.get("KDBENCH_FIT_DEBUG"):
             raise
@@ -168,6 +179,7 @@ def predict(config: CellConfig, device_type: str = "cuda", allow_imports: bool =
             step.close()
     notes.extend(target.notes)
     breakdown = tracker.breakdown()
+    census.add(reduce)
     if buckets:
         breakdown[GRADIENTS] += buckets
         mib = buckets / 2**20
@@ -181,6 +193,7 @@ def predict(config: CellConfig, device_type: str = "cuda", allow_imports: bool =
         host=host_text,
         seconds=time.perf_counter() - start,
         notes=tuple(notes),
+        census=census.census(),
     )
 
 
@@ -217,6 +230,19 @@ def ddp_bucket_bytes(config: CellConfig, trainee: torch.nn.Module) -> int:
     if config.world_size <= 1 or config.parallel == "fsdp" or config.ddp.gradient_as_bucket_view:
         return 0
     return sum(p.numel() * p.element_size() for p in trainee.parameters() if p.requires_grad)
+
+
+def ddp_all_reduce(config: CellConfig, trainee: torch.nn.Module) -> list:
+    """DDP's all-reduce of the trainable gradients, in buckets of ``ddp.bucket_cap_mb``, as census records (its
+    reducer cannot run on fake tensors); none for one device or FSDP2 (whose collectives the fake run sees)."""
+    if config.world_size <= 1 or config.parallel == "fsdp":
+        return []
+    grads = [p for p in trainee.parameters() if p.requires_grad]
+    nbytes = sum(p.numel() * p.element_size() for p in grads)
+    if not nbytes:
+        return []
+    buckets = -(-nbytes // int(config.ddp.bucket_cap_mb * 2**20))
+    return [all_reduce_record(nbytes, grads[0].dtype, buckets)]
 
 
 def _tensors(*modules: torch.nn.Module) -> list[torch.Tensor]:
@@ -271,6 +297,7 @@ def predict_apart(
         return Prediction(None, error=f"the fake run's process failed (exit {proc.returncode}): {tail[:300]}")
     fields = json.loads(lines[-1])
     fields["notes"] = tuple(fields.get("notes", ()))
+    fields["census"] = Census.from_json(fields["census"]) if fields.get("census") else None
     return Prediction(**fields)
 
 

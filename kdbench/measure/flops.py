@@ -179,12 +179,18 @@ def _unseen_formulas() -> dict:
     return mapping
 
 
+def formulas(seen: _Attention | None = None) -> dict:
+    """The formulas kdbench adds to torch's flop counter (the unseen matmuls, attention as executed), keyed by
+    operator; ``seen`` notes the attention calls' kernels.  The fit's census (:mod:`kdbench.fit.census`) counts
+    with them too, so that its FLOPs are a row's."""
+    return {**_unseen_formulas(), **_attention_formulas(seen if seen is not None else _Attention(Counter()))}
+
+
 def count(fn: Callable[[], Any]) -> Counted:
     """Run ``fn`` once: its FLOPs (2 per multiply-add; attention as executed) and its attention calls per kernel."""
     calls: Counter = Counter()
     seen = _Attention(calls)
-    formulas = {**_unseen_formulas(), **_attention_formulas(seen)}
-    with FlopCounterMode(display=False, custom_mapping=formulas) as counter, seen:
+    with FlopCounterMode(display=False, custom_mapping=formulas(seen)) as counter, seen:
         fn()
     return Counted(int(counter.get_total_flops()), calls)
 

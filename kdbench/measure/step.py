@@ -45,6 +45,7 @@ class MeasureOptions:
     trace_dir: str | None = None  # write a torch.profiler Chrome trace of each cell's step here
     run_dir: str | None = None  # the run's folder: TunableOp's results file is kept there
     fit_check: bool = True  # the fit planner's prediction beside the step's measured peak (the suite's fit_check)
+    ceiling: dict | None = None  # the run's newest probe of this device (store.probes.latest_ceiling): the step's rates
 
 
 class StepWorkload(Protocol):

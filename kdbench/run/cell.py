@@ -156,7 +156,7 @@ def measure_cell(
     if step["status"] != Status.SKIPPED and not device_lost():  # after every measurement: it changes none
         if options.fit_check:
             with walltime.spent(walltime.FIT):
-                add_fit(step, config, backend.device_type, getattr(cache, "allow_imports", False))
+                add_fit(step, config, backend.device_type, getattr(cache, "allow_imports", False), options.ceiling)
         else:
             no_fit_check(step)
     params = {"student_params": count_params(pair[1]), "teacher_params": count_params(pair[0])}

@@ -199,11 +199,13 @@ def check_threads(folder: RunFolder, threads: int) -> None:
 
 
 def _setup(suite: Suite, backend: Backend, threads: int, folder: RunFolder):
+    from kdbench.hw.environment import device_facts
     from kdbench.run.workers import WorkerSetup
 
     trace_dir = str(folder.path.parent / TRACES_DIR / folder.run_id) if suite.profile else None
     level = logging.getLogger("kdbench").getEffectiveLevel()
-    options = MeasureOptions(trace_dir=trace_dir, run_dir=str(folder.path), fit_check=suite.fit_check)
+    ceiling = latest_ceiling(folder.path.parent / PROBES_DIR, device_facts(backend)["device_name"], backend.name)
+    options = MeasureOptions(trace_dir=trace_dir, run_dir=str(folder.path), fit_check=suite.fit_check, ceiling=ceiling)
     return WorkerSetup(backend, suite.allow_imports, threads, options, level)
 
 
