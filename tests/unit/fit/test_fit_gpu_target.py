@@ -66,8 +66,10 @@ def test_the_lists_are_this_torchs_cuda_autocast_lists():
         *gpu_target.CUDA_BANNED,
     }
     names = torch._C._dispatch_get_all_op_names()
-    cuda = {
-        n.removeprefix("aten::") for n in names if torch._C._dispatch_has_kernel_for_dispatch_key(n, "AutocastCUDA")
+    cuda = {  # aten's own: other libraries' ops (torchvision::nms, ...) register their autocast kernels when imported
+        n.removeprefix("aten::")
+        for n in names
+        if n.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(n, "AutocastCUDA")
     }
     # every listed op is one CUDA's autocast has; what it has beyond them never runs on a CPU tensor (cuDNN's) or
     # is registered outside the lists (left with the CPU's kernel): a torch that adds an op to the lists fails here
