@@ -239,6 +239,22 @@ def fresh_bytes(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
     return total
 
 
+def _moved(func, args: tuple, inputs: list, outputs: list, cls: str) -> tuple[list, list]:
+    """The tensors an operator reads and those it writes: its inputs and outputs, but copy_'s or fill_'s
+    destination is not read, and a c10d collective's output buffers (``_allgather_base_(output_tensor, ...)``,
+    ``..._coalesced_(outputs, ...)``: arguments, not results) are written, not read."""
+    name = func._overloadpacket.__name__
+    if name in _WRITE_ONLY and args and isinstance(args[0], torch.Tensor):
+        return [t for t in inputs if t is not args[0]], outputs
+    if cls == COLLECTIVES:
+        names = [a.name for a in func._schema.arguments]
+        buffers = _tensors([a for a, n in zip(args, names) if n.startswith("output")])
+        if buffers:
+            ids = {id(t) for t in buffers}
+            return [t for t in inputs if id(t) not in ids], buffers
+    return inputs, outputs
+
+
 def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
@@ -284,10 +300,9 @@ class CensusMode(TorchDispatchMode):
         tally = self._tally[key]
         tally[0] += flops
         if cls != VIEWS:
-            name = packet.__name__
-            skip = {id(args[0])} if name in _WRITE_ONLY and args and isinstance(args[0], torch.Tensor) else set()
-            tally[1] += sum(tensor_bytes(t) for t in inputs if id(t) not in skip)
-            tally[2] += sum(tensor_bytes(t) for t in outputs)
+            read, written = _moved(func, args, inputs, outputs, cls)
+            tally[1] += sum(tensor_bytes(t) for t in read)
+            tally[2] += sum(tensor_bytes(t) for t in written)
             tally[3] += 1
             tally[4] += fresh_bytes(inputs, outputs)
 

@@ -152,6 +152,18 @@ def test_collectives_are_named_by_what_they_do():
     )
 
 
+def test_a_collectives_output_buffers_are_written_and_a_copys_destination_is_not_read():
+    out, shard = torch.empty(8), torch.empty(4)
+    gather = torch.ops.c10d._allgather_base_.default  # (output_tensor, input_tensor, group, ...): no alias marks
+    assert C._moved(gather, (out, shard, None), [out, shard], [out], C.COLLECTIVES) == ([shard], [out])
+    scatter = torch.ops.c10d._reduce_scatter_base_.default
+    assert C._moved(scatter, (shard, out, None), [shard, out], [shard], C.COLLECTIVES) == ([out], [shard])
+    reduce = torch.ops._c10d_functional.all_reduce.default  # functional: reads its input, returns a new tensor
+    assert C._moved(reduce, (out, "sum", "0"), [out], [shard], C.COLLECTIVES) == ([out], [shard])
+    copy = torch.ops.aten.copy_.default
+    assert C._moved(copy, (out, shard), [out, shard], [out], C.COPIES) == ([shard], [out])
+
+
 def test_a_census_survives_the_planners_json_round_trip():
     census = Census((Record("aten.mm", C.MATMUL, "loss", "float32", 10, 20, 30, 2, 0),), world_size=4)
     fields = json.loads(json.dumps(dataclasses.asdict(Prediction(1, census=census))))
