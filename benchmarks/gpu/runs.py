@@ -125,6 +125,16 @@ def ok_rows(df: pd.DataFrame, report: Report) -> list[tuple[Any, str]]:
     return rows
 
 
+def step_time_text(r: Any) -> str:
+    """A step row's step-time prediction beside its measurement (issue 43: the model checked on every GPU step the
+    check runs): ``, predicted X ms (measured/predicted R)``, or what the row says instead."""
+    predicted = getattr(r, "predicted_step_ms", None)
+    if predicted is None or pd.isna(predicted):
+        return ", step time not predicted"
+    ratio = getattr(r, "predicted_step_ratio", None)
+    return f", predicted {predicted:.4g} ms" + (f" (measured/predicted {ratio:.2f})" if pd.notna(ratio) else "")
+
+
 def count_or_na(value: Any) -> str:
     return "n/a" if value is None or pd.isna(value) else str(int(value))
 

@@ -225,7 +225,9 @@ def test_the_lm_stage_on_a_simulated_gpu_judges_every_row_of_the_lm_suite(gpu, m
     from tests.support.helpers import simulated_gpu
 
     step = {"measurement": "distill_step", "status": "ok", "median_ms": 4.0, "tokens_per_s": 2.5e5, "mfu": 0.2}
-    step |= {"loss_rel_err": 1e-3, "grad_rel_err": 2e-3}
+    step |= {"loss_rel_err": 1e-3, "grad_rel_err": 2e-3, "predicted_step_ms": 5.0, "predicted_step_ratio": 0.8}
+    head = "4 ms, 2.5e+05 tokens/s, attention"
+    told = "mfu 0.2, predicted 5 ms (measured/predicted 0.80):"
     decode = {**step, "measurement": "student_decode", "mfu": None, "attention_kernel": "flash"}
     decode |= {"served_weights": "bf16", "decode_bytes_per_token": 3.2e7, "loss_rel_err": None, "grad_rel_err": None}
     rows = [
@@ -267,19 +269,19 @@ def test_the_lm_stage_on_a_simulated_gpu_judges_every_row_of_the_lm_suite(gpu, m
     failed = "\n".join(report.failed)
     assert len(report.failed) == 11
     for problem in (
-        "fused_linear distill_step bs2: 4 ms, 2.5e+05 tokens/s, attention not recorded, mfu 0.2: no attention_kernel",
-        "topk distill_step bs2: 4 ms, 2.5e+05 tokens/s, attention cudnn, mfu 0.2: no teacher_cache_bytes_per_token",
-        "gkd distill_step bs2: 4 ms, 2.5e+05 tokens/s, attention cudnn, mfu 0.2: no phase_generate_ms",
+        f"fused_linear distill_step bs2: {head} not recorded, {told} no attention_kernel",
+        f"topk distill_step bs2: {head} cudnn, {told} no teacher_cache_bytes_per_token",
+        f"gkd distill_step bs2: {head} cudnn, {told} no phase_generate_ms",
         "mfu / ceiling_utilization 1.5 not in (0, 1]",
         "torch_linear distill_step bs2: failed: boom",
-        "ledger distill_step bs2: 4 ms, 2.5e+05 tokens/s, attention cudnn, mfu 0.2: grad_rel_err 0.05 outside [0, 0.0",
-        "noledger distill_step bs2: 4 ms, 2.5e+05 tokens/s, attention cudnn, mfu 0.2: no loss_rel_err (the accuracy",
+        f"ledger distill_step bs2: {head} cudnn, {told} grad_rel_err 0.05 outside [0, 0.0",
+        f"noledger distill_step bs2: {head} cudnn, {told} no loss_rel_err (the accuracy",
         "static bad student_decode bs2: 4 ms, 2.5e+05 tokens/s, attention flash (served bf16, 3.2e+07 B/token, "
         "MISMATCH: 3 of the 17 greedy tokens differ): output_check MISMATCH",
         "unserved student_decode bs2: 4 ms, 2.5e+05 tokens/s, attention flash (3.2e+07 B/token): no served_weights",
         "spec bad speculative_decode bs2: 4 ms, 2.5e+05 tokens/s, attention flash (served bf16, 3.2e+07 B/token, "
         "alpha 1.5): spec_alpha 1.5 not in [0, 1]",
-        "xtok distill_step bs2: 4 ms, 2.5e+05 tokens/s, attention cudnn, mfu 0.2: a cross-tokenizer step without",
+        f"xtok distill_step bs2: {head} cudnn, {told} a cross-tokenizer step without",
     ):
         assert problem in failed, failed
     passed = out.split("\nok   ")

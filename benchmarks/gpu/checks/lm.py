@@ -15,7 +15,7 @@ from kdbench.core.limits import MAX_LOSS_ERR
 from kdbench.hw.backends import Backend
 
 from ..report import Report
-from ..runs import ok_rows, run_suite, said
+from ..runs import ok_rows, run_suite, said, step_time_text
 
 DECODES = ("student_decode", "teacher_decode", "speculative_decode")
 
@@ -111,6 +111,7 @@ def check_lm(backend: Backend, suite: Path, scratch: Path, report: Report, cell_
         share = ""
         if r.measurement == "distill_step":
             share = f", mfu {r.mfu:.3g}" if pd.notna(r.mfu) else f", ceiling_utilization {r.ceiling_utilization:.3g}"
+            share += step_time_text(r)
         elif r.measurement in DECODES:
             share = f" ({decode_details(r)})"
         flags = " launch-bound" if r.launch_bound is True else ""

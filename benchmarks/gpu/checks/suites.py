@@ -13,7 +13,7 @@ from kdbench import api
 from kdbench.hw.backends import Backend
 
 from ..report import Report
-from ..runs import count_or_na, ok_rows, run_kdbench, run_suite, said, truthy
+from ..runs import count_or_na, ok_rows, run_kdbench, run_suite, said, step_time_text, truthy
 
 
 def check_probe(backend: Backend, scratch: Path, report: Report) -> None:
@@ -57,6 +57,8 @@ def check_suite(backend: Backend, suite: Path, scratch: Path, report: Report, ce
         else:
             share, of = None, "no mfu and no ceiling: no datasheet entry and no probe"
         flags = " launch-bound" if r.launch_bound is True else ""
+        if r.measurement == "distill_step":
+            flags += step_time_text(r)
         report.check(
             f"{what}: {r.median_ms:.4g} ms, {of}{flags}",
             (share is None and backend.device_type == "cpu") or (share is not None and 0 < share <= 1),
