@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from kdbench.config.schema import Suite
     from kdbench.config.suite_times import SuiteTime
     from kdbench.fit.cells import FitReport
+    from kdbench.fit.cost import Budget
     from kdbench.fit.devices import Device
     from kdbench.report.compare.verdicts import Comparison
     from kdbench.run.engine import RunOptions, RunOutcome
@@ -175,26 +176,48 @@ def _rerun_sides(cmp: Comparison, base, new, which: str, base_code=None) -> tupl
 
 def fit(
     cells: Suite | str | Path | Iterable,
-    device: Device | str | None = None,
+    device: Device | str | Iterable[Device | str] | None = None,
     max_key: str | None = None,
     allow_imports: bool = False,
     talk: Callable[[str], None] | None = None,
+    tokens: str | int | None = None,
+    steps: int | None = None,
+    prices: dict[str, float] | None = None,
+    budget: Budget | None = None,
 ) -> FitReport:
-    """Will it fit (``kdbench fit``): each cell's peak memory per rank predicted by a fake run of its own step,
-    judged against ``device`` and, with ``max_key`` (``batch_size`` or ``seq_len``), the largest size that fits.
+    """Will it fit, and what will it cost (``kdbench fit``): each cell's peak memory per rank predicted by a fake
+    run of its own step, judged against ``device`` and, with ``max_key`` (``batch_size`` or ``seq_len``), the
+    largest size that fits; on each GPU of the device table, the step's predicted time and, for a budget of
+    ``tokens`` (``"10B"``, ``1e9``: an LM cell's) or ``steps``, the device-hours and their cost.
 
     ``cells``: a suite (or its file: its cells as a run plans them) or cells (``CellConfig`` or a plan's ``Cell``,
     predicted for a GPU); ``device``: a :class:`kdbench.fit.devices.Device` (``sized_device("80GB")``), a GPU's
-    name, or None for predictions only; ``allow_imports``: build ``module:callable`` models (a suite's own setting
-    otherwise); ``talk`` gets each line of the report's text as it is known (the command line prints it).  The
-    :class:`kdbench.fit.cells.FitReport` has each cell's prediction, verdict and sizes, its text and its JSON
-    record."""
+    name, several of them (one fake run per cell serves them all), or None for predictions only;
+    ``allow_imports``: build ``module:callable`` models (a suite's own setting otherwise); ``talk`` gets each line
+    of the report's text as it is known (the command line prints it); ``prices``: US dollars per device-hour by
+    device name (the table's otherwise); ``budget``: a :class:`kdbench.fit.cost.Budget` as the command line parses
+    one, instead of ``tokens`` or ``steps``.  The :class:`kdbench.fit.cells.FitReport` has each cell's prediction,
+    verdicts, sizes and step times, its text and its JSON record."""
     from kdbench.config.schema import Suite
+    from kdbench.core.devices import find_card
+    from kdbench.core.errors import KdbenchError
     from kdbench.fit.cells import fit_cells
+    from kdbench.fit.cost import parse_tokens, steps_budget
     from kdbench.fit.devices import find_device
 
-    if isinstance(device, str):
-        device = find_device(device, flag="device")
+    many = device is not None and not isinstance(device, str) and isinstance(device, Iterable)
+    devices = [find_device(d, flag="device") if isinstance(d, str) else d for d in (device if many else [device])]
+    devices = [d for d in devices if d is not None]
+    if tokens is not None and steps is not None:
+        raise KdbenchError(f"tokens {tokens} and steps {steps}: give one budget, tokens or steps")
+    budget = parse_tokens(str(tokens), "tokens") if tokens is not None else budget
+    budget = steps_budget(steps, "steps") if steps is not None else budget
+    by_card = {}
+    for name, usd in (prices or {}).items():
+        card = find_card(name)
+        if card is None:
+            raise KdbenchError(f"prices {name}: unknown device; give a name of the device table (H100, MI300X ...)")
+        by_card[card.name] = float(usd)
     backend = "cuda"  # bare cells are predicted for a GPU, as `kdbench fit --pair` does
     if isinstance(cells, Suite | str | Path):
         from kdbench.config import with_overrides
@@ -202,9 +225,10 @@ def fit(
         suite = load_suite(cells) if isinstance(cells, str | Path) else cells
         suite = with_overrides(suite, {"allow_imports": ("--allow-imports", True if allow_imports else None)})
         cells, backend, allow_imports = plan(suite).cells, suite.backend, bool(suite.allow_imports)
-    kind = device.kind if device is not None else backend
+    kind = devices[0].kind if devices else backend
     device_type = "cpu" if kind == "cpu" else "cuda"
-    return fit_cells(cells, device, device_type, max_key, allow_imports, talk)
+    one = devices[0] if len(devices) == 1 else devices or None
+    return fit_cells(cells, one, device_type, max_key, allow_imports, talk, budget=budget, prices=by_card)
 
 
 def budget_checks(results: Iterable[str | Path], judge_contended: bool = False) -> list[BudgetCheck]:

@@ -354,10 +354,17 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
     from kdbench import api
     from kdbench.core.errors import KdbenchError
+    from kdbench.fit.cost import steps_budget
     from kdbench.fit.devices import find_device, sized_device
 
-    device = find_device(args.gpu) if args.gpu else sized_device(args.device_memory) if args.device_memory else None
-    if args.max and device is None:
+    devices = []
+    for name in args.gpu or ():
+        d = find_device(name)
+        if all(d.name != other.name for other in devices):  # H100 and h100-80gb are one device
+            devices.append(d)
+    if args.device_memory:
+        devices = [sized_device(args.device_memory)]
+    if args.max and not devices:
         raise KdbenchError(f"--max {args.max}: needs a device to fit into; add --gpu NAME or --device-memory SIZE")
     given = [flag for dest, (flag, _) in _PAIR_OPTIONS.items() if getattr(args, dest) is not None]
     if args.suite is not None and args.pair:
@@ -368,14 +375,54 @@ def cmd_fit(args: argparse.Namespace) -> int:
         )
     if args.suite is not None and given:
         raise KdbenchError(f"{given[0]}: sets the cell of --pair; a suite's cells are set in the suite (or use --pair)")
+    budget = args.tokens if args.tokens is not None else steps_budget(args.steps) if args.steps else None
+    prices = _prices(args.price or [], devices, budget)
     cells = args.suite if args.suite is not None else [_pair_cell(args)]
-    report = api.fit(cells, device, args.max, bool(args.allow_imports), talk=lambda line: print(line, flush=True))
+    report = api.fit(
+        cells, devices or None, args.max, bool(args.allow_imports), talk=lambda line: print(line, flush=True),
+        budget=budget, prices=prices,
+    )  # fmt: skip
     if args.out is not None:
         from kdbench.store.files import write_text
 
         write_text(json.dumps(report.record(), indent=1) + "\n", args.out)
         print(f"predictions -> {args.out}")
     return 0
+
+
+def _prices(given: list, devices: list, budget) -> dict[str, float]:
+    """``--price`` as {card name: USD per device-hour}: a bare price is the one --gpu's; a named one must be one of
+    the --gpu devices.  Each mistake names the flag and the fix."""
+    from kdbench.core.devices import find_card
+    from kdbench.core.errors import KdbenchError, did_you_mean
+
+    if not given:
+        return {}
+    if budget is None:
+        raise KdbenchError(f"--price {given[0][2]}: prices a budget's device-hours; add --tokens N or --steps N")
+    gpus = [d for d in devices if d.card is not None]
+    names = ", ".join(d.name for d in gpus) or "none"
+    out: dict[str, float] = {}
+    for name, usd, text in given:
+        if name is None:
+            if len(gpus) != 1:
+                raise KdbenchError(
+                    f"--price {text}: a bare price is the one --gpu's, and {len(gpus)} are given ({names}); write "
+                    f"--price DEVICE={text}"
+                )
+            card = gpus[0].card
+        else:
+            card = find_card(name)
+            if card is None:
+                close = did_you_mean(name.strip().upper(), [d.card.name for d in gpus], cutoff=0.5)
+                raise KdbenchError(f"--price {text}: unknown device {name!r}; {close}the --gpu devices: {names}")
+            if all(d.card is not card for d in gpus):
+                raise KdbenchError(
+                    f"--price {text}: {card.name} is not one of the --gpu devices ({names}); add --gpu {name} or "
+                    "leave its price out"
+                )
+        out[card.name] = usd
+    return out
 
 
 def _pair_cell(args: argparse.Namespace):

@@ -7,6 +7,8 @@ import argparse
 from pathlib import Path
 from typing import NoReturn
 
+from kdbench.cli.fit_flags import add_fit
+from kdbench.cli.flags import number, out_file
 from kdbench.core.errors import KdbenchError, did_you_mean
 from kdbench.core.limits import MAX_LOSS_ERR
 
@@ -18,6 +20,7 @@ EPILOG = """examples:
   kdbench run suites/amd.yaml --dry-run       validate and list the cells, run nothing
   kdbench fit suites/llm-cuda.yaml --gpu H200  will each cell fit an H200? fake runs, ~10 min for 52 cells on 2 cores
   kdbench fit --pair llama-3.1-8b llama-3.2-1b --seq-len 4096 --batch-size 4 --gpu MI300X --max batch_size
+  kdbench fit suites/llm-cuda.yaml --gpu H100 --gpu MI300X --tokens 1B   step time, hours and cost on each
   kdbench run suites/levers-cpu.yaml          the levers (compile, ONNX Runtime, int8) on the CPU, ~2 min
   kdbench run suites/cuda.yaml --shard 2/4 --run-id sweep1   one of four machines, all into results/sweep1/
   kdbench report results/ --out reports/      one report over every run in results/
@@ -31,32 +34,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise KdbenchError(f"{message}; see `{self.prog} --help`")
-
-
-def _number(kind: type, flag: str, low: float | None = None, high: float | None = None, above: bool = False):
-    """An argparse type: a ``kind`` number within [low, high] (strictly above ``low`` with ``above``)."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise KdbenchError(f"{flag}: expected a{'n integer' if kind is int else ' number'}, got {text!r}") from None
-        if value != value or value in (float("inf"), float("-inf")):  # nan and inf compare as no bound would
-            raise KdbenchError(f"{flag}: expected a finite number, got {text!r}")
-        if (low is not None and (value <= low if above else value < low)) or (high is not None and value > high):
-            bounds = f"> {low:g}" if above and high is None else f">= {low:g}" if high is None else f"{low:g}..{high:g}"
-            raise KdbenchError(f"{flag}: must be {bounds}, got {text}")
-        return value
-
-    return parse
-
-
-def _out_file(text: str) -> Path:
-    """An --out FILE: not an existing folder (its own folders are created when written)."""
-    path = Path(text)
-    if path.is_dir():
-        raise KdbenchError(f"--out {text}: is a folder; give a file name, e.g. {path / 'compare.md'}")
-    return path
 
 
 def _out_folder(flag: str):
@@ -85,15 +62,6 @@ def _run_id(text: str) -> str:
     return check_run_id(text)
 
 
-def _size_key(text: str) -> str:
-    from kdbench.fit.verdict import SIZE_KEYS
-
-    key = text.strip().replace("-", "_").removeprefix("data.")
-    if key not in SIZE_KEYS:
-        raise KdbenchError(f"--max {text}: not a size key; --max takes {' or '.join(SIZE_KEYS)}")
-    return key
-
-
 LIST_TOPICS = ("models", "methods", "suites", "loss_impls")
 
 
@@ -107,94 +75,10 @@ def _topic(text: str) -> str:
     return topic
 
 
-def _memory(text: str) -> str:
-    from kdbench.fit.devices import parse_size
-
-    parse_size(text, "--device-memory")  # checked here, before any suite is read
-    return text
-
-
-def _fit(sub) -> None:
-    from kdbench.core.names import PRECISIONS
-
-    fit = sub.add_parser(
-        "fit",
-        help="will each cell fit a device? its peak memory per rank, predicted by running the cell's own step on "
-        "fake tensors (nothing allocated)",
-        description="Predict each cell's peak memory per device: the cell's own distillation step (its pair, batch, "
-        "loss and optimizer, two steps) runs under FakeTensorMode, where every tensor has its shape and bytes and "
-        "none is allocated, metered operator by operator. With a device (--gpu or --device-memory) each cell is "
-        "judged: fits, does not fit, or fits only with the first changes that make it fit (loss_impl fused_linear, "
-        "a smaller chunk_size, a bf16-held teacher, FSDP2 over 2/4/8 ranks, half the batch), each predicted. "
-        "Sizes: GB = 10^9 bytes, GiB = 2^30 bytes, a bare number is bytes. A GPU's peak (its BLAS workspaces "
-        "included) may reach its total as torch reports it (the GPU this process runs on: what is free now) less "
-        "the runtime's context and, at world_size > 1, NCCL's buffers, over 1.05 for fragmentation (docs/fit.md).",
-    )
-    fit.add_argument("suite", type=Path, nargs="?", default=None, help="suite YAML file (or give --pair)")
-    fit.add_argument(
-        "--pair", nargs=2, metavar=("TEACHER", "STUDENT"), default=None, help="one cell of this pair, from defaults"
-    )
-    where = fit.add_mutually_exclusive_group()
-    where.add_argument(
-        "--gpu",
-        default=None,
-        metavar="NAME",
-        help="judge against this device of the table (H100 80GB, H100 NVL, H200, A100 40GB, A100 80GB, L4, T4, "
-        "MI300X, MI325X, MI250X: case, spaces and dashes ignored; the GPU this process runs on is measured now, "
-        "mem_get_info) or cpu (this machine's available memory)",
-    )
-    where.add_argument(
-        "--device-memory",
-        type=_memory,
-        default=None,
-        metavar="SIZE",
-        help="judge against a GPU of this much memory per device: 141GB (GB = 10^9 bytes), 80GiB (GiB = 2^30 "
-        "bytes), 192e9 (bytes), 1.5TB",
-    )
-    fit.add_argument(
-        "--max",
-        type=_size_key,
-        default=None,
-        metavar="KEY",
-        help="also find the largest batch_size or seq_len that fits (bisection over fake runs; for every loss_impl "
-        "of an LM cell); needs --gpu or --device-memory",
-    )
-    fit.add_argument("--out", type=_out_file, default=None, metavar="FILE", help="also write the predictions as JSON")
-    fit.add_argument(
-        "--allow-imports", action="store_true", help="allow `module:callable` models, as `allow_imports: true` does"
-    )
-    cell = fit.add_argument_group("the cell of --pair (each a cell key; the schema's defaults otherwise)")
-    cell.add_argument("--method", default=None, help="distillation method (default: kd; LM pairs forward_kl)")
-    cell.add_argument(
-        "--batch-size", type=_number(int, "--batch-size", 1, 1 << 20), default=None, metavar="N", help="per device"
-    )
-    cell.add_argument(
-        "--seq-len", type=_number(int, "--seq-len", 2, 1 << 20), default=None, metavar="N", help="tokens a sequence"
-    )
-    cell.add_argument("--precision", choices=PRECISIONS, default=None, help="the student's precision")
-    cell.add_argument(
-        "--teacher-precision",
-        choices=PRECISIONS,
-        default=None,
-        help="the teacher's (default: --teacher-weights' dtype, else fp32)",
-    )
-    cell.add_argument("--teacher-weights", default=None, metavar="DTYPE", help="the teacher held in fp32, bf16 or fp16")
-    cell.add_argument(
-        "--loss-impl", default=None, metavar="IMPL", help="dense, natural, chunked, fused_linear, liger or torch_linear"
-    )
-    cell.add_argument(
-        "--chunk-size", type=_number(int, "--chunk-size", 1, 1 << 20), default=None, metavar="N", help="tokens a chunk"
-    )
-    cell.add_argument(
-        "--world-size", type=_number(int, "--world-size", 1, 1024), default=None, metavar="N", help="ranks"
-    )
-    cell.add_argument("--parallel", default=None, metavar="HOW", help="ddp or fsdp (world_size > 1)")
-
-
 def _threshold(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threshold",
-        type=_number(float, "--threshold", 0, 99.9),
+        type=number(float, "--threshold", 0, 99.9),
         default=5.0,
         metavar="PCT",
         help="smallest change that counts, in percent of the base median (default: 5)",
@@ -275,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--repeat",
-        type=_number(int, "--repeat", 1, 100),
+        type=number(int, "--repeat", 1, 100),
         default=None,
         metavar="N",
         help="measure every cell N times, in rounds (each cell once per round), each round in fresh worker "
@@ -344,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     _threshold(cmp)
     cmp.add_argument(
         "--confidence",
-        type=_number(float, "--confidence", 0.5, 0.9999),
+        type=number(float, "--confidence", 0.5, 0.9999),
         default=0.95,
         metavar="C",
         help="confidence of the intervals, for all the judged measurements together (default: 0.95)",
@@ -369,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cmp.add_argument(
         "--rerun-undecided",
-        type=_number(int, "--rerun-undecided", 1, 20),
+        type=number(int, "--rerun-undecided", 1, 20),
         default=None,
         metavar="N",
         help="measure the undecided cells again (one whose interval straddles the threshold, or not judged for "
@@ -403,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cmp.add_argument(
         "--max-loss-err",
-        type=_number(float, "--max-loss-err", 0.0, above=True),
+        type=number(float, "--max-loss-err", 0.0, above=True),
         default=MAX_LOSS_ERR,
         metavar="E",
         help="the accuracy ledger's bound: an LM cell of NEW whose loss_rel_err or grad_rel_err (its loss_impl in its "
@@ -416,9 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a faster (improved) LM cell beyond --max-loss-err fails the gate (exit 1), not only a note",
     )
     cmp.add_argument("--format", choices=["text", "markdown", "json", "csv"], default="text", help="output format")
-    cmp.add_argument(
-        "--out", type=_out_file, default=None, metavar="FILE", help="write the comparison here, not stdout"
-    )
+    cmp.add_argument("--out", type=out_file, default=None, metavar="FILE", help="write the comparison here, not stdout")
 
     exp = sub.add_parser(
         "export",
@@ -432,9 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="csv/json: every row and column; pytest-benchmark: its saved-run JSON, one benchmark per timed "
         "row, one machine per file (default: csv)",
     )
-    exp.add_argument("--out", type=_out_file, default=None, metavar="FILE", help="write here instead of stdout")
+    exp.add_argument("--out", type=out_file, default=None, metavar="FILE", help="write here instead of stdout")
 
-    _fit(sub)
+    add_fit(sub)
 
     sub.add_parser("env", help="show the backend, devices and software kdbench detects")
 
@@ -455,19 +337,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     probe.add_argument(
         "--threads",
-        type=_number(int, "--threads", 1, 4096),
+        type=number(int, "--threads", 1, 4096),
         default=None,
         help="torch CPU threads (default: torch's default)",
     )
     probe.add_argument(
         "--size",
-        type=_number(int, "--size", 16, 65536),
+        type=number(int, "--size", 16, 65536),
         default=None,
         help="matmul side n (default: 2048 on the CPU, 8192 on GPUs)",
     )
     probe.add_argument(
         "--min-time",
-        type=_number(float, "--min-time", 0, above=True),
+        type=number(float, "--min-time", 0, above=True),
         default=None,
         metavar="SECONDS",
         help="minimum timed duration per measurement (default: 2 on GPUs, for sustained clocks; 0.5 on the CPU)",

@@ -84,6 +84,15 @@ class Card:
     reported_memory: int | None = None  # the total torch reports (total_memory, mem_get_info's total); None: not seen
     reported_source: str = ""  # where that total was printed, or why the datasheet's figure is kept
 
+    @property
+    def price(self) -> float | None:
+        """On-demand US dollars per device-hour (:data:`PRICES`); None where no public price was found."""
+        return PRICES.get(self.name, (None, ""))[0]
+
+    @property
+    def price_source(self) -> str:
+        return PRICES.get(self.name, (None, "no public price found"))[1]
+
 
 def _peaks(fp32: float, tf32: float | None, fp16: float, bf16: float | None) -> dict[str, float | None]:
     return {"fp32": fp32, "tf32": tf32, "fp16": fp16, "bf16": bf16}
@@ -381,6 +390,47 @@ CATALOGUE: tuple[Card, ...] = (
         reported_source=_GFX90A,
     ),
 )
+
+
+# --- prices -------------------------------------------------------------------------------------------------------
+# On-demand US dollars per device-hour (one rank's device: a GPU), what `kdbench fit --tokens/--steps` multiplies
+# device-hours by; `--price` overrides it.  One published table for all of them, so that the cards compare at one
+# kind of price: cloud-gpus.com's (github.com/cloud-gpus/cloud-gpus.github.io, cloud_gpu.json at commit 61a3021 of
+# 2025-09-17, each provider's price with its page), read 2026-12-06.  One provider where it lists the card, so that
+# H100, H200, A100 and MI300X compare at one provider's prices: Crusoe Cloud's on-demand list (set in that table on
+# 2025-05-29, commit 7c9af4f, unchanged since).  A card Crusoe does not list: the provider named.  Prices move (AWS
+# cut its P5 prices by up to 45 % in June 2025; neoclouds list H100s from under $2 to over $6): the figure is an
+# example at a date, for ranking devices, and `--price` is for the user's own.
+_PRICE_TABLE = (
+    "cloud-gpus.com's table (cloud-gpus/cloud-gpus.github.io, cloud_gpu.json at 61a3021, 2025-09-17), read 2026-12-06"
+)
+_CRUSOE = f"Crusoe Cloud on demand, https://crusoecloud.com/pricing/, as {_PRICE_TABLE}"
+PRICES: dict[str, tuple[float | None, str]] = {
+    "H100 80GB": (3.90, f"{_CRUSOE}: H100 80GB (HGX SXM) $3.90 per GPU-hour"),
+    "H200": (4.29, f"{_CRUSOE}: H200 141GB $4.29 per GPU-hour"),
+    "A100 40GB": (1.45, f"{_CRUSOE}: A100 40GB $1.45 per GPU-hour"),
+    "A100 80GB": (1.65, f"{_CRUSOE}: A100 80GB $1.65 per GPU-hour"),
+    "MI300X": (3.45, f"{_CRUSOE}: MI300X 192GB $3.45 per GPU-hour"),
+    "MI325X": (4.62, f"Vultr on demand (Crusoe lists none), as {_PRICE_TABLE}: MI325X $4.62 per GPU-hour"),
+    "L4": (
+        0.71,
+        f"Google Cloud on demand, https://cloud.google.com/compute/gpus-pricing (Crusoe lists none), as "
+        f"{_PRICE_TABLE}: L4 $0.71 per hour (a g2-standard-4 with one L4, set in that table 2023-10-05)",
+    ),
+    "T4": (
+        0.53,
+        f"AWS on demand (Crusoe lists none), as {_PRICE_TABLE}: T4 $0.53 per hour (g4dn.xlarge, one T4, us-east-1; "
+        "set in that table 2023-10-05)",
+    ),
+    "H100 NVL": (None, f"no price: {_PRICE_TABLE} has one H100 column, which does not say SXM, PCIe or NVL"),
+    "H100 PCIe": (None, f"no price: {_PRICE_TABLE} has one H100 column, which does not say SXM, PCIe or NVL"),
+    "MI250X": (
+        None,
+        f"no price: {_PRICE_TABLE} lists an MI250X at Cirrascale ($1.60/h) without saying whether it is the card "
+        "(two GCDs) or one GCD, this table's device",
+    ),
+    "MI210": (None, f"no price: {_PRICE_TABLE} lists no MI210"),
+}
 
 
 def name_key(name: str) -> str:

@@ -819,6 +819,17 @@ COLUMNS: tuple[Column, ...] = (
             f"median_ms / predicted_step_ms; outside {STEP_TIME_TOLERANCE[0]:.2f}–{STEP_TIME_TOLERANCE[1]:.2f} "
             "(kdbench.core.limits.STEP_TIME_TOLERANCE) the row's notes say so with both figures",
         ),
+        (
+            "predicted_step_devices",
+            _S,
+            "",
+            "distill_step rows: the same step predicted on other devices of the table (kdbench.fit.cost."
+            "REPORT_DEVICES: H100 80GB, H200, MI300X, each with a peak for the cell's precision), JSON {device: "
+            "{ms, per_s, unit}}: the fake run's census priced at the card's datasheet figures and published "
+            "fractions (arithmetic, no other fake run; per_s: tokens for a token pair, LM or encoder, else "
+            "samples, all ranks); the report's 'predicted on other devices' table; null where the step time is not "
+            "predicted",
+        ),
     ),
     *_group(
         DERIVED,

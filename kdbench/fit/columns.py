@@ -31,6 +31,7 @@ from kdbench.core.limits import FIT_TOLERANCE, STEP_TIME_TOLERANCE
 from kdbench.core.names import FIT_NOTE, Status
 from kdbench.core.schema import Row
 from kdbench.fit import planner
+from kdbench.fit.cost import other_devices
 from kdbench.fit.runtime import BLAS_TERM, live_runtime, with_runtime
 from kdbench.fit.steptime import Rates, predict_step_time, rates_for, rates_from_probe, rates_from_row
 from kdbench.fit.tracker import KINDS
@@ -161,7 +162,7 @@ def add_fit(
     prediction = prediction_of(config, device_type, allow_imports)
     columns, notes = fit_columns(prediction, row.get("live_peak_bytes"))
     times, time_notes = step_time_columns(prediction, row, config, device_type, ceiling)
-    columns.update(times)
+    columns.update(times, predicted_step_devices=other_devices(prediction, config))  # the report's other devices
     notes += time_notes
     row.update(columns)
     if notes and row["status"] == Status.OK:

@@ -5,7 +5,8 @@ Data (pandas only, never torch): :func:`fit_points`, one row per distill_step ro
 peak or a fit note (every repeat: a peak is not a timing to pool), with its ratio, whether the ratio is outside the
 tolerance, and its fit notes; :func:`fit_rows`, the table's formatted rows.  Chart: :func:`draw_fit`, predicted
 against measured on log-log axes with the y = x line and the tolerance's band.  The page's part: :func:`fit_section`
-(None when no row has any fit figure, so earlier runs' reports do not change).
+(None when no row has any fit figure, so earlier runs' reports do not change), with, where the rows carry it, the
+*predicted on other devices* table (:mod:`kdbench.report.fit_devices`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kdbench.core.limits import FIT_TOLERANCE
 from kdbench.core.names import FIT_NOTE, Measurement, Status
 from kdbench.core.schema import COLUMN_NAMES
 from kdbench.report.charts import Chart
+from kdbench.report.fit_devices import DevicesTable, devices_table
 from kdbench.report.format import MISSING, format_mib, text, truncate
 
 MIB = 2**20
@@ -40,6 +42,7 @@ class FitSection:
     rows: list[dict]  # one formatted row per distill_step row with a fit figure or note
     tolerance: str  # "0.90–1.10"
     flagged: int  # rows whose ratio is outside the tolerance
+    devices: DevicesTable | None = None  # each step cell predicted on other devices of the table (report.fit_devices)
 
 
 def tolerance_text() -> str:
@@ -57,6 +60,7 @@ def fit_section(df: pd.DataFrame, out_dir: Path) -> FitSection | None:
         rows=fit_rows(points),
         tolerance=tolerance_text(),
         flagged=int(points["flagged"].sum()),
+        devices=devices_table(df),
     )
 
 

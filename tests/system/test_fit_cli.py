@@ -2,6 +2,7 @@
 over fake runs (checked against real steps' measured peaks), the command end to end and its one-line errors."""
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -300,6 +301,57 @@ def test_fit_max_sizes_every_loss_impl_of_an_lm_cell(capsys):
     assert "with loss_impl liger: unpredictable: " in out  # liger's chunked loss reads values: no fake run
 
 
+def test_fit_prices_each_gpu_side_by_side_from_one_fake_run(tmp_path, capsys):
+    """Issue 43, scope 4: several --gpu, each with its verdict and its predicted step (phase shares, tokens/s)
+    and, for --tokens, steps, device-hours and cost at the table's price or --price; one fake run for the cell; the
+    JSON and api.fit carry the same figures."""
+    out = tmp_path / "fit.json"
+    argv = ["fit", "--pair", "tiny-llama-teacher", "tiny-llama-student", "--seq-len", "128", "--batch-size", "2"]
+    argv += ["--gpu", "H100", "--gpu", "mi300x", "--gpu", "h100-80gb", "--tokens", "1B", "--price", "MI300X=2"]
+    assert main([*argv, "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines[1:3]] == ["device H100 80GB", "device MI300X"]  # h100-80gb once
+    assert lines[3].startswith("budget --tokens 1B: device-hours = steps x predicted step time x world_size")
+    assert any(line.startswith("      H100 80GB: fits (") for line in lines)
+    assert any(line.startswith("      MI300X: fits (") for line in lines)
+    h100 = next(line for line in lines if line.startswith("      step on H100 80GB  "))
+    mi300x = next(line for line in lines if line.startswith("      step on MI300X     "))
+    for line in (h100, mi300x):
+        assert " ms a step (teacher_forward " in line and " tokens/s; 1B tokens: 3.91M steps, " in line
+    assert h100.endswith(" at $3.90/device-hour") and mi300x.endswith(" at $2.00/device-hour")  # the table's, given
+    assert lines[-2].startswith("1 cells: H100 80GB 1 fits; MI300X 1 fits; 1 fake runs in ")
+    record = json.loads(out.read_text())
+    assert [d["name"] for d in record["devices"]] == ["H100 80GB", "MI300X"] and record["device"]["name"] == "H100 80GB"
+    h, m = record["cells"][0]["step_time"]
+    assert (h["device"], h["price_per_hour"], m["price_per_hour"], m["price_source"]) == (
+        "H100 80GB",
+        3.90,
+        2.0,
+        "given: --price",
+    )
+    for t in (h, m):
+        assert t["steps"] == 3_906_250 == math.ceil(10**9 / 256) and t["unit"] == "tokens"
+        assert t["device_hours"] == pytest.approx(t["steps"] * t["step_ms"] / 3.6e6)
+        assert t["cost"] == pytest.approx(t["device_hours"] * t["price_per_hour"])
+        assert sum(t["phase_shares"].values()) == pytest.approx(1.0) and t["per_s"] == pytest.approx(
+            256 / (t["step_ms"] / 1e3)
+        )
+    assert set(record["cells"][0]["verdicts"]) == {"H100 80GB", "MI300X"}
+    from kdbench import api
+
+    cell = CellConfig.model_validate(
+        {
+            "pair": {"teacher": "tiny-llama-teacher", "student": "tiny-llama-student"},
+            "method": "forward_kl",
+            "batch_size": 2,
+            "data": {"kind": "tokens", "seq_len": 128},
+        }
+    )
+    report = api.fit([cell], ["H100", "MI300X"], tokens="1B", prices={"mi300x": 2})
+    assert report.runs == 1 and [t.ms for t in report.cells[0].times] == pytest.approx([h["step_ms"], m["step_ms"]])
+    assert [t.cost for t in report.cells[0].times] == pytest.approx([h["cost"], m["cost"]])
+
+
 # --------------------------------------------------------------------------- user mistakes
 
 
@@ -319,6 +371,30 @@ def test_fit_max_sizes_every_loss_impl_of_an_lm_cell(capsys):
         (["--gpu", "H200", "--device-memory", "80GB"], "argument --device-memory: not allowed with argument --gpu"),
         (["--batch-size", "4"], "--batch-size: sets the cell of --pair; a suite's cells are set in the suite"),
         (["--pair", "a", "b"], "give a suite or --pair TEACHER STUDENT, not both"),
+        # a budget and its prices (issue 43): each before any fake run
+        (["--gpu", "H100", "--tokens", "-5"], "--tokens -5: must be a positive number of tokens, e.g. 10B"),
+        (["--gpu", "H100", "--tokens", "ten"], "--tokens 'ten': not a number of tokens; write e.g. 10B, 500M"),
+        (["--gpu", "H100", "--steps", "-3"], "--steps: must be >= 1, got -3"),
+        (["--gpu", "H100", "--steps", "x"], "--steps: expected an integer, got 'x'"),
+        (["--gpu", "H100", "--tokens", "1B", "--steps", "5"], "argument --steps: not allowed with argument --tokens"),
+        (["--tokens", "1B"], "--tokens 1B: prices a step on a GPU of the device table; add --gpu NAME"),
+        (["--device-memory", "80GB", "--steps", "9"], "--steps 9: a device of 80GB is not a GPU of the device table"),
+        (
+            ["--gpu", "H100", "--gpu", "cpu"],
+            "--gpu cpu: this machine's memory is judged with a CPU's fake run; give it",
+        ),
+        (["--gpu", "H100", "--tokens", "1B", "--price", "-1"], "--price -1: must be a price of 0 or more US dollars"),
+        (["--gpu", "H100", "--tokens", "1B", "--price", "abc"], "--price abc: 'abc' is not a price; write US dollars"),
+        (["--gpu", "H100", "--price", "2"], "--price 2: prices a budget's device-hours; add --tokens N or --steps N"),
+        (
+            ["--gpu", "H100", "--gpu", "MI300X", "--tokens", "1B", "--price", "2"],
+            "--price 2: a bare price is the one --gpu's, and 2 are given (H100 80GB, MI300X); write --price DEVICE=2",
+        ),
+        (
+            ["--gpu", "H100", "--tokens", "1B", "--price", "MI300X=2"],
+            "--price MI300X=2: MI300X is not one of the --gpu devices (H100 80GB); add --gpu MI300X",
+        ),
+        (["--gpu", "H100", "--tokens", "1B", "--price", "H1000=2"], "--price H1000=2: unknown device 'H1000'; "),
     ],
 )
 def test_fit_mistakes_are_one_line_naming_the_flag(argv, message, suite, tmp_path, capsys):
@@ -352,8 +428,18 @@ def test_fit_mistakes_are_one_line_naming_the_flag(argv, message, suite, tmp_pat
             ],
             "--teacher-weights: teacher.weights bf16 computes the teacher in bf16",
         ),
+        (
+            ["--pair", "tiny-llama-teacher", "tiny-llama-student", "--precision", "bf16", "--gpu", "T4", "--tokens",
+             "1B"],
+            "--gpu T4: no bf16 peak in the device table (T4 has fp32, fp16), and cell 1 (",
+        ),
+        (
+            ["--pair", "resnet8", "linear", "--gpu", "H100", "--tokens", "1B"],
+            "--tokens 1B: cell 1 (resnet8->linear kd fp32 bs32) counts samples, not tokens (an image pair); give a "
+            "number of steps, --steps N",
+        ),
     ],
-)
+)  # fmt: skip
 def test_fit_pair_mistakes_are_one_line(argv, message, capsys):
     assert main(["fit", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -1,0 +1,34 @@
+"""The checks of flag values the parsers share: each an argparse type whose mistake is a one-line
+:class:`~kdbench.core.errors.KdbenchError` naming the flag."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kdbench.core.errors import KdbenchError
+
+
+def number(kind: type, flag: str, low: float | None = None, high: float | None = None, above: bool = False):
+    """An argparse type: a ``kind`` number within [low, high] (strictly above ``low`` with ``above``)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise KdbenchError(f"{flag}: expected a{'n integer' if kind is int else ' number'}, got {text!r}") from None
+        if value != value or value in (float("inf"), float("-inf")):  # nan and inf compare as no bound would
+            raise KdbenchError(f"{flag}: expected a finite number, got {text!r}")
+        if (low is not None and (value <= low if above else value < low)) or (high is not None and value > high):
+            bounds = f"> {low:g}" if above and high is None else f">= {low:g}" if high is None else f"{low:g}..{high:g}"
+            raise KdbenchError(f"{flag}: must be {bounds}, got {text}")
+        return value
+
+    return parse
+
+
+def out_file(text: str) -> Path:
+    """An --out FILE: not an existing folder (its own folders are created when written)."""
+    path = Path(text)
+    if path.is_dir():
+        raise KdbenchError(f"--out {text}: is a folder; give a file name, e.g. {path / 'compare.md'}")
+    return path
