@@ -97,8 +97,10 @@ class KdbenchFixture:
         benchmark: Any,
         cache: Callable[[], ModelCache],
         tunable_dir: Callable[[], str | Path | None] = lambda: None,
+        on_contended: Callable[[str], None] = lambda note: None,
     ):
         self.benchmark = benchmark
+        self._on_contended = on_contended  # told the note of a benchmark measured on a busy machine
         self._cache = cache
         self._tunable_dir = tunable_dir  # where TunableOp's results file is kept (None: not kept)
         self._used: str | None = None
@@ -305,12 +307,34 @@ class KdbenchFixture:
         else:
             call = fn
         backend.synchronize()  # placing the models and the batch: every call starts on an idle device
-        if rounds is not None:
-            return self.benchmark.pedantic(call, rounds=rounds, warmup_rounds=warmup_rounds, iterations=1)
-        if self.benchmark.enabled:  # pytest-benchmark warms up only with --benchmark-warmup
-            for _ in range(warmup_rounds):
-                call()
-        return self.benchmark(call)
+        with self._host_watch():
+            if rounds is not None:
+                return self.benchmark.pedantic(call, rounds=rounds, warmup_rounds=warmup_rounds, iterations=1)
+            if self.benchmark.enabled:  # pytest-benchmark warms up only with --benchmark-warmup
+                for _ in range(warmup_rounds):
+                    call()
+            return self.benchmark(call)
+
+    @contextlib.contextmanager
+    def _host_watch(self) -> Iterator[None]:
+        """Watch the host while pytest-benchmark times (as `kdbench run` watches each measurement): the others'
+        share lands in ``extra_info`` (``host_busy_share``, ``contended``), and a contended benchmark is named to
+        the session, which then cannot pass as judged (:func:`pytest_sessionfinish`)."""
+        import torch
+
+        from kdbench.hw.contention import HostMeter, contention_columns
+
+        meter = HostMeter(torch.get_num_threads())
+        meter.begin()
+        meter.start()
+        yield
+        meter.stop()
+        columns, note = contention_columns(meter.result(), None)
+        info = self.benchmark.extra_info
+        info.update({k: columns[k] for k in ("host_busy_share", "contended")})
+        if note:
+            info["notes"] = "; ".join(n for n in (info.get("notes"), note) if n)
+            self._on_contended(note)
 
     def close(self) -> None:
         """After the test: free the step's hooks and gradients, and on GPUs the device memory the test's
@@ -339,12 +363,66 @@ def _kdbench_model_cache() -> Callable[[], ModelCache]:
     return get
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.getgroup("kdbench").addoption(
+        "--kdbench-allow-unjudged",
+        action="store_true",
+        default=False,
+        help="let a session pass whose kdbench benchmarks were measured on a busy machine (contended); by default "
+        f"such a passing session exits {_not_judged()} (could not judge), as `kdbench compare` does",
+    )
+
+
+def _not_judged() -> int:
+    from kdbench.core.errors import EXIT_NOT_JUDGED  # the one place the code is kept; kdbench.core imports no torch
+
+    return EXIT_NOT_JUDGED
+
+
+_CONTENDED = pytest.StashKey[dict[str, str]]()  # test node id -> why its benchmark reads slow
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A session that passed with a kdbench benchmark measured on a busy machine has judged nothing about it
+    (pytest-benchmark's --benchmark-compare-fail compared a slow reading): it exits EXIT_NOT_JUDGED, not 0, unless
+    ``--kdbench-allow-unjudged``.  A failed session keeps its own code."""
+    contended = session.config.stash.get(_CONTENDED, {})
+    if contended and exitstatus == 0 and not session.config.getoption("kdbench_allow_unjudged"):
+        session.exitstatus = _not_judged()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    contended = config.stash.get(_CONTENDED, {})
+    if not contended:
+        return
+    allowed = config.getoption("kdbench_allow_unjudged")
+    outcome = "--kdbench-allow-unjudged: not failing" if allowed else f"exit {_not_judged()}, not judged"
+    terminalreporter.write_line(
+        f"kdbench: {len(contended)} benchmark(s) measured on a busy machine (contended), so their timings judge "
+        f"nothing ({outcome}):"
+    )
+    for node, note in contended.items():
+        terminalreporter.write_line(f"  {node}: {note}")
+
+
 @pytest.fixture
-def kdbench(benchmark: Any, _kdbench_model_cache: Callable[[], ModelCache], tmp_path_factory: pytest.TempPathFactory):
+def kdbench(
+    benchmark: Any,
+    _kdbench_model_cache: Callable[[], ModelCache],
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+):
     """Benchmark a cell's distillation step (``kdbench.step(config)``) or a model's inference
     (``kdbench.inference(config, batch_size=1)``) with pytest-benchmark, as `kdbench run` measures
     it; ``config`` holds the keys of a suite's ``defaults``.  One measurement per test.  TunableOp's
     results (``tunableop: true``) are kept in ``kdbench/`` of the session's pytest base temporary folder."""
-    fixture = KdbenchFixture(benchmark, _kdbench_model_cache, lambda: tmp_path_factory.getbasetemp() / "kdbench")
+    stash = request.config.stash
+
+    def contended(note: str) -> None:
+        stash.setdefault(_CONTENDED, {})[request.node.nodeid] = note
+
+    fixture = KdbenchFixture(
+        benchmark, _kdbench_model_cache, lambda: tmp_path_factory.getbasetemp() / "kdbench", contended
+    )
     yield fixture
     fixture.close()

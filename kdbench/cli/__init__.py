@@ -4,8 +4,9 @@
 User mistakes (KdbenchError, bad command-line values included) print one line,
 `kdbench: error: ...`, and exit 2.  `run` exits 0 when every runnable cell succeeded and every budget
 held, 1 when a cell failed or a budget was missed, 130 when interrupted; `compare` exits 1 on a
-significant regression.  Progress goes through `logging` (logger
-``kdbench``): INFO lines to stdout, warnings to stderr.
+significant regression.  A gate that judged nothing (compare, or the budgets: every row contended, thin or one
+repeat a side) exits :data:`~kdbench.core.errors.EXIT_NOT_JUDGED` unless ``--allow-unjudged``.  Progress goes
+through `logging` (logger ``kdbench``): INFO lines to stdout, warnings to stderr.
 """
 
 from __future__ import annotations

@@ -82,13 +82,35 @@ def _after_run(args: argparse.Namespace, outcome) -> int:
         print(f"report -> {api.render([outcome.path], args.report_dir)}")
         outcome.spent("report", time.perf_counter() - began)
     began = time.perf_counter()
-    missed = _budgets(api.budget_checks([outcome.path], args.judge_contended) if stored else [])
+    checks = api.budget_checks([outcome.path], args.judge_contended) if stored else []
+    missed = _budgets(checks)
     outcome.spent("budget checks", time.perf_counter() - began)
     if outcome.failed or outcome.aborted:
         print(f"{len(outcome.failed)} job(s) had failures:", file=sys.stderr)
         for label in outcome.failed:
             print(f"  {label}", file=sys.stderr)
-    return 1 if outcome.failed or outcome.aborted or missed else 0
+    if outcome.failed or outcome.aborted or missed:
+        return 1
+    return _unjudged_budgets(checks, args.allow_unjudged)
+
+
+def _unjudged_budgets(checks, allow: bool) -> int:
+    """EXIT_NOT_JUDGED when the suite has budgets and none of their checks was judged (every one contended, thin
+    or skipped): budgets that judged nothing must not pass a CI gate, unless --allow-unjudged; else 0."""
+    from kdbench.config.budgets import judged_none
+    from kdbench.core.errors import EXIT_NOT_JUDGED
+
+    if not judged_none(checks):
+        return 0
+    if allow:
+        print("budgets: none was judged (--allow-unjudged: exit 0)")
+        return 0
+    print(
+        f"budgets: none of {len(checks)} checks was judged (rows contended, thin or skipped): exit {EXIT_NOT_JUDGED}, "
+        "not judged; measure on a quieter machine, or pass --allow-unjudged to exit 0",
+        file=sys.stderr,
+    )
+    return EXIT_NOT_JUDGED
 
 
 def _budgets(checks) -> int:
@@ -184,6 +206,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         args.judge_contended,
         max_loss_err=args.max_loss_err,
         gate_loss_err=args.gate_loss_err,
+        allow_unjudged=args.allow_unjudged,
     )
     cmp = api.compare(
         args.base,

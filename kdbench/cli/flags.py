@@ -32,3 +32,15 @@ def out_file(text: str) -> Path:
     if path.is_dir():
         raise KdbenchError(f"--out {text}: is a folder; give a file name, e.g. {path / 'compare.md'}")
     return path
+
+
+def add_allow_unjudged(parser, what: str) -> None:
+    """``--allow-unjudged``: exit 0, not :data:`~kdbench.core.errors.EXIT_NOT_JUDGED`, when the gate judged nothing."""
+    from kdbench.core.errors import EXIT_NOT_JUDGED
+
+    parser.add_argument(
+        "--allow-unjudged",
+        action="store_true",
+        help=f"exit 0 when {what} judged nothing (every row contended, thin or one repeat a side); by default such "
+        f"a gate exits {EXIT_NOT_JUDGED} (could not judge), so CI does not pass on nothing",
+    )

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from kdbench.cli.fit_flags import add_fit
-from kdbench.cli.flags import number, out_file
+from kdbench.cli.flags import add_allow_unjudged, number, out_file
 from kdbench.core.errors import KdbenchError, did_you_mean
 from kdbench.core.limits import MAX_LOSS_ERR
 
@@ -26,6 +26,11 @@ EPILOG = """examples:
   kdbench report results/ --out reports/      one report over every run in results/
   kdbench compare results/RUN_A results/RUN_B  is B slower than A? exit 1 on a significant regression
   kdbench export results/RUN --format pytest-benchmark --out run.json   for `pytest-benchmark compare`
+
+exit codes: 0 fine; 1 a regression, a missed budget or a failed cell; 2 a mistake to fix (one line);
+  75 could not judge (compare, or the budgets, judged nothing: rows contended, thin or one repeat a side;
+  --allow-unjudged exits 0);
+  130 interrupted
 """
 
 
@@ -185,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="check the budgets on rows measured on a busy machine too (`contended`: other processes took the "
         "cores or GPU a measurement needed); by default they are left out, as thin rows are",
     )
+    add_allow_unjudged(run, "the suite's budgets")
     run.add_argument(
         "--inline",
         action="store_true",
@@ -285,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="judge rows measured on a busy machine too (`contended`: other processes took the cores or GPU a "
         "measurement needed, so it reads slow); by default they are left out, as thin rows are",
     )
+    add_allow_unjudged(cmp, "the comparison")
     cmp.add_argument(
         "--max-loss-err",
         type=number(float, "--max-loss-err", 0.0, above=True),

@@ -15,8 +15,10 @@ Every matching measurement is checked: its value is the centre over the cell's o
 outcome: ``met``, ``missed``, ``failed`` (the measurement failed: a miss too), ``skipped``
 (it cannot run here: not a miss), ``thin`` (a time budget shrank it below ``min_iters``:
 too few calls to judge, not a miss) or ``contended`` (measured on a busy machine: not a miss, unless
-``run --judge-contended`` judges such rows like any other).  ``kdbench run`` prints every miss and exits 1; the
-report shows each check.  Torch-free: the report checks the budgets a run stored with it.
+``run --judge-contended`` judges such rows like any other).  ``kdbench run`` prints every miss and exits 1; when
+no check was judged at all it exits :data:`~kdbench.core.errors.EXIT_NOT_JUDGED` (budgets that judged nothing
+must not pass a gate) unless ``--allow-unjudged``; the report shows each check.  Torch-free: the report checks
+the budgets a run stored with it.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class Budget(Strict):
 
 OUTCOMES = ("missed", "failed", "thin", "contended", "skipped", "met")  # in the order the report lists them
 MISSES = ("missed", "failed")  # outcomes that make `kdbench run` exit 1
+JUDGED = ("met", "missed", "failed")  # outcomes that judged the measurement; the others say nothing either way
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,12 @@ def _unjudged(group: pd.DataFrame, ok: pd.DataFrame, judged: pd.DataFrame, stat:
         why = " ".join(str(skipped["error"].iloc[-1] or "").split())[:120] if not skipped.empty else ""
         return {"outcome": "skipped", "note": f"skipped: {why}" if why else "skipped"}
     return {"outcome": "missed", "note": f"{stat} was not measured"}
+
+
+def judged_none(checks: list[BudgetCheck]) -> bool:
+    """There are checks and none of them judged its measurement (each thin, contended or skipped): the budgets
+    claim nothing, so `kdbench run` exits EXIT_NOT_JUDGED, not 0, unless ``--allow-unjudged``."""
+    return bool(checks) and not any(c.outcome in JUDGED for c in checks)
 
 
 def where_text(c: BudgetCheck) -> str:

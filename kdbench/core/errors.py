@@ -9,6 +9,13 @@ or a failure inside a measurement.
 import difflib
 from collections.abc import Iterable
 
+EXIT_NOT_JUDGED = 75
+"""The exit code of a gate that could not judge: `compare` with no measurement judged, `run` with budgets of
+which none was judged, a pytest session whose kdbench benchmarks were measured on a busy machine (every row
+contended, thin or one repeat a side), unless ``--allow-unjudged``.  Not 0, so a CI gate does not go green on
+nothing; not 1 (nothing regressed) nor 2 (no mistake); 75 is sysexits.h's EX_TEMPFAIL, "try again later", and is
+free in pytest's own codes (0-5), which the plugin's sessions share."""
+
 
 class KdbenchError(Exception):
     """A mistake the user can fix; the message says what to change."""

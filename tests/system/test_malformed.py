@@ -154,3 +154,13 @@ def test_gate_loss_err_takes_no_value(capsys):
     assert main(["compare", suite, suite, "--gate-loss-err=yes"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("kdbench: error: ") and "--gate-loss-err" in err[0], err
+
+
+@pytest.mark.parametrize("command", [["run", "SUITE"], ["compare", "SUITE", "SUITE"]])
+def test_allow_unjudged_takes_no_value(command, capsys):
+    # issue 45's flag: --allow-unjudged is a switch; a value given to it is a one-line mistake naming it
+    suite = str(CORPUS.parent.parent / "suites" / "cpu.yaml")
+    argv = [suite if a == "SUITE" else a for a in command]
+    assert main([*argv, "--allow-unjudged=yes"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kdbench: error: ") and "--allow-unjudged" in err[0], err

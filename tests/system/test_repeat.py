@@ -79,5 +79,5 @@ def test_two_back_to_back_runs_with_three_repeats_compare_as_unchanged(tmp_path,
         folder = RunFolder(Path(path))
         assert folder.part_path(f"{cell}-r4").is_file() and not any("-r5" in j for j in folder.stored_job_ids())
         assert folder.invocations()[-1]["planned"] == [f"{cell}-r4"] and folder.state().complete
-    code = main(["compare", a, b, "--confidence", "0.999"])
+    code = main(["compare", a, b, "--confidence", "0.999", "--judge-contended"])
     assert code == 0 and "4 repeat(s); complete" in capsys.readouterr().out

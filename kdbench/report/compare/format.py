@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 import pandas as pd
 
-from kdbench.core.errors import KdbenchError
+from kdbench.core.errors import EXIT_NOT_JUDGED, KdbenchError
 from kdbench.report.compare.verdicts import Change, Comparison, Side, Verdict
 
 FORMATS = ("text", "markdown", "json", "csv")
@@ -41,7 +41,8 @@ def verdict_line(cmp: Comparison) -> str:
     if cmp.bad:
         return f"verdict: FAIL, {len(cmp.bad)} measurement(s) fail the gate"
     if cmp.rated == 0:
-        return "verdict: nothing was judged (see the notes): no regression can be claimed either way"
+        code = "exit 0 (--allow-unjudged)" if cmp.policy.allow_unjudged else f"exit {EXIT_NOT_JUDGED}, not judged"
+        return f"verdict: nothing was judged (see the notes): no regression can be claimed either way; {code}"
     return f"verdict: no significant regression in {cmp.rated} judged measurement(s)"
 
 

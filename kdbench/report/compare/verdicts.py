@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from kdbench.core.errors import EXIT_NOT_JUDGED
 from kdbench.core.limits import MAX_LOSS_ERR
 from kdbench.core.stats.repeats import RatioInterval, each_level
 from kdbench.report.ledger import LedgerFlag, ledger_note
@@ -57,6 +58,7 @@ class Policy:
     judge_contended: bool = False  # judge rows measured on a busy machine (``contended``) like any other
     max_loss_err: float = MAX_LOSS_ERR  # the accuracy ledger's bound on loss_rel_err and grad_rel_err (a note)
     gate_loss_err: bool = False  # a faster (improved) cell beyond max_loss_err fails the gate
+    allow_unjudged: bool = False  # nothing judged exits 0, not EXIT_NOT_JUDGED
 
     def bad(self) -> tuple[Verdict, ...]:
         """The verdicts that make `compare` exit 1 under this policy."""
@@ -140,7 +142,12 @@ class Comparison:
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.bad or self.inaccurate else 0
+        """1 when something fails the gate; :data:`~kdbench.core.errors.EXIT_NOT_JUDGED` when nothing was judged
+        (every measurement contended, thin or one repeat a side: a gate that judged nothing must not pass)
+        unless the policy allows it; else 0."""
+        if self.bad or self.inaccurate:
+            return 1
+        return EXIT_NOT_JUDGED if self.rated == 0 and not self.policy.allow_unjudged else 0
 
     def count(self, verdict: Verdict) -> int:
         return sum(c.verdict == verdict for c in self.changes)

@@ -14,6 +14,7 @@ import torch
 
 from kdbench.cli import main
 from kdbench.config.budgets import Budget, check
+from kdbench.core.errors import EXIT_NOT_JUDGED
 from kdbench.hw import contention
 from kdbench.hw.backends import Backend
 from kdbench.hw.contention import HostLoad, HostMeter, contention_columns, others_on_device
@@ -144,7 +145,7 @@ def test_compare_and_budgets_leave_contended_rows_out_unless_asked():
     base, busy = as_read(_rows("base", False)), as_read(_rows("new", True))
     slower = busy.assign(median_ms=busy["median_ms"] * 2, samples_ms=[[20.0] * 8] * len(busy))
     cmp = compare_frames(base, slower)
-    assert [c.verdict for c in cmp.changes] == [Verdict.CONTENDED] and cmp.exit_code == 0
+    assert [c.verdict for c in cmp.changes] == [Verdict.CONTENDED] and cmp.exit_code == EXIT_NOT_JUDGED
     assert "NEW: 3 contended repeat(s) left out" in cmp.changes[0].note
     assert any("measured on a busy machine" in n and "--judge-contended" in n for n in cmp.notes())
     judged = compare_frames(base, slower, policy=Policy(judge_contended=True))
@@ -210,7 +211,7 @@ def test_a_bounded_background_load_flags_the_rows_and_compare_does_not_judge_the
     assert busy["contended"].eq(True).all(), busy[["measurement", "host_busy_share", "notes"]].to_string()
     assert (busy["host_busy_share"] > 0.5).all() and busy["notes"].str.contains("contended: other processes").all()
     cmp = compare_frames(idle, busy)
-    assert {c.verdict for c in cmp.changes} == {Verdict.CONTENDED} and cmp.exit_code == 0
+    assert {c.verdict for c in cmp.changes} == {Verdict.CONTENDED} and cmp.exit_code == EXIT_NOT_JUDGED
     if not quiet:
         pytest.skip(f"the load's half passed; the machine was busy around the idle run: {before.describe()}")
 

@@ -14,6 +14,7 @@ import pytest
 from scipy import stats
 
 from kdbench.cli import main
+from kdbench.core.errors import EXIT_NOT_JUDGED
 from kdbench.core.stats.repeats import bootstrap_ratio, median_draws, median_log_variance, simultaneous_t, t_ratio
 from kdbench.report.compare.compare import compare_frames
 from kdbench.report.compare.verdicts import Policy, Verdict, verdict_of
@@ -87,17 +88,19 @@ def test_a_run_compared_with_itself_exits_0(tmp_path, capsys):
 
 def test_a_single_repeat_is_not_judged_unless_asked(tmp_path, capsys):
     """One repeat per side: the samples of one process cannot show the noise between runs.  A 1.5x slower
-    step is shown, not judged (exit 0, saying why); --gate-single-repeat judges it on that process's noise."""
+    step is shown, not judged (nothing judged: exit EXIT_NOT_JUDGED, saying why; --allow-unjudged exits 0);
+    --gate-single-repeat judges it on that process's noise."""
     base = _run(tmp_path, "base", _rows("base"))
     new = _run(tmp_path, "new", _rows("new", {(cell, "distill_step"): 1.5 for cell in CELLS}))
+    assert _cli(capsys, base, new, "--allow-unjudged")[0] == 0
     code, out, err = _cli(capsys, base, new)
-    assert code == 0 and not err
+    assert code == EXIT_NOT_JUDGED and not err
     assert "6 measurement(s) not judged" in out and "single repeat on each side" in out
     assert "verdict: nothing was judged" in out
     cmp = compare_frames(read_results([base]), read_results([new]))
     steps = [c for c in cmp.changes if c.measurement == "distill_step"]
     assert all(c.verdict == Verdict.UNJUDGED and c.ratio == pytest.approx(1.5, rel=0.03) for c in steps)
-    assert cmp.rated == 0 and cmp.exit_code == 0
+    assert cmp.rated == 0 and cmp.exit_code == EXIT_NOT_JUDGED
     code, out, err = _cli(capsys, base, new, "--gate-single-repeat")
     assert code == 1 and "REGRESSED (2) (fail the gate), worst first" in out
     assert err.count("regressed:") == 2 and "judged on the within-process interval" in out
@@ -469,7 +472,7 @@ def test_one_line_says_when_base_and_new_are_the_same_run(tmp_path, capsys):
     copy = tmp_path / "elsewhere" / "base"
     shutil.copytree(base, copy)
     code, out, _ = _cli(capsys, base, copy)
-    assert code == 0 and "6 measurement(s) not judged" in out
+    assert code == EXIT_NOT_JUDGED and "6 measurement(s) not judged" in out
     same = [line for line in out.splitlines() if "same run" in line]
     assert same == [
         "note: BASE and NEW are the same run (run id base, in two places): a run compared with itself, "
