@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from kdbench.core.errors import KdbenchError
@@ -27,11 +28,29 @@ def number(kind: type, flag: str, low: float | None = None, high: float | None =
 
 
 def out_file(text: str) -> Path:
-    """An --out FILE: not an existing folder (its own folders are created when written)."""
+    """An --out FILE: not an existing folder (its own folders are created when written, so they must be makeable)."""
     path = Path(text)
     if path.is_dir():
         raise KdbenchError(f"--out {text}: is a folder; give a file name, e.g. {path / 'compare.md'}")
+    can_make("--out", path.parent, text)
     return path
+
+
+def can_make(flag: str, folder: Path, text: str | None = None) -> None:
+    """Refuse, as a one-line mistake naming ``flag``, a folder that cannot be made or written: a file on its path,
+    or a nearest existing folder this process may not write (a read-only mount).  Checked when the command line
+    is parsed, before anything runs; where the system refuses more than this sees (/proc), the folder's making
+    says so in one line too (:func:`kdbench.store.files.make_folder`)."""
+    text = str(folder) if text is None else text
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise KdbenchError(f"{flag} {text}: cannot make the folder: {existing} is a file; give another folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise KdbenchError(
+            f"{flag} {text}: cannot write in {existing} (permission denied); give a folder you can write"
+        )
 
 
 def add_allow_unjudged(parser, what: str) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from kdbench.cli.fit_flags import add_fit
-from kdbench.cli.flags import add_allow_unjudged, number, out_file
+from kdbench.cli.flags import add_allow_unjudged, can_make, number, out_file
 from kdbench.core.errors import KdbenchError, did_you_mean
 from kdbench.core.limits import MAX_LOSS_ERR
 
@@ -50,6 +50,7 @@ def _out_folder(flag: str):
             raise KdbenchError(
                 f"{flag} {text}: is a file, and {flag} names a folder; give a folder, e.g. {path.parent}"
             )
+        can_make(flag, path, text)
         return path
 
     return parse

@@ -47,6 +47,7 @@ from kdbench.report.lm import lm_section
 from kdbench.report.plots import draw_charts, draw_phases, draw_quality_front
 from kdbench.report.step_tables import REMAINDER_LIMIT, caching_rows, lever_rows, profile_rows, top_op_rows
 from kdbench.report.summaries import MEASUREMENT_ORDER, shown_phases, summarize_drafts, summarize_quality
+from kdbench.store.files import make_folder
 
 _STATUS_ORDER = tuple(Status)
 CONTENDED_TITLE = (
@@ -86,7 +87,7 @@ def render_report(
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise KdbenchError(f"{out_dir} is a file; give a folder for the report")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_folder(out_dir, "the report folder")
     df = df.reindex(columns=list(dict.fromkeys([*COLUMN_NAMES, *df.columns]))).reset_index(drop=True)
     df["run_id"] = df["run_id"].fillna("?")
     states = states or {}

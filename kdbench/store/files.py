@@ -15,8 +15,24 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kdbench.core.errors import KdbenchError
+
 _UMASK = os.umask(0o022)  # read once, at import (os.umask can only be read by setting it)
 os.umask(_UMASK)
+
+
+def make_folder(path: Path, what: str) -> Path:
+    """Make the folder ``path`` (and its parents), or say in one line why it cannot be made (a file on its path, no
+    permission, a file system that refuses: /proc), naming ``what`` the user gave (``--out``), not a traceback."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise KdbenchError(
+            f"{what} {path}: cannot make the folder: {reason.lower()}; give a folder you can write"
+        ) from None
+    return path
 
 
 def write_atomic(path: Path, write) -> Path:

@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 
 from kdbench.core.errors import KdbenchError
 from kdbench.core.schema import SCHEMA, SCHEMA_VERSION, rows_to_table
-from kdbench.store.files import write_parquet, write_text
+from kdbench.store.files import make_folder, write_parquet, write_text
 
 MANIFEST = "_run.json"  # "_" and "." names are skipped by pyarrow datasets (and by kdbench's readers)
 INVOCATIONS_DIR = "_invocations"  # one JSON record per `kdbench run` into the folder
@@ -225,7 +225,8 @@ def open_run(out_dir: Path, suite_name: str, suite_file: str, run_id: str | None
         return folder
     import kdbench
 
-    folder.path.mkdir(parents=True, exist_ok=True)
+    make_folder(Path(out_dir), "--out")  # one line, not a traceback, where it cannot be made (/proc/...)
+    make_folder(folder.path, "--out")
     manifest = {
         "run_id": folder.run_id,
         "suite": suite_name,
