@@ -39,8 +39,12 @@ __all__ = ["Alignment", "uld_alignment", "uld_loss", "uld_rows", "uld_value_grad
 
 class Alignment:
     """The aligned rows of a batch: ``student`` and ``teacher`` (n,) flat row indices (into each side's (B·S)
-    positions) paired in order, ``weight`` (n,) float32, each row's share of the loss (1 / (aligned positions of
-    its sequence × sequences with one)), ``sequence`` (n,) the sequence of each row."""
+    positions) paired in order, ``weight`` (n,) float64, each row's share of the loss (1 / (aligned positions of
+    its sequence × sequences with one)), ``sequence`` (n,) the sequence of each row.
+
+    The weights are float64 and each use casts them to its loss's dtype: a float32 loss gets the float32 weights
+    it had (1 / k rounded once to float64 then to float32 is 1 / k rounded to float32), the float64 ULD of the
+    accuracy ledger's reference the exact ones (float32 weights left it 5e-8 from the authors' loss, issue 45)."""
 
     def __init__(self, student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, sequence: torch.Tensor):
         self.student, self.teacher, self.weight, self.sequence = student, teacher, weight, sequence
@@ -69,8 +73,8 @@ def uld_alignment(
     s_rows, t_rows = rows(ms), rows(mt)
     sequence = torch.div(s_rows, student_labels.shape[1], rounding_mode="floor")
     counted = int((n > 0).sum())
-    zero = torch.zeros_like(n, dtype=torch.float)
-    per_seq = torch.where(n > 0, 1.0 / (n.clamp(min=1).float() * max(counted, 1)), zero)
+    zero = torch.zeros_like(n, dtype=torch.float64)
+    per_seq = torch.where(n > 0, 1.0 / (n.clamp(min=1).double() * max(counted, 1)), zero)
     return Alignment(s_rows, t_rows, per_seq[sequence], sequence)
 
 

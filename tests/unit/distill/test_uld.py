@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kdbench.distill.lm.impls import uld_lm_loss
 from kdbench.distill.lm.uld import uld_alignment, uld_loss, uld_rows
 
 
@@ -135,6 +136,57 @@ def test_uld_equals_the_authors_code_in_value_and_gradient(vs, vt, temps):
     assert distil.item() > 0.05  # a real distance, not two equal vectors
 
 
+def authors_in_float64(s_logits, t_logits, s_labels, t_labels, temps):
+    """The authors' ULD term run with float64 as torch's default dtype: their per-sequence buffer (torch.zeros'
+    default dtype, float32 as they run it) float64 too, so that every step is float64."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        _, _, distil = AuthorsDistillationLoss(1.0, 1.0, *temps)(
+            SimpleNamespace(logits=s_logits * 1, loss=torch.zeros((), dtype=torch.float64)),
+            SimpleNamespace(logits=t_logits.clone()),
+            s_labels,
+            t_labels,
+        )
+    finally:
+        torch.set_default_dtype(before)
+    assert distil.dtype == torch.float64
+    return distil
+
+
+@pytest.mark.parametrize(("vs", "vt"), [(50, 80), (80, 50), (64, 64)])
+@pytest.mark.parametrize("temps", [(1.0, 1.0), (2.0, 0.5)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_uld_in_float64_is_the_authors_loss_in_float64_within_1e_12(vs, vt, temps, seed):
+    # issue 45: the alignment's float32 row weights left a float64 ULD 5e-8 from it (the ledger's reference)
+    s_logits, t_logits, s_labels, t_labels = _case(vs, vt, seed)
+    distil = authors_in_float64(s_logits, t_logits, s_labels, t_labels, temps)
+    (ref_grad,) = torch.autograd.grad(distil, s_logits)
+    ours = uld_loss(s_logits, t_logits, _shifted(s_labels), _shifted(t_labels), *temps)
+    (grad,) = torch.autograd.grad(ours, s_logits)
+    assert abs(ours.item() - distil.item()) < 1e-12 and distil.item() > 0.05
+    assert (grad - ref_grad).abs().max().item() < 1e-12 and ref_grad.abs().max() > 1e-3
+
+
+def test_the_ledgers_float64_reference_of_uld_is_the_authors_loss_in_float64_within_1e_12():
+    # the accuracy ledger's reference (kdbench.distill.lm.loss, _uld_ledger): dense on the heads upcast to float64,
+    # with the alignment the cell's own loss takes (float64 weights, which a float32 loss casts to what it had)
+    g = torch.Generator().manual_seed(3)
+    vs, vt, h = 50, 80, 16
+    _, _, s_labels, t_labels = _case(vs, vt)
+    hs, ht, ws, wt = (
+        torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((3, 9, h), (3, 14, h), (vs, h), (vt, h))
+    )
+    align = uld_alignment(_shifted(s_labels), _shifted(t_labels))
+    counts = torch.tensor([7] * 7 + [4] * 4 + [6] * 6)  # aligned positions of each row's sequence, of 3
+    assert align.weight.dtype == torch.float64 and align.weight.tolist() == [1 / (3 * n) for n in counts.tolist()]
+    assert torch.equal(align.weight.float(), 1.0 / (counts.float() * 3))  # a float32 loss's weights as they were
+    term = uld_lm_loss("dense", hs, ws, None, ht, wt, None, align, 2.0, 0.5)
+    assert term.dtype == torch.float64
+    want = authors_in_float64(hs @ ws.T, ht @ wt.T, s_labels, t_labels, (2.0, 0.5))
+    assert abs(term.item() - want.item()) < 1e-12
+
+
 def test_alignment_pairs_the_ith_answer_tokens_per_sequence():
     s_labels = torch.tensor([[-100, 5, 6, 7, -100], [-100, -100, -100, 1, 2]])
     t_labels = torch.tensor([[-100, -100, 8, 9, -100, -100], [3, 4, 5, 6, 7, -100]])
@@ -143,7 +195,7 @@ def test_alignment_pairs_the_ith_answer_tokens_per_sequence():
     assert align.student.tolist() == [1, 2, 5 + 3, 5 + 4]
     assert align.teacher.tolist() == [2, 3, 6 + 0, 6 + 1]
     assert align.sequence.tolist() == [0, 0, 1, 1]
-    torch.testing.assert_close(align.weight, torch.full((4,), 0.25))
+    torch.testing.assert_close(align.weight, torch.full((4,), 0.25, dtype=torch.float64))
 
 
 def test_a_sequence_without_answer_tokens_is_left_out_not_nan():
