@@ -39,7 +39,7 @@ from kdbench.hw.backends import Backend
 from kdbench.measure.failures import device_fatal, device_lost, error_text, note_device_lost
 from kdbench.measure.step import MeasureOptions
 from kdbench.run.jobs import CellJob, Job, WorkerContext, failure_rows
-from kdbench.run.process import die_with_parent
+from kdbench.run.process import deaf_to_ctrl_c, die_with_parent
 from kdbench.run.rank import oom_file
 
 logger = logging.getLogger(__name__)
@@ -209,7 +209,8 @@ class ProcessWorker:
     def _start(self) -> None:
         parent, child = self.ctx.Pipe()
         proc = self.ctx.Process(target=_serve, args=(child, self.setup), daemon=True, name="kdbench-worker")
-        proc.start()
+        with deaf_to_ctrl_c():  # from its first instruction: a Ctrl-C while it imports torch is the parent's alone
+            proc.start()
         child.close()
         self.proc, self.conn = proc, parent
         self.started += 1
