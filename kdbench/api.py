@@ -73,14 +73,16 @@ def render(
     from kdbench.report import render_report
     from kdbench.report.compare.compare import side_by_side
     from kdbench.store import read_results
-    from kdbench.store.results import run_states
+    from kdbench.store.results import UNREADABLE, run_states
 
     results = list(results)
     df = read_results(results)
     base = None
     if baseline is not None:
         base = read_results([baseline])
+        unreadable = [*base.attrs.get(UNREADABLE, []), *df.attrs.get(UNREADABLE, [])]
         df = pd.concat([base, df[~df["run_id"].isin(set(base["run_id"]))]], ignore_index=True)
+        df.attrs[UNREADABLE] = unreadable  # the parts left out of either, named on the page
         results.append(baseline)
     states = run_states(results)
     comparisons = side_by_side(df, base, threshold, states=states)

@@ -48,6 +48,7 @@ from kdbench.report.plots import draw_charts, draw_phases, draw_quality_front
 from kdbench.report.step_tables import REMAINDER_LIMIT, caching_rows, lever_rows, profile_rows, top_op_rows
 from kdbench.report.summaries import MEASUREMENT_ORDER, shown_phases, summarize_drafts, summarize_quality
 from kdbench.store.files import make_folder
+from kdbench.store.results import UNREADABLE
 
 _STATUS_ORDER = tuple(Status)
 CONTENDED_TITLE = (
@@ -124,6 +125,7 @@ def render_report(
         thin_note=THIN_NOTE,
         contended_note=CONTENDED_TITLE,
         error_chars=ERROR_CHARS,
+        unreadable=df.attrs.get(UNREADABLE, []),
     )
     index = out_dir / "index.html"
     index.write_text(page, encoding="utf-8")

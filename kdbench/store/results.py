@@ -25,6 +25,7 @@ single-file runs of schema version 1, and adds the derived columns
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import uuid
@@ -36,11 +37,12 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 
 from kdbench.core.errors import KdbenchError
 from kdbench.core.schema import SCHEMA, SCHEMA_VERSION, rows_to_table
 from kdbench.store.files import make_folder, write_parquet, write_text
+
+logger = logging.getLogger(__name__)
 
 MANIFEST = "_run.json"  # "_" and "." names are skipped by pyarrow datasets (and by kdbench's readers)
 INVOCATIONS_DIR = "_invocations"  # one JSON record per `kdbench run` into the folder
@@ -295,28 +297,61 @@ def run_states(paths: Iterable[str | Path]) -> dict[str, RunState]:
     return {str(f.manifest().get("run_id") or f.run_id): f.state() for f in run_folders(files)}
 
 
-def read_table(files: list[Path]) -> pa.Table:
-    """The rows of ``files`` in SCHEMA (columns a file lacks are null), as one table."""
+UNREADABLE = "unreadable_parts"  # read_results' DataFrame.attrs key: the parts it skipped, each 'path: why'
+_WARNED: set[tuple[str, str]] = set()  # the unreadable files this process has warned of
+
+
+def _table(files: list[Path]) -> pa.Table:
+    return ds.dataset([str(f) for f in files], schema=SCHEMA, format="parquet").to_table()
+
+
+def _why(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:200]
+
+
+def read_table(files: list[Path], skipped: list[str] | None = None) -> pa.Table:
+    """The rows of ``files`` in SCHEMA (columns a file lacks are null), as one table.
+
+    A file that cannot be read (a part cut short by a full disk, a corrupted copy) is skipped with a warning naming
+    it, and listed in ``skipped`` ('path: why'), so one bad part does not hide a whole folder of good ones; when no
+    file can be read, or the readable ones cannot be read together, it is a one-line error naming the file."""
     try:
-        return ds.dataset([str(f) for f in files], schema=SCHEMA, format="parquet").to_table()
+        return _table(files)
     except (pa.ArrowException, OSError) as exc:
-        for f in files:  # name the file that is not ours
-            try:
-                pq.read_schema(f)
-            except Exception as bad:
-                raise KdbenchError(
-                    f"{f}: not a readable parquet file ({' '.join(str(bad).split())[:200]}); remove it or pass "
-                    "other files"
-                ) from None
-        raise KdbenchError(f"the result files cannot be read together ({' '.join(str(exc).split())[:300]})") from None
+        together = exc
+    good, bad = [], []
+    for f in files:  # each alone: which ones are not readable parquet files of ours
+        try:
+            _table([f])
+            good.append(f)
+        except (pa.ArrowException, OSError) as exc:
+            bad.append((f, _why(exc)))
+    if not good:
+        f, why = bad[0] if bad else (files[0], _why(together))
+        raise KdbenchError(f"{f}: not a readable parquet file ({why}); remove it or pass other files")
+    if not bad:
+        raise KdbenchError(f"the result files cannot be read together ({' '.join(str(together).split())[:300]})")
+    for f, why in bad:
+        if (str(f), why) not in _WARNED:  # a report reads its folders twice (rows, budgets): one warning
+            _WARNED.add((str(f), why))
+            logger.warning(
+                "%s: not a readable parquet file (%s); left out, the other %d file(s) read", f, why, len(good)
+            )
+        if skipped is not None:
+            skipped.append(f"{f}: {why}")
+    return _table(good)
 
 
 def read_results(paths: Iterable[str | Path]):
-    """Result files, run folders or folders of runs as one pandas DataFrame, derived columns included."""
+    """Result files, run folders or folders of runs as one pandas DataFrame, derived columns included; the parts
+    that could not be read, and were left out, are listed in its ``attrs[UNREADABLE]``."""
     from kdbench.store.derived import derive
 
     paths = list(paths)
     files = result_files(paths)
     if not files:
         raise KdbenchError(f"no .parquet result files in {', '.join(map(str, paths))}; run `kdbench run SUITE` first")
-    return derive(read_table(files).to_pandas())
+    skipped: list[str] = []
+    df = derive(read_table(files, skipped).to_pandas())
+    df.attrs[UNREADABLE] = skipped
+    return df
