@@ -134,6 +134,7 @@ class _FakeBenchmark:
 
     def __init__(self, events: list[str]):
         self.events = events
+        self.extra_info: dict = {}  # where the plugin records the host's load over the timing (contended)
 
     def pedantic(self, target, rounds, warmup_rounds, iterations):
         assert iterations == 1
