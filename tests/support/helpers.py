@@ -77,6 +77,27 @@ def run_folder(out: Path) -> RunFolder:
     return runs[0]
 
 
+def foreground_run(cmd: list[str], **kwargs):
+    """``cmd`` started as a terminal's foreground job: its own process group (Ctrl-C, SIGINT to the group, reaches it
+    and its workers), SIGINT's default action whatever this test runner inherited (a shell starts background jobs
+    with it ignored), in the repository's root, text pipes for stdout and stderr."""
+    import signal
+    import subprocess
+
+    from tests.support.paths import ROOT
+
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        **kwargs,
+    )
+
+
 def write_suite(path: Path, **top) -> Path:
     """A suite file from top-level keys (``yaml.safe_dump``)."""
     path.write_text(yaml.safe_dump(top, sort_keys=False))

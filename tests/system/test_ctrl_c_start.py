@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import psutil
 
-from tests.support.helpers import write_suite
-from tests.support.paths import ROOT
+from tests.support.helpers import foreground_run, write_suite
 from tests.support.suites import tiny_suite
 
 
@@ -46,16 +44,7 @@ def _sigint_ignored(pid: int) -> bool | None:
 def test_ctrl_c_while_the_worker_imports_torch_prints_no_traceback(tmp_path):
     suite = write_suite(tmp_path / "s.yaml", **tiny_suite(name="ctrl-c"))
     cmd = [sys.executable, "-m", "kdbench", "run", str(suite), "--out", str(tmp_path / "res"), "--no-report"]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own group, as a terminal's foreground job: Ctrl-C reaches it and its worker
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # whatever this test runner inherited
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = foreground_run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline, worker = time.monotonic() + 120, None
         while time.monotonic() < deadline and proc.poll() is None and worker is None:

@@ -12,7 +12,7 @@ import pytest
 
 from kdbench.cli import main
 from kdbench.store import read_results
-from tests.support.helpers import run_folder, write_suite
+from tests.support.helpers import foreground_run, run_folder, write_suite
 from tests.support.paths import ROOT, SUPPORT
 from tests.support.suites import RESNET8, tiny_suite
 
@@ -130,17 +130,7 @@ def test_sigkill_then_resume_stores_every_cell_exactly_once(tmp_path):
 def test_ctrl_c_keeps_stored_cells_and_prints_the_resume_command(tmp_path):
     suite, out = write_suite(tmp_path / "slow.yaml", **SLOW), tmp_path / "res"
     cmd = [sys.executable, "-m", "kdbench", "run", str(suite), "--out", str(out), "--no-report"]
-    # Ctrl-C's default action, whatever this test runner inherited: a shell starts background
-    # jobs with SIGINT ignored, and a child would inherit that.
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    proc = foreground_run(cmd)  # Ctrl-C reaches it as a terminal's foreground job
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None and not _stored_cells(out):
