@@ -24,6 +24,10 @@ Matmuls torch's counter does not see are counted too (:func:`_unseen_formulas`):
 ``baddbmm_`` (a fused loss accumulates its head's weight gradient with them: without them ``fused_linear``'s
 step counted one head matmul fewer than dense's for the same work), and torch's fused linear cross-entropy
 (``F.linear_cross_entropy``'s chunked op, one custom op to the dispatcher, whose matmuls run inside it).
+
+A grouped convolution's backward is counted as executed (:func:`conv_backward_flops`): torch's formula counts its
+weight gradient as if every input channel met every output channel, ``groups`` times the work (576x for a
+depthwise 5 x 5 convolution of MobileNetV3's, whose backward it counted at 580 times its forward).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils.flop_counter import FlopCounterMode, addmm_flop, baddbmm_flop, flop_registry
+from torch.utils.flop_counter import FlopCounterMode, addmm_flop, baddbmm_flop, conv_flop_count, flop_registry
 
 FLASH, CUDNN, MEM_EFFICIENT, MATH = "flash", "cudnn", "mem_efficient", "math"
 
@@ -167,10 +171,51 @@ def _in_place(formula):
     return counted
 
 
+def conv_backward_flops(
+    grad_out_shape,
+    x_shape,
+    w_shape,
+    bias,
+    stride,
+    padding,
+    dilation,
+    transposed,
+    output_padding,
+    groups,
+    output_mask,
+    out_shape,
+    **kwargs,
+) -> int:
+    """FLOPs of ``aten.convolution_backward`` (shapes in): torch's count of the input's gradient, and of the weight's
+    divided by ``groups``.  Torch's formula (``torch.utils.flop_counter.conv_backward_flop``) counts the weight's
+    gradient as the convolution of the input (channels as the batch) with the output's gradient, which multiplies
+    every input channel with every output channel; a grouped convolution's weight gradient meets only the
+    ``C_in / groups`` channels of its group, as its forward does.  For any groups the backward of a stride-1
+    convolution is then twice its forward, as it executes (``tests/unit/measure/test_flops.py``)."""
+
+    def t(shape) -> list:
+        return [shape[1], shape[0], *shape[2:]]
+
+    data = conv_flop_count(grad_out_shape, w_shape, out_shape[0], not transposed) if output_mask[0] else 0
+    weight = 0
+    if output_mask[1]:
+        grad_w = t(out_shape[1])
+        weight = (
+            conv_flop_count(t(grad_out_shape), t(x_shape), grad_w)
+            if transposed
+            else conv_flop_count(t(x_shape), t(grad_out_shape), grad_w)
+        )
+    return int(data) + int(weight) // max(1, int(groups))
+
+
 def _unseen_formulas() -> dict:
     """Formulas of the matmuls torch's counter leaves out (module docstring): in-place addmm_ / baddbmm_ as their
     out-of-place ops, torch's fused linear cross-entropy where this torch has it."""
-    mapping = {torch.ops.aten.addmm_: _in_place(addmm_flop), torch.ops.aten.baddbmm_: _in_place(baddbmm_flop)}
+    mapping = {
+        torch.ops.aten.addmm_: _in_place(addmm_flop),
+        torch.ops.aten.baddbmm_: _in_place(baddbmm_flop),
+        torch.ops.aten.convolution_backward: conv_backward_flops,
+    }
     with contextlib.suppress(ImportError):  # the module that registers the op (torch >= 2.13)
         importlib.import_module("torch.nn.modules.linear_cross_entropy")
     chunked = getattr(getattr(torch.ops, "torch_nn", None), "_linear_cross_entropy_batch_chunked", None)

@@ -58,6 +58,25 @@ def test_conv_forward_and_backward_flops():
     assert count_flops(lambda: conv(xg).sum().backward()) == 3 * CONV
 
 
+@pytest.mark.parametrize("groups", [1, 4, 16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_grouped_convolution_backward_counts_what_it_executes(groups, transposed):
+    """Torch's formula counts a grouped convolution's weight gradient ``groups`` times over; kdbench's counts it as
+    the forward's work: with the input's gradient, the backward of a stride-1 convolution is twice its forward for
+    any groups (16 channels in 16 groups: a depthwise convolution)."""
+    x = torch.randn(2, 16, 8, 8, requires_grad=True)
+    w = torch.randn(16, 16 // groups, 3, 3, requires_grad=True)
+
+    def forward():
+        if transposed:
+            return torch.nn.functional.conv_transpose2d(x, w, None, 1, 1, 0, groups)
+        return torch.nn.functional.conv2d(x, w, None, 1, 1, 1, groups)
+
+    once = count_flops(forward)
+    assert once == 2 * 2 * 8 * 8 * 9 * 16 * (16 // groups)  # 2 per multiply-add, per output element of each image
+    assert count_flops(lambda: forward().sum().backward()) == 3 * once
+
+
 # --------------------------------------------------------------------------- datasheet peaks
 
 
