@@ -17,7 +17,8 @@ Not in the benchmark lane by default (it skips): its three quick cells took 107 
 the lane's minute.  Which cells, by environment variable:
 
 * ``KDBENCH_STEP_TIME=1``: :data:`QUICK`, one cell of each suite (a vision pair, the LM pair, a feature method);
-* ``KDBENCH_STEP_TIME_ALL=1``: every cell of the three suites (methods.yaml's 72 with them: many minutes);
+* ``KDBENCH_STEP_TIME_ALL=1``: every cell of the three suites (methods.yaml's 72 with them: many minutes), or
+  with ``KDBENCH_STEP_TIME_MATCH=a|b`` those whose label holds ``a`` or ``b``;
 * ``KDBENCH_STEP_TIME_RESULTS=<folder>``: no cell run, the ``distill_step`` rows of a results folder read instead
   (``kdbench run`` of the suites after ``kdbench probe``: their ``predicted_step_ms`` and ``median_ms``).
 
@@ -47,6 +48,8 @@ from kdbench.fit.steptime import CPU_FIRST_TOUCH_GBPS, CPU_LAUNCH_US, predict_st
 from kdbench.hw.backends import resolve
 from kdbench.hw.contention import HostMeter
 from kdbench.measure.probe import measure_ceilings
+from kdbench.measure.probe_classes import measure_classes
+from kdbench.store.probes import ceiling_key
 from kdbench.measure.timing import timed_loop
 from kdbench.models import ModelCache
 from kdbench.workloads import expand_checked, workload_of
@@ -67,7 +70,8 @@ def _cells(slow: set[str]) -> list[tuple[str, object]]:
     every = [(suite, cell) for suite in SUITES for cell in expand_checked(load_suite(ROOT / suite))]
     every = [(s, c) for s, c in every if c.config.precision not in slow]
     if os.environ.get("KDBENCH_STEP_TIME_ALL") == "1":
-        return every
+        match = os.environ.get("KDBENCH_STEP_TIME_MATCH")  # cells whose label holds one of these (|-separated)
+        return [(s, c) for s, c in every if not match or any(m in c.label for m in match.split("|"))]
     picked = [(s, c) for s, c in every if (s, c.label) in QUICK]
     return picked or every[:3]
 
@@ -198,7 +202,8 @@ def test_step_time(benchmark, report_line):
         if results:
             return _from_results(results)
         rows = measure_ceilings(resolve("cpu"), dtypes=("fp32", "bf16"))
-        ceiling.update({("copy" if r["kind"] == "copy" else f"matmul_{r['dtype']}"): r["value"] for r in rows})
+        rows += measure_classes(resolve("cpu"), dtypes=("fp32", "bf16"))
+        ceiling.update({ceiling_key(r["kind"], r["dtype"]): r["value"] for r in rows if r["value"] is not None})
         ceiling.update(probe_id="this benchmark's probe")
         fp32 = ceiling.get("matmul_fp32") or 0
         slow = {p for p in ("bf16",) if not ceiling.get(f"matmul_{p}") or fp32 / ceiling[f"matmul_{p}"] >= SLOW}

@@ -262,6 +262,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
     from kdbench.hw.backends import resolve, thread_count
     from kdbench.measure.probe import measure_ceilings, probe_env
+    from kdbench.measure.probe_classes import measure_classes
     from kdbench.store.probes import write_probe
     from kdbench.store.results import PROBES_DIR
 
@@ -270,9 +271,10 @@ def cmd_probe(args: argparse.Namespace) -> int:
         env = probe_env(backend)  # records the thread count the probe runs with
         print(f"probing {backend.name} ({env['device_name']}), {torch.get_num_threads()} CPU threads ...")
         rows = measure_ceilings(backend, matmul_n=args.size, min_time_s=args.min_time)
+        rows += measure_classes(backend)  # what the step-time model prices each operator class with
     for r in rows:
         value = f"{r['value']:.3f} {r['unit']}" if r["value"] is not None else f"unavailable ({r.get('error')})"
-        print(f"  {r['kind']:6s} {r['dtype']:5s} size {r['size']}: {value}")
+        print(f"  {r['kind']:12s} {r['dtype']:13s} size {r['size']}: {value}")
     print(f"probe -> {write_probe(rows, env, args.out / PROBES_DIR)}")
     return 0
 

@@ -16,7 +16,8 @@ per aten operator call:
   optimizer, copies, collectives.  Views and metadata (``view``, ``t``, ``expand``, ``detach``, ``empty``, size
   queries) are recorded as :data:`VIEWS`, with no bytes and no launch: no kernel runs for them.
 
-Identical records (operator, class, phase, dtype) are aggregated with a count, the operator's launches.
+Identical records (operator, class, phase, dtype) are aggregated with a count, the operator's launches.  A grouped
+convolution's records carry the suffix :data:`GROUPED` (``aten.convolution(grouped)``): the model prices them apart.
 
 What the census cannot see: work that is not an aten operator of the fake run (DDP's reducer, which cannot run on
 fake tensors: the planner adds its all-reduce of the gradients as a record, :func:`all_reduce_record`), a
@@ -159,6 +160,21 @@ def flop_formulas() -> dict:
     }
 
 
+GROUPED = "(grouped)"  # the suffix of a grouped convolution's records: the model prices it apart (steptime)
+
+
+def grouped(func, args: tuple, kwargs: dict) -> bool:
+    """A convolution (or its backward) in more than one group: a depthwise convolution runs far below a dense one
+    on a CPU (``kdbench.measure.probe_classes``' ``conv_grouped``)."""
+    if func._overloadpacket.__name__ not in ("convolution", "convolution_backward"):
+        return False
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "groups":
+            value = kwargs.get("groups", args[i] if i < len(args) else 1)
+            return isinstance(value, int) and value > 1
+    return False
+
+
 def collective_kind(op: str) -> str | None:
     """:data:`ALL_REDUCE`, :data:`ALL_GATHER` or :data:`REDUCE_SCATTER` for a collective operator's name, else
     None (a broadcast, a barrier: priced as an all-gather's one hop, see :mod:`kdbench.fit.steptime`)."""
@@ -292,7 +308,7 @@ class CensusMode(TorchDispatchMode):
         in_dtype = inputs[-1].dtype if inputs else None  # copy_(dst, src): the source's
         cls = op_class(func, phase, out_dtype, in_dtype, formula is not None)
         key = (
-            f"{func.namespace}.{packet.__name__}",
+            f"{func.namespace}.{packet.__name__}{GROUPED if grouped(func, args, kwargs) else ''}",
             cls,
             phase,
             str(out_dtype).removeprefix("torch.") if outputs else "",

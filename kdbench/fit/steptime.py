@@ -44,6 +44,7 @@ from kdbench.fit.census import (
     COLLECTIVES,
     COPIES,
     ELEMENTWISE,
+    GROUPED,
     MATMUL,
     OPTIMIZER,
     REDUCTION,
@@ -57,6 +58,32 @@ COMPUTE, MEMORY, LAUNCH = "compute", "memory", "launch"  # what bounds a record'
 
 # torch dtype name -> the precision whose peak prices a matmul in it (float32 is tf32's under a tf32 cell)
 DTYPE_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+PRECISION_DTYPE = {v: k for k, v in DTYPE_PRECISION.items()}
+
+# Operators whose every element costs an exp (or a function of one: log, tanh, erf) on a CPU's vector units, where
+# the probe's exp rate (elements/s) bounds them below the copy's bandwidth; logsumexp's elements are its input's.
+TRANSCENDENTAL = frozenset(
+    {
+        "exp", "exp_", "log", "log_", "_log_softmax", "_softmax", "_log_softmax_backward_data",
+        "_softmax_backward_data", "logsumexp", "sigmoid", "sigmoid_", "sigmoid_backward", "tanh", "tanh_",
+        "tanh_backward", "log1p", "expm1", "erf", "gelu", "gelu_backward", "silu", "silu_", "silu_backward",
+        "softplus", "softplus_backward", "log_sigmoid_forward", "log_sigmoid_backward", "logaddexp", "xlogy",
+        "special_xlog1py", "hardswish", "hardswish_backward", "hardsigmoid", "hardsigmoid_backward", "elu",
+        "elu_backward", "mish", "mish_backward",
+    }
+)  # fmt: skip
+_READS_ELEMENTS = frozenset({"logsumexp"})  # a reduction: its elements are what it reads
+_BACKWARD = "_backward"
+
+
+def _conv_kind(op: str) -> str | None:
+    """``conv`` or ``conv_grouped`` for a convolution's (or its backward's) census record, else None."""
+    if op.split(".", 1)[-1].startswith("convolution"):
+        return "conv_grouped" if op.endswith(GROUPED) else "conv"
+    return None
+
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 # --- the launch floor -------------------------------------------------------------------------------------------
 # A CPU: what one eager aten operator of a step costs on the host beyond its arithmetic and bytes (its Python module
@@ -143,11 +170,31 @@ class Rates:
     interconnect: float | None = None  # GB/s per direction
     first_touch: float | None = None  # GB/s of writing pages the OS maps anew (a CPU's; None: not priced)
     sources: Mapping[str, str] = field(default_factory=dict)
+    # The probe's per-class rates (kdbench.measure.probe_classes), by torch dtype name; empty for a table device
+    class_peaks: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # attention, conv, conv_grouped
+    exp: Mapping[str, float] = field(default_factory=dict)  # Gelem/s of a vectorised exp
+    elementwise: Mapping[str, float] = field(default_factory=dict)  # GB/s of an elementwise kernel
+    floors: Mapping[str, float] = field(default_factory=dict)  # us per bare call: op, conv, conv_backward
 
     def peak(self, dtype: str) -> float:
         """TFLOP/s of a matmul writing ``dtype``; a dtype without a figure (int64, float64) gets the slowest."""
         found = self.peaks.get(dtype)
         return found if found else min(self.peaks.values())
+
+    def peak_of(self, r: Record) -> float:
+        """TFLOP/s of record ``r``'s FLOPs: its class's measured rate where the probe has one (attention, a dense or
+        a grouped convolution, in its dtype), else the matmul's."""
+        kind = _conv_kind(r.op) or ("attention" if r.cls == ATTENTION else None)
+        found = self.class_peaks.get(kind, {}).get(r.dtype) if kind else None
+        return found if found else self.peak(r.dtype)
+
+    def launch_of(self, r: Record) -> float:
+        """Microseconds of one call of ``r``'s operator beyond its roofline: the launch floor, plus what a bare call of
+        a convolution (or its backward) costs above a bare add where the probe measured both."""
+        kind = _conv_kind(r.op)
+        base = self.floors.get("op")
+        extra = self.floors.get("conv_backward" if _BACKWARD in r.op else "conv") if kind else None
+        return self.launch_us + (max(0.0, extra - base) if extra is not None and base is not None else 0.0)
 
 
 @dataclass(frozen=True)
@@ -212,7 +259,31 @@ def rates_from_probe(
     if not copy or not peaks:
         return None
     probe = ceiling.get("probe_id", "a probe")
-    return _measured(f"probe {probe}", peaks, float(copy), device_type, launch_us)
+    rates = _measured(f"probe {probe}", peaks, float(copy), device_type, launch_us)
+    return with_classes(rates, ceiling)
+
+
+def with_classes(rates: Rates, ceiling: Mapping[str, Any]) -> Rates:
+    """``rates`` with the probe's per-class rates (``<kind>_<precision>`` keys of :func:`kdbench.store.probes.
+    latest_ceiling`'s dict, :mod:`kdbench.measure.probe_classes`): a probe without them leaves ``rates`` as it is."""
+    from dataclasses import replace
+
+    def by_dtype(kind: str) -> dict[str, float]:
+        found = {PRECISION_DTYPE[p]: ceiling.get(f"{kind}_{p}") for p in PRECISION_DTYPE}
+        return {d: float(v) for d, v in found.items() if v}
+
+    classes = {k: by_dtype(k) for k in ("attention", "conv", "conv_grouped")}
+    floors = {k: float(ceiling[f"launch_{k}"]) for k in ("op", "conv", "conv_backward") if ceiling.get(f"launch_{k}")}
+    extra = {
+        "class_peaks": {k: v for k, v in classes.items() if v},
+        "exp": by_dtype("exp"),
+        "elementwise": by_dtype("elementwise"),
+        "floors": floors,
+    }
+    if not any(extra.values()):
+        return rates
+    source = "the probe's per-class rates (kdbench.measure.probe_classes), measured on this machine"
+    return replace(rates, **extra, sources={**rates.sources, "classes": source})
 
 
 def rates_from_row(row: Mapping[str, Any], precision: str, teacher_precision: str | None = None) -> Rates | None:
@@ -258,7 +329,7 @@ def record_terms(r: Record, rates: Rates, world_size: int = 1) -> tuple[float, f
     ``rates`` (module docstring); a collective's wire time is its memory term."""
     if r.cls == VIEWS:
         return 0.0, 0.0, MEMORY
-    launch = r.launches * rates.launch_us * 1e-6
+    launch = r.launches * rates.launch_of(r) * 1e-6
     compute_share, bandwidth_share = rates.fractions.get(r.cls, (1.0, 1.0))
     if r.cls == COLLECTIVES:
         n = max(1, world_size)
@@ -267,8 +338,13 @@ def record_terms(r: Record, rates: Rates, world_size: int = 1) -> tuple[float, f
         size = r.written if kind == ALL_GATHER else r.read
         link = rates.interconnect or rates.bandwidth  # one host's ranks (gloo on a CPU): its memory
         return factor * size / (link * 1e9 * bandwidth_share), launch, MEMORY
-    compute = r.flops / (rates.peak(r.dtype) * 1e12 * compute_share) if r.flops else 0.0
-    memory = r.bytes / (rates.bandwidth * 1e9 * bandwidth_share)
+    compute = r.flops / (rates.peak_of(r) * 1e12 * compute_share) if r.flops else 0.0
+    op = r.op.split(".", 1)[-1]
+    if rates.exp.get(r.dtype) and op in TRANSCENDENTAL:
+        elements = (r.read if op in _READS_ELEMENTS else r.written) / _ITEMSIZE.get(r.dtype, 4)
+        compute = max(compute, elements / (rates.exp[r.dtype] * 1e9))
+    bandwidth = rates.elementwise.get(r.dtype) if r.cls == ELEMENTWISE else None
+    memory = r.bytes / ((bandwidth or rates.bandwidth) * 1e9 * bandwidth_share)
     if rates.first_touch and r.fresh:  # new pages: each faults on its first write
         memory += r.fresh / (rates.first_touch * 1e9)
     return max(compute, memory), launch, COMPUTE if compute > memory else MEMORY

@@ -51,7 +51,7 @@ def _matmul_size(
     return size
 
 
-def _times_ms(fn: Callable[[], Any], backend: Backend, min_time_s: float) -> tuple[float, float]:
+def times_ms(fn: Callable[[], Any], backend: Backend, min_time_s: float) -> tuple[float, float]:
     """(median, p05) of the timed iterations of `fn`."""
     raw = timed_loop(fn, backend.clock(), warmup=2, min_iters=5, min_time_s=min_time_s, max_iters=10_000)
     summary = summarize(raw.samples_ms)
@@ -111,7 +111,7 @@ def measure_ceilings(
                 size = _matmul_size(DTYPES[d], n, backend, max_call_s, timer)
                 a = torch.randn(size, size, device=backend.device).to(DTYPES[d])
                 b = torch.randn(size, size, device=backend.device).to(DTYPES[d])
-                median, fast = _times_ms(lambda a=a, b=b: torch.mm(a, b), backend, min_time_s)
+                median, fast = times_ms(lambda a=a, b=b: torch.mm(a, b), backend, min_time_s)
             row.update(size=size, median_ms=median, p05_ms=fast, value=2 * size**3 / (fast / 1e3) / 1e12)
         except (RuntimeError, TypeError, NotImplementedError) as exc:
             row["error"] = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -131,7 +131,7 @@ def measure_ceilings(
     try:
         src = torch.ones(nbytes, dtype=torch.uint8, device=backend.device)
         dst = torch.empty_like(src)
-        median, fast = _times_ms(lambda: dst.copy_(src), backend, min_time_s)
+        median, fast = times_ms(lambda: dst.copy_(src), backend, min_time_s)
         copy.update(median_ms=median, p05_ms=fast, value=2 * nbytes / (fast / 1e3) / 1e9)
     except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         copy["error"] = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -1,7 +1,8 @@
 """`kdbench probe` files: a device's measured ceilings, kept apart from results.
 
 A probe is one parquet file ``<results>/probes/<probe id>.parquet``: one row per
-ceiling (``kind`` matmul per dtype, or copy) with the environment of the machine
+ceiling (``kind`` matmul per dtype, copy, or one of the classes the step-time model prices apart:
+:mod:`kdbench.measure.probe_classes`) with the environment of the machine
 that measured it.  A run looks up the newest probe of its device and backend when it
 starts and stores the ceiling beside each row (``ceiling_tflops``, ``ceiling_gbps``,
 ``ceiling_probe_id``).
@@ -56,7 +57,8 @@ def write_probe(rows: list[dict], env: dict[str, Any], out_dir: Path) -> Path:
 
 def latest_ceiling(out_dir: Path, device_name: str, backend_name: str) -> dict[str, Any] | None:
     """From the newest probe in ``out_dir`` for this device and backend: ``{"matmul_<dtype>":
-    TFLOP/s, "copy": GB/s, "probe_id": ...}`` (failed measurements left out); None if none."""
+    TFLOP/s, "copy": GB/s, "<kind>_<dtype>": the class rates, "probe_id": ...}`` (:func:`ceiling_key`; failed
+    measurements left out); None if none."""
     matches: list[dict] = []
     try:
         files = sorted(Path(out_dir).glob("probe-*.parquet"))
@@ -76,8 +78,14 @@ def latest_ceiling(out_dir: Path, device_name: str, backend_name: str) -> dict[s
         value = r.get("value")
         if r["probe_id"] != newest or value is None or not math.isfinite(value):
             continue
-        out["copy" if r["kind"] == "copy" else f"matmul_{r['dtype']}"] = value
+        out[ceiling_key(r["kind"], r["dtype"])] = value
     return out
+
+
+def ceiling_key(kind: str, dtype: str) -> str:
+    """A probe row's key in :func:`latest_ceiling`'s dict: ``copy``, ``matmul_<dtype>``, or ``<kind>_<dtype>`` for
+    the per-class rows (:mod:`kdbench.measure.probe_classes`: ``exp_fp32``, ``launch_conv``, ...)."""
+    return "copy" if kind == "copy" else f"{kind}_{dtype}"
 
 
 def ceiling_columns(ceiling: dict[str, Any] | None, precision: str | None, teacher_precision: str | None = None):

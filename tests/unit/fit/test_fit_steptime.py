@@ -299,3 +299,77 @@ def test_a_ddp_cells_census_holds_the_all_reduce_its_reducer_runs():
     )
     assert (reduce.op, reduce.phase, reduce.read, census.world_size) == ("c10d.allreduce_", "backward", trainable, 2)
     assert predict(make_config(), "cpu").census.world_size == 1
+
+
+# ------------------------------------------------------------------------------------- the probe's class rates
+
+CLASSES_PROBE = {
+    "matmul_fp32": 0.2, "matmul_bf16": 0.4, "copy": 30.0, "probe_id": "probe-c",
+    "exp_fp32": 2.0, "exp_bf16": 4.0, "elementwise_fp32": 20.0, "attention_fp32": 0.05, "conv_fp32": 0.1,
+    "conv_grouped_fp32": 0.004, "conv_bf16": 0.3, "launch_op": 1.0, "launch_conv": 5.0, "launch_conv_backward": 13.0,
+}  # fmt: skip
+
+
+def test_a_probe_with_class_rows_gives_the_rates_each_class_is_priced_with():
+    rates = rates_from_probe(CLASSES_PROBE, "fp32")
+    assert rates.exp == {"float32": 2.0, "bfloat16": 4.0} and rates.elementwise == {"float32": 20.0}
+    assert rates.class_peaks == {
+        "attention": {"float32": 0.05},
+        "conv": {"float32": 0.1, "bfloat16": 0.3},
+        "conv_grouped": {"float32": 0.004},
+    }
+    assert rates.floors == {"op": 1.0, "conv": 5.0, "conv_backward": 13.0} and "classes" in rates.sources
+    bare = rates_from_probe({k: CLASSES_PROBE[k] for k in ("matmul_fp32", "copy", "probe_id")}, "fp32")
+    assert bare.exp == {} and bare.class_peaks == {} and bare.floors == {}  # an older probe: priced as before
+
+
+def test_an_exp_costs_its_elements_at_the_probes_exp_rate_where_that_is_slower_than_its_bytes():
+    n = 10**9  # float32 elements: 8 GB read and written
+    exp = Record("aten.exp", C.ELEMENTWISE, "loss", "float32", read=4 * n, written=4 * n, launches=1)
+    add = dataclasses.replace(exp, op="aten.add")
+    rates = rates_from_probe(CLASSES_PROBE, "fp32")
+    assert predict_step_time(Census((exp,)), rates).ms == pytest.approx(n / 2e9 * 1e3 + rates.launch_us / 1e3)
+    assert predict_step_time(Census((add,)), rates).ms == pytest.approx(8e9 / 20e9 * 1e3 + rates.launch_us / 1e3)
+    lse = Record("aten.logsumexp", C.REDUCTION, "loss", "float32", read=4 * n, written=4 * 1000, launches=1)
+    assert predict_step_time(Census((lse,)), rates).ms == pytest.approx(n / 2e9 * 1e3 + rates.launch_us / 1e3)
+    # bf16: its own rate, its own element size
+    half = Record("aten._softmax", C.REDUCTION, "loss", "bfloat16", read=2 * n, written=2 * n, launches=1)
+    assert predict_step_time(Census((half,)), rates).ms == pytest.approx(n / 4e9 * 1e3 + rates.launch_us / 1e3)
+
+
+def test_convolutions_take_their_class_rate_and_floor_and_attention_its_own():
+    rates = rates_from_probe(CLASSES_PROBE, "fp32")
+    flops = 10**9
+    dense = Record("aten.convolution", C.MATMUL, "student_forward", "float32", flops=flops, launches=1)
+    grouped = dataclasses.replace(dense, op="aten.convolution" + C.GROUPED)
+    back = dataclasses.replace(dense, op="aten.convolution_backward", launches=2)
+    attention = Record("aten._scaled_dot_product_flash_attention_for_cpu", C.ATTENTION, "loss", "float32",
+                       flops=flops, launches=1)  # fmt: skip
+    mm = Record("aten.mm", C.MATMUL, "loss", "float32", flops=flops, launches=1)
+    floor = rates.launch_us
+    ms = {r.op: predict_step_time(Census((r,)), rates).ms for r in (dense, grouped, back, attention, mm)}
+    assert ms["aten.convolution"] == pytest.approx(1e9 / 0.1e12 * 1e3 + (floor + 5.0 - 1.0) / 1e3)
+    assert ms["aten.convolution(grouped)"] == pytest.approx(1e9 / 0.004e12 * 1e3 + (floor + 4.0) / 1e3)
+    assert ms["aten.convolution_backward"] == pytest.approx(1e9 / 0.1e12 * 1e3 + 2 * (floor + 12.0) / 1e3)
+    assert ms["aten._scaled_dot_product_flash_attention_for_cpu"] == pytest.approx(20.0 + floor / 1e3)
+    assert ms["aten.mm"] == pytest.approx(5.0 + floor / 1e3)  # the matmul's ceiling, as before
+    # a dtype the class was not probed in falls back to the matmul's ceiling of that dtype
+    half = dataclasses.replace(grouped, dtype="bfloat16")
+    assert predict_step_time(Census((half,)), rates).ms == pytest.approx(1e9 / 0.4e12 * 1e3 + (floor + 4.0) / 1e3)
+
+
+def test_the_census_names_a_grouped_convolution_apart(one_thread):
+    x = torch.randn(2, 8, 6, 6, requires_grad=True)
+    dense, depthwise = torch.randn(8, 8, 3, 3, requires_grad=True), torch.randn(8, 1, 3, 3, requires_grad=True)
+    mode = CensusMode(lambda: "student_forward")
+    with mode:
+        mode.on = True
+        out = torch.nn.functional.conv2d(x, dense, None, 1, 1) + torch.nn.functional.conv2d(
+            x, depthwise, None, 1, 1, 1, 8
+        )
+        out.sum().backward()
+    ops = {r.op: r for r in mode.census().records if "convolution" in r.op}
+    assert set(ops) == {"aten.convolution", "aten.convolution(grouped)", "aten.convolution_backward",
+                        "aten.convolution_backward(grouped)"}  # fmt: skip
+    assert ops["aten.convolution"].flops == 8 * ops["aten.convolution(grouped)"].flops  # 8 groups: 1/8 the work
+    assert ops["aten.convolution_backward(grouped)"].flops == 2 * ops["aten.convolution(grouped)"].flops

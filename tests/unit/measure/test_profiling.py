@@ -715,7 +715,7 @@ def test_probe_runs_long_enough_for_sustained_clocks_on_gpus(monkeypatch, device
     from kdbench.measure import probe as probe_module
 
     seen = []
-    monkeypatch.setattr(probe_module, "_times_ms", lambda fn, backend, min_time_s: seen.append(min_time_s) or (1, 1))
+    monkeypatch.setattr(probe_module, "times_ms", lambda fn, backend, min_time_s: seen.append(min_time_s) or (1, 1))
     backend = SimpleNamespace(
         name="x", device=torch.device("cpu"), device_type=device_type, clock=ConstantClock, synchronize=lambda: None
     )
@@ -813,6 +813,47 @@ def test_latest_ceiling_picks_newest_matching_probe(tmp_path, monkeypatch):
     assert latest_ceiling(tmp_path, "GPU-B", "cuda")["matmul_bf16"] == 99.0
     assert latest_ceiling(tmp_path, "GPU-A", "rocm") is None
     assert latest_ceiling(tmp_path, "GPU-C", "cuda") is None
+
+
+def test_the_probes_class_rows_reach_the_ceiling_under_their_own_keys(tmp_path):
+    rows = [
+        {"kind": "copy", "dtype": "uint8", "size": 8, "value": 30.0, "unit": "GB/s"},
+        {"kind": "exp", "dtype": "fp32", "size": 8, "value": 2.0, "unit": "Gelem/s"},
+        {"kind": "conv_grouped", "dtype": "bf16", "size": 8, "value": 0.05, "unit": "TFLOP/s"},
+        {"kind": "launch", "dtype": "conv_backward", "size": 1, "value": 12.0, "unit": "us"},
+        {"kind": "attention", "dtype": "fp16", "size": 8, "value": None, "unit": "TFLOP/s", "error": "no"},
+    ]
+    path = write_probe(rows, {"device_name": "CPU-A", "backend": "cpu"}, tmp_path)
+    assert latest_ceiling(tmp_path, "CPU-A", "cpu") == {
+        "probe_id": path.stem, "copy": 30.0, "exp_fp32": 2.0, "conv_grouped_bf16": 0.05, "launch_conv_backward": 12.0,
+    }  # fmt: skip
+
+
+def test_the_class_rates_are_their_work_over_the_fast_time(cpu):
+    from kdbench.measure.flops import count_flops
+    from kdbench.measure.probe_classes import measure_classes
+
+    rows = measure_classes(cpu, dtypes=("fp32", "tf32"), elements=1024, times=lambda fn: (fn(), 5.0, 4.0)[1:])
+    got = {(r["kind"], r["dtype"]): r for r in rows}
+    assert list(got) == [
+        ("exp", "fp32"),
+        ("elementwise", "fp32"),
+        ("attention", "fp32"),
+        ("conv", "fp32"),
+        ("conv_grouped", "fp32"),
+        ("launch", "op"),
+        ("launch", "conv"),
+        ("launch", "conv_backward"),
+    ]  # fmt: skip  (tf32 is the matmul's mode: no class of its own)
+    assert got["exp", "fp32"]["value"] == pytest.approx(1024 / 0.004 / 1e9)
+    assert got["elementwise", "fp32"]["value"] == pytest.approx(3 * 1024 * 4 / 0.004 / 1e9)
+    conv = count_flops(
+        lambda: torch.nn.functional.conv2d(torch.ones(32, 64, 16, 16), torch.ones(64, 64, 3, 3), padding=1)
+    )
+    assert got["conv", "fp32"]["value"] == pytest.approx(conv / 0.004 / 1e12)
+    assert got["conv_grouped", "fp32"]["value"] == pytest.approx(conv * 96 * 96 / 64 / 64 / 96 / 0.004 / 1e12)
+    assert all(r["unit"] == "us" and r["value"] == 4000.0 for k, r in got.items() if k[0] == "launch")
+    assert all(r["error"] is None and r["median_ms"] == 5.0 for r in rows)
 
 
 def test_latest_ceiling_without_probes(tmp_path):
