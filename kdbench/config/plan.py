@@ -207,8 +207,11 @@ def config_dict(config: CellConfig) -> dict[str, Any]:
         out.pop("ddp", None)  # DDP options do not touch a single-device cell, nor an FSDP one
     if config.parallel != "fsdp":
         out.pop("fsdp", None)
-    if config.teacher.mode != "topk_cache":
-        out["teacher"].pop("k", None)  # only the top-k cache keeps k entries
+    if config.teacher.mode not in ("topk_cache", "offline"):
+        out["teacher"].pop("k", None)  # only the top-k cache and an offline store keep k entries
+    if config.teacher.mode != "offline":  # the store's settings: an offline teacher's alone
+        for key in ("store", "values", "indices", "compression", "top_p", "store_tokens", "page_cache"):
+            out["teacher"].pop(key, None)
     # Image data has no tokens, token data no image shape or classes.
     for key in (*IMAGE_DATA_KEYS, *TOKEN_DATA_KEYS):
         if key not in config.data.applies:

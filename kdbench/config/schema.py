@@ -62,13 +62,40 @@ class FeaturesConfig(Strict):
 class TeacherConfig(Strict):
     # live: the teacher runs every step; cached: its outputs computed once for the fixed batch; topk_cache (LM
     # pairs): its top-k next-token log-probabilities computed once and stored compactly, the student trained on
-    # the sparse KL over them (offline distillation)
-    mode: Literal["live", "cached", "topk_cache"] = "live"
-    # topk_cache: next-token entries kept per token
+    # the sparse KL over them (offline distillation); offline (LM pairs): those top-k written once for a token
+    # corpus to a store on disk (teacher.store), which every step reads ahead on a background thread
+    mode: Literal["live", "cached", "topk_cache", "offline"] = "live"
+    # topk_cache and offline: next-token entries kept per token
     k: int = Field(128, ge=1, le=1 << 20)
+    # offline: the store's folder, built there by the cell where it is missing or unfinished (resumed after its
+    # finished shards); relative: under the run's output folder; null: teacher-stores/<its key's digest> there
+    store: str | None = Field(None, min_length=1)
+    # offline: the stored log-probabilities: fp16, bf16, or int8 with a per-token offset and scale
+    values: Literal["fp16", "bf16", "int8"] = "fp16"
+    # offline: the stored vocabulary ids: int32, int16 (unsigned: V <= 65536), packed17 (17 bits each, Megatron's:
+    # V <= 131072), auto (int16 where the vocabulary fits, else int32)
+    indices: Literal["auto", "int32", "int16", "packed17"] = "auto"
+    # offline: each shard's compression: none (read by rows in place) or zstd:<level> (1..22, read whole)
+    compression: str = "none"
+    # offline: a top-p cut: per token, the fewest of the k entries whose mass reaches top_p (the rest in its bucket)
+    top_p: float | None = Field(None, gt=0, le=1)
+    # offline: corpus tokens the store holds (the stdlib text, in windows of data.seq_len + 1 bytes); the steps
+    # read it in order and start over at its end
+    store_tokens: int = Field(32768, ge=1, le=1 << 40)
+    # offline: warm (the OS's page cache as it is) or cold (each shard's pages dropped before it is read, with
+    # posix_fadvise DONTNEED where the OS has it: the row says which it got)
+    page_cache: Literal["warm", "cold"] = "warm"
     # the dtype the frozen teacher's parameters are held in (LM and encoder pairs): fp32, or bf16 / fp16, half
     # the teacher's memory, as torchtune and TRL load a teacher; it needs teacher_precision of the same dtype
     weights: Literal["fp32", "bf16", "fp16"] = "fp32"
+
+    @field_validator("compression")
+    @classmethod
+    def _compression(cls, v: str) -> str:
+        from kdbench.store.teacher_logits import parse_compression
+
+        codec, level = parse_compression(v)
+        return codec if level is None else f"{codec}:{level}"
 
 
 DataKind = Literal["synthetic", "tokens"]

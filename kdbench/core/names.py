@@ -139,7 +139,15 @@ ALIGN = Phase(
     "cross-tokenizer LM steps: the batch's text tokenized by each model's own tokenizer and the two sides' positions "
     "aligned, before the teacher forward",
 )
-LEAD_PHASES = (GENERATE, ALIGN)  # the phases a step may begin with, before PHASES (one at most)
+# Offline-teacher LM steps (``teacher.mode: offline``) begin with one more phase: the wait for the next batch and its
+# stored top-k, which a background thread reads ahead.
+TEACHER_READ = Phase(
+    "teacher_read",
+    "teacher read wait (offline)",
+    "offline-teacher LM steps: the wait for the next batch and its stored top-k (read, decoded and copied to the "
+    "device by a background thread; ≈0 when the read hides behind the previous step), before the teacher forward",
+)
+LEAD_PHASES = (GENERATE, ALIGN, TEACHER_READ)  # the phases a step may begin with, before PHASES (one at most)
 REMAINDER_COLUMN = "phase_remainder_ms"  # step time minus the sum of its phases
 
 # How torch's autograd runs in a timed call (the grad_mode column): the step trains (the student's forward and

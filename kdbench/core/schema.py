@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from kdbench.core.limits import CONTENDED_FREE_SHARE, FIT_TOLERANCE, STEP_TIME_TOLERANCE
-from kdbench.core.names import ALIGN, GENERATE, PHASES, REMAINDER_COLUMN
+from kdbench.core.names import ALIGN, GENERATE, PHASES, REMAINDER_COLUMN, TEACHER_READ
 
 SCHEMA_VERSION = 2  # 1: one parquet file per run, derived columns stored; 2: a folder of parts per run
 
@@ -495,7 +495,65 @@ COLUMNS: tuple[Column, ...] = (
             _F,
             "nats",
             "teacher.mode topk_cache: KL of the teacher's dense next-token distribution against the cache's "
-            "reconstruction (top-k entries, the rest's mass spread evenly), mean over the valid tokens",
+            "reconstruction (top-k entries, the rest's mass spread evenly), mean over the valid tokens; offline: "
+            "against the store's decoded entries (its encoding's loss too), mean over the build's first 4,096 tokens",
+        ),
+        (
+            "teacher_store_encoding",
+            _S,
+            "",
+            "teacher.mode offline: the store's encoding, `k<k> <values> <indices> <compression>[ top_p <p>]` "
+            "(docs/lm.md, Offline teacher stores)",
+        ),
+        ("teacher_store_tokens", _I, "tokens", "teacher.mode offline: the positions the store holds a top-k for"),
+        (
+            "teacher_store_bytes_per_token",
+            _F,
+            "bytes",
+            "teacher.mode offline: the store's shard bytes on disk / its tokens (uncompressed: k × value bytes + "
+            "(8 for int8's offset and scale) + the ids' bytes + 4 for the rest, exactly; the token ids apart)",
+        ),
+        (
+            "teacher_store_build_s",
+            _F,
+            "s",
+            "teacher.mode offline: the store's build, teacher forward plus encode + write, over every session that "
+            "built it (null: no shard built)",
+        ),
+        (
+            "teacher_store_forward_tokens_per_s",
+            _F,
+            "tokens/s",
+            "teacher.mode offline: the build's teacher forward with its LM head, tokens per second (host time "
+            "between synchronizations)",
+        ),
+        (
+            "teacher_store_encode_tokens_per_s",
+            _F,
+            "tokens/s",
+            "teacher.mode offline: the build's log-softmax, top-k, encoding, compression, checksum and atomic "
+            "writes, tokens per second",
+        ),
+        (
+            "teacher_read_ms",
+            _F,
+            "ms",
+            "teacher.mode offline: median time the reader's thread took to read, decode and copy to the device one "
+            "step's batch and its top-k (compare phase_teacher_read_ms: what the step waited of it)",
+        ),
+        (
+            "teacher_read_wait_ms",
+            _F,
+            "ms",
+            "teacher.mode offline: median wait for the next batch over every step (warm-up and counted calls too)",
+        ),
+        ("teacher_read_tokens_per_s", _F, "tokens/s", "teacher.mode offline: the reader's tokens per second"),
+        (
+            "teacher_store_page_cache",
+            _S,
+            "",
+            "teacher.mode offline: `warm` (the OS's page cache as it was) or `cold` (each shard's pages dropped "
+            "before its read with posix_fadvise DONTNEED), or why cold was not had",
         ),
         ("logits_buffers", _S, "", "LM step rows: the B×S×V-sized buffers logits_memory_bytes counts, and their dtype"),
         (
@@ -577,6 +635,7 @@ COLUMNS: tuple[Column, ...] = (
             "the levers' one-off cost for this measurement, all it paid once: compile, algorithm search or GEMM "
             "tuning (the cold and warm-up calls minus as many steady calls, in host time between synchronizations); "
             "graph capture, ONNX export and session creation, quantization (plus the served model's own "
+        (TEACHER_READ.column, _F, "ms", f"median of the {TEACHER_READ.doc} (null: no offline teacher)"),
             "cold_excess_ms)",
         ),
         ("one_off_kind", _S, "", "what one_off_ms paid for"),
@@ -942,6 +1001,21 @@ COLUMNS: tuple[Column, ...] = (
         ),
         (
             "lever_gain_low_ms",
+        (
+            "offline_saving_ms_per_token",
+            _F,
+            "ms",
+            "teacher.mode offline distill_step rows: teacher_cache_saving_ms (the live twin's median minus this one) "
+            "per token of the step",
+        ),
+        (
+            "offline_payback_epochs",
+            _F,
+            "epochs",
+            "teacher.mode offline distill_step rows: epochs over a corpus after which the steps' saving repays the "
+            "store's build (build seconds per token / saving seconds per token: the same for any corpus size; "
+            "null when the offline step is not faster)",
+        ),
             _F,
             "ms",
             "lower end of the gain's 95 % paired t-interval over repeats (null: one repeat)",

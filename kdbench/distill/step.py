@@ -31,7 +31,7 @@ from torch import nn
 
 from kdbench.config.optimizer import OptimizerConfig
 from kdbench.config.schema import CellConfig
-from kdbench.core.names import ALIGN, GENERATE, PHASES
+from kdbench.core.names import ALIGN, GENERATE, PHASES, TEACHER_READ
 from kdbench.distill.hooks import FeaturePaths, FeatureTap
 from kdbench.distill.losses import LossInputs, needs_features
 from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_scaler, math_mode
@@ -61,6 +61,11 @@ class StepFamily(Protocol):
     ) -> tuple[Any, dict, Callable[[], dict] | None]:
         """The teacher's outputs of the fixed batch in the family's compact form, the columns that say so, and its
         diagnostics (columns of what the form loses; None: none), called once the build is timed."""
+
+
+    def offline_teacher(self, distiller: Distiller, config: CellConfig, run_dir: str | None) -> Any:
+        """``teacher.mode: offline``: ``(x, y) -> (x, y, the stored teacher outputs)``, the next batch read ahead (the
+        fixed batch is ignored but by a fit's fake run), with ``columns()`` and ``close()``."""
 
 
 def make_optimizer(params, cfg: OptimizerConfig, fused: bool = False) -> torch.optim.Optimizer:
@@ -234,6 +239,7 @@ class Distiller:
         self.paired = paired(self, config) if paired is not None else None
         # the phase the step begins with, before PHASES (the plan never gives a cell both)
         self.lead_phase = GENERATE if self.on_policy is not None else ALIGN if self.paired is not None else None
+        self.offline: Callable | None = None  # (x, y) -> (x, y, stored top-k): an offline teacher's (DistillStep)
         self.last_input = example
         self.scaler = grad_scaler(backend, self.student_ac)
         self.optimizer, self.optimizer_note = self._optimizer(config, backend)
@@ -320,6 +326,10 @@ class Distiller:
         elif self.paired is not None:  # each model's own tokens of the batch's text, and their alignment
             x, y, teacher_x, extra = self.paired(x, y)
             stamp()
+        elif self.offline is not None:  # the next batch and its teacher top-k, read ahead from the store
+            x, y, topk = self.offline(x, y)
+            teacher_x, cached = x, TeacherOutputs(topk, [])
+            stamp()
         self.last_input = teacher_x  # the teacher's input (FLOPs are counted on it)
         self.last_student_input, self.last_extra = x, extra  # the student's, and its loss's extra inputs (ledger)
         t = cached if cached is not None else self.teacher_outputs(teacher_x)
@@ -360,6 +370,7 @@ class DistillStep:
         phases: bool = True,
         wrap_teacher: Callable[[nn.Module], nn.Module] | None = None,
         diagnostics: bool = True,
+        run_dir: str | None = None,
     ):
         self.distiller = Distiller(teacher, student, config, backend, x, workload, wrap, wrap_teacher)
         self.x, self.y = x, y
@@ -369,7 +380,11 @@ class DistillStep:
         self.cache: TeacherOutputs | None = None
         self.cache_ms: float | None = None
         self.cache_columns: dict = {}  # what the cache's workload reports of it (the top-k cache's size and loss)
-        if config.teacher.mode != "live":
+        self.offline: Any = None  # teacher.mode offline: the store and its reader (the workload's)
+        if config.teacher.mode == "offline":  # the store built (or resumed) here, read ahead by a thread each step
+            self.offline = workload.offline_teacher(self.distiller, config, run_dir)
+            self.distiller.offline, self.distiller.lead_phase = self.offline, TEACHER_READ
+        elif config.teacher.mode != "live":
             # In the step's fp32 math mode (the teacher's own where it differs), as the live teacher runs: torch's
             # default would run NVIDIA's fp32 convolutions in TF32.  Host time between synchronizations: a one-off
             # cost is what a user waits for.
@@ -415,6 +430,9 @@ class DistillStep:
     def close(self) -> None:
         """Free what the step holds beyond its models: hooks, gradients, cached outputs, stamps."""
         self.distiller.close()
+        if self.offline is not None:
+            self.offline.close()
+            self.distiller.offline = self.offline = None
         self.cache = None
         self.last_loss = None
         self.marks.clear()

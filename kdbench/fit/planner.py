@@ -142,7 +142,13 @@ def predict(config: CellConfig, device_type: str = "cuda", allow_imports: bool =
             # The device's peak is a step's (or a teacher cache's build): what building and sharding the models
             # held on the way (an FSDP2 teacher whole on rank 0's host) is not on the device.
             tracker.reset_peak()
-            live_teacher = config.teacher.mode == "live"
+            if config.teacher.mode == "offline":  # its stored top-k read: the teacher's weights are not on the device
+                for module in teacher.modules():  # (their shapes kept, on meta: nothing counted)
+                    for name, p in list(module._parameters.items()):
+                        if p is not None:
+                            meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
+                            module._parameters[name] = torch.nn.Parameter(meta, requires_grad=False)
+            live_teacher = config.teacher.mode in ("live", "offline")  # offline: the reader's buffers, in the steps
             tracker.phase = "setup" if live_teacher else "cache build"
             wrap, wrap_teacher = (dp.wrapper(config, CPU), dp.teacher_wrapper(config, CPU)) if dp else (None, None)
             step = DistillStep(

@@ -65,7 +65,8 @@ def step_flops(step: DistillStep) -> Row:
     """FLOPs of one more step, counted after the timed loop (teacher forward apart when live), and the attention
     kernels its models ran (the teacher's: those of its forward counted apart; the student's: the rest)."""
     distiller = step.distiller  # the teacher's input of the last step (an on-policy step's is its generated batch)
-    teacher = None if step.cache is not None else count(lambda: distiller.teacher_outputs(distiller.last_input))
+    stored = step.cache is not None or step.offline is not None  # no teacher forward in the step
+    teacher = None if stored else count(lambda: distiller.teacher_outputs(distiller.last_input))
     total = count(step)
     teacher_flops = teacher.flops if teacher is not None else None
     student_calls = total.attention - teacher.attention if teacher is not None else total.attention
@@ -156,7 +157,9 @@ def measure_distill_step(
     x, y = workload.batch(config, config.batch_size, backend.device, config.seed + rank, (teacher, student))
     watch = LeverWatch(config)  # before the step is built: it resets torch._dynamo
     wrap, wrap_teacher = (dp.wrapper(config, backend), dp.teacher_wrapper(config, backend)) if dp else (None, None)
-    step = DistillStep(teacher, student, x, y, config, backend, workload, wrap=wrap, wrap_teacher=wrap_teacher)
+    step = DistillStep(
+        teacher, student, x, y, config, backend, workload, wrap=wrap, wrap_teacher=wrap_teacher, run_dir=options.run_dir
+    )
     try:
         with math_mode(step.distiller.student_ac.tf32):
             what = f"{config.pair.teacher}->{config.pair.student} {config.precision} distill_step"

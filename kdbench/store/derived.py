@@ -52,7 +52,11 @@ from kdbench.core.stats.repeats import centre, paired_t
 DECODE = (Measurement.STUDENT_DECODE, Measurement.TEACHER_DECODE)
 # A world_size 1 cell has no DDP or FSDP options to compare: an FSDP2 cell's twin is the same single-device cell
 WORLD_SIZE = (("world_size",), ("ddp",), ("parallel",), ("fsdp",))
-TEACHER_MODE = (("teacher", "mode"), ("teacher", "k"))
+TEACHER_MODE = (
+    ("teacher", "mode"),
+    ("teacher", "k"),
+    *(("teacher", key) for key in ("store", "values", "indices", "compression", "top_p", "store_tokens", "page_cache")),
+)
 LEVERS = (  # a cell's config stores a lever only when it is pulled (kdbench.config.plan.config_dict)
     ("compile",),
     ("compile_teacher",),
@@ -286,7 +290,7 @@ def _bandwidth(df: pd.DataFrame, ok: pd.Series) -> None:
 def _cache_payback(df: pd.DataFrame) -> None:
     step = df["measurement"].eq(Measurement.DISTILL_STEP)
     mode = df["teacher_mode"].fillna("live")
-    twin = match_twins(df, step & mode.isin(["cached", "topk_cache"]), step & mode.eq("live"), TEACHER_MODE)
+    twin = match_twins(df, step & mode.isin(["cached", "topk_cache", "offline"]), step & mode.eq("live"), TEACHER_MODE)
     if twin.empty:
         return
     cached = df.loc[twin.index]
@@ -296,6 +300,24 @@ def _cache_payback(df: pd.DataFrame) -> None:
         np.nan if (steps_ := payback_steps(one_off, s)) is None else float(steps_)
         for one_off, s in zip(cached["teacher_cache_ms"], saving)
     ]
+    _offline_payback(df, cached, saving)
+
+
+def _offline_payback(df: pd.DataFrame, rows: pd.DataFrame, saving: np.ndarray) -> None:
+    """Offline rows: the saving per token, and the epochs after which it repays the store's build (the build's
+    seconds per token over the saving's: a corpus's size cancels)."""
+    if "teacher_store_build_s" not in rows:
+        return
+    offline = (rows["teacher_mode"] == "offline").to_numpy()
+    if not offline.any():
+        return
+    idx = rows.index[offline]
+    tokens = rows.loc[idx, "tokens"].astype(float).to_numpy()
+    per_token = saving[offline] / tokens
+    df.loc[idx, "offline_saving_ms_per_token"] = per_token
+    build = rows.loc[idx, "teacher_store_build_s"].astype(float).to_numpy() * 1e3
+    built = rows.loc[idx, "teacher_store_tokens"].astype(float).to_numpy()
+    df.loc[idx, "offline_payback_epochs"] = np.where(per_token > 0, build / built / per_token, np.nan)
 
 
 def _break_even(df: pd.DataFrame) -> None:

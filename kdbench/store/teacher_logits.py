@@ -11,7 +11,8 @@ token's bytes are found by arithmetic (random access by row, no index):
 
 so ``bytes_per_token = k × value_bytes + (8 if int8) + index_bytes(k) + 4``.  A top-p cut keeps, per token, the
 fewest entries whose mass reaches ``top_p`` (at most k): the slots after the cut hold −inf and repeat the last kept
-id, so the row keeps its size and a loss that scatters ids sees each kept id once.  A shard's sections are the
+id, so the row keeps its size and a loss that scatters ids sees each kept id once; the rest's mass takes what was
+cut.  A shard's sections are the
 rows' values, then (int8) their offsets and scales, then the indices, then the rests, each contiguous.
 
 ``compression`` ``none`` writes those bytes as they are (a reader takes any rows with positioned reads);
@@ -127,8 +128,11 @@ def _bf16_bits(values: np.ndarray) -> np.ndarray:
 def encode(enc: Encoding, logp: np.ndarray, indices: np.ndarray, rest: np.ndarray) -> bytes:
     """One shard's bytes before compression: ``logp`` (n, k) float32 descending, ``indices`` (n, k), ``rest`` (n,)."""
     n = logp.shape[0]
-    if enc.top_p is not None:
+    if enc.top_p is not None:  # the entries cut go to the rest's bucket
         logp, indices = top_p_cut(logp, indices, enc.top_p)
+        kept = np.exp(logp.astype(np.float64)).sum(axis=-1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rest = np.where(kept < 1, np.log1p(-np.minimum(kept, 1)), -np.inf).astype(np.float32)
     parts: list[np.ndarray] = []
     if enc.values == "fp16":
         parts.append(logp.astype(np.float16))

@@ -95,9 +95,13 @@ FAMILY_SETTINGS: dict[str, FamilySetting] = {
     ),
     "teacher.mode": FamilySetting(
         ("teacher", "mode"),
-        lambda c: c.teacher.mode == "topk_cache",
-        "teacher.mode topk_cache keeps a language model's top-k next tokens; {a_pair} takes live or cached",
-        {"encoder": "teacher.mode topk_cache keeps an LM's next tokens; an encoder pair takes live or cached"},
+        lambda c: c.teacher.mode in ("topk_cache", "offline"),
+        "teacher.mode topk_cache keeps a language model's top-k next tokens (and offline stores them); {a_pair} "
+        "takes live or cached",
+        {
+            "encoder": "teacher.mode topk_cache keeps an LM's next tokens (and offline stores them); an encoder pair "
+            "takes live or cached"
+        },
     ),
     "on_policy": FamilySetting(
         ("on_policy",),

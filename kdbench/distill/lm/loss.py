@@ -71,7 +71,7 @@ class LMLoss(WeightedTerms):
         ]
         self._alignment: tuple | None = None  # (student labels, teacher labels, their Alignment), found once
         self.impl, self.chunk_size = config.loss_impl, config.chunk_size
-        self.topk = config.teacher.mode == "topk_cache"
+        self.topk = config.teacher.mode in ("topk_cache", "offline")  # the sparse KL on a stored top-k
         self._models = (teacher, student)  # not submodules: the trainee owns the student's head
         self.id_vocab = vocab  # the token ids both models read
         sizes = [m.vocab_size for m in (teacher, student) if m.vocab_size is not None]

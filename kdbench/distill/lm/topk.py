@@ -50,24 +50,40 @@ def _log_rest(top: torch.Tensor) -> torch.Tensor:
     return torch.where(mass < 0, torch.log(-torch.expm1(mass.clamp(max=0))), torch.full_like(mass, -math.inf))
 
 
-def build_topk(logits: torch.Tensor, k: int, temperature: float) -> TopKTeacher:
-    """The top-k cache of teacher ``logits`` (B, S, V) at ``temperature``, a chunk of tokens at a time."""
+def topk_rows(logits: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The top-k of teacher ``logits`` (..., V) at ``temperature``, a chunk of tokens at a time, as (N, k) float32
+    log-probabilities (descending), their (N, k) int64 indices and the (N,) float32 log rest-mass: what the
+    in-memory cache (:func:`build_topk`) and an offline store (:mod:`kdbench.store.teacher_logits`) encode."""
     vocab = logits.shape[-1]
     k = min(k, vocab)
     flat = logits.reshape(-1, vocab)
-    index_dtype = torch.int16 if vocab <= torch.iinfo(torch.int16).max + 1 else torch.int32
-    logp = torch.empty(flat.shape[0], k, dtype=torch.float16, device=logits.device)
-    indices = torch.empty(flat.shape[0], k, dtype=index_dtype, device=logits.device)
+    logp = torch.empty(flat.shape[0], k, dtype=torch.float32, device=logits.device)
+    indices = torch.empty(flat.shape[0], k, dtype=torch.long, device=logits.device)
     rest = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
     with torch.no_grad():
         for start in range(0, flat.shape[0], CHUNK):
             log_p = F.log_softmax(flat[start : start + CHUNK].float() / temperature, dim=-1)
             top, idx = log_p.topk(k, dim=-1)
-            logp[start : start + CHUNK] = top.to(torch.float16)
-            indices[start : start + CHUNK] = idx.to(index_dtype)
+            logp[start : start + CHUNK] = top
+            indices[start : start + CHUNK] = idx
             rest[start : start + CHUNK] = _log_rest(top)
-    shape = logits.shape[:-1]
-    return TopKTeacher(logp.reshape(*shape, k), indices.reshape(*shape, k), rest.reshape(shape), vocab, temperature)
+    return logp, indices, rest
+
+
+def build_topk(logits: torch.Tensor, k: int, temperature: float) -> TopKTeacher:
+    """The top-k cache of teacher ``logits`` (B, S, V) at ``temperature`` (:func:`topk_rows`): float16
+    log-probabilities, int16 indices where the vocabulary fits (else int32)."""
+    vocab = logits.shape[-1]
+    index_dtype = torch.int16 if vocab <= torch.iinfo(torch.int16).max + 1 else torch.int32
+    logp, indices, rest = topk_rows(logits, k, temperature)
+    k, shape = logp.shape[-1], logits.shape[:-1]
+    return TopKTeacher(
+        logp.to(torch.float16).reshape(*shape, k),
+        indices.to(index_dtype).reshape(*shape, k),
+        rest.reshape(shape),
+        vocab,
+        temperature,
+    )
 
 
 def topk_forward_kl(
@@ -89,8 +105,8 @@ def topk_forward_kl(
         s, logp, idx, rest = s[valid], logp[valid], idx[valid], rest[valid]
     log_q = F.log_softmax(s / temperature, dim=-1)
     log_q_top = log_q.gather(-1, idx)
-    p = logp.exp()
-    total = (p * (logp - log_q_top)).sum()
+    p = logp.exp()  # 0 at a slot a top-p cut left empty (-inf): it adds nothing
+    total = torch.where(p > 0, p * (logp - log_q_top), 0.0).sum()
     if cache.k < vocab:  # the rest bucket: log q_rest = log Σ q over the entries outside the top-k
         log_q_rest = torch.logsumexp(log_q.scatter(-1, idx, -math.inf), dim=-1)
         has_rest = torch.isfinite(rest)
@@ -111,6 +127,7 @@ def reconstruction_kl(logits: torch.Tensor, cache: TopKTeacher, mask: torch.Tens
     if mask is not None:
         keep = mask.reshape(-1).to(device=flat.device, dtype=torch.bool)
     others = vocab - cache.k
+    cut = bool((~torch.isfinite(logp)).any())
     total, count = 0.0, 0
     with torch.no_grad():
         for start in range(0, flat.shape[0], CHUNK):
@@ -118,9 +135,15 @@ def reconstruction_kl(logits: torch.Tensor, cache: TopKTeacher, mask: torch.Tens
             if not rows.any():
                 continue
             log_p = F.log_softmax(flat[start : start + CHUNK][rows].float() / cache.temperature, dim=-1)
-            spread = rest[start : start + CHUNK][rows] - (math.log(others) if others else 0.0)
+            kept = logp[start : start + CHUNK][rows]
+            if cut:  # a top-p cut: each row's rest spread over the entries it did not keep
+                left = (vocab - torch.isfinite(kept).sum(-1)).double()
+                spread = rest[start : start + CHUNK][rows] - torch.where(left > 0, left.log(), 0.0).float()
+            else:
+                spread = rest[start : start + CHUNK][rows] - (math.log(others) if others else 0.0)
             log_tilde = spread[:, None].expand_as(log_p).clone()
-            log_tilde.scatter_(-1, idx[start : start + CHUNK][rows], logp[start : start + CHUNK][rows])
+            # amax: a cut's empty slots repeat a kept id with -inf, which must not overwrite it
+            log_tilde.scatter_reduce_(-1, idx[start : start + CHUNK][rows], kept, "amax", include_self=False)
             p = log_p.exp()
             total += float(torch.where(p > 0, p * (log_p - log_tilde), 0.0).sum())
             count += int(rows.sum())

@@ -20,6 +20,7 @@ from kdbench.data.tokens import prompt_length, prompt_tokens
 from kdbench.distill.lm.impls import pad_unsupported, uld_unsupported
 from kdbench.distill.losses import check_method
 from kdbench.models.lm import max_positions, model_config
+from kdbench.store.teacher_logits import resolve_indices
 from kdbench.workloads.base import Problems
 from kdbench.workloads.lm.xtok import cross_tokenizer, tokenizer_size
 from kdbench.workloads.model_checks import ROLES, Facts
@@ -299,25 +300,27 @@ def on_policy_problems(config: CellConfig, tokens: list, configs: dict) -> Probl
 
 
 def topk_problems(config: CellConfig, tokens: list, vocabs: dict[str, int]) -> Problems:
-    """teacher.mode topk_cache: the sparse forward KL on the student's dense logits, k within the vocabulary."""
+    """teacher.mode topk_cache (and offline): the sparse forward KL on the student's dense logits, k within the
+    vocabulary."""
     problems: Problems = []
     if [m.name for m in tokens] != ["forward_kl"]:
         problems.append(
             (
                 ("method",),
-                "teacher.mode topk_cache trains on the forward KL over the teacher's top-k tokens: use method "
-                "forward_kl (optionally +hidden_mse)",
+                f"teacher.mode {mode} trains on the forward KL over the teacher's top-k tokens: use method "
+                f"forward_kl{' (optionally +hidden_mse)' if mode == 'topk_cache' else ''}",
+    mode = config.teacher.mode
             )
         )
     if config.loss_impl != "dense":
         why = (
-            "teacher.mode topk_cache computes its sparse KL on the student's logits: use loss_impl dense, "
+            f"teacher.mode {mode} computes its sparse KL on the student's logits: use loss_impl dense, "
             f"not {config.loss_impl}"
         )
         problems.append((("loss_impl",), why))
     if config.parallel == "fsdp":
         why = (
-            "teacher.mode topk_cache is not supported with parallel fsdp: the cache applies the teacher's LM head "
+            f"teacher.mode {mode} is not supported with parallel fsdp: the cache applies the teacher's LM head "
             "outside its FSDP2-sharded forward, and the loss would gather the teacher's root every step for nothing; "
             "use parallel: ddp (or teacher.mode live)"
         )
@@ -345,3 +348,36 @@ def shared_vocab(config: CellConfig, teacher: nn.Module | None = None, student: 
     if len(set(sizes)) > 1 and config.data.vocab_policy == "error" and config.data.tokenizers is None:
         raise KdbenchError(f"the pair's vocabularies differ ({sizes[0]} and {sizes[1]}): set data.vocab_policy: slice")
     return min(sizes)
+
+
+def offline_problems(config: CellConfig, vocabs: dict[str, int], features: bool) -> Problems:
+    """teacher.mode offline: a store of the teacher's top-k over the stdlib text in bytes, read by one device.  (Its
+    keys under another mode are not the cell's: the plan leaves them out of its identity.)"""
+    problems: Problems = []
+    why_not = {
+        ("method",): "teacher.mode offline stores the teacher's top-k next tokens, not its features: remove hidden_mse"
+        if features
+        else None,
+        ("data", "tokenizers"): "teacher.mode offline reads the text its store holds, in bytes (both models' tokens): "
+        "remove data.tokenizers"
+        if config.data.tokenizers is not None
+        else None,
+        ("on_policy",): "teacher.mode offline stores the teacher on a fixed corpus; on_policy trains on the student's "
+        "own completions, which no store holds: remove one"
+        if config.on_policy is not None
+        else None,
+        ("world_size",): "teacher.mode offline reads its store on one device for now: set world_size: 1"
+        if config.world_size > 1
+        else None,
+    }
+    problems += [(path, why) for path, why in why_not.items() if why]
+    vocab = min(vocabs.values()) if vocabs else None
+    if vocab is not None and vocab < 256:
+        why = f"teacher.mode offline stores a corpus of bytes (ids up to 255), and the vocabulary has {vocab} entries"
+        problems.append((("teacher", "mode"), why))
+    if vocab is not None:
+        try:
+            resolve_indices(config.teacher.indices, vocab)
+        except KdbenchError as exc:
+            problems.append((("teacher", "indices"), str(exc)))
+    return problems

@@ -172,8 +172,11 @@ class LMWorkload(Workload):
         why = unsupported(config.loss_impl, methods_token_loss(config))
         if why:
             problems.append((("loss_impl",), why))
-        if config.teacher.mode == "topk_cache":
+        if config.teacher.mode in ("topk_cache", "offline"):
             problems.extend(lm_checks.topk_problems(config, tokens, vocabs))
+        if config.teacher.mode == "offline":
+            features = any(m.cls.needs_features for m in methods)
+            problems.extend(lm_checks.offline_problems(config, vocabs, features))
         if config.on_policy is not None:
             problems.extend(lm_checks.on_policy_problems(config, tokens, configs))
         if any(m.cls.needs_features for m in methods):
@@ -355,6 +358,17 @@ class LMWorkload(Workload):
 
         return cache, {"teacher_cache_bytes_per_token": cache.bytes_per_token}, diagnose
 
+    def offline_teacher(self, distiller: Any, config: CellConfig, run_dir: str | None) -> Any:
+        """teacher.mode offline: the store (built or resumed here) and its prefetching reader
+        (:mod:`kdbench.workloads.lm.offline`); in a fit's fake run, the read buffers alone."""
+        from torch._subclasses.fake_tensor import is_fake
+
+        from kdbench.workloads.lm.offline import FakeOfflineTeacher, OfflineTeacher
+
+        if is_fake(distiller.fixed_input):
+            return FakeOfflineTeacher(distiller, config)
+        return OfflineTeacher(distiller, config, run_dir)
+
     def step_columns(self, step: Any, config: CellConfig, x: torch.Tensor) -> tuple[Row, tuple[str, ...]]:
         loss = step.distiller.loss_fn
         memory = loss.logits_memory(x.numel())
@@ -371,6 +385,7 @@ class LMWorkload(Workload):
                 "loss_objective": loss.objective,
                 **tokenizer_columns(config),
                 **step.cache_columns,
+                **(step.offline.columns() if getattr(step, "offline", None) is not None else {}),
             }
         )
         ledger, notes = accuracy_ledger(step)
