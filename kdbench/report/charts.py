@@ -9,6 +9,7 @@ with them.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pandas as pd
 import pyarrow as pa
 from matplotlib import colormaps
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from kdbench.core.schema import COLUMNS
@@ -79,11 +81,27 @@ _SHORT = {
 }
 RATE_COLUMNS = ("tokens_per_s", "throughput")  # a token workload's rate (tokens/s), any other row's (samples/s)
 NOISY_HATCH = "///"
+CONTENDED_HATCH = "\\\\\\"  # three backslashes: the other diagonal, a cross where a bar is noisy too
 THIN_HATCH = ".."
 THIN_NOTE = "thin: shrunk by the time budget, not judged"
+CONTENDED_NOTE = "contended: measured on a busy machine, reads slow"
+# How a point (a line chart's, not a bar) shows the same flags: a hollow ring around it
+RINGS = (
+    ("is_noisy", {"marker": "o", "facecolors": "none", "edgecolors": "black"}, f"noisy ({NOISY_NOTE})"),
+    ("is_contended", {"marker": "s", "facecolors": "none", "edgecolors": "#b3261e"}, CONTENDED_NOTE),
+    ("is_thin", {"marker": "x", "color": "black"}, THIN_NOTE),
+)
+RING_LABELS = tuple(label for _, _, label in RINGS)
 # Sentences the captions share.
 POOLED = "repeats pooled as kdbench compare centres them"
-HATCHED = f"Hatched bars are noisy ({NOISY_NOTE}); dotted ones thin"
+HATCHED = (
+    f"Bars hatched / are noisy ({NOISY_NOTE}), hatched \\ contended (measured on a busy machine: they read slow; "
+    "crossed: both), dotted ones thin"
+)
+RINGED = (
+    f"A hollow black circle around a point marks it noisy ({NOISY_NOTE}), a hollow red square contended (measured on "
+    "a busy machine: it reads slow), a cross thin (shrunk by the time budget)"
+)
 
 
 @dataclass(frozen=True)
@@ -123,16 +141,65 @@ def rates(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def with_keys(df: pd.DataFrame) -> pd.DataFrame:
-    """Add the columns the charts group by: ``pair``, ``source``, ``is_noisy``; null precision as ``?``."""
+    """Add the columns the charts group by: ``pair`` (:func:`model_names`), ``source``, ``is_noisy``,
+    ``is_thin`` and ``is_contended``; null precision as ``?``."""
     df = df.copy()
-    df["pair"] = df["teacher"].fillna("?") + " → " + df["student"].fillna("?")
+    teacher, student = model_names(df)
+    df["pair"] = teacher + " → " + student
     df["source"] = df["device_name"].fillna("unknown device") + " (" + df["backend"].fillna("?") + ")"
     if df["run_id"].nunique() > 1:
         df["source"] += " · run " + df["run_id"].fillna("?")
     df["precision"] = df["precision"].fillna("?")
-    df["is_noisy"] = df["noisy"].eq(True)
-    df["is_thin"] = df["thin"].eq(True) if "thin" in df else False
-    return df
+    return with_flags(df)
+
+
+def with_flags(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with the flags every chart marks: ``is_noisy``, ``is_thin`` and ``is_contended`` (booleans)."""
+    false = pd.Series(False, index=df.index)
+    return df.assign(
+        is_noisy=df["noisy"].eq(True) if "noisy" in df else false,
+        is_thin=df["thin"].eq(True) if "thin" in df else false,
+        is_contended=df["contended"].eq(True) if "contended" in df else false,
+    )
+
+
+def _overrides(config_json, role: str) -> dict:
+    """The config overrides of a cell's ``role`` model (``overrides.teacher`` / ``.student`` of its config)."""
+    try:
+        config = json.loads(config_json)
+    except (TypeError, ValueError):
+        return {}
+    found = config.get("overrides", {}).get(role) if isinstance(config, dict) else None
+    return found if isinstance(found, dict) else {}
+
+
+def model_names(df: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """The teacher's and the student's names as charts and tables show them: a model name that comes with more than
+    one set of config overrides among ``df``'s rows (``gpt2`` at 1 and at 2 layers) is another model each time, so
+    it is named with the overrides that tell it apart (``gpt2 (n_layer=2)``): two such cells never share a bar,
+    a line or a table row."""
+    out = []
+    for role in ("teacher", "student"):
+        names = df[role].astype(object).where(df[role].notna(), "?").astype(str)
+        if "config_json" not in df or df.empty:
+            out.append(names)
+            continue
+        configs = [j if isinstance(j, str) else None for j in df["config_json"]]
+        parsed = {j: _overrides(j, role) for j in set(configs)}  # one parse per cell
+        over = [parsed[j] for j in configs]
+        named = list(names)
+        for name in set(names):
+            at = [i for i, n in enumerate(names) if n == name]
+            keys = sorted({k for i in at for k in over[i]})
+            differ = [k for k in keys if len({json.dumps(over[i].get(k), sort_keys=True) for i in at}) > 1]
+            for i in at if differ else ():
+                named[i] = f"{name} (" + ", ".join(f"{k}={_value(over[i].get(k))}" for k in differ) + ")"
+        out.append(pd.Series(named, index=df.index, dtype=object))
+    return out[0], out[1]
+
+
+def _value(v) -> str:
+    return "default" if v is None else json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else str(v)
 
 
 def add_variant(df: pd.DataFrame, extra: tuple[str, ...] = (), within: tuple[str, ...] = ()) -> pd.DataFrame:
@@ -209,7 +276,8 @@ def grouped_bars(ax, here: pd.DataFrame, group: str, series: str, order: list, v
             continue
         x = bars[group].map(groups.index) + (j - (len(order) - 1) / 2) * width
         drawn[key] = ax.bar(x, bars[value], width=width, edgecolor="0.25", linewidth=0.5, **style(bars))
-    rotate = len(groups) > 4
+    width = ax.get_figure(root=True).get_figwidth() * ax.get_position().width  # inches, before the layout
+    rotate = rotate_labels(groups, width)
     labels = [g.replace("\n", " ") if rotate else g.replace(" → ", "\n→ ") for g in groups]  # two lines side by side
     ax.set_xticks(
         range(len(groups)),
@@ -226,23 +294,81 @@ def grouped_bars(ax, here: pd.DataFrame, group: str, series: str, order: list, v
     return drawn
 
 
+CHAR_INCHES = 0.085  # about the width of one character of a 10-point tick label
+
+
+def rotate_labels(groups: list[str], width_in: float) -> bool:
+    """Whether x tick labels of ``groups`` (each written on its lines, the pair split at its arrow) would overlap
+    side by side on axes ``width_in`` inches wide: then they are written vertically (more than 4 groups always)."""
+    if len(groups) > 4:
+        return True
+    longest = max((len(line) for g in groups for line in g.replace(" → ", "\n→ ").split("\n")), default=0)
+    return longest * CHAR_INCHES * len(groups) > 0.9 * width_in
+
+
+def label_room(groups, rotated: bool) -> float:
+    """Inches of figure height that vertical tick labels of ``groups`` take (0 when they are not rotated)."""
+    return 0.065 * max((len(g) for g in groups), default=0) if rotated else 0.0
+
+
 def flag_hatches(bars: pd.DataFrame) -> list[str]:
-    """Each bar's hatch: dotted when thin, hatched when noisy, none otherwise."""
-    return [THIN_HATCH if t else NOISY_HATCH if n else "" for n, t in zip(bars["is_noisy"], bars["is_thin"])]
+    """Each bar's hatch: / when noisy, \\ when contended (both: crossed), dots when thin, none otherwise."""
+    contended = bars["is_contended"] if "is_contended" in bars else pd.Series(False, index=bars.index)
+    return [
+        (NOISY_HATCH if n is True else "") + (CONTENDED_HATCH if c is True else "") + (THIN_HATCH if t is True else "")
+        for n, c, t in zip(bars["is_noisy"].eq(True), contended.eq(True), bars["is_thin"].eq(True))
+    ]
 
 
 def flag_patches(rows: pd.DataFrame, always_noisy: bool = False) -> list[Patch]:
-    """The legend entries of :func:`flag_hatches`: noisy (when a row is, or ``always_noisy``) and thin (when a row
-    is)."""
+    """The legend entries of :func:`flag_hatches`: noisy (when a row is, or ``always_noisy``), contended and thin
+    (when a row is)."""
     patches = []
     if always_noisy or rows["is_noisy"].eq(True).any():
         patches.append(Patch(facecolor="white", edgecolor="0.25", hatch=NOISY_HATCH, label=f"noisy\n({NOISY_NOTE})"))
+    if "is_contended" in rows and rows["is_contended"].eq(True).any():
+        label = "contended\n(busy machine: reads slow)"
+        patches.append(Patch(facecolor="white", edgecolor="0.25", hatch=CONTENDED_HATCH, label=label))
     if rows["is_thin"].eq(True).any():
         patches.append(Patch(facecolor="white", edgecolor="0.25", hatch=THIN_HATCH, label=THIN_NOTE))
     return patches
 
 
+def flag_rings(ax, points: pd.DataFrame, x: str, y: str, **scatter) -> None:
+    """Ring each flagged point of ``points`` (:data:`RINGS`: noisy, contended, thin), each kind labelled once for the
+    legend; the points' own markers are drawn by the caller."""
+    for flag, look, label in RINGS:
+        flagged = points[points[flag].eq(True)] if flag in points else points.iloc[:0]
+        if len(flagged):
+            kwargs = {"s": 90, "linewidths": 1.2, "zorder": 3, **look, **scatter}
+            ax.scatter(flagged[x], flagged[y], label=label, **kwargs)
+
+
+def ring_handles(points: pd.DataFrame) -> list[Line2D]:
+    """Legend entries of the rings :func:`flag_rings` drew for ``points`` (a figure legend's; an axes legend finds
+    them itself)."""
+    handles = []
+    for flag, look, label in RINGS:
+        if flag in points and points[flag].eq(True).any():
+            color = look.get("edgecolors", look.get("color"))
+            face = "none" if "facecolors" in look else color
+            handles.append(Line2D([], [], linestyle="", marker=look["marker"], ms=9, mfc=face, mec=color, label=label))
+    return handles
+
+
+def flag_counts(rows: pd.DataFrame) -> str:
+    """What a chart's caption says of its flagged rows (" Of the 8 drawn here: 3 contended, 1 noisy."); empty when
+    none is."""
+    parts = [
+        f"{int(rows[flag].eq(True).sum())} {word}"
+        for flag, word in (("is_contended", "contended"), ("is_noisy", "noisy"), ("is_thin", "thin"))
+        if flag in rows and rows[flag].eq(True).any()
+    ]
+    return f" Of the {len(rows)} drawn here: " + ", ".join(parts) + "." if parts else ""
+
+
 def saved_chart(title: str, fig: Figure, out_dir: Path, name: str, caption: str) -> Chart:
-    """The chart ``fig``, written as ``out_dir/name`` (a bare Figure has no pyplot state to close)."""
-    fig.savefig(out_dir / name, dpi=DPI)
+    """The chart ``fig``, written as ``out_dir/name`` (a bare Figure has no pyplot state to close), the image grown
+    or cropped to every artist drawn (``bbox_inches="tight"``): no axis title or label is cut at its edge."""
+    fig.savefig(out_dir / name, dpi=DPI, bbox_inches="tight", pad_inches=0.08)
     return Chart(title=title, caption=caption, file=name)

@@ -189,6 +189,7 @@ def _comparisons(comparisons: list, out_dir: Path) -> list[dict]:
                 "verdict": verdict_line(cmp),
                 "unchanged": cmp.count(Verdict.UNCHANGED),
                 "unjudged": cmp.count(Verdict.UNJUDGED),
+                "counts": _verdict_counts(cmp, bad),
                 "notes": cmp.notes(),
                 "rows": [
                     {
@@ -212,6 +213,17 @@ def _comparisons(comparisons: list, out_dir: Path) -> list[dict]:
     return out
 
 
+def _verdict_counts(cmp, bad) -> list[dict]:
+    """Every verdict the comparison gave, with its count, in verdict order (regressions first, improvements beside
+    them): the summary leaves none out. ``kind``: "bad" (fails the gate), "good" (improved, fixed) or ""."""
+    good = (Verdict.IMPROVED, Verdict.FIXED)
+    return [
+        {"verdict": str(v), "count": n, "kind": "bad" if v in bad else "good" if v in good else ""}
+        for v in Verdict
+        if (n := cmp.count(v))
+    ]
+
+
 def _budget_rows(checks: list) -> list[dict]:
     rows = [
         {
@@ -229,10 +241,31 @@ def _budget_rows(checks: list) -> list[dict]:
     return sorted(rows, key=lambda r: OUTCOMES.index(r["outcome"]))  # misses first, then thin, skipped, met
 
 
-def _status_counts(df: pd.DataFrame) -> dict[str, int]:
-    counts = df["status"].fillna("unknown").value_counts()
+def _status_counts(df: pd.DataFrame) -> list[dict]:
+    """The headline's count of rows per status, each with how many of them were measured on a busy machine
+    (contended) or noisy: "ok: 20 (20 contended)" is not the green "ok: 20" of an idle machine, and is written in
+    the warning colour (``warn``)."""
+    status = df["status"].fillna("unknown")
+    counts = status.value_counts()
     order = [s for s in _STATUS_ORDER if s in counts] + sorted(set(counts.index) - set(_STATUS_ORDER))
-    return {s: int(counts[s]) for s in order}
+    flags = {
+        word: df[column].eq(True) if column in df else pd.Series(False, index=df.index)
+        for word, column in (("contended", "contended"), ("noisy", "noisy"))
+    }
+    out = []
+    for s in order:
+        here = status.eq(s)
+        flagged = [f"{int((flag & here).sum())} {word}" for word, flag in flags.items() if (flag & here).any()]
+        out.append(
+            {
+                "status": s,
+                "count": int(counts[s]),
+                "flags": ", ".join(flagged),
+                "warn": bool(flagged),
+                "title": CONTENDED_TITLE if flags["contended"][here].any() else NOISY_NOTE if flagged else "",
+            }
+        )
+    return out
 
 
 TOKENS = RATE_COLUMNS[0]  # a token workload's rate: its cell in the table says tokens/s

@@ -30,18 +30,24 @@ from kdbench.report.charts import (
     NOISY_NOTE,
     POOLED,
     RATE_COLUMNS,
-    THIN_NOTE,
+    RING_LABELS,
+    RINGED,
     Chart,
     add_variant,
     axis_label,
     centre_spread,
     faceted_figure,
+    flag_counts,
     flag_hatches,
     flag_patches,
+    flag_rings,
     grouped_bars,
+    label_room,
     not_drawn,
     palette,
     rates,
+    ring_handles,
+    rotate_labels,
     saved_chart,
     variant_order,
     variant_rank,
@@ -56,6 +62,7 @@ def draw_charts(df: pd.DataFrame, out_dir: Path) -> list[Chart]:
     ok = with_keys(pooled(df))
     sized = ok[ok["batch_size"].notna()]  # serving is drawn against the batch size
     speedups = sized[sized["measurement"].eq(Measurement.STUDENT_INFERENCE) & sized["speedup_vs_teacher"].notna()]
+    speedups = speedup_flags(speedups, sized[sized["measurement"].isin(INFERENCE)])
     serving = [_inference_latency(sized[sized["measurement"].isin(INFERENCE)], out_dir), _speedup(speedups, out_dir)]
     if ok["measurement"].isin(LM_SERVING).any():  # an LM run's serving is drawn in its own section
         where = " Language models' prefill and decode, with their speed-ups, are in the Language models section."
@@ -110,7 +117,7 @@ def _distill_step(rows: pd.DataFrame, out_dir: Path) -> Chart:
         f"student pair and cell (left), and the resulting throughput (right): one bar per cell, its {POOLED} (the "
         "geometric mean of the repeats' medians). Error bars: the centre's 95 % interval over the repeats; with a "
         f"single repeat, the interquartile range of its timed iterations. {HATCHED} (shrunk by the time budget: "
-        "never judged)." + per_unit
+        "never judged)." + per_unit + flag_counts(rows)
     )
     return saved_chart(title, fig, out_dir, "distill_step.png", caption)
 
@@ -126,7 +133,12 @@ def _inference_latency(rows: pd.DataFrame, out_dir: Path) -> Chart:
     # A teacher measured in several cells (one per student) is one line: the median of its medians.
     points = (
         rows.groupby(["source", "role", "model", "variant", "line", "batch_size"], as_index=False)
-        .agg(median_ms=("median_ms", "median"), is_noisy=("is_noisy", "any"), is_thin=("is_thin", "all"))
+        .agg(
+            median_ms=("median_ms", "median"),
+            is_noisy=("is_noisy", "any"),
+            is_contended=("is_contended", "any"),
+            is_thin=("is_thin", "all"),
+        )
         .sort_values("batch_size")
     )
     sources = sorted(points["source"].unique())
@@ -147,15 +159,7 @@ def _inference_latency(rows: pd.DataFrame, out_dir: Path) -> Chart:
                 color=color[model],
                 label=line,
             )
-        for flag, mark, label in (
-            ("is_thin", {"marker": "x", "color": "black"}, THIN_NOTE),
-            ("is_noisy", {"facecolors": "none", "edgecolors": "black"}, f"noisy ({NOISY_NOTE})"),
-        ):
-            flagged = here[here[flag]]
-            if len(flagged):
-                ax.scatter(
-                    flagged["batch_size"], flagged["median_ms"], s=90, linewidths=1, zorder=3, label=label, **mark
-                )
+        flag_rings(ax, here, "batch_size", "median_ms")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(batch_sizes, [str(int(b)) for b in batch_sizes])
@@ -170,8 +174,8 @@ def _inference_latency(rows: pd.DataFrame, out_dir: Path) -> Chart:
     caption = (
         "Latency of one inference forward pass against batch size (both axes logarithmic), each "
         f"measurement's {POOLED}; students solid, teachers dashed. "
-        "A teacher measured in several cells is drawn once, at the median of its centres. Circled points "
-        f"are noisy ({NOISY_NOTE}); crossed ones thin (shrunk by the time budget)."
+        f"A teacher measured in several cells is drawn once, at the median of its centres. {RINGED}."
+        + flag_counts(points)
     )
     return saved_chart(title, fig, out_dir, "inference_latency.png", caption)
 
@@ -190,36 +194,75 @@ def _speedup(rows: pd.DataFrame, out_dir: Path) -> Chart:
     n_bars = rows.groupby("source").size().max()
 
     n_groups = rows.groupby("source")["group"].nunique().max()
-    label_room = 0.065 * rows["group"].str.len().max() if n_groups > 4 else 0.0  # vertical tick labels
-    fig, facets = faceted_figure(sources, 1, width=min(14.0, max(8.0, 0.45 * n_bars + 4)), height=3.8 + label_room)
+    width = min(14.0, max(8.0, 0.45 * n_bars + 4))
+    groups = list(rows["group"].unique())
+    room = label_room(groups, n_groups > 4 or rotate_labels(groups, 0.75 * width))  # vertical tick labels
+    fig, facets = faceted_figure(sources, 1, width=width, height=3.8 + room)
     for (ax,), source in zip(facets, sources):
+        here = rows[rows["source"].eq(source)]
         drawn = grouped_bars(
             ax,
-            rows[rows["source"].eq(source)],
+            here,
             "group",
             "batch_size",
             batch_sizes,
             "speedup_vs_teacher",
-            lambda bars: {"color": color[bars["batch_size"].iloc[0]]},
+            lambda bars: {"color": color[bars["batch_size"].iloc[0]], "hatch": flag_hatches(bars)},
         )
-        for bars in drawn.values():
-            ax.bar_label(bars, fmt="%.1f×", fontsize=7, padding=2, rotation=90)
+        for batch_size, bars in drawn.items():  # a flagged speed-up says so on its bar too, not by its hatch alone
+            of = here[here["batch_size"].eq(batch_size)]
+            labels = [
+                f"{x:.1f}×" + (" contended" if c else "") + (" noisy" if n else "")
+                for x, c, n in zip(of["speedup_vs_teacher"], of["is_contended"], of["is_noisy"])
+            ]
+            ax.bar_label(bars, labels=labels, fontsize=7, padding=2, rotation=90)
         ax.axhline(1.0, color="0.3", linestyle="--", linewidth=1)
         ax.margins(y=0.18)
         ax.set_ylabel(axis_label("speed-up vs teacher", "speedup_vs_teacher"))
     handles = [Patch(facecolor=color[b], edgecolor="0.25", label=str(int(b))) for b in batch_sizes]
     fig.legend(
-        handles=handles,
+        handles=[*handles, *flag_patches(rows)],
         loc="outside right upper",
         fontsize=8,
         title=axis_label("batch size", "batch_size"),
         title_fontsize=8,
     )
+    inverted = int(rows["is_inverted"].sum())
     caption = (
         "Teacher latency divided by student latency at the same batch size and precision, per cell (the "
-        "centres over repeats of each repeat's own speed-up). Above the dashed line (1×) the student is faster."
+        "centres over repeats of each repeat's own speed-up). Above the dashed line (1×) the student is faster. "
+        f"A speed-up is hatched as its two latencies are: / noisy ({NOISY_NOTE}), \\ contended (measured on a busy "
+        "machine); it is marked noisy too where the teacher or the student ran slower at this batch size than at a "
+        "larger one in the same cell, which only noise does: such a bar is no speed-up to read."
+        + flag_counts(rows)
+        + (f" {inverted} of them slower at a smaller batch than at a larger one." if inverted else "")
     )
     return saved_chart(title, fig, out_dir, "speedup.png", caption)
+
+
+def speedup_flags(speedups: pd.DataFrame, inference: pd.DataFrame) -> pd.DataFrame:
+    """The student_inference rows ``speedups`` with the flags of both latencies their speed-up divides: contended or
+    noisy where the student's or the same cell's teacher's row at that batch size is, and ``is_inverted`` (counted
+    as noisy) where either model's latency at this batch size is above its latency at a larger batch size of the
+    same cell: a batch of 1 slower than a batch of 32 is noise, and the speed-up drawn from it is too."""
+    key = ["run_id", "cell_id", "batch_size"]
+    teacher = inference[inference["measurement"].eq(Measurement.TEACHER_INFERENCE)].drop_duplicates(key, keep="last")
+    teacher = teacher.set_index(key)
+    at = pd.MultiIndex.from_frame(speedups[key])
+    out = speedups.copy()
+    for flag in ("is_noisy", "is_contended", "is_thin"):
+        theirs = teacher[flag].reindex(at).eq(True).to_numpy() if flag in teacher else False
+        out[flag] = out[flag].eq(True).to_numpy() | theirs
+    inverted = pd.Series(False, index=inference.index)
+    for _, rows in inference.groupby(["run_id", "cell_id", "measurement"]):
+        ms = pd.to_numeric(rows["median_ms"], errors="coerce")
+        batch = pd.to_numeric(rows["batch_size"], errors="coerce")
+        for i in rows.index:  # slower than at some larger batch of the same model and cell
+            inverted[i] = bool((ms[batch > batch[i]] < ms[i]).any())
+    by_key = inference.assign(inverted_=inverted).groupby(key)["inverted_"].any()
+    out["is_inverted"] = by_key.reindex(at).fillna(False).astype(bool).to_numpy()
+    out["is_noisy"] = out["is_noisy"] | out["is_inverted"]
+    return out
 
 
 # --- where the step's time goes ------------------------------------------------------
@@ -265,13 +308,15 @@ def draw_phases(df: pd.DataFrame, out_dir: Path) -> Chart:
             left = left + width
         median = here["median_ms"]
         ax.scatter(median, y, marker="|", s=260, color="black", linewidths=2, zorder=3, label="median step time")
+        flag_rings(ax, here.assign(y_=list(y)), "median_ms", "y_", s=160)
         ax.set_yticks(list(y), list(here["bar"]), fontsize=8)
         ax.set_ylim(-0.6, len(here) - 0.4)
         ax.set_xlabel(axis_label("median time per step", "phase_backward_ms"))
         ax.grid(axis="x", alpha=0.3)
         ax.set_axisbelow(True)
     handles, labels = facets[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right upper", fontsize=8)
+    handles = [h for h, label in zip(handles, labels) if label not in RING_LABELS] + ring_handles(rows)
+    fig.legend(handles=handles, loc="outside right upper", fontsize=8)
     note = (
         f" {clipped} stack{'s end' if clipped != 1 else ' ends'} past the tick: the phase medians add up to more "
         "than the step median (no remainder drawn)."
@@ -285,7 +330,7 @@ def draw_phases(df: pd.DataFrame, out_dir: Path) -> Chart:
         "so that the stack ends at the black tick, the median step time. It holds the time between the stamps "
         "(Python overhead) and what medians taken from different iterations do not add up to: where the phases "
         f"vary from one iteration to the next it can be large (the table below flags one above {REMAINDER_LIMIT:.0%} "
-        "of the median and says why)." + note
+        f"of the median and says why). {RINGED}." + note + flag_counts(rows)
     )
     return saved_chart(title, fig, out_dir, "phases.png", caption)
 

@@ -73,8 +73,8 @@ def pooled(df: pd.DataFrame) -> pd.DataFrame:
 
     Every numeric figure (median, percentiles, phases, throughput, memory, FLOP rates ...) is the
     geometric mean over the repeats (the arithmetic mean where a value is not positive); the other
-    columns are the latest repeat's.  Thin repeats (shrunk by a time budget) are left out when the
-    measurement has others; a measurement with thin repeats only keeps them and stays ``thin``.
+    columns are the latest repeat's (``contended``: any repeat's).  Thin repeats (shrunk by a time budget) are left
+    out when the measurement has others; a measurement with thin repeats only keeps them and stays ``thin``.
     Added: ``repeats`` (how many were pooled) and ``centre_low_ms`` / ``centre_high_ms``, the
     centre's 95 % t-interval over the repeats (null with one: then p25–p75 of its iterations is
     the spread to show)."""
@@ -110,6 +110,8 @@ def pooled(df: pd.DataFrame) -> pd.DataFrame:
     figures["centre_low_ms"] = pd.Series(low, dtype=float).reindex(out.index)
     figures["centre_high_ms"] = pd.Series(high, dtype=float).reindex(out.index)
     out = pd.concat([out.drop(columns=[c for c in figures if c in out]), pd.DataFrame(figures)], axis=1)
+    if "contended" in rows:  # one repeat measured on a busy machine is enough to say so of the centre
+        out["contended"] = rows["contended"].eq(True).groupby(keys).any().reindex(out.index).to_numpy()
     if "rel_iqr" in out:  # noisy as the pooled figures say, not as the latest repeat did
         out["noisy"] = out["rel_iqr"].gt(NOISY_REL_IQR).where(out["rel_iqr"].notna(), out["noisy"])
     return out.reset_index(drop=True)
@@ -164,6 +166,10 @@ def summarize_quality(df: pd.DataFrame) -> pd.DataFrame:
     work = (
         df[list(SUMMARY_KEYS)].astype(object).assign(ok=ok, dataset=dataset, tokenizer=tokenizer, **overrides, **values)
     )
+    if "uld_alignment" in df:  # ULD's two alignments are two methods here: "uld (bytes)" beside "uld (position)"
+        aligned = df["uld_alignment"].notna() & df["method"].notna()
+        named = df["method"].astype(str) + " (" + df["uld_alignment"].astype(str) + ")"
+        work["method"] = work["method"].where(~aligned, named)
     summary = (
         work.groupby([*SUMMARY_KEYS, "tokenizer", *OVERRIDE_KEYS], dropna=False, sort=False)
         .agg(

@@ -4,6 +4,7 @@ the time left), and where the run's wall time went (:class:`WallSplit`)."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -75,6 +76,16 @@ def _fmt_s(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
+def _ms(x: float) -> str:
+    """A time as a progress line writes it: 3 significant digits, thousands separated, never in powers of ten
+    (``6,390``, not ``6.39e+03``; ``0.0123``), as the report's tables (:func:`kdbench.report.format.format_ms`, not
+    imported: the report package brings matplotlib into the run's process)."""
+    x = float(f"{float(x):.3g}")
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    return f"{x:,.{max(0, 2 - math.floor(math.log10(abs(x))))}f}"
+
+
 def summary_line(rows: list[Row]) -> str:
     """The main figures of a finished job, for its progress line."""
     bad = [r for r in rows if r["status"] != Status.OK]
@@ -99,23 +110,23 @@ def summary_line(rows: list[Row]) -> str:
                 share = row.get("host_busy_share")
                 noisy += " CONTENDED" + (f" (host_busy_share {share:.2f})" if share is not None else "")
             rate = (
-                f"{row['tokens_per_s']:.0f} tokens/s"
+                f"{row['tokens_per_s']:,.0f} tokens/s"
                 if row.get("tokens_per_s") is not None
-                else f"{row['throughput']:.0f} samples/s"
+                else f"{row['throughput']:,.0f} samples/s"
             )
-            parts.append(f"step {row['median_ms']:.3g} ms ±{row['rel_iqr']:.0%}{noisy} ({rate})")
+            parts.append(f"step {_ms(row['median_ms'])} ms ±{row['rel_iqr']:.0%}{noisy} ({rate})")
         elif m == Measurement.SPECULATIVE_DECODE:  # the teacher with the student as its draft
             teacher = [r for r in rows if r["measurement"] == Measurement.TEACHER_DECODE and r["batch_size"] == 1]
             ok = teacher and teacher[0]["status"] == Status.OK and row["median_ms"]
             x = f", {teacher[0]['median_ms'] / row['median_ms']:.1f}x teacher decode" if ok else ""
             alpha = "" if row.get("spec_alpha") is None else f" α {row['spec_alpha']:.2f}"
             what = f"speculative γ{row.get('draft_tokens')} T{row.get('spec_temperature') or 0:g}"
-            parts.append(f"{what}{alpha} {row['median_ms']:.3g} ms{x}")
+            parts.append(f"{what}{alpha} {_ms(row['median_ms'])} ms{x}")
         elif (str(m), row["batch_size"]) in speedup:
             bs, x = row["batch_size"], speedup[(str(m), row["batch_size"])]
             what = "student" if m == Measurement.STUDENT_INFERENCE else str(m).replace("_", " ")
-            rate = f", {row['tokens_per_s']:.0f} tokens/s" if row.get("tokens_per_s") is not None else ""
-            parts.append(f"{what}@{bs} {row['median_ms']:.3g} ms{rate} ({x:.1f}x teacher)")
+            rate = f", {row['tokens_per_s']:,.0f} tokens/s" if row.get("tokens_per_s") is not None else ""
+            parts.append(f"{what}@{bs} {_ms(row['median_ms'])} ms{rate} ({x:.1f}x teacher)")
     return "; ".join(parts)
 
 

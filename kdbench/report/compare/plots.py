@@ -15,15 +15,27 @@ from matplotlib.ticker import FuncFormatter, LogFormatter, NullLocator
 
 from kdbench.core.errors import KdbenchError
 from kdbench.core.names import Measurement, Status
-from kdbench.report.charts import Chart, axis_label, centre_spread, not_drawn, palette, saved_chart
+from kdbench.report.charts import (
+    RINGED,
+    Chart,
+    axis_label,
+    centre_spread,
+    flag_counts,
+    flag_rings,
+    not_drawn,
+    palette,
+    saved_chart,
+    with_keys,
+)
 from kdbench.report.compare.compare import compare_frames
 from kdbench.report.compare.format import summary
 from kdbench.report.compare.verdicts import Comparison
 from kdbench.report.summaries import pooled
 
+_LEGEND = {"contended": "contended\n(busy machine: not judged)"}
 FOREST_ROWS = 60  # the most changed measurements a forest plot shows
 _RATIO_TICKS = (0.1, 0.2, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
-_VERDICT_COLOR = {"regressed": "#b3261e", "improved": "#1b7f3b", "unchanged": "0.45"}
+_VERDICT_COLOR = {"regressed": "#b3261e", "improved": "#1b7f3b", "unchanged": "0.45", "contended": "#d08c00"}
 
 
 def draw_forest(cmp: Comparison, out_dir: Path, name: str) -> Chart:
@@ -64,15 +76,16 @@ def draw_forest(cmp: Comparison, out_dir: Path, name: str) -> Chart:
         f"ratio NEW / BASE of the centres (bounds at {cmp.confidence:.0%} for all {cmp.rated} together; > 1: slower)"
     )
     ax.grid(axis="x", alpha=0.3, which="both")
-    handles = [Patch(color=v, label=k) for k, v in _VERDICT_COLOR.items()]
+    handles = [Patch(color=v, label=_LEGEND.get(k, k)) for k, v in _VERDICT_COLOR.items()]
     handles.append(Patch(color="0.9", label=f"threshold ±{t:.0%}"))
-    ax.legend(handles=handles, fontsize=8, loc="lower right")
+    fig.legend(handles=handles, fontsize=8, loc="outside right upper")  # beside the axes: it covers no interval
     more = f" The {len(rated) - len(shown)} least changed measurements are left out." if len(rated) > len(shown) else ""
     caption = (
         "Each measurement's ratio of the centres (geometric means of the repeats' medians), NEW over BASE, "
         f"with its t-interval between repeats (bounds at {cmp.confidence:.0%} for all {cmp.rated} judged "
         f"measurements together). Red: slower beyond ±{t:.0%} with an interval above 1; green: faster alike; "
-        "grey: unchanged; hollow: one repeat a side, its within-process interval shown but not judged. The grey "
+        "grey: unchanged; amber: contended (a side measured on a busy machine: not judged unless "
+        "--judge-contended); hollow: not judged (one repeat a side: its within-process interval shown). The grey "
         f"band is the threshold.{more}"
     )
     return saved_chart(title, fig, out_dir, name, caption)
@@ -182,6 +195,7 @@ def _history_chart(df: pd.DataFrame, suite: str, runs: list[HistoryRun], out_dir
                 pts["x"], pts["median_ms"], yerr=[below, above], marker="o", ms=4, capsize=3, color=color[line],
                 label=line, linewidth=1.2,
             )  # fmt: skip
+        flag_rings(ax, with_keys(here), "x", "median_ms")
         for r in runs:
             if r.failing:
                 ax.axvspan(x_of[r.run_id] - 0.35, x_of[r.run_id] + 0.35, color="#b3261e", alpha=0.12, zorder=0)
@@ -206,6 +220,7 @@ def _history_chart(df: pd.DataFrame, suite: str, runs: list[HistoryRun], out_dir
         "repository when it lies in one (else by when the run started). Each line is one measurement of one "
         "cell: its centre (the geometric mean of the repeats' medians) with the centre's 95 % interval over "
         "the repeats (one repeat: its interquartile range). Shaded red: the runs where kdbench compare "
-        f"against the run before fails the gate ({failing} of {len(runs) - 1} comparisons)."
+        f"against the run before fails the gate ({failing} of {len(runs) - 1} comparisons). {RINGED}."
+        + flag_counts(with_keys(points))
     )
     return saved_chart(title, fig, out_dir, name, caption)

@@ -75,7 +75,11 @@ def _tokens_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
     color = _impl_colors(impls)
     n_groups = rows.groupby(["source", "seq_len"])["group"].nunique().max()
     width = min(18.0, max(8.0, 2.0 + len(seq_lens) * (1.0 + 0.3 * n_groups * len(impls))))
-    fig, facets = charts.faceted_figure(sources, len(seq_lens), width=width, height=4.0)
+    groups = list(rows["group"].unique())
+    rotated = charts.rotate_labels(groups, 0.7 * width / len(seq_lens))  # as grouped_bars will decide it
+    fig, facets = charts.faceted_figure(
+        sources, len(seq_lens), width=width, height=4.0 + charts.label_room(groups, rotated)
+    )
     for axes, source in zip(facets, sources):
         for ax, seq_len in zip(axes, seq_lens):
             ax.set_title(f"sequence length {seq_len}", fontsize=9)
@@ -92,6 +96,7 @@ def _tokens_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
         "Tokens processed per second by the distillation step of each teacher → student pair, one bar per "
         f"loss implementation, one panel per sequence length (each cell's {charts.POOLED}). A cell that did not run is "
         f"an empty bar labelled with its status (OOM: the device ran out of memory). {charts.HATCHED}."
+        + charts.flag_counts(rows[rows["status"].eq(Status.OK)])
     )
     return charts.saved_chart(title, fig, out_dir, "lm_tokens_per_s.png", caption)
 
@@ -123,6 +128,7 @@ def _memory_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
         Line2D([], [], color="0.2", marker="X", linestyle="", ms=8, label="out of memory"),
     ]
     handles = [Line2D([], [], color=color[i], linewidth=3, label=i) for i in impls]
+    looks += charts.ring_handles(table[table["peak_gib"].notna()])
     fig.legend(handles=[*handles, *looks], loc="outside right upper", fontsize=8, title="loss_impl", title_fontsize=8)
     below = int(table["memory_note"].astype(bool).sum())
     note = (
@@ -139,7 +145,10 @@ def _memory_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
         "the shapes: part of the peak, the gap to it is what activations, gradients and the rest take. The "
         "footprint can be below the logits: on the CPU the step reuses memory the process already held as it "
         "began (freed by earlier work, kept by the allocator), which the rise of its resident memory does not "
-        "count. A cross at the top marks the sequence length at which a loss implementation ran out of memory." + note
+        "count. A cross at the top marks the sequence length at which a loss implementation ran out of memory. "
+        f"{charts.RINGED} (its timing; the memory of a contended step is its own)."
+        + note
+        + charts.flag_counts(table[table["peak_gib"].notna()])
     )
     return charts.saved_chart(title, fig, out_dir, "lm_memory.png", caption)
 
@@ -154,6 +163,7 @@ def _memory_panel(ax, here: pd.DataFrame, impls: list[str], color: dict) -> None
         ax.plot(peak["seq_len"], peak["peak_gib"], "-o", ms=4, color=color[impl])
         ax.plot(footprint["seq_len"], footprint["footprint_gib"], ":", marker="s", ms=3, color=color[impl])
         ax.plot(logits["seq_len"], logits["logits_gib"], "--", marker=".", ms=5, color=color[impl])
+        charts.flag_rings(ax, peak, "seq_len", "peak_gib")
         for seq_len in pts.loc[pts["status"].eq(Status.OOM), "seq_len"]:
             y = 0.93 - 0.1 * ooms
             ax.scatter([seq_len], [y], transform=ax.get_xaxis_transform(), marker="X", s=80, color=color[impl],
@@ -187,9 +197,10 @@ def _loss_share_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
     impls = impl_order(rows["impl"])
     color = _impl_colors(impls)
     n_groups = rows.groupby("source")["group"].nunique().max()
-    label_room = 0.065 * rows["group"].str.len().max() if n_groups > 4 else 0.0  # vertical tick labels
     width = min(16.0, max(8.0, 3.0 + 0.3 * n_groups * len(impls)))
-    fig, facets = charts.faceted_figure(sources, 1, width=width, height=3.8 + label_room)
+    groups = list(rows["group"].unique())
+    room = charts.label_room(groups, charts.rotate_labels(groups, 0.7 * width))  # vertical tick labels
+    fig, facets = charts.faceted_figure(sources, 1, width=width, height=3.8 + room)
     for (ax,), source in zip(facets, sources):
         _status_bars(ax, rows[rows["source"].eq(source)], "group", impls, "share_pct", color, lambda v: f"{v:.0f} %")
         ax.set_ylabel("loss phase (% of the step time)")
@@ -197,7 +208,8 @@ def _loss_share_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
     caption = (
         "The loss phase's median (for LM cells both LM heads and the token loss) as a share of the median "
         "step time, per pair, sequence length and loss implementation: what a cheaper loss implementation "
-        "can save at most. A cell that did not run is an empty bar labelled with its status."
+        f"can save at most. A cell that did not run is an empty bar labelled with its status. {charts.HATCHED}."
+        + charts.flag_counts(rows[rows["status"].eq(Status.OK)])
     )
     return charts.saved_chart(title, fig, out_dir, "lm_loss_share.png", caption)
 
@@ -225,6 +237,7 @@ def speculative_chart(table: pd.DataFrame, out_dir: Path) -> Chart:
                 c = color[f"{t:g}"]
                 ax.plot(line["draft_tokens"], line["spec_speedup"], "-o", ms=4, color=c)
                 ax.plot(line["draft_tokens"], line["spec_predicted_speedup"], "--", marker=".", color=c)
+                charts.flag_rings(ax, line, "draft_tokens", "spec_speedup")
             ax.axhline(1.0, color="0.5", linewidth=0.8, linestyle=":")
             gammas = sorted(here["draft_tokens"].unique())
             ax.set_xticks(gammas, [str(g) for g in gammas])
@@ -239,6 +252,7 @@ def speculative_chart(table: pd.DataFrame, out_dir: Path) -> Chart:
     handles += [
         Line2D([], [], color="0.2", marker="o", ms=4, label="measured"),
         Line2D([], [], color="0.2", linestyle="--", label="predicted from α, γ, c"),
+        *charts.ring_handles(rows),
     ]
     fig.legend(handles=handles, loc="outside right upper", fontsize=8, title="verification", title_fontsize=8)
     caption = (
@@ -247,7 +261,9 @@ def speculative_chart(table: pd.DataFrame, out_dir: Path) -> Chart:
         "acceptance rate α, the draft length γ and the cost ratio c of the two models' decode rows, "
         "(1 − α^(γ+1)) / ((1 − α)(γc + 1)) (dashed; Leviathan et al. 2023). Below the dotted line the draft slows "
         "the teacher down. The predicted speed-up costs a verify step as one decode step and takes α independent "
-        "from token to token: the gap between the lines is what that leaves out (and the loop's own overhead)."
+        "from token to token: the gap between the lines is what that leaves out (and the loop's own overhead). "
+        f"{charts.RINGED}: the speculative row or one of the decode rows its speed-up divides."
+        + charts.flag_counts(rows)
     )
     return charts.saved_chart(title, fig, out_dir, "lm_speculative.png", caption)
 
@@ -269,7 +285,10 @@ def floor_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
             for r in here.itertuples(index=False)
         ]
         share = here["bandwidth_share"].astype(float) * 100
-        bars = ax.barh(range(len(here)), share, color=[color[w] for w in here["what"]])
+        bars = ax.barh(
+            range(len(here)), share, color=[color[w] for w in here["what"]], hatch=charts.flag_hatches(here),
+            edgecolor="0.25", linewidth=0.5,
+        )  # fmt: skip
         ax.set_yticks(range(len(here)), labels, fontsize=7)
         texts = [
             f"{v:.1f} %  ({format_mib(b)}/token)" if pd.notna(b) else f"{v:.1f} %"
@@ -280,11 +299,15 @@ def floor_chart(points: pd.DataFrame, out_dir: Path) -> Chart:
         ax.set_xlim(0, max(100.0, float(share.max()) * 1.35))
         ax.axvline(100.0, color="0.5", linewidth=0.8, linestyle=":")
         ax.grid(axis="x", alpha=0.3)
+    patches = charts.flag_patches(points)
+    if patches:
+        fig.legend(handles=patches, loc="outside right upper", fontsize=8)
     caption = (
         "Decoding is memory-bound: each generated token must read the weights (per batch) and the KV cache. Each bar "
         "is a decode row's decode_bytes_per_token × tokens/s over the probe's copy bandwidth (bandwidth_share; the "
         "copy counts bytes read + written); the dotted line is the floor itself. Speculative rows count each verify "
         "step's teacher read and each draft forward's student read per generated token. Weights that stay in a "
-        "CPU's caches can put a bar past the line: the floor, not the measurement, is then off."
+        "CPU's caches can put a bar past the line: the floor, not the measurement, is then off. "
+        f"{charts.HATCHED}." + charts.flag_counts(points)
     )
     return charts.saved_chart(title, fig, out_dir, "lm_decode_floor.png", caption)

@@ -47,6 +47,7 @@ SERVING_STATS = ("median_ms", "tokens_per_s", "speedup", "bandwidth_share")
 # The LM charts' axes and series: never part of a cell's setting (chunk_size goes with its loss_impl).
 _NOT_SETTING = ("loss_impl", "seq_len", "chunk_size", "decode_tokens")
 _STATUS_TEXT = {Status.OOM: "OOM"}
+FLAGS = ("is_noisy", "is_contended", "is_thin")  # kdbench.report.charts.with_keys'; every chart marks them
 
 
 def _is_lm(df: pd.DataFrame) -> pd.Series:
@@ -94,10 +95,12 @@ def step_points(df: pd.DataFrame) -> pd.DataFrame:
     rows = rows[rows["measurement"].eq(Measurement.DISTILL_STEP)]
     ok = pooled(rows)
     done = set(zip(ok["run_id"], ok["cell_id"]))
-    rest = latest(rows[[key not in done for key in zip(rows["run_id"], rows["cell_id"])]], ["run_id", "cell_id"])
+    left = pd.Series([key not in done for key in zip(rows["run_id"], rows["cell_id"])], index=rows.index, dtype=bool)
+    rest = latest(rows[left], ["run_id", "cell_id"])  # a mask, also when no row is left (not a column list)
     parts = [p.dropna(axis=1, how="all") for p in (ok, rest) if len(p)]
     if not parts:
-        return pd.DataFrame(columns=[*rows.columns, *STEP_KEY, "loss_share", "logits_share"])
+        added = ["loss_share", "logits_share", "peak_bytes", "footprint_bytes", "memory_note", *FLAGS]
+        return pd.DataFrame(columns=list(dict.fromkeys([*rows.columns, *STEP_KEY, *added])))
     points = pd.concat(parts, ignore_index=True).reindex(columns=list(dict.fromkeys([*rows.columns, *ok.columns])))
     points = charts.with_keys(points)
     points["seq_len"] = pd.to_numeric(points["seq_len"]).fillna(0).astype(int)
@@ -186,19 +189,23 @@ def memory_table(points: pd.DataFrame) -> pd.DataFrame:
     table = points.assign(peak_gib=peak / GIB, footprint_gib=footprint / GIB, logits_gib=logits / GIB)
     keep = peak.notna() | logits.notna() | points["status"].eq(Status.OOM)
     columns = [*STEP_KEY, "status", "peak_gib", "footprint_gib", "logits_gib", "logits_share", "memory_note"]
+    columns += [flag for flag in FLAGS if flag in table]  # the step's: its chart rings them
     return table.loc[keep, columns].reset_index(drop=True)
 
 
 def serving_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per :data:`SERVING_KEY`: for each serving measurement ``m`` (student/teacher prefill and decode)
     ``m_status`` (ok when one cell's was), ``m_median_ms``, ``m_tokens_per_s`` and, for the student's,
-    ``m_speedup`` (the derived speed-up over the same cell's teacher) and, for decode, ``m_bandwidth_share``, each
-    the median over the cells with that key (``cells``: how many) of their centres over repeats.  The setting is
+    ``m_speedup`` (the teacher's median over the student's, of the figures of this table: prefill's times, decode's
+    tokens/s) and, for decode, ``m_bandwidth_share``, each the median over the cells with that key (``cells``: how
+    many) of their centres over repeats; ``m_contended`` and ``m_noisy``: whether a repeat of one of those cells
+    was.  The setting is
     the precision, with the teacher's where it differs, and the generation backend where it is not the default
     (the serving measurements depend on nothing else of a cell but its models and shapes)."""
     rows = lm_rows(df)
     rows = rows[rows["measurement"].isin(list(LM_SERVING))]
-    columns = [*SERVING_KEY, "cells", *(f"{m}_{s}" for m in LM_SERVING for s in ("status", *SERVING_STATS))]
+    stats_of = ("status", *SERVING_STATS, "contended", "noisy")
+    columns = [*SERVING_KEY, "cells", *(f"{m}_{s}" for m in LM_SERVING for s in stats_of)]
     if rows.empty:
         return pd.DataFrame(columns=columns)
     rows = _serving_keys(charts.with_keys(rows))
@@ -210,8 +217,25 @@ def serving_table(df: pd.DataFrame) -> pd.DataFrame:
     status = ordered.groupby(by)["status"].agg(lambda s: Status.OK if s.eq(Status.OK).any() else s.iloc[-1])
     status = status.unstack("measurement").add_suffix("_status")
     cells = rows.groupby(SERVING_KEY)["cell_id"].nunique().rename("cells")
-    table = pd.concat([cells, status, stats], axis=1).reset_index()
+    flags = [
+        ok.assign(flag_=ok[column].eq(True)).groupby(by)["flag_"].any().unstack("measurement").add_suffix(f"_{word}")
+        for column, word in (("contended", "contended"), ("noisy", "noisy"))
+        if column in ok and len(ok)
+    ]
+    table = pd.concat([cells, status, stats, *flags], axis=1).reset_index()
     table = table.reindex(columns=columns)
+    for kind, rate in (("prefill", False), ("decode", True)):
+        # the speed-up shown is the quotient of the two figures shown beside it, so that it agrees with them: the
+        # median over cells of each cell's speed-up does not (cells' noise moves the three medians apart)
+        student, teacher = f"student_{kind}", f"teacher_{kind}"
+        if rate:
+            quotient = _ratio(table[f"{student}_tokens_per_s"], table[f"{teacher}_tokens_per_s"])
+        else:
+            quotient = _ratio(table[f"{teacher}_median_ms"], table[f"{student}_median_ms"])
+        table[f"{student}_speedup"] = quotient
+    for m in LM_SERVING:
+        for word in ("contended", "noisy"):
+            table[f"{m}_{word}"] = table[f"{m}_{word}"].eq(True)
     table = table.assign(cells=table["cells"].astype(int))
     return table.sort_values(SERVING_KEY).reset_index(drop=True)
 
@@ -255,16 +279,34 @@ def speculative_table(df: pd.DataFrame) -> pd.DataFrame:
     rows = _serving_keys(charts.with_keys(rows))
     rows["draft_tokens"] = pd.to_numeric(rows["draft_tokens"], errors="coerce").fillna(0).astype(int)
     rows["spec_temperature"] = pd.to_numeric(rows["spec_temperature"], errors="coerce").fillna(0.0)
-    ok = pooled(rows)
+    ok = _with_decode_flags(charts.with_flags(pooled(rows)), df)
     stats = ok.groupby(SPECULATIVE_KEY)[list(SPECULATIVE_STATS)].median() if len(ok) else None
+    flags = ok.groupby(SPECULATIVE_KEY)[list(FLAGS)].any() if len(ok) else None
     ordered = rows.sort_values("timestamp", na_position="first")
     status = ordered.groupby(SPECULATIVE_KEY)["status"].agg(_any_ok)
     error = ordered.groupby(SPECULATIVE_KEY)["error"].last()
     cells = rows.groupby(SPECULATIVE_KEY)["cell_id"].nunique().rename("cells")
-    parts = [cells, status.rename("status"), error.rename("error")] + ([stats] if stats is not None else [])
-    table = pd.concat(parts, axis=1).reset_index().reindex(columns=columns)
+    parts = [cells, status.rename("status"), error.rename("error")] + ([stats, flags] if stats is not None else [])
+    table = pd.concat(parts, axis=1).reset_index().reindex(columns=[*columns, *FLAGS])
+    table[list(FLAGS)] = table[list(FLAGS)].eq(True)
     table = table.assign(cells=table["cells"].astype(int))
     return table.sort_values(SPECULATIVE_KEY).reset_index(drop=True)
+
+
+def _with_decode_flags(spec: pd.DataFrame, df: pd.DataFrame) -> pd.DataFrame:
+    """Speculative rows (pooled, with the chart flags) flagged also where a batch-1 teacher_decode or student_decode
+    row of their run and cell, the two their speed-up and cost ratio divide, was contended or noisy."""
+    if spec.empty:
+        return spec
+    decode = df[df["measurement"].isin([Measurement.TEACHER_DECODE, Measurement.STUDENT_DECODE])]
+    decode = charts.with_flags(pooled(decode[pd.to_numeric(decode["batch_size"], errors="coerce").eq(1)]))
+    if decode.empty:
+        return spec
+    by = decode.groupby(["run_id", "cell_id"])[["is_noisy", "is_contended"]].any()
+    at = pd.MultiIndex.from_frame(spec[["run_id", "cell_id"]])
+    for flag in ("is_noisy", "is_contended"):
+        spec[flag] = spec[flag].eq(True).to_numpy() | by[flag].reindex(at).eq(True).to_numpy()
+    return spec
 
 
 FLOOR_KEY = ["source", "pair", "setting", "seq_len", "decode_tokens", "batch_size", "what"]
@@ -281,7 +323,7 @@ def floor_points(df: pd.DataFrame) -> pd.DataFrame:
     rows = rows[pd.to_numeric(rows["bandwidth_share"], errors="coerce").notna()]
     columns = [*FLOOR_KEY, "bandwidth_share", "decode_bytes_per_token"]
     if rows.empty:
-        return pd.DataFrame(columns=columns)
+        return pd.DataFrame(columns=[*columns, *FLAGS])
     rows = _serving_keys(charts.with_keys(rows))
     spec = rows["measurement"].eq(Measurement.SPECULATIVE_DECODE)
     gamma = pd.to_numeric(rows["draft_tokens"], errors="coerce")
@@ -290,9 +332,11 @@ def floor_points(df: pd.DataFrame) -> pd.DataFrame:
     variant = "speculative γ" + gamma.fillna(0).astype(int).astype(str)
     variant += temperature.map(lambda t: " greedy" if t == 0 else f" T {t:g}")
     rows = rows.assign(what=label.where(~spec, variant))
-    ok = pooled(rows)
+    ok = charts.with_flags(pooled(rows))
     stats = ok.groupby(FLOOR_KEY)[["bandwidth_share", "decode_bytes_per_token"]].median()
-    return stats.reset_index().reindex(columns=columns).sort_values(FLOOR_KEY).reset_index(drop=True)
+    flags = ok.groupby(FLOOR_KEY)[list(FLAGS)].any()
+    table = pd.concat([stats, flags], axis=1).reset_index().reindex(columns=[*columns, *FLAGS])
+    return table.sort_values(FLOOR_KEY).reset_index(drop=True)
 
 
 def _any_ok(statuses: pd.Series):
@@ -394,5 +438,17 @@ def serving_rows(table: pd.DataFrame) -> list[dict]:
             row[f"{kind}_bad"] = any(
                 pd.notna(r[f"{m}_status"]) and r[f"{m}_status"] != Status.OK for m in (student, teacher)
             )
+        row["flags"] = serving_flags(r)
         out.append(row)
     return out
+
+
+def serving_flags(r: dict) -> str:
+    """What of a serving table row was measured on a busy machine or noisy ("contended: student prefill, teacher
+    decode"), its speed-ups with it; empty when nothing was."""
+    parts = []
+    for word in ("contended", "noisy"):
+        which = [str(m).replace("_", " ") for m in LM_SERVING if bool(r.get(f"{m}_{word}", False))]
+        if which:
+            parts.append(f"{word}: " + ", ".join(which))
+    return "; ".join(parts)
