@@ -16,8 +16,10 @@ measured from other code: its new repeats import commit A's module first, so bot
 interleaved; `--sides new` compares as `--rerun-sides new` instead, NEW alone measured again) and `compare BASE
 AGAIN --rerun-undecided R` with commit A's (both sides measured again, interleaved).  It prints, per copy, both exit
 codes, how many repeats each side ended with, the slow step's verdict and ratio and any measurement of the unchanged
-cell called regressed, then the catch count (exit 1 and the slow cell's step regressed), the gate's failures and the
-A/A false alarms (exit 1).
+cell called regressed or improved, then the catch count (exit 1 and the slow cell's step regressed), the gate's
+failures, the A/A false alarms (exit 1) and A/A comparisons with any measurement regressed or improved, and the
+comparisons that judged nothing (exit 75, EXIT_NOT_JUDGED: every row contended on a busy machine), which count as
+neither a catch nor a pass.
 
 Time: on the idle 2-core VM (2026-12-03) a copy with `--sides new` (3 repeats, 4 rounds at most) took 2.5 min, 12
 copies 30 min; it then found: the gate failed in 12 of 12 copies, the slow step regressed in 9 of 12, the unchanged
@@ -39,6 +41,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kdbench.core.errors import EXIT_NOT_JUDGED  # noqa: E402
+
+# compare's exit codes this benchmark reads: 0 passes, 1 fails the gate, EXIT_NOT_JUDGED judged nothing (a busy
+# machine: every row contended) and is neither a catch nor a pass; anything else is an error of the benchmark.
+COMPARE_CODES = (0, 1, EXIT_NOT_JUDGED)
 
 # The student of every cell: an MLP whose hidden width the "commit" sets; the first cell's is wider in commit B.
 MODULE = '''"""The student models of one commit of a user's code base (written by benchmarks/verdict_copies.py)."""
@@ -98,14 +107,21 @@ def kdbench(args: list[str], code: Path, log: Path) -> int:
         return subprocess.run([sys.executable, "-m", "kdbench", *args], env=env, stdout=out, stderr=out).returncode
 
 
-def verdict(path: Path) -> tuple[str, str, float, int]:
+def verdict(path: Path) -> tuple[str, str, float | None, int]:
     """The slow cell's step verdict, the repeats each side ended with, the step's ratio, and how many measurements
-    of the unchanged cell were called regressed (false alarms inside an A/B comparison)."""
+    of the unchanged cell were called regressed or improved (false verdicts inside an A/B comparison)."""
     doc = json.loads(path.read_text())
     slow = next(c for c in doc["changes"] if c["measurement"] == "distill_step" and "first" in c["cell_label"])
     reps = f"{doc['base']['repeats']}/{doc['new']['repeats']}"
-    false = sum(c["verdict"] == "regressed" for c in doc["changes"] if "other" in c["cell_label"])
+    false = sum(c["verdict"] in ("regressed", "improved") for c in doc["changes"] if "other" in c["cell_label"])
     return slow["verdict"], reps, slow["ratio"], false
+
+
+def aa_false_verdicts(path: Path) -> int:
+    """How many measurements an A/A comparison (the same code on both sides) called regressed or improved: the
+    family-wise rate bounds the comparisons with any, in either direction (docs/verdicts.md)."""
+    doc = json.loads(path.read_text())
+    return sum(c["verdict"] in ("regressed", "improved") for c in doc["changes"])
 
 
 def main() -> int:
@@ -133,7 +149,8 @@ def main() -> int:
     suite_file = work / "suite.yaml"  # JSON is YAML
     suite_file.write_text(json.dumps(suite(args.repeat), indent=2))
     log = work / "log.txt"
-    caught = alarms = gate = false_ab = 0
+    caught = alarms = gate = false_ab = aa_false = 0
+    unjudged = {"A/B": 0, "A/A": 0}  # exit EXIT_NOT_JUDGED: nothing judged, neither caught nor passed
     copies = []
     began = time.perf_counter()
     for copy in range(1, args.copies + 1):
@@ -163,11 +180,18 @@ def main() -> int:
         aa = kdbench(
             ["compare", str(out / "base"), str(out / "again"), *rerun, "--out", str(out / "aa.json")], commits["A"], log
         )
+        for name, rc in (("A/B", ab), ("A/A", aa)):
+            if rc not in COMPARE_CODES:
+                print(f"copy {copy}: the {name} compare exited {rc}; see {log}", file=sys.stderr)
+                return 2
+            unjudged[name] += rc == EXIT_NOT_JUDGED
         slow, reps, ratio, false = verdict(out / "ab.json")
         caught += ab == 1 and slow == "regressed"
         gate += ab == 1
         false_ab += false
         alarms += aa == 1
+        aa_false_here = aa_false_verdicts(out / "aa.json")
+        aa_false += aa_false_here > 0
         _, aa_reps, _, _ = verdict(out / "aa.json")
         copies.append(
             {
@@ -177,12 +201,15 @@ def main() -> int:
                 "unchanged_cell_regressed": false,
                 "ab_repeats": reps,
                 "aa_exit": aa,
+                "aa_false_verdicts": aa_false_here,
                 "aa_repeats": aa_reps,
             }
         )
+        at = f"{ratio:.2f}" if ratio is not None else "no ratio"
         print(
-            f"copy {copy}: 1.5x copy exit {ab} (slow step {slow} at {ratio:.2f}, repeats {reps}; unchanged cell "
-            f"regressed {false}); A/A exit {aa} (repeats {aa_reps}); {time.perf_counter() - began:.0f} s so far",
+            f"copy {copy}: 1.5x copy exit {_exit(ab)} (slow step {slow} at {at}, repeats {reps}; unchanged cell "
+            f"regressed or improved {false}); A/A exit {_exit(aa)} ({aa_false_here} measurement(s) regressed or "
+            f"improved; repeats {aa_reps}); {time.perf_counter() - began:.0f} s so far",
             flush=True,
         )
     summary = {
@@ -190,6 +217,8 @@ def main() -> int:
         "gate_failed": gate,
         "unchanged_cell_regressed": false_ab,
         "false_alarms": alarms,
+        "aa_with_false_verdicts": aa_false,
+        "not_judged": unjudged,
         "copies": args.copies,
         "repeat": args.repeat,
         "rerun_undecided": args.rounds,
@@ -200,11 +229,17 @@ def main() -> int:
     (work / "summary.json").write_text(json.dumps(summary, indent=2))
     print(
         f"caught {caught} of {args.copies} real 1.5x slower copies (the step regressed; the gate failed in {gate}, "
-        f"and called the unchanged cell regressed {false_ab} times); A/A false alarms {alarms} of {args.copies} "
-        f"(--repeat {args.repeat}, --rerun-undecided {args.rounds}, A/B sides {args.sides}); runs, log and "
-        f"summary.json in {work}"
+        f"and called the unchanged cell regressed or improved {false_ab} times); A/A false alarms (exit 1) "
+        f"{alarms} of {args.copies}, A/A comparisons with a measurement regressed or improved {aa_false}; not judged "
+        f"(exit {EXIT_NOT_JUDGED}, a busy machine: neither caught nor passed) A/B {unjudged['A/B']}, A/A "
+        f"{unjudged['A/A']} (--repeat {args.repeat}, --rerun-undecided {args.rounds}, A/B sides {args.sides}); "
+        f"runs, log and summary.json in {work}"
     )
     return 0
+
+
+def _exit(code: int) -> str:
+    return f"{code} (not judged)" if code == EXIT_NOT_JUDGED else str(code)
 
 
 if __name__ == "__main__":

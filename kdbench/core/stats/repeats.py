@@ -14,7 +14,7 @@ load) by more than the iterations of one process can show.  So the repeat is the
   run-to-run noise, and :func:`t_ratio` says so by returning None;
 * **a family of measurements** (:func:`simultaneous_t`): each variance moderated towards the family's
   (Smyth's empirical Bayes, the "moderated t" of limma, its prior weighted half: :func:`fit_prior`),
-  floored at the family's median, and the bounds Bonferroni-simultaneous (:func:`each_level`);
+  floored at the family's median, and the bounds Bonferroni-simultaneous in both directions (:func:`each_level`);
 * **a sequence of looks** (``compare --rerun-undecided``: the undecided measurements measured again):
   ``alpha`` shared out over the looks by an O'Brien–Fleming-type spending function (:func:`spending`);
 * **within-process interval** (one repeat per side, shown but not gated on unless asked): a percentile
@@ -205,11 +205,13 @@ def fit_prior(variances: Sequence[float], dfs: Sequence[int]) -> tuple[float, fl
 
 
 def each_level(confidence: float, m: int) -> float:
-    """The two-sided level of each of m intervals whose one-sided bounds hold together at ``confidence``:
-    1 − 2(1 − confidence)/m (Bonferroni over m upper bounds, and over m lower bounds).  A gate asks of every
-    measurement "is it slower?": the chance that any lower bound of an unchanged measurement lies above 1 (a
-    false regression) is then at most 1 − confidence, and so is the chance of any false improvement."""
-    return max(0.0, 1 - 2 * (1 - confidence) / max(1, m))
+    """The two-sided level of each of m intervals whose bounds, upper and lower, hold together at ``confidence``:
+    1 − (1 − confidence)/m (Bonferroni over the 2m one-sided bounds, each at 1 − (1 − confidence)/(2m)).  When
+    nothing changed, the chance that *any* measurement is called different, regressed or improved, is then at
+    most 1 − confidence.  (Bounds at 1 − (1 − confidence)/m each, as kdbench had them until issue 45, held that
+    rate for each direction alone: twice it for a false verdict either way, and two runs of the same code read
+    "improved" beyond the stated rate.)"""
+    return max(0.0, 1 - (1 - confidence) / max(1, m))
 
 
 def spending(alpha: float, looks: int) -> list[float]:
@@ -234,7 +236,7 @@ def simultaneous_t(
 ) -> list[RatioInterval | None]:
     """The t-intervals (:func:`t_ratio`) of a family of measurements, each given as (base repeat medians, new
     repeat medians, sampling-variance floor), each at :func:`each_level` (m = ``size``, else the measurements
-    that have an interval), so that no false regression, and no false improvement, is called with more than
+    that have an interval), so that no false verdict, a regression or an improvement, is called with more than
     1 − ``confidence`` chance in the whole family.
 
     With a handful of repeats a measurement's own variance is a poor estimate (with 3 + 3 repeats, one in

@@ -10,21 +10,22 @@ decides (the verdicts, the policy, the comparison) and :mod:`kdbench.report.comp
 
 **The guarantee.** A measurement is *regressed* when its interval of NEW/BASE lies wholly
 above 1 **and** the ratio exceeds 1 + threshold (*improved*: below 1 and under 1 − threshold).
-The intervals are t-intervals between repeats, *simultaneous* over the m measurements judged:
-each one-sided bound at 1 − (1 − C)/m (Bonferroni; shown as a two-sided interval at
-1 − 2(1 − C)/m), so that when nothing changed, the chance that any measurement of the
-comparison is called regressed — that the gate fails — is at most 1 − C (and so is the
-chance of any false improvement).  Each
+The intervals are t-intervals between repeats, *simultaneous* over the m measurements judged
+and over both directions: each one-sided bound at 1 − (1 − C)/(2m) (Bonferroni; shown as a two-sided
+interval at 1 − (1 − C)/m), so that when nothing changed, the chance that any measurement of the
+comparison is called regressed *or improved* is at most 1 − C (the gate fails on a regression only,
+so it fails in fewer).  Until issue 45 each direction had the whole 1 − C, and two runs of the same
+code read "improved" (or "regressed") in up to twice that share.  Each
 measurement's variance is taken as at least the comparison's median one (a measurement that
 happens to look quiet in three repeats is not trusted to be quieter than the others), which
-only widens intervals.  ``tests/unit/report/test_compare.py`` shows the family-wise rate by simulation at
-2, 3, 5 and 10 repeats per side.
+only widens intervals.  ``tests/unit/report/test_compare.py`` shows the family-wise rate, false verdicts
+of both directions counted, by simulation at 2, 3, 5 and 10 repeats per side.
 
 **More repeats where undecided** (:class:`Sequential`, ``compare --rerun-undecided N``): up to N rounds measure
 the cells with an undecided measurement once more a side, and the comparison looks again; look k judges at its
 share α_k of α = 1 − C (O'Brien–Fleming-type spending, :func:`kdbench.core.stats.repeats.spending`),
 a measurement decided at a look keeps that verdict, so over the whole sequence the chance of a false
-regression stays at most 1 − C (union bound).
+verdict, regressed or improved, stays at most 1 − C (union bound).
 ``tests/system/test_sequential.py`` simulates its power and false-alarm rate.
 
 **What is not judged.** With one repeat on each side no interval can hold the run-to-run noise

@@ -125,8 +125,9 @@ class Comparison:
 
     @property
     def each(self) -> float:
-        """The two-sided level of each judged interval: 1 - 2 (1 - confidence) / m (its one-sided bounds at
-        1 - (1 - confidence) / m)."""
+        """The two-sided level of each judged interval: 1 - (1 - confidence) / m, each one-sided bound at
+        1 - (1 - confidence) / (2m), so that no false verdict either way, regressed or improved, is called with
+        more than 1 - confidence chance in the comparison."""
         return each_level(self.confidence, self.rated)
 
     @property

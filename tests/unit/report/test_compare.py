@@ -305,43 +305,61 @@ def _aa_family(rng, r: int, m: int, process: float, within: float = 0.02, n: int
     return [(medians[0, j], medians[1, j], sampling**2) for j in range(m)]
 
 
-def _false_alarms(r: int, process: float, trials: int, tails: str = "normal", m: int = 20) -> tuple[int, int]:
-    """(comparisons with a false regression: the gate fails; comparisons with a false improvement)."""
-    rng = np.random.default_rng(1000 * r + int(process * 100) + len(tails))
-    regressed = improved = 0
+def _false_alarms(
+    r: int, process: float, trials: int, tails: str = "normal", m: int = 20, threshold: float = 0.05
+) -> tuple[int, int, int]:
+    """(comparisons with a false regression: the gate fails; with a false improvement; with either: a false
+    verdict in some direction, what the family-wise rate bounds)."""
+    rng = np.random.default_rng(1000 * r + int(process * 100) + len(tails) + m)
+    regressed = improved = either = 0
     for _ in range(trials):
         family = _aa_family(rng, r, m, process, tails=tails)
         intervals = simultaneous_t(family, 0.95)
         if r == 1:  # not judged: no interval exists
             assert intervals == [None] * m
             continue
-        verdicts = [verdict_of(iv, 0.05) for iv in intervals]
+        verdicts = [verdict_of(iv, threshold) for iv in intervals]
         regressed += Verdict.REGRESSED in verdicts
         improved += Verdict.IMPROVED in verdicts
-    return regressed, improved
+        either += Verdict.REGRESSED in verdicts or Verdict.IMPROVED in verdicts
+    return regressed, improved, either
 
 
 @pytest.mark.parametrize("r", [1, 2, 3, 5, 10])
 def test_a_a_comparisons_raise_false_alarms_at_most_at_the_stated_rate(r):
     """Two runs of one suite, nothing changed, 20 measurements, r repeats a side: at 3 % and 10 %
     process-to-process noise (and with heavy-tailed, two-state and mixed noise at 3 repeats) the share of
-    comparisons whose gate fails (any measurement called regressed) stays within 5 % (binomial margin,
-    99.9 %), and so does the share with any false improvement."""
+    comparisons with a false verdict in either direction (any measurement called regressed or improved)
+    stays within 5 % (binomial margin, 99.9 %)."""
     trials = 400
     limit = stats.binom.ppf(0.999, trials, 0.05)
     cases = [("normal", 0.03), ("normal", 0.10)]
     if r == 3:
         cases += [("t3", 0.05), ("two-state", 0.0), ("mixed", 0.0)]
     for tails, process in cases:
-        regressed, improved = _false_alarms(r, process, trials, tails)
-        assert regressed <= limit and improved <= limit, (r, tails, process, regressed, improved)
+        regressed, improved, either = _false_alarms(r, process, trials, tails)
+        assert either <= limit, (r, tails, process, regressed, improved, either)
 
 
 def test_a_small_family_keeps_the_bound_too():
     """Six measurements (one small suite): the moderation's prior rests on few variances."""
     limit = stats.binom.ppf(0.999, 400, 0.05)
     for tails, process in (("normal", 0.05), ("mixed", 0.0)):
-        assert max(_false_alarms(3, process, 400, tails, m=6)) <= limit, tails
+        assert _false_alarms(3, process, 400, tails, m=6)[2] <= limit, tails
+
+
+def test_the_family_wise_rate_counts_improvements_as_regressions():
+    """Issue 45: two runs of the same code read 3 of 10 cells "improved".  One measurement alone, normal noise,
+    no threshold: nothing moderates or floors its interval (the prior needs several, the family's median is its
+    own variance), so its t-interval is exact and the family-wise rate is reached, not merely bounded.  A false
+    verdict either way happens in 5 % of 4,000 A/A comparisons, split evenly between the directions; with each
+    direction given the whole 5 % (the bounds before) it was 10 %, beyond this test's margin."""
+    trials = 4000
+    regressed, improved, either = _false_alarms(3, 0.05, trials, m=1, threshold=0.0)
+    low, high = stats.binom.ppf([0.0005, 0.9995], trials, 0.05)
+    assert low <= either <= high, (regressed, improved, either)
+    assert regressed + improved == either  # one measurement: never both
+    assert abs(regressed - improved) <= 4 * (trials * 0.025) ** 0.5, (regressed, improved)
 
 
 def test_a_true_one_and_a_half_times_slowdown_of_one_cell_is_found_at_three_repeats():
@@ -374,12 +392,13 @@ def test_the_moderated_variance_follows_smyths_prior():
 
 
 def test_intervals_are_simultaneous_over_the_judged_measurements():
-    """Each bound is at 1 - (1 - C)/m: with six judged measurements, 95 % for all of them together."""
+    """Each bound is at 1 - (1 - C)/(2m): with six judged measurements, upper and lower, 95 % for all of them
+    together."""
     from kdbench.core.stats.repeats import fit_prior, pooled_log_variance
 
     base, new = _rows("b", repeats=3, spread=0.03), _rows("n", seed=3, repeats=3, spread=0.03)
     cmp = compare_frames(pd.DataFrame(base), pd.DataFrame(new), confidence=0.95)
-    assert cmp.rated == 6 and cmp.each == pytest.approx(1 - 2 * 0.05 / 6)  # each bound at 1 - 0.05 / 6
+    assert cmp.rated == 6 and cmp.each == pytest.approx(1 - 0.05 / 6)  # each bound at 1 - 0.05 / 12
     family = []
     for c in cmp.changes:
         pick = [(r["cell_id"], r["measurement"]) == (c.cell_id, c.measurement) for r in base]
