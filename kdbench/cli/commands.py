@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 
 
@@ -12,28 +11,28 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     check_install()  # before anything imports torchvision; transformers is checked where an LM is built
     from kdbench import api
-    from kdbench.config import with_overrides
     from kdbench.run.engine import RunOptions
+    from kdbench.run.resume import resolve
 
-    suite = api.load_suite(args.suite)
-    suite = with_overrides(
-        suite,
-        {
-            "threads": ("--threads", args.threads),
-            "cell_timeout_s": ("--cell-timeout", args.cell_timeout),
-            "allow_imports": ("--allow-imports", True if args.allow_imports else None),
-            "profile": ("--profile", True if args.profile else None),
-            "fit_check": ("--no-fit-check", False if args.no_fit_check else None),
-            "repeat": ("--repeat", args.repeat),
-        },
-    )
+    given = {  # the run's options as given; a continued run keeps those it was started with (kdbench.run.resume)
+        "repeat": args.repeat,
+        "device": args.device,
+        "threads": args.threads,
+        "profile": True if args.profile else None,
+        "fit_check": False if args.no_fit_check else None,
+        "cell_timeout_s": args.cell_timeout,
+        "allow_imports": True if args.allow_imports else None,
+    }
+    args.resolved = resolve(api.load_suite(args.suite), given, args.out, args.run_id, args.resume)
+    suite = args.resolved.suite
     options = RunOptions(
         out_dir=args.out,
-        device=args.device,
+        device=args.resolved.device,
         resume=args.resume,
         run_id=args.run_id,
         shard=args.shard,
         inline=args.inline,
+        record=args.resolved.record,
     )
     if args.dry_run:
         return _dry_run(suite, options)
@@ -54,24 +53,20 @@ def _after_run(args: argparse.Namespace, outcome) -> int:
     import time
 
     from kdbench import api
+    from kdbench.run.resume import resume_command
     from kdbench.store.results import RunFolder
 
     if outcome.follower:
         return 0  # rank 0 stores, reports and sets the exit code
     if outcome.interrupted:
-        again = ["kdbench", "run", str(args.suite), "--out", str(args.out)]
-        again += ["--run-id", args.run_id] if args.run_id else ["--resume"]
-        again += ["--device", args.device] if args.device else []
-        print(
-            f"interrupted: {outcome.jobs} jobs stored in {outcome.path}; resume with:\n  {shlex.join(again)}",
-            file=sys.stderr,
-        )
+        again = resume_command(args, outcome.run_id)
+        print(f"interrupted: {outcome.jobs} jobs stored in {outcome.path}; resume with:\n  {again}", file=sys.stderr)
         return 130
     print(f"{outcome.jobs} jobs, {outcome.rows} rows -> {outcome.path}")
     if outcome.aborted:
         print(
             f"kdbench: the run stopped after {outcome.aborted}\n  its rows are stored; continue after it with: "
-            f"kdbench run {shlex.quote(str(args.suite))} --out {shlex.quote(str(args.out))} --resume",
+            f"{resume_command(args, outcome.run_id)}",
             file=sys.stderr,
         )
     stored = bool(RunFolder(outcome.path).parts())

@@ -64,6 +64,9 @@ class RunOptions:
     run_id: str | None = None  # run into out_dir/run_id, continuing it when it exists (shards share one)
     shard: tuple[int, int] | None = None  # (I, N): share I of N of the plan
     inline: bool = False  # run jobs in this process (no isolation)
+    # The run's options as the run folder records them, so that a continued run keeps them (kdbench.run.resume):
+    # written into the manifest of a new folder and into this invocation's record.  None: not recorded.
+    record: dict[str, Any] | None = None
 
 
 @dataclass
@@ -157,7 +160,8 @@ def run_suite(
         from kdbench.run.workers import LocalWorkers
 
         workers = LocalWorkers(setup, options.inline, detect().gpu_count, suite.launcher)
-        outcome = _execute(suite, plan, folder, backend, workers, f"{threads} CPU threads", threads, look)
+        where = f"{threads} CPU threads"
+        outcome = _execute(suite, plan, folder, backend, workers, where, threads, look, options.record)
     from kdbench.hw.speed import check_steps
 
     for line in check_steps(outcome.steps, backend, threads):  # a cached dtype speed its own steps contradict
@@ -175,7 +179,7 @@ def _open(suite: Suite, options: RunOptions, threads: int) -> RunFolder:
             logger.info("nothing of suite '%s' in %s to resume; starting a new run", suite.name, options.out_dir)
         else:
             run_id = folder.run_id
-    folder = open_run(options.out_dir, suite.name, str(suite.path), run_id)
+    folder = open_run(options.out_dir, suite.name, str(suite.path), run_id, options.record)
     check_threads(folder, threads)
     return folder
 
@@ -241,7 +245,7 @@ def _run_allocated(suite: Suite, plan: Plan, backend_name: str, threads: int, op
         single = InlineWorker(setup) if options.inline else ProcessWorker(setup)
         workers = AllocationWorkers(alloc, setup, single, groups)
         where = f"{alloc.world_size} ranks of a {alloc.source} allocation"
-        return _execute(suite, plan, folder, backend, workers, where, threads)
+        return _execute(suite, plan, folder, backend, workers, where, threads, record=options.record)
     finally:
         dist.destroy_process_group()
 
@@ -305,9 +309,16 @@ def _with_reused(job: CellJob, rows: list[Row], reuse: dict, measured: dict) -> 
 
 
 def _invocation(
-    suite: Suite, plan: Plan, folder: RunFolder, backend: Backend, commit: str | None, threads: int
+    suite: Suite,
+    plan: Plan,
+    folder: RunFolder,
+    backend: Backend,
+    commit: str | None,
+    threads: int,
+    record: dict[str, Any] | None = None,
 ) -> Invocation:
-    """This invocation's record: the whole plan's jobs (what a complete run holds), its share, and how it ran."""
+    """This invocation's record: the whole plan's jobs (what a complete run holds), its share, and how it ran
+    (with ``record``, its options: what a continued run keeps)."""
     import socket
     import sys
 
@@ -323,6 +334,7 @@ def _invocation(
         host=socket.gethostname(),
         pid=os.getpid(),
         argv=sys.argv,
+        **(record or {}),
     )
 
 
@@ -335,9 +347,11 @@ def _execute(
     where: str,
     threads: int,
     look: HostMeter | None = None,
+    record: dict[str, Any] | None = None,
 ) -> RunOutcome:
-    """Run ``plan``'s jobs not stored yet.  ``look``: a host meter started when the run began, ended (and warned
-    about when the machine is busy) 0.4 s after that, in a timer thread beside the first job."""
+    """Run ``plan``'s jobs not stored yet (a part that cannot be read counts as not stored: its job runs again).
+    ``look``: a host meter started when the run began, ended (and warned about when the machine is busy) 0.4 s
+    after that, in a timer thread beside the first job; ``record``: the run's options, kept in its record."""
     outcome = RunOutcome(run_id=folder.run_id, path=folder.path, split=WallSplit())
     wall = outcome.split
     timer = None
@@ -345,8 +359,8 @@ def _execute(
         began = time.perf_counter()
         stamp = Stamper(suite, backend, folder)
         wall.add("environment capture", time.perf_counter() - began)
-        outcome.invocation = _invocation(suite, plan, folder, backend, stamp.commit, threads)
-        stored = folder.stored_job_ids()
+        outcome.invocation = _invocation(suite, plan, folder, backend, stamp.commit, threads, record)
+        stored = folder.stored_job_ids(readable=True)
         todo = [job for job in plan.jobs if job.job_id not in stored]
         if stored:
             done = len(plan.jobs) - len(todo)

@@ -37,6 +37,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 
 from kdbench.core.errors import KdbenchError
 from kdbench.core.schema import SCHEMA, SCHEMA_VERSION, rows_to_table
@@ -198,17 +199,32 @@ class RunFolder:
     def parts(self) -> list[Path]:
         return sorted(p for p in self.path.glob(f"{PART_PREFIX}*{PART_SUFFIX}") if p.is_file())
 
-    def stored_job_ids(self) -> set[str]:
-        """The jobs whose part is stored: resuming measures the others."""
-        return {p.name[len(PART_PREFIX) : -len(PART_SUFFIX)] for p in self.parts()}
+    def stored_job_ids(self, readable: bool = False) -> set[str]:
+        """The jobs whose part is stored: resuming measures the others.  With ``readable`` (a run that resumes)
+        only the parts that read whole count: a corrupted part (cut short by a full disk, scrambled) is named in a
+        warning and its job runs again, its new part replacing it (reading every part costs a resumed run's start
+        a few milliseconds a part)."""
+        ids = set()
+        for path in self.parts():
+            if readable:
+                try:
+                    pq.read_table(path)
+                except (pa.ArrowException, OSError) as exc:
+                    logger.warning("%s: not a readable parquet file (%s); its job runs again", path, _why(exc))
+                    continue
+            ids.add(path.name[len(PART_PREFIX) : -len(PART_SUFFIX)])
+        return ids
 
     def write_part(self, job_id: str, rows: list[dict[str, Any]]) -> Path:
         """Store a finished job's rows as its part (atomically; never rewritten)."""
         return write_parquet(rows_to_table(rows), self.part_path(job_id))
 
 
-def open_run(out_dir: Path, suite_name: str, suite_file: str, run_id: str | None = None) -> RunFolder:
-    """The run folder ``out_dir/run_id`` (a new id when None), created with its manifest if new.
+def open_run(
+    out_dir: Path, suite_name: str, suite_file: str, run_id: str | None = None, options: dict | None = None
+) -> RunFolder:
+    """The run folder ``out_dir/run_id`` (a new id when None), created with its manifest if new (holding
+    ``options``, the run's options as it starts: :mod:`kdbench.run.resume`).
 
     An existing folder continues (shards of one sweep share a run id); it must hold a
     run of the same suite.  The manifest is written once, when the folder is made; what each
@@ -236,6 +252,7 @@ def open_run(out_dir: Path, suite_name: str, suite_file: str, run_id: str | None
         "created": datetime.now(UTC).isoformat(),
         "schema_version": SCHEMA_VERSION,
         "kdbench_version": kdbench.__version__,
+        **(options or {}),
     }
     write_text(json.dumps(manifest, indent=2) + "\n", folder.path / MANIFEST)
     return folder
