@@ -74,15 +74,21 @@ def _agrees(speedup: str, over: str, under: str) -> None:
     assert abs(shown - ratio) <= 0.005 + ratio * 0.011, (speedup, over, under)
 
 
+def _cells() -> list[Row]:
+    """The three cells of :data:`PREFILL`: each a distill step and its serving rows."""
+    steps = [_lm_row(cell, "distill_step", 2, 20.0, phase_loss_ms=5.0) for cell in PREFILL]
+    return steps + [r for cell, prefill in PREFILL.items() for r in _serving(cell, prefill)]
+
+
 @pytest.fixture(scope="module")
 def lm_page(tmp_path_factory):
-    rows = [r for cell, prefill in PREFILL.items() for r in _serving(cell, prefill)]
+    rows = _cells()
     out = tmp_path_factory.mktemp("agrees")
     return render_report(as_read(rows), out).read_text(encoding="utf-8")
 
 
 def test_each_serving_speed_up_is_the_quotient_of_the_two_figures_beside_it(lm_page):
-    table = serving_table(as_read([r for cell, prefill in PREFILL.items() for r in _serving(cell, prefill)]))
+    table = serving_table(as_read(_cells()))
     (row,) = table.to_dict("records")
     assert row["cells"] == 3
     assert row["student_prefill_median_ms"] == pytest.approx(720.0)
