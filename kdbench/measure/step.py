@@ -175,7 +175,9 @@ def measure_distill_step(
                     flops = step_flops(step)  # every rank: under DDP the counted step runs the collectives
                 if options.fit_check:  # its other half: the planner's fake run (kdbench.run.cell)
                     with walltime.spent(walltime.FIT):  # every rank, for the same reason
-                        peak, why = step_live_peak(step, backend, not_counted())
+                        # an offline step's teacher built its store and is not the step's (as the planner counts it)
+                        idle = tuple(step.distiller.teacher.parameters()) if step.offline is not None else ()
+                        peak, why = step_live_peak(step, backend, (*not_counted(), *idle))
                     live = {"live_peak_bytes": peak}
                 else:
                     why = None

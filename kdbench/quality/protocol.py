@@ -173,7 +173,10 @@ class Entry:
         )
         step_only = [
             k
-            for k, on in (("on_policy", c.on_policy), ("teacher.mode topk_cache", c.teacher.mode == "topk_cache"))
+            for k, on in (
+                ("on_policy", c.on_policy),
+                (f"teacher.mode {c.teacher.mode}", c.teacher.mode in ("topk_cache", "offline")),
+            )
             if on
         ]
         if self.role == "distilled" and step_only:

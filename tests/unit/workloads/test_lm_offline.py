@@ -154,3 +154,38 @@ def test_the_fit_planner_counts_an_offline_teacher_as_its_read_buffers():
     student = sum(p.numel() * 4 for p in LM.build_pair(lm_config(), CPU, ModelCache())[1].parameters())
     assert offline.breakdown["parameters"] == pytest.approx(student, rel=0.01)
     assert live.breakdown["parameters"] > 2 * offline.breakdown["parameters"]
+
+
+def test_an_offline_twin_of_a_live_cell_gets_its_saving_and_pay_back(tmp_path):
+    from kdbench.cli import main
+    from kdbench.store import read_results
+    from tests.support.helpers import write_suite
+    from tests.support.suites import TINY_LM, merged, tiny_suite
+
+    suite = tiny_suite(
+        name="offline",
+        threads=2,
+        defaults=merged(TINY_LM, {"inference": {"batch_sizes": []}}),
+        matrix={"teacher": [{"mode": "live"}, {"mode": "offline", "k": 16, "store_tokens": 256}]},
+    )
+    path = write_suite(tmp_path / "s.yaml", **suite)
+    assert main(["run", str(path), "--out", str(tmp_path / "res"), "--no-report", "--inline"]) == 0
+    df = read_results([tmp_path / "res"]).set_index("teacher_mode")
+    offline = df.loc["offline"]
+    assert offline["status"] == "ok" and offline["teacher_store_bytes_per_token"] == 16 * 4 + 4
+    assert list((tmp_path / "res").glob("*/teacher-stores/*/manifest.json"))  # in the run's folder
+    # the planner's read buffers against the measured step, its idle teacher left out: off by what the live twin is
+    off = {m: df.loc[m, "live_peak_bytes"] - df.loc[m, "predicted_peak_bytes"] for m in ("live", "offline")}
+    assert (
+        abs(off["offline"] - off["live"]) < 2**20
+        and offline["predicted_peak_bytes"] < df.loc["live", "predicted_peak_bytes"]
+    )
+    saving = df.loc["live", "median_ms"] - offline["median_ms"]
+    assert offline["teacher_cache_saving_ms"] == pytest.approx(saving)
+    per_token = saving / offline["tokens"]
+    assert offline["offline_saving_ms_per_token"] == pytest.approx(per_token)
+    build_per_token = offline["teacher_store_build_s"] * 1e3 / offline["teacher_store_tokens"]
+    if per_token > 0:
+        assert offline["offline_payback_epochs"] == pytest.approx(build_per_token / per_token)
+    else:
+        assert math.isnan(offline["offline_payback_epochs"])
