@@ -92,8 +92,8 @@ def continued_folder(out_dir: Path, suite_name: str, run_id: str | None, resume:
     """The run folder a run continues: ``--run-id``'s when it holds a run, else with ``--resume`` the newest run
     of the suite in ``out_dir``; None for a new run.  (The engine's own choice, :func:`kdbench.run.engine._open`.)"""
     if run_id:
-        folder = RunFolder(Path(out_dir) / run_id)
-        return folder if folder.manifest() else None
+        folder = RunFolder(Path(out_dir) / run_id)  # another suite's run: open_run refuses it, naming both
+        return folder if folder.manifest().get("suite") == suite_name else None
     return newest_run(Path(out_dir), suite_name) if resume else None
 
 

@@ -169,3 +169,12 @@ def test_the_resume_command_carries_every_option(tmp_path):
         "--repeat", "3", "--device", "cpu", "--profile", "--no-fit-check", "--cell-timeout", "90",
         "--shard=2/3", "--no-report", "--judge-contended",
     ]  # fmt: skip
+
+
+def test_run_id_of_an_existing_run_keeps_its_options_too(tmp_path):
+    """The shards of one sweep, or a run continued by its id: the second invocation without --repeat keeps 2."""
+    suite, out = write_suite(tmp_path / "s.yaml", **TWO_CELLS), tmp_path / "res"
+    assert _run(suite, out, "--run-id", "sweep", "--repeat", "2", "--shard", "1/2") == 0
+    assert _run(suite, out, "--run-id", "sweep", "--shard", "2/2") == 0
+    folder = RunFolder(out / "sweep")
+    assert list(_repeats(folder).values()) == [[1, 2], [1, 2]] and folder.state().complete
