@@ -239,7 +239,7 @@ def main() -> int:
 
 
 def _exit(code: int) -> str:
-    return f"{code}, not judged," if code == EXIT_NOT_JUDGED else str(code)
+    return f"{code}, not judged" if code == EXIT_NOT_JUDGED else str(code)
 
 
 if __name__ == "__main__":
