@@ -60,6 +60,7 @@ IDENTITY_DEFAULTS = {
     "data.prompt_fraction": 0.25,
     "data.vocab_policy": "error",
     "data.tokenizers": None,
+    "uld.alignment": "position",
     "teacher.weights": "fp32",
     "fsdp.param_dtype": None,
     "fsdp.reduce_dtype": None,
@@ -109,6 +110,8 @@ class Cell:
             if c.data.tokenizers is not None:  # a cross-tokenizer pair: each side's tokenizer
                 sides = (c.data.tokenizers.teacher, c.data.tokenizers.student)
                 parts.append("tok-" + "->".join(side.replace("\\", "/").rsplit("/", 1)[-1] for side in sides))
+            if c.method == "uld" and c.uld.alignment != "position":  # ULD's rows paired by the text read
+                parts.append(f"uld-{c.uld.alignment}")
             if c.generation.cache != "dynamic" or c.generation.compile:  # the decode rows' generation backend
                 parts.append(f"{c.generation.cache}-cache" + ("-compiled" if c.generation.compile else ""))
             if c.inference.speculative is not None:

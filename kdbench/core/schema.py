@@ -457,6 +457,21 @@ COLUMNS: tuple[Column, ...] = (
         ),
         ("student_tokenizer", _S, "", "cross-tokenizer LM step rows: the student's tokenizer, as teacher_tokenizer"),
         (
+            "uld_alignment",
+            _S,
+            "",
+            "uld rows (LM step rows of a uld cell, text quality rows of a student distilled by uld): which positions "
+            "ULD pairs, `position` (the authors' form: the i-th counted of each side) or `bytes` (the positions that "
+            "have read the same text; uld.alignment)",
+        ),
+        (
+            "uld_matched",
+            _F,
+            "ratio",
+            "uld rows: the share of the student's counted positions that ULD pairs (the others count in no ULD "
+            "term): on the cell's batch, or on the quality protocol's training windows",
+        ),
+        (
             "spec_alpha",
             _F,
             "ratio",
@@ -620,6 +635,7 @@ COLUMNS: tuple[Column, ...] = (
         *((p.column, _F, "ms", f"median {p.doc}") for p in PHASES),
         (GENERATE.column, _F, "ms", f"median of the {GENERATE.doc} (null: the step generates nothing)"),
         (ALIGN.column, _F, "ms", f"median of the {ALIGN.doc} (null: one tokenizer)"),
+        (TEACHER_READ.column, _F, "ms", f"median of the {TEACHER_READ.doc} (null: no offline teacher)"),
         (REMAINDER_COLUMN, _F, "ms", "median of step time − sum of its phases (Python overhead between stamps)"),
         (
             "teacher_cache_ms",
@@ -635,7 +651,6 @@ COLUMNS: tuple[Column, ...] = (
             "the levers' one-off cost for this measurement, all it paid once: compile, algorithm search or GEMM "
             "tuning (the cold and warm-up calls minus as many steady calls, in host time between synchronizations); "
             "graph capture, ONNX export and session creation, quantization (plus the served model's own "
-        (TEACHER_READ.column, _F, "ms", f"median of the {TEACHER_READ.doc} (null: no offline teacher)"),
             "cold_excess_ms)",
         ),
         ("one_off_kind", _S, "", "what one_off_ms paid for"),
@@ -987,21 +1002,6 @@ COLUMNS: tuple[Column, ...] = (
             "repays teacher_cache_ms (null when caching is not faster)",
         ),
         (
-            "lever_baseline_ms",
-            _F,
-            "ms",
-            "rows with a one-off cost: the centre (geometric mean over repeats) of the same measurement of the same "
-            "cell without its levers, in the same run, each repeat against the twin's same repeat",
-        ),
-        (
-            "lever_gain_ms",
-            _F,
-            "ms",
-            "what the levers save per call: the mean over repeats of the twin's median minus this cell's",
-        ),
-        (
-            "lever_gain_low_ms",
-        (
             "offline_saving_ms_per_token",
             _F,
             "ms",
@@ -1016,6 +1016,21 @@ COLUMNS: tuple[Column, ...] = (
             "store's build (build seconds per token / saving seconds per token: the same for any corpus size; "
             "null when the offline step is not faster)",
         ),
+        (
+            "lever_baseline_ms",
+            _F,
+            "ms",
+            "rows with a one-off cost: the centre (geometric mean over repeats) of the same measurement of the same "
+            "cell without its levers, in the same run, each repeat against the twin's same repeat",
+        ),
+        (
+            "lever_gain_ms",
+            _F,
+            "ms",
+            "what the levers save per call: the mean over repeats of the twin's median minus this cell's",
+        ),
+        (
+            "lever_gain_low_ms",
             _F,
             "ms",
             "lower end of the gain's 95 % paired t-interval over repeats (null: one repeat)",

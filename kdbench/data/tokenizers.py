@@ -30,7 +30,16 @@ from typing import Protocol
 from kdbench.core.errors import KdbenchError
 from kdbench.core.install import extra_hint
 
-__all__ = ["BPETokenizer", "ByteTokenizer", "Tokenizer", "byte_chars", "load_bpe", "train_bpe"]
+__all__ = [
+    "BPETokenizer",
+    "ByteTokenizer",
+    "Tokenizer",
+    "byte_chars",
+    "byte_spans",
+    "load_bpe",
+    "token_lengths",
+    "train_bpe",
+]
 
 MAX_BPE_VOCAB = 1 << 20
 
@@ -166,6 +175,24 @@ def load_bpe(path: str | Path) -> BPETokenizer:
             "made of byte characters): train it with kdbench (kdbench.data.tokenizers.train_bpe)"
         )
     return BPETokenizer(tok, path.stem)
+
+
+def token_lengths(tokenizer: Tokenizer) -> list[int]:
+    """How many bytes each token id of ``tokenizer`` stands for (a byte tokenizer's: 1 each): what places a
+    token sequence on the text it decodes to (:func:`byte_spans`)."""
+    lengths = getattr(tokenizer, "token_bytes", None)
+    return list(lengths()) if lengths is not None else [1] * tokenizer.vocab_size
+
+
+def byte_spans(tokenizer: Tokenizer, ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Each token's ``(start, end)`` byte offsets in ``decode(ids)`` (end exclusive): the text each token covers,
+    which is what lines up two tokenizations of one text (ULD aligned by bytes, :mod:`kdbench.distill.lm.uld`).
+    Exact because every tokenizer here is byte-exact (``decode`` is the tokens' bytes joined)."""
+    lengths, spans, end = token_lengths(tokenizer), [], 0
+    for i in ids:
+        spans.append((end, end + lengths[int(i)]))
+        end += lengths[int(i)]
+    return spans
 
 
 def digest(tokenizer: Tokenizer) -> str:

@@ -110,7 +110,8 @@ def _overrides(c: CellConfig, role: str) -> str | None:
 
 
 def quality_jobs(configs: Iterable[CellConfig]) -> list[CellConfig]:
-    """One distillation per distinct (teacher, student, method, LM overrides): the first planned cell that has it."""
+    """One distillation per distinct (teacher, student, method, LM overrides, ULD's alignment): the first planned
+    cell that has it."""
     return _distinct(
         list(configs),
         lambda c: (
@@ -120,6 +121,7 @@ def quality_jobs(configs: Iterable[CellConfig]) -> list[CellConfig]:
             _overrides(c, "teacher"),
             _overrides(c, "student"),
             own_tokenizer(c),
+            c.uld.alignment if c.method == "uld" else None,
         ),
     )
 
@@ -149,7 +151,8 @@ class Entry:
         student = c.pair.student if spec is None else f"{c.pair.student} ({spec})"
         if self.role == "scratch":
             return f"seed {self.seed}: scratch {student}"
-        return f"seed {self.seed}: distilled {c.method} {c.pair.teacher}->{student}"
+        method = f"uld ({c.uld.alignment})" if c.method == "uld" and c.uld.alignment != "position" else c.method
+        return f"seed {self.seed}: distilled {method} {c.pair.teacher}->{student}"
 
     def row(self, cfg: QualityConfig) -> dict[str, Any]:
         """The row without results (status ok until told otherwise)."""
@@ -185,7 +188,7 @@ class Entry:
                 f"{' and '.join(step_only)} are step settings it does not apply"
             )
         if cfg.dataset in TEXT_DATASETS:
-            row.update(text_columns(cfg, c, "teacher" if self.role == "teacher" else "student"))
+            row.update(text_columns(cfg, c, self.role))
         return row
 
 

@@ -23,12 +23,14 @@ the time to quality: the training time until the bits per byte are at most the s
 (for byte models: the perplexity at most the teacher's / ``target``).
 
 A student with its own tokenizer (``data.tokenizers: {teacher: bytes, student: "bpe:<N>"}``, ``method: uld``;
-:func:`check_tokenizers`): its BPE is trained on the training split's text only, once per run
+:func:`kdbench.quality.own_tokens.check_tokenizers`): its BPE is trained on the training split's text only, once per run
 (:func:`kdbench.data.text.train_split_tokenizer`); it is built with ``vocab_size`` N, trained from scratch on its own
 tokens and distilled by uld from the seed's byte teacher on the same windows in the same order
 (:meth:`TextRun.distil_across`), each window's first byte one token and the rest BPE-encoded, so it predicts exactly the
 bytes the byte models predict (:func:`kdbench.data.text.bpe_windows`). Its accuracy and agreement are null (tokens of
-different tokenizers) and it is no draft (the verification is token by token).
+different tokenizers) and it is no draft (the verification is token by token).  ULD pairs its positions with the
+teacher's by the cell's ``uld.alignment`` (by position, the authors' form, or by the bytes read: the row's
+``uld_alignment``, and ``uld_matched`` the share of its positions paired).
 
 With ``quality.speculative`` each student's row also records it as the draft of its seed's teacher in speculative
 decoding (:mod:`kdbench.quality.drafts`): the run keeps each student's model until its row is filled (and rebuilds it
@@ -55,16 +57,16 @@ from kdbench.core.errors import KdbenchError
 from kdbench.core.names import IGNORE_INDEX
 from kdbench.data.corpus import stdlib_root
 from kdbench.data.text import BYTES, TextData, in_own_tokens, load_text, own_tokenizer, tokenizer_of, vocab_of
-from kdbench.data.tokenizers import BPETokenizer
+from kdbench.data.tokenizers import BPETokenizer, token_lengths
 from kdbench.data.tokenizers import digest as tokenizer_digest
 from kdbench.distill.losses import LossInputs, WeightedTerms
 from kdbench.distill.step import backward_and_update, make_optimizer
 from kdbench.hw.backends import AutocastChoice, Backend, choose_autocast, grad_scaler, math_mode
 from kdbench.measure.failures import error_text
-from kdbench.models.hub import is_callable_name
 from kdbench.quality.checkpoints import Checkpoints
 from kdbench.quality.drafts import DRAFT_ROW_KEYS, measure_draft
 from kdbench.quality.drafts import describe as describe_draft
+from kdbench.quality.own_tokens import check_tokenizers, model_overrides, paired_share, window_alignment
 from kdbench.quality.train import DeviceData, QualityRun, Trained, ce_step, fit, init_seed
 
 EVAL_TOKENS = 1 << 15  # held-out tokens per evaluation forward
@@ -111,39 +113,6 @@ def check_text(cfg: QualityConfig, configs: Iterable[CellConfig]) -> None:
         raise KdbenchError(f"the standard library folder {stdlib_root()} is not there; python-stdlib reads it")
 
 
-# --------------------------------------------------------------------------- a student with its own tokenizer
-
-
-def model_overrides(c: CellConfig, role: str) -> dict[str, Any]:
-    """The ``role`` model's overrides with its vocabulary forced over the cell's: 256 bytes, or a student's own
-    BPE size (a ``module:callable`` takes none: it must have that many outputs)."""
-    name, overrides = getattr(c.pair, role), getattr(c.overrides, role)
-    return dict(overrides) if is_callable_name(name) else {**overrides, "vocab_size": vocab_of(c, role)}
-
-
-def check_tokenizers(c: CellConfig) -> None:
-    """A cell's ``data.tokenizers`` as the text protocol takes them: a byte-level teacher, and a student of its own
-    tokenizer only as ``bpe:<N>`` (trained here on the training split) distilled by ``uld``."""
-    t = c.data.tokenizers
-    if t is None:
-        return
-    if t.teacher != "bytes":
-        raise KdbenchError(
-            f"quality (python-stdlib): data.tokenizers.teacher is {t.teacher!r}; the text protocol's teacher is "
-            "byte-level (bytes), a student may have its own tokenizer"
-        )
-    if t.student != "bytes" and not t.student.startswith("bpe:"):
-        raise KdbenchError(
-            f"quality (python-stdlib): data.tokenizers.student {t.student!r} is a tokenizer file; the protocol "
-            "trains the student's BPE on its own training split (bpe:<N>), so no held-out text is in it"
-        )
-    if t.student != "bytes" and c.method != "uld":
-        raise KdbenchError(
-            f"quality (python-stdlib): a student with its own tokenizer ({t.student}) is distilled by uld, whose "
-            f"loss needs no shared vocabulary; method {c.method} compares distributions token by token"
-        )
-
-
 def bits_per_byte(nats_per_token: float, tokens_per_byte: float = 1.0) -> float:
     """Bits per byte of the held-out text: the total next-token cross-entropy over the tokens that cover the bytes
     predicted, in bits, over those bytes; from the mean nats per predicted token and the predicted tokens per
@@ -161,10 +130,13 @@ def reach_bits(result: Trained, threshold: float) -> tuple[float | None, int | N
 
 def text_columns(cfg: QualityConfig, c: CellConfig | None = None, role: str = "teacher") -> dict[str, Any]:
     """The text columns of a planned row (the corpus's are added once it is read; with ``speculative``, the draft
-    columns, which a student's row fills); ``tokenizer``: the ``role`` model's of cell ``c``."""
+    columns, which a student's row fills); ``tokenizer``: the ``role`` model's of cell ``c`` (role teacher,
+    scratch or distilled; student: either of the last two); a student distilled by uld: its ``uld_alignment``."""
     drafts = dict.fromkeys(DRAFT_ROW_KEYS) if cfg.speculative is not None else {}
     tokenizer = "bytes" if c is None else tokenizer_of(c, role)
-    return dict.fromkeys(TEXT_ROW_KEYS) | {"seq_len": cfg.text_seq_len, "tokenizer": tokenizer} | drafts
+    alignment = c.uld.alignment if c is not None and role == "distilled" and c.method == "uld" else None
+    columns = {"seq_len": cfg.text_seq_len, "tokenizer": tokenizer, "uld_alignment": alignment}
+    return dict.fromkeys(TEXT_ROW_KEYS) | columns | drafts
 
 
 ACROSS_NOTE = (
@@ -187,6 +159,8 @@ TEXT_ROW_KEYS = (
     "quality_corpus",
     "quality_train_tokens",
     "quality_test_tokens",
+    "uld_alignment",
+    "uld_matched",
 )
 
 
@@ -238,6 +212,7 @@ class TextRun(QualityRun):
         self.text: TextData | None = None
         self.device_text: DeviceData | None = None
         self.own: dict[str, tuple[BPETokenizer, DeviceData, float]] = {}  # spec -> tokenizer, its data, tokens/byte
+        self.lengths: dict[str, torch.Tensor] = {}  # spec -> its tokens' byte lengths (ULD by bytes)
 
     def data(self, c: CellConfig) -> DeviceData:
         """The byte windows on the device; for a cell whose student has its own tokenizer, the same windows in the
@@ -267,6 +242,22 @@ class TextRun(QualityRun):
                 ratio,
             )
         return self.own[spec]
+
+    def byte_lengths(self, spec: str) -> torch.Tensor:
+        """The ``spec`` tokens' byte lengths (V,), on the run's device: where the student's positions lie."""
+        if spec not in self.lengths:
+            self.lengths[spec] = torch.tensor(token_lengths(self.own_tokenized(spec)[0]), device=self.backend.device)
+        return self.lengths[spec]
+
+    def aligned(self, kind: str, spec: str, x: torch.Tensor, y: torch.Tensor, x_t: torch.Tensor, y_t: torch.Tensor):
+        """ULD's rows of windows in the student's ``spec`` tokens (``x``, ``y``) and the teacher's bytes (``x_t``,
+        ``y_t``), by the cell's ``uld.alignment`` ``kind`` (:mod:`kdbench.quality.own_tokens`)."""
+        return window_alignment(kind, self.byte_lengths(spec), x, y, x_t, y_t)
+
+    def uld_matched(self, kind: str, spec: str) -> float:
+        """The share of the student's counted training positions that ULD's ``kind`` alignment pairs."""
+        data, text = self.own_tokenized(spec)[1], self.byte_data()
+        return paired_share(kind, self.byte_lengths(spec), data.x_train, data.y_train, text.x_train, text.y_train)
 
     def byte_data(self) -> DeviceData:
         if self.device_text is None:
@@ -358,7 +349,9 @@ class TextRun(QualityRun):
         bytes, the student the same windows in its tokens (the same window indices, so the same text in the same
         order as every byte student of the seed); the loss is ce_weight x CE(student, its own next tokens) + the
         method's term on both sides' logits, each side with its own labels.  There is no prompt: every position
-        with a label counts, and ULD pairs the i-th of the student's with the i-th of the teacher's, per window."""
+        with a label counts, and ULD pairs the i-th of the student's with the i-th of the teacher's, per window
+        (``uld.alignment: position``), or each student position with the teacher's position that has read the
+        same bytes of the window (``bytes``: :meth:`aligned`)."""
         cell = self.cell(config, seed)
 
         def train() -> tuple[Trained, nn.Module]:
@@ -373,6 +366,7 @@ class TextRun(QualityRun):
             terms = WeightedTerms(cell).to(self.backend.device)
             scaler = grad_scaler(self.backend, choice)
             device_type = self.backend.device_type
+            kind = cell.uld.alignment
 
             def step(x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
                 assert indices is not None, "fit hands each batch's window indices"
@@ -381,7 +375,9 @@ class TextRun(QualityRun):
                 with choice.context(device_type):
                     s_logits = student.logits(student(x))
                 with torch.amp.autocast(device_type=device_type, enabled=False):
-                    inp = LossInputs(s_logits, t_logits, y, teacher_targets=text.y_train[indices], indices=indices)
+                    t_y = text.y_train[indices]
+                    align = self.aligned(kind, spec, x, y, text.x_train[indices], t_y)
+                    inp = LossInputs(s_logits, t_logits, y, teacher_targets=t_y, indices=indices, alignment=align)
                     ce = F.cross_entropy(s_logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
                     loss = terms.ce_weight * ce
                     for weight, term in zip(terms.weights, terms.terms):
@@ -434,6 +430,8 @@ class TextRun(QualityRun):
             perplexity_by_epoch=[_perplexity(v) for v in losses],
             train_time_by_epoch_s=[s for s, _ in result.history],
         )
+        if own and spec in self.own and row.get("uld_alignment") is not None:  # the share of its positions ULD pairs
+            row["uld_matched"] = self.uld_matched(row["uld_alignment"], spec)
         if own:  # its tokens are not the teacher's: no per-token comparison with it, no drafting for it
             row.update(accuracy=None, best_accuracy=None)
             size = str(spec).split(" ")[0].split(":")[1]

@@ -129,13 +129,15 @@ def objective_text(
     topk: int | None = None,
     policy: str = "slice",
     uld: Sequence[tuple[float, float]] = (),
+    uld_alignment: str = "position",
 ) -> str:
     """What a token loss computes, in words: ``0.5·CE + 0.5·forward_kl(T=2, ×T²) over 32000 shared entries
     (vocab_policy slice of 32000/50257)``.  ``vocab``: the entries both heads are cut to; ``vocabs``: the teacher's
     and the student's own sizes (said when they differ); ``features``: the feature terms (weight, name) added;
     ``topk``: the teacher's top-k cache (the sparse forward KL over its k entries); ``policy``: the vocab_policy
     that reconciles two sizes (slice: both cut to ``vocab``; pad: the smaller padded with -inf up to ``vocab``);
-    ``uld``: the ULD terms (weight, temperature), each head over its own vocabulary (``vocabs``)."""
+    ``uld``: the ULD terms (weight, temperature), each head over its own vocabulary (``vocabs``), their rows paired
+    by ``uld_alignment`` (position after the prompt, or bytes: by the text read)."""
     parts = []
     if token.has_ce:
         parts.append(f"{_weight(token.ce_weight)}CE")
@@ -147,7 +149,8 @@ def objective_text(
         name = div.name if topk is None else f"{div.name} over the teacher's top-{topk} log-probs"
         parts.append(f"{_weight(token.kd_weight)}{name}({', '.join(args)})")
     for weight, temp in uld:
-        parts.append(f"{_weight(weight)}uld(T={temp:g}, sorted probabilities, L1, positions paired after the prompt)")
+        paired = "positions paired " + ("after the prompt" if uld_alignment == "position" else "by bytes read")
+        parts.append(f"{_weight(weight)}uld(T={temp:g}, sorted probabilities, L1, {paired})")
     text = " + ".join(parts) or "0"
     if uld:
         teacher_v, student_v = vocabs

@@ -27,7 +27,7 @@ from kdbench.distill.lm.impls.dense import cross_entropy, token_loss
 from kdbench.distill.lm.impls.memory import logits_memory
 from kdbench.distill.lm.ledger import LEDGER_TOKENS, ledger_tokens, loss_ledger, objective_text
 from kdbench.distill.lm.topk import TopKTeacher, topk_forward_kl
-from kdbench.distill.lm.uld import Alignment, uld_alignment, uld_loss
+from kdbench.distill.lm.uld import Alignment, first_sequences, uld_alignment, uld_loss
 from kdbench.distill.losses import WeightedTerms, check_method, params_of
 from kdbench.models.lm import CausalLM
 
@@ -63,6 +63,7 @@ class LMLoss(WeightedTerms):
         self.token = methods_token_loss(config)
         # ULD: weight × alpha × its term, each head whole (its own vocabulary); the plan lets it stand alone
         self.uld = [(w * t.params.alpha, t.params.temperature) for w, t in zip(self.weights, self.terms) if _aligned(t)]
+        self.uld_alignment = next((t.params.alignment for t in self.terms if _aligned(t)), "position")
         feature_names = [
             n for n, t in zip(self.names, self.terms) if not getattr(t, "divergence", "") and not _aligned(t)
         ]
@@ -112,6 +113,7 @@ class LMLoss(WeightedTerms):
             config.teacher.k if self.topk else None,
             "pad" if self.pad else "slice",
             self.uld,
+            self.uld_alignment,
         )
 
     @property
@@ -176,6 +178,7 @@ class LMLoss(WeightedTerms):
         teacher_hidden: torch.Tensor,
         labels: torch.Tensor,
         teacher_labels: torch.Tensor | None = None,
+        alignment: Alignment | None = None,
     ) -> tuple[dict[str, float | None], list[str]]:
         """The accuracy ledger of the token loss (:func:`~kdbench.distill.lm.ledger.loss_ledger`) on these inputs
         (their first :data:`~kdbench.distill.lm.ledger.LEDGER_TOKENS` counted tokens): the cell's ``loss_impl`` at
@@ -187,9 +190,8 @@ class LMLoss(WeightedTerms):
         if why is not None:
             return {}, [f"accuracy ledger not taken: {why}"]
         if self.uld:  # each side's own tokens (teacher_labels: the teacher's, where its tokenizer is not the student's)
-            return self._uld_ledger(
-                student_hidden, teacher_hidden, labels, labels if teacher_labels is None else teacher_labels
-            )
+            t_labels = labels if teacher_labels is None else teacher_labels
+            return self._uld_ledger(student_hidden, teacher_hidden, labels, t_labels, alignment)
         t_dtype, s_dtype = self.dtypes
         student_hidden, teacher_hidden, labels, rows = ledger_tokens(student_hidden, teacher_hidden, labels)
         autocast_off = torch.amp.autocast(device_type=labels.device.type, enabled=False)
@@ -258,15 +260,23 @@ class LMLoss(WeightedTerms):
         return loss
 
     def _uld_ledger(
-        self, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, labels: torch.Tensor, t_labels: torch.Tensor
+        self,
+        student_hidden: torch.Tensor,
+        teacher_hidden: torch.Tensor,
+        labels: torch.Tensor,
+        t_labels: torch.Tensor,
+        alignment: Alignment | None = None,
     ) -> tuple[dict[str, float | None], list[str]]:
         """The ledger of a ULD loss: CE + ULD computed by the cell's impl at its dtypes against ``dense`` in float64,
-        on the batch's first sequences whose aligned rows number at most LEDGER_TOKENS (at least one sequence)."""
+        on the batch's first sequences whose aligned rows number at most LEDGER_TOKENS (at least one sequence), on
+        the step's ``alignment`` (its align phase's, e.g. by bytes) or else by position."""
         teacher, student = self._models
-        per_seq = torch.bincount(uld_alignment(labels, t_labels).sequence, minlength=labels.shape[0])
+        full = uld_alignment(labels, t_labels) if alignment is None else alignment
+        per_seq = torch.bincount(full.sequence, minlength=labels.shape[0])
         k = max(1, int((per_seq.cumsum(0) <= LEDGER_TOKENS).sum()))
         labels, t_labels, hs, ht = labels[:k], t_labels[:k], student_hidden[:k], teacher_hidden[:k]
-        align, rows = uld_alignment(labels, t_labels), valid_rows(labels)
+        align = uld_alignment(labels, t_labels) if alignment is None else first_sequences(alignment, k)
+        rows = valid_rows(labels)
         t_dtype, s_dtype = self.dtypes
         autocast_off = torch.amp.autocast(device_type=labels.device.type, enabled=False)
         with autocast_off:

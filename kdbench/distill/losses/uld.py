@@ -5,7 +5,7 @@ tokens.  No shared vocabulary is needed."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -21,12 +21,17 @@ class ULDParams(Strict):
     alpha: float = Field(0.6, ge=0, le=1)
     # softmax temperature of both sides' probabilities (the authors' student and teacher temperatures; no T²)
     temperature: float = Field(1.0, gt=0, le=1000)
+    # which positions of the two sides are paired: position (the authors' form: the i-th counted of each side) or
+    # bytes (the positions that have read the same text, by the byte offsets of their tokens; needs real text,
+    # data.tokenizers). kdbench.distill.lm.uld says why and how
+    alignment: Literal["position", "bytes"] = "position"
 
 
 @register_method("uld", ULDParams, doc="LM, any two tokenizers: L1 of sorted next-token probabilities + CE (ULD)")
 class ULD(Term):
     """alpha × ULD of the student's and the teacher's logits, each side with its own labels (``inp.targets``: the
-    student's; ``inp.teacher_targets``: the teacher's, the student's where absent)."""
+    student's; ``inp.teacher_targets``: the teacher's, the student's where absent), on the rows the step paired
+    (``inp.alignment``: by ``params.alignment``) or else by position."""
 
     domain = "lm"
     # a term on each side's own tokens and vocabulary, over rows paired by position (LMLoss computes it with the
@@ -42,5 +47,11 @@ class ULD(Term):
         p = self.params
         teacher_targets = inp.targets if inp.teacher_targets is None else inp.teacher_targets
         return p.alpha * uld_loss(
-            inp.student_logits, inp.teacher_logits, inp.targets, teacher_targets, p.temperature, p.temperature
+            inp.student_logits,
+            inp.teacher_logits,
+            inp.targets,
+            teacher_targets,
+            p.temperature,
+            p.temperature,
+            alignment=inp.alignment,
         )

@@ -138,6 +138,12 @@ def aligned_problems(config: CellConfig, methods: list) -> Problems | None:
     if config.on_policy is not None:
         why = "on_policy trains on a divergence from the teacher on the student's completions, not on uld: remove it"
         problems.append((("on_policy",), why))
+    if config.uld.alignment == "bytes" and config.data.tokenizers is None:
+        why = (
+            "uld.alignment bytes pairs the positions that have read the same text, and without data.tokenizers the "
+            "batch is random token ids with no text: give data.tokenizers, or use uld.alignment: position"
+        )
+        problems.append((("uld", "alignment"), why))
     if xtok and config.world_size > 1:
         why = (
             "a cross-tokenizer cell (data.tokenizers) runs on one device: its batch's text is each rank's own only "

@@ -458,7 +458,7 @@ def accuracy_ledger(step: Any) -> tuple[Row, list[str]]:
             with distiller.student_ac.context(distiller.device_type):  # its own tokens (data.tokenizers)
                 student = distiller.trainee(getattr(distiller, "last_student_input", x))[0]
             extra = getattr(distiller, "last_extra", None) or {}
-            return loss.ledger(student, teacher, loss.last_labels, extra.get("teacher_targets"))
+            return loss.ledger(student, teacher, loss.last_labels, extra.get("teacher_targets"), extra.get("alignment"))
     except Exception as exc:  # a diagnostic: its failure is data, never the row's
         return {}, [f"accuracy ledger failed: {error_text(exc)}"]
 

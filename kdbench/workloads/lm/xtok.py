@@ -16,7 +16,10 @@ The prompt, by text position.  ``data.prompt_fraction`` of the teacher's ``seq_l
 on any LM cell); its bytes are the prompt text, and each side masks the labels of its positions whose token
 lies wholly within that text (the student's token that straddles the prompt's end is an answer token).  ULD
 (:mod:`kdbench.distill.lm.uld`) then pairs the i-th answer position of one side with the i-th of the other,
-by position after the prompt, as its paper does: no token of one side is matched with the text of the other.
+by position after the prompt, as its paper does (``uld.alignment: position``); or, with ``uld.alignment: bytes``,
+the answer positions of the two sides that have read the same text, by the byte offsets of each side's tokens
+(:func:`kdbench.distill.lm.uld.byte_alignment`; the step row's ``uld_matched`` is the share of the student's
+answer positions so paired).
 
 The step.  Every step tokenizes the batch's text with both tokenizers and aligns the two sides (the step's
 ``align`` phase, :data:`kdbench.core.names.ALIGN`, timed), writing into the same tensors each step, so the loss
@@ -39,9 +42,9 @@ from kdbench.core.fakes import known_values, with_values
 from kdbench.core.names import IGNORE_INDEX
 from kdbench.core.schema import Row
 from kdbench.data.corpus import join_files, stdlib_files, stdlib_root
-from kdbench.data.tokenizers import ByteTokenizer, Tokenizer, digest, load_bpe, train_bpe
+from kdbench.data.tokenizers import ByteTokenizer, Tokenizer, digest, load_bpe, token_lengths, train_bpe
 from kdbench.data.tokens import prompt_tokens
-from kdbench.distill.lm.uld import Alignment, uld_alignment
+from kdbench.distill.lm.uld import Alignment, byte_alignment, matched_share, next_token_offsets, uld_alignment
 from kdbench.hw.layout import place_aligned
 
 __all__ = [
@@ -105,11 +108,20 @@ def tokenizer_size(spec: str) -> int:
 
 def tokenizer_columns(config: Any) -> Row:
     """The step row's tokenizer columns: each side's tokenizer and a digest of what it maps (None without
-    ``data.tokenizers``)."""
+    ``data.tokenizers``); and a uld cell's alignment, with the share of the student's answer positions it pairs
+    (on the cell's batch; 1 where both models read the same tokens: every position pairs)."""
     t = getattr(config.data, "tokenizers", None)
+    uld = {"uld_alignment": None, "uld_matched": None}
+    if getattr(config, "method", None) == "uld":
+        uld["uld_alignment"] = config.uld.alignment
+        if cross_tokenizer(config):
+            s_labels, align = _aligned(config, config.batch_size, config.seed)
+            uld["uld_matched"] = matched_share(align, s_labels)
+        else:
+            uld["uld_matched"] = 1.0
     if t is None:
-        return {"teacher_tokenizer": None, "student_tokenizer": None}
-    return {f"{role}_tokenizer": _described(getattr(t, role)) for role in ("teacher", "student")}
+        return {"teacher_tokenizer": None, "student_tokenizer": None, **uld}
+    return {**{f"{role}_tokenizer": _described(getattr(t, role)) for role in ("teacher", "student")}, **uld}
 
 
 def _described(spec: str) -> str:
@@ -119,9 +131,7 @@ def _described(spec: str) -> str:
 
 @functools.cache
 def _token_bytes(spec: str) -> tuple[int, ...]:
-    tok = tokenizer_of(spec)
-    lengths = getattr(tok, "token_bytes", None)
-    return tuple(lengths()) if lengths is not None else (1,) * tok.vocab_size
+    return tuple(token_lengths(tokenizer_of(spec)))
 
 
 @dataclass(frozen=True)
@@ -181,15 +191,26 @@ def encode_side(spec: str, batch: TextBatch, length: int) -> tuple[torch.Tensor,
 
 
 def paired(config: Any, batch_size: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """Both sides' ids and labels of the cell's text batch and their alignment, on the host: (student ids,
-    student labels, teacher ids, teacher labels, the Alignment's student rows, teacher rows, weights,
-    sequences)."""
+    """Both sides' ids and labels of the cell's text batch and their alignment (by the cell's ``uld.alignment``), on
+    the host: (student ids, student labels, teacher ids, teacher labels, the Alignment's student rows, teacher rows,
+    weights, sequences)."""
     t = config.data.tokenizers
     batch = text_batch(t.teacher, t.student, batch_size, config.data.seq_len, config.data.prompt_fraction, seed)
     t_ids, t_labels = encode_side(t.teacher, batch, config.data.seq_len)
     s_ids, s_labels = encode_side(t.student, batch, batch.student_len)
-    align = uld_alignment(s_labels, t_labels)
+    if config.uld.alignment == "bytes":  # the positions that have read the same text
+        s_offsets = next_token_offsets(s_ids, torch.tensor(_token_bytes(t.student)))
+        t_offsets = next_token_offsets(t_ids, torch.tensor(_token_bytes(t.teacher)))
+        align = byte_alignment(s_labels, t_labels, s_offsets, t_offsets)
+    else:  # the authors' form: the i-th answer position of each side
+        align = uld_alignment(s_labels, t_labels)
     return s_ids, s_labels, t_ids, t_labels, align.student, align.teacher, align.weight, align.sequence
+
+
+def _aligned(config: Any, batch_size: int, seed: int) -> tuple[torch.Tensor, Alignment]:
+    """The student's labels of the cell's text batch and ULD's alignment of it (as :func:`paired` makes them)."""
+    made = paired(config, batch_size, seed)
+    return made[1], Alignment(*made[4:])
 
 
 def student_ids(config: Any, batch_size: int, device: torch.device, seed: int) -> torch.Tensor:

@@ -318,15 +318,16 @@ CELLS_ADDED_SINCE = {
     "gpu-lm.yaml": 5,  # issue 41: natural; issue 42 (GPU review 4, M6): static and compiled decode, speculative, xtok
     "llm-amd.yaml": 4,  # issue 41: natural beside dense, each pair at both lengths
     "llm-cuda.yaml": 4,
-    "quality-text.yaml": 1,  # issue 34: the student of its own tokenizer (bpe:512) by uld
+    "quality-text.yaml": 2,  # issue 34: the student of its own tokenizer (bpe:512) by uld; issue 45: by uld (bytes)
 }
 # Quality jobs that measure more since (a new job id: a resume measures it again); their models' checkpoints keep
 # the folder of the id held here (QualityJob.models_id), so a resume does not train them again.
 # issue 33: quality-text measures each student as its teacher's draft (quality.speculative).
 # issue 34: quality-text trains more models (the bpe:512 student, scratch and uld): another job id and another
 # models folder (QUALITY_MODELS_SINCE), so a resume across that change trains its models again.
-QUALITY_JOBS_SINCE = {"quality-text.yaml": ["quality-4774a34f6d67"]}
-QUALITY_MODELS_SINCE = {"quality-text.yaml": ["quality-a5946d11ef78"]}
+# issue 45: and the bpe:512 student by uld aligned by bytes: another job id and models folder again.
+QUALITY_JOBS_SINCE = {"quality-text.yaml": ["quality-2f7f0af6df25"]}
+QUALITY_MODELS_SINCE = {"quality-text.yaml": ["quality-f99dd5d74a38"]}
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda", "rocm"])
