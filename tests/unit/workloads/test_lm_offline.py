@@ -180,6 +180,9 @@ def test_an_offline_twin_of_a_live_cell_gets_its_saving_and_pay_back(tmp_path):
         abs(off["offline"] - off["live"]) < 2**20
         and offline["predicted_peak_bytes"] < df.loc["live", "predicted_peak_bytes"]
     )
+    if df["thin"].eq(True).any():  # a loop its time budget cut short (a busy machine): no twin is judged
+        assert math.isnan(offline["teacher_cache_saving_ms"]) and math.isnan(offline["offline_payback_epochs"])
+        return
     saving = df.loc["live", "median_ms"] - offline["median_ms"]
     assert offline["teacher_cache_saving_ms"] == pytest.approx(saving)
     per_token = saving / offline["tokens"]
