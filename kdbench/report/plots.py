@@ -90,11 +90,13 @@ def _distill_step(rows: pd.DataFrame, out_dir: Path) -> Chart:
     rows = rates(rows)
     units = [c for c in RATE_COLUMNS if rows["rate_column"].eq(c).any()]  # one throughput panel per unit
     width = min(16.0, max(9.0, 0.7 * n_bars + 5 + 3 * (len(units) - 1)))
-    fig, facets = faceted_figure(sources, 1 + len(units), width=width, height=3.6)
+    pairs = list(rows["pair"].unique())
+    room = label_room(pairs, rotate_labels(pairs, 0.7 * width / (1 + len(units))))  # as grouped_bars decides
+    fig, facets = faceted_figure(sources, 1 + len(units), width=width, height=3.6 + room)
     for (ax_t, *ax_rates), source in zip(facets, sources):
         here = rows[rows["source"].eq(source)]
         grouped_bars(ax_t, here, "pair", "variant", variants, "median_ms", with_iqr)
-        ax_t.set_ylabel(axis_label("step time (centre over repeats)", "median_ms"))
+        ax_t.set_ylabel(axis_label("step time", "median_ms") + "\ncentre over repeats")  # two short lines
         for ax_q, unit in zip(ax_rates, units):
             in_unit = here[here["rate_column"].eq(unit)]
             if in_unit.empty:

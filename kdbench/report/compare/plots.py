@@ -76,7 +76,10 @@ def draw_forest(cmp: Comparison, out_dir: Path, name: str) -> Chart:
         f"ratio NEW / BASE of the centres (bounds at {cmp.confidence:.0%} for all {cmp.rated} together; > 1: slower)"
     )
     ax.grid(axis="x", alpha=0.3, which="both")
-    handles = [Patch(color=v, label=_LEGEND.get(k, k)) for k, v in _VERDICT_COLOR.items()]
+    drawn = {str(c.verdict) for c in shown}
+    handles = [
+        Patch(color=v, label=_LEGEND.get(k, k)) for k, v in _VERDICT_COLOR.items() if k not in _LEGEND or k in drawn
+    ]  # contended only where one is drawn
     handles.append(Patch(color="0.9", label=f"threshold ±{t:.0%}"))
     fig.legend(handles=handles, fontsize=8, loc="outside right upper")  # beside the axes: it covers no interval
     more = f" The {len(rated) - len(shown)} least changed measurements are left out." if len(rated) > len(shown) else ""

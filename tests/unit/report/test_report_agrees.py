@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.text import Text
 
 from kdbench.core.schema import Row
 from kdbench.report import render_report
@@ -223,11 +224,19 @@ def test_legends_sit_beside_the_axes_and_long_tick_labels_do_not_overlap(tmp_pat
                            config_json=_config(layers), phase_loss_ms=5.0)  # fmt: skip
             steps.append(step | {"seq_len": seq_len, "tokens_per_s": 2 * seq_len / (20.0 + layers) * 1e3})
     render_report(as_read(steps), tmp_path)
-    for name in ("lm_tokens_per_s.png", "lm_loss_share.png"):
+    for name in ("lm_tokens_per_s.png", "lm_loss_share.png", "distill_step.png"):
         fig = drawn[name]
         canvas = FigureCanvasAgg(fig)
         canvas.draw()  # the layout, as saved
         renderer = canvas.get_renderer()
+        titles = [t.get_window_extent(renderer) for t in fig.findobj(Text) if t.get_text() == "AMD EPYC (cpu)"]
+        for ax in fig.get_axes():  # each axis title whole, clear of the panel's title
+            label = ax.yaxis.label.get_window_extent(renderer)
+            if ax.yaxis.label.get_text():
+                assert fig.bbox.contains(label.x0, label.y0) and fig.bbox.contains(label.x1, label.y1), name
+                assert titles and not any(label.overlaps(t) for t in titles), name
+        if name == "distill_step.png":
+            continue
         (legend,) = fig.legends
         box = legend.get_window_extent(renderer)
         for ax in fig.get_axes():
