@@ -186,6 +186,7 @@ def fit(
     steps: int | None = None,
     prices: dict[str, float] | None = None,
     budget: Budget | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> FitReport:
     """Will it fit, and what will it cost (``kdbench fit``): each cell's peak memory per rank predicted by a fake
     run of its own step, judged against ``device`` and, with ``max_key`` (``batch_size`` or ``seq_len``), the
@@ -198,8 +199,9 @@ def fit(
     ``allow_imports``: build ``module:callable`` models (a suite's own setting otherwise); ``talk`` gets each line
     of the report's text as it is known (the command line prints it); ``prices``: US dollars per device-hour by
     device name (the table's otherwise); ``budget``: a :class:`kdbench.fit.cost.Budget` as the command line parses
-    one, instead of ``tokens`` or ``steps``.  The :class:`kdbench.fit.cells.FitReport` has each cell's prediction,
-    verdicts, sizes and step times, its text and its JSON record."""
+    one, instead of ``tokens`` or ``steps``; ``progress`` gets a line before each fake run (what it tries, the time
+    so far: the command line prints them to stderr).  The :class:`kdbench.fit.cells.FitReport` has each cell's
+    prediction, verdicts, sizes and step times, its text and its JSON record."""
     from kdbench.config.schema import Suite
     from kdbench.core.devices import find_card
     from kdbench.core.errors import KdbenchError
@@ -230,7 +232,9 @@ def fit(
     kind = devices[0].kind if devices else backend
     device_type = "cpu" if kind == "cpu" else "cuda"
     one = devices[0] if len(devices) == 1 else devices or None
-    return fit_cells(cells, one, device_type, max_key, allow_imports, talk, budget=budget, prices=by_card)
+    return fit_cells(
+        cells, one, device_type, max_key, allow_imports, talk, budget=budget, prices=by_card, progress=progress
+    )
 
 
 def budget_checks(results: Iterable[str | Path], judge_contended: bool = False) -> list[BudgetCheck]:

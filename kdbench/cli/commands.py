@@ -169,7 +169,10 @@ def _dry_run(suite, options) -> int:
 
 
 def _host_line(config, device_type: str, nnodes: int, here: bool) -> str:
-    """A cell's host figure per rank, and, where its backend is this machine's, whether the host can hold it."""
+    """A cell's host figure per rank, and, where its backend is this machine's, whether the host can hold it; then
+    the floor of its step's peak per device (:func:`kdbench.fit.floor.floor_words`: no fake run), flagged where it
+    is over what this machine's device has."""
+    from kdbench.fit.floor import floor_words
     from kdbench.run.plan import host_memory, host_refusal, ranks_on_node
     from kdbench.workloads import workload_of
 
@@ -178,7 +181,7 @@ def _host_line(config, device_type: str, nnodes: int, here: bool) -> str:
         available, total = host_memory()
         if host_refusal(config, device_type, ranks_on_node(config.world_size, nnodes), available, total):
             line += ": more than this machine has available, a run here skips it"
-    return line
+    return line + floor_words(config, device_type, here)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -400,7 +403,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     cells = args.suite if args.suite is not None else [_pair_cell(args)]
     report = api.fit(
         cells, devices or None, args.max, bool(args.allow_imports), talk=lambda line: print(line, flush=True),
-        budget=budget, prices=prices,
+        budget=budget, prices=prices, progress=lambda line: print(line, file=sys.stderr, flush=True),
     )  # fmt: skip
     if args.out is not None:
         from kdbench.store.files import write_text
@@ -450,6 +453,7 @@ def _pair_cell(args: argparse.Namespace):
     family's own (token data, its method), the options."""
     from pydantic import ValidationError
 
+    from kdbench.cli.fit_flags import lm_pair_defaults
     from kdbench.config.plan import Cell, cell_id_of, deep_merge, nest
     from kdbench.config.schema import CellConfig
     from kdbench.config.yaml_errors import describe
@@ -460,6 +464,10 @@ def _pair_cell(args: argparse.Namespace):
     raw: dict = {"pair": {"teacher": teacher, "student": student}}
     raw = deep_merge(raw, workload_of(CellConfig.model_validate(raw)).cell_defaults)
     values = {dest: getattr(args, dest) for dest in _PAIR_OPTIONS}
+    added, said = lm_pair_defaults(workload_of(CellConfig.model_validate(raw)).takes, values)
+    values.update(added)  # an LM pair as it is run: bf16 (kdbench.cli.fit_flags), said first
+    if said:
+        print(said, flush=True)
     if values["teacher_weights"] is not None and values["teacher_precision"] is None:
         values["teacher_precision"] = values["teacher_weights"]  # a teacher held in bf16 computes in bf16
     for dest, value in values.items():

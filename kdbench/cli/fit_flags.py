@@ -37,6 +37,37 @@ def _price(text: str) -> tuple[str | None, float, str]:
     return (*parse_price(text, "--price"), text)
 
 
+# --pair of LMs: what people run such a pair in (bf16 mixed precision, the frozen teacher held and run in bf16),
+# where the schema's defaults (fp32 throughout) plan a cell no one runs: each unless its flag is given
+LM_PAIR_DEFAULTS = {
+    "precision": ("--precision", "bf16"),
+    "teacher_precision": ("--teacher-precision", "bf16"),
+    "teacher_weights": ("--teacher-weights", "bf16"),
+}
+
+
+def lm_pair_defaults(takes: frozenset, given: dict) -> tuple[dict, str]:
+    """The values :data:`LM_PAIR_DEFAULTS` adds to ``given`` (dest -> the flag's value, None: not given) for a pair
+    whose family ``takes`` those keys (an LM pair: the one whose loss has implementations, its logits being what
+    decides it), and the line that says so (the first ``kdbench fit`` prints); nothing for other families, or when
+    the user set the precision and the teacher's."""
+    if "loss_impl" not in takes:
+        return {}, ""
+    teacher_given = given.get("teacher_precision") is not None or given.get("teacher_weights") is not None
+    added = {
+        dest: value
+        for dest, (_, value) in LM_PAIR_DEFAULTS.items()
+        if given.get(dest) is None and (dest == "precision" or not teacher_given)
+    }
+    if not added:
+        return {}, ""
+    flags = " ".join(f"{LM_PAIR_DEFAULTS[d][0]} {v}" for d, v in added.items())
+    return added, (
+        f"--pair of LMs: planned as such a pair is run, {flags} (bf16 mixed precision, the teacher held and run in "
+        "bf16); give those flags to plan another (fp32: the schema's defaults)"
+    )
+
+
 def add_fit(sub) -> None:
     """The ``fit`` subcommand: its flags and help texts (docs/cli.md is generated from them)."""
     from kdbench.core.names import PRECISIONS
@@ -129,14 +160,24 @@ def add_fit(sub) -> None:
     cell.add_argument(
         "--seq-len", type=number(int, "--seq-len", 2, 1 << 20), default=None, metavar="N", help="tokens a sequence"
     )
-    cell.add_argument("--precision", choices=PRECISIONS, default=None, help="the student's precision")
+    cell.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=None,
+        help="the student's precision (default: LM pairs bf16, else fp32)",
+    )
     cell.add_argument(
         "--teacher-precision",
         choices=PRECISIONS,
         default=None,
-        help="the teacher's (default: --teacher-weights' dtype, else fp32)",
+        help="the teacher's (default: --teacher-weights' dtype; LM pairs bf16; else fp32)",
     )
-    cell.add_argument("--teacher-weights", default=None, metavar="DTYPE", help="the teacher held in fp32, bf16 or fp16")
+    cell.add_argument(
+        "--teacher-weights",
+        default=None,
+        metavar="DTYPE",
+        help="the teacher held in fp32, bf16 or fp16 (default: LM pairs bf16, run in bf16; else fp32)",
+    )
     cell.add_argument(
         "--loss-impl", default=None, metavar="IMPL", help="dense, natural, chunked, fused_linear, liger or torch_linear"
     )

@@ -35,10 +35,10 @@ from kdbench.fit.verdict import (
     UNPREDICTABLE,
     Largest,
     Predictor,
+    Sizes,
     Verdict,
     impls_to_size,
     judge,
-    largest,
 )
 
 if TYPE_CHECKING:
@@ -169,21 +169,51 @@ def as_cells(items: Iterable[Cell | CellConfig]) -> list[Cell]:
 
 class FakeRuns:
     """The planner's fake run (:func:`kdbench.fit.planner.predict`, or a stand-in), each distinct cell run once for
-    every device: devices differ in the runtime terms laid over a prediction, not in the fake run."""
+    every device: devices differ in the runtime terms laid over a prediction, not in the fake run.  ``progress``
+    gets a line before each fake run: the cell, what the run changes of it (a lever, a batch) and the time so far
+    (a suite's fake runs take minutes; the command line prints it to stderr)."""
 
-    def __init__(self, predict: Callable[..., Any] | None = None):
+    def __init__(self, predict: Callable[..., Any] | None = None, progress: Callable[[str], None] | None = None):
         if predict is None:
             from kdbench.fit.planner import predict
         self._predict = predict
         self._seen: dict[tuple[str, str], Any] = {}
         self.runs = 0
+        self.progress = progress
+        self.cell: tuple[str, CellConfig] | None = None  # the cell being fitted: its place and its own config
+        self.began = time.perf_counter()
 
     def __call__(self, config: CellConfig, device_type: str, allow_imports: bool = False):
         key = (json.dumps(config.model_dump(mode="json"), sort_keys=True), device_type)
         if key not in self._seen:
             self.runs += 1
+            if self.progress is not None:
+                self.progress(self._says(config))
             self._seen[key] = self._predict(config, device_type, allow_imports)
         return self._seen[key]
+
+    def _says(self, config: CellConfig) -> str:
+        where, own = self.cell if self.cell is not None else ("", config)
+        what = difference(own, config) or "as given"
+        return f"fit: fake run {self.runs}, cell {where}: {what} ({elapsed(time.perf_counter() - self.began)} so far)"
+
+
+def difference(base: CellConfig, config: CellConfig) -> str:
+    """The settings of ``config`` that differ from ``base``'s, as ``loss_impl fused_linear, batch_size 4``."""
+    a, b = _flat(base.model_dump(mode="json")), _flat(config.model_dump(mode="json"))
+    return ", ".join(f"{k} {v}" for k, v in b.items() if a.get(k) != v)
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def elapsed(seconds: float) -> str:
+    """``42 s``, ``3 min 05 s``."""
+    return f"{seconds:.0f} s" if seconds < 60 else f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
 
 
 class _DevicePredictor(Predictor):
@@ -211,12 +241,14 @@ def fit_cells(
     predictor: Predictor | None = None,
     budget: Budget | None = None,
     prices: Mapping[str, float] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> FitReport:
     """Predict every cell for ``device_type``, judge it against each of ``device`` (one or several; None:
     predictions only) and, with ``max_key`` (``batch_size`` or ``seq_len``), find the largest size that fits; on
     each GPU of the device table, price its step (:mod:`.cost`) and, with ``budget``, the budget's device-hours at
     the table's price or ``prices`` (card name -> USD per device-hour); ``talk`` gets each line of the text as it
-    is known.  ``predictor`` (a stand-in's) serves every device."""
+    is known; ``progress`` a line before each fake run (:class:`FakeRuns`).  ``predictor`` (a stand-in's) serves
+    every device."""
     devices = [] if device is None else list(device) if isinstance(device, Sequence) else [device]
     if max_key is not None and max_key not in SIZE_KEYS:
         raise KdbenchError(f"max_key {max_key}: not a size key; it takes {' or '.join(SIZE_KEYS)}")
@@ -232,7 +264,7 @@ def fit_cells(
         predictors = [predictor] * max(1, len(devices))
         runs: Callable[[], int] = lambda: predictor.runs  # noqa: E731
     else:
-        shared = FakeRuns()
+        shared = FakeRuns(progress=progress)
         predictors = [
             _DevicePredictor(device_type, shared, allow_imports, d.runtime if device_type != "cpu" else None)
             for d in devices
@@ -256,6 +288,8 @@ def fit_cells(
     fitted = []
     for i, cell in enumerate(cells, 1):
         title = f"[{i}/{len(cells)}] {cell.label}  (cell {cell.cell_id})"
+        if predictor is None:
+            shared.cell = (f"{i}/{len(cells)}", cell.config)
         fitted.append(_fit_cell(cell, devices, max_key, predictors, title, say, budget, prices or {}))
     report = FitReport(
         devices[0] if devices else None, device_type, fitted, runs(), time.perf_counter() - began, lines,
@@ -345,12 +379,15 @@ def _fit_cell(
             line(f"      unpredictable: {p.error}")
         return out
     several = len(devices) > 1
+    searches = []  # per device: its searches, which its verdict and its --max lines share (fit.verdict.Sizes)
     for d, predictor in zip(devices, predictors):
 
         def usable(prediction, d=d) -> int:  # what the device leaves this prediction's peak (collective buffers off)
             return usable_memory(d, prediction.comm_bytes)
 
-        verdict = judge(config, usable, predictor)
+        sizes = Sizes(usable, predictor)
+        searches.append(sizes)
+        verdict = judge(config, usable, predictor, sizes)
         out.verdicts[d.name] = verdict
         if verdict.outcome != UNPREDICTABLE or not out.verdicts.keys() - {d.name}:  # unpredictable: said once
             line(f"      {d.name + ': ' if several and verdict.outcome != UNPREDICTABLE else ''}{verdict.line(usable)}")
@@ -359,6 +396,8 @@ def _fit_cell(
             "line": verdict.line(usable),
             "changes": list(verdict.changes),
             "changed": _prediction_record(verdict.changed) if verdict.changed is not None else None,
+            "others": [{"changes": list(o.changes), "peak_bytes": o.prediction.peak_bytes} for o in verdict.others],
+            "as_is_batch_size": verdict.as_is.value if verdict.as_is is not None else None,
         }
         out.record.setdefault("verdicts", {})[d.name] = record
         if out.verdict is None:
@@ -367,13 +406,9 @@ def _fit_cell(
     if max_key:
         out.record["largest"] = []
         variants = impls_to_size(config)
-        for d, predictor in zip(devices, predictors):
-
-            def usable(prediction, d=d) -> int:
-                return usable_memory(d, prediction.comm_bytes)
-
+        for d, sizes in zip(devices, searches):
             for c in variants:
-                found = largest(c, max_key, usable, predictor)
+                found = sizes.largest(c, max_key)
                 out.largest.append((c, found))
                 what = f" with loss_impl {c.loss_impl}" if len(variants) > 1 else ""
                 on = f" on {d.name}" if several else ""

@@ -16,6 +16,9 @@ run an operator (no fake implementation, a value read back) is unpredictable, wi
 The same run takes the step's operator census (:class:`~kdbench.fit.census.CensusMode`, on for the last fake step):
 each operator's FLOPs, bytes, dtype, phase and class, which :mod:`kdbench.fit.steptime` prices into the step's
 time on a device; one fake run gives both answers (:attr:`Prediction.census`).
+
+An on-policy step's generation decodes a few tokens and extrapolates the rest (:mod:`kdbench.fit.decode`: the KV
+cache and each decode step grow linearly, checked), which the prediction's notes say.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from kdbench.core.fakes import with_values
 from kdbench.core.names import PHASES, Phase
 from kdbench.distill.step import DistillStep
 from kdbench.fit.census import Census, CensusMode, all_reduce_record
+from kdbench.fit.decode import DECODE_STEPS, short_decode
 from kdbench.fit.gpu_target import GpuTarget
 from kdbench.fit.tracker import GRADIENTS, INPUTS, OPTIMIZER, PARAMETERS, LiveBytes
 from kdbench.hw.backends import Backend
@@ -102,10 +106,13 @@ def unpredictable(exc: BaseException) -> str:
     return f"the fake run failed: {what}: {text[:300]}"
 
 
-def predict(config: CellConfig, device_type: str = "cuda", allow_imports: bool = False) -> Prediction:
+def predict(
+    config: CellConfig, device_type: str = "cuda", allow_imports: bool = False, decode_steps: int | None = DECODE_STEPS
+) -> Prediction:
     """The predicted peak of one device (rank 0's) during ``config``'s distillation step; ``device_type`` is the
     device asked about (the host figure depends on it; the fake run is the CPU's); ``allow_imports``: the suite's
-    (``module:callable`` models are built)."""
+    (``module:callable`` models are built); ``decode_steps``: the decode steps an on-policy generation runs, the
+    rest extrapolated (:mod:`kdbench.fit.decode`; None: every step, the reference)."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     workload = workload_of(config)
@@ -131,6 +138,7 @@ def predict(config: CellConfig, device_type: str = "cuda", allow_imports: bool =
             tracker,
             census,
             target,
+            short_decode(tracker, census, decode_steps) as decoded,
         ):
             # no model kept: a kept one is deep-copied per use, which reads a fake tensor's data pointer
             teacher, student = workload.step_pair(config, CPU, ModelCache(allow_imports, capacity=0), dp)
@@ -184,6 +192,7 @@ def predict(config: CellConfig, device_type: str = "cuda", allow_imports: bool =
         if step is not None:
             step.close()
     notes.extend(target.notes)
+    notes.extend([decoded.note] if decoded.note else [])
     breakdown = tracker.breakdown()
     census.add(reduce)
     if buckets:

@@ -2,6 +2,11 @@
 changes that make it fit, or unpredictable; and the largest batch size or sequence length that fits, by
 bisection over fake runs.
 
+One search decides both: the verdict's batch (the largest batch at which the cell fits as it is, and the largest
+with the levers it keeps) comes from :func:`largest`, through a :class:`Sizes` that keeps each search's answer, and
+``--max``'s lines print the same answers (:func:`kdbench.fit.cells.fit_cells`), so that "fits only with" and
+"largest batch_size" never contradict each other: a cell that fits unchanged at a smaller batch is said to.
+
 Every figure here is a prediction (:func:`kdbench.fit.planner.predict`, through a :class:`Predictor` that keeps
 each cell's once, for a GPU with its BLAS workspaces: :func:`kdbench.fit.runtime.with_runtime`); a cell fits when its
 predicted peak per rank is at most what the device leaves it (a :data:`Budget`: a fixed figure, or a device's
@@ -84,9 +89,20 @@ def changed(config: CellConfig, update: dict[str, Any]) -> CellConfig | None:
 
 
 @dataclass(frozen=True)
+class Option:
+    """One way a cell fits: the changes made (in order), the cell with them and its prediction."""
+
+    changes: tuple[str, ...]
+    config: CellConfig
+    prediction: Any
+
+
+@dataclass(frozen=True)
 class Verdict:
     """A cell against a device: ``outcome`` (:data:`FITS`, :data:`NO_FIT`, :data:`FITS_WITH`, :data:`UNPREDICTABLE`),
-    its own prediction, and for :data:`FITS_WITH` the changes made and the prediction with them."""
+    its own prediction, and for :data:`FITS_WITH` the changes made and the prediction with them (the option with
+    the fewest changes; ``others``: the other way found, said after it); ``as_is``: for a cell that does not fit,
+    the largest batch at which it fits unchanged (the search ``--max batch_size`` prints)."""
 
     outcome: str
     prediction: Any
@@ -94,6 +110,8 @@ class Verdict:
     changed: Any = None  # the prediction with the changes
     config: CellConfig | None = None  # the cell with the changes
     tried: tuple[str, ...] = ()  # the changes tried, in order (for a cell that does not fit)
+    others: tuple[Option, ...] = ()  # other ways it fits (fits only with: levers at the cell's batch, or its batch)
+    as_is: Largest | None = None  # the largest batch_size that fits unchanged (a cell that does not fit)
 
     def line(self, usable: Budget) -> str:
         from kdbench.core.sizes import gib
@@ -105,9 +123,10 @@ class Verdict:
             return f"fits ({gib(p.peak_bytes)} of {gib(budget_of(usable, p))} usable)"
         if self.outcome == FITS_WITH:
             c = self.changed
+            more = "".join(f"; or with {', '.join(o.changes)} ({gib(o.prediction.peak_bytes)})" for o in self.others)
             return (
                 f"fits only with: {', '.join(self.changes)} (predicted {gib(c.peak_bytes)} of "
-                f"{gib(budget_of(usable, c))} usable, in {c.phase})"
+                f"{gib(budget_of(usable, c))} usable, in {c.phase}){more}"
             )
         tried = f"; no change tried fits ({', '.join(self.tried)})" if self.tried else ""
         return f"does not fit ({gib(p.peak_bytes)} over {gib(budget_of(usable, p))} usable){tried}"
@@ -155,12 +174,19 @@ def _changes(config: CellConfig) -> list[Callable[[CellConfig], list[tuple[str, 
     return out
 
 
-def judge(config: CellConfig, usable: Budget, predictor: Predictor) -> Verdict:
-    """``config`` against a device with ``usable`` bytes per rank (a :data:`Budget`).  A cell that does not fit gets
-    the changes of :func:`_changes` in order, each kept when it brings the cell closer to fitting (its predicted peak
-    less what the device leaves it: lower; so they add up), then its batch halved
-    until it fits: the first combination that fits is the verdict's.  A change kdbench would refuse for the cell,
-    or that the planner cannot predict (data-parallel cells before it predicts them), is skipped."""
+def judge(config: CellConfig, usable: Budget, predictor: Predictor, sizes: Sizes | None = None) -> Verdict:
+    """``config`` against a device with ``usable`` bytes per rank (a :data:`Budget`).  A cell that does not fit is
+    searched two ways, and the way with fewer changes is the verdict's (the other is said after it):
+
+    * as it is, at the largest batch that fits (:func:`largest`, the search ``--max batch_size`` prints: ``sizes``
+      keeps it for those lines);
+    * with the changes of :func:`_changes` in order, each kept when it brings the cell closer to fitting (its
+      predicted peak less what the device leaves it: lower; so they add up): the first combination that fits at
+      the cell's batch, else the kept changes at the largest batch that fits with them.
+
+    A change kdbench would refuse for the cell, or that the planner cannot predict (data-parallel cells before it
+    predicts them), is skipped."""
+    sizes = sizes if sizes is not None else Sizes(usable, predictor)
     own = predictor(config)
     if not own.ok:
         return Verdict(UNPREDICTABLE, own)
@@ -170,7 +196,10 @@ def judge(config: CellConfig, usable: Budget, predictor: Predictor) -> Verdict:
 
     if fits(own, usable):
         return Verdict(FITS, own)
+    as_is = sizes.largest(config, "batch_size")
+    smaller = _batch_option(config, (), as_is)  # the cell unchanged at a smaller batch
     current, best, kept, tried = config, own, [], []
+    levers: Option | None = None
     for alternatives in _changes(config):
         lowest = None
         for text, update in alternatives(current):
@@ -182,22 +211,35 @@ def judge(config: CellConfig, usable: Budget, predictor: Predictor) -> Verdict:
                 continue
             tried.append(text)
             if fits(p, usable):
-                return Verdict(FITS_WITH, own, (*kept, text), p, candidate)
+                levers = Option((*kept, text), candidate, p)
+                break
             if short(p) < short(best) and (lowest is None or short(p) < short(lowest[2])):
                 lowest = (text, candidate, p)
+        if levers is not None:
+            break
         if lowest is not None:
             kept.append(lowest[0])
             current, best = lowest[1], lowest[2]
-    batch = current.batch_size // 2
-    while batch >= 1:
-        candidate = changed(current, {"batch_size": batch})
-        p = predictor(candidate) if candidate is not None else None
-        if p is not None and p.ok:
-            tried.append(f"batch_size {batch}")
-            if fits(p, usable):
-                return Verdict(FITS_WITH, own, (*kept, f"batch_size {batch}"), p, candidate)
-        batch //= 2
-    return Verdict(NO_FIT, own, tried=tuple(dict.fromkeys(tried)))
+    if levers is None and kept:  # the kept changes at the largest batch that fits with them
+        with_kept = sizes.largest(current, "batch_size")
+        tried += [f"batch_size {b}" for b in with_kept.tried if b < current.batch_size]
+        levers = _batch_option(current, tuple(kept), with_kept)
+    tried += [f"batch_size {b}" for b in as_is.tried if b < config.batch_size]
+    found = [o for o in (levers, smaller) if o is not None]
+    if smaller is not None and levers is not None and levers.config.batch_size <= smaller.config.batch_size:
+        found = [smaller]  # the changes buy no larger batch than the cell has unchanged
+    if not found:
+        return Verdict(NO_FIT, own, tried=tuple(dict.fromkeys(tried)), as_is=as_is)
+    first, *others = sorted(found, key=lambda o: len(o.changes))
+    return Verdict(FITS_WITH, own, first.changes, first.prediction, first.config, (), tuple(others), as_is)
+
+
+def _batch_option(config: CellConfig, kept: tuple[str, ...], found: Largest) -> Option | None:
+    """The cell with ``kept`` changes at the largest batch that fits (``found``), when it fits at one."""
+    if not found.value or found.error or found.value >= config.batch_size:
+        return None
+    at = with_size(config, "batch_size", found.value)
+    return Option((*kept, f"batch_size {found.value}"), at, found.prediction) if at is not None else None
 
 
 # --------------------------------------------------------------------------- the largest size that fits
@@ -215,6 +257,7 @@ class Largest:
     error: str | None = None
     runs: int = 0  # fake runs made for it
     notes: tuple[str, ...] = field(default_factory=tuple)
+    tried: tuple[int, ...] = ()  # the values predicted, in the order the search tried them
 
     def text(self) -> str:
         from kdbench.core.sizes import gib
@@ -275,7 +318,7 @@ def largest(config: CellConfig, key: str, usable: Budget, predictor: Predictor) 
     low_bound = 2 if key == "seq_len" else 1
     cap = size_cap(config, key)
     runs0 = predictor.runs
-    cache: dict[int, Any] = {}
+    cache: dict[int, Any] = {}  # in the order tried
     refused: set[int] = set()
 
     def at(v: int):
@@ -290,7 +333,9 @@ def largest(config: CellConfig, key: str, usable: Budget, predictor: Predictor) 
     def result(value: int, error: str | None = None) -> Largest:
         above = cache.get(value + 1 if value else low_bound)
         note = (f"{key} {value + 1} is beyond what the cell takes",) if value + 1 in refused else ()
-        return Largest(key, None if error else value, cap, cache.get(value), above, error, predictor.runs - runs0, note)
+        runs = predictor.runs - runs0
+        tried = tuple(v for v in cache if v not in refused)
+        return Largest(key, None if error else value, cap, cache.get(value), above, error, runs, note, tried)
 
     def step(v: int) -> bool | str:
         """Whether the cell fits at ``v`` (a refused value does not), or why it is unpredictable there."""
@@ -333,6 +378,21 @@ def largest(config: CellConfig, key: str, usable: Budget, predictor: Predictor) 
             return result(mid, ok)
         lo, hi = (mid, hi) if ok else (lo, mid)
     return result(lo)
+
+
+class Sizes:
+    """:func:`largest` for one device, each (cell, key) searched once: the verdict's batch search and ``--max``'s
+    lines read the same answer."""
+
+    def __init__(self, usable: Budget, predictor: Predictor):
+        self.usable, self.predictor = usable, predictor
+        self._found: dict[tuple[str, str], Largest] = {}
+
+    def largest(self, config: CellConfig, key: str) -> Largest:
+        at = (json.dumps(config.model_dump(mode="json"), sort_keys=True), key)
+        if at not in self._found:
+            self._found[at] = largest(config, key, self.usable, self.predictor)
+        return self._found[at]
 
 
 def impls_to_size(config: CellConfig) -> list[CellConfig]:

@@ -91,6 +91,80 @@ def test_an_unpredictable_cell_is_never_judged_to_fit():
     assert verdict.line(10**15) == "unpredictable: the fake run cannot run aten.nonzero.default"
 
 
+def llama_8b_to_1b(**more) -> CellConfig:
+    """The cell of issue 45: Llama-3.1-8B into Llama-3.2-1B at 4,096 tokens, fp32, dense, batch 8."""
+    pair = {"teacher": "llama-3.1-8b", "student": "llama-3.2-1b"}
+    data = {"kind": "tokens", "seq_len": 4096}
+    return CellConfig.model_validate(
+        {"pair": pair, "method": "forward_kl", "batch_size": 8, "loss_impl": "dense", "data": data, **more}
+    )
+
+
+def eight_b_figures(config, device_type, allow_imports=False):
+    """A stand-in planner with the 8B -> 1B cell's shape (a fake run of 8B models takes minutes): the models'
+    bytes (an fp32 teacher 32 GB, halved in bf16; the student's weights, gradients and Adam 20 GB; both sharded by
+    FSDP) and per sequence of 4,096 tokens 20 GB dense, 12 GB fused_linear, 11 GB with smaller chunks."""
+    teacher = 16e9 if config.teacher.weights == "bf16" else 32e9
+    ranks = config.world_size if config.parallel == "fsdp" else 1
+    per_sequence = {"dense": 20e9, "fused_linear": 12e9 if config.chunk_size >= 1024 else 11e9}.get(
+        config.loss_impl, 20e9
+    )
+    return Prediction(int((teacher + 20e9) / ranks + per_sequence * config.batch_size), phase="loss")
+
+
+def test_the_verdict_and_the_max_lines_of_the_8b_cell_say_the_same():
+    """Issue 45: on an H100 the 8B -> 1B cell was said to fit "only with fused_linear, chunk 256, bf16 teacher
+    weights, FSDP at 8 ranks, batch 4" while --max said "largest batch_size with loss_impl dense: 1": it fits one
+    GPU as it is at batch 1.  Both now come from one search: the verdict's first way is the cell as it is at the
+    largest batch that fits, the --max line of its own loss_impl prints that same batch, and the levers' way
+    follows as the other."""
+    from kdbench.fit.cells import fit_cells
+    from kdbench.fit.devices import find_device
+
+    h100 = find_device("H100", live=False)
+    lines: list[str] = []
+    report = fit_cells(
+        [llama_8b_to_1b()], h100, "cuda", "batch_size", talk=lines.append,
+        predictor=Predictor("cuda", eight_b_figures, runtime=h100.runtime),
+    )  # fmt: skip
+    cell = report.cells[0]
+    verdict = cell.verdict
+    assert verdict.outcome == FITS_WITH and verdict.changes == ("batch_size 1",) and verdict.config.batch_size == 1
+    assert verdict.as_is.value == 1
+    (other,) = verdict.others
+    assert other.changes[0] == "loss_impl fused_linear" and other.changes[-1].startswith("batch_size ")
+    assert other.config.batch_size > 1 and other.config.parallel == "fsdp"
+    said = next(line for line in lines if "fits only with" in line)
+    assert (
+        said.startswith("      fits only with: batch_size 1 (predicted ") and "; or with loss_impl fused_linear" in said
+    )
+    dense = next(line for line in lines if "largest batch_size with loss_impl dense" in line)
+    assert dense.startswith("      largest batch_size with loss_impl dense: 1 (")
+    found = dict((c.loss_impl, f) for c, f in cell.largest)
+    assert found["dense"] is verdict.as_is  # the same search, not a second one that could disagree
+    assert cell.record["verdict"]["as_is_batch_size"] == 1
+
+
+@pytest.mark.parametrize("budget_gb", [40, 55, 73, 80, 95, 200, 300])
+def test_the_verdict_never_contradicts_the_largest_batch(budget_gb):
+    """Whatever the device: the verdict fits as given exactly when the largest batch is at least the cell's, says
+    "does not fit" only when no batch fits as it is, and otherwise names the cell as it is at that largest batch
+    (or levers at its own batch, with that batch as the other way)."""
+    from kdbench.fit.verdict import Sizes
+
+    budget = int(budget_gb * 1e9)
+    predictor = Predictor("cuda", eight_b_figures)
+    sizes = Sizes(budget, predictor)
+    verdict = judge(llama_8b_to_1b(), budget, predictor, sizes)
+    biggest = sizes.largest(llama_8b_to_1b(), "batch_size")
+    assert (verdict.outcome == FITS) == (biggest.value >= 8)
+    if verdict.outcome == NO_FIT:
+        assert biggest.value == 0
+    if verdict.outcome == FITS_WITH and 1 <= biggest.value < 8:
+        ways = [verdict.changes, *(o.changes for o in verdict.others)]
+        assert (f"batch_size {biggest.value}",) in ways
+
+
 # --------------------------------------------------------------------------- the largest size that fits
 
 
@@ -228,7 +302,9 @@ def test_fit_judges_every_cell_of_a_suite_and_writes_json(suite, tmp_path, capsy
     assert "logits" in lines[3] and "of it" in lines[3] and "blas workspaces 0.06" in lines[3]
     assert "fake run" in lines[4]
     fused = f"{fused_peak / GIB:.2f} GiB"
-    assert lines[5] == f"      fits only with: loss_impl fused_linear (predicted {fused} of 0.26 GiB usable, in loss)"
+    # the levers at the cell's batch first, then the cell as it is at the largest batch that fits (its 1 sequence)
+    verdict = f"      fits only with: loss_impl fused_linear (predicted {fused} of 0.26 GiB usable, in loss)"
+    assert lines[5].startswith(verdict + "; or with batch_size 1 (") and lines[5].endswith(" GiB)")
     assert lines[6].startswith("[2/2] ") and "fused_linear" in lines[6]
     assert lines[9] == f"      fits ({fused} of 0.26 GiB usable)"
     assert lines[10].startswith("2 cells: 1 fits only with, 1 fits; ") and "fake runs" in lines[10]
@@ -287,8 +363,38 @@ def test_fit_without_a_device_prints_predictions_only(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "no device given: predictions only" in out
-    assert "tiny-llama-teacher->tiny-llama-student forward_kl fp32 bs32 seq128 chunked" in out  # the schema's bs32
+    # an LM pair is planned as it is run (bf16, its teacher held in bf16), said first; the schema's bs32
+    assert out.startswith("--pair of LMs: planned as such a pair is run, --precision bf16 --teacher-precision bf16 ")
+    assert (
+        "tiny-llama-teacher->tiny-llama-student forward_kl bf16 teacher-bf16 teacher-weights-bf16 bs32 seq128 chunked"
+        in out
+    )
     assert "peak " in out and "fits" not in out and out.strip().splitlines()[-1].startswith("1 cells: 1 predicted")
+
+
+def test_an_lm_pair_defaults_to_bf16_and_its_flags_plan_another(monkeypatch, capsys):
+    """Issue 45 item 7: `--pair llama-3.1-8b llama-3.2-1b` planned fp32 (681 GiB at batch 32), a cell no one runs.
+    An LM pair is now planned in bf16 mixed precision with its teacher held and run in bf16, and the first line
+    says so; each flag given keeps its own value; an image pair keeps the schema's fp32."""
+    from kdbench import api
+
+    cells = []
+    monkeypatch.setattr(api, "fit", lambda c, *a, **k: cells.extend(c) or type("R", (), {"record": dict})())
+    assert main(["fit", "--pair", "llama-3.1-8b", "llama-3.2-1b", "--seq-len", "4096"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("--pair of LMs: planned as such a pair is run, --precision bf16 --teacher-precision bf16 ")
+    config = cells.pop().config
+    assert (config.precision, config.teacher_precision, config.teacher.weights) == ("bf16", "bf16", "bf16")
+    argv = ["fit", "--pair", "llama-3.1-8b", "llama-3.2-1b", "--precision", "fp32", "--teacher-weights", "fp32"]
+    assert main(argv) == 0 and "--pair of LMs" not in capsys.readouterr().out  # both given: nothing to say
+    config = cells.pop().config
+    assert (config.precision, config.teacher_precision, config.teacher.weights) == ("fp32", "fp32", "fp32")
+    assert main(["fit", "--pair", "llama-3.1-8b", "llama-3.2-1b", "--teacher-precision", "fp32"]) == 0
+    assert capsys.readouterr().out.startswith("--pair of LMs: planned as such a pair is run, --precision bf16 (")
+    config = cells.pop().config
+    assert (config.precision, config.teacher_precision, config.teacher.weights) == ("bf16", "fp32", "fp32")
+    assert main(["fit", "--pair", "resnet56", "resnet20"]) == 0 and "--pair of LMs" not in capsys.readouterr().out
+    assert cells.pop().config.precision == "fp32"
 
 
 @pytest.mark.slow
@@ -309,7 +415,8 @@ def test_fit_prices_each_gpu_side_by_side_from_one_fake_run(tmp_path, capsys):
     argv = ["fit", "--pair", "tiny-llama-teacher", "tiny-llama-student", "--seq-len", "128", "--batch-size", "2"]
     argv += ["--gpu", "H100", "--gpu", "mi300x", "--gpu", "h100-80gb", "--tokens", "1B", "--price", "MI300X=2"]
     assert main([*argv, "--out", str(out)]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    said, *lines = capsys.readouterr().out.splitlines()
+    assert said.startswith("--pair of LMs: planned as such a pair is run, --precision bf16 ")  # issue 45 item 7
     assert [line.split(":")[0] for line in lines[1:3]] == ["device H100 80GB", "device MI300X"]  # h100-80gb once
     assert lines[3].startswith("budget --tokens 1B: device-hours = steps x predicted step time x world_size")
     assert any(line.startswith("      H100 80GB: fits (") for line in lines)
@@ -345,6 +452,7 @@ def test_fit_prices_each_gpu_side_by_side_from_one_fake_run(tmp_path, capsys):
             "method": "forward_kl",
             "batch_size": 2,
             "data": {"kind": "tokens", "seq_len": 128},
+            **{"precision": "bf16", "teacher_precision": "bf16", "teacher": {"weights": "bf16"}},  # --pair's for LMs
         }
     )
     report = api.fit([cell], ["H100", "MI300X"], tokens="1B", prices={"mi300x": 2})
