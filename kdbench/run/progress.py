@@ -90,7 +90,7 @@ def summary_line(rows: list[Row]) -> str:
     """The main figures of a finished job, for its progress line."""
     bad = [r for r in rows if r["status"] != Status.OK]
     if bad and len({(r["status"], r.get("error")) for r in bad}) == 1 and len(bad) == len(rows):
-        return f"{str(bad[0]['status']).upper()}: {(bad[0].get('error') or '')[:200]}"
+        return f"{str(bad[0]['status']).upper()}: {bad[0].get('error') or ''}"  # its whole first line (error_text)
     quality = [r for r in rows if r["measurement"] == Measurement.QUALITY]
     if quality:
         reused = sum("reused: trained by an earlier invocation" in (r.get("notes") or "") for r in quality)
@@ -103,7 +103,7 @@ def summary_line(rows: list[Row]) -> str:
     for row in rows:
         m = row["measurement"]
         if row["status"] != Status.OK:
-            parts.append(f"{m}@{row['batch_size']} {str(row['status']).upper()}: {(row.get('error') or '')[:120]}")
+            parts.append(f"{m}@{row['batch_size']} {str(row['status']).upper()}: {row.get('error') or ''}")
         elif m == Measurement.DISTILL_STEP:
             noisy = " NOISY" if row["noisy"] else ""
             if row.get("contended"):  # measured on a busy machine (kdbench.hw.contention)

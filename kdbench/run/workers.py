@@ -7,9 +7,13 @@ returns its rows; the engine neither knows nor cares which worker ran it.
 that runs job after job and keeps its model cache between them.  A job that kills its
 worker — a segfault, the OS out-of-memory killer, ``os._exit`` — or outlives its
 time-out is stored as failed (or ``timeout``) and the next job gets a fresh worker, so
-one bad job never takes the sweep down.  The child's log messages travel to the
-parent through the same pipe as its rows and are logged there.  ``InlineWorker`` runs
-in the calling process: no isolation, but a debugger and profiler see everything.
+one bad job never takes the sweep down.  The worker beats every :data:`HEARTBEAT_S` s from
+a thread of its own; a worker that goes silent (no beat for :data:`SILENCE_S` s: stopped,
+frozen or swapping past use) is stopped then, not at the cell's time-out an hour on, and
+its row says so with the last thing it was heard to do (as a time-out's row does).  The
+child's log messages travel to the parent through the same pipe as its rows and are
+logged there.  ``InlineWorker`` runs in the calling process: no isolation, but a
+debugger and profiler see everything.
 ``TorchrunWorker`` runs a ``world_size > 1`` cell as ``torchrun --standalone`` over
 :mod:`kdbench.run.rank`, in its own session so a hung rank can be killed whole.
 """
@@ -39,12 +43,14 @@ from kdbench.hw.backends import Backend
 from kdbench.measure.failures import device_fatal, device_lost, error_text, note_device_lost
 from kdbench.measure.step import MeasureOptions
 from kdbench.run.jobs import CellJob, Job, WorkerContext, failure_rows
-from kdbench.run.process import deaf_to_ctrl_c, die_with_parent
+from kdbench.run.process import LastWord, Locked, beat, deaf_to_ctrl_c, die_with_parent
 from kdbench.run.rank import oom_file
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0  # importing torch on a cold, busy machine can take minutes
+HEARTBEAT_S = 5.0  # a worker's beat, from a thread of its own (torch's operators let go of the GIL)
+SILENCE_S = 120.0  # no beat for this long: the worker is stopped, frozen or swapping past use
 PROCESS_START = "worker start and imports"
 _POLL_S = 0.2
 
@@ -117,6 +123,10 @@ class _PipeHandler(logging.Handler):
 
 def _serve(conn: Any, setup: WorkerSetup) -> None:
     """The worker process: run each job it is sent, until told to stop or orphaned."""
+    import threading
+
+    conn = Locked(conn)
+    threading.Thread(target=beat, args=(conn, HEARTBEAT_S), daemon=True, name="kdbench-heartbeat").start()
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     root = logging.getLogger("kdbench")
@@ -261,14 +271,22 @@ class ProcessWorker:
             raise JobInterrupted(JobResult([], seconds, split={**self.seen, **started})) from None
 
     def _wait(self, timeout_s: float | None, failed, started: dict[str, float]) -> JobResult:
-        """The job's rows, as the worker sends them; or its failure when the worker dies or outlives ``timeout_s``."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        """The job's rows, as the worker sends them; or its failure when the worker dies, outlives ``timeout_s`` or
+        goes silent (no beat for :data:`SILENCE_S` s), said with the last thing it was heard to do."""
+        began = time.monotonic()
+        deadline = None if timeout_s is None else began + timeout_s
+        heard = began  # the worker's last message (a beat, a log line, a phase counted)
+        last = LastWord()
         while True:
             if self.conn.poll(_POLL_S):
                 try:
                     message = self.conn.recv()
                 except (EOFError, OSError):  # the pipe closed: the worker is dying
                     return failed(Status.FAILED, self._died())
+                heard = time.monotonic()
+                last.heard(message)
+                if message[0] == "alive":
+                    continue
                 if message[0] == "rows":
                     if message[3]:  # the worker ends after this job: wait for it, so the next job starts a new one
                         self.proc.join(30)
@@ -283,9 +301,18 @@ class ProcessWorker:
                 _log(message)
             elif not self.proc.is_alive():
                 return failed(Status.FAILED, self._died())
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
                 self._kill()
-                return failed(Status.TIMEOUT, f"the job exceeded its time-out of {timeout_s:g} s and was stopped")
+                said = f"the job exceeded its time-out of {timeout_s:g} s and was stopped"
+                return failed(Status.TIMEOUT, f"{said}; {last.text(now)}")
+            if now - heard > SILENCE_S:
+                self._kill()
+                said = (
+                    f"the worker went silent: no heartbeat for {now - heard:.0f} s (stopped, frozen or swapping past "
+                    f"use), stopped {now - began:.0f} s into the job"
+                )
+                return failed(Status.TIMEOUT, f"{said}; {last.text(now)}")
 
     def fresh(self) -> None:
         """End the worker process: the next job starts a new one (a repeat round of the suite)."""

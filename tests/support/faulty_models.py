@@ -210,3 +210,19 @@ class SegfaultsInQuality(nn.Module):
 
 def segfaulting_lm():
     return SegfaultsInQuality()
+
+
+class FrozenJob(ChattyJob):
+    """A job (kdbench.run.jobs protocol) that logs one line, then stops its own process (SIGSTOP): a worker that
+    goes silent, as one frozen or swapping past use does."""
+
+    job_id, label = "frozen", "frozen job"
+
+    def run(self, ctx):
+        import logging
+        import os
+        import signal
+
+        logging.getLogger("kdbench.tests.frozen").info("about to freeze")
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGSTOP)

@@ -167,6 +167,50 @@ def test_a_job_that_keeps_logging_still_times_out_and_its_lines_reach_the_parent
 
 
 @pytest.mark.slow
+def test_a_silent_worker_ends_at_its_silence_limit_with_its_last_word(monkeypatch):
+    """Issue 45: a cell printed nothing for 12 minutes.  A worker that goes silent (here: it stops itself) is
+    stopped once no heartbeat came for SILENCE_S, long before the cell's time-out, and its row says why and what
+    it was last heard to do; a busy worker that keeps beating runs to its time-out, whose row says the same."""
+    from kdbench.hw.backends import resolve
+    from kdbench.run import workers
+    from kdbench.run.workers import ProcessWorker, WorkerSetup
+
+    monkeypatch.syspath_prepend(str(SUPPORT))  # faulty_models, for the worker process too
+    from faulty_models import ChattyJob, FrozenJob
+
+    monkeypatch.setattr(workers, "SILENCE_S", 3 * workers.HEARTBEAT_S)
+    worker = ProcessWorker(WorkerSetup(resolve("cpu"), False, 1))
+    try:
+        began = time.monotonic()
+        frozen = worker.run(FrozenJob(), timeout_s=600)
+        took = time.monotonic() - began
+        chatty = worker.run(ChattyJob(), timeout_s=3.0 * workers.HEARTBEAT_S)  # a fresh worker: it beats
+    finally:
+        worker.close()
+    (row,) = frozen.rows
+    assert row["status"] == "timeout" and took < 120, took
+    assert row["error"].startswith("the worker went silent: no heartbeat for ")
+    assert "last heard " in row["error"] and "about to freeze" in row["error"]
+    (row,) = chatty.rows
+    assert row["status"] == "timeout" and row["error"].startswith("the job exceeded its time-out of 15 s")
+    assert "still busy" in row["error"]
+
+
+def test_a_progress_line_prints_the_whole_first_line_of_an_error():
+    """Issue 45: an OOM's progress line was cut at "you tried to all"; it now ends with the bytes asked."""
+    from kdbench.run.progress import summary_line
+
+    error = (
+        "RuntimeError: [enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: not enough memory: you tried to "
+        "allocate 1074790400000 bytes. [out of memory: asked 1074790400000 bytes (1000.98 GiB) of the host]"
+    )
+    oom = {"measurement": "distill_step", "batch_size": 65536, "status": "oom", "error": error}
+    assert summary_line([oom]) == f"OOM: {error}"
+    ok = {**oom, "measurement": "teacher_inference", "status": "ok", "median_ms": 1.0, "throughput": 2.0}
+    assert summary_line([oom, dict(ok, status="failed")]).endswith("of the host]")
+
+
+@pytest.mark.slow
 def test_a_device_error_is_stored_and_the_next_job_gets_a_fresh_worker(monkeypatch):
     # After an illegal address or a device-side assert the process's CUDA/HIP context is unusable:
     # the worker stores the job's rows, then ends, and the next job starts a new one.
