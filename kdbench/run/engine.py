@@ -34,6 +34,7 @@ from kdbench.core.schema import SCHEMA_VERSION, Row
 from kdbench.hw.backends import Backend, detect, resolve, thread_count
 from kdbench.hw.contention import RUN_PID_ENV, HostLoad, HostMeter, busy_warning, look_later
 from kdbench.measure.step import MeasureOptions
+from kdbench.measure.walltime import per_job
 from kdbench.run.jobs import CellJob, Job, QualityJob, failure_rows
 from kdbench.run.plan import (
     Plan,
@@ -102,7 +103,7 @@ class RunOutcome:
         split, self.split = self.split, None
         if self.timings:
             self.wall = split.finish()
-            logger.info("%s", WallSplit.line(self.wall))
+            logger.info("%s%s", WallSplit.line(self.wall), per_job(self.wall, len(self.timings)))
         if self.invocation is not None:
             self.invocation.finish(
                 stored=self.stored_jobs,

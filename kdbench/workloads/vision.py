@@ -113,10 +113,12 @@ def inference_forward(
 
 
 def inference_flops(forward: Callable[[], Any], model: str, batch_size: int, config: CellConfig) -> int:
-    """The FLOPs of ``model``'s eager forward at ``batch_size`` (the same at every precision), counted once
-    per worker for each model, classifier width and input (:class:`kdbench.core.worker_state.WorkerState`)."""
+    """The FLOPs of ``model``'s eager forward at ``batch_size`` (the same at every precision and seed), counted once
+    per worker for each model, classifier width and input (:class:`kdbench.core.worker_state.WorkerState`).  Not
+    per seed: a seed changes the weights and the input's values, not the work; keyed by it, a seed sweep counted
+    every cell's FLOPs again and the worker's table grew by one entry a cell (issue 45)."""
     counted = current().inference_flops
-    key = (model, config.data.num_classes, config.pad_to, tuple(config.data.shape), batch_size, config.seed)
+    key = (model, config.data.num_classes, config.pad_to, tuple(config.data.shape), batch_size)
     if key not in counted:
         counted[key] = count_flops(forward)
     return counted[key]
