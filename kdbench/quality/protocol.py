@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from kdbench.config.plan import config_dict
 from kdbench.config.quality import DISK_DATASETS, TEXT_DATASETS, QualityConfig
 from kdbench.config.schema import CellConfig
 from kdbench.core.errors import KdbenchError
@@ -122,6 +123,7 @@ def quality_jobs(configs: Iterable[CellConfig]) -> list[CellConfig]:
             _overrides(c, "student"),
             own_tokenizer(c),
             c.uld.alignment if c.method == "uld" else None,
+            json.dumps(config_dict(c)["teacher"], sort_keys=True) if c.teacher.mode == "offline" else None,
         ),
     )
 
@@ -152,6 +154,8 @@ class Entry:
         if self.role == "scratch":
             return f"seed {self.seed}: scratch {student}"
         method = f"uld ({c.uld.alignment})" if c.method == "uld" and c.uld.alignment != "position" else c.method
+        if c.teacher.mode == "offline":
+            method = f"{method} (offline {offline_encoding(c)})"
         return f"seed {self.seed}: distilled {method} {c.pair.teacher}->{student}"
 
     def row(self, cfg: QualityConfig) -> dict[str, Any]:
@@ -176,10 +180,7 @@ class Entry:
         )
         step_only = [
             k
-            for k, on in (
-                ("on_policy", c.on_policy),
-                (f"teacher.mode {c.teacher.mode}", c.teacher.mode in ("topk_cache", "offline")),
-            )
+            for k, on in (("on_policy", c.on_policy), ("teacher.mode topk_cache", c.teacher.mode == "topk_cache"))
             if on
         ]
         if self.role == "distilled" and step_only:
@@ -189,7 +190,17 @@ class Entry:
             )
         if cfg.dataset in TEXT_DATASETS:
             row.update(text_columns(cfg, c, self.role))
+        if self.role == "distilled" and c.teacher.mode == "offline":  # trained from a store in this encoding
+            row["teacher_store_encoding"] = offline_encoding(c)
         return row
+
+
+def offline_encoding(c: CellConfig) -> str:
+    """An offline-teacher student's store encoding (:mod:`kdbench.quality.offline`: over the bytes)."""
+    from kdbench.data.text import BYTES
+    from kdbench.workloads.lm.offline import encoding_of
+
+    return encoding_of(c, BYTES).label
 
 
 def quality_plan(cfg: QualityConfig, jobs: list[CellConfig]) -> list[Entry]:

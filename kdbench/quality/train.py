@@ -301,7 +301,7 @@ class QualityRun:
             update={
                 "data": c.data.model_copy(update={"num_classes": self.data(c).num_classes}),
                 "pad_to": 1,
-                "teacher": TeacherConfig(mode="live"),
+                "teacher": c.teacher if c.teacher.mode == "offline" else TeacherConfig(mode="live"),
                 "optimizer": self.cfg.optimizer_config(),
                 "batch_size": self.cfg.batch_size,
                 "world_size": 1,
@@ -452,16 +452,24 @@ class QualityRun:
             student = self.model(sized.pair.student, sized, "student")
             teacher_copy = copy.deepcopy(teacher.model)
             distiller = Distiller(teacher_copy, student, sized, self.backend, data.x_train[:2], workload_of(sized))
+            stored = None  # teacher.mode offline: the teacher's top-k over the windows, read from disk each step
             try:
+                if sized.teacher.mode == "offline":
+                    from kdbench.quality.offline import OfflineBatches
+
+                    stored = OfflineBatches(distiller, sized, data.x_train, data.y_train)
                 model, opt = distiller.student, distiller.optimizer
 
                 def step(x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
-                    return distiller.train_step(x, y, indices=indices)
+                    cached = stored.batch(indices) if stored is not None and indices is not None else None
+                    return distiller.train_step(x, y, cached, indices=indices)
 
                 with math_mode(distiller.student_ac.tf32):
                     out = self.fit(step, model, opt, data, seed, distiller.student_ac)
             finally:
                 distiller.close()
+                if stored is not None:
+                    stored.close()
             if self.keeps_students:
                 out.model = model
             return out, model

@@ -170,6 +170,10 @@ def summarize_quality(df: pd.DataFrame) -> pd.DataFrame:
         aligned = df["uld_alignment"].notna() & df["method"].notna()
         named = df["method"].astype(str) + " (" + df["uld_alignment"].astype(str) + ")"
         work["method"] = work["method"].where(~aligned, named)
+    if "teacher_store_encoding" in df:  # offline-teacher students: one per encoding, "forward_kl (offline k32 ...)"
+        stored = df["teacher_store_encoding"].notna() & work["method"].notna()
+        named = work["method"].astype(str) + " (offline " + df["teacher_store_encoding"].astype(str) + ")"
+        work["method"] = work["method"].where(~stored, named)
     summary = (
         work.groupby([*SUMMARY_KEYS, "tokenizer", *OVERRIDE_KEYS], dropna=False, sort=False)
         .agg(

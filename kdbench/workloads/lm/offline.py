@@ -93,15 +93,23 @@ def store_path(config: CellConfig, key: dict, run_dir: str | None) -> Path:
     return given if given.is_absolute() or not run_dir else root / given
 
 
-def open_store(distiller: Any, config: CellConfig, run_dir: str | None, create: bool = True) -> LogitStore:
-    """The cell's store (made empty where there is none), its key from the distiller's teacher and loss."""
+def open_store(
+    distiller: Any, config: CellConfig, run_dir: str | None, create: bool = True, path: Path | None = None
+) -> LogitStore:
+    """The cell's store (made empty where there is none; at ``path`` if given), its key from the distiller's teacher
+    and loss."""
     loss = distiller.loss_fn
     enc = encoding_of(config, loss.vocab)
     tokenizer = digest(ByteTokenizer())
     key = store_key(
         teacher_digest(distiller.teacher), tokenizer, loss.vocab, config.data.seq_len, loss.token.temperature, enc
     )
-    return LogitStore.open(store_path(config, key, run_dir), key, enc, create=create)
+    return LogitStore.open(path or store_path(config, key, run_dir), key, enc, create=create)
+
+
+def sequences_per_shard(seq_len: int) -> int:
+    """Whole sequences a shard holds (:data:`SHARD_TOKENS` positions, at least one sequence)."""
+    return max(1, SHARD_TOKENS // seq_len)
 
 
 def _sync(device: torch.device) -> None:
@@ -114,7 +122,7 @@ def build_store(distiller: Any, store: LogitStore, seqs: torch.Tensor, batch_siz
     (``store.info``: totals over every build session that wrote to it)."""
     loss = distiller.loss_fn
     seq_len = seqs.shape[1] - 1
-    per_shard = max(1, SHARD_TOKENS // seq_len)
+    per_shard = sequences_per_shard(seq_len)
     shards = math.ceil(seqs.shape[0] / per_shard)
     device = distiller.fixed_input.device
     info = {"forward_s": 0.0, "encode_write_s": 0.0, "built_tokens": 0, "kl_sum": 0.0, "kl_tokens": 0, **store.info}

@@ -318,7 +318,8 @@ CELLS_ADDED_SINCE = {
     "gpu-lm.yaml": 5,  # issue 41: natural; issue 42 (GPU review 4, M6): static and compiled decode, speculative, xtok
     "llm-amd.yaml": 4,  # issue 41: natural beside dense, each pair at both lengths
     "llm-cuda.yaml": 4,
-    "quality-text.yaml": 2,  # issue 34: the student of its own tokenizer (bpe:512) by uld; issue 45: by uld (bytes)
+    "quality-text.yaml": 4,  # issue 34: the student of its own tokenizer (bpe:512) by uld; issue 45: by uld (bytes);
+    # issue 44: two offline-teacher students (fp16 and int8 stores)
 }
 # Quality jobs that measure more since (a new job id: a resume measures it again); their models' checkpoints keep
 # the folder of the id held here (QualityJob.models_id), so a resume does not train them again.
@@ -326,8 +327,9 @@ CELLS_ADDED_SINCE = {
 # issue 34: quality-text trains more models (the bpe:512 student, scratch and uld): another job id and another
 # models folder (QUALITY_MODELS_SINCE), so a resume across that change trains its models again.
 # issue 45: and the bpe:512 student by uld aligned by bytes: another job id and models folder again.
-QUALITY_JOBS_SINCE = {"quality-text.yaml": ["quality-2f7f0af6df25"]}
-QUALITY_MODELS_SINCE = {"quality-text.yaml": ["quality-f99dd5d74a38"]}
+# issue 44: and two offline-teacher students (fp16 and int8 stores): another job id again.
+QUALITY_JOBS_SINCE = {"quality-text.yaml": ["quality-49655a6ccdc7"]}
+QUALITY_MODELS_SINCE = {"quality-text.yaml": ["quality-fcb22c8b18d4"]}  # issue 44: and its models folder
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda", "rocm"])
