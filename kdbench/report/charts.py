@@ -198,6 +198,46 @@ def model_names(df: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
     return out[0], out[1]
 
 
+def distinct_cell_labels(df: pd.DataFrame) -> pd.Series:
+    """Each row's ``cell_label``, told apart where cells of other configs share one: a plan labels its own cells
+    apart, but cells of two runs (one per model ``overrides``, say) can each be the plain ``gpt2->gpt2 kd fp32
+    bs8`` of its plan; in one report they get the settings in which their configs differ appended
+    (``overrides.student.n_layer=2``), as the plan's own labels do, so that no table row or chart line merges
+    them."""
+    labels = df["cell_label"].astype(object).where(df["cell_label"].notna(), df["cell_id"]).astype(str)
+    if "config_json" not in df or df.empty:
+        return labels
+    cells = df.assign(label_=labels)[["label_", "cell_id", "config_json"]].drop_duplicates("cell_id")
+    shared = cells[cells.groupby("label_")["cell_id"].transform("nunique").gt(1)]
+    extra: dict[str, str] = {}
+    for _, group in shared.groupby("label_"):
+        flats = {c: _flat(j) for c, j in zip(group["cell_id"], group["config_json"])}
+        keys = sorted({k for f in flats.values() for k in f})
+        differ = [k for k in keys if len({f.get(k) for f in flats.values()}) > 1]
+        for cell, f in flats.items():
+            if differ:
+                extra[cell] = " " + " ".join(f"{k}={f.get(k, 'null')}" for k in differ)
+    return labels + df["cell_id"].map(lambda cell: extra.get(cell, "")).astype(str)
+
+
+def _flat(config_json, prefix: str = "") -> dict[str, str]:
+    """A cell's config (its JSON, or a mapping of it) as dotted keys and their values' JSON; {} when unreadable."""
+    if isinstance(config_json, str):
+        try:
+            config_json = json.loads(config_json)
+        except ValueError:
+            return {}
+    if not isinstance(config_json, dict):
+        return {}
+    out: dict[str, str] = {}
+    for k, v in config_json.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = json.dumps(v, sort_keys=True, separators=(",", ":"))
+    return out
+
+
 def _value(v) -> str:
     return "default" if v is None else json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else str(v)
 

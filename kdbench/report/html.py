@@ -26,7 +26,7 @@ from kdbench.core.errors import KdbenchError
 from kdbench.core.limits import MAX_LOSS_ERR
 from kdbench.core.names import ALIGN, GENERATE, Measurement, Status
 from kdbench.core.schema import COLUMN_NAMES, ENVIRONMENT_COLUMNS
-from kdbench.report.charts import NOISY_NOTE, RATE_COLUMNS, THIN_NOTE, rates
+from kdbench.report.charts import NOISY_NOTE, RATE_COLUMNS, THIN_NOTE, distinct_cell_labels, rates
 from kdbench.report.compare.format import verdict_line
 from kdbench.report.compare.plots import draw_forest, draw_history
 from kdbench.report.compare.verdicts import Verdict
@@ -91,6 +91,7 @@ def render_report(
     make_folder(out_dir, "the report folder")
     df = df.reindex(columns=list(dict.fromkeys([*COLUMN_NAMES, *df.columns]))).reset_index(drop=True)
     df["run_id"] = df["run_id"].fillna("?")
+    df["cell_label"] = distinct_cell_labels(df)  # cells of other configs that share a label told apart
     states = states or {}
     suites = sorted(df["suite"].dropna().unique())
     has_quality = bool(df["measurement"].eq(Measurement.QUALITY).any())

@@ -129,6 +129,11 @@ def test_two_cells_of_one_pair_with_other_overrides_are_two_rows_named_by_them(t
     assert [r["prefill_speedup"] for r in serving_rows(table)] == ["4.00×", "1.33×"]
     page = render_report(as_read(rows), tmp_path).read_text(encoding="utf-8")
     assert "gpt2 → gpt2 (n_layer=1)" in page and "gpt2 → gpt2 (n_layer=2)" in page
+    # two runs, one per override, each labelled `gpt2->gpt2 ...` by its own plan: told apart by their configs
+    same_label = [r | {"cell_label": "gpt2->gpt2 forward_kl fp32 bs1 seq32", "run_id": r["cell_id"]} for r in rows]
+    page = render_report(as_read(same_label), tmp_path / "runs").read_text(encoding="utf-8")
+    labels = {html_lib.unescape(m) for m in re.findall(r"<td>(gpt2-&gt;gpt2 forward_kl[^<]*)</td>", page)}
+    assert labels == {f"gpt2->gpt2 forward_kl fp32 bs1 seq32 overrides.student.n_layer={n}" for n in (1, 2)}
     # one model name with one set of overrides everywhere is named as it is
     same = serving_table(as_read(_serving("one", (10.0, 40.0)) + _serving("two", (30.0, 40.0))))
     assert list(same["pair"]) == ["gpt2 → gpt2"] and list(same["cells"]) == [2]
