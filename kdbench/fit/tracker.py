@@ -151,9 +151,12 @@ class LiveBytes(TorchDispatchMode):
         if any(getattr(t, "__name__", "") == "DTensor" for t in types):
             return NotImplemented  # a DTensor's op runs again as ops on its local shards, which are counted
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._count(t)
+        if isinstance(out, torch.Tensor):  # most operators: one tensor, without pytree's walk (a cost per operator)
+            self._count(out)
+        else:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._count(t)
         extra = self.workspace(func, args, kwargs or {}) if self.workspace is not None else 0
         if extra:
             self._transient(extra)
