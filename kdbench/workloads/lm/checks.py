@@ -309,13 +309,13 @@ def topk_problems(config: CellConfig, tokens: list, vocabs: dict[str, int]) -> P
     """teacher.mode topk_cache (and offline): the sparse forward KL on the student's dense logits, k within the
     vocabulary."""
     problems: Problems = []
+    mode = config.teacher.mode
     if [m.name for m in tokens] != ["forward_kl"]:
         problems.append(
             (
                 ("method",),
                 f"teacher.mode {mode} trains on the forward KL over the teacher's top-k tokens: use method "
                 f"forward_kl{' (optionally +hidden_mse)' if mode == 'topk_cache' else ''}",
-    mode = config.teacher.mode
             )
         )
     if config.loss_impl != "dense":
