@@ -165,7 +165,8 @@ def test_an_offline_twin_of_a_live_cell_gets_its_saving_and_pay_back(tmp_path):
     suite = tiny_suite(
         name="offline",
         threads=2,
-        defaults=merged(TINY_LM, {"inference": {"batch_sizes": []}}),
+        # no time budget can cut a loop short (a thin row gets no twin): the pay-back is judged on any machine
+        defaults=merged(TINY_LM, {"inference": {"batch_sizes": []}, "timing": {"cell_budget_s": 86_400}}),
         matrix={"teacher": [{"mode": "live"}, {"mode": "offline", "k": 16, "store_tokens": 256}]},
     )
     path = write_suite(tmp_path / "s.yaml", **suite)
@@ -180,9 +181,7 @@ def test_an_offline_twin_of_a_live_cell_gets_its_saving_and_pay_back(tmp_path):
         abs(off["offline"] - off["live"]) < 2**20
         and offline["predicted_peak_bytes"] < df.loc["live", "predicted_peak_bytes"]
     )
-    if df["thin"].eq(True).any():  # a loop its time budget cut short (a busy machine): no twin is judged
-        assert math.isnan(offline["teacher_cache_saving_ms"]) and math.isnan(offline["offline_payback_epochs"])
-        return
+    assert not df["thin"].eq(True).any()
     saving = df.loc["live", "median_ms"] - offline["median_ms"]
     assert offline["teacher_cache_saving_ms"] == pytest.approx(saving)
     per_token = saving / offline["tokens"]
