@@ -28,12 +28,14 @@ project's rule); on a busier one the figures are printed and the verdict says it
 pass on the other processes' load.  A sweep's growth is otherwise looked for by counting, not timing:
 tests/unit/run/test_sweep_growth.py (objects, the worker's tables and the Python calls per cell stay flat).  300
 cells, not 400: at about 180 ms a tiny cell (the fit check included) the extra hundred would cost CI 18 s more of
-its 20 minutes, and three hundreds give the first and last hundred with one between.
+its 20 minutes, and three hundreds give the first and last hundred with one between (``KDBENCH_SWEEP_CELLS=400``
+runs the issue's 400, by hand).
 """
 
 import itertools
 import json
 import logging
+import os
 import statistics
 from pathlib import Path
 
@@ -45,7 +47,9 @@ from kdbench.store import read_results
 from tests.support.helpers import write_suite
 from tests.support.suites import tiny_suite
 
-CELLS = 300  # 400 until issue 32: a tiny cell costs ~180 ms with the fit check, and CI must stay under 20 min
+# 400 until issue 32: a tiny cell costs ~180 ms with the fit check, and CI must stay under 20 min; issue 45 asks
+# for 400: KDBENCH_SWEEP_CELLS=400 runs them (by hand, on an idle machine)
+CELLS = int(os.environ.get("KDBENCH_SWEEP_CELLS", "300"))
 BLOCK = 100
 
 
