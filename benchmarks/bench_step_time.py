@@ -49,9 +49,9 @@ from kdbench.hw.backends import resolve
 from kdbench.hw.contention import HostMeter
 from kdbench.measure.probe import measure_ceilings
 from kdbench.measure.probe_classes import measure_classes
-from kdbench.store.probes import ceiling_key
 from kdbench.measure.timing import timed_loop
 from kdbench.models import ModelCache
+from kdbench.store.probes import ceiling_key
 from kdbench.workloads import expand_checked, workload_of
 
 ROOT = Path(__file__).resolve().parent.parent
