@@ -62,7 +62,6 @@ class StepFamily(Protocol):
         """The teacher's outputs of the fixed batch in the family's compact form, the columns that say so, and its
         diagnostics (columns of what the form loses; None: none), called once the build is timed."""
 
-
     def offline_teacher(self, distiller: Distiller, config: CellConfig, run_dir: str | None) -> Any:
         """``teacher.mode: offline``: ``(x, y) -> (x, y, the stored teacher outputs)``, the next batch read ahead (the
         fixed batch is ignored but by a fit's fake run), with ``columns()`` and ``close()``."""
