@@ -98,6 +98,26 @@ def foreground_run(cmd: list[str], **kwargs):
     )
 
 
+def press_ctrl_c(proc, timeout_s: float = 60) -> tuple[str, str]:
+    """What Ctrl-C does to a :func:`foreground_run` job: SIGINT to its whole process group; then its stdout and
+    stderr once it has ended (within ``timeout_s``)."""
+    import os
+    import signal
+
+    os.killpg(proc.pid, signal.SIGINT)
+    return proc.communicate(timeout=timeout_s)
+
+
+def kill_group(proc) -> None:
+    """A :func:`foreground_run` job still running (a test that failed before it ended): SIGKILL to its group."""
+    import os
+    import signal
+
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
 def write_suite(path: Path, **top) -> Path:
     """A suite file from top-level keys (``yaml.safe_dump``)."""
     path.write_text(yaml.safe_dump(top, sort_keys=False))

@@ -12,7 +12,7 @@ import time
 
 import psutil
 
-from tests.support.helpers import foreground_run, write_suite
+from tests.support.helpers import foreground_run, kill_group, press_ctrl_c, write_suite
 from tests.support.suites import tiny_suite
 
 
@@ -53,12 +53,9 @@ def test_ctrl_c_while_the_worker_imports_torch_prints_no_traceback(tmp_path):
         assert worker is not None, "no worker process was seen"
         ignored = _sigint_ignored(worker.pid)  # from its first instruction, before it imports anything
         time.sleep(0.2)  # the worker is importing torch now (seconds, even on an idle machine)
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole foreground group
-        out, err = proc.communicate(timeout=60)
+        out, err = press_ctrl_c(proc)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+        kill_group(proc)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert proc.returncode == 130, out[-2000:] + err
     assert "interrupted" in err and "resume with" in err, err

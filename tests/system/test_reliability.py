@@ -12,7 +12,7 @@ import pytest
 
 from kdbench.cli import main
 from kdbench.store import read_results
-from tests.support.helpers import foreground_run, run_folder, write_suite
+from tests.support.helpers import foreground_run, kill_group, press_ctrl_c, run_folder, write_suite
 from tests.support.paths import ROOT, SUPPORT
 from tests.support.suites import RESNET8, tiny_suite
 
@@ -136,11 +136,9 @@ def test_ctrl_c_keeps_stored_cells_and_prints_the_resume_command(tmp_path):
         while time.monotonic() < deadline and proc.poll() is None and not _stored_cells(out):
             time.sleep(0.2)
         finished_first = proc.poll()  # not None: the run ended before any cell was seen stored
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole foreground group
-        out_text, err = proc.communicate(timeout=60)
+        out_text, err = press_ctrl_c(proc)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc)
     assert proc.returncode == 130, (finished_first, _stored_cells(out), out_text[-2000:], err)
     assert "--resume" in err and "Traceback" not in err
     stored = set(_stored_cells(out))

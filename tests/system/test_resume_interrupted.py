@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
 
 import pyarrow.parquet as pq
 
-from tests.support.helpers import foreground_run, run_folder, write_suite
+from tests.support.helpers import foreground_run, kill_group, press_ctrl_c, run_folder, write_suite
 from tests.support.paths import ROOT
 from tests.support.suites import tiny_suite
 
@@ -40,12 +39,9 @@ def test_a_repeat_3_run_interrupted_and_resumed_with_the_printed_command_has_thr
         while time.monotonic() < deadline and proc.poll() is None and not _parts(out):
             time.sleep(0.1)
         assert proc.poll() is None, "the run ended before it could be interrupted"
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole foreground group
-        _, err = proc.communicate(timeout=60)
+        _, err = press_ctrl_c(proc)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+        kill_group(proc)
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     stored = len(_parts(out))
