@@ -83,6 +83,15 @@ def _conv_kind(op: str) -> str | None:
     return None
 
 
+def _rate_kinds(r: Record) -> tuple[str, ...]:
+    """The probe's class rates that may price record ``r``'s FLOPs, the first the probe has winning: a convolution's
+    backward its own (``conv_backward``, ``conv_grouped_backward``), else its forward's; attention its own."""
+    kind = _conv_kind(r.op)
+    if kind:
+        return (f"{kind}{_BACKWARD}", kind) if _BACKWARD in r.op else (kind,)
+    return ("attention",) if r.cls == ATTENTION else ()
+
+
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 # --- the launch floor -------------------------------------------------------------------------------------------
@@ -171,7 +180,8 @@ class Rates:
     first_touch: float | None = None  # GB/s of writing pages the OS maps anew (a CPU's; None: not priced)
     sources: Mapping[str, str] = field(default_factory=dict)
     # The probe's per-class rates (kdbench.measure.probe_classes), by torch dtype name; empty for a table device
-    class_peaks: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # attention, conv, conv_grouped
+    # attention, conv, conv_grouped, conv_backward, conv_grouped_backward
+    class_peaks: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     exp: Mapping[str, float] = field(default_factory=dict)  # Gelem/s of a vectorised exp
     elementwise: Mapping[str, float] = field(default_factory=dict)  # GB/s of an elementwise kernel
     floors: Mapping[str, float] = field(default_factory=dict)  # us per bare call: op, conv, conv_backward
@@ -183,10 +193,12 @@ class Rates:
 
     def peak_of(self, r: Record) -> float:
         """TFLOP/s of record ``r``'s FLOPs: its class's measured rate where the probe has one (attention, a dense or
-        a grouped convolution, in its dtype), else the matmul's."""
-        kind = _conv_kind(r.op) or ("attention" if r.cls == ATTENTION else None)
-        found = self.class_peaks.get(kind, {}).get(r.dtype) if kind else None
-        return found if found else self.peak(r.dtype)
+        a grouped convolution or their backwards, in its dtype: :func:`_rate_kinds`), else the matmul's."""
+        for kind in _rate_kinds(r):
+            found = self.class_peaks.get(kind, {}).get(r.dtype)
+            if found:
+                return found
+        return self.peak(r.dtype)
 
     def launch_of(self, r: Record) -> float:
         """Microseconds of one call of ``r``'s operator beyond its roofline: the launch floor, plus what a bare call of
@@ -272,7 +284,8 @@ def with_classes(rates: Rates, ceiling: Mapping[str, Any]) -> Rates:
         found = {PRECISION_DTYPE[p]: ceiling.get(f"{kind}_{p}") for p in PRECISION_DTYPE}
         return {d: float(v) for d, v in found.items() if v}
 
-    classes = {k: by_dtype(k) for k in ("attention", "conv", "conv_grouped")}
+    kinds = ("attention", "conv", "conv_grouped", "conv_backward", "conv_grouped_backward")
+    classes = {k: by_dtype(k) for k in kinds}
     floors = {k: float(ceiling[f"launch_{k}"]) for k in ("op", "conv", "conv_backward") if ceiling.get(f"launch_{k}")}
     extra = {
         "class_peaks": {k: v for k, v in classes.items() if v},

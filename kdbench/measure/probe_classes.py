@@ -15,6 +15,10 @@ the timed calls):
   them (the causal pairs), ``TFLOP/s``;
 * ``conv`` and ``conv_grouped``: a 3 x 3 convolution, dense and depthwise (groups = channels), forward,
   ``TFLOP/s``;
+* ``conv_backward`` and ``conv_grouped_backward``: the same convolutions' backward (``aten.convolution_backward``:
+  the input's and the weight's gradients, FLOPs as :mod:`kdbench.measure.flops` counts them, twice the forward's),
+  ``TFLOP/s``: a CPU's backward kernels are not its forward's (oneDNN's depthwise backward ran at about a ninth of
+  its forward's rate in fp32 on kdbench's CI machine type, 4.2 against 37 GFLOP/s);
 * ``launch``: the time of one call of a tiny operator (``op``: an add of two 1-element tensors; ``conv`` and
   ``conv_backward``: a 1 x 1 convolution of one 8-channel pixel and its backward), microseconds (``us``): what a
   call costs beyond its arithmetic and bytes.
@@ -25,6 +29,7 @@ Each is measured at a fixed, stated shape (:data:`SHAPES`): a rate, not a fit to
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -40,6 +45,8 @@ SHAPES = {
     "attention": "batch 2, 8 heads, 512 tokens, head 64, causal",
     "conv": "batch 32, 64 -> 64 channels, 16 x 16, 3 x 3, padding 1",
     "conv_grouped": "batch 32, 96 channels in 96 groups, 16 x 16, 3 x 3, padding 1",
+    "conv_backward": "conv's, its input's and weight's gradients",
+    "conv_grouped_backward": "conv_grouped's, its input's and weight's gradients",
     "launch": "1 element (op); batch 1, 8 channels, 1 x 1 (conv, conv_backward)",
 }
 UNITS = {
@@ -48,6 +55,8 @@ UNITS = {
     "attention": "TFLOP/s",
     "conv": "TFLOP/s",
     "conv_grouped": "TFLOP/s",
+    "conv_backward": "TFLOP/s",
+    "conv_grouped_backward": "TFLOP/s",
     "launch": "us",
 }
 
@@ -106,12 +115,19 @@ def _attention(dtype, device, scale):
     return fn, float(count_flops(fn)), q.numel()
 
 
-def _conv(dtype, device, groups: int, channels: int, scale):
+def _conv(dtype, device, groups: int, channels: int, scale, backward: bool = False):
     x = torch.randn(32 * scale, channels, 16, 16, device=device).to(dtype)
     w = torch.randn(channels, channels // groups, 3, 3, device=device).to(dtype)
 
     def fn():
         return torch.nn.functional.conv2d(x, w, None, 1, 1, 1, groups)
+
+    if backward:  # the gradients of the input and the weight, as a step's backward asks for them (no bias)
+        grad, mask = torch.randn_like(fn()), [True, True, False]
+
+        def fn():
+            conv = torch.ops.aten.convolution_backward
+            return conv(grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], groups, mask)
 
     return fn, float(count_flops(fn)), x.numel()
 
@@ -143,6 +159,9 @@ def measure_classes(
         rows.append(_rate("attention", d, lambda t, dev: _attention(t, dev, scale), backend, times))
         rows.append(_rate("conv", d, lambda t, dev: _conv(t, dev, 1, 64, scale), backend, times))
         rows.append(_rate("conv_grouped", d, lambda t, dev: _conv(t, dev, 96, 96, scale), backend, times))
+        for kind, groups, channels in (("conv_backward", 1, 64), ("conv_grouped_backward", 96, 96)):
+            build = partial(_conv, groups=groups, channels=channels, scale=scale, backward=True)
+            rows.append(_rate(kind, d, build, backend, times))
     rows += _launch_floors(backend, times)
     return rows
 

@@ -358,6 +358,24 @@ def test_convolutions_take_their_class_rate_and_floor_and_attention_its_own():
     assert predict_step_time(Census((half,)), rates).ms == pytest.approx(1e9 / 0.4e12 * 1e3 + (floor + 4.0) / 1e3)
 
 
+def test_a_convolutions_backward_takes_the_probes_backward_rate_where_it_has_one():
+    probe = {**CLASSES_PROBE, "conv_backward_fp32": 0.05, "conv_grouped_backward_fp32": 0.0005}
+    rates = rates_from_probe(probe, "fp32")
+    assert rates.class_peaks["conv_backward"] == {"float32": 0.05}
+    assert rates.class_peaks["conv_grouped_backward"] == {"float32": 0.0005}
+    flops, floor = 10**9, rates.launch_us
+    back = Record("aten.convolution_backward", C.MATMUL, "backward", "float32", flops=flops, launches=1)
+    grouped = dataclasses.replace(back, op="aten.convolution_backward" + C.GROUPED)
+    forward = dataclasses.replace(back, op="aten.convolution", phase="student_forward")
+    ms = {r.op: predict_step_time(Census((r,)), rates).ms for r in (back, grouped, forward)}
+    assert ms["aten.convolution_backward"] == pytest.approx(1e9 / 0.05e12 * 1e3 + (floor + 12.0) / 1e3)
+    assert ms["aten.convolution_backward(grouped)"] == pytest.approx(1e9 / 0.0005e12 * 1e3 + (floor + 12.0) / 1e3)
+    assert ms["aten.convolution"] == pytest.approx(1e9 / 0.1e12 * 1e3 + (floor + 4.0) / 1e3)  # its forward's, still
+    # a backward in a dtype the probe has no backward rate for: the forward's of that dtype (bf16's conv 0.3)
+    half = dataclasses.replace(back, dtype="bfloat16")
+    assert predict_step_time(Census((half,)), rates).ms == pytest.approx(1e9 / 0.3e12 * 1e3 + (floor + 12.0) / 1e3)
+
+
 def test_the_census_names_a_grouped_convolution_apart(one_thread):
     x = torch.randn(2, 8, 6, 6, requires_grad=True)
     dense, depthwise = torch.randn(8, 8, 3, 3, requires_grad=True), torch.randn(8, 1, 3, 3, requires_grad=True)

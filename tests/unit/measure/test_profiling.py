@@ -841,6 +841,8 @@ def test_the_class_rates_are_their_work_over_the_fast_time(cpu):
         ("attention", "fp32"),
         ("conv", "fp32"),
         ("conv_grouped", "fp32"),
+        ("conv_backward", "fp32"),
+        ("conv_grouped_backward", "fp32"),
         ("launch", "op"),
         ("launch", "conv"),
         ("launch", "conv_backward"),
@@ -852,6 +854,9 @@ def test_the_class_rates_are_their_work_over_the_fast_time(cpu):
     )
     assert got["conv", "fp32"]["value"] == pytest.approx(conv / 0.004 / 1e12)
     assert got["conv_grouped", "fp32"]["value"] == pytest.approx(conv * 96 * 96 / 64 / 64 / 96 / 0.004 / 1e12)
+    # the backwards: the input's and the weight's gradients, twice the forward's FLOPs (grouped ones too)
+    assert got["conv_backward", "fp32"]["value"] == pytest.approx(2 * conv / 0.004 / 1e12)
+    assert got["conv_grouped_backward", "fp32"]["value"] == pytest.approx(2 * conv * 96 / 64 / 64 / 0.004 / 1e12)
     assert all(r["unit"] == "us" and r["value"] == 4000.0 for k, r in got.items() if k[0] == "launch")
     assert all(r["error"] is None and r["median_ms"] == 5.0 for r in rows)
 
