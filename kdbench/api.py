@@ -187,6 +187,7 @@ def fit(
     prices: dict[str, float] | None = None,
     budget: Budget | None = None,
     progress: Callable[[str], None] | None = None,
+    epochs: float | None = None,
 ) -> FitReport:
     """Will it fit, and what will it cost (``kdbench fit``): each cell's peak memory per rank predicted by a fake
     run of its own step, judged against ``device`` and, with ``max_key`` (``batch_size`` or ``seq_len``), the
@@ -200,8 +201,10 @@ def fit(
     of the report's text as it is known (the command line prints it); ``prices``: US dollars per device-hour by
     device name (the table's otherwise); ``budget``: a :class:`kdbench.fit.cost.Budget` as the command line parses
     one, instead of ``tokens`` or ``steps``; ``progress`` gets a line before each fake run (what it tries, the time
-    so far: the command line prints them to stderr).  The :class:`kdbench.fit.cells.FitReport` has each cell's
-    prediction, verdicts, sizes and step times, its text and its JSON record."""
+    so far: the command line prints them to stderr); ``epochs``: passes over a budget of ``tokens`` (default 1),
+    for an LM cell's offline-teacher block (:mod:`kdbench.fit.offline`: disk, build, saving, pay-back, memory freed,
+    the E-epoch totals).  The :class:`kdbench.fit.cells.FitReport` has each cell's prediction, verdicts, sizes and
+    step times, its text and its JSON record."""
     from kdbench.config.schema import Suite
     from kdbench.core.devices import find_card
     from kdbench.core.errors import KdbenchError
@@ -233,8 +236,9 @@ def fit(
     device_type = "cpu" if kind == "cpu" else "cuda"
     one = devices[0] if len(devices) == 1 else devices or None
     return fit_cells(
-        cells, one, device_type, max_key, allow_imports, talk, budget=budget, prices=by_card, progress=progress
-    )
+        cells, one, device_type, max_key, allow_imports, talk, budget=budget, prices=by_card, progress=progress,
+        epochs=epochs,
+    )  # fmt: skip
 
 
 def budget_checks(results: Iterable[str | Path], judge_contended: bool = False) -> list[BudgetCheck]:

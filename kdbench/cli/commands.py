@@ -404,6 +404,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     report = api.fit(
         cells, devices or None, args.max, bool(args.allow_imports), talk=lambda line: print(line, flush=True),
         budget=budget, prices=prices, progress=lambda line: print(line, file=sys.stderr, flush=True),
+        epochs=args.epochs,
     )  # fmt: skip
     if args.out is not None:
         from kdbench.store.files import write_text

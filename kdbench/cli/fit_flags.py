@@ -139,6 +139,19 @@ def add_fit(sub) -> None:
         help="a training budget of N steps (any cell), as --tokens",
     )
     fit.add_argument(
+        "--epochs",
+        type=number(float, "--epochs", 0, above=True),
+        default=None,
+        metavar="E",
+        help="passes over the corpus of --tokens N (default 1; a positive number): an LM cell gets an offline-teacher "
+        "block per --gpu, the teacher's top-k stored on disk (teacher: {mode: offline}) against the live teacher: "
+        "the store's disk bytes for N tokens at the cell's encoding (kdbench's default offline encoding for a live "
+        "cell), the build's hours (N x the live step's predicted teacher_forward per token; the LM head where the "
+        "loss applies it, top-k, encode and writes not counted), the predicted saving a step (each twin from its own "
+        "fake run), the epochs that repay the build (or never), the teacher memory freed (the twins' predicted "
+        "peaks) and both twins' device-hours and cost over E epochs",
+    )
+    fit.add_argument(
         "--price",
         action="append",
         type=_price,

@@ -29,6 +29,7 @@ from kdbench.core.errors import KdbenchError
 from kdbench.core.sizes import gib
 from kdbench.fit.cost import SAMPLES, TOKENS, Budget, DeviceTime, device_time, missing_figure, step_items
 from kdbench.fit.devices import usable as usable_memory
+from kdbench.fit.offline import check_epochs, offline_block
 from kdbench.fit.verdict import (
     FITS,
     SIZE_KEYS,
@@ -90,6 +91,7 @@ class FitReport:
     lines: list[str]  # the whole text: header, each cell's lines, the summary
     devices: list[Device] = field(default_factory=list)  # every device, in the order given
     budget: Budget | None = None
+    epochs: float | None = None  # passes over a budget of tokens (the offline-teacher block's; None: 1)
 
     @property
     def outcomes(self) -> dict[str, int]:
@@ -126,6 +128,8 @@ class FitReport:
         type and every cell's record."""
         devices = [_device_record(d) for d in self.devices]
         budget = None if self.budget is None else {"kind": self.budget.kind, "amount": self.budget.amount}
+        if budget is not None and self.budget.kind == TOKENS:
+            budget["epochs"] = 1 if self.epochs is None else self.epochs
         return {
             "device": devices[0] if devices else None,
             "devices": devices,
@@ -242,13 +246,15 @@ def fit_cells(
     budget: Budget | None = None,
     prices: Mapping[str, float] | None = None,
     progress: Callable[[str], None] | None = None,
+    epochs: float | None = None,
 ) -> FitReport:
     """Predict every cell for ``device_type``, judge it against each of ``device`` (one or several; None:
     predictions only) and, with ``max_key`` (``batch_size`` or ``seq_len``), find the largest size that fits; on
     each GPU of the device table, price its step (:mod:`.cost`) and, with ``budget``, the budget's device-hours at
     the table's price or ``prices`` (card name -> USD per device-hour); ``talk`` gets each line of the text as it
     is known; ``progress`` a line before each fake run (:class:`FakeRuns`).  ``predictor`` (a stand-in's) serves
-    every device."""
+    every device.  With a budget of tokens, an LM cell also gets the offline-teacher decision for a corpus of that
+    many tokens over ``epochs`` passes (1 if None; :mod:`.offline`): one more fake run, its twin's."""
     devices = [] if device is None else list(device) if isinstance(device, Sequence) else [device]
     if max_key is not None and max_key not in SIZE_KEYS:
         raise KdbenchError(f"max_key {max_key}: not a size key; it takes {' or '.join(SIZE_KEYS)}")
@@ -260,6 +266,7 @@ def fit_cells(
         )
     cells = as_cells(cells)
     check_budget(cells, devices, budget)
+    check_epochs(epochs, budget)
     if predictor is not None:
         predictors = [predictor] * max(1, len(devices))
         runs: Callable[[], int] = lambda: predictor.runs  # noqa: E731
@@ -284,16 +291,18 @@ def fit_cells(
         say("no device given: predictions only (--gpu or --device-memory), a GPU's BLAS workspaces not in the peaks")
     if budget is not None:
         say(f"budget {budget.given}: device-hours = steps x predicted step time x world_size, at each device's price")
+    if epochs is not None:
+        say(f"epochs {epochs:g}: an LM cell's offline-teacher block totals {epochs:g} passes over the {budget.text()}")
     began = time.perf_counter()
     fitted = []
     for i, cell in enumerate(cells, 1):
         title = f"[{i}/{len(cells)}] {cell.label}  (cell {cell.cell_id})"
         if predictor is None:
             shared.cell = (f"{i}/{len(cells)}", cell.config)
-        fitted.append(_fit_cell(cell, devices, max_key, predictors, title, say, budget, prices or {}))
+        fitted.append(_fit_cell(cell, devices, max_key, predictors, title, say, budget, prices or {}, epochs))
     report = FitReport(
         devices[0] if devices else None, device_type, fitted, runs(), time.perf_counter() - began, lines,
-        devices, budget,
+        devices, budget, epochs,
     )  # fmt: skip
     say(report.summary())
     return report
@@ -342,9 +351,10 @@ def _fit_cell(
     say: Callable[[str], None],
     budget: Budget | None,
     prices: Mapping[str, float],
+    epochs: float | None = None,
 ) -> CellFit:
     """Predict one cell, write its lines, judge it against each device, size it with ``max_key`` and price its
-    step on each GPU of the table."""
+    step on each GPU of the table (with a budget of tokens, an LM cell's offline-teacher decision too)."""
     from kdbench.workloads import workload_of
 
     config = cell.config
@@ -403,6 +413,8 @@ def _fit_cell(
         if out.verdict is None:
             out.verdict, out.record["verdict"] = verdict, record
     _step_times(out, devices, predictors, budget, prices, line)
+    if budget is not None and budget.kind == TOKENS:
+        offline_block(out, devices, predictors, budget, 1 if epochs is None else epochs, prices, line)
     if max_key:
         out.record["largest"] = []
         variants = impls_to_size(config)

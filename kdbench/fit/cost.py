@@ -46,7 +46,7 @@ class Budget:
     given: str  # "--tokens 10B": the flag and the text, for messages
 
     def text(self) -> str:
-        return f"{_count(self.amount)} {self.kind}"
+        return f"{count_text(self.amount)} {self.kind}"
 
 
 def parse_tokens(text: str, flag: str = "--tokens") -> Budget:
@@ -151,16 +151,17 @@ class DeviceTime:
         if self.ms is None:
             return f"no step time: {self.missing}"
         phases = ", ".join(f"{k} {v:.0%}" for k, v in self.shares().items() if v >= 0.005)
-        parts = [f"{_ms(self.ms)} a step ({phases})", f"{_count(self.per_s)} {self.unit}/s"]
+        parts = [f"{ms_text(self.ms)} a step ({phases})", f"{count_text(self.per_s)} {self.unit}/s"]
         if self.budget is not None and self.steps is not None:
-            hours = f"{self.budget.text()}: " + (f"{_count(self.steps)} steps, " if self.budget.kind != STEPS else "")
+            steps = f"{count_text(self.steps)} steps, " if self.budget.kind != STEPS else ""
+            hours = f"{self.budget.text()}: {steps}"
             if self.world_size > 1:
-                hours += f"{_figure(self.wall_hours)} h x {self.world_size} devices = "
-            hours += f"{_figure(self.device_hours)} device-hours"
+                hours += f"{figure_text(self.wall_hours)} h x {self.world_size} devices = "
+            hours += f"{figure_text(self.device_hours)} device-hours"
             if self.price is None:
                 hours += f", no price for {self.device} (give --price {_price_flag(self.device)}=USD_PER_HOUR)"
             else:
-                hours += f", ${_figure(self.cost)} at ${self.price:,.2f}/device-hour"
+                hours += f", ${figure_text(self.cost)} at ${self.price:,.2f}/device-hour"
             parts.append(hours)
         return "; ".join(parts)
 
@@ -219,7 +220,7 @@ def device_time(
     return out
 
 
-def _ms(ms: float) -> str:
+def ms_text(ms: float) -> str:
     return f"{ms / 1e3:,.2f} s" if ms >= 1e4 else f"{ms:,.1f} ms" if ms >= 10 else f"{ms:,.2f} ms"
 
 
@@ -244,12 +245,12 @@ def other_devices(prediction: Any, config: CellConfig, names: tuple[str, ...] = 
     return json.dumps(out) if out else None
 
 
-def _figure(x: float) -> str:
+def figure_text(x: float) -> str:
     """Hours or dollars: 1,234 / 12.35 / 0.0421 (three significant digits below 1)."""
     return f"{x:,.0f}" if x >= 100 else f"{x:,.2f}" if x >= 1 else f"{x:.3g}"
 
 
-def _count(n: float | None) -> str:
+def count_text(n: float | None) -> str:
     """1,234 / 12.3M / 4.56B: a count as people read one (as --tokens takes it)."""
     if n is None:
         return "-"

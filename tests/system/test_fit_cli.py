@@ -508,6 +508,19 @@ def test_fit_prices_each_gpu_side_by_side_from_one_fake_run(tmp_path, capsys):
             "--price MI300X=2: MI300X is not one of the --gpu devices (H100 80GB); add --gpu MI300X",
         ),
         (["--gpu", "H100", "--tokens", "1B", "--price", "H1000=2"], "--price H1000=2: unknown device 'H1000'; "),
+        # the offline-teacher block's passes over the corpus (issue 44)
+        (["--gpu", "H100", "--tokens", "1B", "--epochs", "0"], "--epochs: must be > 0, got 0"),
+        (["--gpu", "H100", "--tokens", "1B", "--epochs", "-1"], "--epochs: must be > 0, got -1"),
+        (["--gpu", "H100", "--tokens", "1B", "--epochs", "abc"], "--epochs: expected a number, got 'abc'"),
+        (["--gpu", "H100", "--tokens", "1B", "--epochs", "inf"], "--epochs: expected a finite number, got 'inf'"),
+        (
+            ["--gpu", "H100", "--epochs", "3"],
+            "--epochs 3: counts passes over a corpus of --tokens N; add --tokens N, the corpus's size",
+        ),
+        (
+            ["--gpu", "H100", "--steps", "5", "--epochs", "2.5"],
+            "--epochs 2.5: counts passes over a corpus of --tokens N (--steps 5 counts steps); add --tokens N",
+        ),
     ],
 )
 def test_fit_mistakes_are_one_line_naming_the_flag(argv, message, suite, tmp_path, capsys):
