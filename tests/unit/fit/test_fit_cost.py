@@ -184,7 +184,9 @@ def test_several_devices_share_one_fake_run_per_cell_and_each_gets_its_step(monk
     devices = [find_device(n, live=False) for n in ("H100", "MI300X", "T4")]
     lines: list[str] = []
     report = fit_cells([lm(), lm(batch_size=4)], devices, "cuda", talk=lines.append, budget=parse_tokens("1B"))
-    assert calls == [2, 4] and report.runs == 2  # one fake run a cell, three devices judged and priced on it
+    # one fake run a cell and one of its offline twin (a budget of tokens' offline-teacher block), three devices
+    # judged and priced on them
+    assert calls == [2, 2, 4, 4] and report.runs == 4
     first = report.cells[0]
     assert list(first.verdicts) == ["H100 80GB", "MI300X", "T4"]
     # each device's own runtime over the same fake run: MI300X's hipBLAS workspaces are larger than the H100's
@@ -197,10 +199,13 @@ def test_several_devices_share_one_fake_run_per_cell_and_each_gets_its_step(monk
     ]  # fmt: skip
     assert any(line.startswith("      H100 80GB: fits (") for line in lines)
     assert any(line.startswith("      1B tokens: cheapest ") and "fastest " in line for line in lines)
-    assert report.summary().startswith("2 cells: H100 80GB 2 fits; MI300X 2 fits; T4 2 fits; 2 fake runs in ")
+    # the stand-in's twins predict the same step: the offline one saves nothing, and never pays back
+    assert any(line.startswith("      offline teacher on MI300X ") and "never pays back" in line for line in lines)
+    assert report.summary().startswith("2 cells: H100 80GB 2 fits; MI300X 2 fits; T4 2 fits; 4 fake runs in ")
     record = report.record()
     assert [d["name"] for d in record["devices"]] == ["H100 80GB", "MI300X", "T4"]
-    assert record["devices"][1]["price_per_hour"] == 3.45 and record["budget"] == {"kind": TOKENS, "amount": 10**9}
+    assert record["devices"][1]["price_per_hour"] == 3.45
+    assert record["budget"] == {"kind": TOKENS, "amount": 10**9, "epochs": 1}
     assert [s["device"] for s in record["cells"][0]["step_time"]] == ["H100 80GB", "MI300X", "T4"]
     assert record["cells"][0]["prediction"]["census"] == {"backward": {"matmul/conv": {
         "flops": 10**12, "bytes": 2 * 10**8, "launches": 1}}}  # fmt: skip
