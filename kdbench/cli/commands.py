@@ -19,7 +19,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "device": args.device,
         "threads": args.threads,
         "profile": True if args.profile else None,
-        "fit_check": False if args.no_fit_check else None,
+        "fit_check": False if args.no_fit_check else {"true": True, "false": False}.get(args.fit_check, args.fit_check),
         "cell_timeout_s": args.cell_timeout,
         "allow_imports": True if args.allow_imports else None,
     }

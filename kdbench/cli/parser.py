@@ -178,12 +178,21 @@ def build_parser() -> argparse.ArgumentParser:
         "timing) under OUT/traces/<run id>/, and list its top operators in the report; as "
         "`profile: true`",
     )
-    run.add_argument(
+    fit = run.add_mutually_exclusive_group()
+    fit.add_argument(
         "--no-fit-check",
         action="store_true",
         help="leave out the fit planner's prediction beside each step's measured peak (a fake run and one "
         "profiled step per cell: tens of ms for a tiny cell, seconds for a ResNet on the CPU); the rows say so; "
-        "as `fit_check: false`",
+        "as `fit_check: false` and `--fit-check false`",
+    )
+    fit.add_argument(
+        "--fit-check",
+        choices=("true", "false", "auto"),
+        default=None,
+        help="as `fit_check: true | false | auto` (default: the suite's, true): auto skips the check of a cell "
+        "whose timed loop took less wall time than the last fit check of a cell of the same pair in its worker "
+        "(the first one is checked, data-parallel cells always are); the row's notes and fit_check column say so",
     )
     run.add_argument(
         "--judge-contended",

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, create_model, field_validator, model_validator
 
-from kdbench.config.base import Strict
+from kdbench.config.base import FitCheck, Strict
 from kdbench.config.budgets import Budget
 from kdbench.config.optimizer import OptimizerConfig
 from kdbench.config.quality import QualityConfig
@@ -446,8 +446,9 @@ class Suite(Strict):
     cell_timeout_s: float = Field(3600.0, gt=0, le=7 * 86_400)
     profile: bool = False  # a torch.profiler trace of every cell's step (as --profile)
     # The fit planner's prediction beside every step's measured peak (kdbench.fit.columns); `false` (as
-    # --no-fit-check) saves its cost, a fake run and one profiled step per cell, and says so on the rows.
-    fit_check: bool = True
+    # --no-fit-check) saves its cost, a fake run and one profiled step per cell; `auto` (--fit-check auto) skips it
+    # where a cell's timed loop was shorter than its pair's last fit check in the worker; the rows say so (docs/fit.md)
+    fit_check: FitCheck = True
     repeat: int = Field(1, ge=1, le=100)  # measure every cell this many times, each round in fresh workers
     # A precision measured at least 3x slower than fp32 here (kdbench.hw.speed): `measure` warns and measures
     # its cells; `skip` stores them as skipped, saying how much slower, so a quick suite stays quick.

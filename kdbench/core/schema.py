@@ -859,6 +859,15 @@ COLUMNS: tuple[Column, ...] = (
         ),
         ("fit_seconds", _F, "s", "what the fit planner's fake run of the step took"),
         (
+            "fit_check",
+            _S,
+            "",
+            "distill_step rows: what became of the cell's fit check (the suite's `fit_check`): `checked` (the "
+            "planner's prediction and the live peak beside it), `off` (`fit_check: false`, --no-fit-check) or "
+            "`skipped (auto)` (`fit_check: auto` and a timed loop shorter than the pair's last fit check in its "
+            "worker: the note says both times)",
+        ),
+        (
             "live_peak_bytes",
             _I,
             "bytes",

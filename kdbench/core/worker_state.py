@@ -15,6 +15,8 @@ job after job.  A few facts outlive a measurement, and each belongs to the worke
   (:mod:`kdbench.measure.telemetry`);
 * ``unwritable_slowdowns``: slow-precision measurements a cache file refused to store
   (:mod:`kdbench.hw.speed`);
+* ``fit_check_s``: per pair (teacher, student), what its last cell's fit check took, the yardstick of
+  ``fit_check: auto`` (:func:`kdbench.measure.step.auto_fit_skip`);
 * ``finished_rows`` and ``rows_listener``: the rows the running job has finished so far (the quality job's, model
   by model: :func:`finished`), and the hook that sends them to the engine, so a job whose worker dies keeps them.
 
@@ -40,6 +42,7 @@ class WorkerState:
     inference_flops: dict[tuple, int] = field(default_factory=dict)
     telemetry_readers: dict[tuple, Any] = field(default_factory=dict)
     unwritable_slowdowns: dict[tuple[str, str, str], Any] = field(default_factory=dict)
+    fit_check_s: dict[tuple[str, str], float] = field(default_factory=dict)
     finished_rows: list[dict[str, Any]] = field(default_factory=list)
     rows_listener: Callable[[list[dict[str, Any]]], Any] | None = None
 

@@ -25,6 +25,7 @@ from torch import nn
 from kdbench.config.schema import CellConfig
 from kdbench.core.names import AUTOGRAD, FIT_NOTE, LEAD_PHASES, PHASES, REMAINDER_COLUMN, Measurement, Status
 from kdbench.core.schema import Row
+from kdbench.core.worker_state import current
 from kdbench.distill.step import DistillStep
 from kdbench.hw.backends import Backend, math_flags, math_mode
 from kdbench.measure import walltime
@@ -37,6 +38,9 @@ from kdbench.measure.timing import RawTiming
 from kdbench.measure.trace import trace
 from kdbench.models import count_params
 
+# The step row's ``fit_check`` column: what became of its fit check (kdbench.run.cell writes it)
+FIT_CHECKED, FIT_CHECK_AUTO_SKIPPED, FIT_CHECK_OFF = "checked", "skipped (auto)", "off"
+
 
 @dataclass(frozen=True)
 class MeasureOptions:
@@ -44,7 +48,9 @@ class MeasureOptions:
 
     trace_dir: str | None = None  # write a torch.profiler Chrome trace of each cell's step here
     run_dir: str | None = None  # the run's folder: TunableOp's results file is kept there
-    fit_check: bool = True  # the fit planner's prediction beside the step's measured peak (the suite's fit_check)
+    # the fit planner's prediction beside the step's measured peak (the suite's fit_check): True, False or "auto"
+    # (:func:`auto_fit_skip`)
+    fit_check: bool | str = True
     ceiling: dict | None = None  # the run's newest probe of this device (store.probes.latest_ceiling): the step's rates
 
 
@@ -59,6 +65,27 @@ class StepWorkload(Protocol):
     def tokens(self, measurement: Measurement, batch_size: int, config: CellConfig) -> int | None: ...
 
     def step_columns(self, step: DistillStep, config: CellConfig, x: torch.Tensor) -> tuple[Row, tuple[str, ...]]: ...
+
+
+def pair_key(config: CellConfig) -> tuple[str, str]:
+    """What makes two cells' fit checks comparable under ``fit_check: auto``: their pair (the fit planner's fake run
+    costs what the models' graphs cost; one more step, what the cell's step costs)."""
+    return config.pair.teacher, config.pair.student
+
+
+def auto_fit_skip(config: CellConfig, raw: RawTiming, dp: DataParallel | None) -> str | None:
+    """Under ``fit_check: auto``, why this cell skips its fit check (None: it is checked): its timed loop took less
+    wall time than the last fit check of a cell of the same pair in this worker (``WorkerState.fit_check_s``, both
+    halves: the live peak's extra step and the planner's fake run).  The first such cell of a worker is checked, and
+    its check's cost is what the next ones are held to; a data-parallel cell is always checked (its ranks must agree,
+    and the live peak's step runs the collectives)."""
+    last = current().fit_check_s.get(pair_key(config))
+    if dp is not None or last is None or not raw.window_s:
+        return None
+    loop_s = raw.window_s[1] - raw.window_s[0]
+    if loop_s >= last:
+        return None
+    return f"step loop {loop_s * 1e3:,.0f} ms < last fit check {last * 1e3:,.0f} ms"
 
 
 def step_flops(step: DistillStep) -> Row:
@@ -173,7 +200,14 @@ def measure_distill_step(
             if not raw.note:  # over its time budget (a note says so): no extra step to count FLOPs or the live peak
                 with eager() if watch.compiled else contextlib.nullcontext(), walltime.spent(walltime.FLOPS):
                     flops = step_flops(step)  # every rank: under DDP the counted step runs the collectives
-                if options.fit_check:  # its other half: the planner's fake run (kdbench.run.cell)
+                skipped = auto_fit_skip(config, raw, dp) if options.fit_check == "auto" else None
+                if skipped is not None:  # neither half: kdbench.run.cell reads the column
+                    live = {"fit_check": FIT_CHECK_AUTO_SKIPPED}
+                    if row is not None:
+                        note = f"{FIT_NOTE}fit check skipped (auto): {skipped}"
+                        row["notes"] = "; ".join(n for n in (row.get("notes"), note) if n)
+                    why = None
+                elif options.fit_check:  # its other half: the planner's fake run (kdbench.run.cell)
                     with walltime.spent(walltime.FIT):  # every rank, for the same reason
                         # an offline step's teacher built its store and is not the step's (as the planner counts it)
                         idle = tuple(step.distiller.teacher.parameters()) if step.offline is not None else ()

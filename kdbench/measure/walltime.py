@@ -36,7 +36,8 @@ MODELS, COLD, WARMUP, MEASURING, FLOPS, FIT, PROFILING, LEVERS, QUALITY, LEDGER 
 
 
 # What every job of a run pays besides its measurements, named per job in the run's closing split (issue 45: a tiny
-# cell's base cost is mostly these; ``--no-fit-check`` leaves the first out, an LM loss without the ledger the second)
+# cell's base cost is mostly these; ``--no-fit-check`` leaves the first out (``--fit-check auto`` for cells whose timed
+# loop is shorter than it), an LM loss without the ledger the second)
 PER_JOB = (FIT, LEDGER)
 
 
@@ -76,6 +77,11 @@ def spent(category: str) -> Iterator[None]:
     finally:
         current().wall_s[category] += time.perf_counter() - start
         _told()
+
+
+def so_far(category: str) -> float:
+    """The seconds counted to ``category`` since the last take (a job's so far)."""
+    return current().wall_s.get(category, 0.0)
 
 
 def take() -> dict[str, float]:

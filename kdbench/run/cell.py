@@ -7,7 +7,9 @@ classifiers and encoders, prefill and decode of LMs) at each inference batch siz
 the same way: one that raises becomes a ``failed`` row (``oom`` when the device ran out of memory; ``skipped`` when
 it cannot be taken here) and the cell's other measurements still run.  Last, once everything is measured, the fit
 planner predicts the step's peak (:func:`kdbench.fit.columns.add_fit`: a fake run, nothing allocated) beside the
-peak the step measured (``live_peak_bytes``).
+peak the step measured (``live_peak_bytes``); under ``fit_check: auto`` not for a cell whose timed loop was shorter
+than the last fit check of its pair in this worker (:func:`kdbench.measure.step.auto_fit_skip`); what a checked
+cell's check took (both halves) is kept in the worker's state as the next cell's yardstick.
 
 Data parallelism (DDP or FSDP2).  With ``dp``, every rank of the group calls :func:`measure_cell` with the same cell
 and runs the same step measurement (:mod:`kdbench.measure.parallel`: one agreed iteration count, each iteration
@@ -29,6 +31,7 @@ import torch
 from kdbench.config.plan import Cell
 from kdbench.core.names import Measurement, Status, planned_row
 from kdbench.core.schema import Row
+from kdbench.core.worker_state import current
 from kdbench.fit.columns import add_fit, no_fit_check
 from kdbench.hw.backends import Backend, choose_autocast
 from kdbench.measure import walltime
@@ -45,7 +48,14 @@ from kdbench.measure.failures import (
 from kdbench.measure.levers import device_kind, device_levers, skip_reason, tunableop_file
 from kdbench.measure.parallel import DataParallel
 from kdbench.measure.rows import failure_rows, measurement_budget_s
-from kdbench.measure.step import MeasureOptions, measure_distill_step
+from kdbench.measure.step import (
+    FIT_CHECK_AUTO_SKIPPED,
+    FIT_CHECK_OFF,
+    FIT_CHECKED,
+    MeasureOptions,
+    measure_distill_step,
+    pair_key,
+)
 from kdbench.models import ModelCache, count_params
 from kdbench.workloads import workload_of
 
@@ -119,6 +129,7 @@ def measure_cell(
         if dp is not None:
             raise
         return failure_rows(planned_rows, status_of(exc), error_text(exc))
+    fit_before = walltime.so_far(walltime.FIT)  # this cell's fit check: what is counted to it from here
     # Device-wide levers (cudnn.benchmark, TunableOp) hold for the cell: its step and its inference.
     tunable = tunableop_file(options.run_dir, device_kind(backend)) if config.tunableop else None
     with device_levers(config, backend, tunable) as lever_row:
@@ -154,11 +165,17 @@ def measure_cell(
             serve = partial(workload.serve, measurement, bs, pair, config, backend, budget_s)
             rows.append(Row(guarded(measurement, bs, backend, serve), **planned_row(measurement, bs)))
     if step["status"] != Status.SKIPPED and not device_lost():  # after every measurement: it changes none
-        if options.fit_check:
+        if step.get("fit_check") == FIT_CHECK_AUTO_SKIPPED:  # fit_check: auto, a loop shorter than the check
+            pass  # the step's row says so (kdbench.measure.step.auto_fit_skip)
+        elif options.fit_check:  # true, or auto for a cell that is checked
             with walltime.spent(walltime.FIT):
                 add_fit(step, config, backend.device_type, getattr(cache, "allow_imports", False), options.ceiling)
+            step["fit_check"] = FIT_CHECKED
+            # both halves (the live peak's step and this fake run): what the next cell of the pair is held to
+            current().fit_check_s[pair_key(config)] = walltime.so_far(walltime.FIT) - fit_before
         else:
             no_fit_check(step)
+            step["fit_check"] = FIT_CHECK_OFF
     params = {"student_params": count_params(pair[1]), "teacher_params": count_params(pair[0])}
     lever_notes = lever_row.pop("notes", None)
     for row in rows:

@@ -7,12 +7,12 @@ were given on the command line.  A run that continues a folder (``--resume``, or
 resolves its options against the newest record (:func:`resolve`):
 
 * an option given on the command line then is used again when not given now: ``kdbench run SUITE --resume`` keeps
-  the run's ``--repeat 3``, ``--threads 1``, ``--device cpu``, ``--no-fit-check``, ...;
+  the run's ``--repeat 3``, ``--threads 1``, ``--device cpu``, ``--no-fit-check`` (or ``--fit-check auto``), ...;
 * an option that changes the plan or what its rows mean (``--repeat``, ``--device``, ``--threads``, ``--profile``,
-  ``--no-fit-check``: ``Setting.plan``), given now (or changed in the suite file) with another value than the run
-  was started with, is refused in one line naming it and both values; except a larger ``--repeat``, which only
-  adds repeats (the documented way to measure more: ``resuming a run with a larger N measures only the new
-  repeats``) and says so;
+  ``--fit-check`` / ``--no-fit-check``: ``Setting.plan``), given now (or changed in the suite file) with another
+  value than the run was started with, is refused in one line naming it and both values; except a larger
+  ``--repeat``, which only adds repeats (the documented way to measure more: ``resuming a run with a larger N
+  measures only the new repeats``) and says so;
 * the options that do not change the plan may differ, the value given now wins: ``--cell-timeout`` and
   ``--allow-imports`` (kept from the record when not given), and those that are the invocation's own (not
   recorded; the printed resume command carries them): ``--shard`` (which share of the same plan), ``--inline``,
@@ -49,8 +49,8 @@ class Setting:
 
     def words(self, value: Any) -> list[str]:
         """The command-line words that give ``value`` (none for a flag's default)."""
-        if self.key == "fit_check":
-            return [] if value else [self.flag]
+        if self.key == "fit_check":  # false: --no-fit-check (as it always was); true and auto: --fit-check VALUE
+            return ["--no-fit-check"] if value is False else [self.flag, _yaml(value)]
         if isinstance(value, bool):
             return [self.flag] if value else []
         return [self.flag, f"{value:g}" if isinstance(value, float) else str(value)]
@@ -64,7 +64,7 @@ SETTINGS = (
     Setting("device", "--device", True),
     Setting("threads", "--threads", True),
     Setting("profile", "--profile", True),
-    Setting("fit_check", "--no-fit-check", True),
+    Setting("fit_check", "--fit-check", True),
     Setting("cell_timeout_s", "--cell-timeout", False),
     Setting("allow_imports", "--allow-imports", False),
 )
