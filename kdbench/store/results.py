@@ -37,7 +37,6 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 
 from kdbench.core.errors import KdbenchError
 from kdbench.core.schema import SCHEMA, SCHEMA_VERSION, rows_to_table
@@ -90,13 +89,17 @@ class RunState:
     """What a run folder planned and what it holds: whether it is complete.
 
     ``planned`` is the union of the jobs every invocation planned (None for a run stored before
-    kdbench kept invocation records, or a bare parquet file: completeness unknown)."""
+    kdbench kept invocation records, or a bare parquet file: completeness unknown).  ``stored`` holds the jobs
+    whose part reads whole, as :func:`read_results` reads it: a part that cannot be read (cut short, scrambled) is
+    no stored job, so compare and report count its job as missing, as a resumed run measures it again, and
+    ``unreadable`` names each such part ('path: why')."""
 
     run_id: str
     planned: frozenset[str] | None
     stored: frozenset[str]
     invocations: int = 0
     unfinished: int = 0  # invocations that never wrote their end: still running, or killed
+    unreadable: tuple[str, ...] = ()  # the parts that could not be read, each 'path: why' (their jobs not stored)
 
     @property
     def known(self) -> bool:
@@ -116,12 +119,21 @@ class RunState:
         return sorted(r for c, r in map(parse_job_id, self.missing) if c == cell_id)
 
     def describe(self) -> str:
+        bad = (
+            f"; {len(self.unreadable)} part(s) could not be read, their jobs not counted as stored: "
+            + "; ".join(self.unreadable)
+            if self.unreadable
+            else ""
+        )
         if self.planned is None:
-            return "completeness unknown (no invocation records: a run stored by an older kdbench, or a bare file)"
+            return (
+                "completeness unknown (no invocation records: a run stored by an older kdbench, or a bare file)" + bad
+            )
         if not self.missing:
-            return f"complete: {len(self.planned)} of {len(self.planned)} planned jobs stored"
+            return f"complete: {len(self.planned)} of {len(self.planned)} planned jobs stored{bad}"
         how = f"; {self.unfinished} invocation(s) did not finish (killed, or still running)" if self.unfinished else ""
-        return f"INCOMPLETE: {len(self.planned) - len(self.missing)} of {len(self.planned)} planned jobs stored{how}"
+        stored = len(self.planned) - len(self.missing)
+        return f"INCOMPLETE: {stored} of {len(self.planned)} planned jobs stored{bad}{how}"
 
 
 @dataclass(frozen=True)
@@ -178,7 +190,14 @@ class RunFolder:
         records = self.invocations()
         planned = frozenset(j for r in records for j in r.get("planned", [])) if records else None
         unfinished = sum("finished" not in r for r in records)
-        return RunState(self.run_id, planned, frozenset(self.stored_job_ids()), len(records), unfinished)
+        stored, unreadable = set(), []
+        for path in self.parts():
+            why = unreadable_part(path)
+            if why is None:
+                stored.add(path.name[len(PART_PREFIX) : -len(PART_SUFFIX)])
+            else:
+                unreadable.append(f"{path}: {why}")
+        return RunState(self.run_id, planned, frozenset(stored), len(records), unfinished, tuple(unreadable))
 
     def wall_times(self) -> list[dict[str, float]]:
         """The wall-time split of each invocation that finished (and those an older kdbench kept in the manifest)."""
@@ -207,10 +226,9 @@ class RunFolder:
         ids = set()
         for path in self.parts():
             if readable:
-                try:
-                    pq.read_table(path)
-                except (pa.ArrowException, OSError) as exc:
-                    logger.warning("%s: not a readable parquet file (%s); its job runs again", path, _why(exc))
+                why = unreadable_part(path)
+                if why is not None:
+                    logger.warning("%s: not a readable parquet file (%s); its job runs again", path, why)
                     continue
             ids.add(path.name[len(PART_PREFIX) : -len(PART_SUFFIX)])
         return ids
@@ -316,10 +334,38 @@ def run_states(paths: Iterable[str | Path]) -> dict[str, RunState]:
 
 UNREADABLE = "unreadable_parts"  # read_results' DataFrame.attrs key: the parts it skipped, each 'path: why'
 _WARNED: set[tuple[str, str]] = set()  # the unreadable files this process has warned of
+# The files this process has read whole, each with its (size, mtime) then: a run's state after its rows were read
+# (compare, report) does not read them again; a file changed since (a resumed run's new part) is read again
+_READ_WHOLE: dict[str, tuple[int, int]] = {}
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
 
 
 def _table(files: list[Path]) -> pa.Table:
-    return ds.dataset([str(f) for f in files], schema=SCHEMA, format="parquet").to_table()
+    stamps = {}
+    for f in files:  # before reading: a file replaced while it is read is not taken for the one read
+        try:
+            stamps[str(f)] = _stamp(Path(f))
+        except OSError:
+            pass
+    table = ds.dataset([str(f) for f in files], schema=SCHEMA, format="parquet").to_table()
+    _READ_WHOLE.update(stamps)
+    return table
+
+
+def unreadable_part(path: Path) -> str | None:
+    """Why the result file ``path`` cannot be read as :func:`read_results` reads it (None: it reads whole): one
+    check for a run's state (compare, report), a resumed run and the readers, so they agree on what is stored."""
+    try:
+        if _READ_WHOLE.get(str(path)) == _stamp(path):
+            return None
+        _table([path])
+    except (pa.ArrowException, OSError) as exc:
+        return _why(exc)
+    return None
 
 
 def _why(exc: BaseException) -> str:

@@ -108,6 +108,7 @@ def _side_doc(s: Side) -> dict:
     state = s.state
     doc["complete"] = None if state is None else state.complete
     doc["missing_jobs"] = [] if state is None else sorted(state.missing)
+    doc["unreadable_parts"] = [] if state is None else list(getattr(state, "unreadable", ()))  # each 'path: why'
     return doc
 
 
