@@ -129,8 +129,9 @@ def add_fit(sub) -> None:
         default=None,
         metavar="N",
         help="a training budget of N tokens (a token pair: LM or encoder): 10B, 500M, 2.5T, 1e9 (K, M, B, T = 10^3, "
-        "10^6, 10^9, 10^12); each --gpu line adds its steps, device-hours (x world_size devices) and their cost; an "
-        "LM cell also gets an offline-teacher block for a corpus of N tokens (see --epochs)",
+        "10^6, 10^9, 10^12); each --gpu line adds its steps, device-hours (x world_size devices) and their cost; with "
+        "--epochs (or for a cell whose teacher is offline) an LM cell also gets an offline-teacher block for a corpus "
+        "of N tokens",
     )
     budget.add_argument(
         "--steps",
@@ -144,8 +145,9 @@ def add_fit(sub) -> None:
         type=number(float, "--epochs", 0, above=True),
         default=None,
         metavar="E",
-        help="passes over the corpus of --tokens N (needs --tokens; default 1; a positive number): an LM cell gets "
-        "an offline-teacher block per --gpu, the teacher's top-k stored on disk (teacher: {mode: offline}) against "
+        help="passes over the corpus of --tokens N (needs --tokens; a positive number): an LM cell gets "
+        "an offline-teacher block per --gpu (one more fake run a cell, its twin's; a cell whose teacher is offline "
+        "gets it without --epochs, at 1 epoch), the teacher's top-k stored on disk (teacher: {mode: offline}) against "
         "the live teacher: the store's disk bytes for N tokens at the cell's encoding (kdbench's default offline "
         "encoding for a live cell), the build's hours (N x the live step's predicted teacher_forward per token; the LM "
         "head where the loss applies it, top-k, encode and writes not counted), the predicted saving a step (each "

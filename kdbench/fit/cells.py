@@ -253,8 +253,9 @@ def fit_cells(
     each GPU of the device table, price its step (:mod:`.cost`) and, with ``budget``, the budget's device-hours at
     the table's price or ``prices`` (card name -> USD per device-hour); ``talk`` gets each line of the text as it
     is known; ``progress`` a line before each fake run (:class:`FakeRuns`).  ``predictor`` (a stand-in's) serves
-    every device.  With a budget of tokens, an LM cell also gets the offline-teacher decision for a corpus of that
-    many tokens over ``epochs`` passes (1 if None; :mod:`.offline`): one more fake run, its twin's."""
+    every device.  With a budget of tokens and ``epochs`` (or a cell whose teacher is offline: 1 epoch if None), an
+    LM cell also gets the offline-teacher decision for a corpus of that many tokens over ``epochs`` passes
+    (:mod:`.offline`): one more fake run, its twin's."""
     devices = [] if device is None else list(device) if isinstance(device, Sequence) else [device]
     if max_key is not None and max_key not in SIZE_KEYS:
         raise KdbenchError(f"max_key {max_key}: not a size key; it takes {' or '.join(SIZE_KEYS)}")
@@ -413,7 +414,9 @@ def _fit_cell(
         if out.verdict is None:
             out.verdict, out.record["verdict"] = verdict, record
     _step_times(out, devices, predictors, budget, prices, line)
-    if budget is not None and budget.kind == TOKENS:
+    # the offline twin's fake run only where asked (--epochs) or where the cell is offline: a plain --tokens prices the
+    # cell as given, one fake run, as fast as issue 43 wants a suite's fit
+    if budget is not None and budget.kind == TOKENS and (epochs is not None or out.config.teacher.mode == "offline"):
         offline_block(out, devices, predictors, budget, 1 if epochs is None else epochs, prices, line)
     if max_key:
         out.record["largest"] = []

@@ -184,9 +184,8 @@ def test_several_devices_share_one_fake_run_per_cell_and_each_gets_its_step(monk
     devices = [find_device(n, live=False) for n in ("H100", "MI300X", "T4")]
     lines: list[str] = []
     report = fit_cells([lm(), lm(batch_size=4)], devices, "cuda", talk=lines.append, budget=parse_tokens("1B"))
-    # one fake run a cell and one of its offline twin (a budget of tokens' offline-teacher block), three devices
-    # judged and priced on them
-    assert calls == [2, 2, 4, 4] and report.runs == 4
+    # one fake run a cell (no offline twin without epochs), three devices judged and priced on it
+    assert calls == [2, 4] and report.runs == 2
     first = report.cells[0]
     assert list(first.verdicts) == ["H100 80GB", "MI300X", "T4"]
     # each device's own runtime over the same fake run: MI300X's hipBLAS workspaces are larger than the H100's
@@ -199,9 +198,8 @@ def test_several_devices_share_one_fake_run_per_cell_and_each_gets_its_step(monk
     ]  # fmt: skip
     assert any(line.startswith("      H100 80GB: fits (") for line in lines)
     assert any(line.startswith("      1B tokens: cheapest ") and "fastest " in line for line in lines)
-    # the stand-in's twins predict the same step: the offline one saves nothing, and never pays back
-    assert any(line.startswith("      offline teacher on MI300X ") and "never pays back" in line for line in lines)
-    assert report.summary().startswith("2 cells: H100 80GB 2 fits; MI300X 2 fits; T4 2 fits; 4 fake runs in ")
+    assert not any(line.startswith("      offline teacher") for line in lines)
+    assert report.summary().startswith("2 cells: H100 80GB 2 fits; MI300X 2 fits; T4 2 fits; 2 fake runs in ")
     record = report.record()
     assert [d["name"] for d in record["devices"]] == ["H100 80GB", "MI300X", "T4"]
     assert record["devices"][1]["price_per_hour"] == 3.45
@@ -209,6 +207,14 @@ def test_several_devices_share_one_fake_run_per_cell_and_each_gets_its_step(monk
     assert [s["device"] for s in record["cells"][0]["step_time"]] == ["H100 80GB", "MI300X", "T4"]
     assert record["cells"][0]["prediction"]["census"] == {"backward": {"matmul/conv": {
         "flops": 10**12, "bytes": 2 * 10**8, "launches": 1}}}  # fmt: skip
+    # with epochs, each cell's offline twin too: the stand-in's twins predict the same step, so the offline one
+    # saves nothing, and never pays back
+    calls.clear()
+    lines.clear()
+    report = fit_cells([lm()], devices, "cuda", talk=lines.append, budget=parse_tokens("1B"), epochs=2)
+    assert calls == [2, 2] and report.runs == 2
+    assert any(line.startswith("      offline teacher on MI300X ") and "never pays back" in line for line in lines)
+    assert report.record()["budget"]["epochs"] == 2
 
 
 def test_fake_runs_are_counted_once_per_distinct_cell_and_device_type():
