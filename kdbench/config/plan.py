@@ -19,6 +19,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -213,8 +214,10 @@ def config_dict(config: CellConfig) -> dict[str, Any]:
     if config.teacher.mode not in ("topk_cache", "offline"):
         out["teacher"].pop("k", None)  # only the top-k cache and an offline store keep k entries
     if config.teacher.mode != "offline":  # the store's settings: an offline teacher's alone
-        for key in ("store", "values", "indices", "compression", "top_p", "store_tokens", "page_cache"):
+        for key in ("store", "values", "indices", "compression", "top_p", "store_tokens", "page_cache", "corpus"):
             out["teacher"].pop(key, None)
+    if out["teacher"].get("corpus", 0) is None:
+        out["teacher"].pop("corpus")  # the stdlib text: the ids of offline cells from before teacher.corpus
     # Image data has no tokens, token data no image shape or classes.
     for key in (*IMAGE_DATA_KEYS, *TOKEN_DATA_KEYS):
         if key not in config.data.applies:
@@ -259,6 +262,17 @@ def _excluded(config: dict[str, Any], excludes: list[dict[str, Any]]) -> bool:
     return any(all(_matches(nest(axis_path(k), v), config) for k, v in entry.items()) for entry in excludes)
 
 
+def with_corpus_path(config: CellConfig, suite_path: Path | str | None) -> CellConfig:
+    """``config`` with a relative ``teacher.corpus`` path made absolute against the suite file's folder (where the
+    user who wrote it looked), so every worker and rank reads the same file whatever its working folder."""
+    corpus = config.teacher.corpus
+    if corpus is None or suite_path is None or Path(corpus.path).expanduser().is_absolute():
+        return config
+    path = str(Path(suite_path).resolve().parent / corpus.path)
+    teacher = config.teacher.model_copy(update={"corpus": corpus.model_copy(update={"path": path})})
+    return config.model_copy(update={"teacher": teacher})
+
+
 Check = Callable[[CellConfig, bool, int], list[tuple[tuple[str, ...], str]]]
 
 
@@ -281,6 +295,7 @@ def expand(suite: Suite, check: Check) -> list[Cell]:
             config = CellConfig.model_validate(raw)
         except ValidationError as exc:
             raise validation_error(suite.path, suite.lines, exc, ("defaults",), CellConfig) from None
+        config = with_corpus_path(config, suite.path)
         if _excluded(config_dict(config), suite.exclude):
             continue
         cell = Cell(index=len(cells), cell_id=cell_id_of(config), config=config)

@@ -20,6 +20,7 @@ from pydantic import Field, PrivateAttr, create_model, field_validator, model_va
 
 from kdbench.config.base import FitCheck, Strict
 from kdbench.config.budgets import Budget
+from kdbench.config.corpus import Corpus
 from kdbench.config.optimizer import OptimizerConfig
 from kdbench.config.quality import QualityConfig
 from kdbench.config.yaml_errors import Lines, where
@@ -79,9 +80,12 @@ class TeacherConfig(Strict):
     compression: str = "none"
     # offline: a top-p cut: per token, the fewest of the k entries whose mass reaches top_p (the rest in its bucket)
     top_p: float | None = Field(None, gt=0, le=1)
-    # offline: corpus tokens the store holds (the stdlib text, in windows of data.seq_len + 1 bytes); the steps
-    # read it in order and start over at its end
+    # offline: corpus tokens the store holds (the stdlib text or teacher.corpus, in windows of data.seq_len + 1
+    # tokens); the steps read it in order (each rank its own batches) and start over at its end
     store_tokens: int = Field(32768, ge=1, le=1 << 40)
+    # offline: the token corpus the store is built over: a file of token ids, `corpus: PATH` (a .npy) or
+    # `corpus: {path: PATH, dtype: uint16}` (a raw binary); null: the stdlib text in bytes
+    corpus: Corpus = None
     # offline: warm (the OS's page cache as it is) or cold (each shard's pages dropped before it is read, with
     # posix_fadvise DONTNEED where the OS has it: the row says which it got)
     page_cache: Literal["warm", "cold"] = "warm"

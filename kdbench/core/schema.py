@@ -1015,7 +1015,7 @@ COLUMNS: tuple[Column, ...] = (
             _F,
             "ms",
             "teacher.mode offline distill_step rows: teacher_cache_saving_ms (the live twin's median minus this one) "
-            "per token of the step",
+            "per token of the step (world_size × tokens: every rank's batch)",
         ),
         (
             "offline_payback_epochs",
@@ -1024,6 +1024,14 @@ COLUMNS: tuple[Column, ...] = (
             "teacher.mode offline distill_step rows: epochs over a corpus after which the steps' saving repays the "
             "store's build (build seconds per token / saving seconds per token: the same for any corpus size; "
             "null when the offline step is not faster)",
+        ),
+        (
+            "offline_twin",
+            _S,
+            "",
+            "teacher.mode offline distill_step rows: the live twin the saving and pay-back are measured against: "
+            "`live` (one device), `live ddp`, or `live fsdp` (its teacher FSDP2-sharded: a world_size > 1 offline "
+            "cell takes that twin where the run has it, else its DDP one)",
         ),
         (
             "lever_baseline_ms",

@@ -62,9 +62,10 @@ class StepFamily(Protocol):
         """The teacher's outputs of the fixed batch in the family's compact form, the columns that say so, and its
         diagnostics (columns of what the form loses; None: none), called once the build is timed."""
 
-    def offline_teacher(self, distiller: Distiller, config: CellConfig, run_dir: str | None) -> Any:
+    def offline_teacher(self, distiller: Distiller, config: CellConfig, run_dir: str | None, dp: Any = None) -> Any:
         """``teacher.mode: offline``: ``(x, y) -> (x, y, the stored teacher outputs)``, the next batch read ahead (the
-        fixed batch is ignored but by a fit's fake run), with ``columns()`` and ``close()``."""
+        fixed batch is ignored but by a fit's fake run), with ``columns()`` and ``close()``; ``dp``: a data-parallel
+        cell's rank (rank 0 builds the store, each rank reads its own batches)."""
 
 
 def make_optimizer(params, cfg: OptimizerConfig, fused: bool = False) -> torch.optim.Optimizer:
@@ -370,6 +371,7 @@ class DistillStep:
         wrap_teacher: Callable[[nn.Module], nn.Module] | None = None,
         diagnostics: bool = True,
         run_dir: str | None = None,
+        dp: Any = None,
     ):
         self.distiller = Distiller(teacher, student, config, backend, x, workload, wrap, wrap_teacher)
         self.x, self.y = x, y
@@ -381,7 +383,7 @@ class DistillStep:
         self.cache_columns: dict = {}  # what the cache's workload reports of it (the top-k cache's size and loss)
         self.offline: Any = None  # teacher.mode offline: the store and its reader (the workload's)
         if config.teacher.mode == "offline":  # the store built (or resumed) here, read ahead by a thread each step
-            self.offline = workload.offline_teacher(self.distiller, config, run_dir)
+            self.offline = workload.offline_teacher(self.distiller, config, run_dir, dp)
             self.distiller.offline, self.distiller.lead_phase = self.offline, TEACHER_READ
         elif config.teacher.mode != "live":
             # In the step's fp32 math mode (the teacher's own where it differs), as the live teacher runs: torch's

@@ -185,7 +185,17 @@ def measure_distill_step(
     watch = LeverWatch(config)  # before the step is built: it resets torch._dynamo
     wrap, wrap_teacher = (dp.wrapper(config, backend), dp.teacher_wrapper(config, backend)) if dp else (None, None)
     step = DistillStep(
-        teacher, student, x, y, config, backend, workload, wrap=wrap, wrap_teacher=wrap_teacher, run_dir=options.run_dir
+        teacher,
+        student,
+        x,
+        y,
+        config,
+        backend,
+        workload,
+        wrap=wrap,
+        wrap_teacher=wrap_teacher,
+        run_dir=options.run_dir,
+        dp=dp,
     )
     try:
         with math_mode(step.distiller.student_ac.tf32):

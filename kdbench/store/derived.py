@@ -55,8 +55,14 @@ WORLD_SIZE = (("world_size",), ("ddp",), ("parallel",), ("fsdp",))
 TEACHER_MODE = (
     ("teacher", "mode"),
     ("teacher", "k"),
-    *(("teacher", key) for key in ("store", "values", "indices", "compression", "top_p", "store_tokens", "page_cache")),
+    *(
+        ("teacher", key)
+        for key in ("store", "values", "indices", "compression", "top_p", "store_tokens", "page_cache", "corpus")
+    ),
 )
+# An offline cell at world_size > 1 (DDP: its steps run no teacher) against a live twin that shards its teacher with
+# FSDP2 (the twin a teacher too large for one device needs): the same cell but for the teacher mode and parallelism
+PARALLEL = (("parallel",), ("ddp",), ("fsdp",))
 LEVERS = (  # a cell's config stores a lever only when it is pulled (kdbench.config.plan.config_dict)
     ("compile",),
     ("compile_teacher",),
@@ -290,9 +296,20 @@ def _bandwidth(df: pd.DataFrame, ok: pd.Series) -> None:
 def _cache_payback(df: pd.DataFrame) -> None:
     step = df["measurement"].eq(Measurement.DISTILL_STEP)
     mode = df["teacher_mode"].fillna("live")
-    twin = match_twins(df, step & mode.isin(["cached", "topk_cache", "offline"]), step & mode.eq("live"), TEACHER_MODE)
+    live = step & mode.eq("live")
+    twin = match_twins(df, step & mode.isin(["cached", "topk_cache", "offline"]), live, TEACHER_MODE)
+    if "world_size" in df and "parallel" in df:  # a data-parallel offline cell: its FSDP-sharded live twin first
+        ranks = step & mode.eq("offline") & df["world_size"].gt(1)
+        sharded = match_twins(df, ranks, live & df["parallel"].eq("fsdp"), TEACHER_MODE + PARALLEL)
+        twin = pd.concat([twin.drop(sharded.index, errors="ignore"), sharded]) if not sharded.empty else twin
     if twin.empty:
         return
+    offline = df.loc[twin.index, "teacher_mode"].eq("offline").to_numpy()
+    base = df.loc[twin.to_numpy()]
+    ranks = base.get("world_size", pd.Series(1, index=base.index)).fillna(1).gt(1)
+    parallel = base.get("parallel", pd.Series(None, index=base.index, dtype=object)).fillna("ddp").astype(str)
+    said = np.where(ranks, "live " + parallel, "live")
+    df.loc[twin.index[offline], "offline_twin"] = said[offline]
     cached = df.loc[twin.index]
     saving = df.loc[twin.to_numpy(), "median_ms"].to_numpy(dtype=float) - cached["median_ms"].to_numpy(dtype=float)
     df.loc[twin.index, "teacher_cache_saving_ms"] = saving
@@ -304,15 +321,16 @@ def _cache_payback(df: pd.DataFrame) -> None:
 
 
 def _offline_payback(df: pd.DataFrame, rows: pd.DataFrame, saving: np.ndarray) -> None:
-    """Offline rows: the saving per token, and the epochs after which it repays the store's build (the build's
-    seconds per token over the saving's: a corpus's size cancels)."""
+    """Offline rows: the saving per token (a step's tokens on all its ranks), and the epochs after which it repays the
+    store's build (the build's seconds per token over the saving's: a corpus's size cancels)."""
     if "teacher_store_build_s" not in rows:
         return
     offline = (rows["teacher_mode"] == "offline").to_numpy()
     if not offline.any():
         return
     idx = rows.index[offline]
-    tokens = rows.loc[idx, "tokens"].astype(float).to_numpy()
+    ranks = rows.loc[idx, "world_size"].fillna(1) if "world_size" in rows else 1
+    tokens = (rows.loc[idx, "tokens"] * ranks).astype(float).to_numpy()
     per_token = saving[offline] / tokens
     df.loc[idx, "offline_saving_ms_per_token"] = per_token
     build = rows.loc[idx, "teacher_store_build_s"].astype(float).to_numpy() * 1e3

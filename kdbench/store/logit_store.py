@@ -1,21 +1,21 @@
 """An offline teacher store on disk: a folder of shards and the JSON manifest that names and checks them.
 
-``manifest.json`` holds the store's key (the teacher's digest, the tokenizer's, the vocabulary, the sequence
-length, k, top-p, the temperature, the encoding: :mod:`kdbench.store.teacher_logits`), the build's figures and
-one entry per finished shard: its file, tokens, bytes on disk, raw bytes and sha256, and its tokens' file (int32
-windows of ``seq_len + 1`` ids: a sequence and its next-token labels) and that file's sha256.
+``manifest.json`` holds the store's key (the teacher's digest, the tokenizer's, a token file's digest where the
+corpus is one, the vocabulary, the sequence length, k, top-p, the temperature, the encoding:
+:mod:`kdbench.store.teacher_logits`), the build's figures and one entry per finished shard: its file, tokens, bytes
+on disk, raw bytes and sha256, and its tokens' file (int32 windows of ``seq_len + 1`` ids: a sequence and its
+next-token labels) and that file's sha256.
 
 Writes are atomic: a shard (and its tokens' file) is written under a hidden temporary name and renamed into place
 (``os.replace``), then the manifest is rewritten the same way; a shard is finished once the manifest lists it.  A
-killed build leaves the shards the manifest lists, and the next build keeps them untouched (it resumes at the
-first one missing); a full disk (or any ``OSError``) while writing one stops the build in one line, the finished
-shards and the manifest intact.
+killed build leaves the shards the manifest lists, and the next build keeps them untouched (it resumes at the first
+one missing); a full disk (or any ``OSError``) while writing one stops the build in one line, the finished shards
+and the manifest intact.
 
-Reads check: a store whose key differs from the cell's is refused in one line naming what differs (a changed
-teacher is never read as the old one); a shard whose size or sha256 is not the manifest's is refused in one line
-naming the shard.  A reader takes any rows of an uncompressed shard with positioned reads (``os.pread``): no
-mapping pins the pages, so ``drop_pages`` (``posix_fadvise(DONTNEED)``, where the OS has it) makes the next read
-cold.
+Reads check: a store whose key differs from the cell's is refused in one line naming what differs (a changed teacher
+is never read as the old one); a shard whose size or sha256 is not the manifest's is refused in one line naming the
+shard.  A reader takes any rows of an uncompressed shard with positioned reads (``os.pread``): no mapping pins the
+pages, so ``drop_pages`` (``posix_fadvise(DONTNEED)``, where the OS has it) makes the next read cold.
 """
 
 from __future__ import annotations
@@ -43,12 +43,22 @@ from kdbench.store.teacher_logits import (
 
 MANIFEST = "manifest.json"
 FORMAT = "kdbench-teacher-topk/1"
-KEY_NAMES = ("teacher", "tokenizer", "vocab", "seq_len", "k", "top_p", "temperature", "encoding")
+KEY_NAMES = ("teacher", "tokenizer", "corpus", "vocab", "seq_len", "k", "top_p", "temperature", "encoding")
 
 
-def store_key(teacher: str, tokenizer: str, vocab: int, seq_len: int, temperature: float, encoding: Encoding) -> dict:
-    """What a store is built from; a reader refuses a store whose key is not its own."""
+def store_key(
+    teacher: str,
+    tokenizer: str,
+    vocab: int,
+    seq_len: int,
+    temperature: float,
+    encoding: Encoding,
+    corpus: str | None = None,
+) -> dict:
+    """What a store is built from; a reader refuses a store whose key is not its own.  ``corpus``: a token file's
+    digest (and name); None, the stdlib text, is left out of the key (the keys of stores built before it)."""
     return {
+        **({"corpus": corpus} if corpus is not None else {}),
         "teacher": teacher,
         "tokenizer": tokenizer,
         "vocab": vocab,
@@ -67,7 +77,13 @@ def key_digest(key: dict) -> str:
 
 def key_difference(path: Path, built: dict, wanted: dict) -> str | None:
     """One line naming what differs between the store's key and the cell's; None when they agree."""
-    diffs = [f"{n} {built.get(n)!r} (this cell's: {wanted.get(n)!r})" for n in KEY_NAMES if built.get(n) != wanted[n]]
+
+    def shown(key: dict, n: str) -> str:
+        return "the stdlib text" if n == "corpus" and key.get(n) is None else repr(key.get(n))
+
+    diffs = [
+        f"{n} {shown(built, n)} (this cell's: {shown(wanted, n)})" for n in KEY_NAMES if built.get(n) != wanted.get(n)
+    ]
     if not diffs:
         return None
     return (

@@ -132,9 +132,10 @@ class Workload:
         diagnostic, called after the build is timed (``teacher_cache_ms`` is the build alone)."""
         raise NotImplementedError(f"teacher.mode {distiller.config.teacher.mode} is not for {self.family} pairs")
 
-    def offline_teacher(self, distiller: Any, config: CellConfig, run_dir: str | None) -> Any:
+    def offline_teacher(self, distiller: Any, config: CellConfig, run_dir: str | None, dp: Any = None) -> Any:
         """``teacher.mode: offline``: the step's reader of the teacher's stored outputs, ``() -> (x, y, teacher)``,
-        with ``columns()`` and ``close()`` (its store built first where it is missing)."""
+        with ``columns()`` and ``close()`` (its store built first where it is missing; ``dp``: a data-parallel
+        cell's rank)."""
         raise NotImplementedError(f"teacher.mode offline is not for {self.family} pairs")
 
     def on_policy(self, distiller: Any, config: CellConfig):

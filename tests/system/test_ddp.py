@@ -325,3 +325,44 @@ def test_an_fsdp2_lm_cell_holds_half_the_state_per_rank_and_trains_as_ddp_does(t
     # ranks together, so it is not taken there, and the row says why
     assert ddp["loss_rel_err"] < 1e-5 and ddp["grad_rel_err"] < 1e-4
     assert pd.isna(fsdp["loss_rel_err"]) and "accuracy ledger not taken: an FSDP2-sharded pair" in fsdp["notes"]
+
+
+@pytest.mark.slow
+def test_an_offline_cell_at_two_ranks_is_paid_back_against_its_fsdp_sharded_live_twin(tmp_path):
+    import numpy as np
+
+    np.save(tmp_path / "corpus.npy", np.random.default_rng(0).integers(0, 4096, 1000).astype(np.uint16))
+    offline = {"mode": "offline", "k": 8, "store_tokens": 256, "corpus": "corpus.npy"}  # the suite's folder's
+    suite = merged(
+        FSDP,
+        {
+            "defaults": {
+                "loss_impl": "dense",
+                "inference": {"batch_sizes": []},
+                # no time budget can cut a loop short (a thin row gets no twin)
+                "timing": {"warmup": 1, "min_iters": 3, "min_time_s": 0.0, "cell_budget_s": 86_400},
+            },
+        },
+    )
+    suite["matrix"] = {"cases": [{"parallel": "fsdp"}, {"teacher": offline}]}  # the live twin sharded, not DDP
+    path = write_suite(tmp_path / "offline.yaml", **suite)
+    assert main(["run", str(path), "--out", str(tmp_path / "res"), "--no-report"]) == 0
+    df = read_results([tmp_path / "res"])
+    assert (df["status"] == "ok").all(), df[["measurement", "status", "error"]]
+    steps = df[df.measurement == "distill_step"].set_index("teacher_mode")
+    live, off = steps.loc["live"], steps.loc["offline"]
+    assert live["parallel"] == "fsdp" and live["fsdp_teacher_all_gather_dtype"] == "fp32"  # its teacher sharded
+    assert off["parallel"] == "ddp" and off["world_size"] == 2 and off["dist_backend"] == "gloo"
+    assert math.isfinite(off["final_loss"]) and off["teacher_store_tokens"] == 256 and off["teacher_read_ms"] > 0
+    assert off["tokens"] == live["tokens"] == 2 * 16  # each rank's batch, the twins' alike
+    assert off["offline_twin"] == "live fsdp"
+    saving = live["median_ms"] - off["median_ms"]
+    assert off["teacher_cache_saving_ms"] == pytest.approx(saving)
+    per_token = saving / (2 * off["tokens"])  # a step trains both ranks' batches
+    assert off["offline_saving_ms_per_token"] == pytest.approx(per_token)
+    build_per_token = off["teacher_store_build_s"] * 1e3 / off["teacher_store_tokens"]
+    if saving > 0:
+        assert off["offline_payback_epochs"] == pytest.approx(build_per_token / per_token)
+    else:
+        assert math.isnan(off["offline_payback_epochs"])
+    assert len(list((tmp_path / "res").glob("*/teacher-stores/*/manifest.json"))) == 1  # rank 0 built it, once

@@ -16,6 +16,7 @@ from torch import nn
 
 from kdbench.config.schema import CellConfig
 from kdbench.core.errors import KdbenchError
+from kdbench.data.token_file import TokenFile, TokenFileError, open_tokens, scan_tokens, windows_needed
 from kdbench.data.tokens import prompt_length, prompt_tokens
 from kdbench.distill.lm.impls import pad_unsupported, uld_unsupported
 from kdbench.distill.losses import check_method
@@ -324,7 +325,14 @@ def topk_problems(config: CellConfig, tokens: list, vocabs: dict[str, int]) -> P
             f"not {config.loss_impl}"
         )
         problems.append((("loss_impl",), why))
-    if config.parallel == "fsdp":
+    if config.parallel == "fsdp" and mode == "offline":
+        why = (
+            "teacher.mode offline is not supported with parallel fsdp (its teacher builds the store whole on rank 0, "
+            "and its steps run no teacher to shard): use parallel: ddp; a live twin with parallel: fsdp in the same "
+            "run is what its pay-back is measured against"
+        )
+        problems.append((("parallel",), why))
+    elif config.parallel == "fsdp":
         why = (
             f"teacher.mode {mode} is not supported with parallel fsdp: the cache applies the teacher's LM head "
             "outside its FSDP2-sharded forward, and the loss would gather the teacher's root every step for nothing; "
@@ -357,8 +365,9 @@ def shared_vocab(config: CellConfig, teacher: nn.Module | None = None, student: 
 
 
 def offline_problems(config: CellConfig, vocabs: dict[str, int], features: bool) -> Problems:
-    """teacher.mode offline: a store of the teacher's top-k over the stdlib text in bytes, read by one device.  (Its
-    keys under another mode are not the cell's: the plan leaves them out of its identity.)"""
+    """teacher.mode offline: a store of the teacher's top-k over the stdlib text in bytes, or over the token file
+    ``teacher.corpus`` names (:func:`corpus_problems`).  (Its keys under another mode are not the cell's: the plan
+    leaves them out of its identity.)"""
     problems: Problems = []
     why_not = {
         ("method",): "teacher.mode offline stores the teacher's top-k next tokens, not its features: remove hidden_mse"
@@ -372,13 +381,12 @@ def offline_problems(config: CellConfig, vocabs: dict[str, int], features: bool)
         "own completions, which no store holds: remove one"
         if config.on_policy is not None
         else None,
-        ("world_size",): "teacher.mode offline reads its store on one device for now: set world_size: 1"
-        if config.world_size > 1
-        else None,
     }
     problems += [(path, why) for path, why in why_not.items() if why]
     vocab = min(vocabs.values()) if vocabs else None
-    if vocab is not None and vocab < 256:
+    if config.teacher.corpus is not None:
+        problems.extend(corpus_problems(config, vocab))
+    elif vocab is not None and vocab < 256:
         why = f"teacher.mode offline stores a corpus of bytes (ids up to 255), and the vocabulary has {vocab} entries"
         problems.append((("teacher", "mode"), why))
     if vocab is not None:
@@ -387,3 +395,51 @@ def offline_problems(config: CellConfig, vocabs: dict[str, int], features: bool)
         except KdbenchError as exc:
             problems.append((("teacher", "indices"), str(exc)))
     return problems
+
+
+def corpus_problems(config: CellConfig, vocab: int | None) -> Problems:
+    """teacher.corpus: a token file that opens (memory-mapped), holds one batch of windows for every rank and the
+    ``store_tokens`` asked for, and whose ids the store reads are within the pair's vocabulary."""
+    t, seq_len = config.teacher, config.data.seq_len
+    corpus = ("teacher", "corpus")
+    try:
+        file = open_tokens(t.corpus.path, t.corpus.dtype)  # type: ignore[union-attr]
+    except TokenFileError as exc:
+        return [(corpus, str(exc))]
+    sequences = config.batch_size * config.world_size
+    batch = sequences * seq_len + 1
+    if file.tokens < batch:
+        ranks = f" × world_size {config.world_size}" if config.world_size > 1 else ""
+        why = (
+            f"token file {file.path} holds {file.tokens} ids, fewer than one batch takes: batch_size "
+            f"{config.batch_size}{ranks} windows of seq_len {seq_len} + 1 = {batch}; give a longer corpus or lower "
+            "batch_size or data.seq_len"
+        )
+        return [(corpus, why)]
+    n, _ = windows_needed(t.store_tokens, seq_len)
+    if (why := store_tokens_beyond(config, file)) is not None:
+        return [(("teacher", "store_tokens"), why)]
+    if n < sequences:
+        why = (
+            f"teacher.store_tokens {t.store_tokens} makes {n} window(s) of seq_len {seq_len}, fewer than one batch's "
+            f"{sequences}; raise it to at least {sequences * seq_len}"
+        )
+        return [(("teacher", "store_tokens"), why)]
+    try:
+        scan_tokens(file, windows_needed(t.store_tokens, seq_len)[1], vocab)
+    except TokenFileError as exc:
+        return [(corpus, str(exc))]
+    return []
+
+
+def store_tokens_beyond(config: CellConfig, file: TokenFile) -> str | None:
+    """Why ``teacher.store_tokens`` asks for more windows than the token file holds (None: it does not)."""
+    seq_len, asked = config.data.seq_len, config.teacher.store_tokens
+    _, need = windows_needed(asked, seq_len)
+    if file.tokens >= need:
+        return None
+    most = (file.tokens - 1) // seq_len * seq_len
+    return (
+        f"teacher.store_tokens {asked}: token file {file.path} holds {file.tokens} ids, fewer than the {need} its "
+        f"windows of seq_len + 1 take; lower store_tokens to at most {most}"
+    )

@@ -44,11 +44,13 @@ from kdbench.core.errors import KdbenchError
 from kdbench.core.names import IGNORE_INDEX
 from kdbench.data.corpus import join_files, stdlib_files, stdlib_root
 from kdbench.data.text import windows
+from kdbench.data.token_file import TokenFile, TokenFileError, open_tokens, scan_tokens, windows_needed
 from kdbench.data.tokenizers import ByteTokenizer, digest
 from kdbench.data.tokens import prompt_length
 from kdbench.distill.lm.topk import TopKTeacher, reconstruction_kl, topk_rows
 from kdbench.store.logit_store import LogitStore, drop_pages, key_digest, store_key
 from kdbench.store.teacher_logits import Encoding, decode, encode, resolve_indices
+from kdbench.workloads.lm.checks import store_tokens_beyond
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ SHARD_TOKENS = 8192  # positions per shard (whole sequences, at least one)
 DIAG_TOKENS = 4096  # positions the build's reconstruction KL is measured on
 PREFETCH = 2  # batches the reader keeps ready
 STORES_DIR = "teacher-stores"  # under the run's folder: the stores of cells that name none
+CORPUS_IDS = "the corpus file's ids"  # a token file's store: its tokenizer is the file's (its digest is the corpus's)
 
 
 def teacher_digest(model: torch.nn.Module) -> str:
@@ -78,6 +81,34 @@ def corpus_windows(seq_len: int, tokens: int) -> torch.Tensor:
     return torch.cat([x, y[:, -1:]], dim=1)
 
 
+class FileWindows:
+    """(N, seq_len + 1) int64 windows of a token file's first N × seq_len + 1 ids at a stride of seq_len, read a
+    slice at a time from its memory map (a store's build reads one shard's windows at once)."""
+
+    def __init__(self, file: TokenFile, seq_len: int, n: int):
+        self.file, self.seq_len = file, seq_len
+        self.shape = (n, seq_len + 1)
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        start, stop, _ = rows.indices(self.shape[0])
+        ids = torch.from_numpy(self.file.span(start * self.seq_len, stop * self.seq_len + 1))
+        return ids.unfold(0, self.seq_len + 1, self.seq_len)
+
+
+def corpus_of(config: CellConfig, vocab: int | None = None) -> tuple[Any, str | None]:
+    """The store's windows and its corpus's part of the key: the stdlib text's (None), or ``teacher.corpus``'s
+    (``sha256:<digest> of <n> ids``, the digest of the ids read, :func:`kdbench.data.token_file.scan_tokens`: the
+    same ids in another file or container are the same corpus), its ids checked against ``vocab``."""
+    t, seq_len = config.teacher, config.data.seq_len
+    if t.corpus is None:
+        return corpus_windows(seq_len, t.store_tokens), None
+    file = open_tokens(t.corpus.path, t.corpus.dtype)
+    n, need = windows_needed(t.store_tokens, seq_len)
+    if (why := store_tokens_beyond(config, file)) is not None:
+        raise TokenFileError(why)
+    return FileWindows(file, seq_len, n), f"sha256:{scan_tokens(file, need, vocab)} of {need} ids"
+
+
 def encoding_of(config: CellConfig, vocab: int) -> Encoding:
     t = config.teacher
     return Encoding(min(t.k, vocab), t.values, resolve_indices(t.indices, vocab), t.compression, t.top_p)
@@ -94,15 +125,26 @@ def store_path(config: CellConfig, key: dict, run_dir: str | None) -> Path:
 
 
 def open_store(
-    distiller: Any, config: CellConfig, run_dir: str | None, create: bool = True, path: Path | None = None
+    distiller: Any,
+    config: CellConfig,
+    run_dir: str | None,
+    create: bool = True,
+    path: Path | None = None,
+    corpus: str | None = None,
 ) -> LogitStore:
     """The cell's store (made empty where there is none; at ``path`` if given), its key from the distiller's teacher
-    and loss."""
+    and loss, and ``corpus`` (a token file's digest; None: the stdlib text, in bytes)."""
     loss = distiller.loss_fn
     enc = encoding_of(config, loss.vocab)
-    tokenizer = digest(ByteTokenizer())
+    tokenizer = digest(ByteTokenizer()) if corpus is None else CORPUS_IDS
     key = store_key(
-        teacher_digest(distiller.teacher), tokenizer, loss.vocab, config.data.seq_len, loss.token.temperature, enc
+        teacher_digest(distiller.teacher),
+        tokenizer,
+        loss.vocab,
+        config.data.seq_len,
+        loss.token.temperature,
+        enc,
+        corpus=corpus,
     )
     return LogitStore.open(path or store_path(config, key, run_dir), key, enc, create=create)
 
@@ -202,16 +244,21 @@ class Prefetcher:
         sequences: int | None = None,
         cold: bool = False,
         depth: int = PREFETCH,
+        rank: int = 0,
+        world_size: int = 1,
     ):
         self.store, self.batch_size, self.prompt, self.device = store, batch_size, prompt, device
+        self.rank, self.world_size = rank, world_size
         self.temperature, self.vocab = temperature, vocab
         self.cold = cold and drop_pages([])  # False where the OS cannot drop pages
         self.cold_asked = cold
         order = [(i, j) for i, s in sorted(store.shards.items()) for j in range(s.sequences)]
         self.order = order[:sequences] if sequences else order
-        if len(self.order) < batch_size:
+        if len(self.order) < batch_size * world_size:
+            ranks = f" × world_size {world_size}" if world_size > 1 else ""
             raise KdbenchError(
                 f"teacher store {store.path} holds {len(self.order)} sequences, fewer than batch_size {batch_size}"
+                f"{ranks}; raise teacher.store_tokens"
             )
         self.waits_ms: list[float] = []
         self.reads_ms: list[float] = []
@@ -221,8 +268,10 @@ class Prefetcher:
         self._thread.start()
 
     def _pieces(self, b: int) -> list[tuple[int, int, int]]:
-        """(shard, first sequence, count) runs of batch ``b``'s sequences, the order wrapping around."""
-        picks = [self.order[(b * self.batch_size + n) % len(self.order)] for n in range(self.batch_size)]
+        """(shard, first sequence, count) runs of this rank's batch ``b``'s sequences, the order wrapping around: step
+        ``b`` of the ranks reads ``world_size`` consecutive batches, rank r the r-th (as a distributed sampler)."""
+        first = (b * self.world_size + self.rank) * self.batch_size
+        picks = [self.order[(first + n) % len(self.order)] for n in range(self.batch_size)]
         runs: list[list[int]] = []
         for shard, seq in picks:
             if runs and runs[-1][0] == shard and runs[-1][1] + runs[-1][2] == seq:
@@ -304,13 +353,19 @@ class OfflineTeacher:
     """What a ``teacher.mode: offline`` step reads its batches from: the store (built or resumed first) and its
     prefetching reader; the row's store columns."""
 
-    def __init__(self, distiller: Any, config: CellConfig, run_dir: str | None):
+    def __init__(self, distiller: Any, config: CellConfig, run_dir: str | None, dp: Any = None):
         loss = distiller.loss_fn
-        self.store = open_store(distiller, config, run_dir)
-        seqs = corpus_windows(config.data.seq_len, config.teacher.store_tokens)
-        info = build_store(distiller, self.store, seqs, config.batch_size)
+        seqs, corpus = corpus_of(config, loss.vocab)
+        ranks = dp is not None and dp.world_size > 1
+        if not ranks or dp.root:  # a data-parallel cell's store is built by rank 0 alone, the others waiting
+            self.store = open_store(distiller, config, run_dir, corpus=corpus)
+            self.build = build_store(distiller, self.store, seqs, config.batch_size)
+        if ranks:
+            dp.barrier()
+            if not dp.root:  # the store rank 0 built, under the same key (the same teacher, corpus and encoding)
+                self.store = open_store(distiller, config, run_dir, create=False, corpus=corpus)
+                self.build = self.store.info
         self.tokens_per_batch = config.batch_size * config.data.seq_len
-        self.build = info
         device = distiller.fixed_input.device
         self.reader = Prefetcher(
             self.store,
@@ -321,6 +376,8 @@ class OfflineTeacher:
             loss.vocab,
             sequences=seqs.shape[0],
             cold=config.teacher.page_cache == "cold",
+            rank=dp.rank if ranks else 0,
+            world_size=dp.world_size if ranks else 1,
         )
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, TopKTeacher]:

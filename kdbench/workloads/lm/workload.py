@@ -358,16 +358,17 @@ class LMWorkload(Workload):
 
         return cache, {"teacher_cache_bytes_per_token": cache.bytes_per_token}, diagnose
 
-    def offline_teacher(self, distiller: Any, config: CellConfig, run_dir: str | None) -> Any:
-        """teacher.mode offline: the store (built or resumed here) and its prefetching reader
-        (:mod:`kdbench.workloads.lm.offline`); in a fit's fake run, the read buffers alone."""
+    def offline_teacher(self, distiller: Any, config: CellConfig, run_dir: str | None, dp: Any = None) -> Any:
+        """teacher.mode offline: the store (built or resumed here; by rank 0 of a data-parallel cell, ``dp``) and its
+        prefetching reader, each rank reading its own batches (:mod:`kdbench.workloads.lm.offline`); in a fit's fake
+        run, the read buffers alone."""
         from torch._subclasses.fake_tensor import is_fake
 
         from kdbench.workloads.lm.offline import FakeOfflineTeacher, OfflineTeacher
 
         if is_fake(distiller.fixed_input):
             return FakeOfflineTeacher(distiller, config)
-        return OfflineTeacher(distiller, config, run_dir)
+        return OfflineTeacher(distiller, config, run_dir, dp)
 
     def step_columns(self, step: Any, config: CellConfig, x: torch.Tensor) -> tuple[Row, tuple[str, ...]]:
         loss = step.distiller.loss_fn

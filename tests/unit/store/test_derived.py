@@ -174,3 +174,41 @@ def test_a_partitioned_gpu_is_measured_against_its_share_of_the_chip():
     got = as_read([row]).iloc[0]
     assert got["datasheet_device"] == "MI300X (38 of 304 CUs)"
     assert got["mfu"] == pytest.approx(10.0 / (1307.4 * 38 / 304))
+
+
+def test_a_data_parallel_offline_cell_is_paid_back_against_its_fsdp_sharded_live_twin():
+    def step(cell, ms, mode, ws=2, parallel="ddp", run="r", **cfg):
+        config = {"world_size": ws, "teacher": {"mode": mode}, **cfg}
+        if ws > 1:  # as the plan stores it: DDP's options on a DDP cell, FSDP's on an FSDP one
+            config.update({"ddp": {"bucket_cap_mb": 25}} if parallel == "ddp" else {"parallel": "fsdp", "fsdp": {}})
+        extra = {"teacher_store_build_s": 4.0, "teacher_store_tokens": 1000} if mode == "offline" else {}
+        return _row(
+            run_id=run,
+            cell_id=cell,
+            median_ms=ms,
+            teacher_mode=mode,
+            world_size=ws,
+            parallel=parallel if ws > 1 else None,
+            tokens=100,
+            config_json=_config(**config),
+            **extra,
+        )
+
+    rows = [
+        step("offline2", 6.0, "offline"),
+        step("fsdp2", 10.0, "live", parallel="fsdp"),
+        step("ddp2", 8.0, "live"),
+        step("offline1", 5.0, "offline", ws=1),
+        step("live1", 7.0, "live", ws=1),
+        step("alone", 6.0, "offline", run="other"),  # its run has a DDP live twin only
+        step("ddp-other", 9.0, "live", run="other"),
+    ]
+    df = as_read(rows).set_index("cell_id")
+    two = df.loc["offline2"]
+    assert two["offline_twin"] == "live fsdp" and two["teacher_cache_saving_ms"] == pytest.approx(4.0)
+    assert two["offline_saving_ms_per_token"] == pytest.approx(4.0 / 200)  # a step trains both ranks' 100 tokens
+    assert two["offline_payback_epochs"] == pytest.approx(4.0 / 1000 * 1e3 / 0.02)  # build ms per token / saving's
+    assert df.loc["offline1", "offline_twin"] == "live" and df.loc["offline1", "teacher_cache_saving_ms"] == 2.0
+    assert df.loc["offline1", "offline_saving_ms_per_token"] == pytest.approx(2.0 / 100)
+    assert df.loc["alone", "offline_twin"] == "live ddp" and df.loc["alone", "teacher_cache_saving_ms"] == 3.0
+    assert df.loc[["fsdp2", "ddp2", "live1"], "offline_twin"].isna().all()
