@@ -17,7 +17,6 @@ writes.  Nothing here prints.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -172,10 +171,11 @@ def as_cells(items: Iterable[Cell | CellConfig]) -> list[Cell]:
 
 
 class FakeRuns:
-    """The planner's fake run (:func:`kdbench.fit.planner.predict`, or a stand-in), each distinct cell run once for
-    every device: devices differ in the runtime terms laid over a prediction, not in the fake run.  ``progress``
-    gets a line before each fake run: the cell, what the run changes of it (a lever, a batch) and the time so far
-    (a suite's fake runs take minutes; the command line prints it to stderr)."""
+    """The planner's fake run (:func:`kdbench.fit.planner.predict`, or a stand-in), each distinct cell
+    (:func:`kdbench.fit.planner.fake_run_key`: compile and timing settings aside) run once for every device:
+    devices differ in the runtime terms laid over a prediction, not in the fake run. ``progress`` gets a line
+    before each fake run: the cell, what the run changes of it (a lever, a batch) and the time so far (a suite's
+    fake runs take minutes; the command line prints it to stderr)."""
 
     def __init__(self, predict: Callable[..., Any] | None = None, progress: Callable[[str], None] | None = None):
         if predict is None:
@@ -188,7 +188,9 @@ class FakeRuns:
         self.began = time.perf_counter()
 
     def __call__(self, config: CellConfig, device_type: str, allow_imports: bool = False):
-        key = (json.dumps(config.model_dump(mode="json"), sort_keys=True), device_type)
+        from kdbench.fit.planner import fake_run_key
+
+        key = (fake_run_key(config), device_type)
         if key not in self._seen:
             self.runs += 1
             if self.progress is not None:

@@ -46,6 +46,10 @@ from kdbench.models.lm import as_measured_batches
 from kdbench.workloads.registry import workload_of
 
 STEPS = 2  # fake steps run: the second is a step with the optimizer's state, as every timed one is
+# A cell's settings that cannot change its fake run: how it is timed, and what compiles or tunes its kernels (the fake
+# run is eager: a compiled student's predicted peak and census are the eager one's, tested), so that cells differing
+# only in them share one fake run (llm-cuda.yaml's compiled fused_linear cases: 8 of its 52 cells)
+NOT_IN_FAKE_RUN = ("timing", "compile", "compile_teacher", "conv_autotune", "tunableop")
 CPU = Backend(name="cpu", device=torch.device("cpu"))
 
 
@@ -92,6 +96,14 @@ class _PhaseClock:
 
     def sync(self) -> None:
         pass
+
+
+def fake_run_key(config: CellConfig) -> str:
+    """What identifies ``config``'s fake run: its settings but :data:`NOT_IN_FAKE_RUN`'s, as sorted JSON."""
+    import json
+
+    fields = config.model_dump(mode="json")
+    return json.dumps({k: v for k, v in fields.items() if k not in NOT_IN_FAKE_RUN}, sort_keys=True)
 
 
 def unpredictable(exc: BaseException) -> str:

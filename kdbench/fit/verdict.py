@@ -15,7 +15,6 @@ predicted peak per rank is at most what the device leaves it (a :data:`Budget`: 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -54,7 +53,9 @@ class Predictor:
         self.runs = 0  # fake runs made
 
     def __call__(self, config: CellConfig):
-        key = json.dumps(config.model_dump(mode="json"), sort_keys=True)
+        from kdbench.fit.planner import fake_run_key
+
+        key = fake_run_key(config)
         if key not in self._seen:
             from kdbench.fit.runtime import with_runtime
 
@@ -389,7 +390,9 @@ class Sizes:
         self._found: dict[tuple[str, str], Largest] = {}
 
     def largest(self, config: CellConfig, key: str) -> Largest:
-        at = (json.dumps(config.model_dump(mode="json"), sort_keys=True), key)
+        from kdbench.fit.planner import fake_run_key
+
+        at = (fake_run_key(config), key)
         if at not in self._found:
             self._found[at] = largest(config, key, self.usable, self.predictor)
         return self._found[at]

@@ -224,6 +224,11 @@ def test_fake_runs_are_counted_once_per_distinct_cell_and_device_type():
         runs(lm(), "cuda")
     runs(lm(), "cpu")
     assert runs.runs == 2 and seen == ["cuda", "cpu"]
+    runs(lm(compile="default", compile_teacher=True), "cuda")  # the fake run is eager: the same one
+    runs(lm(timing={"min_iters": 7}), "cuda")
+    assert runs.runs == 2
+    runs(lm(batch_size=4), "cuda")
+    assert runs.runs == 3 and seen == ["cuda", "cpu", "cuda"]
 
 
 @pytest.mark.parametrize(

@@ -64,6 +64,21 @@ def test_an_lm_steps_predicted_peak_is_its_measured_live_peak(impl, precision):
     )
 
 
+def test_a_compiled_cells_fake_run_is_its_eager_twins_so_they_share_one():
+    # the fake run is eager: compile and compile_teacher change neither the peak nor the census, so the fit's caches
+    # key a fake run without them (fake_run_key), and timing settings neither
+    from kdbench.fit.planner import fake_run_key
+
+    eager = lm(loss_impl="fused_linear", chunk_size=64)
+    compiled = lm(loss_impl="fused_linear", chunk_size=64, compile="default", compile_teacher=True)
+    a, b = predict(eager, "cuda"), predict(compiled, "cuda")
+    assert a.ok and (a.peak_bytes, a.phase, a.breakdown) == (b.peak_bytes, b.phase, b.breakdown)
+    assert a.census.records == b.census.records
+    timed = lm(loss_impl="fused_linear", chunk_size=64, timing={"min_iters": 7})
+    assert fake_run_key(eager) == fake_run_key(compiled) == fake_run_key(timed)
+    assert fake_run_key(eager) != fake_run_key(lm(loss_impl="fused_linear", chunk_size=32))
+
+
 @pytest.mark.parametrize("impl", ["chunked", "fused_linear"])
 def test_a_jsd_chunks_mixture_is_seen_by_the_meter(impl):
     # issue 45: the mixture's log was logsumexp over a (2, chunk, V) stack, whose kernel allocates its max and
