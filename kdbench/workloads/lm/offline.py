@@ -1,26 +1,32 @@
 """``teacher: {mode: offline}``: the teacher's top-k next-token log-probabilities written once for a token corpus to
 a store on disk (:mod:`kdbench.store.logit_store`), and a step that reads them ahead on a background thread.
 
-The build (:func:`build_store`).  The corpus is the standard library's text (:mod:`kdbench.data.corpus`), in
-windows of ``data.seq_len + 1`` bytes at a stride of ``seq_len`` (a sequence and its next-token labels), the first
-``teacher.store_tokens`` of it; the teacher runs over it ``batch_size`` sequences at a time, in the cell's teacher
-precision, and each shard's top-k at the loss's temperature (:func:`kdbench.distill.lm.topk.topk_rows`, the same as
-the in-memory ``topk_cache``'s) is encoded and written atomically.  Two clocks, host time between synchronisations:
-the teacher's forward with its LM head (the logits), and the encode + write (log-softmax, top-k, encoding,
-compression, checksum, the atomic writes).  A build cut short resumes after its finished shards; its progress is
-logged shard by shard.  What the encoding loses (``topk_reconstruction_kl``: the dense distribution against the
-decoded entries' reconstruction) is measured on the first :data:`DIAG_TOKENS` tokens, outside both clocks.
+The build (:func:`build_store`).  The corpus is the standard library's text in bytes (:mod:`kdbench.data.corpus`),
+or the token file ``teacher.corpus`` names (:mod:`kdbench.data.token_file`, memory-mapped, read a shard's windows at
+a time: :class:`FileWindows`), in windows of ``data.seq_len + 1`` tokens at a stride of ``seq_len`` (a sequence and
+its next-token labels), the first ``teacher.store_tokens`` of it; the teacher runs over it ``batch_size`` sequences
+at a time, in the cell's teacher precision, and each shard's top-k at the loss's temperature
+(:func:`kdbench.distill.lm.topk.topk_rows`, the same as the in-memory ``topk_cache``'s) is encoded and written
+atomically.  Two clocks, host time between synchronisations: the teacher's forward with its LM head (the logits),
+and the encode + write (log-softmax, top-k, encoding, compression, checksum, the atomic writes).  A build cut short
+resumes after its finished shards; its progress is logged shard by shard.  What the encoding loses
+(``topk_reconstruction_kl``: the dense distribution against the decoded entries' reconstruction) is measured on the
+first :data:`DIAG_TOKENS` tokens, outside both clocks.
 
 The key.  A store is keyed by the teacher's digest (a sha256 of its parameters as the step holds them: the registry
 builds them from the config and the cell's seed, so a changed config, seed or weights dtype is another teacher),
-the tokenizer's (bytes), the vocabulary, ``seq_len``, k, top-p, the temperature and the encoding; a store with
-another key is refused in one line naming what differs.
+the tokenizer's (bytes), a token file's digest (of the ids read), the vocabulary, ``seq_len``, k, top-p, the
+temperature and the encoding; a store with another key is refused in one line naming what differs.
 
 The read (:class:`Prefetcher`).  A thread reads the next batches (``PREFETCH`` ahead) while the step trains: the
 batch's sequences, their top-k rows (positioned reads of an uncompressed shard; a compressed one read whole), decoded
 and copied to the step's device.  The step's ``teacher_read`` phase is how long it waited for the next batch (≈0
 when the read hides behind the step); the row also has what a read took on the thread (``teacher_read_ms``) and its
 tokens/s.  With ``page_cache: cold`` each read first drops its shard's pages (``posix_fadvise(DONTNEED)``).
+
+Data-parallel cells (``world_size`` > 1, DDP).  Rank 0 builds the store while the others wait at a barrier, then
+open it under the same key; each rank reads its own batches (step b of the ranks: ``world_size`` consecutive
+batches of the store, rank r the r-th).
 """
 
 from __future__ import annotations
