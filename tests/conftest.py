@@ -6,6 +6,9 @@ import pytest
 # The dtype-speed cache (kdbench.hw.speed) of this test session: never the user's own, shared by the
 # session's subprocesses (they inherit the environment).
 os.environ["KDBENCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="kdbench-test-cache-")
+# A suite's fake runs in this process: the unit lane's xdist workers already hold both cores, and a fit test would
+# pay helpers' start (torch's import) for a few tiny fake runs; tests/unit/fit/test_fit_ahead.py turns them on
+os.environ["KDBENCH_FIT_PROCESSES"] = "1"
 
 
 from kdbench.hw.backends import resolve

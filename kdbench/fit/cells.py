@@ -186,6 +186,7 @@ class FakeRuns:
         self.progress = progress
         self.cell: tuple[str, CellConfig] | None = None  # the cell being fitted: its place and its own config
         self.began = time.perf_counter()
+        self.ahead: Any = None  # kdbench.fit.ahead.Ahead: the cells' fake runs made on helper processes
 
     def __call__(self, config: CellConfig, device_type: str, allow_imports: bool = False):
         from kdbench.fit.planner import fake_run_key
@@ -193,14 +194,26 @@ class FakeRuns:
         key = (fake_run_key(config), device_type)
         if key not in self._seen:
             self.runs += 1
+            found = self.ahead.take(key) if self.ahead is not None else None
             if self.progress is not None:
-                self.progress(self._says(config))
-            self._seen[key] = self._predict(config, device_type, allow_imports)
+                self.progress(self._says(config, found is not None))
+            self._seen[key] = found if found is not None else self._predict(config, device_type, allow_imports)
         return self._seen[key]
 
-    def _says(self, config: CellConfig) -> str:
+    def run_ahead(self, configs: Iterable[CellConfig], device_type: str, allow_imports: bool) -> None:
+        """The fake runs of ``configs`` started on helper processes (:func:`kdbench.fit.ahead.start`)."""
+        from kdbench.fit.ahead import start
+
+        self.ahead = start(self._predict, set(self._seen), configs, device_type, allow_imports, self.progress)
+
+    def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
+            self.ahead = None
+
+    def _says(self, config: CellConfig, ahead: bool = False) -> str:
         where, own = self.cell if self.cell is not None else ("", config)
-        what = difference(own, config) or "as given"
+        what = (difference(own, config) or "as given") + (", on a helper" if ahead else "")
         return f"fit: fake run {self.runs}, cell {where}: {what} ({elapsed(time.perf_counter() - self.began)} so far)"
 
 
@@ -298,11 +311,17 @@ def fit_cells(
         say(f"epochs {epochs:g}: an LM cell's offline-teacher block totals {epochs:g} passes over the {budget.text()}")
     began = time.perf_counter()
     fitted = []
-    for i, cell in enumerate(cells, 1):
-        title = f"[{i}/{len(cells)}] {cell.label}  (cell {cell.cell_id})"
+    try:
+        if predictor is None:  # each cell as given, on helper processes while the loop below takes them in order
+            shared.run_ahead([c.config for c in cells], device_type, allow_imports)
+        for i, cell in enumerate(cells, 1):
+            title = f"[{i}/{len(cells)}] {cell.label}  (cell {cell.cell_id})"
+            if predictor is None:
+                shared.cell = (f"{i}/{len(cells)}", cell.config)
+            fitted.append(_fit_cell(cell, devices, max_key, predictors, title, say, budget, prices or {}, epochs))
+    finally:
         if predictor is None:
-            shared.cell = (f"{i}/{len(cells)}", cell.config)
-        fitted.append(_fit_cell(cell, devices, max_key, predictors, title, say, budget, prices or {}, epochs))
+            shared.close()
     report = FitReport(
         devices[0] if devices else None, device_type, fitted, runs(), time.perf_counter() - began, lines,
         devices, budget, epochs,

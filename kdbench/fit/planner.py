@@ -5,7 +5,10 @@ workload exactly as a measurement does, but under ``torch._subclasses.fake_tenso
 tensor has its shape, dtype and bytes and none is allocated, and every operator runs its shape function only.
 :class:`~kdbench.fit.tracker.LiveBytes` counts the live bytes operator by operator through the pair's build,
 the teacher cache's build, and :data:`STEPS` steps (the first makes the optimizer's state; the peak of a timed
-loop is that of a step with it), and says in which phase the peak falls and what it holds.
+loop is that of a step with it), and says in which phase the peak falls and what it holds.  Where the first step
+leaves nothing for the second but its gradients and the optimizer's state (one device, no generation, alignment or
+reader), those are made without running it (:func:`prime_first_step`: zero gradients and one update from them) and
+one step runs: half the operators, the same peak, breakdown and census (tested against the two-step run).
 
 The fake run happens on the CPU device whatever device is asked about: the bytes of a tensor do not depend on
 it.  The operator choices that do are a GPU's for a GPU target (autocast's op lists, fused attention and
@@ -39,7 +42,7 @@ from kdbench.distill.step import DistillStep
 from kdbench.fit.census import Census, CensusMode, all_reduce_record
 from kdbench.fit.decode import DECODE_STEPS, short_decode
 from kdbench.fit.gpu_target import GpuTarget
-from kdbench.fit.tracker import GRADIENTS, INPUTS, OPTIMIZER, PARAMETERS, LiveBytes
+from kdbench.fit.tracker import GRADIENTS, INPUTS, OPTIMIZER, PARAMETERS, LiveBytes, Peak
 from kdbench.hw.backends import Backend
 from kdbench.models.cache import ModelCache
 from kdbench.models.lm import as_measured_batches
@@ -119,12 +122,18 @@ def unpredictable(exc: BaseException) -> str:
 
 
 def predict(
-    config: CellConfig, device_type: str = "cuda", allow_imports: bool = False, decode_steps: int | None = DECODE_STEPS
+    config: CellConfig,
+    device_type: str = "cuda",
+    allow_imports: bool = False,
+    decode_steps: int | None = DECODE_STEPS,
+    prime: bool = True,
 ) -> Prediction:
     """The predicted peak of one device (rank 0's) during ``config``'s distillation step; ``device_type`` is the
     device asked about (the host figure depends on it; the fake run is the CPU's); ``allow_imports``: the suite's
     (``module:callable`` models are built); ``decode_steps``: the decode steps an on-policy generation runs, the
-    rest extrapolated (:mod:`kdbench.fit.decode`; None: every step, the reference)."""
+    rest extrapolated (:mod:`kdbench.fit.decode`; None: every step, the reference); ``prime``: a cell that
+    :func:`primable` takes gets the first step's leftovers made without running it (:func:`prime_first_step`), the
+    other cells (and ``prime=False``, the reference) run :data:`STEPS` fake steps."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     workload = workload_of(config)
@@ -138,6 +147,7 @@ def predict(
         return predict_apart(config, device_type, allow_imports)
     start = time.perf_counter()
     tracker = LiveBytes()
+    redo = False  # a primed run whose step left a parameter without a gradient: predicted again, unprimed
     census = CensusMode(lambda: tracker.phase, config.world_size)  # the same run's operators, for the step's time
     target = GpuTarget(device_type, tracker)  # a GPU's autocast lists, fused attention and sort workspace
     notes: list[str] = []
@@ -186,11 +196,20 @@ def predict(
                     p.register_post_accumulate_grad_hook(lambda p: tracker.mark([p.grad], GRADIENTS))
             # what trains (adapters too), and what sharding made of the models (FSDP2's local shards)
             tracker.track(_tensors(distiller.trainee, distiller.model, distiller.teacher), PARAMETERS)
-            for i in range(STEPS):
-                census.on = i == STEPS - 1  # the census is a timed step's: the last, with the optimizer's state
+            primed = prime_first_step(tracker, step) if prime and primable(config, step) else None
+            steps = 1 if primed is not None else STEPS
+            got: set[int] = set()  # the parameters whose gradient the (last) step accumulated
+            for p in distiller.trainee.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(lambda p: got.add(id(p)))
+            for i in range(steps):
+                census.on = i == steps - 1  # the census is a timed step's: the last, with the optimizer's state
+                got.clear()
                 step()
                 census.on = False
                 tracker.mark(_state(distiller.optimizer), OPTIMIZER)
+            if primed is not None and got != primed:  # a parameter without a gradient has no state: run it out
+                redo = True
             logits = _logits_bytes(distiller.loss_fn, x)
             buckets = ddp_bucket_bytes(config, distiller.trainee)
             reduce = ddp_all_reduce(config, distiller.trainee)
@@ -203,6 +222,8 @@ def predict(
     finally:
         if step is not None:
             step.close()
+    if redo:
+        return predict(config, device_type, allow_imports, decode_steps, prime=False)
     notes.extend(target.notes)
     notes.extend([decoded.note] if decoded.note else [])
     breakdown = tracker.breakdown()
@@ -222,6 +243,51 @@ def predict(
         notes=tuple(notes),
         census=census.census(),
     )
+
+
+def primable(config: CellConfig, step: DistillStep) -> bool:
+    """Whether the first of :data:`STEPS` fake steps can be left out for :func:`prime_first_step`'s leftovers: one
+    device's step that keeps nothing of a step for the next but its gradients and the optimizer's state (not an
+    on-policy generation's, a cross-tokenizer alignment's or an offline reader's batches; not DDP's buckets or FSDP2's
+    shards), updated without a loss scaler."""
+    d = step.distiller
+    return (
+        config.world_size == 1
+        and d.on_policy is None
+        and d.paired is None
+        and step.offline is None
+        and d.scaler is None
+        and config.teacher.mode != "offline"
+    )
+
+
+def prime_first_step(tracker: LiveBytes, step: DistillStep) -> set[int] | None:
+    """What a first step leaves for the second, made without running it: a zero gradient for every parameter the
+    optimizer updates (the second step frees them before its backward, as it frees the first's), its loss (a scalar,
+    until the second's replaces it), what the loss keeps of its fixed batch (the LM loss's valid rows) and the
+    optimizer's state, made by one update from them (an update of zero gradients: the state's tensors, their shapes
+    and dtypes, as the first real update makes them). The peak stays what it was (the update's own temporaries are
+    no step's). Returns the ids of the parameters primed: if the step then leaves one without a gradient (an unused
+    head), its state would be counted that no real step makes, and the caller predicts again without priming."""
+    optimizer = step.distiller.optimizer
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if not params or any(p.grad is not None for p in params):
+        return None
+    saved = tracker.peak
+    tracker.peak = Peak(saved.bytes, saved.phase, list(saved.live))
+    with torch.no_grad():
+        for p in params:
+            p.grad = torch.zeros_like(p)
+    tracker.mark([p.grad for p in params], GRADIENTS)
+    optimizer.step()
+    tracker.mark(_state(optimizer), OPTIMIZER)
+    if step.last_loss is None:  # the first step's loss, kept until the second's replaces it (a float32 scalar)
+        step.last_loss = torch.zeros((), dtype=torch.float32)
+    valid_rows = getattr(step.distiller.loss_fn, "valid_rows", None)
+    if valid_rows is not None:  # the LM loss finds its fixed batch's valid tokens once, in the first step
+        valid_rows(step.y)
+    tracker.peak = saved  # a new peak is taken from here on, what priming left included
+    return {id(p) for p in params}
 
 
 @contextlib.contextmanager

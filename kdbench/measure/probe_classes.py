@@ -17,8 +17,8 @@ the timed calls):
   ``TFLOP/s``;
 * ``conv_backward`` and ``conv_grouped_backward``: the same convolutions' backward (``aten.convolution_backward``:
   the input's and the weight's gradients, FLOPs as :mod:`kdbench.measure.flops` counts them, twice the forward's),
-  ``TFLOP/s``: a CPU's backward kernels are not its forward's (oneDNN's depthwise backward ran at about a ninth of
-  its forward's rate in fp32 on kdbench's CI machine type, 4.2 against 37 GFLOP/s);
+  ``TFLOP/s``: a CPU's backward kernels are not its forward's (on kdbench's CI machine type, idle, oneDNN's fp32
+  depthwise backward ran at 34 GFLOP/s against 53 forward, and a bf16 16-channel 32 x 32 one at 121 against 308);
 * ``launch``: the time of one call of a tiny operator (``op``: an add of two 1-element tensors; ``conv`` and
   ``conv_backward``: a 1 x 1 convolution of one 8-channel pixel and its backward), microseconds (``us``): what a
   call costs beyond its arithmetic and bytes.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -272,3 +273,42 @@ def test_a_process_without_transformers_gets_no_transformers_import_from_the_fit
     with as_measured_batches():
         assert "transformers" not in sys.modules
     assert "transformers" not in sys.modules
+
+
+def _vision(method: str, **more) -> CellConfig:
+    raw = {
+        "pair": {"teacher": "resnet8", "student": "resnet8"},
+        "method": method,
+        "batch_size": 4,
+        "data": {"kind": "synthetic", "shape": [3, 16, 16], "num_classes": 10},
+    }
+    return CellConfig.model_validate(raw | more)
+
+
+PRIMED_CELLS = {
+    "vision kd": _vision("kd"),
+    "vision fitnet (an adapter trains)": _vision("fitnet"),
+    "vision crd (a memory bank)": _vision("crd"),
+    "vision dkd, sgd": _vision("dkd", optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9}),
+    "lm dense": lm(),
+    "lm fused_linear bf16": lm(loss_impl="fused_linear", chunk_size=64, precision="bf16", teacher_precision="bf16"),
+    "lm jsd chunked": lm(method="jsd", loss_impl="chunked", chunk_size=64),
+    "lm top-k cached teacher": lm(teacher={"mode": "topk_cache", "k": 8}),
+    "encoder minilm": CellConfig.model_validate(
+        {"pair": {"teacher": "tiny-bert-teacher", "student": "tiny-bert-student"}, "method": "minilm", "batch_size": 2,
+         "data": {"kind": "tokens", "seq_len": 32}}
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(PRIMED_CELLS))
+def test_a_primed_fake_run_is_the_two_step_run_at_half_the_operators(name):
+    # the first step's leftovers made without running it (zero gradients kept as the previous step's, the optimizer's
+    # state from one update of them): the peak, its phase, its breakdown and the census are the two-step run's
+    config = PRIMED_CELLS[name]
+    primed, reference = predict(config, "cuda"), predict(config, "cuda", prime=False)
+    assert primed.ok and reference.ok, (primed.error, reference.error)
+    assert (primed.peak_bytes, primed.phase) == (reference.peak_bytes, reference.phase)
+    assert primed.breakdown == reference.breakdown
+    # the same records (their order is first appearance's, which a first step's one-time calls move)
+    assert Counter(primed.census.records) == Counter(reference.census.records)
