@@ -35,9 +35,9 @@ from kdbench.config.schema import CellConfig
 from kdbench.core.errors import KdbenchError
 from kdbench.core.sizes import GIB, MIB, gib
 from kdbench.fit.cost import TOKENS, Budget, DeviceTime, count_text, device_time, figure_text, missing_figure, ms_text
+from kdbench.store.logit_store import token_id_bytes
 from kdbench.store.teacher_logits import Encoding
 
-TOKEN_ID_BYTES = 4  # the store's token ids beside the top-k: int32, seq_len + 1 a sequence (kdbench.store.logit_store)
 NOT_COUNTED = (
     "the teacher's LM head where the loss applies it (loss_impl dense), log-softmax, top-k, encode, compression, "
     "checksum and writes"
@@ -48,11 +48,6 @@ def disk_bytes(encoding: Encoding, tokens: int) -> int:
     """The store's top-k for ``tokens`` tokens: the encoding's bytes per token (the format's arithmetic, before
     compression) times the tokens."""
     return tokens * encoding.bytes_per_token
-
-
-def token_id_bytes(tokens: int, seq_len: int) -> int:
-    """The token ids a store keeps beside its top-k: whole sequences of ``seq_len + 1`` int32 ids."""
-    return math.ceil(tokens / seq_len) * (seq_len + 1) * TOKEN_ID_BYTES
 
 
 def payback_epochs(build_ms: float, saving_ms_per_step: float, steps_per_epoch: int) -> float | None:

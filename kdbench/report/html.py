@@ -45,7 +45,15 @@ from kdbench.report.format import (
 )
 from kdbench.report.lm import lm_section
 from kdbench.report.plots import draw_charts, draw_phases, draw_quality_front
-from kdbench.report.step_tables import REMAINDER_LIMIT, caching_rows, lever_rows, profile_rows, top_op_rows
+from kdbench.report.step_tables import (
+    OFFLINE_CORPUS,
+    REMAINDER_LIMIT,
+    caching_rows,
+    lever_rows,
+    offline_rows,
+    profile_rows,
+    top_op_rows,
+)
 from kdbench.report.summaries import MEASUREMENT_ORDER, shown_phases, summarize_drafts, summarize_quality
 from kdbench.store.files import make_folder
 from kdbench.store.results import UNREADABLE
@@ -114,6 +122,9 @@ def render_report(
         profile_aligned=ALIGN in shown_phases(df),
         remainder_limit=f"{REMAINDER_LIMIT * 100:.0f} %",
         caching=caching_rows(df),
+        offline=offline_rows(df),
+        offline_cells=_offline_cells(df),
+        offline_corpus=f"{OFFLINE_CORPUS:,}",
         levers=lever_rows(df),
         top_ops=top_op_rows(df, out_dir),
         has_quality=has_quality,
@@ -134,6 +145,14 @@ def render_report(
 
 
 # --- page sections -----------------------------------------------------------------
+
+
+def _offline_cells(df: pd.DataFrame) -> bool:
+    """Whether any ok distill_step row ran with an offline teacher (``teacher.mode offline``)."""
+    if "teacher_mode" not in df or "measurement" not in df:
+        return False
+    step = df["measurement"].eq(Measurement.DISTILL_STEP) & df["status"].eq(Status.OK)
+    return bool((step & df["teacher_mode"].eq("offline")).any())
 
 
 def _runs(df: pd.DataFrame, states: dict) -> list[dict]:

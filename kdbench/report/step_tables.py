@@ -1,6 +1,7 @@
 """The report's tables of the distillation step: where its time goes (phases, cold start, compute rate, memory,
-energy: :func:`profile_rows`), live against cached teacher (:func:`caching_rows`), the levers' one-off cost against
-their gain (:func:`lever_rows`) and the top operators with the link to each trace (:func:`top_op_rows`).
+energy: :func:`profile_rows`), live against cached teacher (:func:`caching_rows`), offline teacher stores against
+their live twins, scaled to a corpus (:func:`offline_rows`), the levers' one-off cost against their gain
+(:func:`lever_rows`) and the top operators with the link to each trace (:func:`top_op_rows`).
 
 Each returns the rows of one table of the page, formatted (:mod:`kdbench.report.format`), each cell's repeats
 pooled as compare centres them.
@@ -16,6 +17,7 @@ from urllib.parse import quote
 import pandas as pd
 
 from kdbench.core.names import REMAINDER_COLUMN, Measurement
+from kdbench.core.sizes import GB
 from kdbench.report.charts import THIN_NOTE
 from kdbench.report.format import (
     MISSING,
@@ -31,10 +33,12 @@ from kdbench.report.summaries import (
     REMAINDER_LIMIT,
     caching_pairs,
     latest_steps,
+    offline_pairs,
     phase_gap,
     pooled,
     shown_phases,
 )
+from kdbench.store.logit_store import token_id_bytes
 
 STALL_GAP = 0.05  # window throughput this far below the median-based one: the window had gaps or stalls
 
@@ -221,6 +225,77 @@ def caching_rows(df: pd.DataFrame) -> list[dict]:
                 "saving_pct": f"{saving / r['median_ms_live'] * 100:.1f} %" if r["median_ms_live"] > 0 else MISSING,
                 "one_off": format_ms(r["teacher_cache_ms"]),
                 "payback": payback,
+            }
+        )
+    return out
+
+
+OFFLINE_CORPUS = 10**9  # the offline section's stated corpus (tokens): the rows have none; its figures scale linearly
+
+
+def _waited(phase_ms, wait_ms) -> tuple[str, str]:
+    """How long an offline step waited for its batch and top-k, and which figure says it: the step's own phase
+    (``phase_teacher_read_ms``, the counted steps' median) where the row has it, else the reader's wait
+    (``teacher_read_wait_ms``, every step's median, warm-up too)."""
+    if pd.notna(phase_ms):
+        return format_ms(phase_ms), "phase"
+    if pd.notna(wait_ms):
+        return format_ms(wait_ms), "wait"
+    return MISSING, ""
+
+
+def _freed(live_bytes, offline_bytes) -> str:
+    """The twin's peak minus the offline row's, in MiB (negative: the offline step holds more)."""
+    if pd.isna(live_bytes) or pd.isna(offline_bytes):
+        return MISSING
+    return format_mib(float(live_bytes) - float(offline_bytes))
+
+
+def offline_rows(df: pd.DataFrame, corpus: int = OFFLINE_CORPUS) -> list[dict]:
+    """Offline-teacher cells against their live twins (:func:`kdbench.report.summaries.offline_pairs`): the store
+    (encoding, bytes per token, build and read rates, page cache), the step's wait and medians, the saving per token
+    and the pay-back in epochs (a corpus's size cancels), and for a corpus of ``corpus`` tokens the disk (top-k and
+    token ids), the build's hours and the teacher memory freed (predicted and measured peaks)."""
+    out = []
+    for r in offline_pairs(df).to_dict("records"):
+        per_token = r["saving_ms_per_token"]
+        if pd.notna(r["payback_epochs"]):
+            payback = format_sig(r["payback_epochs"])
+        elif pd.notna(per_token) and per_token <= 0:
+            payback = "never (offline is not faster)"
+        else:
+            payback = MISSING  # no build in this run (the store was reused) or no tokens
+        bytes_per_token = r["teacher_store_bytes_per_token"]
+        disk = format_sig(None if pd.isna(bytes_per_token) else corpus * float(bytes_per_token) / GB)
+        seq_len = r.get("seq_len")
+        ids = token_id_bytes(corpus, int(seq_len)) / GB if pd.notna(seq_len) and seq_len > 0 else None
+        built, tokens = r["teacher_store_build_s"], r["teacher_store_tokens"]
+        build_h = corpus * float(built) / float(tokens) / 3600 if pd.notna(built) and tokens and tokens > 0 else None
+        waited, which = _waited(r.get("phase_teacher_read_ms"), r.get("teacher_read_wait_ms"))
+        out.append(
+            {
+                "run_id": r["run_id"],
+                "cell_label": text(r["cell_label"]),
+                "twin": f"{text(r['offline_twin'])}: {text(r['twin_label'])}",
+                "encoding": text(r["teacher_store_encoding"]),
+                "bytes_per_token": format_sig(bytes_per_token),
+                "forward_tps": format_int(r["teacher_store_forward_tokens_per_s"]),
+                "encode_tps": format_int(r["teacher_store_encode_tokens_per_s"]),
+                "read_tps": format_int(r["teacher_read_tokens_per_s"]),
+                "read_ms": format_ms(r["teacher_read_ms"]),
+                "page_cache": text(r["teacher_store_page_cache"]),
+                "waited": waited,
+                "waited_by": which,
+                "live": format_ms(r["median_ms_live"]),
+                "offline": format_ms(r["median_ms"]),
+                "saving_per_token": format_sig(per_token),
+                "payback": payback,
+                "disk_gb": disk,
+                "ids_gb": format_sig(ids),
+                "build_h": format_sig(build_h),
+                "freed_predicted": _freed(r["predicted_peak_bytes_live"], r["predicted_peak_bytes"]),
+                "freed_measured": _freed(r["live_peak_bytes_live"], r["live_peak_bytes"]),
+                "kl": format_sig(r["topk_reconstruction_kl"]),
             }
         )
     return out

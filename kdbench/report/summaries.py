@@ -1,8 +1,9 @@
 """Summaries of result rows, as DataFrames: what the report, the CLI and a pandas session tabulate.
 
 Data only (pandas; never torch): the quality table over seeds (and its Markdown form), each measurement's
-repeats pooled as ``compare`` centres them (:func:`pooled`), and the live/cached teacher pairs with
-their pay-back (from the derived columns of :mod:`kdbench.store.derived`).
+repeats pooled as ``compare`` centres them (:func:`pooled`), the live/cached teacher pairs with
+their pay-back and the offline-teacher cells beside their live twins (from the derived columns of
+:mod:`kdbench.store.derived`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kdbench.core.names import LEAD_PHASES, PHASES, QUALITY_ROLES, VARIANT_COLUM
 from kdbench.core.schema import COLUMNS, DERIVED, RESULT, STATISTICS
 from kdbench.core.stats.repeats import NOISY_REL_IQR, centre_interval, median_log_variance
 from kdbench.report.format import mean_std
-from kdbench.store.derived import TEACHER_MODE, payback_steps, twin_key
+from kdbench.store.derived import PARALLEL, TEACHER_MODE, payback_steps, twin_key
 
 POOL_KEY = ["run_id", "cell_id", "measurement", "batch_size"]
 REMAINDER_LIMIT = 0.10  # |phase_gap| above this share of the median: the phases shown do not account for the step
@@ -394,3 +395,47 @@ def caching_pairs(df: pd.DataFrame) -> pd.DataFrame:
         teacher_cache_payback_steps=[np.nan if p is None else float(p) for p in payback],
     )
     return pairs.rename(columns={"cell_label_cached": "cached_label", "cell_label_live": "cell_label"})
+
+
+def offline_pairs(df: pd.DataFrame) -> pd.DataFrame:
+    """Per offline-teacher distill_step cell of a run (``teacher.mode offline``) whose live twin is in the same run
+    (the twin :mod:`kdbench.store.derived` matched: ``offline_twin``), both cells pooled as :func:`caching_pairs` pools
+    them: the offline row's columns, the twin's label, median and peaks (``twin_label``, ``median_ms_live``,
+    ``predicted_peak_bytes_live``, ``live_peak_bytes_live``), and from the pooled medians the saving per step
+    (``saving_ms``: live minus offline), per token (``saving_ms_per_token``: over the step's tokens on all its
+    ranks) and the epochs after which it repays the store's build (``payback_epochs``: build ms per token over the
+    saving per token, :func:`kdbench.store.derived._offline_payback`'s arithmetic; NaN where not faster or not
+    built)."""
+    steps = pooled(df)
+    steps = steps[steps["measurement"].eq(Measurement.DISTILL_STEP)]
+    if steps.empty or "offline_twin" not in steps:
+        return pd.DataFrame()
+    offline = steps[steps["teacher_mode"].eq("offline") & steps["offline_twin"].notna()]
+    if offline.empty:
+        return pd.DataFrame()
+    live = steps[steps["teacher_mode"].fillna("live").eq("live")]
+    run = steps["run_id"].astype(str) + "\0"
+    # a data-parallel offline cell's twin shards its teacher (FSDP2): then its parallelism is not compared either
+    sharded = offline["offline_twin"].eq("live fsdp")
+    key = (run + steps["config_json"].map(lambda j: str(twin_key(j, TEACHER_MODE)))).rename("_key")
+    key_parallel = (run + steps["config_json"].map(lambda j: str(twin_key(j, TEACHER_MODE + PARALLEL)))).rename("_key")
+    offline = offline.assign(_key=key_parallel[offline.index].where(sharded, key[offline.index]))
+    fsdp = live["parallel"].eq("fsdp") if "parallel" in live else pd.Series(False, index=live.index)
+    twins = pd.concat([live.assign(_key=key[live.index]), live[fsdp].assign(_key=key_parallel[live[fsdp].index])])
+    twins = twins.drop_duplicates("_key", keep="last")
+    twins = twins[["_key", "cell_label", "median_ms", "predicted_peak_bytes", "live_peak_bytes"]].rename(
+        columns={
+            "cell_label": "twin_label",
+            "median_ms": "median_ms_live",
+            "predicted_peak_bytes": "predicted_peak_bytes_live",
+            "live_peak_bytes": "live_peak_bytes_live",
+        }
+    )
+    pairs = offline.merge(twins, on="_key")
+    ranks = pd.to_numeric(pairs["world_size"], errors="coerce").fillna(1) if "world_size" in pairs else 1
+    saving = pairs["median_ms_live"] - pairs["median_ms"]
+    per_token = saving / (pd.to_numeric(pairs["tokens"], errors="coerce") * ranks)
+    build_per_token = pairs["teacher_store_build_s"] * 1e3 / pairs["teacher_store_tokens"]
+    payback = (build_per_token / per_token).where(per_token.gt(0))
+    pairs = pairs.assign(saving_ms=saving, saving_ms_per_token=per_token, payback_epochs=payback)
+    return pairs.sort_values(["run_id", "cell_label"]).reset_index(drop=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +45,13 @@ from kdbench.store.teacher_logits import (
 MANIFEST = "manifest.json"
 FORMAT = "kdbench-teacher-topk/1"
 KEY_NAMES = ("teacher", "tokenizer", "corpus", "vocab", "seq_len", "k", "top_p", "temperature", "encoding")
+TOKEN_ID_BYTES = 4  # the token ids beside the top-k: int32, windows of seq_len + 1 (a sequence and its labels)
+
+
+def token_id_bytes(tokens: int, seq_len: int) -> int:
+    """The token ids a store keeps beside its top-k for ``tokens`` tokens: whole sequences of ``seq_len + 1`` int32
+    ids (what ``kdbench fit`` and the report's offline section print beside the top-k's bytes)."""
+    return math.ceil(tokens / seq_len) * (seq_len + 1) * TOKEN_ID_BYTES
 
 
 def store_key(
