@@ -144,3 +144,23 @@ def test_a_run_without_offline_cells_has_no_section(tmp_path):
     assert "Offline teacher stores" not in _page(LIVE, tmp_path / "live")
     alone = _page([_row("offline k32", "offline", 12.0, run="run-x", **FAST)] + LIVE, tmp_path / "alone")
     assert "No offline-teacher cell has a live twin in its run." in alone and 'class="offline-row"' not in alone
+
+
+def test_a_data_parallel_offline_cell_is_shown_beside_its_fsdp_sharded_twin(tmp_path):
+    def ranks(label, mode, median_ms, parallel, **extra):
+        row = _row(label, mode, median_ms, world_size=2, parallel=parallel, **extra)
+        config = json.loads(row["config_json"]) | {"world_size": 2}
+        config |= {"ddp": {"bucket_cap_mb": 25}} if parallel == "ddp" else {"parallel": "fsdp", "fsdp": {}}
+        return row | {"config_json": json.dumps(config, sort_keys=True)}
+
+    rows = [
+        ranks("ddp live", "live", 16.0, "ddp", predicted_peak_bytes=900 * MIB),
+        ranks("fsdp live", "live", 18.0, "fsdp", predicted_peak_bytes=700 * MIB),
+        ranks("offline ddp", "offline", 10.0, "ddp", **FAST),
+    ]
+    page = _page(rows, tmp_path)
+    (tr,) = re.findall(r'<tr class="offline-row">(.*?)</tr>', page, re.S)
+    row = dict(zip(HEADER, _cells(tr)))
+    assert (row["twin"], row["live"], row["offline"]) == ("live fsdp: fsdp live", "18.0", "10.0")
+    assert row["saving"] == format_sig(8.0 / (2 * TOKENS)) == "0.0625"  # every rank's tokens
+    assert row["freed predicted"] == "300.0 MiB"  # the FSDP twin's 700 MiB minus the offline cell's 400
