@@ -136,7 +136,8 @@ def test_on_policy_and_topk_cache_cells_are_predicted_through_their_own_phases()
     cached = lm(teacher={"mode": "topk_cache", "k": 16})
     prediction = predict(cached, "cpu")
     assert prediction.ok, prediction.error
-    # the top-k loss's scatter allocates inside its kernel beyond its output (~3 MiB here): not a tensor of the step
+    # kernels' own buffers beyond their outputs, which no tensor of the step holds: 1.03 here since the sparse KL's
+    # gradient is written out (1.047 with autograd's, whose scatter allocated inside its kernel)
     assert 1.0 <= measured(cached) / prediction.peak_bytes < 1.06
     assert GENERATE.name != "" and on_policy.phase in {p.name for p in (GENERATE, *PHASES)} | {"cache build"}
 

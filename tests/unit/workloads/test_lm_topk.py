@@ -180,3 +180,63 @@ def test_the_cache_build_time_leaves_out_the_diagnostic_of_what_the_cache_loses(
     assert order == ["kl"] and step.cache_ms == 0.0  # the build alone: nothing advanced the fake clock in it
     columns = step.cache_columns
     assert 0 < columns["topk_reconstruction_kl"] < 10 and columns["teacher_cache_bytes_per_token"] == 16 * 4 + 4
+
+
+def _autograd_reference(student, cache, mask):
+    """The sparse KL as autograd writes it (kdbench's before its gradient was written out): a log-softmax, its
+    gather, and the rest as a logsumexp over a scatter of -inf."""
+    vocab, t = student.shape[-1], cache.temperature
+    valid = mask.reshape(-1)
+    s = student.double().reshape(-1, vocab)[valid]
+    logp = cache.logp.reshape(-1, cache.k).double()[valid]
+    idx = cache.indices.reshape(-1, cache.k).long()[valid]
+    rest = cache.log_rest.reshape(-1).double()[valid]
+    log_q = torch.log_softmax(s / t, dim=-1)
+    p = logp.exp()
+    total = torch.where(p > 0, p * (logp - log_q.gather(-1, idx)), 0.0).sum()
+    if cache.k < vocab:
+        log_q_rest = torch.logsumexp(log_q.scatter(-1, idx, -math.inf), dim=-1)
+        has = torch.isfinite(rest)
+        safe = torch.where(has, rest, 0.0)
+        total = total + torch.where(has, safe.exp() * (safe - log_q_rest), 0.0).sum()
+    return total / max(s.shape[0], 1) * t**2
+
+
+@pytest.mark.parametrize("k", [1, 5, 39, 40])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("cut", [False, True])
+def test_the_written_out_gradient_is_autograds(logits, k, temperature, cut):
+    from kdbench.distill.lm.topk import TopKTeacher
+
+    teacher, student, mask = logits
+    cache = build_topk(teacher, k, temperature)
+    if cut and k > 1:  # a top-p cut: the last slots empty (-inf), repeating the first kept id
+        logp, idx = cache.logp.clone(), cache.indices.clone()
+        logp[..., k // 2 :] = -math.inf
+        idx[..., k // 2 :] = idx[..., :1]
+        cache = TopKTeacher(logp, idx, cache.log_rest, cache.vocab, cache.temperature)
+    s = student.clone().requires_grad_()
+    got = topk_forward_kl(s, cache, mask)
+    got.backward()
+    ref_s = student.clone().double().requires_grad_()
+    want = _autograd_reference(ref_s, cache, mask)
+    want.backward()
+    assert float(got) == pytest.approx(float(want), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(s.grad.double(), ref_s.grad, rtol=1e-4, atol=1e-7)
+    assert not s.grad[~mask].any()  # the masked tokens get nothing
+
+
+def test_a_row_whose_kept_entries_hold_all_its_mass_has_no_rest_term():
+    from kdbench.distill.lm.topk import TopKTeacher
+
+    student = torch.randn(1, 2, 6, requires_grad=True)
+    logp = torch.log(torch.tensor([[[0.5, 0.5], [0.7, 0.2]]]))
+    rest = torch.tensor([[-math.inf, math.log(0.1)]])
+    cache = TopKTeacher(logp, torch.tensor([[[0, 1], [2, 3]]]), rest, 6, 1.0)
+    got = topk_forward_kl(student, cache)
+    got.backward()
+    ref = student.detach().clone().double().requires_grad_()
+    want = _autograd_reference(ref, cache, torch.ones(1, 2, dtype=torch.bool))
+    want.backward()
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    torch.testing.assert_close(student.grad.double(), ref.grad, rtol=1e-5, atol=1e-7)
