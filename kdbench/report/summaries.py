@@ -18,7 +18,7 @@ from kdbench.core.names import LEAD_PHASES, PHASES, QUALITY_ROLES, VARIANT_COLUM
 from kdbench.core.schema import COLUMNS, DERIVED, RESULT, STATISTICS
 from kdbench.core.stats.repeats import NOISY_REL_IQR, centre_interval, median_log_variance
 from kdbench.report.format import mean_std
-from kdbench.store.derived import PARALLEL, TEACHER_MODE, payback_steps, twin_key
+from kdbench.store.derived import PARALLEL, TEACHER_MODE, payback_epochs, payback_steps, twin_key
 
 POOL_KEY = ["run_id", "cell_id", "measurement", "batch_size"]
 REMAINDER_LIMIT = 0.10  # |phase_gap| above this share of the median: the phases shown do not account for the step
@@ -404,8 +404,7 @@ def offline_pairs(df: pd.DataFrame) -> pd.DataFrame:
     ``predicted_peak_bytes_live``, ``live_peak_bytes_live``), and from the pooled medians the saving per step
     (``saving_ms``: live minus offline), per token (``saving_ms_per_token``: over the step's tokens on all its
     ranks) and the epochs after which it repays the store's build (``payback_epochs``: build ms per token over the
-    saving per token, :func:`kdbench.store.derived._offline_payback`'s arithmetic; NaN where not faster or not
-    built)."""
+    saving per token, :func:`kdbench.store.derived.payback_epochs`; NaN where not faster or not built)."""
     steps = pooled(df)
     steps = steps[steps["measurement"].eq(Measurement.DISTILL_STEP)]
     if steps.empty or "offline_twin" not in steps:
@@ -435,7 +434,6 @@ def offline_pairs(df: pd.DataFrame) -> pd.DataFrame:
     ranks = pd.to_numeric(pairs["world_size"], errors="coerce").fillna(1) if "world_size" in pairs else 1
     saving = pairs["median_ms_live"] - pairs["median_ms"]
     per_token = saving / (pd.to_numeric(pairs["tokens"], errors="coerce") * ranks)
-    build_per_token = pairs["teacher_store_build_s"] * 1e3 / pairs["teacher_store_tokens"]
-    payback = (build_per_token / per_token).where(per_token.gt(0))
+    payback = payback_epochs(pairs["teacher_store_build_s"], pairs["teacher_store_tokens"], per_token)
     pairs = pairs.assign(saving_ms=saving, saving_ms_per_token=per_token, payback_epochs=payback)
     return pairs.sort_values(["run_id", "cell_label"]).reset_index(drop=True)

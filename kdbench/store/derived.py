@@ -320,6 +320,16 @@ def _cache_payback(df: pd.DataFrame) -> None:
     _offline_payback(df, cached, saving)
 
 
+def payback_epochs(build_s, store_tokens, saving_ms_per_token):
+    """The epochs after which an offline store's build (``build_s`` seconds for ``store_tokens`` tokens) is repaid by
+    a saving of ``saving_ms_per_token``: the build's milliseconds per token over the saving's (a corpus's size
+    cancels); NaN where the offline step saves nothing.  Arrays or Series alike."""
+    per_token = np.asarray(saving_ms_per_token, dtype=float)
+    build = np.asarray(build_s, dtype=float) * 1e3 / np.asarray(store_tokens, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(per_token > 0, build / per_token, np.nan)
+
+
 def _offline_payback(df: pd.DataFrame, rows: pd.DataFrame, saving: np.ndarray) -> None:
     """Offline rows: the saving per token (a step's tokens on all its ranks), and the epochs after which it repays the
     store's build (the build's seconds per token over the saving's: a corpus's size cancels)."""
@@ -333,9 +343,9 @@ def _offline_payback(df: pd.DataFrame, rows: pd.DataFrame, saving: np.ndarray) -
     tokens = (rows.loc[idx, "tokens"] * ranks).astype(float).to_numpy()
     per_token = saving[offline] / tokens
     df.loc[idx, "offline_saving_ms_per_token"] = per_token
-    build = rows.loc[idx, "teacher_store_build_s"].astype(float).to_numpy() * 1e3
-    built = rows.loc[idx, "teacher_store_tokens"].astype(float).to_numpy()
-    df.loc[idx, "offline_payback_epochs"] = np.where(per_token > 0, build / built / per_token, np.nan)
+    df.loc[idx, "offline_payback_epochs"] = payback_epochs(
+        rows.loc[idx, "teacher_store_build_s"], rows.loc[idx, "teacher_store_tokens"], per_token
+    )
 
 
 def _break_even(df: pd.DataFrame) -> None:
