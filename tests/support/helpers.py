@@ -118,6 +118,36 @@ def kill_group(proc) -> None:
         proc.communicate()
 
 
+def planned_fit_check(tmp_path: Path, monkeypatch, flags: list[str], suite_line: str = "") -> list:
+    """The ``fit_check`` a run's workers would get from ``kdbench run`` of a one-line suite (``suite_line`` added
+    to it) with ``flags``: the run stops where it would plan its cells; one value per call."""
+    from types import SimpleNamespace
+
+    from kdbench import api
+    from kdbench.cli.commands import cmd_run
+    from kdbench.cli.parser import build_parser
+    from kdbench.hw.backends import resolve
+    from kdbench.run.engine import _setup
+
+    path = tmp_path / "s.yaml"
+    path.write_text(f"name: s\n{suite_line}defaults:\n  pair: {{teacher: linear, student: linear}}\n")
+    seen = []
+
+    class Planned(Exception):
+        pass
+
+    def plan(suite, *args, **kwargs):
+        seen.append(_setup(suite, resolve("cpu"), 1, SimpleNamespace(path=tmp_path, run_id="r")).options.fit_check)
+        raise Planned
+
+    monkeypatch.setattr(api, "plan", plan)
+    try:
+        cmd_run(build_parser().parse_args(["run", str(path), "--out", str(tmp_path / "res"), *flags]))
+    except Planned:
+        return seen
+    raise AssertionError("the run did not reach its plan")
+
+
 def write_suite(path: Path, **top) -> Path:
     """A suite file from top-level keys (``yaml.safe_dump``)."""
     path.write_text(yaml.safe_dump(top, sort_keys=False))

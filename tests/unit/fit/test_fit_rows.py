@@ -221,28 +221,9 @@ def test_a_run_without_the_fit_check_neither_predicts_nor_profiles_and_says_so(m
 
 
 def test_no_fit_check_on_the_command_line_reaches_the_workers_options(tmp_path, monkeypatch):
-    from types import SimpleNamespace
+    from tests.support.helpers import planned_fit_check
 
-    from kdbench import api
-    from kdbench.cli.commands import cmd_run
-    from kdbench.cli.parser import build_parser
-    from kdbench.run.engine import _setup
-
-    path = tmp_path / "s.yaml"
-    path.write_text("name: s\ndefaults:\n  pair: {teacher: linear, student: linear}\n")
-    seen = []
-
-    class Planned(Exception):
-        pass
-
-    def plan(suite, *args, **kwargs):
-        seen.append(_setup(suite, CPU, 1, SimpleNamespace(path=tmp_path, run_id="r")).options.fit_check)
-        raise Planned
-
-    monkeypatch.setattr(api, "plan", plan)
-    for flags in ([], ["--no-fit-check"]):
-        with pytest.raises(Planned):
-            cmd_run(build_parser().parse_args(["run", str(path), *flags]))
+    seen = [v for flags in ([], ["--no-fit-check"]) for v in planned_fit_check(tmp_path, monkeypatch, flags)]
     assert seen == [True, False]
 
 

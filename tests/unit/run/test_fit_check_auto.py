@@ -131,28 +131,10 @@ def test_true_and_false_mean_what_they_meant(state, monkeypatch):
     ],
 )
 def test_the_command_line_and_the_suite_reach_the_workers_options(tmp_path, monkeypatch, flags, suite_value, expected):
-    from types import SimpleNamespace
+    from tests.support.helpers import planned_fit_check
 
-    from kdbench import api
-    from kdbench.cli.commands import cmd_run
-    from kdbench.cli.parser import build_parser
-    from kdbench.run.engine import _setup
-
-    path = tmp_path / "s.yaml"
     line = f"fit_check: {suite_value}\n" if suite_value else ""
-    path.write_text(f"name: s\n{line}defaults:\n  pair: {{teacher: linear, student: linear}}\n")
-    seen = []
-
-    class Planned(Exception):
-        pass
-
-    def plan(suite, *args, **kwargs):
-        seen.append(_setup(suite, CPU, 1, SimpleNamespace(path=tmp_path, run_id="r")).options.fit_check)
-        raise Planned
-
-    monkeypatch.setattr(api, "plan", plan)
-    with pytest.raises(Planned):
-        cmd_run(build_parser().parse_args(["run", str(path), "--out", str(tmp_path / "res"), *flags]))
+    seen = planned_fit_check(tmp_path, monkeypatch, flags, line)
     assert seen == [expected] and type(seen[0]) is type(expected)
 
 
