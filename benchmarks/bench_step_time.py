@@ -3,10 +3,12 @@
 For each cell of suites/cpu.yaml, suites/llm-cpu.yaml and suites/methods.yaml (issue 43's cells), in this one
 process: :func:`kdbench.fit.planner.predict` (the cell's own step on fake tensors, its operator census) priced by
 :func:`kdbench.fit.steptime.predict_step_time` on this machine's rates (:func:`~kdbench.fit.steptime.
-rates_from_probe`: a probe measured here at the start, :func:`kdbench.measure.probe.measure_ceilings`), against the
+rates_from_probe`: a probe measured here at the start, :func:`kdbench.measure.probe.measure_ceilings`, with the
+census's operator calls timed at their shapes, :func:`kdbench.fit.columns.timed_here`, as a run's rows are), against the
 median of the cell's real step timed as a run times it (:func:`kdbench.measure.timing.timed_loop` with the cell's
 own timing), the host's load over it read by kdbench's contention meter.  Printed per cell: predicted, measured,
-their ratio and the prediction's bound shares; then the median |ln ratio|.  Also printed: what the model's two
+their ratio, the ratio to the probe's class rates alone (no call timed: the roofline a table device gets) and the
+prediction's bound shares; then the median |ln ratio| of both.  Also printed: what the model's two
 CPU constants (:data:`~kdbench.fit.steptime.CPU_LAUNCH_US`, :data:`~kdbench.fit.steptime.CPU_FIRST_TOUCH_GBPS`)
 measure on this machine now, beside their stated values (the model uses the constants; nothing is fitted).
 
@@ -43,6 +45,7 @@ from kdbench.config.load import load_suite
 from kdbench.core.limits import STEP_TIME_TOLERANCE
 from kdbench.core.stats.samples import summarize
 from kdbench.distill.step import DistillStep
+from kdbench.fit.columns import timed_here
 from kdbench.fit.planner import predict
 from kdbench.fit.steptime import CPU_FIRST_TOUCH_GBPS, CPU_LAUNCH_US, predict_step_time, rates_from_probe
 from kdbench.hw.backends import resolve
@@ -137,7 +140,8 @@ def _measure(config, ceiling: dict) -> dict:
     if not prediction.ok:
         return {"unpredictable": prediction.error}
     rates = rates_from_probe(ceiling, config.precision)
-    predicted = predict_step_time(prediction, rates, config.precision)
+    roofline = predict_step_time(prediction, rates, config.precision)  # the probe's class rates alone
+    predicted = predict_step_time(prediction, timed_here(rates, prediction.census, backend, config.precision))
     workload = workload_of(config)
     teacher, student = workload.step_pair(config, backend, ModelCache(capacity=0), None)
     x, y = workload.batch(config, config.batch_size, backend.device, config.seed, (teacher, student))
@@ -159,6 +163,8 @@ def _measure(config, ceiling: dict) -> dict:
         "predicted_ms": predicted.ms,
         "measured_ms": measured,
         "ratio": measured / predicted.ms,
+        "roofline_ms": roofline.ms,
+        "roofline_ratio": measured / roofline.ms,
         "bound": predicted.bound,
         "phases_ms": predicted.phases,
         "fit_s": prediction.seconds,
@@ -251,7 +257,8 @@ def test_step_time(benchmark, report_line):
     )
     width = max((len(r["cell"]) for r in rows), default=10)
     report_line(
-        f"  {'cell':<{width}}{'predicted ms':>14}{'measured ms':>13}{'ratio':>8}   bound (compute/memory/launch)"
+        f"  {'cell':<{width}}{'predicted ms':>14}{'measured ms':>13}{'ratio':>8}{'roofline ratio':>16}   "
+        "bound (compute/memory/launch)"
     )
     for r in rows:
         if "ratio" not in r:
@@ -260,11 +267,13 @@ def test_step_time(benchmark, report_line):
         bound = "/".join(f"{v:.0%}" for v in r.get("bound", {}).values())
         busy = "  (busy: " + r["host"] + ")" if r["contended"] else ""
         report_line(
-            f"  {r['cell']:<{width}}{r['predicted_ms']:>14,.1f}{r['measured_ms']:>13,.1f}{r['ratio']:>8.3f}   "
-            f"{bound}{busy}"
+            f"  {r['cell']:<{width}}{r['predicted_ms']:>14,.1f}{r['measured_ms']:>13,.1f}{r['ratio']:>8.3f}"
+            f"{r.get('roofline_ratio', math.nan):>16.3f}   {bound}{busy}"
         )
     if median_ln is not None:
-        report_line(f"  median |ln ratio| {median_ln:.3f} over {len(ln)} cells")
+        roof = [abs(math.log(r["roofline_ratio"])) for r in measured if "roofline_ratio" in r]
+        alone = f"; the probe's class rates alone (no call timed): {statistics.median(roof):.3f}" if roof else ""
+        report_line(f"  median |ln ratio| {median_ln:.3f} over {len(ln)} cells{alone}")
     for precision in skipped:
         report_line(f"  {precision} cells not run: {SLOW:.0f}x or more slower than fp32 in this probe (as the suites)")
     assert measured, "no cell measured"

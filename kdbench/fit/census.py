@@ -18,6 +18,9 @@ per aten operator call:
 
 Identical records (operator, class, phase, dtype) are aggregated with a count, the operator's launches.  A grouped
 convolution's records carry the suffix :data:`GROUPED` (``aten.convolution(grouped)``): the model prices them apart.
+Each record also keeps its calls' **shapes**: per distinct call (:func:`kdbench.measure.replay.signature`: the
+operator with its arguments' shapes, strides and dtypes), how many times it ran, so that the machine the step runs
+on can time each call at its shapes (:func:`kdbench.measure.replay.time_signatures`; :mod:`kdbench.fit.steptime`).
 
 What the census cannot see: work that is not an aten operator of the fake run (DDP's reducer, which cannot run on
 fake tensors: the planner adds its all-reduce of the gradients as a record, :func:`all_reduce_record`), a
@@ -34,6 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from kdbench.measure.replay import signature
 
 MATMUL, ATTENTION, REDUCTION, ELEMENTWISE, OPTIMIZER, COPIES, COLLECTIVES = (
     "matmul/conv",
@@ -111,6 +116,9 @@ class Record:
     written: int = 0
     launches: int = 0
     fresh: int = 0  # of ``written``: bytes in new storages of at least FRESH_BYTES (pages the OS maps on first touch)
+    # (signature, calls) of the calls that can be replayed (kdbench.measure.replay); their calls sum to at most
+    # ``launches`` (a call that cannot be written down, or one the decode's extrapolation adds, has none)
+    shapes: tuple[tuple[str, int], ...] = ()
 
     @property
     def bytes(self) -> int:
@@ -140,10 +148,18 @@ class Census:
             cell["launches"] += r.launches
         return out
 
+    def signatures(self) -> tuple[str, ...]:
+        """Every distinct call the census wrote down (:attr:`Record.shapes`), in the order first seen."""
+        return tuple(dict.fromkeys(sig for r in self.records for sig, _ in r.shapes))
+
     @classmethod
     def from_json(cls, fields: dict) -> Census:
         """A census from :func:`dataclasses.asdict`'s form (the planner's process of its own hands it back so)."""
-        return cls(tuple(Record(**r) for r in fields.get("records", ())), int(fields.get("world_size", 1)))
+        records = (
+            Record(**{**r, "shapes": tuple((str(sig), int(n)) for sig, n in r.get("shapes", ()))})
+            for r in fields.get("records", ())
+        )
+        return cls(tuple(records), int(fields.get("world_size", 1)))
 
 
 def flop_formulas() -> dict:
@@ -287,6 +303,8 @@ class CensusMode(TorchDispatchMode):
         self._formulas = flop_formulas()
         # (op, class, phase, dtype) -> [flops, read, written, launches, fresh]
         self._tally: dict[tuple[str, str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+        # (op, class, phase, dtype) -> {signature: calls}
+        self._shapes: dict[tuple[str, str, str, str], dict[str, int]] = defaultdict(dict)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -321,6 +339,10 @@ class CensusMode(TorchDispatchMode):
             tally[2] += sum(tensor_bytes(t) for t in written)
             tally[3] += 1
             tally[4] += fresh_bytes(inputs, outputs)
+            sig = signature(func, args, kwargs) if cls != COLLECTIVES else None
+            if sig is not None:
+                shapes = self._shapes[key]
+                shapes[sig] = shapes.get(sig, 0) + 1
 
     def add(self, records: Iterable[Record]) -> None:
         """Records of work the fake run cannot run (DDP's all-reduce), added to the census."""
@@ -330,7 +352,10 @@ class CensusMode(TorchDispatchMode):
                 tally[i] += v
 
     def census(self) -> Census:
-        records = (Record(*key, *values) for key, values in self._tally.items())
+        records = (
+            Record(*key, *values, shapes=tuple(self._shapes.get(key, {}).items()))
+            for key, values in self._tally.items()
+        )
         return Census(tuple(records), self.world_size)
 
 

@@ -31,10 +31,13 @@ from kdbench.core.limits import FIT_TOLERANCE, STEP_TIME_TOLERANCE
 from kdbench.core.names import FIT_NOTE, Status
 from kdbench.core.schema import Row
 from kdbench.fit import planner
+from kdbench.fit.census import Census
 from kdbench.fit.cost import other_devices
 from kdbench.fit.runtime import BLAS_TERM, live_runtime, with_runtime
-from kdbench.fit.steptime import Rates, predict_step_time, rates_for, rates_from_probe, rates_from_row
+from kdbench.fit.steptime import Rates, predict_step_time, rates_for, rates_from_probe, rates_from_row, with_calls
 from kdbench.fit.tracker import KINDS
+from kdbench.hw.backends import Backend
+from kdbench.measure.replay import time_signatures
 
 MIB = 2**20
 
@@ -123,16 +126,30 @@ def _this_gpu():
     return find_card(props.name, int(props.multi_processor_count), getattr(props, "gcnArchName", "") or None)
 
 
+def timed_here(rates: Rates, census: Census, backend: Backend, precision: str) -> Rates:
+    """``rates`` with the census's operator calls timed at their shapes on ``backend``'s device, the machine the row
+    was measured on (:func:`kdbench.measure.replay.time_signatures`; :func:`kdbench.fit.steptime.with_calls`)."""
+    return with_calls(rates, time_signatures(census.signatures(), backend, tf32=precision == "tf32"))
+
+
 def step_time_columns(
-    prediction: planner.Prediction, row: Row, config: CellConfig, device_type: str, ceiling: Mapping | None = None
+    prediction: planner.Prediction,
+    row: Row,
+    config: CellConfig,
+    device_type: str,
+    ceiling: Mapping | None = None,
+    backend: Backend | None = None,
 ) -> tuple[Row, list[str]]:
     """``predicted_step_ms`` and ``predicted_step_ratio`` of a row (its ``median_ms`` measured) and their notes; an
-    unpredictable cell gets neither and no note of its own (its peak's note says why)."""
+    unpredictable cell gets neither and no note of its own (its peak's note says why).  With ``backend`` (the
+    device the row ran on) the census's calls are timed there at their shapes (:func:`timed_here`)."""
     if not prediction.ok or prediction.census is None:
         return Row(), []
     rates, why = rates_of(row, config, device_type, ceiling)
     if rates is None:
         return Row(), [f"{FIT_NOTE}step time not predicted: {why}"]
+    if backend is not None:
+        rates = timed_here(rates, prediction.census, backend, config.precision)
     predicted = predict_step_time(prediction, rates, config.precision).ms
     columns = Row(predicted_step_ms=predicted)
     notes = []
@@ -155,13 +172,15 @@ def add_fit(
     device_type: str,
     allow_imports: bool = False,
     ceiling: Mapping[str, Any] | None = None,
+    backend: Backend | None = None,
 ) -> None:
     """Set ``row``'s fit columns from a prediction of ``config`` on ``device_type`` (``allow_imports``: the suite's,
     for ``module:callable`` models; ``ceiling``: the run's probe of this device,
-    :func:`kdbench.store.probes.latest_ceiling`'s form), its fit notes added to an ok row's notes."""
+    :func:`kdbench.store.probes.latest_ceiling`'s form; ``backend``: the device the row ran on, where the step's
+    operator calls are timed at their shapes), its fit notes added to an ok row's notes."""
     prediction = prediction_of(config, device_type, allow_imports)
     columns, notes = fit_columns(prediction, row.get("live_peak_bytes"))
-    times, time_notes = step_time_columns(prediction, row, config, device_type, ceiling)
+    times, time_notes = step_time_columns(prediction, row, config, device_type, ceiling, backend)
     columns.update(times, predicted_step_devices=other_devices(prediction, config))  # the report's other devices
     notes += time_notes
     row.update(columns)

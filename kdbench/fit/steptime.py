@@ -185,6 +185,9 @@ class Rates:
     exp: Mapping[str, float] = field(default_factory=dict)  # Gelem/s of a vectorised exp
     elementwise: Mapping[str, float] = field(default_factory=dict)  # GB/s of an elementwise kernel
     floors: Mapping[str, float] = field(default_factory=dict)  # us per bare call: op, conv, conv_backward
+    # Seconds per call of an operator at its shapes, timed on this machine (kdbench.measure.replay), by signature;
+    # empty for a table device
+    calls: Mapping[str, float] = field(default_factory=dict)
 
     def peak(self, dtype: str) -> float:
         """TFLOP/s of a matmul writing ``dtype``; a dtype without a figure (int64, float64) gets the slowest."""
@@ -299,6 +302,26 @@ def with_classes(rates: Rates, ceiling: Mapping[str, Any]) -> Rates:
     return replace(rates, **extra, sources={**rates.sources, "classes": source})
 
 
+def with_calls(rates: Rates, calls: Mapping[str, float]) -> Rates:
+    """``rates`` with ``calls``: seconds per call of operators timed at their shapes on this machine
+    (:func:`kdbench.measure.replay.time_signatures`), which price those calls in place of their roofline term
+    (:func:`record_terms`); none leaves ``rates`` as it is."""
+    from dataclasses import replace
+
+    if not calls:
+        return rates
+    source = (
+        f"{len(calls)} operator calls timed at their shapes on this machine (kdbench.measure.replay: torch's "
+        "operator-level benchmark)"
+    )
+    return replace(
+        rates,
+        name=f"{rates.name} + {len(calls)} operators timed here",
+        calls={**rates.calls, **calls},
+        sources={**rates.sources, "calls": source},
+    )
+
+
 def rates_from_row(row: Mapping[str, Any], precision: str, teacher_precision: str | None = None) -> Rates | None:
     """The machine's own rates from a row's probe columns (``ceiling_tflops`` at the row's precision,
     ``teacher_ceiling_tflops`` at the teacher's, ``ceiling_gbps``); None where it has none."""
@@ -339,9 +362,23 @@ def _measured(name: str, peaks: dict[str, float], copy: float, device_type: str,
 
 def record_terms(r: Record, rates: Rates, world_size: int = 1) -> tuple[float, float, str]:
     """(roofline seconds, launch seconds, what bounds the roofline: compute or memory) of one census record on
-    ``rates`` (module docstring); a collective's wire time is its memory term."""
+    ``rates`` (module docstring); a collective's wire time is its memory term.  The calls of ``r`` timed at their
+    shapes on this machine (``rates.calls``) take their timed seconds in place of their share of the roofline term,
+    less the bare dispatch each timed call holds (the probe's ``launch_op``, which the launch floor prices)."""
     if r.cls == VIEWS:
         return 0.0, 0.0, MEMORY
+    timed = [(n, rates.calls[sig]) for sig, n in r.shapes if sig in rates.calls] if rates.calls else []
+    if timed:
+        roof, launch, what = _roofline_terms(r, rates, world_size)
+        calls = sum(n for n, _ in timed)
+        bare = rates.floors.get("op", 0.0) * 1e-6
+        measured = sum(n * max(0.0, t - bare) for n, t in timed)
+        rest = roof * max(0, r.launches - calls) / r.launches if r.launches else 0.0
+        return measured + rest, launch, what
+    return _roofline_terms(r, rates, world_size)
+
+
+def _roofline_terms(r: Record, rates: Rates, world_size: int) -> tuple[float, float, str]:
     launch = r.launches * rates.launch_of(r) * 1e-6
     compute_share, bandwidth_share = rates.fractions.get(r.cls, (1.0, 1.0))
     if r.cls == COLLECTIVES:

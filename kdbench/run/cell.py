@@ -169,7 +169,14 @@ def measure_cell(
             pass  # the step's row says so (kdbench.measure.step.auto_fit_skip)
         elif options.fit_check:  # true, or auto for a cell that is checked
             with walltime.spent(walltime.FIT):
-                add_fit(step, config, backend.device_type, getattr(cache, "allow_imports", False), options.ceiling)
+                add_fit(
+                    step,
+                    config,
+                    backend.device_type,
+                    getattr(cache, "allow_imports", False),
+                    options.ceiling,
+                    backend,
+                )
             step["fit_check"] = FIT_CHECKED
             # both halves (the live peak's step and this fake run): what the next cell of the pair is held to
             current().fit_check_s[pair_key(config)] = walltime.so_far(walltime.FIT) - fit_before
