@@ -136,7 +136,7 @@ def machine_constants() -> dict[str, float]:
 def _measure(config, ceiling: dict) -> dict:
     """One cell: its predicted step and its measured median (the cell's own timing), and the host's load."""
     backend = resolve("cpu")
-    prediction = predict(config, "cpu")
+    prediction = predict(config, "cpu", shapes=True)
     if not prediction.ok:
         return {"unpredictable": prediction.error}
     rates = rates_from_probe(ceiling, config.precision)

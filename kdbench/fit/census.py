@@ -18,9 +18,10 @@ per aten operator call:
 
 Identical records (operator, class, phase, dtype) are aggregated with a count, the operator's launches.  A grouped
 convolution's records carry the suffix :data:`GROUPED` (``aten.convolution(grouped)``): the model prices them apart.
-Each record also keeps its calls' **shapes**: per distinct call (:func:`kdbench.measure.replay.signature`: the
-operator with its arguments' shapes, strides and dtypes), how many times it ran, so that the machine the step runs
-on can time each call at its shapes (:func:`kdbench.measure.replay.time_signatures`; :mod:`kdbench.fit.steptime`).
+Each record also keeps its calls' **shapes** where asked (``shapes=True``): per distinct call
+(:func:`kdbench.measure.replay.signature`: the operator with its arguments' shapes, strides and dtypes), how many
+times it ran, so that the machine the step runs on can time each call at its shapes
+(:func:`kdbench.measure.replay.time_signatures`; :mod:`kdbench.fit.steptime`).
 
 What the census cannot see: work that is not an aten operator of the fake run (DDP's reducer, which cannot run on
 fake tensors: the planner adds its all-reduce of the gradients as a record, :func:`all_reduce_record`), a
@@ -295,10 +296,11 @@ class CensusMode(TorchDispatchMode):
     """Counts the operators the code inside it runs while :attr:`on` (module docstring); ``phase`` says which
     phase the step is in (the planner's tracker knows)."""
 
-    def __init__(self, phase: Callable[[], str], world_size: int = 1) -> None:
+    def __init__(self, phase: Callable[[], str], world_size: int = 1, shapes: bool = True) -> None:
         super().__init__()
         self.phase = phase
         self.world_size = world_size
+        self.shapes = shapes  # write each call's signature down (Record.shapes)
         self.on = False
         self._formulas = flop_formulas()
         # (op, class, phase, dtype) -> [flops, read, written, launches, fresh]
@@ -339,7 +341,7 @@ class CensusMode(TorchDispatchMode):
             tally[2] += sum(tensor_bytes(t) for t in written)
             tally[3] += 1
             tally[4] += fresh_bytes(inputs, outputs)
-            sig = signature(func, args, kwargs) if cls != COLLECTIVES else None
+            sig = signature(func, args, kwargs) if self.shapes and cls != COLLECTIVES else None
             if sig is not None:
                 shapes = self._shapes[key]
                 shapes[sig] = shapes.get(sig, 0) + 1

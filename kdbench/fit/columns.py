@@ -47,7 +47,8 @@ def prediction_of(config: CellConfig, device_type: str, allow_imports: bool = Fa
     process runs on (:func:`kdbench.fit.runtime.live_runtime`); one that raises is an unpredictable cell whose error
     says so (the planner guards its fake run, not what it asks the workload before it)."""
     try:
-        return with_runtime(planner.predict(config, device_type, allow_imports), config, live_runtime(device_type))
+        prediction = planner.predict(config, device_type, allow_imports, shapes=True)  # timed here: step_time_columns
+        return with_runtime(prediction, config, live_runtime(device_type))
     except Exception as exc:  # the measured row stands whatever the planner does
         text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         return planner.Prediction(None, error=f"the fit planner raised {type(exc).__name__}: {text}".rstrip(": "))

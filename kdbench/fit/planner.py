@@ -34,9 +34,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kdbench.config.schema import CellConfig
-from kdbench.core.fakes import with_values
+from kdbench.core.fakes import known_values, with_values
 from kdbench.core.names import PHASES, Phase
 from kdbench.distill.step import DistillStep
 from kdbench.fit.census import Census, CensusMode, all_reduce_record
@@ -101,6 +103,39 @@ class _PhaseClock:
         pass
 
 
+class HostBranches(TorchDispatchMode):
+    """A branch the step's code takes on the host on a one-element bool tensor that no fake tensor can answer
+    (``aten._local_scalar_dense``), taken as False, and counted.  The one kdbench meets: liger's backward
+    (``LigerFusedLinearDistillationBase.backward``) tests ``torch.ne(grad_output, 1.0)`` and scales its saved
+    gradients when true; the fake run's backward starts from 1.0 (no loss scaler runs in it), so False is the branch
+    the step takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.taken = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (
+            func is torch.ops.aten._local_scalar_dense.default
+            and isinstance(args[0], FakeTensor)
+            and args[0].dtype == torch.bool
+            and args[0].numel() == 1
+            and known_values(args[0]) is None
+        ):
+            self.taken += 1
+            return False
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def note(self) -> str:
+        if not self.taken:
+            return ""
+        return (
+            f"{self.taken} host branch(es) on a bool tensor's value taken as False (liger's backward tests "
+            "grad_output != 1, which the step's backward, without loss scaling, starts from)"
+        )
+
+
 def fake_run_key(config: CellConfig) -> str:
     """What identifies ``config``'s fake run: its settings but :data:`NOT_IN_FAKE_RUN`'s, as sorted JSON."""
     import json
@@ -127,13 +162,16 @@ def predict(
     allow_imports: bool = False,
     decode_steps: int | None = DECODE_STEPS,
     prime: bool = True,
+    shapes: bool = False,
 ) -> Prediction:
     """The predicted peak of one device (rank 0's) during ``config``'s distillation step; ``device_type`` is the
     device asked about (the host figure depends on it; the fake run is the CPU's); ``allow_imports``: the suite's
     (``module:callable`` models are built); ``decode_steps``: the decode steps an on-policy generation runs, the
     rest extrapolated (:mod:`kdbench.fit.decode`; None: every step, the reference); ``prime``: a cell that
     :func:`primable` takes gets the first step's leftovers made without running it (:func:`prime_first_step`), the
-    other cells (and ``prime=False``, the reference) run :data:`STEPS` fake steps."""
+    other cells (and ``prime=False``, the reference) run :data:`STEPS` fake steps; ``shapes``: the census writes
+    down each call's shapes (:attr:`kdbench.fit.census.Record.shapes`: for a step timed on the machine itself, at a
+    cost of about a quarter of the fake run)."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     workload = workload_of(config)
@@ -148,7 +186,7 @@ def predict(
     start = time.perf_counter()
     tracker = LiveBytes()
     redo = False  # a primed run whose step left a parameter without a gradient: predicted again, unprimed
-    census = CensusMode(lambda: tracker.phase, config.world_size)  # the same run's operators, for the step's time
+    census = CensusMode(lambda: tracker.phase, config.world_size, shapes)  # the same run's operators: the time
     target = GpuTarget(device_type, tracker)  # a GPU's autocast lists, fused attention and sort workspace
     notes: list[str] = []
     step = None
@@ -156,6 +194,7 @@ def predict(
         with (
             fake_world(config.world_size if config.parallel == "fsdp" else 1) as dp,
             FakeTensorMode(allow_non_fake_inputs=True) as mode,
+            HostBranches() as branches,
             as_measured_batches(),
             tracker,
             census,
@@ -223,9 +262,9 @@ def predict(
         if step is not None:
             step.close()
     if redo:
-        return predict(config, device_type, allow_imports, decode_steps, prime=False)
+        return predict(config, device_type, allow_imports, decode_steps, prime=False, shapes=shapes)
     notes.extend(target.notes)
-    notes.extend([decoded.note] if decoded.note else [])
+    notes.extend(n for n in (decoded.note, branches.note) if n)
     breakdown = tracker.breakdown()
     census.add(reduce)
     if buckets:

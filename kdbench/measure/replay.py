@@ -15,9 +15,11 @@ oneDNN's and the BLAS's rates depend on the shape (a 16-channel 32 x 32 convolut
 What a timed call holds that the step's call does not: the bare dispatch from Python (the probe's ``launch_op``,
 which the model takes off again) and, for an output of 32 MiB or more, the first touch of its new pages (which the
 step's call pays too).  What it lacks: the step's caches (a call timed alone finds its inputs in cache, as the
-step's do when the previous operator wrote them).  Not replayed: collectives (they would wait for ranks that are not
-there), operators outside ``aten``, and a call whose arguments cannot be rebuilt (its tensors overlap where it
-writes; it raises): those keep the roofline's price.
+step's do when the previous operator wrote them).  Not replayed (:data:`NOT_REPLAYED`): collectives (they would wait
+for ranks that are not there), queries and the profiler's marks, and a call whose arguments cannot be rebuilt (its
+tensors overlap where it writes; it raises): those keep the roofline's price.  Operators of other namespaces are
+replayed: torch's own composite kernels (``torch_nn._linear_cross_entropy_batch_chunked``, whose chunks run inside
+it, unseen by the census) are timed whole.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ _VALUES = {
         *(getattr(torch, n) for n in ("contiguous_format", "channels_last", "preserve_format", "channels_last_3d")),
     )
 }
+# Operator namespaces never replayed: collectives (they wait for ranks that are not there), queries and marks
+NOT_REPLAYED = frozenset(
+    {"c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "_dtensor", "prim", "profiler"}
+)
 # The process's timed signatures, by device and thread count: a worker's cells of one pair share most of them
 _TIMED: dict[tuple[str, int, bool, str], float | None] = {}
 
@@ -66,9 +72,9 @@ def _encode(value: Any) -> Any:
 
 
 def signature(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
-    """One call of ``func`` written down (module docstring), or None where it cannot be replayed (not ``aten``, an
-    argument that is neither a tensor nor a plain value)."""
-    if func.namespace != "aten":
+    """One call of ``func`` written down (module docstring), or None where it cannot be replayed (a collective, a
+    profiler's mark or a query, an argument that is neither a tensor nor a plain value)."""
+    if func.namespace in NOT_REPLAYED:
         return None
     try:
         return json.dumps([str(func), _encode(list(args)), _encode(dict(kwargs))["kw"]], separators=(",", ":"))

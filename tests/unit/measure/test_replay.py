@@ -70,7 +70,7 @@ def test_a_written_down_call_is_rebuilt_with_its_shapes_strides_dtypes_and_value
 
 
 def test_what_cannot_be_written_down_or_replayed_has_no_signature_or_no_time(monkeypatch):
-    assert signature(torch.ops.prim.device.default, (torch.ones(1),), {}) is None  # not aten
+    assert signature(torch.ops.prim.device.default, (torch.ones(1),), {}) is None  # a query
     assert signature(torch.ops.aten.add.Tensor, (torch.ones(1), object()), {}) is None  # not a plain value
     x = torch.ones(3).expand(4, 3)  # an in-place write into an expanded tensor raises when replayed
     bad = signature(torch.ops.aten.add_.Tensor, (x, torch.ones(4, 3)), {})
@@ -91,7 +91,8 @@ def test_each_signature_is_timed_once_a_process(monkeypatch):
 
 
 def test_the_census_keeps_each_calls_shapes_and_their_counts_sum_to_its_launches():
-    census = predict(make_config(), "cpu").census
+    assert all(not r.shapes for r in predict(make_config(), "cpu").census.records)  # not asked: none kept
+    census = predict(make_config(), "cpu", shapes=True).census
     records = [r for r in census.records if r.cls not in (C.VIEWS, C.COLLECTIVES)]
     assert records and all(sum(n for _, n in r.shapes) == r.launches for r in records)
     convs = [r for r in records if r.op == "aten.convolution"]
@@ -142,7 +143,7 @@ def test_timed_calls_replace_their_share_of_the_roofline_less_the_bare_dispatch(
 
 def test_a_rows_step_time_prices_its_calls_as_timed_on_the_device_it_ran_on(monkeypatch):
     config = make_config()
-    prediction = predict(config, "cpu")
+    prediction = predict(config, "cpu", shapes=True)
     row = Row(status="ok", ceiling_tflops=0.2, ceiling_gbps=20.0, ceiling_probe_id="probe-x")
     asked = []
 
