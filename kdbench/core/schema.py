@@ -892,8 +892,9 @@ COLUMNS: tuple[Column, ...] = (
             "distill_step rows: the step-time model's prediction of one step (kdbench.fit.steptime): the fit "
             "planner's operator census of the step priced per operator (roofline with achievable fractions, a "
             "launch floor, ring collectives), from the run's probe of this device (its measured matmul and copy "
-            "ceilings) where there is one, else the device table's datasheet figures; null with a note (`fit: "
-            "...`) where neither is known or the cell is unpredictable",
+            "ceilings) where there is one, else the device table's datasheet figures, with the step's operator "
+            "calls timed at their shapes on the row's own device (kdbench.measure.replay) in place of their "
+            "roofline; null with a note (`fit: ...`) where neither is known or the cell is unpredictable",
         ),
         (
             "predicted_step_ratio",

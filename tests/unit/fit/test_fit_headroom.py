@@ -255,7 +255,7 @@ def test_the_fit_of_a_tiny_cell_on_an_h100_counts_the_workspaces_in_its_peak():
 
 
 def test_a_step_row_on_a_gpu_is_predicted_with_that_gpus_workspaces(monkeypatch):
-    monkeypatch.setattr(planner, "predict", lambda config, device_type, allow_imports=False: _peak(100 * MIB))
+    monkeypatch.setattr(planner, "predict", lambda config, device_type, allow_imports=False, **_: _peak(100 * MIB))
     _simulate_gpu(monkeypatch, "NVIDIA H200", 130 * GIB, 140 * GIB, major=9, minor=0, multi_processor_count=132)
     gpu = prediction_of(make_config(), "cuda")
     assert gpu.breakdown[BLAS_TERM] == 64 * MIB and gpu.peak_bytes == 164 * MIB

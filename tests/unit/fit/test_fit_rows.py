@@ -78,7 +78,7 @@ def test_a_tiny_lm_step_row_is_predicted_within_two_percent_of_its_live_peak():
 
 
 def test_an_unpredictable_cell_keeps_null_predictions_and_says_why(monkeypatch):
-    def unpredictable(config, device_type, allow_imports=False):
+    def unpredictable(config, device_type, allow_imports=False, shapes=False):
         return Prediction(None, error="not predicted: simulated reason")
 
     monkeypatch.setattr(planner, "predict", unpredictable)
@@ -90,7 +90,7 @@ def test_an_unpredictable_cell_keeps_null_predictions_and_says_why(monkeypatch):
 
 
 def test_a_planner_that_raises_is_an_unpredictable_cell_and_the_row_stands(monkeypatch):
-    def broken(config, device_type, allow_imports=False):
+    def broken(config, device_type, allow_imports=False, shapes=False):
         raise RuntimeError("no host table\nsecond line")
 
     monkeypatch.setattr(planner, "predict", broken)
@@ -103,8 +103,8 @@ def test_a_ratio_outside_the_tolerance_adds_a_note_with_both_figures(monkeypatch
     real = planner.predict
 
     # the real prediction, half of it: the measured peak reads twice the predicted
-    def halved(config, device_type, allow_imports=False):
-        p = real(config, device_type, allow_imports)
+    def halved(config, device_type, allow_imports=False, shapes=False):
+        p = real(config, device_type, allow_imports, shapes=shapes)
         return dataclasses.replace(p, peak_bytes=p.peak_bytes // 2)
 
     monkeypatch.setattr(planner, "predict", halved)
@@ -189,7 +189,7 @@ def test_a_suite_that_allows_imports_has_its_user_models_predicted(monkeypatch):
 
     asked = []
 
-    def predict(config, device_type, allow_imports=False):
+    def predict(config, device_type, allow_imports=False, shapes=False):
         asked.append((device_type, allow_imports))
         return Prediction(None, error="not predicted: simulated")
 
