@@ -137,8 +137,10 @@ def test_on_policy_and_topk_cache_cells_are_predicted_through_their_own_phases()
     prediction = predict(cached, "cpu")
     assert prediction.ok, prediction.error
     # kernels' own buffers beyond their outputs, which no tensor of the step holds: 1.03 here since the sparse KL's
-    # gradient is written out (1.047 with autograd's, whose scatter allocated inside its kernel)
-    assert 1.0 <= measured(cached) / prediction.peak_bytes < 1.06
+    # gradient is written out (1.047 with autograd's, whose scatter allocated inside its kernel).  Whether that ~2 MB
+    # buffer is allocated depends on the process: in one fresh-clone CI run (xdist, after other tests in the worker)
+    # the measured peak read 0.99992 of the prediction (4,972 bytes under it), alone 1.0315 every time
+    assert 0.999 <= measured(cached) / prediction.peak_bytes < 1.06
     assert GENERATE.name != "" and on_policy.phase in {p.name for p in (GENERATE, *PHASES)} | {"cache build"}
 
 
