@@ -66,8 +66,6 @@ def _encode(value: Any) -> Any:
         return {"kw": {k: _encode(v) for k, v in value.items()}}
     if isinstance(value, (bool, int, float, str)) or value is None:
         return value
-    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
-        raise TypeError("a symbolic size")
     raise TypeError(f"an argument of type {type(value).__name__}")
 
 
