@@ -33,6 +33,13 @@ run is left as it was.
    ``ATen/native/cuda/Sort.h``) runs CUB radix sorts whose buffers come from the caching allocator beside the
    sort's outputs (ULD sorts two (rows, V) probability tensors per chunk): :func:`sort_workspace_bytes`, an
    estimate, counted as a transient tensor while the outputs are alive (``LiveBytes.workspace``).
+5. **The optimizer's default.**  An optimizer left to its default (``optimizer.impl: default``: neither ``foreach``
+   nor ``fused`` given) runs torch's multi-tensor ``foreach`` implementation when every parameter is a plain tensor
+   on a CUDA device, and the per-tensor loop on the CPU (``torch/optim/optimizer.py``,
+   ``_default_to_fused_or_foreach``; FSDP2's DTensor parameters take the loop there too).  Its temporaries are
+   lists over every parameter at once (Adam's ``_foreach_sqrt`` of the second moments: a float32 copy of them all,
+   where the loop holds one parameter's) and it launches a kernel per operation, not per parameter
+   (:meth:`GpuTarget.optimizer`).
 """
 
 from __future__ import annotations
@@ -367,6 +374,7 @@ class GpuTarget:
         self.tracker = tracker
         self.kernels = FusedKernels()
         self.sort = _SortWorkspace()
+        self.foreach = False  # the optimizer's default run as a GPU's (rule 5)
         self._stack: contextlib.ExitStack | None = None
 
     def __enter__(self) -> GpuTarget:
@@ -384,6 +392,19 @@ class GpuTarget:
         if self._stack is not None:
             self._stack.close()
             self._stack = None
+
+    def optimizer(self, optimizer: torch.optim.Optimizer, impl: str) -> None:
+        """Rule 5: on a GPU target an optimizer left to its default (``impl`` ``default``) runs as torch picks it for
+        CUDA parameters: ``foreach``, unless a parameter is no plain tensor (FSDP2's DTensors)."""
+        if not self.gpu or impl != "default":
+            return
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if any(type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor") for p in params):
+            return
+        for group in optimizer.param_groups:
+            if group.get("foreach") is None and not group.get("fused") and not group.get("differentiable"):
+                group["foreach"] = True
+                self.foreach = True  # unsaid, as autocast's lists: every GPU cell's default optimizer
 
     @property
     def notes(self) -> tuple[str, ...]:

@@ -27,6 +27,7 @@ cache and each decode step grow linearly, checked), which the prediction's notes
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -44,7 +45,7 @@ from kdbench.distill.step import DistillStep
 from kdbench.fit.census import Census, CensusMode, all_reduce_record
 from kdbench.fit.decode import DECODE_STEPS, short_decode
 from kdbench.fit.gpu_target import GpuTarget
-from kdbench.fit.tracker import GRADIENTS, INPUTS, OPTIMIZER, PARAMETERS, LiveBytes, Peak
+from kdbench.fit.tracker import GRADIENTS, INPUTS, OPTIMIZER, PARAMETERS, LiveBytes
 from kdbench.hw.backends import Backend
 from kdbench.models.cache import ModelCache
 from kdbench.models.lm import as_measured_batches
@@ -73,6 +74,8 @@ class Prediction:
     notes: tuple[str, ...] = ()
     comm_bytes: int = 0  # NCCL's/RCCL's buffers per rank, outside the allocator: not in peak_bytes (fit.runtime)
     census: Census | None = None  # the last fake step's operators (kdbench.fit.census): what its time is priced from
+    # each phase's own peak and what it held (phase -> (bytes, breakdown)), where asked (predict's phase_peaks)
+    phase_peaks: dict[str, tuple[int, dict[str, int]]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -163,6 +166,7 @@ def predict(
     decode_steps: int | None = DECODE_STEPS,
     prime: bool = True,
     shapes: bool = False,
+    phase_peaks: bool = False,
 ) -> Prediction:
     """The predicted peak of one device (rank 0's) during ``config``'s distillation step; ``device_type`` is the
     device asked about (the host figure depends on it; the fake run is the CPU's); ``allow_imports``: the suite's
@@ -171,7 +175,8 @@ def predict(
     :func:`primable` takes gets the first step's leftovers made without running it (:func:`prime_first_step`), the
     other cells (and ``prime=False``, the reference) run :data:`STEPS` fake steps; ``shapes``: the census writes
     down each call's shapes (:attr:`kdbench.fit.census.Record.shapes`: for a step timed on the machine itself, at a
-    cost of about a quarter of the fake run)."""
+    cost of about a quarter of the fake run); ``phase_peaks``: each phase's own peak kept, with what it held
+    (:attr:`Prediction.phase_peaks`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     workload = workload_of(config)
@@ -184,7 +189,7 @@ def predict(
     if config.parallel == "fsdp" and config.world_size > 1 and _in_process_group():
         return predict_apart(config, device_type, allow_imports)
     start = time.perf_counter()
-    tracker = LiveBytes()
+    tracker = LiveBytes(phases=phase_peaks)
     redo = False  # a primed run whose step left a parameter without a gradient: predicted again, unprimed
     census = CensusMode(lambda: tracker.phase, config.world_size, shapes)  # the same run's operators: the time
     target = GpuTarget(device_type, tracker)  # a GPU's autocast lists, fused attention and sort workspace
@@ -211,6 +216,7 @@ def predict(
             # The device's peak is a step's (or a teacher cache's build): what building and sharding the models
             # held on the way (an FSDP2 teacher whole on rank 0's host) is not on the device.
             tracker.reset_peak()
+            tracker.start_phases()
             if config.teacher.mode == "offline":  # its stored top-k read: the teacher's weights are not on the device
                 for module in teacher.modules():  # (their shapes kept, on meta: nothing counted)
                     for name, p in list(module._parameters.items()):
@@ -225,10 +231,12 @@ def predict(
             )
             if live_teacher:
                 tracker.reset_peak()
+                tracker.start_phases()
             distiller = step.distiller
             if distiller.scaler is not None:  # its found-inf check reads values; it holds a few scalars
                 distiller.scaler = None
                 notes.append("fp16's loss scaling not run (a few scalars)")
+            target.optimizer(distiller.optimizer, config.optimizer.impl)
             step.clock = _PhaseClock(tracker, distiller.lead_phase)
             for p in distiller.trainee.parameters():
                 if p.requires_grad:
@@ -262,7 +270,9 @@ def predict(
         if step is not None:
             step.close()
     if redo:
-        return predict(config, device_type, allow_imports, decode_steps, prime=False, shapes=shapes)
+        return predict(
+            config, device_type, allow_imports, decode_steps, prime=False, shapes=shapes, phase_peaks=phase_peaks,
+        )  # fmt: skip
     notes.extend(target.notes)
     notes.extend(n for n in (decoded.note, branches.note) if n)
     breakdown = tracker.breakdown()
@@ -281,6 +291,9 @@ def predict(
         seconds=time.perf_counter() - start,
         notes=tuple(notes),
         census=census.census(),
+        phase_peaks={}
+        if tracker.resized
+        else {p: (b, tracker.phase_breakdown(p)) for p, (b, _) in (tracker.phase_peaks or {}).items()},
     )
 
 
@@ -313,7 +326,8 @@ def prime_first_step(tracker: LiveBytes, step: DistillStep) -> set[int] | None:
     if not params or any(p.grad is not None for p in params):
         return None
     saved = tracker.peak
-    tracker.peak = Peak(saved.bytes, saved.phase, list(saved.live))
+    tracker.peak = dataclasses.replace(saved, live=list(saved.live))
+    saved_phases = None if tracker.phase_peaks is None else dict(tracker.phase_peaks)
     with torch.no_grad():
         for p in params:
             p.grad = torch.zeros_like(p)
@@ -326,6 +340,7 @@ def prime_first_step(tracker: LiveBytes, step: DistillStep) -> set[int] | None:
     if valid_rows is not None:  # the LM loss finds its fixed batch's valid tokens once, in the first step
         valid_rows(step.y)
     tracker.peak = saved  # a new peak is taken from here on, what priming left included
+    tracker.phase_peaks = saved_phases
     return {id(p) for p in params}
 
 

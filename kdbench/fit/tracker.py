@@ -50,6 +50,8 @@ class _Storage:
     serial: int
     nbytes: int
     phase: str
+    born: int = 0  # the meter's moment it was counted at (phase peaks only)
+    died: int | None = None  # the moment it was freed at; None while it lives
 
 
 @dataclass
@@ -59,12 +61,13 @@ class Peak:
     bytes: int = 0
     phase: str = ""
     live: list[tuple[int, int, str]] = field(default_factory=list)  # (serial, bytes, phase made in) at the peak
+    moment: int = -1  # the meter's moment it was reached at (LiveBytes._moment)
 
 
 class LiveBytes(TorchDispatchMode):
     """Live bytes of the tensors the code inside it makes (and of those :meth:`track` is given)."""
 
-    def __init__(self, snapshot_step: float = 0.002) -> None:
+    def __init__(self, snapshot_step: float = 0.002, phases: bool = False) -> None:
         super().__init__()
         self.phase = "setup"
         self.live = 0
@@ -76,6 +79,13 @@ class LiveBytes(TorchDispatchMode):
         # (operator, args, kwargs) -> the bytes its kernel on the target device allocates beside its outputs and
         # frees before returning (kdbench.fit.gpu_target: a GPU's sort); None: none
         self.workspace: Callable[[Any, tuple, dict], int] | None = None
+        # Every storage's life (its record, the moments it was counted and freed at, a moment a count of births
+        # and deaths), so that what was live at the peak is known exactly after the run (:meth:`breakdown`), and
+        # each phase's own peak where asked (phases=True): phase -> (bytes, moment).
+        self.phase_peaks: dict[str, tuple[int, int]] | None = {} if phases else None
+        self._moment = 0
+        self._history: list[_Storage] = []
+        self.resized = False  # a storage resized in place (FSDP2): the lives do not say its bytes at a moment
 
     # ------------------------------------------------------------------ counting
 
@@ -105,14 +115,22 @@ class LiveBytes(TorchDispatchMode):
             if size != record.nbytes:  # resized in place (resize_, FSDP2's unsharded parameters)
                 self.live += size - record.nbytes
                 record.nbytes = size
+                self.resized = True
         else:
             record = _Storage(next(self._serials), st.nbytes(), self.phase)
             self._seen[key] = (weakref.ref(st, lambda _, key=key, record=record: self._freed(key, record)), record)
             self.live += record.nbytes
+            self._moment += 1
+            record.born = self._moment
+            self._history.append(record)
         if kind is not None:
             self._marked[record.serial] = kind
         if self.live > self.peak.bytes:
             self._new_peak()
+        if self.phase_peaks is not None:
+            top = self.phase_peaks.get(self.phase)
+            if top is None or self.live > top[0]:
+                self.phase_peaks[self.phase] = (self.live, self._moment)
         return record
 
     def _freed(self, key: int, record: _Storage) -> None:
@@ -120,10 +138,12 @@ class LiveBytes(TorchDispatchMode):
         if seen is not None and seen[1] is record:
             del self._seen[key]
         self.live -= record.nbytes
+        self._moment += 1
+        record.died = self._moment
 
     def _new_peak(self) -> None:
         full = self.live > self.peak.bytes * (1 + self._snapshot_step) or self.phase != self.peak.phase
-        self.peak.bytes, self.peak.phase = self.live, self.phase
+        self.peak.bytes, self.peak.phase, self.peak.moment = self.live, self.phase, self._moment
         if full:
             self.peak.live = [(r.serial, r.nbytes, r.phase) for _, r in self._seen.values()]
 
@@ -131,6 +151,11 @@ class LiveBytes(TorchDispatchMode):
         """Start the peak again from what is live now."""
         self.peak = Peak()
         self._new_peak()
+
+    def start_phases(self) -> None:
+        """Start the phase peaks again from what is live now (where they are kept)."""
+        if self.phase_peaks is not None:
+            self.phase_peaks = {self.phase: (self.live, self._moment)}
 
     def __enter__(self) -> LiveBytes:
         # FSDP2 frees and re-allocates its unsharded parameters by resizing their storages in place
@@ -181,9 +206,29 @@ class LiveBytes(TorchDispatchMode):
         """Say what tensors already counted are (a parameter's gradient, an optimizer's state)."""
         self.track(tensors, kind)
 
+    def phase_breakdown(self, phase: str) -> dict[str, int]:
+        """The bytes at ``phase``'s own peak by kind (:data:`KINDS`, as :meth:`breakdown` says what a byte is), from
+        every storage's life: exact (phase peaks kept)."""
+        if self.phase_peaks is None:
+            raise ValueError("phase peaks are not kept: LiveBytes(phases=True)")
+        return self._breakdown_at(self.phase_peaks[phase][1])
+
+    def _breakdown_at(self, moment: int) -> dict[str, int]:
+        out: Counter[str] = Counter({k: 0 for k in KINDS})
+        for r in self._history:
+            if r.born <= moment and (r.died is None or r.died > moment):
+                out[self._marked.get(r.serial) or (ACTIVATIONS if r.phase in FORWARD_PHASES else TEMPORARIES)] += (
+                    r.nbytes
+                )
+        return dict(out)
+
     def breakdown(self) -> dict[str, int]:
         """The bytes at the peak by kind (:data:`KINDS`): parameters, gradients and optimizer state as marked,
-        the rest activations when made in a forward phase, temporaries when made in backward or the update."""
+        the rest activations when made in a forward phase, temporaries when made in backward or the update; exact,
+        from the storages' lives (a storage resized in place, FSDP2's: from the last snapshot within
+        ``snapshot_step`` of the peak)."""
+        if not self.resized and self.peak.moment >= 0:
+            return self._breakdown_at(self.peak.moment)
         out: Counter[str] = Counter({k: 0 for k in KINDS})
         for serial, nbytes, phase in self.peak.live:
             kind = self._marked.get(serial) or (ACTIVATIONS if phase in FORWARD_PHASES else TEMPORARIES)

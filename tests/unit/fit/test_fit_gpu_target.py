@@ -17,6 +17,7 @@ from kdbench.fit import gpu_target
 from kdbench.fit.gpu_target import GpuTarget, cuda_autocast_lists, sort_workspace_bytes
 from kdbench.fit.planner import predict
 from kdbench.fit.tracker import LiveBytes
+from kdbench.models.lm import build_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BF16 = torch.bfloat16
@@ -277,3 +278,39 @@ def test_a_uld_cell_counts_the_sort_workspace_on_a_gpu_only():
     # a 64-row chunk's (64, 8192) float32 probabilities: 2-127 segments, 32 B an element = 16 MiB
     assert not cpu.notes and any("CUB workspace" in n and "16.0 MiB" in n for n in cuda.notes), cuda.notes
     assert 0 < cuda.peak_bytes - cpu.peak_bytes <= 64 * vocab * 32
+
+
+# ------------------------------------------------------------------ the optimizer's default
+
+
+def test_a_default_optimizer_runs_as_torchs_foreach_on_a_gpu_and_per_tensor_on_the_cpu():
+    """Rule 5: ``optimizer.impl: default`` is what torch picks for the device: on a GPU the multi-tensor foreach
+    update, whose ``_foreach_sqrt`` holds a float32 copy of every second moment at once (the per-tensor loop holds
+    one parameter's sqrt and its quotient), one launch per operation."""
+
+    def cell(impl: str) -> CellConfig:
+        return CellConfig.model_validate(
+            {
+                "pair": LLAMA,
+                "method": "forward_kl",
+                "batch_size": 2,
+                "data": {"kind": "tokens", "seq_len": 128},
+                "precision": "fp32",
+                "optimizer": {"name": "adamw", "lr": 1e-4, "impl": impl},
+            }
+        )
+
+    cpu, cuda = predict(cell("default"), "cpu", phase_peaks=True), predict(cell("default"), "cuda", phase_peaks=True)
+    foreach = predict(cell("foreach"), "cpu", phase_peaks=True)
+    assert cpu.ok and cuda.ok and foreach.ok
+
+    def optimizer(p) -> tuple[int, int]:
+        launches = sum(r.launches for r in p.census.records if r.phase == "optimizer")
+        return p.phase_peaks["optimizer"][0], launches
+
+    assert optimizer(cuda) == optimizer(foreach)  # the GPU's default is the foreach update, to the byte
+    (cpu_peak, cpu_launches), (gpu_peak, gpu_launches) = optimizer(cpu), optimizer(cuda)
+    params = [p.numel() * 4 for p in build_lm("tiny-llama-student", None).parameters()]
+    # all the sqrts at once, against the largest parameter's sqrt and quotient (the step counters' bytes aside)
+    assert abs((gpu_peak - cpu_peak) - (sum(params) - 2 * max(params))) <= 1024
+    assert cpu_launches > 5 * len(params) and gpu_launches < 20

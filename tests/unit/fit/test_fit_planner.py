@@ -262,6 +262,34 @@ def test_the_meter_counts_a_storage_once_and_frees_it_when_it_dies():
         assert meter.live == 0 and meter.peak.bytes == 8000
 
 
+def test_the_meter_says_what_each_phase_held_at_its_own_peak_exactly():
+    """Each phase's own peak and its bytes by kind at that moment, from every storage's life; the step's peak's
+    breakdown likewise, where a snapshot within 0.2 % of the peak was all it had."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    meter = LiveBytes(snapshot_step=0.5, phases=True)
+    with FakeTensorMode(), meter:
+        params = torch.empty(1000)  # 4,000 bytes
+        meter.track([params], PARAMETERS)
+        meter.start_phases()
+        meter.phase = "student_forward"
+        act = torch.empty(500)  # 2,000: an activation
+        tmp = torch.empty(250)  # 1,000
+        del tmp
+        meter.phase = "backward"
+        grad = torch.empty(1000)  # 4,000
+        meter.mark([grad], GRADIENTS)
+        del act
+        big = torch.empty(600)  # 2,400: a temporary, the step's peak (10,400)
+        del big, grad
+    fwd, bwd = meter.phase_peaks["student_forward"][0], meter.phase_peaks["backward"][0]
+    assert (fwd, bwd) == (7000, 10400)
+    assert meter.phase_breakdown("student_forward") == {**dict.fromkeys(KINDS, 0), PARAMETERS: 4000, ACTIVATIONS: 3000}
+    held = {**dict.fromkeys(KINDS, 0), PARAMETERS: 4000, GRADIENTS: 4000, "temporaries": 2400}
+    assert meter.phase_breakdown("backward") == held
+    assert meter.peak.bytes == 10400 and meter.breakdown() == held  # the snapshot (50 % steps) had the forward's
+
+
 def test_a_prediction_is_a_plain_record_for_the_rows_and_the_cli():
     p = Prediction(None, error="x")
     assert not p.ok and p.breakdown == {} and p.notes == ()
