@@ -105,7 +105,9 @@ def start(predict: Any, seen: set, configs: Any, device_type: str, allow_imports
     if not processes:
         return None
     ahead = Ahead(processes)
-    for key, config in todo.items():
+    # the longest first (an on-policy step's generation: two to three times a step's run), so that no helper is left
+    # running one alone at the end while the other waits
+    for key, config in sorted(todo.items(), key=lambda kc: kc[1].on_policy is None):
         ahead.submit(key, config, device_type, allow_imports)
     if progress is not None:
         progress(f"fit: {len(todo)} cells' fake runs started on {processes} helper processes, taken in order")

@@ -76,6 +76,9 @@ class Prediction:
     census: Census | None = None  # the last fake step's operators (kdbench.fit.census): what its time is priced from
     # each phase's own peak and what it held (phase -> (bytes, breakdown)), where asked (predict's phase_peaks)
     phase_peaks: dict[str, tuple[int, dict[str, int]]] = field(default_factory=dict)
+    # the run's meter (kdbench.fit.tracker.LiveBytes), kept with phase_peaks for kdbench.fit.depth, which reads its
+    # trajectory and drops it; never handed between processes
+    meter: Any = field(default=None, compare=False, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -117,7 +120,9 @@ class HostBranches(TorchDispatchMode):
         super().__init__()
         self.taken = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def answer(self, func, args: tuple) -> bool | None:
+        """False where ``func`` reads such a bool on the host (counted), else None: the operator runs.  The planner
+        hands this to its meter (``LiveBytes.answer``), which asks it first: one dispatch mode less an operator."""
         if (
             func is torch.ops.aten._local_scalar_dense.default
             and isinstance(args[0], FakeTensor)
@@ -127,7 +132,11 @@ class HostBranches(TorchDispatchMode):
         ):
             self.taken += 1
             return False
-        return func(*args, **(kwargs or {}))
+        return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        got = self.answer(func, args)
+        return got if got is not None else func(*args, **(kwargs or {}))
 
     @property
     def note(self) -> str:
@@ -166,6 +175,7 @@ def predict(
     decode_steps: int | None = DECODE_STEPS,
     prime: bool = True,
     shapes: bool = False,
+    depth: bool = True,
     phase_peaks: bool = False,
 ) -> Prediction:
     """The predicted peak of one device (rank 0's) during ``config``'s distillation step; ``device_type`` is the
@@ -175,8 +185,10 @@ def predict(
     :func:`primable` takes gets the first step's leftovers made without running it (:func:`prime_first_step`), the
     other cells (and ``prime=False``, the reference) run :data:`STEPS` fake steps; ``shapes``: the census writes
     down each call's shapes (:attr:`kdbench.fit.census.Record.shapes`: for a step timed on the machine itself, at a
-    cost of about a quarter of the fake run); ``phase_peaks``: each phase's own peak kept, with what it held
-    (:attr:`Prediction.phase_peaks`)."""
+    cost of about a quarter of the fake run); ``depth``: a deep LM pair's prediction is extrapolated from fake runs of
+    a few layers where :func:`kdbench.fit.depth.depths` allows (False: its every layer run, the reference);
+    ``phase_peaks``: each phase's own peak kept, with what it held (:attr:`Prediction.phase_peaks`), and the meter
+    (:attr:`Prediction.meter`: what the extrapolation lines up)."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     workload = workload_of(config)
@@ -188,8 +200,18 @@ def predict(
         return Prediction(None, host_bytes=host_bytes, host=host_text, error=f"not predicted: {skip}")
     if config.parallel == "fsdp" and config.world_size > 1 and _in_process_group():
         return predict_apart(config, device_type, allow_imports)
+    if depth:
+        from kdbench.fit.depth import by_depth, depths
+
+        layers = depths(config)
+        if layers is not None:
+            return by_depth(
+                predict, config, device_type, allow_imports, layers, decode_steps=decode_steps, shapes=shapes
+            )
     start = time.perf_counter()
     tracker = LiveBytes(phases=phase_peaks)
+    branches = HostBranches()
+    tracker.answer = branches.answer
     redo = False  # a primed run whose step left a parameter without a gradient: predicted again, unprimed
     census = CensusMode(lambda: tracker.phase, config.world_size, shapes)  # the same run's operators: the time
     target = GpuTarget(device_type, tracker)  # a GPU's autocast lists, fused attention and sort workspace
@@ -199,7 +221,6 @@ def predict(
         with (
             fake_world(config.world_size if config.parallel == "fsdp" else 1) as dp,
             FakeTensorMode(allow_non_fake_inputs=True) as mode,
-            HostBranches() as branches,
             as_measured_batches(),
             tracker,
             census,
@@ -271,7 +292,8 @@ def predict(
             step.close()
     if redo:
         return predict(
-            config, device_type, allow_imports, decode_steps, prime=False, shapes=shapes, phase_peaks=phase_peaks,
+            config, device_type, allow_imports, decode_steps, prime=False, shapes=shapes, depth=False,
+            phase_peaks=phase_peaks,
         )  # fmt: skip
     notes.extend(target.notes)
     notes.extend(n for n in (decoded.note, branches.note) if n)
@@ -294,6 +316,7 @@ def predict(
         phase_peaks={}
         if tracker.resized
         else {p: (b, tracker.phase_breakdown(p)) for p, (b, _) in (tracker.phase_peaks or {}).items()},
+        meter=tracker if phase_peaks and not tracker.resized else None,
     )
 
 
@@ -328,6 +351,7 @@ def prime_first_step(tracker: LiveBytes, step: DistillStep) -> set[int] | None:
     saved = tracker.peak
     tracker.peak = dataclasses.replace(saved, live=list(saved.live))
     saved_phases = None if tracker.phase_peaks is None else dict(tracker.phase_peaks)
+    saved_path = None if tracker.trajectory is None else {k: list(v) for k, v in tracker.trajectory.items()}
     with torch.no_grad():
         for p in params:
             p.grad = torch.zeros_like(p)
@@ -340,7 +364,7 @@ def prime_first_step(tracker: LiveBytes, step: DistillStep) -> set[int] | None:
     if valid_rows is not None:  # the LM loss finds its fixed batch's valid tokens once, in the first step
         valid_rows(step.y)
     tracker.peak = saved  # a new peak is taken from here on, what priming left included
-    tracker.phase_peaks = saved_phases
+    tracker.phase_peaks, tracker.trajectory = saved_phases, saved_path
     return {id(p) for p in params}
 
 

@@ -79,6 +79,9 @@ class LiveBytes(TorchDispatchMode):
         # (operator, args, kwargs) -> the bytes its kernel on the target device allocates beside its outputs and
         # frees before returning (kdbench.fit.gpu_target: a GPU's sort); None: none
         self.workspace: Callable[[Any, tuple, dict], int] | None = None
+        # (operator, args) -> a value the operator is answered with, or None: it runs (the planner's HostBranches:
+        # a host branch no fake tensor can take); asked before each operator
+        self.answer: Callable[[Any, tuple], Any] | None = None
         # Every storage's life (its record, the moments it was counted and freed at, a moment a count of births
         # and deaths), so that what was live at the peak is known exactly after the run (:meth:`breakdown`), and
         # each phase's own peak where asked (phases=True): phase -> (bytes, moment).
@@ -86,6 +89,10 @@ class LiveBytes(TorchDispatchMode):
         self._moment = 0
         self._history: list[_Storage] = []
         self.resized = False  # a storage resized in place (FSDP2): the lives do not say its bytes at a moment
+        # Where phase peaks are kept, each phase's births in order (phase -> [(what made it, bytes), live after it,
+        # moment]): the trajectory kdbench.fit.depth lines up between fake runs of different depths.
+        self.trajectory: dict[str, list[tuple[tuple[str, int], int, int]]] | None = {} if phases else None
+        self._op = "track"  # what is making storages now: the operator being dispatched, or a track()
 
     # ------------------------------------------------------------------ counting
 
@@ -123,6 +130,8 @@ class LiveBytes(TorchDispatchMode):
             self._moment += 1
             record.born = self._moment
             self._history.append(record)
+            if self.trajectory is not None:
+                self.trajectory.setdefault(self.phase, []).append(((self._op, record.nbytes), self.live, self._moment))
         if kind is not None:
             self._marked[record.serial] = kind
         if self.live > self.peak.bytes:
@@ -156,6 +165,7 @@ class LiveBytes(TorchDispatchMode):
         """Start the phase peaks again from what is live now (where they are kept)."""
         if self.phase_peaks is not None:
             self.phase_peaks = {self.phase: (self.live, self._moment)}
+            self.trajectory = {}
 
     def __enter__(self) -> LiveBytes:
         # FSDP2 frees and re-allocates its unsharded parameters by resizing their storages in place
@@ -175,7 +185,12 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(getattr(t, "__name__", "") == "DTensor" for t in types):
             return NotImplemented  # a DTensor's op runs again as ops on its local shards, which are counted
+        if self.answer is not None:
+            got = self.answer(func, args)
+            if got is not None:
+                return got
         out = func(*args, **(kwargs or {}))
+        self._op = func.__name__
         if isinstance(out, torch.Tensor):  # most operators: one tensor, without pytree's walk (a cost per operator)
             self._count(out)
         else:
@@ -184,7 +199,9 @@ class LiveBytes(TorchDispatchMode):
                     self._count(t)
         extra = self.workspace(func, args, kwargs or {}) if self.workspace is not None else 0
         if extra:
+            self._op = "workspace"
             self._transient(extra)
+        self._op = "track"
         return out
 
     def _transient(self, nbytes: int) -> None:
@@ -212,6 +229,10 @@ class LiveBytes(TorchDispatchMode):
         if self.phase_peaks is None:
             raise ValueError("phase peaks are not kept: LiveBytes(phases=True)")
         return self._breakdown_at(self.phase_peaks[phase][1])
+
+    def breakdown_at(self, moment: int) -> dict[str, int]:
+        """The bytes live at ``moment`` (a trajectory's) by kind, as :meth:`breakdown` says what a byte is."""
+        return self._breakdown_at(moment)
 
     def _breakdown_at(self, moment: int) -> dict[str, int]:
         out: Counter[str] = Counter({k: 0 for k in KINDS})

@@ -230,6 +230,39 @@ def model_config(name: str, overrides: dict[str, Any]):
     return _resolve_config(name, overrides or None)
 
 
+# transformers' model types whose decoder layers are all built alike from the config (per-layer lists aside:
+# checked in uniform_layers)
+UNIFORM_LAYERS = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3", "gemma", "granite", "olmo2", "starcoder2"}
+)
+
+
+def uniform_layers(config) -> bool:
+    """Whether a transformers config's decoder layers are all built alike: a model type of :data:`UNIFORM_LAYERS`
+    whose per-layer lists (``layer_types``: sliding-window or full attention) hold one value each."""
+    if getattr(config, "model_type", None) not in UNIFORM_LAYERS:
+        return False
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int) or layers < 1:
+        return False
+    for value in config.to_dict().values():
+        if isinstance(value, (list, tuple)) and len(value) == layers and len({repr(v) for v in value}) > 1:
+            return False
+    return True
+
+
+def layer_stack(name: str, overrides: dict[str, Any]) -> int | None:
+    """The layers of LM ``name`` (with ``overrides``) where they are alike (:func:`uniform_layers`), else None: a
+    ``module:callable`` (the user's code builds it), a config that does not build (its run says why)."""
+    if is_callable_name(name):
+        return None
+    try:
+        config = model_config(name, dict(overrides))
+    except KdbenchError:
+        return None
+    return int(config.num_hidden_layers) if uniform_layers(config) else None
+
+
 def max_positions(config) -> int | None:
     """The positions a config's model takes (``max_position_embeddings``; None where it has none)."""
     value = getattr(config, "max_position_embeddings", None)

@@ -109,6 +109,12 @@ class Workload:
         """The config overrides the ``role`` model is built with (none for families built by name alone)."""
         return {}
 
+    def layer_stacks(self, config: CellConfig) -> tuple[int, int] | None:
+        """The teacher's and the student's layer counts where both are stacks of alike layers that a config
+        override of ``num_hidden_layers`` cuts (:mod:`kdbench.fit.depth` extrapolates such a cell's prediction in
+        depth); None for a family without such stacks."""
+        return None
+
     # ------------------------------------------------------------------ the step
 
     def batch(

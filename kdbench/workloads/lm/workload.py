@@ -45,7 +45,7 @@ from kdbench.measure.levers import eager
 from kdbench.models import ModelCache
 from kdbench.models.generation import sample
 from kdbench.models.hub import is_callable_name
-from kdbench.models.lm import CausalLM, build_lm, is_lm_model, make_lm, max_positions, registered_lm
+from kdbench.models.lm import CausalLM, build_lm, is_lm_model, layer_stack, make_lm, max_positions, registered_lm
 from kdbench.models.meta import lm_facts
 from kdbench.workloads.base import (
     Pair,
@@ -259,6 +259,10 @@ class LMWorkload(Workload):
 
     def model_overrides(self, config: CellConfig, role: str) -> dict[str, Any]:
         return dict(getattr(config.overrides, role))
+
+    def layer_stacks(self, config: CellConfig) -> tuple[int, int] | None:
+        t, s = (layer_stack(getattr(config.pair, r), getattr(config.overrides, r)) for r in ("teacher", "student"))
+        return (t, s) if t is not None and s is not None else None
 
     # ------------------------------------------------------------------ the models
 
