@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -303,6 +304,7 @@ class CensusMode(TorchDispatchMode):
         self.shapes = shapes  # write each call's signature down (Record.shapes)
         self.on = False
         self._formulas = flop_formulas()
+        self._views: dict[Any, bool] = {}  # operator -> whether every call of it is a view (count's fast path)
         # (op, class, phase, dtype) -> [flops, read, written, launches, fresh]
         self._tally: dict[tuple[str, str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
         # (op, class, phase, dtype) -> {signature: calls}
@@ -320,6 +322,19 @@ class CensusMode(TorchDispatchMode):
     def count(self, func, args: tuple, kwargs: dict, out) -> None:
         """Record one call of ``func`` on ``args`` that returned ``out``."""
         packet = func._overloadpacket
+        view = self._views.get(func)
+        if view is None:  # a view or a metadata query whatever its arguments (op_class's rules): decided once
+            name = packet.__name__
+            view = self._views[func] = (
+                func.namespace not in _COLLECTIVE_NAMESPACES
+                and (name in _METADATA or getattr(func, "is_view", False))
+                and packet not in self._formulas
+            )
+        if view:  # its record, with nothing to count: half a step's calls, without the walk over their arguments
+            first = out if isinstance(out, torch.Tensor) else next(iter(_tensors(out)), None)
+            dtype = str(first.dtype).removeprefix("torch.") if first is not None else ""
+            self._tally[(f"{func.namespace}.{packet.__name__}", VIEWS, self.phase(), dtype)]
+            return
         formula = self._formulas.get(packet)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
         inputs, outputs = _tensors((args, kwargs)), _tensors(out)

@@ -21,7 +21,8 @@ layer (its notes say why).
 
 :func:`depths` says which cells: a language-model pair on one device (DDP's gradient buckets and FSDP2's shards are
 counted from the whole model), off-policy (an on-policy generation passes through the student's stack once a
-token: no single pass), both models built from transformers configs of alike layers (the workload's
+token, and its fake run is two steps, the first making the optimizer's state: a phase is no single pass that a
+head, a neck and a tail describe), both models built from transformers configs of alike layers (the workload's
 ``layer_stacks``: :func:`kdbench.models.lm.uniform_layers`, an architecture of alike layers whose every per-layer
 list in the config holds one value: Qwen2's and Mistral's sliding-window layers are listed there), and at least
 :data:`MIN_LAYERS` layers in all, below which the four runs cost what the full one does.  ``KDBENCH_FIT_DEPTH=0``
@@ -133,7 +134,7 @@ def windows(runs: dict) -> dict[str, dict[str, dict[tuple[int, int], tuple[int, 
         return "their phases differ"
     out: dict[str, dict[str, dict[tuple[int, int], tuple[int, int]]]] = {}
     for phase in phases:
-        seqs = {at: [ident for ident, _, _ in tracks[at][phase]] for at in order}
+        seqs = {at: [ident for ident, _, _ in tracks[at][phase]] for at in order}  # (operator, bytes) of each birth
         n = {at: len(s) for at, s in seqs.items()}
         (t0, s0), (t1, _), (_, s1) = BASE
         per_t, per_s = n[BASE[1]] - n[BASE[0]], n[BASE[2]] - n[BASE[0]]

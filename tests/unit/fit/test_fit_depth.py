@@ -112,7 +112,7 @@ def test_which_cells_are_extrapolated(monkeypatch):
     assert depths(lm()) == (18, 12)
     assert depths(lm(10, 10)) is None and MIN_LAYERS > 10 + 10  # four small runs would cost what one does
     assert depths(lm(world_size=2, parallel="ddp")) is None  # DDP's buckets are counted from the whole model
-    assert depths(lm(on_policy={"new_tokens": 8})) is None  # its generation passes the stack once a token
+    assert depths(lm(on_policy={"new_tokens": 8})) is None  # a pass through the stack a token, two fake steps
     vision = CellConfig.model_validate({"pair": {"teacher": "resnet56", "student": "resnet20"}, "method": "kd"})
     assert depths(vision) is None
     monkeypatch.setenv("KDBENCH_FIT_DEPTH", "0")
