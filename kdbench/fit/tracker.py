@@ -82,9 +82,9 @@ class LiveBytes(TorchDispatchMode):
         # (operator, args) -> a value the operator is answered with, or None: it runs (the planner's HostBranches:
         # a host branch no fake tensor can take); asked before each operator
         self.answer: Callable[[Any, tuple], Any] | None = None
-        # Every storage's life (its record, the moments it was counted and freed at, a moment a count of births
-        # and deaths), so that what was live at the peak is known exactly after the run (:meth:`breakdown`), and
-        # each phase's own peak where asked (phases=True): phase -> (bytes, moment).
+        # Where asked (phases=True: kdbench.fit.depth's runs), every storage's life (its record, the moments it was
+        # counted and freed at, a moment a count of births and deaths), so that what was live at the peak and at
+        # each phase's own peak (phase -> (bytes, moment)) is known exactly after the run (:meth:`breakdown`)
         self.phase_peaks: dict[str, tuple[int, int]] | None = {} if phases else None
         self._moment = 0
         self._history: list[_Storage] = []
@@ -129,7 +129,8 @@ class LiveBytes(TorchDispatchMode):
             self.live += record.nbytes
             self._moment += 1
             record.born = self._moment
-            self._history.append(record)
+            if self.phase_peaks is not None:  # kept only here: a record outliving its storage is an object a sweep's
+                self._history.append(record)  # garbage collector walks (bench_sweep_overhead's growth)
             if self.trajectory is not None:
                 self.trajectory.setdefault(self.phase, []).append(((self._op, record.nbytes), self.live, self._moment))
         if kind is not None:
@@ -245,10 +246,10 @@ class LiveBytes(TorchDispatchMode):
 
     def breakdown(self) -> dict[str, int]:
         """The bytes at the peak by kind (:data:`KINDS`): parameters, gradients and optimizer state as marked,
-        the rest activations when made in a forward phase, temporaries when made in backward or the update; exact,
-        from the storages' lives (a storage resized in place, FSDP2's: from the last snapshot within
-        ``snapshot_step`` of the peak)."""
-        if not self.resized and self.peak.moment >= 0:
+        the rest activations when made in a forward phase, temporaries when made in backward or the update: exact
+        from the storages' lives where they are kept (phases=True, but a storage resized in place: FSDP2's), else
+        from the last snapshot within ``snapshot_step`` of the peak."""
+        if self.phase_peaks is not None and not self.resized and self.peak.moment >= 0:
             return self._breakdown_at(self.peak.moment)
         out: Counter[str] = Counter({k: 0 for k in KINDS})
         for serial, nbytes, phase in self.peak.live:
