@@ -62,6 +62,7 @@ class Peak:
     phase: str = ""
     live: list[tuple[int, int, str]] = field(default_factory=list)  # (serial, bytes, phase made in) at the peak
     moment: int = -1  # the meter's moment it was reached at (LiveBytes._moment)
+    snapped: int = 0  # the bytes live when ``live`` was taken
 
 
 class LiveBytes(TorchDispatchMode):
@@ -152,10 +153,13 @@ class LiveBytes(TorchDispatchMode):
         record.died = self._moment
 
     def _new_peak(self) -> None:
-        full = self.live > self.peak.bytes * (1 + self._snapshot_step) or self.phase != self.peak.phase
+        # a new snapshot once the peak is snapshot_step above the last one's (not above the last peak's: a peak that
+        # rises by many small steps would keep a snapshot from far below it)
+        full = self.live > self.peak.snapped * (1 + self._snapshot_step) or self.phase != self.peak.phase
         self.peak.bytes, self.peak.phase, self.peak.moment = self.live, self.phase, self._moment
         if full:
             self.peak.live = [(r.serial, r.nbytes, r.phase) for _, r in self._seen.values()]
+            self.peak.snapped = self.live
 
     def reset_peak(self) -> None:
         """Start the peak again from what is live now."""

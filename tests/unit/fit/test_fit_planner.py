@@ -290,6 +290,19 @@ def test_the_meter_says_what_each_phase_held_at_its_own_peak_exactly():
     assert meter.peak.bytes == 10400 and meter.breakdown() == held  # the snapshot (50 % steps) had the forward's
 
 
+def test_a_peak_that_rises_by_small_steps_keeps_a_snapshot_within_the_step_of_it():
+    """Without the storages' lives the breakdown is the last snapshot: taken once the peak is ``snapshot_step``
+    above the last snapshot (a rule against the previous peak kept 20 of 1,000 bytes here)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    meter = LiveBytes(snapshot_step=0.5)
+    with FakeTensorMode(), meter:
+        kept = [torch.empty(10, dtype=torch.uint8) for _ in range(100)]
+    assert meter.peak.bytes == 1000 and len(kept) == 100
+    held = sum(meter.breakdown().values())
+    assert 1000 / 1.5 <= held <= 1000
+
+
 def test_a_prediction_is_a_plain_record_for_the_rows_and_the_cli():
     p = Prediction(None, error="x")
     assert not p.ok and p.breakdown == {} and p.notes == ()
