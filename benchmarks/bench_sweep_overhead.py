@@ -31,6 +31,16 @@ project's rule); on a busier one the figures are printed and the verdict says it
 pass on the other processes' load. A sweep's growth is otherwise looked for by counting, not timing:
 tests/unit/run/test_sweep_growth.py (objects, the worker's tables and the Python calls per cell stay flat). The
 issue's 400 cells (about 65 s of CI); ``KDBENCH_SWEEP_CELLS`` sets another count by hand.
+
+Both growths are judged in units of each cell's own timed step (its distillation row's median: the same 20 steps of
+the same tiny pair in every cell), not in milliseconds. The 2-core VM's speed drifts by a third over tens of seconds
+with nothing else running and no steal time in /proc/stat: at one commit, idle, the whole cell's 25-cell medians went
+146 -> 112 -> 190 ms and back while the cells' own step medians went 0.58 -> 0.86 ms with them (correlation 0.76);
+in milliseconds the whole cell's growth read 0.95, 1.28 and 1.31 in three idle runs of one commit and 1.13 and 1.19
+in two CI runs, in step times 1.03 where milliseconds read 1.11. A cost the harness adds per cell (a file rewritten,
+a list walked) does not slow the tiny step and still tilts the line; a slowdown of the whole process (the garbage
+collector walking more objects) would slow both, and is what the counting test above looks for. The milliseconds'
+growths are printed and saved beside the judged ones.
 """
 
 import itertools
@@ -117,6 +127,19 @@ class CellEnds(logging.Handler):
         return HostLoad(t1 - t0, cores, min(max(0.0, busy1 - busy0 - (own1 - own0)), (t1 - t0) * cores), 1)
 
 
+def step_ms(rows) -> list[float]:
+    """Each cell's timed distillation step (its ``median_ms``), in run order: the same 20 steps of the same tiny pair
+    in every cell, so what moves it is the machine's speed at that cell, not the harness."""
+    table = rows.to_pandas() if hasattr(rows, "to_pandas") else rows
+    steps = table[table["measurement"] == "distill_step"].sort_values("timestamp")
+    return [float(v) for v in steps["median_ms"]]
+
+
+def in_steps(values: list[float], steps: list[float]) -> list[float]:
+    """Each cell's figure in units of its own timed step (``values[i] / steps[i]``)."""
+    return [v / s for v, s in zip(values, steps, strict=True)]
+
+
 def whole_cells_ms(ends: list[float]) -> list[float]:
     """Each cell's whole wall time (ms) from the progress lines' times: from the one before to its own; the first
     cell's has no line before it and is left out (it also starts the worker process)."""
@@ -140,15 +163,21 @@ def test_cost_per_cell_does_not_grow_with_the_run(benchmark, report_line, tmp_pa
         lines.propagate = propagate
     assert outcome.jobs == CELLS and not outcome.failed
     timings = outcome.timings
+    rows = read_results([outcome.path])
+    assert len(rows) == 3 * CELLS  # every row stored once
+    steps = step_ms(rows)  # each cell's own timed step: the machine's speed at that cell, for the verdicts
+    assert len(steps) == CELLS
     overhead_ms = [(t.wall_s - t.worker_s) * 1e3 for t in timings]
     wall_ms = [t.wall_s * 1e3 for t in timings]
     first, last = overhead_ms[1:BLOCK], overhead_ms[-BLOCK:]  # the first cell also starts the worker process
-    ratio, ratio_low, ratio_high = growth(overhead_ms[1:], first=2)
+    raw_ratio = growth(overhead_ms[1:], first=2)[0]
+    ratio, ratio_low, ratio_high = growth(in_steps(overhead_ms[1:], steps[1:]), first=2)
     quartile_ratio = quartile(last) / quartile(first)
     assert len(ends.ends) == CELLS
     whole = whole_cells_ms(ends.ends)  # whole[k - 2] is cell k's (cells 2..300)
     whole_first, whole_last = whole[: BLOCK - 1], whole[-BLOCK:]
-    whole_ratio, whole_low, whole_high = growth(whole, first=2)
+    raw_whole_ratio = growth(whole, first=2)[0]
+    whole_ratio, whole_low, whole_high = growth(in_steps(whole, steps[1:]), first=2)
     whole_quartile_ratio = quartile(whole_last) / quartile(whole_first)
     loads = ends.load(1, BLOCK), ends.load(CELLS - BLOCK, CELLS)
     judged = not any(load.contended for load in loads)
@@ -160,7 +189,8 @@ def test_cost_per_cell_does_not_grow_with_the_run(benchmark, report_line, tmp_pa
         "overhead_ms_mean_last_100": statistics.fmean(last),
         "overhead_ms_p25_first_100": quartile(first),
         "overhead_ms_p25_last_100": quartile(last),
-        "ratio_last_to_first": ratio,  # the Theil-Sen line's (growth())
+        "ratio_last_to_first": ratio,  # the Theil-Sen line's (growth()), in each cell's own step times
+        "raw_ratio_last_to_first": raw_ratio,  # the same line in milliseconds (not judged: the VM's speed drifts)
         "ratio_95_interval": [ratio_low, ratio_high],
         "quartile_ratio_last_to_first": quartile_ratio,
         "limit": LIMIT,
@@ -182,7 +212,10 @@ def test_cost_per_cell_does_not_grow_with_the_run(benchmark, report_line, tmp_pa
         "whole_ms_median_last_100": statistics.median(whole_last),
         "whole_ms_mean_first_100": statistics.fmean(whole_first),
         "whole_ms_mean_last_100": statistics.fmean(whole_last),
-        "whole_ratio_last_to_first": whole_ratio,  # the Theil-Sen line's (growth())
+        "whole_ratio_last_to_first": whole_ratio,  # the Theil-Sen line's (growth()), in each cell's own step times
+        "raw_whole_ratio_last_to_first": raw_whole_ratio,  # the same line in milliseconds (not judged)
+        "step_ms_median_first_100": statistics.median(steps[1:BLOCK]),
+        "step_ms_median_last_100": statistics.median(steps[-BLOCK:]),
         "whole_ratio_95_interval": [whole_low, whole_high],
         "whole_quartile_ratio_last_to_first": whole_quartile_ratio,
         "whole_limit": WHOLE_LIMIT,
@@ -190,12 +223,13 @@ def test_cost_per_cell_does_not_grow_with_the_run(benchmark, report_line, tmp_pa
         "host_busy_share_last_100": loads[1].busy_share,
         "whole_judged": judged,
         "whole_ms": whole,
+        "step_ms": steps,
     }
-    assert len(read_results([outcome.path])) == 3 * CELLS  # every row stored once
     report_line(f"sweep of {CELLS} tiny cells (linear -> linear, 20 iterations), engine overhead per cell:")
     report_line(
-        f"  growth {ratio:.3f} (the Theil-Sen line, last hundred over cells 2-100; 95 % interval {ratio_low:.3f}-"
-        f"{ratio_high:.3f}; must be <= {LIMIT}); lower quartiles {result['overhead_ms_p25_first_100']:.1f} / "
+        f"  growth {ratio:.3f} in the cells' own step times (the Theil-Sen line, last hundred over cells 2-100; 95 % "
+        f"interval {ratio_low:.3f}-{ratio_high:.3f}; must be <= {LIMIT}; in ms {raw_ratio:.3f}); lower quartiles "
+        f"{result['overhead_ms_p25_first_100']:.1f} / "
         f"{result['overhead_ms_p25_last_100']:.1f} ms (ratio {quartile_ratio:.3f}); "
         f"medians {result['overhead_ms_median_first_100']:.1f} / {result['overhead_ms_median_last_100']:.1f} ms; "
         f"means {result['overhead_ms_mean_first_100']:.1f} / {result['overhead_ms_mean_last_100']:.1f} ms"
@@ -216,8 +250,10 @@ def test_cost_per_cell_does_not_grow_with_the_run(benchmark, report_line, tmp_pa
         + ")"
     )
     report_line(
-        f"  whole cell (progress line to progress line, worker included): growth {whole_ratio:.3f} (Theil-Sen, 95 % "
-        f"interval {whole_low:.3f}-{whole_high:.3f}; {verdict}); lower quartiles "
+        f"  whole cell (progress line to progress line, worker included): growth {whole_ratio:.3f} in the cells' own "
+        f"step times (Theil-Sen, 95 % interval {whole_low:.3f}-{whole_high:.3f}; {verdict}; in ms "
+        f"{raw_whole_ratio:.3f}, with the timed step's median {result['step_ms_median_first_100']:.3f} / "
+        f"{result['step_ms_median_last_100']:.3f} ms); lower quartiles "
         f"{result['whole_ms_p25_first_100']:.1f} / {result['whole_ms_p25_last_100']:.1f} ms (ratio "
         f"{whole_quartile_ratio:.3f}); medians {result['whole_ms_median_first_100']:.1f} / "
         f"{result['whole_ms_median_last_100']:.1f} ms; means {result['whole_ms_mean_first_100']:.1f} / "
@@ -227,7 +263,7 @@ def test_cost_per_cell_does_not_grow_with_the_run(benchmark, report_line, tmp_pa
     )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2))
-    benchmark.extra_info.update({k: v for k, v in result.items() if k not in ("overhead_ms", "whole_ms")})
+    benchmark.extra_info.update({k: v for k, v in result.items() if k not in ("overhead_ms", "whole_ms", "step_ms")})
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
     assert ratio <= LIMIT
     assert result["wall_ms_median_last_100"] <= CELL_LIMIT_MS + FIT_LIMIT_MS
