@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from kdbench.fit.tracker import SEGMENT
+
 DECODE_STEPS = 4  # decode steps a fake run makes of an on-policy generation: the first, then three to compare
 
 # a census's records: (op, class, phase, dtype) -> (flops, read, written, launches, fresh)
@@ -84,11 +86,18 @@ def short_decode(tracker: Any, census: Any, steps: int | None = DECODE_STEPS) ->
         done.steps += n
         done.loops += 1
         owner = getattr(step, "__self__", None)  # the model on its cache: the extrapolated cache lives with it
+        segment = tracker.segment  # each step its own segment of the phase: one pass through the stack
         if n <= max(steps, 3) or owner is None:
             done.ran += n
-            return full(step, token, n, pick)
+            tokens = [token]
+            for i in range(n):
+                tracker.segment = f"{segment}{SEGMENT}decode {i + 1}"
+                tokens += full(step, tokens[-1], 1, pick)[1:]
+            tracker.segment = f"{segment}{SEGMENT}after decode"
+            return tokens
         tokens, peaks, ends, counts = [token], [], [], [_counts(census)]
-        for _ in range(steps):
+        for i in range(steps):
+            tracker.segment = f"{segment}{SEGMENT}decode {i + 1}"
             saved = tracker.peak
             tracker.reset_peak()  # this step's own peak, from what is live as it starts
             token = pick(step(token))
@@ -105,8 +114,12 @@ def short_decode(tracker: Any, census: Any, steps: int | None = DECODE_STEPS) ->
         if grow != [ends[-2] - ends[-3], peaks[-2] - peaks[-3]] or growth != _delta(per_step[1], per_step[0]):
             done.why_full = "its steps did not grow linearly"
             done.ran += n - steps
-            return [*tokens, *full(step, token, n - steps, pick)[1:]]
+            tracker.segment = f"{segment}{SEGMENT}decode rest"  # many passes: no depth extrapolation lines it up
+            rest_tokens = full(step, token, n - steps, pick)[1:]
+            tracker.segment = f"{segment}{SEGMENT}after decode"
+            return [*tokens, *rest_tokens]
         rest = n - steps
+        tracker.segment = f"{segment}{SEGMENT}decode rest"
         on, census.on = census.on, False  # what is laid over the meter is no operator of the step
         try:
             before = tracker.live
@@ -120,6 +133,7 @@ def short_decode(tracker: Any, census: Any, steps: int | None = DECODE_STEPS) ->
                 del temporary
         finally:
             census.on = on
+            tracker.segment = f"{segment}{SEGMENT}after decode"
         _extrapolate_census(census, per_step[2], growth, rest)
         return tokens
 

@@ -19,10 +19,13 @@ override of ``num_hidden_layers``: the same models otherwise), which give each f
 slopes, and once more at (4, 4), where every figure must equal the line's exactly, or the cell is run with every
 layer (its notes say why).
 
+An on-policy generation passes through the student's stack once for the prompt and once a decode step: the meter
+cuts its phase into segments, each one pass (:attr:`kdbench.fit.tracker.LiveBytes.segment`, set by
+:func:`kdbench.fit.decode.short_decode`), each windowed on its own, and a phase's peak is the largest of its
+segments'.  The (4, 4) run must also hold each phase's peak in one of its windows.
+
 :func:`depths` says which cells: a language-model pair on one device (DDP's gradient buckets and FSDP2's shards are
-counted from the whole model), off-policy (an on-policy generation passes through the student's stack once a
-token, and its fake run is two steps, the first making the optimizer's state: a phase is no single pass that a
-head, a neck and a tail describe), both models built from transformers configs of alike layers (the workload's
+counted from the whole model), both models built from transformers configs of alike layers (the workload's
 ``layer_stacks``: :func:`kdbench.models.lm.uniform_layers`, an architecture of alike layers whose every per-layer
 list in the config holds one value: Qwen2's and Mistral's sliding-window layers are listed there), and at least
 :data:`MIN_LAYERS` layers in all, below which the four runs cost what the full one does.  ``KDBENCH_FIT_DEPTH=0``
@@ -38,6 +41,7 @@ from dataclasses import replace
 from typing import Any
 
 from kdbench.config.schema import CellConfig
+from kdbench.fit.tracker import SEGMENT
 
 ENV = "KDBENCH_FIT_DEPTH"
 # Below this many layers in the pair every layer is run: the four runs' fixed part (about 0.2 s each on the CI
@@ -52,8 +56,8 @@ LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
 def depths(config: CellConfig) -> tuple[int, int] | None:
     """The teacher's and the student's layer counts where ``config``'s prediction can be extrapolated in depth
     (module docstring), else None."""
-    if os.environ.get(ENV, "").strip() == "0" or config.world_size != 1 or config.on_policy is not None:
-        return None  # an on-policy step's generation runs the student's stack once a token: not one pass
+    if os.environ.get(ENV, "").strip() == "0" or config.world_size != 1:
+        return None
     from kdbench.workloads.registry import workload_of
 
     layers = workload_of(config).layer_stacks(config)
@@ -143,8 +147,8 @@ def windows(runs: dict) -> dict[str, dict[str, dict[tuple[int, int], tuple[int, 
             return f"the {phase} phase's births are not linear in depth"
         if per_t and per_s:
             return f"the {phase} phase runs both stacks"
-        if not per_t and not per_s:
-            if any(s != seqs[CHECK] for s in seqs.values()):
+        if not per_t and not per_s:  # the same operators at every depth; their bytes may grow (lines, checked)
+            if any([op for op, _ in s] != [op for op, _ in seqs[CHECK]] for s in seqs.values()):
                 return f"the {phase} phase differs between depths"
             out[phase] = {"all": {at: (0, n[at]) for at in order}}
             continue
@@ -221,7 +225,18 @@ def misses(runs: dict) -> tuple[str, dict]:
     where = windows(runs)
     if isinstance(where, str):
         return where, {}
-    got, line = figures(runs[CHECK], where, CHECK), _line(runs, where, *CHECK)
+    check = runs[CHECK]
+    for phase, (top, _) in check.phase_peaks.items():  # each phase's peak in one of its windows, at least here
+        tops = [
+            check.meter.trajectory[key][i][1]
+            for key, spans in where.items()
+            if key.split(SEGMENT)[0] == phase
+            for first, end in (per_run[CHECK] for per_run in spans.values())
+            for i in range(first, end)
+        ]
+        if tops and max(tops) != top:
+            return f"the {phase} phase's peak ({top:,}) is in none of its windows ({max(tops):,})", {}
+    got, line = figures(check, where, CHECK), _line(runs, where, *CHECK)
     for key in dict.fromkeys([*got, *line]):
         if got.get(key, 0) != line.get(key, 0):
             what = " ".join(map(str, key))
@@ -245,13 +260,15 @@ def line_at(runs: dict, where: dict, teacher: int, student: int) -> Any:
         raise ValueError("a figure is negative on the line")
     model = runs[CHECK]
     phases: dict[str, tuple[int, dict[str, int]]] = {}
-    for phase, spans in where.items():
-        tops = [name for name in spans if ("window", phase, name) in values]
+    for key, spans in where.items():  # a phase, or a segment of one (LiveBytes.segment): in time order
+        tops = [name for name in spans if ("window", key, name) in values]
         if not tops:
             continue
-        name = max(tops, key=lambda w: values[("window", phase, w)])  # the first of the largest, in time order
-        kinds = {k[3]: v for k, v in values.items() if k[0] == "kind" and k[1:3] == (phase, name)}
-        phases[phase] = (values[("window", phase, name)], kinds)
+        name = max(tops, key=lambda w: values[("window", key, w)])  # the first of the largest, in time order
+        kinds = {k[3]: v for k, v in values.items() if k[0] == "kind" and k[1:3] == (key, name)}
+        phase = key.split(SEGMENT)[0]
+        if phase not in phases or values[("window", key, name)] > phases[phase][0]:
+            phases[phase] = (values[("window", key, name)], kinds)
     peak_phase = max(phases, key=lambda ph: phases[ph][0])
     calls: dict[tuple, list[tuple[str, int]]] = {}
     for k, n in values.items():

@@ -6,9 +6,10 @@ tensor has its shape, dtype and bytes and none is allocated, and every operator 
 :class:`~kdbench.fit.tracker.LiveBytes` counts the live bytes operator by operator through the pair's build,
 the teacher cache's build, and :data:`STEPS` steps (the first makes the optimizer's state; the peak of a timed
 loop is that of a step with it), and says in which phase the peak falls and what it holds.  Where the first step
-leaves nothing for the second but its gradients and the optimizer's state (one device, no generation, alignment or
-reader), those are made without running it (:func:`prime_first_step`: zero gradients and one update from them) and
-one step runs: half the operators, the same peak, breakdown and census (tested against the two-step run).
+leaves nothing for the second but its gradients, the optimizer's state and what an on-policy generation keeps (one
+device, no alignment or reader), those are made without running it (:func:`prime_first_step`: zero gradients and
+one update from them, the generation run once) and one step runs: half the operators, the same peak, breakdown
+and census (tested against the two-step run).
 
 The fake run happens on the CPU device whatever device is asked about: the bytes of a tensor do not depend on
 it.  The operator choices that do are a GPU's for a GPU target (autocast's op lists, fused attention and
@@ -99,6 +100,7 @@ class _PhaseClock:
     def stamp(self) -> int:
         # a step stamps len(order) + 1 times: its start, then the end of each phase
         self.tracker.phase = self.order[self.i] if self.i < len(self.order) else "after the step"
+        self.tracker.segment = ""
         self.i = self.i + 1 if self.i < len(self.order) else 0
         return 0
 
@@ -322,13 +324,12 @@ def predict(
 
 def primable(config: CellConfig, step: DistillStep) -> bool:
     """Whether the first of :data:`STEPS` fake steps can be left out for :func:`prime_first_step`'s leftovers: one
-    device's step that keeps nothing of a step for the next but its gradients and the optimizer's state (not an
-    on-policy generation's, a cross-tokenizer alignment's or an offline reader's batches; not DDP's buckets or FSDP2's
-    shards), updated without a loss scaler."""
+    device's step that keeps nothing of a step for the next but its gradients, the optimizer's state and (on-policy)
+    what its generation keeps (not a cross-tokenizer alignment's or an offline reader's batches; not DDP's buckets or
+    FSDP2's shards), updated without a loss scaler."""
     d = step.distiller
     return (
         config.world_size == 1
-        and d.on_policy is None
         and d.paired is None
         and step.offline is None
         and d.scaler is None
@@ -342,8 +343,10 @@ def prime_first_step(tracker: LiveBytes, step: DistillStep) -> set[int] | None:
     until the second's replaces it), what the loss keeps of its fixed batch (the LM loss's valid rows) and the
     optimizer's state, made by one update from them (an update of zero gradients: the state's tensors, their shapes
     and dtypes, as the first real update makes them). The peak stays what it was (the update's own temporaries are
-    no step's). Returns the ids of the parameters primed: if the step then leaves one without a gradient (an unused
-    head), its state would be counted that no real step makes, and the caller predicts again without priming."""
+    no step's). An on-policy step's generation is run once (what it keeps for the next step: its labels buffer, a
+    static KV cache, the generated batch the step remembers as its input). Returns the ids of the parameters primed:
+    if the step then leaves one without a gradient (an unused head), its state would be counted that no real step
+    makes, and the caller predicts again without priming."""
     optimizer = step.distiller.optimizer
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     if not params or any(p.grad is not None for p in params):
@@ -352,6 +355,10 @@ def prime_first_step(tracker: LiveBytes, step: DistillStep) -> set[int] | None:
     tracker.peak = dataclasses.replace(saved, live=list(saved.live))
     saved_phases = None if tracker.phase_peaks is None else dict(tracker.phase_peaks)
     saved_path = None if tracker.trajectory is None else {k: list(v) for k, v in tracker.trajectory.items()}
+    distiller, labels = step.distiller, step.y
+    if distiller.on_policy is not None:  # the first step's generation: what it keeps, made as it makes it
+        x, labels = distiller.on_policy(step.x, step.y)
+        distiller.last_input, distiller.last_student_input, distiller.last_extra = x, x, {}
     with torch.no_grad():
         for p in params:
             p.grad = torch.zeros_like(p)
@@ -360,9 +367,9 @@ def prime_first_step(tracker: LiveBytes, step: DistillStep) -> set[int] | None:
     tracker.mark(_state(optimizer), OPTIMIZER)
     if step.last_loss is None:  # the first step's loss, kept until the second's replaces it (a float32 scalar)
         step.last_loss = torch.zeros((), dtype=torch.float32)
-    valid_rows = getattr(step.distiller.loss_fn, "valid_rows", None)
-    if valid_rows is not None:  # the LM loss finds its fixed batch's valid tokens once, in the first step
-        valid_rows(step.y)
+    valid_rows = getattr(distiller.loss_fn, "valid_rows", None)
+    if valid_rows is not None:  # the LM loss finds its fixed batch's (or labels buffer's) valid tokens once
+        valid_rows(labels)
     tracker.peak = saved  # a new peak is taken from here on, what priming left included
     tracker.phase_peaks, tracker.trajectory = saved_phases, saved_path
     return {id(p) for p in params}

@@ -40,6 +40,7 @@ PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES, INPUTS = (
     "inputs",
 )
 KINDS = (PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES, INPUTS)
+SEGMENT = "/"  # between a phase and its segment in a trajectory's key (LiveBytes.segment)
 # Phases whose new tensors are activations while they live (the rest, backward and the optimizer step, make
 # temporaries, but for the gradients and the optimizer state they are told of).
 FORWARD_PHASES = frozenset({"setup", "cache build", "generate", "align", "teacher_forward", "student_forward", "loss"})
@@ -93,6 +94,10 @@ class LiveBytes(TorchDispatchMode):
         # Where phase peaks are kept, each phase's births in order (phase -> [(what made it, bytes), live after it,
         # moment]): the trajectory kdbench.fit.depth lines up between fake runs of different depths.
         self.trajectory: dict[str, list[tuple[tuple[str, int], int, int]]] | None = {} if phases else None
+        # A phase that passes through a stack more than once (an on-policy generation: its prefill, then each decode
+        # step) is cut into segments, each one pass: the trajectory's key is the phase and the segment
+        # (``generate/decode 2``; SEGMENT between them), reset to the phase alone as the phase changes.
+        self.segment = ""
         self._op = "track"  # what is making storages now: the operator being dispatched, or a track()
 
     # ------------------------------------------------------------------ counting
@@ -133,7 +138,8 @@ class LiveBytes(TorchDispatchMode):
             if self.phase_peaks is not None:  # kept only here: a record outliving its storage is an object a sweep's
                 self._history.append(record)  # garbage collector walks (bench_sweep_overhead's growth)
             if self.trajectory is not None:
-                self.trajectory.setdefault(self.phase, []).append(((self._op, record.nbytes), self.live, self._moment))
+                key = self.phase + self.segment
+                self.trajectory.setdefault(key, []).append(((self._op, record.nbytes), self.live, self._moment))
         if kind is not None:
             self._marked[record.serial] = kind
         if self.live > self.peak.bytes:

@@ -56,8 +56,10 @@ def assert_same(extrapolated, full) -> None:
         {"loss_impl": "chunked", "chunk_size": 32},
         {"teacher": {"mode": "topk_cache", "k": 16}},
         {"method": "jsd"},
+        # the generation's prefill and each decode step a segment of its phase, one pass through the stack each
+        {"method": "jsd", "on_policy": {"new_tokens": 16}},
     ],
-    ids=["dense", "chunked", "topk-cache", "jsd"],
+    ids=["dense", "chunked", "topk-cache", "jsd", "on-policy"],
 )
 def test_a_deep_pair_extrapolated_in_depth_equals_the_run_of_every_layer(over):
     config = lm(**over)
@@ -112,7 +114,7 @@ def test_which_cells_are_extrapolated(monkeypatch):
     assert depths(lm()) == (18, 12)
     assert depths(lm(10, 10)) is None and MIN_LAYERS > 10 + 10  # four small runs would cost what one does
     assert depths(lm(world_size=2, parallel="ddp")) is None  # DDP's buckets are counted from the whole model
-    assert depths(lm(on_policy={"new_tokens": 8})) is None  # a pass through the stack a token, two fake steps
+    assert depths(lm(on_policy={"new_tokens": 8})) == (18, 12)  # each decode step a segment: one pass
     vision = CellConfig.model_validate({"pair": {"teacher": "resnet56", "student": "resnet20"}, "method": "kd"})
     assert depths(vision) is None
     monkeypatch.setenv("KDBENCH_FIT_DEPTH", "0")
