@@ -42,6 +42,7 @@ from typing import Any
 
 from kdbench.config.schema import CellConfig
 from kdbench.fit.tracker import SEGMENT
+from kdbench.models.config_checks import OTHER_NAMES
 
 ENV = "KDBENCH_FIT_DEPTH"
 # Below this many layers in the pair every layer is run: the four runs' fixed part (about 0.2 s each on the CI
@@ -50,7 +51,8 @@ MIN_LAYERS = 30
 BASE = ((2, 2), (3, 2), (2, 3))  # (teacher layers, student layers) of the runs the line is drawn through
 CHECK = (4, 4)  # the run the line must meet exactly
 _KEYS = ("flops", "read", "written", "launches", "fresh")
-LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+# a config's depth under any of its names (the config checks' aliases: GPT-2's n_layer, ...), replaced by a cut
+LAYER_FIELDS = ("num_hidden_layers", *(k for k, v in OTHER_NAMES.items() if v == "num_hidden_layers"))
 
 
 def depths(config: CellConfig) -> tuple[int, int] | None:
