@@ -50,6 +50,7 @@ from kdbench.fit.tracker import GRADIENTS, INPUTS, OPTIMIZER, PARAMETERS, LiveBy
 from kdbench.hw.backends import Backend
 from kdbench.models.cache import ModelCache
 from kdbench.models.lm import as_measured_batches
+from kdbench.models.seeded import skipped_inits, undrawn
 from kdbench.workloads.registry import workload_of
 
 STEPS = 2  # fake steps run: the second is a step with the optimizer's state, as every timed one is
@@ -229,8 +230,12 @@ def predict(
             target,
             short_decode(tracker, census, decode_steps) as decoded,
         ):
-            # no model kept: a kept one is deep-copied per use, which reads a fake tensor's data pointer
-            teacher, student = workload.step_pair(config, CPU, ModelCache(allow_imports, capacity=0), dp)
+            # no model kept: a kept one is deep-copied per use, which reads a fake tensor's data pointer; the weights'
+            # values are never read: torch's initialisers and the random fills they end in are left undone
+            tracker.answer = undrawn
+            with skipped_inits():
+                teacher, student = workload.step_pair(config, CPU, ModelCache(allow_imports, capacity=0), dp)
+            tracker.answer = branches.answer
             tracker.track(_tensors(teacher, student), PARAMETERS)
             with unset_fake_temporarily():  # the batch's values decide shapes: made for real, handed along
                 x, y = workload.batch(config, config.batch_size, CPU.device, config.seed, (teacher, student))

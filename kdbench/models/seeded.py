@@ -87,3 +87,38 @@ def needs_host_draws(device: str | torch.device | None, dtype: torch.dtype | Non
     if where.type == "meta":
         return False
     return where.type != "cpu" or (dtype is not None and _narrow(dtype))
+
+
+# torch's initialisers (nn.init's functions: what torch's layers and kdbench's models call to fill their weights)
+INITS = (
+    "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
+    "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_",
+)  # fmt: skip
+
+
+def _untouched(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
+
+
+@contextlib.contextmanager
+def skipped_inits() -> Iterator[None]:
+    """Inside: torch's initialisers (:data:`INITS` of ``torch.nn.init``) return their tensor untouched, for a build
+    whose weights' values nobody reads (the fit planner's fake run: a fake tensor has none).  transformers keeps its
+    own references to torch's functions: its fills end in :data:`DRAWS` at the dispatcher, which :func:`undrawn`
+    answers."""
+    saved = {name: getattr(torch.nn.init, name) for name in INITS if hasattr(torch.nn.init, name)}
+    for name in saved:
+        setattr(torch.nn.init, name, _untouched)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(torch.nn.init, name, function)
+
+
+def undrawn(func, args: tuple) -> torch.Tensor | None:
+    """A random fill (:data:`DRAWS`) answered with its tensor untouched, else None (it runs): the answer a dispatch
+    hook gives (:attr:`kdbench.fit.tracker.LiveBytes.answer`) while a build's values are read by nobody."""
+    if func.overloadpacket in DRAWS and args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    return None

@@ -4,6 +4,7 @@ collector's tensors plus torch.profiler's allocation events), with the peak's ph
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 from kdbench.config.schema import CellConfig
 from kdbench.core.names import GENERATE, PHASES
 from kdbench.distill.step import DistillStep
+from kdbench.fit import planner
 from kdbench.fit.planner import CPU, Prediction, ddp_bucket_bytes, predict, predict_apart
 from kdbench.fit.tracker import ACTIVATIONS, GRADIENTS, KINDS, OPTIMIZER, PARAMETERS, LiveBytes
 from kdbench.measure.memory import live_tensor_peak
@@ -387,3 +389,37 @@ def test_a_primed_fake_run_is_the_two_step_run_at_half_the_operators(name):
     assert primed.notes == reference.notes
     # the same records (their order is first appearance's, which a first step's one-time calls move)
     assert Counter(primed.census.records) == Counter(reference.census.records)
+
+
+UNREAD_CELLS = {
+    "vision kd (kdbench's CIFAR models' own inits)": _vision("kd"),
+    "lm, bf16-held teacher (its fills drawn on the host)": lm(teacher={"weights": "bf16"}),
+    "encoder minilm (transformers' inits)": PRIMED_CELLS["encoder minilm"],
+}
+
+
+@pytest.mark.parametrize("name", list(UNREAD_CELLS))
+def test_a_build_without_its_initialisers_predicts_what_the_initialised_one_does(name, monkeypatch):
+    # the weights' values are none a fake run reads: torch's initialisers and the random fills left undone change
+    # no figure (peak, phase, breakdown, each phase's peak, census)
+    config = UNREAD_CELLS[name]
+    fast = predict(config, "cuda", phase_peaks=True)
+    monkeypatch.setattr(planner, "skipped_inits", contextlib.nullcontext)
+    monkeypatch.setattr(planner, "undrawn", lambda func, args: None)
+    full = predict(config, "cuda", phase_peaks=True)
+    assert fast.ok and full.ok, (fast.error, full.error)
+    assert (fast.peak_bytes, fast.phase, fast.breakdown) == (full.peak_bytes, full.phase, full.breakdown)
+    assert fast.phase_peaks == full.phase_peaks
+    assert Counter(fast.census.records) == Counter(full.census.records)
+
+
+def test_skipped_initialisers_leave_a_tensor_untouched_inside_only():
+    from kdbench.models.seeded import skipped_inits, undrawn
+
+    t = torch.zeros(8)
+    with skipped_inits():
+        assert torch.nn.init.normal_(t) is t and torch.nn.init.kaiming_uniform_(t.view(2, 4)).abs().sum() == 0
+    torch.nn.init.normal_(t)
+    assert t.abs().sum() > 0  # the real initialiser again
+    assert undrawn(torch.ops.aten.normal_.default, (t,)) is t
+    assert undrawn(torch.ops.aten.add.Tensor, (t, t)) is None
