@@ -87,17 +87,21 @@ def short_decode(tracker: Any, census: Any, steps: int | None = DECODE_STEPS) ->
         done.loops += 1
         owner = getattr(step, "__self__", None)  # the model on its cache: the extrapolated cache lives with it
         segment = tracker.segment  # each step its own segment of the phase: one pass through the stack
+
+        def part(name: str) -> None:
+            tracker.segment = f"{segment}{SEGMENT}{name}"
+
         if n <= max(steps, 3) or owner is None:
             done.ran += n
             tokens = [token]
             for i in range(n):
-                tracker.segment = f"{segment}{SEGMENT}decode {i + 1}"
+                part(f"decode {i + 1}")
                 tokens += full(step, tokens[-1], 1, pick)[1:]
-            tracker.segment = f"{segment}{SEGMENT}after decode"
+            part("after decode")
             return tokens
         tokens, peaks, ends, counts = [token], [], [], [_counts(census)]
         for i in range(steps):
-            tracker.segment = f"{segment}{SEGMENT}decode {i + 1}"
+            part(f"decode {i + 1}")
             saved = tracker.peak
             tracker.reset_peak()  # this step's own peak, from what is live as it starts
             token = pick(step(token))
@@ -114,12 +118,12 @@ def short_decode(tracker: Any, census: Any, steps: int | None = DECODE_STEPS) ->
         if grow != [ends[-2] - ends[-3], peaks[-2] - peaks[-3]] or growth != _delta(per_step[1], per_step[0]):
             done.why_full = "its steps did not grow linearly"
             done.ran += n - steps
-            tracker.segment = f"{segment}{SEGMENT}decode rest"  # many passes: no depth extrapolation lines it up
+            part("decode rest")  # many passes: no depth extrapolation lines it up
             rest_tokens = full(step, token, n - steps, pick)[1:]
-            tracker.segment = f"{segment}{SEGMENT}after decode"
+            part("after decode")
             return [*tokens, *rest_tokens]
         rest = n - steps
-        tracker.segment = f"{segment}{SEGMENT}decode rest"
+        part("decode rest")
         on, census.on = census.on, False  # what is laid over the meter is no operator of the step
         try:
             before = tracker.live
@@ -133,7 +137,7 @@ def short_decode(tracker: Any, census: Any, steps: int | None = DECODE_STEPS) ->
                 del temporary
         finally:
             census.on = on
-            tracker.segment = f"{segment}{SEGMENT}after decode"
+            part("after decode")
         _extrapolate_census(census, per_step[2], growth, rest)
         return tokens
 

@@ -41,7 +41,7 @@ from dataclasses import replace
 from typing import Any
 
 from kdbench.config.schema import CellConfig
-from kdbench.fit.tracker import SEGMENT
+from kdbench.fit.tracker import phase_of
 from kdbench.models.config_checks import OTHER_NAMES
 
 ENV = "KDBENCH_FIT_DEPTH"
@@ -232,7 +232,7 @@ def misses(runs: dict) -> tuple[str, dict]:
         tops = [
             check.meter.trajectory[key][i][1]
             for key, spans in where.items()
-            if key.split(SEGMENT)[0] == phase
+            if phase_of(key) == phase
             for first, end in (per_run[CHECK] for per_run in spans.values())
             for i in range(first, end)
         ]
@@ -268,7 +268,7 @@ def line_at(runs: dict, where: dict, teacher: int, student: int) -> Any:
             continue
         name = max(tops, key=lambda w: values[("window", key, w)])  # the first of the largest, in time order
         kinds = {k[3]: v for k, v in values.items() if k[0] == "kind" and k[1:3] == (key, name)}
-        phase = key.split(SEGMENT)[0]
+        phase = phase_of(key)
         if phase not in phases or values[("window", key, name)] > phases[phase][0]:
             phases[phase] = (values[("window", key, name)], kinds)
     peak_phase = max(phases, key=lambda ph: phases[ph][0])

@@ -41,6 +41,13 @@ PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES, INPUTS = (
 )
 KINDS = (PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES, INPUTS)
 SEGMENT = "/"  # between a phase and its segment in a trajectory's key (LiveBytes.segment)
+
+
+def phase_of(key: str) -> str:
+    """The phase of a trajectory's key (a phase, or a segment of one: ``generate/decode 2``)."""
+    return key.split(SEGMENT)[0]
+
+
 # Phases whose new tensors are activations while they live (the rest, backward and the optimizer step, make
 # temporaries, but for the gradients and the optimizer state they are told of).
 FORWARD_PHASES = frozenset({"setup", "cache build", "generate", "align", "teacher_forward", "student_forward", "loss"})
