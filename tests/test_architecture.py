@@ -187,3 +187,19 @@ def test_no_module_is_over_500_lines_but_the_data_tables():
     }
     assert {p: n for p, n in sizes.items() if n > MAX_LINES and p not in DATA_TABLES} == {}
     assert all(sizes[p] > MAX_LINES for p in DATA_TABLES)  # a table that shrank below leaves the list
+
+
+def test_a_run_worker_and_a_fit_helper_start_without_pandas():
+    """pandas costs a process about 0.3 s to import (more on a busy machine), and every run's worker and every fit
+    helper is a fresh process that reads no table: the modules they start from import none (pyarrow.dataset, which
+    imports it, is imported where results are read; the budgets' check imports it where it checks rows)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kdbench.run.workers, kdbench.run.cell, kdbench.fit.planner, kdbench.fit.ahead\n"
+        "print(sorted(m for m in ('pandas', 'matplotlib', 'scipy') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import pandas as pd
 from pydantic import Field, field_validator, model_validator
 
 from kdbench.config.base import Strict
@@ -35,6 +34,9 @@ from kdbench.core.errors import did_you_mean
 from kdbench.core.names import FAILURES, TIMED, VARIANT_COLUMNS, Status
 from kdbench.core.schema import COLUMNS, CONFIG, DERIVED, RESULT, STATISTICS
 from kdbench.core.stats.repeats import centre
+
+if TYPE_CHECKING:  # pandas is imported where rows are checked: a suite's parse (every command, every helper) needs none
+    import pandas as pd
 
 _NUMERIC = ("int", "double", "float", "int32", "int64")
 STATS = tuple(c.name for c in COLUMNS if c.group in (STATISTICS, RESULT, DERIVED) and str(c.type) in _NUMERIC)
@@ -140,6 +142,8 @@ def select(df: pd.DataFrame, budget: Budget) -> pd.DataFrame:
 def check(df: pd.DataFrame, budgets: list[Budget], judge_contended: bool = False) -> list[BudgetCheck]:
     """Every (budget, measurement) check on ``df``'s rows, in budget order; rows measured on a busy machine
     (``contended``) are left out as thin ones are, unless ``judge_contended``."""
+    import pandas as pd
+
     checks = []
     thin_column = df["thin"] if "thin" in df else pd.Series(False, index=df.index)
     busy = df["contended"].eq(True) if "contended" in df and not judge_contended else pd.Series(False, index=df.index)
@@ -173,6 +177,8 @@ def check(df: pd.DataFrame, budgets: list[Budget], judge_contended: bool = False
 
 def _variant(measurement: str, variant: dict) -> str:
     """The measurement, with its speculative variant where it has one (``speculative_decode γ4 T0``)."""
+    import pandas as pd
+
     gamma, temperature = variant.get("draft_tokens"), variant.get("spec_temperature")
     if gamma is None or pd.isna(gamma):
         return measurement

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 
 from kdbench.core.errors import KdbenchError
 from kdbench.core.schema import SCHEMA, SCHEMA_VERSION, rows_to_table
@@ -345,6 +344,8 @@ def _stamp(path: Path) -> tuple[int, int]:
 
 
 def _table(files: list[Path]) -> pa.Table:
+    import pyarrow.dataset as ds  # here, not at the top: it imports pandas, which a run's writer and the fit need not
+
     stamps = {}
     for f in files:  # before reading: a file replaced while it is read is not taken for the one read
         try:
