@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -201,9 +202,12 @@ def test_an_fsdp2_2_rank_cell_under_torchrun_reaches_its_predicted_peak_on_each_
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
     proc = subprocess.run([*cmd, config.model_dump_json()], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    peaks = [int(line.split()[2]) for line in proc.stdout.splitlines() if line.startswith("peak")]
+    # found anywhere in the output, not at a line's start: the two ranks share torchrun's stdout, and a busy machine
+    # once left one rank's line after another's text (seen with three pytest workers on two cores)
+    peaks = dict(re.findall(r"peak (\d) (\d+)", proc.stdout))
+    assert sorted(peaks) == ["0", "1"], proc.stdout[-2000:]
     predicted = predict(config, "cpu").peak_bytes
-    assert len(peaks) == 2 and all(abs(p / predicted - 1) < 0.01 for p in peaks), (peaks, predicted)
+    assert all(abs(int(p) / predicted - 1) < 0.01 for p in peaks.values()), (peaks, predicted)
 
 
 def test_an_operator_without_a_fake_implementation_makes_the_cell_unpredictable_naming_it(monkeypatch):
